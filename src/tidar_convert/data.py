@@ -1,0 +1,192 @@
+"""Training data: documents from `datasets`, tokenized and packed into seq_len chunks with doc ids.
+
+Sources (`TiDARData(source=...)`):
+  - "stdlib" (default): the Python standard library's own .py files. Real code, on every machine,
+    no network.
+  - a local file or folder of .txt / .md / .py (one document per file), .jsonl / .json or .parquet
+    (one document per row, text in `text_field`);
+  - a hub dataset name, e.g. "HuggingFaceFW/fineweb-edu" (with `name`/`split`), streamed.
+  Several sources mix by listing them: `source: [stdlib, data/prose.jsonl]` (documents interleave).
+
+Documents are streamed and tokenized on the fly, so a 20-step run reads 20 steps of data. One
+document in every `val_every` goes to validation, never to training.
+"""
+
+from __future__ import annotations
+
+import random
+import sysconfig
+from collections.abc import Iterator
+from pathlib import Path
+
+import lightning as L
+import torch
+from torch.utils.data import DataLoader, IterableDataset
+
+TEXT_SUFFIXES = {".txt": "text", ".md": "text", ".py": "text", ".rst": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet"}
+
+
+def stdlib_files() -> list[str]:
+    root = Path(sysconfig.get_paths()["stdlib"])
+    skip = ("site-packages", "test", "tests", "idle_test", "lib2to3")
+    return sorted(str(p) for p in root.rglob("*.py") if not any(part in skip for part in p.relative_to(root).parts))
+
+
+def _files_by_builder(path: Path) -> dict[str, list[str]]:
+    files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
+    groups: dict[str, list[str]] = {}
+    for f in files:
+        if f.suffix in TEXT_SUFFIXES:
+            groups.setdefault(TEXT_SUFFIXES[f.suffix], []).append(str(f))
+    if not groups:
+        raise ValueError(f"data source {str(path)!r} holds no file ending in {', '.join(sorted(TEXT_SUFFIXES))}.")
+    return groups
+
+
+def iter_documents(source: str, text_field: str = "text", name: str | None = None, split: str = "train", seed: int = 0) -> Iterator[str]:
+    """Yield the text of each document of one source, in a fixed (seeded) order."""
+    from datasets import load_dataset
+
+    if source == "stdlib":
+        files = stdlib_files()
+        random.Random(seed).shuffle(files)  # mix modules instead of reading the stdlib alphabetically
+        streams = [load_dataset("text", data_files=files, sample_by="document", split="train", streaming=True)]
+    elif Path(source).expanduser().exists():
+        streams = []
+        for builder, files in _files_by_builder(Path(source).expanduser()).items():
+            kwargs = {"sample_by": "document"} if builder == "text" else {}
+            streams.append(load_dataset(builder, data_files=files, split="train", streaming=True, **kwargs))
+    else:
+        streams = [load_dataset(source, name, split=split, streaming=True)]
+    for stream in streams:
+        for row in stream:
+            field = "text" if "text" in row and text_field not in row else text_field
+            if field not in row:
+                raise KeyError(f"data source {source!r} has no field {text_field!r} (fields: {', '.join(row)}); set text_field.")
+            if row[field]:
+                yield row[field]
+
+
+def pack(token_docs: Iterator[list[int]], seq_len: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """Concatenate tokenized documents and cut seq_len chunks: (input_ids, doc_ids).
+
+    doc_ids number the documents inside a chunk from 0; a document cut at a chunk end continues
+    as document 0 of the next chunk.
+    """
+    ids: list[int] = []
+    docs: list[int] = []
+    doc = 0
+    for tokens in token_docs:
+        ids.extend(tokens)
+        docs.extend([doc] * len(tokens))
+        doc += 1
+        while len(ids) >= seq_len:
+            chunk_docs = torch.tensor(docs[:seq_len])
+            yield torch.tensor(ids[:seq_len]), chunk_docs - chunk_docs[0]
+            ids, docs = ids[seq_len:], docs[seq_len:]
+
+
+class PackedDocuments(IterableDataset):
+    """Packed chunks from one or more sources; `part` selects training or validation documents."""
+
+    def __init__(self, tokenizer, sources: list[str], seq_len: int, part: str, val_every: int, text_field: str, name, split, seed: int, rank: int = 0, world_size: int = 1):
+        self.tokenizer, self.sources, self.seq_len, self.part = tokenizer, sources, seq_len, part
+        self.val_every, self.text_field, self.name, self.split, self.seed = val_every, text_field, name, split, seed
+        self.rank, self.world_size = rank, world_size
+
+    def documents(self) -> Iterator[str]:
+        streams = [iter_documents(s, self.text_field, self.name, self.split, self.seed) for s in self.sources]
+        i = 0
+        while streams:  # round-robin so a mix of sources is mixed from the first step
+            for stream in list(streams):
+                doc = next(stream, None)
+                if doc is None:
+                    streams.remove(stream)
+                    continue
+                is_val = i % self.val_every == 0
+                if is_val == (self.part == "val") and (i // self.val_every) % self.world_size == self.rank:
+                    yield doc
+                i += 1
+
+    def tokenized(self) -> Iterator[list[int]]:
+        eos = self.tokenizer.eos_token_id
+        for doc in self.documents():
+            ids = self.tokenizer(doc, add_special_tokens=False)["input_ids"]
+            yield ids + ([eos] if eos is not None else [])
+
+    def __iter__(self):
+        n = 0
+        for input_ids, doc_ids in pack(self.tokenized(), self.seq_len):
+            n += 1
+            yield {"input_ids": input_ids, "doc_ids": doc_ids}
+        if n == 0:
+            raise ValueError(
+                f"the {self.part} data ({', '.join(self.sources)}) holds fewer than seq_len={self.seq_len} tokens; "
+                "add documents or lower seq_len."
+            )
+
+
+class TiDARData(L.LightningDataModule):
+    def __init__(
+        self,
+        source: str | list[str] = "stdlib",
+        seq_len: int = 256,
+        batch_size: int = 1,
+        val_every: int = 50,
+        val_batches: int = 8,
+        text_field: str = "text",
+        name: str | None = None,
+        split: str = "train",
+        seed: int = 0,
+        num_workers: int = 0,
+    ):
+        """
+        Args:
+            source: "stdlib", a local file/folder, a hub dataset name, or a list of these to mix.
+            seq_len: tokens per packed chunk (the model sees 2 * seq_len with the masked half).
+            batch_size: chunks per step and device.
+            val_every: one document in this many is held out for validation.
+            val_batches: validation batches per validation run (a fixed, repeatable set).
+            text_field: column holding the text in json/parquet/hub sources.
+            name: hub dataset configuration name.
+            split: hub dataset split.
+            seed: order of the stdlib files.
+            num_workers: DataLoader workers (0 = tokenize in the training process).
+        """
+        super().__init__()
+        if seq_len < 2:
+            raise ValueError(f"seq_len={seq_len}: need at least 2 tokens per chunk.")
+        if val_every < 2:
+            raise ValueError(f"val_every={val_every}: must be >= 2, or every document would go to validation.")
+        self.sources = [source] if isinstance(source, str) else list(source)
+        if not self.sources:
+            raise ValueError("source=[]: name at least one data source, e.g. 'stdlib'.")
+        self.seq_len, self.batch_size, self.val_every, self.val_batches = seq_len, batch_size, val_every, val_batches
+        self.text_field, self.name, self.split, self.seed, self.num_workers = text_field, name, split, seed, num_workers
+        self.tokenizer = None  # set by the module (it owns the tokenizer with the mask token)
+
+    def _dataset(self, part: str) -> PackedDocuments:
+        if self.tokenizer is None:
+            raise RuntimeError("TiDARData.tokenizer is not set; the TiDARModule sets it in setup().")
+        rank, world = (self.trainer.global_rank, self.trainer.world_size) if self.trainer else (0, 1)
+        return PackedDocuments(self.tokenizer, self.sources, self.seq_len, part, self.val_every, self.text_field, self.name, self.split, self.seed, rank, world)
+
+    def train_dataloader(self):
+        return DataLoader(self._dataset("train"), batch_size=self.batch_size, num_workers=self.num_workers)
+
+    def val_dataloader(self):
+        ds = self._dataset("val")
+        return DataLoader(_Take(ds, self.val_batches * self.batch_size), batch_size=self.batch_size)
+
+
+class _Take(IterableDataset):
+    """The first n items: a fixed validation set, the same at every validation run."""
+
+    def __init__(self, ds, n):
+        self.ds, self.n = ds, n
+
+    def __iter__(self):
+        for i, item in enumerate(self.ds):
+            if i >= self.n:
+                return
+            yield item

@@ -1,0 +1,164 @@
+"""The TiDAR layout: who attends to whom, at which positions, predicting what.
+
+This is the only file that defines the layout. Training and decoding both build their attention
+from a `mask_mod(b, h, q, kv) -> bool` here; `to_dense` evaluates it for SDPA (CPU, and any
+backend without FlexAttention backward), `to_block_mask` turns it into a FlexAttention BlockMask.
+
+Shipped verbatim inside every export (see export.py), so it imports nothing but torch.
+
+Every mask_mod is written with elementwise tensor ops and indexing only, so it works both under
+FlexAttention's vmap and when called once with broadcast index grids (`to_dense`).
+"""
+
+from __future__ import annotations
+
+import torch
+
+IGNORE_INDEX = -100
+
+
+# --------------------------------------------------------------------------------------------
+# Training: [x_0 .. x_{S-1} | M .. M], see TIDAR.md section 1.
+# --------------------------------------------------------------------------------------------
+
+
+def train_mask_mod(seq_len: int, block_size: int, doc_ids: torch.Tensor | None = None):
+    """Clean half causal; masked block b sees the clean prefix before it and itself.
+
+    doc_ids: (B, seq_len) document index per clean token; a query never sees another document.
+    The masked slot S + i belongs to the document of clean token i.
+    """
+    S, k = seq_len, block_size
+
+    def mask_mod(b, h, q, kv):
+        q_clean, kv_clean = q < S, kv < S
+        causal = q_clean & kv_clean & (kv <= q)
+        q_block, kv_block = (q - S) // k, (kv - S) // k
+        sees_prefix = kv_clean & (kv < q_block * k)
+        same_block = ~kv_clean & (kv_block == q_block)
+        allowed = causal | (~q_clean & (sees_prefix | same_block))
+        if doc_ids is not None:
+            allowed = allowed & (doc_ids[b, q % S] == doc_ids[b, kv % S])
+        return allowed
+
+    return mask_mod
+
+
+def train_inputs(input_ids: torch.Tensor, mask_token_id: int) -> torch.Tensor:
+    """(B, S) clean tokens -> (B, 2S) clean tokens followed by S mask tokens (full-mask strategy)."""
+    return torch.cat([input_ids, torch.full_like(input_ids, mask_token_id)], dim=1)
+
+
+def train_position_ids(input_ids: torch.Tensor, doc_ids: torch.Tensor | None = None) -> torch.Tensor:
+    """Positions of the doubled sequence: the masked half repeats the clean positions.
+
+    With packed documents each document starts again at 0, as it would on its own.
+    """
+    B, S = input_ids.shape
+    pos = torch.arange(S, device=input_ids.device).expand(B, S)
+    if doc_ids is not None:
+        starts = torch.ones_like(doc_ids, dtype=torch.bool)
+        starts[:, 1:] = doc_ids[:, 1:] != doc_ids[:, :-1]
+        # Index of the most recent document start at or before each token.
+        last_start = torch.where(starts, pos, torch.zeros_like(pos)).cummax(dim=1).values
+        pos = pos - last_start
+    return torch.cat([pos, pos], dim=1)
+
+
+def train_labels(input_ids: torch.Tensor, doc_ids: torch.Tensor | None = None):
+    """(ar_labels, diff_labels), each (B, S).
+
+    AR: clean token i predicts x_{i+1} (ignored at the chunk end and across a document boundary).
+    Diffusion: masked slot S + i predicts x_i (not shifted).
+    """
+    ar = torch.full_like(input_ids, IGNORE_INDEX)
+    ar[:, :-1] = input_ids[:, 1:]
+    if doc_ids is not None:
+        crosses = torch.zeros_like(input_ids, dtype=torch.bool)
+        crosses[:, :-1] = doc_ids[:, 1:] != doc_ids[:, :-1]
+        ar = ar.masked_fill(crosses, IGNORE_INDEX)
+    return ar, input_ids.clone()
+
+
+def check_train_shape(seq_len: int, block_size: int) -> None:
+    if block_size < 2:
+        raise ValueError(f"block_size={block_size}: TiDAR needs at least 2 tokens per block; use 2 or more (the paper uses 4, 8 or 16).")
+    if block_size > seq_len:
+        raise ValueError(f"block_size={block_size} is larger than seq_len={seq_len}; lower block_size or raise seq_len.")
+    if seq_len % block_size:
+        raise ValueError(
+            f"seq_len={seq_len} is not a multiple of block_size={block_size}; use seq_len={seq_len - seq_len % block_size} or {seq_len + block_size - seq_len % block_size}."
+        )
+
+
+# --------------------------------------------------------------------------------------------
+# Decoding: causal tokens, then groups of k mask tokens, after a KV cache. TIDAR.md section 2.
+# --------------------------------------------------------------------------------------------
+
+
+def decode_mask_mod(cache_len: int, n_causal: int, block_size: int, first_group_sees: int, kv_valid: torch.Tensor | None = None):
+    """Queries: `n_causal` causal tokens, then groups of `block_size` mask tokens.
+
+    Every query sees the whole cache (minus padding). Group g sees the first
+    `first_group_sees + g` causal tokens and its own group bidirectionally, no other group.
+    Prefill: causal = prompt, one group that sees all of it (first_group_sees = prompt length).
+    Step: causal = k drafts, k groups; group g (0-based) sees drafts[0..g] (first_group_sees = 1).
+
+    kv_valid: (B, cache_len + n_queries) bool, False at left padding. A query always sees itself, so
+    a padding row is never fully masked (SDPA would turn it into NaN and spread it through the cache).
+    """
+    C, T, k = cache_len, n_causal, block_size
+
+    def mask_mod(b, h, q, kv):
+        q_causal = q < T
+        kv_new = kv - C  # index of the key among this step's queries, negative inside the cache
+        in_cache = kv_new < 0
+        kv_causal = ~in_cache & (kv_new < T)
+        q_group, kv_group = (q - T) // k, (kv_new - T) // k
+        causal = q_causal & kv_causal & (kv_new <= q)
+        drafts_seen = ~q_causal & kv_causal & (kv_new < first_group_sees + q_group)
+        same_group = ~q_causal & ~in_cache & ~kv_causal & (kv_group == q_group)
+        allowed = in_cache | causal | drafts_seen | same_group
+        if kv_valid is not None:
+            allowed = allowed & kv_valid[b, kv]
+        return allowed | (kv_new == q)
+
+    return mask_mod
+
+
+def decode_position_ids(start: torch.Tensor, n_causal: int, block_size: int, n_groups: int, first_group_sees: int) -> torch.Tensor:
+    """Positions for one decode forward. start: (B,) position of the first causal token.
+
+    Group g sits right after the causal tokens it sees: its slot 0 is the next token to predict.
+    """
+    device = start.device
+    causal = torch.arange(n_causal, device=device)
+    groups = (first_group_sees + torch.arange(n_groups, device=device))[:, None] + torch.arange(block_size, device=device)
+    return start[:, None] + torch.cat([causal, groups.flatten()])
+
+
+# --------------------------------------------------------------------------------------------
+# Evaluating a mask_mod.
+# --------------------------------------------------------------------------------------------
+
+
+def to_dense(mask_mod, batch: int, q_len: int, kv_len: int, device="cpu") -> torch.Tensor:
+    """(B, 1, Q, KV) bool mask for SDPA (True = attend), from broadcast index grids."""
+    b = torch.arange(batch, device=device)[:, None, None, None]
+    h = torch.zeros(1, 1, 1, 1, dtype=torch.long, device=device)
+    q = torch.arange(q_len, device=device)[None, None, :, None]
+    kv = torch.arange(kv_len, device=device)[None, None, None, :]
+    return mask_mod(b, h, q, kv).expand(batch, 1, q_len, kv_len)
+
+
+def to_block_mask(mask_mod, batch: int, q_len: int, kv_len: int, device="cuda"):
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    return create_block_mask(mask_mod, batch, None, q_len, kv_len, device=device)
+
+
+def build_mask(mask_mod, batch: int, q_len: int, kv_len: int, attn_implementation: str | None, device):
+    """The attention_mask transformers should receive for this model's attention implementation."""
+    if attn_implementation == "flex_attention":
+        return to_block_mask(mask_mod, batch, q_len, kv_len, device=device)
+    return to_dense(mask_mod, batch, q_len, kv_len, device=device)

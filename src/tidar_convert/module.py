@@ -1,0 +1,127 @@
+"""The LightningModule: thin glue over layout (who sees whom) and loss (what is learned)."""
+
+from __future__ import annotations
+
+import math
+from typing import Callable, Iterable
+
+import lightning as L
+import torch
+
+from . import layout
+from .loss import hybrid_loss
+
+OptimizerCallable = Callable[[Iterable], torch.optim.Optimizer]
+
+
+def _adamw(params):
+    return torch.optim.AdamW(params, lr=1e-5, weight_decay=0.0)
+
+
+class TiDARModule(L.LightningModule):
+    def __init__(
+        self,
+        model: str | None = None,
+        block_size: int = 4,
+        alpha: float = 1.0,
+        optimizer: OptimizerCallable = _adamw,
+        warmup_ratio: float = 0.01,
+        min_lr_ratio: float = 0.3,
+        lora_r: int = 0,
+        lora_alpha: int = 32,
+        attn_implementation: str | None = None,
+        gradient_checkpointing: bool = False,
+    ):
+        """
+        Args:
+            model: base checkpoint: hub id, local folder or .gguf file; None = embedded SmolLM2-135M-Instruct.
+            block_size: k, tokens drafted per step (and the size of each masked training block).
+            alpha: weight of the AR loss: L = (alpha * L_AR + L_Diff) / (1 + alpha).
+            optimizer: optimizer factory (YAML: class_path torch.optim.AdamW, init_args lr ...).
+            warmup_ratio: fraction of max_steps with linear warmup.
+            min_lr_ratio: cosine decay ends at lr * min_lr_ratio (paper: 1e-5 -> 3e-6, i.e. 0.3).
+            lora_r: 0 = full fine-tune; > 0 = LoRA of this rank on all linear layers (mask token row trained too).
+            lora_alpha: LoRA scaling.
+            attn_implementation: None = flex_attention on CUDA, sdpa elsewhere (FlexAttention has no CPU backward).
+            gradient_checkpointing: recompute activations in backward (large models).
+        """
+        super().__init__()
+        if alpha < 0:
+            raise ValueError(f"alpha={alpha}: the AR weight must be >= 0 (the paper uses 1.0).")
+        if block_size < 2:
+            raise ValueError(f"block_size={block_size}: TiDAR needs at least 2 tokens per block; use 2 or more.")
+        if not 0 <= warmup_ratio < 1:
+            raise ValueError(f"warmup_ratio={warmup_ratio}: must be in [0, 1).")
+        self.save_hyperparameters()
+        from .loading import load_base
+
+        self.attn_implementation = attn_implementation or ("flex_attention" if torch.cuda.is_available() else "sdpa")
+        self.model, self.tokenizer = load_base(model, attn_implementation=self.attn_implementation)
+        self.model.config.block_size = block_size
+        self.model.config.alpha = alpha
+        if gradient_checkpointing:
+            self.model.gradient_checkpointing_enable()
+        if lora_r > 0:
+            from peft import LoraConfig, get_peft_model
+
+            cfg = LoraConfig(
+                r=lora_r,
+                lora_alpha=lora_alpha,
+                target_modules="all-linear",
+                trainable_token_indices={"embed_tokens": [self.tokenizer.mask_token_id]},
+            )
+            self.model = get_peft_model(self.model, cfg)
+        self.block_size, self.alpha, self.optimizer_factory = block_size, alpha, optimizer
+        self.warmup_ratio, self.min_lr_ratio = warmup_ratio, min_lr_ratio
+
+    def setup(self, stage: str) -> None:
+        dm = getattr(self.trainer, "datamodule", None) if self._trainer is not None else None
+        if dm is not None:
+            layout.check_train_shape(dm.seq_len, self.block_size)
+            dm.tokenizer = self.tokenizer
+
+    def forward_tidar(self, input_ids: torch.Tensor, doc_ids: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+        B, S = input_ids.shape
+        layout.check_train_shape(S, self.block_size)
+        mask_mod = layout.train_mask_mod(S, self.block_size, doc_ids)
+        mask = layout.build_mask(mask_mod, B, 2 * S, 2 * S, self.attn_implementation, input_ids.device)
+        logits = self.model(
+            input_ids=layout.train_inputs(input_ids, self.model.config.mask_token_id),
+            position_ids=layout.train_position_ids(input_ids, doc_ids),
+            attention_mask=mask,
+            use_cache=False,
+        ).logits
+        ar_labels, diff_labels = layout.train_labels(input_ids, doc_ids)
+        return hybrid_loss(logits, ar_labels, diff_labels, self.alpha, self.block_size)
+
+    def training_step(self, batch, batch_idx):
+        out = self.forward_tidar(batch["input_ids"], batch.get("doc_ids"))
+        if not torch.isfinite(out["loss"]):
+            ckpt = getattr(self.trainer.checkpoint_callback, "last_model_path", "") or "none saved yet"
+            raise FloatingPointError(
+                f"non-finite loss ({out['loss'].item()}) at step {self.global_step}; stopped before the update, "
+                f"so the weights and the last checkpoint ({ckpt}) are still good. Lower the learning rate, "
+                "or use bf16-mixed instead of 16-mixed precision."
+            )
+        self.log_dict({f"train/{k}": v for k, v in out.items()}, prog_bar=False, batch_size=batch["input_ids"].shape[0])
+        self.log("loss", out["loss"], prog_bar=True, logger=False)
+        return out["loss"]
+
+    def validation_step(self, batch, batch_idx):
+        out = self.forward_tidar(batch["input_ids"], batch.get("doc_ids"))
+        self.log_dict({f"val/{k}": v for k, v in out.items()}, batch_size=batch["input_ids"].shape[0])
+
+    def configure_optimizers(self):
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        optimizer = self.optimizer_factory(params)
+        total = max(1, self.trainer.max_steps if self.trainer.max_steps > 0 else self.trainer.estimated_stepping_batches)
+        warmup = int(self.warmup_ratio * total)
+
+        def schedule(step: int) -> float:  # linear warmup, then cosine from 1 to min_lr_ratio
+            if step < warmup:
+                return (step + 1) / (warmup + 1)
+            progress = min(1.0, (step - warmup) / max(1, total - warmup))
+            return self.min_lr_ratio + (1 - self.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
