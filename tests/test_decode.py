@@ -1,0 +1,275 @@
+"""TiDAR decoding: exactly AR greedy, exactly AR sampling in distribution, and generate()'s contract."""
+
+import copy
+
+import pytest
+import torch
+from transformers import StoppingCriteria, StoppingCriteriaList
+
+from tidar_convert.decode import Sampling, generate
+from tidar_convert.loading import load_base
+
+from conftest import FAMILIES, cycle_batch, tiny_config
+
+
+def ar(model, ids, **kw):
+    return model.generate(ids, do_sample=False, **kw)
+
+
+@pytest.fixture(scope="module")
+def untrained(tiny_dirs):
+    return {f: load_base(str(tiny_dirs[f]))[0].eval() for f in FAMILIES}
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("k", [2, 3, 4, 8])
+def test_greedy_equals_ar_untrained_head(untrained, family, k):
+    """An untrained diffusion head only lowers acceptance; the output stays AR greedy."""
+    model = untrained[family]
+    model.config.block_size = k
+    g = torch.Generator().manual_seed(k)
+    for length in (1, 3, 9):
+        ids = torch.randint(1, 300, (1, length), generator=g)
+        expected = ar(model, ids, max_new_tokens=24, eos_token_id=None)
+        assert torch.equal(generate(ids, model=model, max_new_tokens=24, eos_token_id=None), expected)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("k", [2, 4, 6, 8])
+def test_greedy_equals_ar_trained_head(trained, family, k):
+    """With a head that drafts well, many drafts are accepted per step, and the output is still AR's."""
+    model, _ = trained[family]
+    for seed in range(4):
+        ids = cycle_batch(1, 3 + seed, seed=seed)
+        expected = ar(model, ids, max_new_tokens=40, eos_token_id=None)
+        assert torch.equal(generate(ids, model=model, max_new_tokens=40, eos_token_id=None, block_size=k), expected)
+        assert model.tidar_stats["tokens_per_nfe"] > 1.5
+        assert max(model.tidar_stats["accepted"]) >= min(k, 3)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_batch_with_left_padding_equals_ar(trained, untrained, family):
+    for model in (trained[family][0], untrained[family]):
+        g = torch.Generator().manual_seed(0)
+        ids = torch.cat([cycle_batch(3, 8, seed=1)[:, :8], torch.randint(1, 300, (1, 8), generator=g)])
+        mask = torch.ones_like(ids)
+        for row, pad in enumerate([3, 0, 5, 1]):
+            ids[row, :pad], mask[row, :pad] = 0, 0
+        expected = ar(model, ids, attention_mask=mask, max_new_tokens=30, eos_token_id=None, pad_token_id=0)
+        got = generate(ids, model=model, attention_mask=mask, max_new_tokens=30, eos_token_id=None, pad_token_id=0)
+        assert torch.equal(got, expected)
+
+
+def test_stops_exactly_at_eos_inside_an_accepted_draft(trained):
+    model, _ = trained["llama"]
+    ids = cycle_batch(1, 4, seed=3)
+    full = generate(ids, model=model, max_new_tokens=30, eos_token_id=None)
+    for eos in (full[0, 7].item(), [full[0, 9].item(), 999]):
+        expected = ar(model, ids, max_new_tokens=30, eos_token_id=eos)
+        got = generate(ids, model=model, max_new_tokens=30, eos_token_id=eos)
+        assert torch.equal(got, expected)
+        assert got.shape[1] < full.shape[1]
+    # batch: one row stops early, the others go on, finished rows are padded as AR pads them
+    ids = cycle_batch(3, 5, seed=4)
+    eos = generate(ids[:1], model=model, max_new_tokens=10, eos_token_id=None)[0, 8].item()
+    expected = ar(model, ids, max_new_tokens=20, eos_token_id=eos, pad_token_id=1)
+    assert torch.equal(generate(ids, model=model, max_new_tokens=20, eos_token_id=eos, pad_token_id=1), expected)
+
+
+def test_max_new_tokens_exact_and_stopping_criteria(trained):
+    model, _ = trained["qwen2"]
+    ids = cycle_batch(1, 4, seed=5)
+    for n in (1, 2, 5, 13):
+        assert generate(ids, model=model, max_new_tokens=n, eos_token_id=None).shape[1] == 4 + n
+
+    class StopAtLength(StoppingCriteria):
+        def __call__(self, input_ids, scores, **kw):
+            return torch.full((input_ids.shape[0],), input_ids.shape[1] >= 11, dtype=torch.bool)
+
+    crit = StoppingCriteriaList([StopAtLength()])
+    expected = ar(model, ids, max_new_tokens=30, eos_token_id=None, stopping_criteria=crit)
+    assert torch.equal(generate(ids, model=model, max_new_tokens=30, eos_token_id=None, stopping_criteria=crit), expected)
+    assert expected.shape[1] == 11
+
+
+def test_streamer_generation_config_and_return_dict(trained):
+    model, _ = trained["mistral"]
+    ids = cycle_batch(1, 4, seed=6)
+
+    class Collect:
+        def __init__(self):
+            self.chunks = []
+
+        def put(self, value):
+            self.chunks.append(value.flatten().tolist())
+
+        def end(self):
+            self.ended = True
+
+    streamer = Collect()
+    gc = copy.deepcopy(model.generation_config)
+    gc.max_new_tokens, gc.eos_token_id, gc.return_dict_in_generate = 12, None, True
+    out = generate(ids, generation_config=gc, model=model, streamer=streamer)
+    assert out.sequences.shape[1] == 16
+    assert streamer.chunks[0] == ids[0].tolist() and streamer.ended
+    assert sum(streamer.chunks[1:], []) == out.sequences[0, 4:].tolist()
+    assert torch.equal(out.sequences, ar(model, ids, max_new_tokens=12, eos_token_id=None))
+
+
+def test_text_streamer_prints_the_text(trained, capsys):
+    from transformers import TextStreamer
+
+    model, tok = trained["llama"]
+    ids = cycle_batch(1, 4, seed=7)
+    out = generate(ids, model=model, max_new_tokens=10, eos_token_id=None, streamer=TextStreamer(tok, skip_prompt=True))
+    assert capsys.readouterr().out.strip() == tok.decode(out[0, 4:]).strip()
+
+
+def test_stats_and_ar_switch(trained):
+    model, _ = trained["llama"]
+    ids = cycle_batch(1, 4, seed=8)
+    td = generate(ids, model=model, max_new_tokens=20, eos_token_id=None)
+    stats = model.tidar_stats
+    assert stats["new_tokens"] == 20 and stats["nfe"] == 1 + len(stats["accepted"])
+    assert stats["tokens_per_nfe"] == pytest.approx(20 / stats["nfe"])
+    plain = generate(ids, model=model, max_new_tokens=20, eos_token_id=None, tidar=False, do_sample=False)
+    assert torch.equal(plain, td) and model.tidar_stats["nfe"] == 20
+
+
+def test_beta_mixing_runs_and_is_opt_in(trained):
+    model, _ = trained["llama"]
+    ids = cycle_batch(1, 4, seed=9)
+    out = generate(ids, model=model, max_new_tokens=12, eos_token_id=None, beta=0.5)
+    assert out.shape[1] == 16
+    with pytest.raises(ValueError, match="beta=1.5"):
+        generate(ids, model=model, max_new_tokens=4, beta=1.5)
+
+
+# ---- sampling: exact in distribution ------------------------------------------------------------
+
+
+V, N_NEW, K = 5, 3, 3
+
+
+@pytest.fixture(scope="module")
+def small_vocab_model():
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(1)
+    cfg = tiny_config("llama", V + 1)
+    cfg.mask_token_id, cfg.block_size, cfg.pad_token_id = V, K, 0
+    model = AutoModelForCausalLM.from_config(cfg).eval()
+    with torch.no_grad():  # sharper, varied distributions so a wrong acceptance rule shows
+        model.lm_head.weight.mul_(6)
+    return model
+
+
+def exact_distribution(model, prompt, warp):
+    """P(x1 x2 x3 | prompt) for all V**3 continuations, by enumeration of the AR model."""
+    probs = {}
+
+    def walk(prefix, p):
+        if len(prefix) == prompt.shape[1] + N_NEW:
+            probs[tuple(prefix[prompt.shape[1] :])] = p
+            return
+        with torch.no_grad():
+            logits = model(input_ids=torch.tensor([prefix])).logits[0, -1, :V]
+        full = torch.full((V + 1,), -float("inf"))
+        full[:V] = logits  # the mask token is never a sampled output in this test (AR would not either)
+        nxt = warp(full[None])[0]
+        for t in range(V):
+            if nxt[t] > 0:
+                walk(prefix + [t], p * nxt[t].item())
+
+    walk(prompt[0].tolist(), 1.0)
+    return probs
+
+
+def chi_square_p(counts: dict, probs: dict, n: int) -> float:
+    from scipy.stats import chisquare
+
+    keys = sorted(probs, key=probs.get, reverse=True)
+    big = [k for k in keys if probs[k] * n >= 5]
+    rest = [k for k in keys if probs[k] * n < 5]
+    obs = [counts.get(k, 0) for k in big] + [sum(counts.get(k, 0) for k in rest)]
+    exp = [probs[k] * n for k in big] + [sum(probs[k] for k in rest) * n]
+    if exp[-1] == 0:
+        obs, exp = obs[:-1], exp[:-1]
+    exp = [e * n / sum(exp) for e in exp]  # float sums of probabilities are 1 only up to rounding
+    assert sum(counts.values()) == n and not set(counts) - set(probs), "sampled an impossible continuation"
+    return chisquare(obs, exp).pvalue
+
+
+def sample_counts(fn, n):
+    counts = {}
+    for i in range(n):
+        torch.manual_seed(i)
+        seq = tuple(fn()[0, -N_NEW:].tolist())
+        counts[seq] = counts.get(seq, 0) + 1
+    return counts
+
+
+@pytest.mark.parametrize("settings", [dict(temperature=1.0), dict(temperature=0.7, top_k=4, top_p=0.9)])
+def test_sampling_matches_ar_distribution(small_vocab_model, settings, monkeypatch):
+    from tidar_convert.decode import warpers
+
+    model = small_vocab_model
+    prompt = torch.tensor([[1, 2]])
+    gen_kw = dict(do_sample=True, max_new_tokens=N_NEW, eos_token_id=None, **settings)
+    gc = copy.deepcopy(model.generation_config)
+    gc.update(**gen_kw)
+    # mask the mask token out of the AR head, as a converted model never emits it
+    bias = torch.zeros(V + 1)
+    bias[V] = -float("inf")
+    monkeypatch.setattr(model.lm_head, "bias", torch.nn.Parameter(bias, requires_grad=False), raising=False)
+    probs = exact_distribution(model, prompt, lambda logits: warpers(gc)(None, logits).softmax(-1))
+    n = 400  # the wrong rule below scores p ~ 1e-30 at this size; right ones ~ 0.2-0.7
+    hf = sample_counts(lambda: model.generate(prompt, **gen_kw), n)
+    tidar = sample_counts(lambda: generate(prompt, model=model, **gen_kw), n)
+    assert chi_square_p(hf, probs, n) > 1e-3  # the exact distribution is what HF samples
+    assert chi_square_p(tidar, probs, n) > 1e-3
+
+    # The test has teeth: accepting with probability p (not min(1, p/q)) is detectably wrong.
+    def wrong_verify(self, ar_logits, draft):
+        p = self.probs(ar_logits[:, :-1])
+        d = draft.tokens[:, 1:, None]
+        u = torch.rand(d.shape[:2])
+        self._p = p
+        return 1 + (u < p.gather(-1, d).squeeze(-1)).long().cumprod(1).sum(1)
+
+    monkeypatch.setattr(Sampling, "verify", wrong_verify)
+    wrong = sample_counts(lambda: generate(prompt, model=model, **gen_kw), n)
+    assert chi_square_p(wrong, probs, n) < 1e-3
+
+
+# ---- bad input ---------------------------------------------------------------------------------
+
+
+def test_bad_inputs(trained, untrained):
+    model, _ = trained["llama"]
+    ids = cycle_batch(1, 4, seed=0)
+    with pytest.raises(ValueError, match="prompt is empty"):
+        generate(torch.zeros(1, 0, dtype=torch.long), model=model, max_new_tokens=4)
+    for n in (0, -3):
+        with pytest.raises(ValueError, match=f"max_new_tokens={n}"):
+            generate(ids, model=model, max_new_tokens=n)
+    with pytest.raises(ValueError, match="exceeds the model's 1024 positions"):
+        generate(torch.ones(1, 1020, dtype=torch.long), model=model, max_new_tokens=10)
+    with pytest.raises(ValueError, match="block_size=1"):
+        generate(ids, model=model, max_new_tokens=4, block_size=1)
+    with pytest.raises(ValueError, match="temperature"):
+        generate(ids, model=model, max_new_tokens=4, do_sample=True, temperature=0.0)
+    padded = torch.tensor([[0, 0, 5, 6], [3, 4, 5, 6]])
+    with pytest.raises(ValueError, match="no attention_mask"):
+        generate(padded, model=model, max_new_tokens=4, pad_token_id=0)
+    with pytest.raises(ValueError, match="right padding"):
+        generate(padded, model=model, attention_mask=torch.tensor([[1, 1, 0, 0], [1, 1, 1, 1]]), max_new_tokens=4)
+    plain = untrained["llama"]
+    cfg = copy.deepcopy(plain.config)
+    del cfg.mask_token_id
+    plain.config, saved = cfg, plain.config
+    try:
+        with pytest.raises(ValueError, match="not a TiDAR export"):
+            generate(ids, model=plain, max_new_tokens=4)
+    finally:
+        plain.config = saved

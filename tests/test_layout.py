@@ -1,0 +1,141 @@
+"""The TiDAR layout: one mask_mod, two evaluations that agree, and no information leaks."""
+
+import pytest
+import torch
+from torch.nn.attention.flex_attention import create_mask
+
+from tidar_convert import layout
+from tidar_convert.loading import load_base, model_from_config
+
+from conftest import FAMILIES, tiny_config
+
+S, K = 16, 4
+
+
+def doubled_forward(model, ids, doc_ids=None, attn="sdpa"):
+    mask_mod = layout.train_mask_mod(S, K, doc_ids)
+    mask = layout.build_mask(mask_mod, ids.shape[0], 2 * S, 2 * S, attn, "cpu")
+    with torch.no_grad():
+        return model(
+            input_ids=layout.train_inputs(ids, model.config.mask_token_id),
+            position_ids=layout.train_position_ids(ids, doc_ids),
+            attention_mask=mask,
+        ).logits
+
+
+@pytest.fixture(scope="module")
+def models(tiny_dirs):
+    return {f: load_base(str(tiny_dirs[f]))[0].eval() for f in FAMILIES}
+
+
+def test_mask_small_example_by_hand():
+    # S = 4, k = 2: clean causal; masked block 0 sees no clean token, block 1 sees x0, x1.
+    m = layout.to_dense(layout.train_mask_mod(4, 2), 1, 8, 8)[0, 0].int()
+    expected = torch.tensor(
+        [
+            [1, 0, 0, 0, 0, 0, 0, 0],
+            [1, 1, 0, 0, 0, 0, 0, 0],
+            [1, 1, 1, 0, 0, 0, 0, 0],
+            [1, 1, 1, 1, 0, 0, 0, 0],
+            [0, 0, 0, 0, 1, 1, 0, 0],
+            [0, 0, 0, 0, 1, 1, 0, 0],
+            [1, 1, 0, 0, 0, 0, 1, 1],
+            [1, 1, 0, 0, 0, 0, 1, 1],
+        ]
+    )
+    assert torch.equal(m, expected)
+
+
+def test_dense_equals_flex_create_mask():
+    doc_ids = torch.tensor([[0] * 5 + [1] * 7 + [2] * 4, [0] * 16])
+    train = layout.train_mask_mod(S, K, doc_ids)
+    assert torch.equal(layout.to_dense(train, 2, 2 * S, 2 * S), create_mask(train, 2, None, 2 * S, 2 * S, device="cpu"))
+    valid = torch.ones(2, 10 + 3 + 9, dtype=torch.bool)
+    valid[0, :4] = False
+    step = layout.decode_mask_mod(10, 3, 3, 1, valid)
+    assert torch.equal(layout.to_dense(step, 2, 12, 22), create_mask(step, 2, None, 12, 22, device="cpu"))
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_block_mask_and_dense_mask_give_same_logits(models, family):
+    model = models[family]
+    flex = model_from_config(model.config, attn_implementation="flex_attention").eval()
+    flex.load_state_dict(model.state_dict())
+    ids = torch.randint(0, 300, (2, S))
+    doc_ids = torch.tensor([[0] * 6 + [1] * 10, [0] * 16])
+    dense = doubled_forward(model, ids, doc_ids, "sdpa")
+    block = doubled_forward(flex, ids, doc_ids, "flex_attention")
+    torch.testing.assert_close(dense, block, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_clean_half_equals_plain_causal_model(models, family):
+    model = models[family]
+    ids = torch.randint(0, 300, (2, S))
+    with torch.no_grad():
+        plain = model(input_ids=ids).logits
+    torch.testing.assert_close(doubled_forward(model, ids)[:, :S], plain, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_masked_block_sees_only_the_clean_prefix_before_it(models, family):
+    model = models[family]
+    ids = torch.randint(0, 300, (1, S))
+    base = doubled_forward(model, ids)
+    block = 2  # masked slots S + 8 .. S + 11 see clean tokens 0..7
+    start = block * K
+    blk = slice(S + start, S + start + K)
+    for changed_pos in (start, start + 2, S - 1):  # at or after the block start: invisible
+        other = ids.clone()
+        other[0, changed_pos] = (other[0, changed_pos] + 1) % 300
+        torch.testing.assert_close(doubled_forward(model, other)[:, blk], base[:, blk], atol=1e-5, rtol=1e-5)
+    earlier = ids.clone()
+    earlier[0, start - 1] = (earlier[0, start - 1] + 1) % 300
+    assert not torch.allclose(doubled_forward(model, earlier)[:, blk], base[:, blk], atol=1e-4)
+    # and it does not see the other masked blocks: their content is fixed (all M) so check via mask
+    m = layout.to_dense(layout.train_mask_mod(S, K), 1, 2 * S, 2 * S)[0, 0]
+    assert not m[S + start, S : S + start].any() and not m[S + start, S + start + K :].any()
+
+
+def test_packed_documents_do_not_see_each_other(models):
+    model = models["llama"]
+    ids = torch.randint(0, 300, (1, S))
+    doc_ids = torch.tensor([[0] * 6 + [1] * 10])
+    base = doubled_forward(model, ids, doc_ids)
+    other = ids.clone()
+    other[0, :6] = (other[0, :6] + 7) % 300  # rewrite all of document 0
+    changed = doubled_forward(model, other, doc_ids)
+    doc1_clean = slice(6, S)
+    doc1_masked = [S + i for i in range(6, S)]
+    torch.testing.assert_close(changed[:, doc1_clean], base[:, doc1_clean], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(changed[:, doc1_masked], base[:, doc1_masked], atol=1e-5, rtol=1e-5)
+    # document 1 alone, from position 0, gives the same clean logits: packing is invisible
+    with torch.no_grad():
+        alone = model(input_ids=ids[:, 6:]).logits
+    torch.testing.assert_close(base[:, doc1_clean], alone, atol=1e-5, rtol=1e-5)
+
+
+def test_positions_and_labels():
+    ids = torch.tensor([[10, 11, 12, 13, 14, 15]])
+    doc_ids = torch.tensor([[0, 0, 0, 1, 1, 1]])
+    assert layout.train_position_ids(ids).tolist() == [[0, 1, 2, 3, 4, 5] * 2]
+    assert layout.train_position_ids(ids, doc_ids).tolist() == [[0, 1, 2, 0, 1, 2] * 2]
+    ar, diff = layout.train_labels(ids, doc_ids)
+    assert ar.tolist() == [[11, 12, -100, 14, 15, -100]]
+    assert diff.tolist() == [[10, 11, 12, 13, 14, 15]]
+    assert layout.train_inputs(ids, 99).tolist() == [[10, 11, 12, 13, 14, 15] + [99] * 6]
+
+
+def test_decode_positions():
+    # prefill of 3 prompt tokens + a block of 2 masks; step of 2 drafts + 2 groups of 2
+    assert layout.decode_position_ids(torch.tensor([0]), 3, 2, 1, 3).tolist() == [[0, 1, 2, 3, 4]]
+    assert layout.decode_position_ids(torch.tensor([5]), 2, 2, 2, 1).tolist() == [[5, 6, 6, 7, 7, 8]]
+
+
+@pytest.mark.parametrize(
+    "seq_len,block,msg",
+    [(10, 4, "not a multiple"), (8, 1, "at least 2"), (4, 8, "larger than seq_len")],
+)
+def test_bad_shapes_are_refused(seq_len, block, msg):
+    with pytest.raises(ValueError, match=msg):
+        layout.check_train_shape(seq_len, block)
