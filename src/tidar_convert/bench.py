@@ -416,7 +416,10 @@ def bench_cmd(
     path = Path(model).expanduser()
     if not path.is_dir():
         raise FileNotFoundError(f"model={model!r} is not a folder; pass a TiDAR export folder (the OUT of `make convert`).")
-    trained = check_export(path)
+    try:
+        trained = check_export(path)
+    except ValueError as e:  # check_export's hint is about `generate --mode ar`; say what bench needs
+        raise ValueError(f"{model!r} is not a TiDAR export: bench compares TiDAR with AR on a converted model. Convert it first (`make convert MODEL=...`). ({e})") from e
     k = k or trained["block_size"]
     name = name or path.resolve().name
     device = default_device()

@@ -124,17 +124,17 @@ def generate_cmd(
 def main(argv: list[str] | None = None) -> None:
     args = list(sys.argv[1:] if argv is None else argv)
     _configure_wandb()
-    if args and args[0] in ("fit", "validate"):
-        _lightning_cli(argv)  # None: LightningCLI reads sys.argv itself
-        return
-    from jsonargparse import auto_cli
-
-    from .bench import bench_cmd, eval_ppl_cmd
-
-    commands = {"export": export_cmd, "generate": generate_cmd, "bench": bench_cmd, "eval-ppl": eval_ppl_cmd}
     try:
+        if args and args[0] in ("fit", "validate"):
+            _lightning_cli(argv)  # None: LightningCLI reads sys.argv itself
+            return
+        from jsonargparse import auto_cli
+
+        from .bench import bench_cmd, eval_ppl_cmd
+
+        commands = {"export": export_cmd, "generate": generate_cmd, "bench": bench_cmd, "eval-ppl": eval_ppl_cmd}
         auto_cli(commands, args=args)
-    except (ValueError, FileNotFoundError) as e:
+    except (ValueError, FileNotFoundError, FloatingPointError) as e:  # bad input: the message says the fix
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
 

@@ -86,13 +86,25 @@ def pack(token_docs: Iterator[list[int]], seq_len: int) -> Iterator[tuple[torch.
             ids, docs = ids[seq_len:], docs[seq_len:]
 
 
+def shuffled(items, buffer: int, seed: int):
+    """Yield items from a random buffer: one long file would otherwise fill hundreds of steps in a row."""
+    rng = random.Random(seed)
+    pool = []
+    for item in items:
+        pool.append(item)
+        if len(pool) > buffer:
+            yield pool.pop(rng.randrange(len(pool)))
+    rng.shuffle(pool)
+    yield from pool
+
+
 class PackedDocuments(IterableDataset):
     """Packed chunks from one or more sources; `part` selects training or validation documents."""
 
-    def __init__(self, tokenizer, sources: list[str], seq_len: int, part: str, val_every: int, text_field: str, name, split, seed: int, rank: int = 0, world_size: int = 1):
+    def __init__(self, tokenizer, sources: list[str], seq_len: int, part: str, val_every: int, text_field: str, name, split, seed: int, rank: int = 0, world_size: int = 1, shuffle_buffer: int = 0):
         self.tokenizer, self.sources, self.seq_len, self.part = tokenizer, sources, seq_len, part
         self.val_every, self.text_field, self.name, self.split, self.seed = val_every, text_field, name, split, seed
-        self.rank, self.world_size = rank, world_size
+        self.rank, self.world_size, self.shuffle_buffer = rank, world_size, shuffle_buffer
 
     def documents(self) -> Iterator[str]:
         streams = [iter_documents(s, self.text_field, self.name, self.split, self.seed) for s in self.sources]
@@ -116,7 +128,7 @@ class PackedDocuments(IterableDataset):
 
     def __iter__(self):
         n = 0
-        for input_ids, doc_ids in pack(self.tokenized(), self.seq_len):
+        for input_ids, doc_ids in shuffled(pack(self.tokenized(), self.seq_len), self.shuffle_buffer, self.seed):
             n += 1
             yield {"input_ids": input_ids, "doc_ids": doc_ids}
         if n == 0:
@@ -138,6 +150,7 @@ class TiDARData(L.LightningDataModule):
         name: str | None = None,
         split: str = "train",
         seed: int = 0,
+        shuffle_buffer: int = 64,
         num_workers: int = 0,
     ):
         """
@@ -150,7 +163,8 @@ class TiDARData(L.LightningDataModule):
             text_field: column holding the text in json/parquet/hub sources.
             name: hub dataset configuration name.
             split: hub dataset split.
-            seed: order of the stdlib files.
+            seed: order of the stdlib files and of the shuffle buffer.
+            shuffle_buffer: training chunks drawn at random from a buffer of this many (0 = in order).
             num_workers: DataLoader workers (0 = tokenize in the training process).
         """
         super().__init__()
@@ -163,13 +177,15 @@ class TiDARData(L.LightningDataModule):
             raise ValueError("source=[]: name at least one data source, e.g. 'stdlib'.")
         self.seq_len, self.batch_size, self.val_every, self.val_batches = seq_len, batch_size, val_every, val_batches
         self.text_field, self.name, self.split, self.seed, self.num_workers = text_field, name, split, seed, num_workers
+        self.shuffle_buffer = shuffle_buffer
         self.tokenizer = None  # set by the module (it owns the tokenizer with the mask token)
 
     def _dataset(self, part: str) -> PackedDocuments:
         if self.tokenizer is None:
             raise RuntimeError("TiDARData.tokenizer is not set; the TiDARModule sets it in setup().")
         rank, world = (self.trainer.global_rank, self.trainer.world_size) if self.trainer else (0, 1)
-        return PackedDocuments(self.tokenizer, self.sources, self.seq_len, part, self.val_every, self.text_field, self.name, self.split, self.seed, rank, world)
+        buffer = self.shuffle_buffer if part == "train" else 0
+        return PackedDocuments(self.tokenizer, self.sources, self.seq_len, part, self.val_every, self.text_field, self.name, self.split, self.seed, rank, world, buffer)
 
     def train_dataloader(self):
         return DataLoader(self._dataset("train"), batch_size=self.batch_size, num_workers=self.num_workers)

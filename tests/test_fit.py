@@ -1,0 +1,137 @@
+"""Training end to end through the CLI: loss goes down, the folder reloads, bad input is refused."""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from tidar_convert import layout
+from tidar_convert.cli import main
+from tidar_convert.data import PackedDocuments
+from tidar_convert.loss import hybrid_loss
+
+from conftest import FAMILIES
+
+RECIPE = str(Path(__file__).parents[1] / "recipes" / "tiny.yaml")
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    """Many small, similar Python functions: a 30-step run learns their shape."""
+    import random
+
+    rng = random.Random(0)
+    path = tmp_path_factory.mktemp("corpus") / "code.jsonl"
+    ops = ["+", "-", "*", "//", "%"]
+    with path.open("w") as f:
+        for i in range(400):
+            a, op = rng.randint(0, 99), rng.choice(ops)
+            text = f"def f_{i}(x, y):\n    z = x {op} {a}\n    return z {op} y\n"
+            f.write(json.dumps({"text": text}) + "\n")
+    return path
+
+
+def fit(tmp_path, model_dir, *extra, logger=False):
+    args = ["fit", "--config", RECIPE, "--model.model", str(model_dir), "--trainer.default_root_dir", str(tmp_path / "run"), "--out", str(tmp_path / "out")]
+    if not logger:
+        args += ["--trainer.logger", "false"]
+    main(args + list(extra))
+    return tmp_path / "out"
+
+
+def held_out_loss(model, tokenizer, source, block_size=4, seq_len=64):
+    ds = PackedDocuments(tokenizer, [str(source)], seq_len, "val", 20, "text", None, "train", 0)
+    batch = [x for _, x in zip(range(4), ds)]
+    ids = torch.stack([b["input_ids"] for b in batch])
+    docs = torch.stack([b["doc_ids"] for b in batch])
+    mask = layout.to_dense(layout.train_mask_mod(seq_len, block_size, docs), 4, 2 * seq_len, 2 * seq_len)
+    with torch.no_grad():
+        logits = model(
+            input_ids=layout.train_inputs(ids, model.config.mask_token_id),
+            position_ids=layout.train_position_ids(ids, docs),
+            attention_mask=mask,
+        ).logits
+    return hybrid_loss(logits, *layout.train_labels(ids, docs), 1.0, block_size)["loss"].item()
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_short_fit_lowers_loss_and_writes_a_loadable_folder(tmp_path, tiny_dirs, corpus, family, monkeypatch):
+    from tidar_convert.loading import load_base
+
+    monkeypatch.chdir(tmp_path)  # W&B writes ./wandb
+    out = fit(tmp_path, tiny_dirs[family], "--data.source", str(corpus), logger=family == "llama")  # one family goes through W&B (offline)
+    base, tok = load_base(str(tiny_dirs[family]))
+    model = AutoModelForCausalLM.from_pretrained(out)  # no remote code: the plain base architecture
+    assert type(model).__name__ == type(base).__name__
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["model_type"] == family and cfg["block_size"] == 4 and cfg["alpha"] == 1.0
+    out_tok = AutoTokenizer.from_pretrained(out)
+    assert cfg["mask_token_id"] == out_tok.mask_token_id == tok.mask_token_id
+    assert (out / "model.safetensors").exists()
+    before, after = held_out_loss(base.eval(), tok, corpus), held_out_loss(model.eval(), out_tok, corpus)
+    assert after < before - 0.5, (before, after)
+    if family == "llama":
+        assert list((tmp_path / "wandb").glob("offline-run-*/*.wandb")), "no offline W&B run written"
+
+
+def test_resume_from_last_checkpoint(tmp_path, tiny_dirs):
+    fit(tmp_path, tiny_dirs["qwen2"], "--trainer.max_steps", "10")
+    last = tmp_path / "run" / "checkpoints" / "last.ckpt"
+    assert torch.load(last, weights_only=False)["global_step"] == 10
+    fit(tmp_path, tiny_dirs["qwen2"], "--trainer.max_steps", "20", "--ckpt_path", str(last))
+    assert torch.load(last, weights_only=False)["global_step"] == 20
+
+
+def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path, tiny_dirs, monkeypatch, capsys):
+    import tidar_convert.module as module
+
+    calls = {"n": 0}
+
+    def poisoned(*args, **kwargs):
+        out = hybrid_loss(*args, **kwargs)
+        calls["n"] += 1
+        if calls["n"] > 12:
+            out["loss"] = out["loss"] * float("nan")
+        return out
+
+    monkeypatch.setattr(module, "hybrid_loss", poisoned)
+    with pytest.raises(SystemExit):
+        fit(tmp_path, tiny_dirs["llama"], "--trainer.val_check_interval", "100")
+    err = capsys.readouterr().err
+    assert "non-finite loss" in err and "last.ckpt" in err
+    ckpt = torch.load(tmp_path / "run" / "checkpoints" / "last.ckpt", weights_only=False)
+    assert ckpt["global_step"] == 10
+    assert all(torch.isfinite(v).all() for v in ckpt["state_dict"].values() if v.is_floating_point())
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize(
+    "extra,message",
+    [
+        (["--data.seq_len", "30"], "seq_len=30 is not a multiple of block_size=4"),
+        (["--model.block_size", "1"], "block_size=1"),
+        (["--model.block_size", "128"], "block_size=128 is larger than seq_len=64"),
+        (["--model.alpha", "-0.5"], "alpha=-0.5"),
+    ],
+)
+def test_bad_training_settings_are_refused(tmp_path, tiny_dirs, extra, message, capsys):
+    with pytest.raises(SystemExit):
+        fit(tmp_path, tiny_dirs["llama"], *extra)
+    assert message in capsys.readouterr().err
+
+
+def test_empty_or_too_short_data_is_refused(tmp_path, tiny_dirs, capsys):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(SystemExit):
+        fit(tmp_path, tiny_dirs["llama"], "--data.source", str(empty))
+    assert "holds no file ending in" in capsys.readouterr().err
+    short = tmp_path / "short"
+    short.mkdir()
+    for i in range(3):
+        (short / f"{i}.txt").write_text("tiny")
+    with pytest.raises(SystemExit):
+        fit(tmp_path, tiny_dirs["llama"], "--data.source", str(short))
+    assert "fewer than seq_len=64 tokens" in capsys.readouterr().err
