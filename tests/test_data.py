@@ -1,0 +1,77 @@
+import json
+
+import pytest
+import torch
+
+from tidar_convert.data import PackedDocuments, TiDARData, iter_documents, pack, shuffled
+
+
+def test_pack_numbers_documents_inside_each_chunk():
+    chunks = list(pack(iter([[1, 2, 3], [4, 5], [6, 7, 8, 9, 10]]), 4))
+    assert [c[0].tolist() for c in chunks] == [[1, 2, 3, 4], [5, 6, 7, 8]]
+    assert [c[1].tolist() for c in chunks] == [[0, 0, 0, 1], [0, 1, 1, 1]]
+
+
+def test_shuffle_buffer_keeps_every_item_once():
+    out = list(shuffled(iter(range(100)), 10, seed=1))
+    assert sorted(out) == list(range(100)) and out != list(range(100))
+    assert list(shuffled(iter(range(5)), 0, seed=1)) == list(range(5))
+
+
+def test_local_sources(tmp_path):
+    (tmp_path / "txt").mkdir()
+    (tmp_path / "txt" / "a.txt").write_text("alpha document")
+    (tmp_path / "txt" / "b.md").write_text("beta document")
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text("\n".join(json.dumps({"body": f"row {i}"}) for i in range(3)))
+    assert sorted(iter_documents(str(tmp_path / "txt"))) == ["alpha document", "beta document"]
+    assert list(iter_documents(str(rows), text_field="body")) == ["row 0", "row 1", "row 2"]
+    with pytest.raises(KeyError, match="no field 'text'"):
+        list(iter_documents(str(rows)))
+    import datasets
+
+    datasets.Dataset.from_dict({"text": ["p0", "p1"]}).to_parquet(str(tmp_path / "t.parquet"))
+    assert list(iter_documents(str(tmp_path / "t.parquet"))) == ["p0", "p1"]
+
+
+def test_stdlib_is_the_offline_default():
+    docs = iter_documents("stdlib")
+    first = [next(docs) for _ in range(3)]
+    assert all("def " in d or "import" in d for d in first)
+
+
+def test_train_and_validation_documents_are_disjoint(tokenizer, tmp_path):
+    rows = tmp_path / "docs.jsonl"
+    rows.write_text("\n".join(json.dumps({"text": f"document number {i} " * 5}) for i in range(60)))
+    kw = dict(tokenizer=tokenizer, sources=[str(rows)], seq_len=8, val_every=10, text_field="text", name=None, split="train", seed=0)
+    train = list(PackedDocuments(part="train", **kw).documents())
+    val = list(PackedDocuments(part="val", **kw).documents())
+    assert len(val) == 6 and len(train) == 54 and not set(train) & set(val)
+    # two ranks split the training documents between them
+    r0 = list(PackedDocuments(part="train", rank=0, world_size=2, **kw).documents())
+    r1 = list(PackedDocuments(part="train", rank=1, world_size=2, **kw).documents())
+    assert sorted(r0 + r1) == sorted(train) and not set(r0) & set(r1)
+
+
+def test_mixed_sources_interleave(tokenizer, tmp_path):
+    a, b = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
+    a.write_text("\n".join(json.dumps({"text": f"a{i}"}) for i in range(4)))
+    b.write_text("\n".join(json.dumps({"text": f"b{i}"}) for i in range(4)))
+    ds = PackedDocuments(tokenizer, [str(a), str(b)], 8, "train", 100, "text", None, "train", 0)
+    assert list(ds.documents())[:5] == ["b0", "a1", "b1", "a2", "b2"]  # document 0 (a0) is validation
+
+
+def test_datamodule_batches(tokenizer):
+    dm = TiDARData(seq_len=32, batch_size=2, val_batches=1)
+    dm.tokenizer = tokenizer
+    batch = next(iter(dm.train_dataloader()))
+    assert batch["input_ids"].shape == (2, 32) and batch["doc_ids"].shape == (2, 32)
+    assert (batch["doc_ids"][:, 0] == 0).all() and (batch["doc_ids"].diff(dim=1) >= 0).all()
+    assert len(list(dm.val_dataloader())) == 1
+
+
+def test_bad_data_settings():
+    with pytest.raises(ValueError, match="val_every=1"):
+        TiDARData(val_every=1)
+    with pytest.raises(ValueError, match="source=\\[\\]"):
+        TiDARData(source=[])

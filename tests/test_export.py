@@ -1,0 +1,94 @@
+"""The export: self-contained TiDAR generate() via remote code, the base class without it."""
+
+import json
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from tidar_convert import export, load
+from tidar_convert.export import check_export
+
+from conftest import cycle_batch
+
+
+@pytest.fixture(scope="module")
+def exported(trained, tmp_path_factory):
+    model, tok = trained["qwen3"]
+    return export(model, tok, tmp_path_factory.mktemp("export") / "tidar", block_size=4, alpha=1.0)
+
+
+def test_folder_contents(exported):
+    names = {p.name for p in exported.iterdir()}
+    assert {"config.json", "model.safetensors", "tokenizer.json", "custom_generate"} <= names
+    assert check_export(exported) == {"block_size": 4, "mask_token_id": json.loads((exported / "config.json").read_text())["mask_token_id"], "alpha": 1.0}
+    assert not list(exported.parent.glob(".*tmp-*")), "temporary folder left behind"
+
+
+def test_runs_without_tidar_convert_installed(exported):
+    """The acceptance test: tidar_convert blocked from import, TiDAR greedy == AR greedy, drafts accepted."""
+    script = textwrap.dedent(
+        f"""
+        import sys, json, torch
+        sys.modules["tidar_convert"] = None  # any import of the package now fails
+        from transformers import AutoModelForCausalLM
+        m = AutoModelForCausalLM.from_pretrained({str(exported)!r}, trust_remote_code=True)
+        ids = torch.tensor({cycle_batch(1, 5, seed=2).tolist()})
+        td = m.generate(ids, max_new_tokens=40, do_sample=False, eos_token_id=None)
+        stats = dict(m.tidar_stats)
+        ar = m.generate(ids, max_new_tokens=40, do_sample=False, eos_token_id=None, tidar=False)
+        print(json.dumps({{"same": torch.equal(td, ar), "tpn": stats["tokens_per_nfe"], "mod": type(m).__module__}}))
+        """
+    )
+    res = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    out = json.loads(res.stdout.strip().splitlines()[-1])
+    assert out["same"] and out["tpn"] > 1.5
+    assert out["mod"].startswith("transformers.models.qwen3")
+
+
+def test_without_remote_code_it_is_the_plain_base_model(exported, trained):
+    model, _ = trained["qwen3"]
+    plain = AutoModelForCausalLM.from_pretrained(exported)
+    assert type(plain) is type(model)
+    ids = cycle_batch(1, 6, seed=3)
+    # Likelihood is the AR model's: one causal pass, identical logits to the weights exported.
+    with torch.no_grad():
+        torch.testing.assert_close(plain(input_ids=ids).logits, model(input_ids=ids).logits)
+    out = plain.generate(ids, max_new_tokens=8, do_sample=False, eos_token_id=None)
+    assert not hasattr(plain, "tidar_stats") and out.shape[1] == 14
+
+
+def test_library_load_needs_no_remote_code(exported):
+    m = load(exported)
+    ids = cycle_batch(1, 5, seed=4)
+    td = m.generate(ids, max_new_tokens=20, do_sample=False, eos_token_id=None)
+    assert m.tidar_stats["tokens_per_nfe"] > 1.5
+    assert torch.equal(td, m.generate(ids, max_new_tokens=20, do_sample=False, eos_token_id=None, tidar=False))
+
+
+def test_not_an_export_is_refused(tiny_dirs, tmp_path):
+    with pytest.raises(ValueError, match="not a TiDAR export"):
+        load(tiny_dirs["llama"])
+    with pytest.raises(FileNotFoundError, match="no config.json"):
+        check_export(tmp_path)
+
+
+def test_lora_is_merged_on_export(tiny_dirs, tmp_path):
+    from peft import LoraConfig, get_peft_model
+
+    from tidar_convert.loading import load_base
+
+    model, tok = load_base(str(tiny_dirs["llama"]))
+    peft_model = get_peft_model(model, LoraConfig(r=4, target_modules="all-linear", init_lora_weights=False))
+    ids = torch.tensor([[5, 6, 7]])
+    with torch.no_grad():
+        expected = peft_model(input_ids=ids).logits
+    out = export(peft_model, tok, tmp_path / "lora", block_size=4, alpha=1.0)
+    reloaded = AutoModelForCausalLM.from_pretrained(out)
+    assert not any("lora" in n for n in reloaded.state_dict())
+    with torch.no_grad():
+        torch.testing.assert_close(reloaded(input_ids=ids).logits, expected, atol=1e-5, rtol=1e-5)
