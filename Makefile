@@ -16,7 +16,7 @@ OUT ?= out/$(basename $(notdir $(RECIPE)))
 MAX_STEPS ?=
 K ?=
 
-.PHONY: convert test test-fast bench bench-gpu clean
+.PHONY: convert test test-fast bench ppl bench-gpu clean
 
 $(BIN)/.installed: pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv --system-site-packages $(VENV)
@@ -37,7 +37,10 @@ test-fast: $(BIN)/.installed
 	$(BIN)/python -m pytest -q -m "not slow" tests
 
 bench: $(BIN)/.installed
-	$(BIN)/tidar-convert bench --model $(or $(MODEL),$(OUT)) $(if $(K),--k $(K))
+	$(BIN)/tidar-convert bench --model $(or $(MODEL),$(OUT)) $(if $(K),--k $(K)) $(if $(LIMIT),--limit $(LIMIT))
+
+ppl: $(BIN)/.installed
+	$(BIN)/tidar-convert eval-ppl --model $(or $(MODEL),$(OUT)) --data $(or $(DATA),prose)
 
 bench-gpu: $(BIN)/.installed
 	$(BIN)/python -m tidar_convert.bench_gpu

@@ -18,8 +18,6 @@ TiDAR model must keep its base model's likelihood (TIDAR.md section 2), and this
 
 from __future__ import annotations
 
-import contextlib
-import inspect
 import json
 import math
 import os
@@ -40,6 +38,7 @@ import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 from . import layout
+from .decode import cache_kwargs
 from .loading import cache_dir
 
 DECODERS = ("ar", "prompt_lookup", "tidar")
@@ -117,33 +116,6 @@ def median_seconds(fn: Callable[[], object], device: torch.device, repeats: int 
     return statistics.median(times)
 
 
-@contextlib.contextmanager
-def count_forwards(model):
-    """Count `model.forward` calls: NFE for every decoder alike (generate() calls the instance attribute)."""
-    calls = [0]
-    original = model.forward
-    shadowed = model.__dict__.get("forward")  # already wrapped by someone else: put theirs back
-
-    def counting(*args, **kwargs):
-        calls[0] += 1
-        return original(*args, **kwargs)
-
-    model.forward = counting
-    try:
-        yield calls
-    finally:
-        if shadowed is None:
-            del model.forward  # back to the class method
-        else:
-            model.forward = shadowed
-
-
-def cache_kwargs(model, cache) -> dict:
-    """The KV-cache keyword: transformers 5.24 renamed `past_key_values` to `cache` (old name deprecated)."""
-    name = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
-    return {name: cache, "use_cache": True}
-
-
 # --------------------------------------------------------------------------------------------
 # Decoding benchmark.
 # --------------------------------------------------------------------------------------------
@@ -161,17 +133,18 @@ def run_decoder(model, input_ids, decoder: str, max_new_tokens: int, pad_token_i
     """One greedy generation; new tokens, forward passes, wall seconds (and TiDAR's accepted list)."""
     device = input_ids.device
     kwargs = decoder_kwargs(decoder, k, prompt_lookup_tokens)
-    with count_forwards(model) as calls, torch.no_grad():
+    with torch.no_grad():
         synchronize(device)
         t0 = time.perf_counter()
         out = model.generate(input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=pad_token_id, **kwargs)
         synchronize(device)
         seconds = time.perf_counter() - t0
     tokens = out[0, input_ids.shape[1] :].tolist()
+    nfe = model.tidar_stats["nfe"]  # forward passes, counted alike for every decoder
     row = {
         "new_tokens": len(tokens),
-        "nfe": calls[0],
-        "tokens_per_nfe": len(tokens) / calls[0] if calls[0] else 0.0,
+        "nfe": nfe,
+        "tokens_per_nfe": len(tokens) / nfe if nfe else 0.0,
         "seconds": seconds,
         "tokens_per_s": len(tokens) / seconds if seconds > 0 else 0.0,
         "tokens": tokens,
@@ -252,15 +225,18 @@ def slot_latency(model, slots: Iterable[int], cache_len: int = SLOT_CACHE_LEN, r
 
     with torch.no_grad():
         model(**inputs(0, cache_len), **cache_kwargs(model, cache))
-        points = []
+        steps = {}
         for n in slots:
             batch = inputs(cache_len, n)
 
-            def step():
+            def step(batch=batch, n=n):
                 model(**batch, **cache_kwargs(model, cache))
                 cache.crop(-n)
 
-            points.append({"slots": n, "ms": 1000 * median_seconds(step, device, repeats, warmup=2)})
+            steps[n] = step
+        for step in steps.values():  # one untimed sweep first: otherwise the first size measured
+            step()  # also pays for warming caches and allocator, and the curve starts high
+        points = [{"slots": n, "ms": 1000 * median_seconds(step, device, repeats, warmup=1)} for n, step in steps.items()]
     base = points[0]["ms"] if points else 0.0
     for p in points:
         p["vs_first"] = p["ms"] / base if base > 0 else 0.0
@@ -347,6 +323,9 @@ def machine_info(device: torch.device, model=None) -> dict:
         "platform": platform.platform(),
         "cpu_count": os.cpu_count(),
         "threads": torch.get_num_threads(),
+        # Other processes on the CPU wreck timings (torch's threads spin against them): check this
+        # is near 0 before trusting a CPU number.
+        "load_avg_1m": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
         "device": str(device),
         "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or platform.machine(),
     }
@@ -416,10 +395,7 @@ def bench_cmd(
     path = Path(model).expanduser()
     if not path.is_dir():
         raise FileNotFoundError(f"model={model!r} is not a folder; pass a TiDAR export folder (the OUT of `make convert`).")
-    try:
-        trained = check_export(path)
-    except ValueError as e:  # check_export's hint is about `generate --mode ar`; say what bench needs
-        raise ValueError(f"{model!r} is not a TiDAR export: bench compares TiDAR with AR on a converted model. Convert it first (`make convert MODEL=...`). ({e})") from e
+    trained = check_export(path)
     k = k or trained["block_size"]
     name = name or path.resolve().name
     device = default_device()

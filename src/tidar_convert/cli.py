@@ -133,7 +133,7 @@ def main(argv: list[str] | None = None) -> None:
         from .bench import bench_cmd, eval_ppl_cmd
 
         commands = {"export": export_cmd, "generate": generate_cmd, "bench": bench_cmd, "eval-ppl": eval_ppl_cmd}
-        auto_cli(commands, args=args)
+        auto_cli(commands, args=args, as_positional=False)  # --model X, as the README says
     except (ValueError, FileNotFoundError, FloatingPointError) as e:  # bad input: the message says the fix
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)

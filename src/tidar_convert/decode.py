@@ -44,9 +44,13 @@ class Draft:
 
 def forward(model, cache, tokens, positions, mask_mod, kv_len):
     mask = build_mask(mask_mod, tokens.shape[0], tokens.shape[1], kv_len, model.config._attn_implementation, tokens.device)
-    # transformers renamed past_key_values to cache (5.24 warns, 5.40 removes the old name)
-    cache_kw = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
-    return model(input_ids=tokens, position_ids=positions, attention_mask=mask, use_cache=True, **{cache_kw: cache}).logits
+    return model(input_ids=tokens, position_ids=positions, attention_mask=mask, **cache_kwargs(model, cache)).logits
+
+
+def cache_kwargs(model, cache) -> dict:
+    """transformers 5.24 renamed `past_key_values` to `cache` (the old name goes in 5.40)."""
+    name = "cache" if "cache" in inspect.signature(type(model).forward).parameters else "past_key_values"
+    return {name: cache, "use_cache": True}
 
 
 def prefill(model, cache, prompt, kv_valid, k, mask_id, pick):
@@ -159,15 +163,22 @@ def generate(inputs=None, generation_config=None, *, model, tidar: bool = True, 
     """
     input_ids = inputs if inputs is not None else kwargs.pop("input_ids", None)
     if not tidar:
-        out = GenerationMixin.generate(model, input_ids, generation_config, **kwargs)
+        calls = []  # count forward passes: prompt lookup and friends make fewer than one per token
+        hook = model.register_forward_pre_hook(lambda *_: calls.append(1))
+        try:
+            out = GenerationMixin.generate(model, input_ids, generation_config, **kwargs)
+        finally:
+            hook.remove()
         seqs = out if isinstance(out, torch.Tensor) else out.sequences
         new = seqs.shape[1] - input_ids.shape[1]
-        model.tidar_stats = {"nfe": new, "new_tokens": new, "tokens_per_nfe": 1.0 if new else 0.0, "accepted": []}
+        model.tidar_stats = {"nfe": len(calls), "new_tokens": new, "tokens_per_nfe": new / max(1, len(calls)), "accepted": []}
         return out
     attention_mask = kwargs.pop("attention_mask", None)
     streamer = kwargs.pop("streamer", None)
     stopping_criteria = kwargs.pop("stopping_criteria", None)
     generator = kwargs.pop("generator", None)
+    if kwargs.get("max_new_tokens") is not None and kwargs["max_new_tokens"] <= 0:  # before transformers' own, vaguer check
+        raise ValueError(f"max_new_tokens={kwargs['max_new_tokens']}: must be >= 1.")
     gc = copy.deepcopy(generation_config or model.generation_config)
     unused = gc.update(**kwargs)
     unused.pop("use_cache", None)

@@ -65,7 +65,7 @@ def check_export(path: str | os.PathLike) -> dict:
     if missing or not (path / "custom_generate" / "generate.py").exists():
         raise ValueError(
             f"{str(path)!r} is not a TiDAR export (missing {', '.join(missing) or 'custom_generate/generate.py'}); "
-            "convert it first with `make convert MODEL=...`, or use --mode ar."
+            "convert it first with `make convert MODEL=...` (a plain model decodes with AR only)."
         )
     return {f: cfg[f] for f in TIDAR_FIELDS}
 
