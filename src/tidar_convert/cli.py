@@ -121,6 +121,22 @@ def generate_cmd(
 
 
 
+def _unix_flags(args: list[str], functions) -> list[str]:
+    """Accept --max-new-tokens for --max_new_tokens, and a bare boolean flag (--json) for --json true."""
+    import inspect
+
+    bools = {f"--{n}" for fn in functions for n, p in inspect.signature(fn).parameters.items() if p.annotation in (bool, "bool")}
+    out = []
+    for i, arg in enumerate(args):
+        if arg.startswith("--") and "=" not in arg:
+            arg = "--" + arg[2:].replace("-", "_")
+        out.append(arg)
+        following = args[i + 1] if i + 1 < len(args) else "--"
+        if arg in bools and following.startswith("--"):
+            out.append("true")
+    return out
+
+
 def main(argv: list[str] | None = None) -> None:
     args = list(sys.argv[1:] if argv is None else argv)
     _configure_wandb()
@@ -133,7 +149,7 @@ def main(argv: list[str] | None = None) -> None:
         from .bench import bench_cmd, eval_ppl_cmd
 
         commands = {"export": export_cmd, "generate": generate_cmd, "bench": bench_cmd, "eval-ppl": eval_ppl_cmd}
-        auto_cli(commands, args=args, as_positional=False)  # --model X, as the README says
+        auto_cli(commands, args=_unix_flags(args, commands.values()), as_positional=False)  # --model X, as the README says
     except (ValueError, FileNotFoundError, FloatingPointError) as e:  # bad input: the message says the fix
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)

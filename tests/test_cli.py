@@ -1,0 +1,83 @@
+"""The command line as a user types it: generate (text and --json), export, and its errors."""
+
+import json
+
+import pytest
+import torch
+
+from tidar_convert import export
+from tidar_convert.cli import main
+
+from conftest import cycle_batch
+
+
+@pytest.fixture(scope="module")
+def exported(trained, tmp_path_factory):
+    model, tok = trained["llama"]
+    return export(model, tok, tmp_path_factory.mktemp("cli") / "tidar", block_size=4, alpha=1.0)
+
+
+def run_json(capsys, *args):
+    main(["generate", *args, "--json"])
+    return json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+
+
+def test_generate_json_same_text_in_tidar_and_ar_mode(exported, trained, capsys):
+    _, tok = trained["llama"]
+    prompt = tok.decode(cycle_batch(1, 6, seed=1)[0])
+    common = ["--model", str(exported), "--prompt", prompt, "--max-new-tokens", "24", "--no-chat-template"]
+    td = run_json(capsys, *common, "--mode", "tidar")
+    ar = run_json(capsys, *common, "--mode", "ar")
+    assert td["text"] == ar["text"] and td["new_tokens"] == ar["new_tokens"] > 0
+    assert set(td) == {"text", "new_tokens", "nfe", "tokens_per_nfe", "seconds"}
+    assert td["nfe"] < ar["nfe"] and td["tokens_per_nfe"] > 1.5
+    sampled = run_json(capsys, *common, "--temperature", "0.8", "--top-p", "0.9", "--seed", "3")
+    again = run_json(capsys, *common, "--temperature", "0.8", "--top_p", "0.9", "--seed", "3")
+    assert sampled["text"] == again["text"]  # seeded
+
+
+def test_generate_plain_text_output(exported, capsys):
+    main(["generate", "--model", str(exported), "--prompt", "def f(x):", "--max_new_tokens", "5"])
+    captured = capsys.readouterr()
+    assert "tokens/NFE" in captured.err and captured.out.strip()
+
+
+def test_export_from_checkpoint(tmp_path, tiny_dirs):
+    from pathlib import Path
+
+    recipe = str(Path(__file__).parents[1] / "recipes" / "tiny.yaml")
+    run = tmp_path / "run"
+    main(["fit", "--config", recipe, "--model.model", str(tiny_dirs["llama"]), "--trainer.max_steps", "10", "--trainer.logger", "false", "--trainer.default_root_dir", str(run)])
+    main(["export", "--checkpoint", str(run / "checkpoints" / "last.ckpt"), "--out", str(tmp_path / "out")])
+    from tidar_convert import load
+
+    m = load(tmp_path / "out")
+    ids = torch.tensor([[5, 6, 7]])
+    assert torch.equal(m.generate(ids, max_new_tokens=6, do_sample=False), m.generate(ids, max_new_tokens=6, do_sample=False, tidar=False))
+
+
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["--prompt", ""], "prompt is empty"),
+        (["--prompt", "x", "--max_new_tokens", "0"], "max_new_tokens=0"),
+        (["--prompt", "x", "--mode", "fast"], "mode='fast'"),
+        (["--prompt", "x", "--block_size", "1"], "block_size=1"),
+    ],
+)
+def test_generate_errors(exported, capsys, args, message):
+    with pytest.raises(SystemExit):
+        main(["generate", "--model", str(exported), *args])
+    assert message in capsys.readouterr().err
+
+
+def test_generate_refuses_a_plain_model(tiny_dirs, capsys):
+    with pytest.raises(SystemExit):
+        main(["generate", "--model", str(tiny_dirs["llama"]), "--prompt", "x"])
+    assert "not a TiDAR export" in capsys.readouterr().err
+
+
+def test_export_missing_checkpoint(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        main(["export", "--checkpoint", str(tmp_path / "nope.ckpt"), "--out", str(tmp_path / "o")])
+    assert "does not exist" in capsys.readouterr().err
