@@ -135,3 +135,12 @@ def test_empty_or_too_short_data_is_refused(tmp_path, tiny_dirs, capsys):
     with pytest.raises(SystemExit):
         fit(tmp_path, tiny_dirs["llama"], "--data.source", str(short))
     assert "fewer than seq_len=64 tokens" in capsys.readouterr().err
+
+
+def test_validation_logs_real_decoding_acceptance(tmp_path, tiny_dirs):
+    from tidar_convert.cli import _lightning_cli
+
+    cli = _lightning_cli(["fit", "--config", RECIPE, "--model.model", str(tiny_dirs["llama"]), "--trainer.max_steps", "15", "--trainer.logger", "false", "--trainer.default_root_dir", str(tmp_path)])
+    metrics = cli.trainer.callback_metrics
+    assert 1.0 <= metrics["val/tokens_per_nfe"].item() <= 4.0
+    assert {"val/loss", "val/loss_ar", "val/loss_diff", "val/acc_diff_3", "train/acc_diff_0"} <= set(metrics)

@@ -42,9 +42,10 @@ class Draft:
 # --------------------------------------------------------------------------------------------
 
 
-def forward(model, cache, tokens, positions, mask_mod, kv_len):
+def forward(model, cache, tokens, positions, mask_mod, kv_len, logits_to_keep=0):
     mask = build_mask(mask_mod, tokens.shape[0], tokens.shape[1], kv_len, model.config._attn_implementation, tokens.device)
-    return model(input_ids=tokens, position_ids=positions, attention_mask=mask, **cache_kwargs(model, cache)).logits
+    out = model(input_ids=tokens, position_ids=positions, attention_mask=mask, logits_to_keep=logits_to_keep, **cache_kwargs(model, cache))
+    return out.logits
 
 
 def cache_kwargs(model, cache) -> dict:
@@ -61,10 +62,11 @@ def prefill(model, cache, prompt, kv_valid, k, mask_id, pick):
     prompt_pos = (kv_valid.cumsum(1) - 1).clamp(min=0)
     positions = torch.cat([prompt_pos, decode_position_ids(n - P, P, k, 1, P)[:, P:]], 1)
     valid = torch.cat([kv_valid, torch.ones(B, k, dtype=torch.bool, device=prompt.device)], 1)
-    logits = forward(model, cache, tokens, positions, decode_mask_mod(0, P, k, P, valid), P + k)
+    # Only the last prompt token (-> y) and the mask block (-> the draft) need the vocabulary head.
+    logits = forward(model, cache, tokens, positions, decode_mask_mod(0, P, k, P, valid), P + k, logits_to_keep=k + 1)
     cache.crop(-k)
-    y = pick.token(logits[:, P - 1])
-    return y, pick.draft(y, logits[:, P + 1 :])
+    y = pick.token(logits[:, 0])
+    return y, pick.draft(y, logits[:, 2:])
 
 
 def step(model, cache, draft: Draft, start, kv_valid, k, mask_id):

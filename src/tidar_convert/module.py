@@ -31,6 +31,7 @@ class TiDARModule(L.LightningModule):
         lora_alpha: int = 32,
         attn_implementation: str | None = None,
         gradient_checkpointing: bool = False,
+        val_decode_prompts: int = 2,
     ):
         """
         Args:
@@ -44,6 +45,8 @@ class TiDARModule(L.LightningModule):
             lora_alpha: LoRA scaling.
             attn_implementation: None = flex_attention on CUDA, sdpa elsewhere (FlexAttention has no CPU backward).
             gradient_checkpointing: recompute activations in backward (large models).
+            val_decode_prompts: at each validation, decode this many held-out prompts with TiDAR and log
+                `val/tokens_per_nfe` (0 = off).
         """
         super().__init__()
         if alpha < 0:
@@ -73,7 +76,7 @@ class TiDARModule(L.LightningModule):
             )
             self.model = get_peft_model(self.model, cfg)
         self.block_size, self.alpha, self.optimizer_factory = block_size, alpha, optimizer
-        self.warmup_ratio, self.min_lr_ratio = warmup_ratio, min_lr_ratio
+        self.warmup_ratio, self.min_lr_ratio, self.val_decode_prompts = warmup_ratio, min_lr_ratio, val_decode_prompts
 
     def setup(self, stage: str) -> None:
         dm = getattr(self.trainer, "datamodule", None) if self._trainer is not None else None
@@ -110,7 +113,23 @@ class TiDARModule(L.LightningModule):
 
     def validation_step(self, batch, batch_idx):
         out = self.forward_tidar(batch["input_ids"], batch.get("doc_ids"))
+        if batch_idx < self.val_decode_prompts:
+            out["tokens_per_nfe"] = torch.tensor(self.decode_tokens_per_nfe(batch["input_ids"][:1]))
         self.log_dict({f"val/{k}": v for k, v in out.items()}, batch_size=batch["input_ids"].shape[0])
+
+    @torch.no_grad()
+    def decode_tokens_per_nfe(self, chunk: torch.Tensor, prompt_len: int = 32, new_tokens: int = 32) -> float:
+        """Greedy TiDAR decoding from the start of a held-out chunk: the real acceptance, not a proxy."""
+        from .decode import generate
+
+        model = self.model
+        was_training = model.training
+        model.eval()
+        try:
+            generate(chunk[:, :prompt_len], model=model, max_new_tokens=new_tokens, do_sample=False, eos_token_id=None, block_size=self.block_size)
+            return model.tidar_stats["tokens_per_nfe"]
+        finally:
+            model.train(was_training)
 
     def configure_optimizers(self):
         params = [p for p in self.model.parameters() if p.requires_grad]
