@@ -18,7 +18,10 @@ def ar(model, ids, **kw):
 
 @pytest.fixture(scope="module")
 def untrained(tiny_dirs):
-    return {f: load_base(str(tiny_dirs[f]))[0].eval() for f in FAMILIES}
+    models = {f: load_base(str(tiny_dirs[f]))[0].eval() for f in FAMILIES}
+    for m in models.values():
+        m.config.block_size = 4
+    return models
 
 
 @pytest.mark.parametrize("family", FAMILIES)
