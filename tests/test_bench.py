@@ -8,6 +8,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+
 import torch
 
 from tidar_convert import bench, bench_gpu
@@ -134,26 +135,6 @@ def test_eval_ppl_cmd_on_a_folder(tiny_dirs, tokenizer, tmp_path, capsys):
     model = AutoModelForCausalLM.from_pretrained(tiny_dirs["llama"]).eval()
     assert ppl == pytest.approx(hand_perplexity(model, tokenizer, docs, 16, 64), rel=1e-4)
     assert "perplexity" in capsys.readouterr().out
-
-
-def test_split_prose_by_document(tmp_path):
-    book = "\n\n".join(f"Paragraph {i} of the story goes on\nacross a wrapped line." for i in range(40))
-    text = "".join(
-        f"The Project Gutenberg EBook of {t}\nLicence text here.\n*** START OF THIS PROJECT GUTENBERG EBOOK {t.upper()} ***\n{book}\n"
-        f"*** END OF THIS PROJECT GUTENBERG EBOOK {t.upper()} ***\nMore licence text.\n"
-        for t in ("First Book", "Second Book")
-    )
-    counts = bench.split_prose(text, tmp_path, heldout_every=4, doc_chars=200)
-    train = {p.name: p.read_text() for p in (tmp_path / "train").iterdir()}
-    heldout = {p.name: p.read_text() for p in (tmp_path / "heldout").iterdir()}
-    assert counts == {"train": len(train), "heldout": len(heldout)} and heldout and train
-    assert {n.split("-", 1)[1] for n in heldout} == {"first-book.txt", "second-book.txt"}
-    train_paragraphs = {p for doc in train.values() for p in doc.split("\n\n")}
-    for doc in heldout.values():
-        assert not set(doc.split("\n\n")) & train_paragraphs
-    everything = "".join(train.values()) + "".join(heldout.values())
-    assert "icence" not in everything and "GUTENBERG" not in everything
-    assert "goes on across a wrapped line." in everything  # hard wraps joined
 
 
 def test_bench_gpu_dry_run(tmp_path):

@@ -3,7 +3,7 @@ import json
 import pytest
 import torch
 
-from tidar_convert.data import PackedDocuments, TiDARData, iter_documents, pack, shuffled
+from tidar_convert.data import PackedDocuments, TiDARData, iter_documents, pack, shuffled, split_prose
 
 
 def test_pack_numbers_documents_inside_each_chunk():
@@ -75,3 +75,23 @@ def test_bad_data_settings():
         TiDARData(val_every=1)
     with pytest.raises(ValueError, match="source=\\[\\]"):
         TiDARData(source=[])
+
+
+def test_split_prose_by_document(tmp_path):
+    book = "\n\n".join(f"Paragraph {i} of the story goes on\nacross a wrapped line." for i in range(40))
+    text = "".join(
+        f"The Project Gutenberg EBook of {t}\nLicence text here.\n*** START OF THIS PROJECT GUTENBERG EBOOK {t.upper()} ***\n{book}\n"
+        f"*** END OF THIS PROJECT GUTENBERG EBOOK {t.upper()} ***\nMore licence text.\n"
+        for t in ("First Book", "Second Book")
+    )
+    counts = split_prose(text, tmp_path, heldout_every=4, doc_chars=200)
+    train = {p.name: p.read_text() for p in (tmp_path / "train").iterdir()}
+    heldout = {p.name: p.read_text() for p in (tmp_path / "heldout").iterdir()}
+    assert counts == {"train": len(train), "heldout": len(heldout)} and heldout and train
+    assert {n.split("-", 1)[1] for n in heldout} == {"first-book.txt", "second-book.txt"}
+    train_paragraphs = {p for doc in train.values() for p in doc.split("\n\n")}
+    for doc in heldout.values():
+        assert not set(doc.split("\n\n")) & train_paragraphs
+    everything = "".join(train.values()) + "".join(heldout.values())
+    assert "icence" not in everything and "GUTENBERG" not in everything
+    assert "goes on across a wrapped line." in everything  # hard wraps joined

