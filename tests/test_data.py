@@ -59,6 +59,11 @@ def test_mixed_sources_interleave(tokenizer, tmp_path):
     b.write_text("\n".join(json.dumps({"text": f"b{i}"}) for i in range(4)))
     ds = PackedDocuments(tokenizer, [str(a), str(b)], 8, "train", 100, "text", None, "train", 0)
     assert list(ds.documents())[:5] == ["b0", "a1", "b1", "a2", "b2"]  # document 0 (a0) is validation
+    # equal shares of text, not of documents: one long document of c is worth many short ones of a
+    c = tmp_path / "c.jsonl"
+    c.write_text(json.dumps({"text": "c" * 6}) + "\n" + json.dumps({"text": "C" * 6}))
+    ds = PackedDocuments(tokenizer, [str(a), str(c)], 8, "train", 100, "text", None, "train", 0)
+    assert list(ds.documents()) == ["cccccc", "a1", "a2", "a3", "CCCCCC"]
 
 
 def test_datamodule_batches(tokenizer):
@@ -95,3 +100,23 @@ def test_split_prose_by_document(tmp_path):
     everything = "".join(train.values()) + "".join(heldout.values())
     assert "icence" not in everything and "GUTENBERG" not in everything
     assert "goes on across a wrapped line." in everything  # hard wraps joined
+
+
+def test_greedy_corpus_is_the_models_own_continuation(tiny_dirs, tmp_path, monkeypatch):
+    from tidar_convert.data import greedy_corpus
+    from tidar_convert.loading import load_base
+
+    monkeypatch.setenv("TIDAR_CACHE", str(tmp_path / "cache"))
+    model, tok = load_base(str(tiny_dirs["llama"]))
+    src = tmp_path / "docs.jsonl"
+    src.write_text("\n".join(json.dumps({"text": f"def function_{i}(x):\n    return x * {i} + {i}\n" * 3}) for i in range(8)))
+    path = greedy_corpus(model, tok, [str(src)], n_docs=3, val_every=4, prompt_tokens=8, new_tokens=6, batch_size=2)
+    rows = [json.loads(line)["text"] for line in path.read_text().splitlines()]
+    assert len(rows) == 3
+    prompt = tok(json.loads(src.read_text().splitlines()[1])["text"], add_special_tokens=False)["input_ids"][:8]  # doc 0 is validation
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        expected = model.generate(torch.tensor([prompt]), max_new_tokens=6, do_sample=False, pad_token_id=tok.pad_token_id)
+    assert rows[0] == tok.decode(expected[0], skip_special_tokens=True)
+    mtime = path.stat().st_mtime
+    assert greedy_corpus(model, tok, [str(src)], n_docs=3, val_every=4, prompt_tokens=8, new_tokens=6, batch_size=2) == path
+    assert path.stat().st_mtime == mtime  # cached, not made again

@@ -121,18 +121,22 @@ class PackedDocuments(IterableDataset):
         self.rank, self.world_size, self.shuffle_buffer = rank, world_size, shuffle_buffer
 
     def documents(self) -> Iterator[str]:
-        streams = [iter_documents(s, self.text_field, self.name, self.split, self.seed) for s in self.sources]
+        """Documents of all sources, interleaved so each source gets an equal share of the text
+        (by characters): a list of sources is a mix from the first step, whatever the document sizes."""
+        streams = {j: iter_documents(s, self.text_field, self.name, self.split, self.seed) for j, s in enumerate(self.sources)}
+        chars = dict.fromkeys(streams, 0)
         i = 0
-        while streams:  # round-robin so a mix of sources is mixed from the first step
-            for stream in list(streams):
-                doc = next(stream, None)
-                if doc is None:
-                    streams.remove(stream)
-                    continue
-                is_val = i % self.val_every == 0
-                if is_val == (self.part == "val") and (i // self.val_every) % self.world_size == self.rank:
-                    yield doc
-                i += 1
+        while streams:
+            j = min(streams, key=lambda j: (chars[j], j))
+            doc = next(streams[j], None)
+            if doc is None:
+                del streams[j]
+                continue
+            chars[j] += len(doc)
+            is_val = i % self.val_every == 0
+            if is_val == (self.part == "val") and (i // self.val_every) % self.world_size == self.rank:
+                yield doc
+            i += 1
 
     def tokenized(self) -> Iterator[list[int]]:
         eos = self.tokenizer.eos_token_id
@@ -152,6 +156,43 @@ class PackedDocuments(IterableDataset):
             )
 
 
+def greedy_corpus(model, tokenizer, sources: list[str], n_docs: int, val_every: int, prompt_tokens: int = 32, new_tokens: int = 224, batch_size: int = 16, seed: int = 0) -> Path:
+    """A jsonl of `n_docs` documents: a real prompt, then the model's own greedy continuation.
+
+    Self-distillation data for the diffusion half: the verifier accepts exactly what AR greedy
+    decoding says, so these are the drafts worth learning. Made once per (model, settings) and cached.
+    """
+    import hashlib
+    import json
+
+    from tqdm.auto import tqdm
+
+    key = json.dumps([str(model.config.name_or_path), sources, n_docs, val_every, prompt_tokens, new_tokens, seed])
+    path = cache_dir() / "greedy" / f"{hashlib.sha1(key.encode()).hexdigest()[:16]}.jsonl"
+    if path.exists():
+        return path
+    path.parent.mkdir(parents=True, exist_ok=True)
+    prompts = []
+    for doc in PackedDocuments(tokenizer, sources, prompt_tokens, "train", val_every, "text", None, "train", seed).tokenized():  # never validation prompts
+        if len(doc) > prompt_tokens:
+            prompts.append(doc[:prompt_tokens])
+        if len(prompts) == n_docs:
+            break
+    device = next(model.parameters()).device
+    was_training = model.training
+    model.eval()
+    tmp = path.with_suffix(".tmp")
+    with tmp.open("w") as f, torch.no_grad(), torch.autocast(device.type, dtype=torch.bfloat16):
+        for i in tqdm(range(0, len(prompts), batch_size), desc="greedy continuations", unit="batch"):
+            ids = torch.tensor(prompts[i : i + batch_size], device=device)  # equal lengths: no padding
+            out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, do_sample=False, pad_token_id=tokenizer.pad_token_id)
+            for row in out:
+                f.write(json.dumps({"text": tokenizer.decode(row, skip_special_tokens=True)}) + "\n")
+    model.train(was_training)
+    os.replace(tmp, path)
+    return path
+
+
 class TiDARData(L.LightningDataModule):
     def __init__(
         self,
@@ -165,6 +206,8 @@ class TiDARData(L.LightningDataModule):
         split: str = "train",
         seed: int = 0,
         shuffle_buffer: int = 64,
+        greedy_docs: int = 0,
+        greedy_new_tokens: int = 224,
         num_workers: int = 0,
     ):
         """
@@ -179,6 +222,9 @@ class TiDARData(L.LightningDataModule):
             split: hub dataset split.
             seed: order of the stdlib files and of the shuffle buffer.
             shuffle_buffer: training chunks drawn at random from a buffer of this many (0 = in order).
+            greedy_docs: mix in this many documents made of a real prompt (32 tokens of the sources)
+                and the base model's own greedy continuation (self-distillation; made once, cached).
+            greedy_new_tokens: length of each greedy continuation.
             num_workers: DataLoader workers (0 = tokenize in the training process).
         """
         super().__init__()
@@ -191,7 +237,8 @@ class TiDARData(L.LightningDataModule):
             raise ValueError("source=[]: name at least one data source, e.g. 'stdlib'.")
         self.seq_len, self.batch_size, self.val_every, self.val_batches = seq_len, batch_size, val_every, val_batches
         self.text_field, self.name, self.split, self.seed, self.num_workers = text_field, name, split, seed, num_workers
-        self.shuffle_buffer = shuffle_buffer
+        self.shuffle_buffer, self.greedy_docs, self.greedy_new_tokens = shuffle_buffer, greedy_docs, greedy_new_tokens
+        self.model = None  # set by the module when greedy_docs > 0: the base model writes its own drafts
         self.tokenizer = None  # set by the module (it owns the tokenizer with the mask token)
 
     def _dataset(self, part: str) -> PackedDocuments:
@@ -199,7 +246,11 @@ class TiDARData(L.LightningDataModule):
             raise RuntimeError("TiDARData.tokenizer is not set; the TiDARModule sets it in setup().")
         rank, world = (self.trainer.global_rank, self.trainer.world_size) if self.trainer else (0, 1)
         buffer = self.shuffle_buffer if part == "train" else 0
-        return PackedDocuments(self.tokenizer, self.sources, self.seq_len, part, self.val_every, self.text_field, self.name, self.split, self.seed, rank, world, buffer)
+        sources = self.sources
+        if part == "train" and self.greedy_docs > 0:
+            path = greedy_corpus(self.model, self.tokenizer, self.sources, self.greedy_docs, self.val_every, new_tokens=self.greedy_new_tokens, seed=self.seed)
+            sources = sources + [str(path)]
+        return PackedDocuments(self.tokenizer, sources, self.seq_len, part, self.val_every, self.text_field, self.name, self.split, self.seed, rank, world, buffer)
 
     def train_dataloader(self):
         return DataLoader(self._dataset("train"), batch_size=self.batch_size, num_workers=self.num_workers)

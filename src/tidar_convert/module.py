@@ -82,7 +82,7 @@ class TiDARModule(L.LightningModule):
         dm = getattr(self.trainer, "datamodule", None) if self._trainer is not None else None
         if dm is not None:
             layout.check_train_shape(dm.seq_len, self.block_size)
-            dm.tokenizer = self.tokenizer
+            dm.tokenizer, dm.model = self.tokenizer, self.model
 
     def forward_tidar(self, input_ids: torch.Tensor, doc_ids: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
         B, S = input_ids.shape
