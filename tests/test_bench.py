@@ -53,7 +53,9 @@ def test_bench_json_and_plots(tiny_export, tmp_path):
     # one prefill per prompt, then one histogram entry per TiDAR step
     steps = sum(r["accepted_histogram"].values())
     assert steps == r["summary"]["tidar"]["nfe"] - r["prompts"]
-    assert [p["slots"] for p in r["slot_latency"]["points"]] == list(bench.CPU_SLOTS)
+    assert [p["slots"] for p in r["slot_latency"]["points"]] == sorted(set(bench.CPU_SLOTS) | {6, 20, 72})
+    assert set(r["slot_latency"]["tidar_step_vs_ar_step"]) == {"2", "4", "8"}
+    assert all(v > 0 for v in r["slot_latency"]["tidar_step_vs_ar_step"].values())
     assert set(r["plots"]) == {"tokens_per_s", "accepted", "slots"}
     for png in r["plots"].values():
         assert Path(png).read_bytes()[:4] == PNG

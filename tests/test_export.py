@@ -92,3 +92,31 @@ def test_lora_is_merged_on_export(tiny_dirs, tmp_path):
     assert not any("lora" in n for n in reloaded.state_dict())
     with torch.no_grad():
         torch.testing.assert_close(reloaded(input_ids=ids).logits, expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])  # untied and tied embeddings
+def test_lora_with_trained_mask_row_is_merged_on_export(tiny_dirs, tmp_path, family):
+    """LoRA training also trains the mask token's embedding row (peft trainable tokens): the export must keep it."""
+    from peft import LoraConfig, get_peft_model
+
+    from tidar_convert.loading import load_base
+
+    model, tok = load_base(str(tiny_dirs[family]))
+    mask_id = tok.mask_token_id
+    before = model.get_input_embeddings().weight.detach().clone()
+    cfg = LoraConfig(r=4, target_modules="all-linear", trainable_token_indices={"embed_tokens": [mask_id]})
+    peft_model = get_peft_model(model, cfg)
+    trainable = [p for n, p in peft_model.named_parameters() if p.requires_grad and "trainable_tokens" in n]
+    assert trainable, "the mask row is not trainable"
+    with torch.no_grad():
+        for p in trainable:
+            p.add_(1.0)
+        ids = torch.tensor([[5, mask_id, 7]])
+        expected = peft_model(input_ids=ids).logits
+    out = export(peft_model, tok, tmp_path / "lora", block_size=4, alpha=1.0)
+    reloaded = AutoModelForCausalLM.from_pretrained(out)
+    after = reloaded.get_input_embeddings().weight.detach()
+    assert not torch.allclose(after[mask_id], before[mask_id])
+    torch.testing.assert_close(after[:mask_id], before[:mask_id])
+    with torch.no_grad():
+        torch.testing.assert_close(reloaded(input_ids=ids).logits, expected, atol=1e-5, rtol=1e-5)

@@ -72,6 +72,7 @@ def generate_cmd(
     seed: int = 0,
     no_chat_template: bool = False,
     block_size: int | None = None,
+    dtype: str = "float32",
     json: bool = False,
 ) -> None:
     """Generate with an exported TiDAR model.
@@ -87,6 +88,7 @@ def generate_cmd(
         seed: random seed for sampling.
         no_chat_template: feed the prompt as raw text even if the tokenizer has a chat template.
         block_size: drafts per step (default: the trained block size).
+        dtype: float32 or bfloat16 (bf16 is faster for TiDAR on GPUs and AMX CPUs).
         json: print one JSON object (text, new_tokens, nfe, tokens_per_nfe, seconds).
     """
     import torch
@@ -100,7 +102,9 @@ def generate_cmd(
         raise ValueError("the prompt is empty; pass --prompt 'some text'.")
     if temperature < 0:
         raise ValueError(f"temperature={temperature}: must be >= 0 (0 = greedy).")
-    lm = load(model)
+    if dtype not in ("float32", "bfloat16"):
+        raise ValueError(f"dtype={dtype!r}: use float32 or bfloat16.")
+    lm = load(model, dtype=getattr(torch, dtype))
     tok = AutoTokenizer.from_pretrained(model)
     if tok.chat_template and not no_chat_template:
         ids = tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True, return_tensors="pt", return_dict=True)["input_ids"]
