@@ -13,7 +13,7 @@ plots beside it. NFE is counted the same way for every decoder: calls of `model.
 
 `tidar-convert eval-ppl --model M --data D` is AR perplexity in one plain causal pass per chunk: a
 TiDAR model must keep its base model's likelihood (TIDAR.md section 2), and this is how to check it.
-`--data prose` is held-out public-domain English prose (see `prose_corpus`).
+`--data prose` is held-out public-domain English prose (see `data.prose_corpus`).
 """
 
 from __future__ import annotations
@@ -22,13 +22,9 @@ import json
 import math
 import os
 import platform
-import re
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
-import zipfile
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
@@ -39,7 +35,6 @@ from tqdm.auto import tqdm
 
 from . import layout
 from .decode import cache_kwargs
-from .loading import cache_dir
 
 DECODERS = ("ar", "prompt_lookup", "tidar")
 
@@ -57,10 +52,6 @@ TEXT_PROMPTS = (
 CPU_SLOTS = (1, 2, 4, 8, 16, 32, 64)
 GPU_SLOTS = CPU_SLOTS + (128, 256, 512)
 SLOT_CACHE_LEN = 256
-
-# Held-out prose: Peter Norvig's big.txt (public-domain Project Gutenberg books, 6.5 MB of text),
-# shipped inside this small spell-checker wheel (2.4 MB). Pinned so the split never changes.
-
 
 # --------------------------------------------------------------------------------------------
 # The prompt set.
