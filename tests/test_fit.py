@@ -60,7 +60,7 @@ def held_out_loss(model, tokenizer, source, block_size=4, seq_len=64):
 def test_short_fit_lowers_loss_and_writes_a_loadable_folder(tmp_path, tiny_dirs, corpus, family, monkeypatch):
     from tidar_convert.loading import load_base
 
-    monkeypatch.chdir(tmp_path)  # W&B writes ./wandb
+    monkeypatch.chdir(tmp_path)  # W&B writes ./runs/tiny/wandb (tiny.yaml save_dir)
     out = fit(tmp_path, tiny_dirs[family], "--data.source", str(corpus), logger=family == "llama")  # one family goes through W&B (offline)
     base, tok = load_base(str(tiny_dirs[family]))
     model = AutoModelForCausalLM.from_pretrained(out)  # no remote code: the plain base architecture
@@ -73,14 +73,14 @@ def test_short_fit_lowers_loss_and_writes_a_loadable_folder(tmp_path, tiny_dirs,
     before, after = held_out_loss(base.eval(), tok, corpus), held_out_loss(model.eval(), out_tok, corpus)
     assert after < before - 0.5, (before, after)
     if family == "llama":
-        assert list((tmp_path / "wandb").glob("offline-run-*/*.wandb")), "no offline W&B run written"
+        assert list((tmp_path / "runs" / "tiny" / "wandb").glob("offline-run-*/*.wandb")), "no offline W&B run written"
 
 
 def test_resume_from_last_checkpoint(tmp_path, tiny_dirs):
     fit(tmp_path, tiny_dirs["qwen2"], "--trainer.max_steps", "10")
     last = tmp_path / "run" / "checkpoints" / "last.ckpt"
     assert torch.load(last, weights_only=False)["global_step"] == 10
-    fit(tmp_path, tiny_dirs["qwen2"], "--trainer.max_steps", "20", "--ckpt_path", str(last))
+    fit(tmp_path, tiny_dirs["qwen2"], "--trainer.max_steps", "20", "--ckpt_path", "last")  # tiny.yaml sets no dirpath: still found
     assert torch.load(last, weights_only=False)["global_step"] == 20
 
 
@@ -144,3 +144,69 @@ def test_validation_logs_real_decoding_acceptance(tmp_path, tiny_dirs):
     metrics = cli.trainer.callback_metrics
     assert 1.0 <= metrics["val/tokens_per_nfe"].item() <= 4.0
     assert {"val/loss", "val/loss_ar", "val/loss_diff", "val/acc_diff_3", "train/acc_diff_0"} <= set(metrics)
+
+
+# --------------------------------------------------------------------------------------------
+# Nothing lost, nothing vague: preemption, resume, where files go, what the user sees.
+# --------------------------------------------------------------------------------------------
+
+
+def cli_process(tmp_path, model_dir, *extra):
+    """`tidar-convert fit` as a user runs it: its own process, output to a pipe (not a terminal)."""
+    import subprocess
+    import sys
+
+    cmd = [sys.executable, "-m", "tidar_convert.cli", "fit", "--config", RECIPE, "--model.model", str(model_dir), "--trainer.default_root_dir", str(tmp_path / "run"), *extra]
+    return subprocess.Popen(cmd, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def test_fit_output_is_quiet_and_informative_and_config_stays_in_the_run_folder(tmp_path, tiny_dirs):
+    (tmp_path / "config.yaml").write_text("mine: true\n")  # the user's own file in the working directory
+    proc = cli_process(tmp_path, tiny_dirs["llama"], "--trainer.max_steps", "3", "--out", str(tmp_path / "out"))
+    out, err = proc.communicate(timeout=600)
+    assert proc.returncode == 0, err[-3000:]
+    assert (tmp_path / "config.yaml").read_text() == "mine: true\n"
+    assert "max_steps: 3" in (tmp_path / "run" / "config.yaml").read_text()
+    lines = (out + err).splitlines()
+    assert any(line.startswith("train step 1/3 (33%), loss ") and "tok/s" in line and "ETA" in line for line in lines), lines
+    assert any(line.startswith("train step 3/3 (100%)") for line in lines), lines
+    assert f"exported TiDAR model to {tmp_path / 'out'}" in err
+    assert "checkpoint: " in err and "W&B run: " in err
+    for noise in ("wandb: WARNING", "Tip:", "GPU available", "Loading weights", "Seed set", "Deprecat", "Epoch 0"):
+        assert noise not in out + err, noise
+    assert len(lines) <= 8, lines
+
+
+def test_sigterm_saves_a_checkpoint_exits_nonzero_and_resumes(tmp_path, tiny_dirs):
+    """What SLURM/Kubernetes send before killing a job: save, exit 143, and --ckpt_path last continues."""
+    import signal
+
+    proc = cli_process(tmp_path, tiny_dirs["qwen2"], "--trainer.max_steps", "5000", "--trainer.logger", "false")
+    for line in proc.stderr:  # wait until training is really running
+        if line.startswith("train step 1/"):
+            break
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 143, err[-3000:]
+    last = tmp_path / "run" / "checkpoints" / "last.ckpt"
+    assert "received SIGTERM: saved" in err and str(last) in err
+    step = torch.load(last, weights_only=False)["global_step"]
+    assert 1 <= step < 5000
+    fit(tmp_path, tiny_dirs["qwen2"], "--trainer.max_steps", str(step + 2), "--ckpt_path", "last")
+    assert torch.load(last, weights_only=False)["global_step"] == step + 2
+
+
+def test_resume_last_without_a_checkpoint_is_an_error(tmp_path, tiny_dirs, capsys):
+    with pytest.raises(SystemExit):
+        fit(tmp_path, tiny_dirs["llama"], "--ckpt_path", "last")
+    err = capsys.readouterr().err
+    assert "--ckpt_path last: no last checkpoint in" in err and str(tmp_path / "run" / "checkpoints") in err
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("steps", ["0", "-5"])
+def test_max_steps_that_train_nothing_are_refused(tmp_path, tiny_dirs, capsys, steps):
+    with pytest.raises(SystemExit):
+        fit(tmp_path, tiny_dirs["llama"], "--trainer.max_steps", steps)
+    assert f"--trainer.max_steps {steps}: trains nothing" in capsys.readouterr().err
+    assert not (tmp_path / "run").exists() and not (tmp_path / "out").exists()

@@ -24,25 +24,156 @@ def _configure_wandb() -> None:
     os.environ["WANDB_MODE"] = "offline"
 
 
+def _quiet_libraries() -> None:
+    """Keep fit's output to what a user acts on: our progress lines, errors, and where files went.
+
+    W&B's banners, Lightning's device table and advertisements, and third-party deprecation
+    warnings (which the user cannot act on) are silenced; `TIDAR_VERBOSE=1` brings them back.
+    """
+    import logging
+    import warnings
+
+    if os.environ.get("TIDAR_VERBOSE"):
+        return
+    os.environ.setdefault("WANDB_SILENT", "true")
+    import lightning.pytorch  # noqa: F401  (its import sets its loggers to INFO: lower them after)
+    import transformers
+
+    for name in ("lightning.pytorch", "lightning.fabric"):
+        logging.getLogger(name).setLevel(logging.WARNING)
+    transformers.logging.set_verbosity_error()  # "new embeddings will be initialized ..." on every run
+    transformers.logging.disable_progress_bar()  # weight loading/saving bars of a few ms each
+    for category in (DeprecationWarning, FutureWarning, PendingDeprecationWarning):
+        warnings.filterwarnings("ignore", category=category)
+    for pattern in (
+        r".*does not have many workers.*",  # streaming data: extra workers would read the same stream
+        r".*`IterableDataset` has `__len__`.*",
+        r".*Total length of `DataLoader` across ranks is zero.*",
+        r".*The number of training batches .* is smaller than the logging interval.*",
+    ):
+        warnings.filterwarnings("ignore", message=pattern)
+
+
+def check_fit_config(cfg) -> None:
+    """Refuse, before any model is loaded, settings that would train nothing or lose the result."""
+    steps = cfg.trainer.get("max_steps")
+    if steps == 0 or (steps is not None and steps < -1):
+        raise ValueError(
+            f"--trainer.max_steps {steps}: trains nothing{'' if steps == 0 else ' (negative)'}; "
+            "pass the number of optimizer steps to train (>= 1), or -1 to stop after --trainer.max_epochs."
+        )
+    if cfg.get("out"):
+        from .outputs import check_export_target
+
+        check_export_target(cfg.out, overwrite=bool(cfg.get("overwrite")))
+
+
 def _lightning_cli(args: list[str] | None):
-    from lightning.pytorch.cli import LightningCLI
+    from lightning.pytorch.callbacks import ModelCheckpoint
+    from lightning.pytorch.cli import LightningCLI, SaveConfigCallback
 
     from .data import TiDARData
     from .export import export
     from .module import TiDARModule
+    from .callbacks import Preemption, TrainProgress
+
+    class RunFolderConfig(SaveConfigCallback):
+        """config.yaml goes into the run folder (trainer.default_root_dir), never into the working
+        directory, where a logger without save_dir would put it and overwrite the user's own file."""
+
+        def setup(self, trainer, pl_module, stage):
+            if self.already_saved:
+                return
+            if trainer.is_global_zero:
+                path = Path(trainer.default_root_dir) / self.config_filename
+                path.parent.mkdir(parents=True, exist_ok=True)
+                self.parser.save(self.config, str(path), skip_none=False, overwrite=True, multifile=self.multifile)
+            self.already_saved = True
 
     class TiDARCLI(LightningCLI):
         def add_arguments_to_parser(self, parser):
             parser.add_argument("--out", type=str | None, default=None, help="export the trained model to this folder after fit")
+            parser.add_argument(
+                "--overwrite", type=bool, default=False,
+                help="let --out replace an earlier export of this tool (anything else in that folder is never replaced)",
+            )
+            parser.set_defaults({"trainer.default_root_dir": "runs/tidar"})
+
+        def before_instantiate_classes(self):
+            cfg = self.config[self.subcommand]
+            if self.subcommand == "fit":
+                check_fit_config(cfg)
+            if cfg.trainer.get("enable_progress_bar") is False:  # Lightning refuses a bar callback then
+                self.trainer_defaults["callbacks"] = [cb for cb in self.trainer_defaults["callbacks"] if not isinstance(cb, TrainProgress)]
+
+        def after_instantiate_classes(self):
+            trainer = self.trainer
+            root = Path(trainer.default_root_dir)
+            for cb in trainer.checkpoint_callbacks:
+                # Without a dirpath, Lightning puts checkpoints under the logger's per-run folder, which a
+                # new run cannot find again: --ckpt_path last would then start from scratch.
+                if isinstance(cb, ModelCheckpoint) and cb.dirpath is None:
+                    cb.dirpath = str((root / "checkpoints").resolve())
+            for logger in trainer.loggers:
+                # Lightning always passes `anonymous`, and W&B warns on every run that it has no effect.
+                getattr(logger, "_wandb_init", {}).pop("anonymous", None)
+            if self.subcommand == "fit":
+                check_resume(trainer, self.config[self.subcommand].get("ckpt_path"))
 
         def after_fit(self):
-            out = self.config[self.subcommand].get("out")
-            if out and self.trainer.is_global_zero:
+            trainer = self.trainer
+            saved = [cb.last_model_path for cb in trainer.checkpoint_callbacks if getattr(cb, "last_model_path", "")]
+            if trainer.is_global_zero:
+                print(f"trained {trainer.global_step} steps; run folder {Path(trainer.default_root_dir).resolve()}", file=sys.stderr)
+                for path in saved:
+                    print(f"checkpoint: {path}", file=sys.stderr)
+                for logger in trainer.loggers:
+                    run = getattr(logger, "_experiment", None)  # only a run that was started
+                    if run is not None and getattr(run, "dir", None):
+                        offline = getattr(run.settings, "_offline", False) or os.environ.get("WANDB_MODE") == "offline"
+                        where = Path(run.dir).parent
+                        print(f"W&B run: {where}" + (f" (offline; upload with `wandb sync {where}`)" if offline else f" ({run.url})"), file=sys.stderr)
+            cfg = self.config[self.subcommand]
+            if cfg.get("out") and trainer.is_global_zero:
                 m = self.model
-                path = export(m.model, m.tokenizer, out, m.block_size, m.alpha)
-                print(f"exported TiDAR model to {path}")
+                recipe = ", ".join(str(c) for c in (cfg.get("config") or [])) or None
+                card = {"recipe": recipe, "steps": trainer.global_step, "base_model": m.hparams.get("model")}
+                path = export(m.model, m.tokenizer, cfg.out, m.block_size, m.alpha, overwrite=bool(cfg.get("overwrite")), card=card)
+                print(f"exported TiDAR model to {path}", file=sys.stderr)
 
-    return TiDARCLI(TiDARModule, TiDARData, args=args, save_config_kwargs={"overwrite": True})
+    callbacks = [TrainProgress(), Preemption()]
+    return TiDARCLI(
+        TiDARModule, TiDARData, args=args, save_config_callback=RunFolderConfig,
+        save_config_kwargs={"overwrite": True}, trainer_defaults={"callbacks": callbacks},
+    )
+
+
+def _run_lightning(argv: list[str] | None) -> None:
+    from lightning.pytorch.utilities.exceptions import SIGTERMException
+
+    try:
+        _lightning_cli(argv)  # None: LightningCLI reads sys.argv itself
+    except SIGTERMException:  # the Preemption callback saved last.ckpt and said so
+        sys.exit(143)  # 128 + SIGTERM: "killed", so a scheduler requeues instead of marking it done
+
+
+def check_resume(trainer, ckpt_path) -> None:
+    """`--ckpt_path last` with nothing to resume is an error: Lightning would warn and silently start
+    from scratch, and a requeued job would then redo (and overwrite) the work it was meant to continue."""
+    if ckpt_path is None:
+        return
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    if ckpt_path == "last":
+        dirs = [cb.dirpath for cb in trainer.checkpoint_callbacks if isinstance(cb, ModelCheckpoint)]
+        if not any(cb._find_last_checkpoints(trainer) for cb in trainer.checkpoint_callbacks if isinstance(cb, ModelCheckpoint)):
+            where = ", ".join(map(str, dirs)) or "nowhere: no ModelCheckpoint callback is configured"
+            raise FileNotFoundError(
+                f"--ckpt_path last: no last checkpoint in {where}. Leave out --ckpt_path to train from scratch, "
+                "or pass a checkpoint file (--ckpt_path runs/.../checkpoints/last.ckpt)."
+            )
+    elif ckpt_path not in ("best", "hpc") and not Path(ckpt_path).exists():
+        raise FileNotFoundError(f"--ckpt_path {ckpt_path}: no such checkpoint; `fit` writes them under <default_root_dir>/checkpoints/.")
 
 
 def export_cmd(checkpoint: str, out: str) -> str:
@@ -146,7 +277,8 @@ def main(argv: list[str] | None = None) -> None:
     _configure_wandb()
     try:
         if args and args[0] in ("fit", "validate"):
-            _lightning_cli(argv)  # None: LightningCLI reads sys.argv itself
+            _quiet_libraries()
+            _run_lightning(argv)
             return
         from jsonargparse import auto_cli
 
