@@ -32,9 +32,11 @@ def test_prompts_mix_code_and_text():
     assert len(bench.bench_prompts()) == 164 + len(bench.TEXT_PROMPTS)
 
 
-def test_bench_json_and_plots(tiny_export, tmp_path):
+def test_bench_json_and_plots(tiny_export, tmp_path, capsys):
     path = Path(bench.bench_cmd(str(tiny_export), max_new_tokens=8, limit=3, out_dir=str(tmp_path)))
     assert path == tmp_path / "tiny.json"
+    err = capsys.readouterr().err
+    assert f"wrote {path}" in err and f"wrote {tmp_path / 'tiny_slots.png'}" in err  # every file written is named
     r = json.loads(path.read_text())
 
     assert r["block_size"] == 4 and r["prompts"] == 3 and r["perplexity"] is None
@@ -149,3 +151,21 @@ def test_bench_gpu_dry_run(tmp_path):
     assert all(row["tidar_step_ms"] > 0 and row["ar_step_ms"] > 0 for row in decode)
     assert r["train"]["ar"]["tokens_per_s"] > 0 and r["train"]["tidar"]["tokens_per_s"] > 0
     assert set(r) >= {"slots", "decode", "train", "conversion", "machine", "model", "seconds"}
+
+
+def test_cpu_default_is_minutes_and_gpu_default_is_every_prompt():
+    assert bench.default_limit(torch.device("cuda")) is None
+    n = bench.default_limit(torch.device("cpu"))
+    prompts = bench.bench_prompts(n)
+    assert n == bench.CPU_DEFAULT_PROMPTS < len(bench.bench_prompts())
+    assert {p["kind"] for p in prompts} == {"code", "text"}
+
+
+def test_progress_lines_when_not_a_terminal(capsys):
+    from tidar_convert.progress import duration, progress
+
+    assert list(progress(range(3), "work", interval=0.0)) == [0, 1, 2]
+    lines = capsys.readouterr().err.splitlines()
+    assert lines[0].startswith("work: 1/3 (33%)") and "ETA" in lines[0]
+    assert lines[-1].startswith("work: 3/3 (100%)") and "took" in lines[-1]
+    assert (duration(7.2), duration(125), duration(3725)) == ("7s", "2m05s", "1h02m")

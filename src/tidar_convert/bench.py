@@ -34,6 +34,7 @@ import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 from . import layout
+from .progress import progress
 from .decode import cache_kwargs
 
 DECODERS = ("ar", "prompt_lookup", "tidar")
@@ -331,6 +332,14 @@ def default_device() -> torch.device:
 # --------------------------------------------------------------------------------------------
 
 
+CPU_DEFAULT_PROMPTS = 12  # 6 code + 6 text: about 5 minutes for a 135M model on 2 cores
+
+
+def default_limit(device: torch.device) -> int | None:
+    """All prompts on a GPU; on a CPU, enough for stable ratios in minutes, not the hour all 169 take."""
+    return None if device.type == "cuda" else CPU_DEFAULT_PROMPTS
+
+
 def check_bench_args(k, max_new_tokens, limit, prompt_lookup_tokens, ppl_base, ppl_data) -> None:
     if k is not None and k < 2:
         raise ValueError(f"k={k}: TiDAR drafts at least 2 tokens per step; use 2 or more, or leave it out for the trained block size.")
@@ -366,7 +375,8 @@ def bench_cmd(
         max_new_tokens: tokens generated per prompt and decoder.
         out_dir: folder for the JSON and the plots.
         name: file name stem; default: the model folder's name.
-        limit: use only the first N prompts (code and text interleaved); default: all 169.
+        limit: use only the first N prompts (code and text interleaved); default: all 169 on a GPU,
+            the first CPU_DEFAULT_PROMPTS on a CPU (minutes instead of about an hour).
         prompt_lookup_tokens: draft length of prompt-lookup decoding.
         ppl_base: base model (folder, hub id or .gguf) to compare perplexity against; needs ppl_data.
         ppl_data: perplexity data: prose (held-out English prose), stdlib, a file/folder or a hub dataset.
@@ -392,17 +402,17 @@ def bench_cmd(
         raise ValueError(f"dtype={dtype!r}: use float32 or bfloat16.")
     lm = load(path, dtype=getattr(torch, dtype)).to(device).eval()
     tokenizer = AutoTokenizer.from_pretrained(path)
-    prompts = bench_prompts(limit)
+    prompts = bench_prompts(limit if limit is not None else default_limit(device))
+    if limit is None and device.type != "cuda":
+        print(f"bench: {len(prompts)} of {len(bench_prompts())} prompts (the CPU default; --limit {len(bench_prompts())} for all)", file=sys.stderr)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
 
     # Warm-up (allocator, kernels, lazy imports) so the first timed prompt is not an outlier.
     bench_prompt(lm, tokenizer, prompts[0], min(max_new_tokens, 8), k, prompt_lookup_tokens)
     rows = []
-    bar = tqdm(prompts, desc=f"bench {name}", unit="prompt")
-    for prompt in bar:
+    for prompt in progress(prompts, f"bench {name}", unit="prompt"):  # with an ETA, on a terminal or in a log
         rows.append(bench_prompt(lm, tokenizer, prompt, max_new_tokens, k, prompt_lookup_tokens))
-        bar.set_postfix(tidar_T_per_NFE=f"{rows[-1]['tidar']['tokens_per_nfe']:.2f}")
     summary = summarize(rows)
     step_ks = (2, 4, 8, k)  # the TiDAR step sizes (k + k*k slots) for the usual block sizes
     slots = sorted(set(GPU_SLOTS if device.type == "cuda" else CPU_SLOTS) | {kk + kk * kk for kk in step_ks})
@@ -438,6 +448,9 @@ def bench_cmd(
     json_path = out / f"{name}.json"
     json_path.write_text(json.dumps(result, indent=1))
     print_summary(summary, result["perplexity"])
+    print(f"wrote {json_path}", file=sys.stderr)
+    for plot in result["plots"].values():
+        print(f"wrote {plot}", file=sys.stderr)
     return str(json_path)
 
 
