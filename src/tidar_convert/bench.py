@@ -12,7 +12,7 @@ and writes `<out_dir>/<name>.json` (summary per decoder, one row per prompt, mac
 plots beside it. NFE is counted the same way for every decoder: calls of `model.forward`.
 
 `tidar-convert eval-ppl --model M --data D` is AR perplexity in one plain causal pass per chunk: a
-TiDAR model must keep its base model's likelihood (TIDAR.md section 2), and this is how to check it.
+TiDAR model must keep its base model's likelihood (docs/method.md §2), and this is how to check it.
 `--data prose` is held-out public-domain English prose (see `data.prose_corpus`).
 """
 

@@ -4,7 +4,7 @@ Shipped verbatim in every export as `custom_generate/generate.py` (with layout.p
 `AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True).generate(...)` runs this loop
 without tidar_convert installed. It imports nothing but torch, transformers and ./layout.
 
-The loop (TIDAR.md section 2), with k = block size:
+The loop (docs/method.md §3), with k = block size:
   prefill  prompt (causal) + one mask block -> first token y (AR) and the first draft (diffusion)
   step     k drafts + k groups of k masks, one forward
   verify   draft i is accepted while it is what the AR head says after drafts 0..i-1

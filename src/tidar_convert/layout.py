@@ -18,7 +18,7 @@ IGNORE_INDEX = -100
 
 
 # --------------------------------------------------------------------------------------------
-# Training: [x_0 .. x_{S-1} | M .. M], see TIDAR.md section 1.
+# Training: [x_0 .. x_{S-1} | M .. M], see docs/method.md §1.
 # --------------------------------------------------------------------------------------------
 
 
@@ -92,7 +92,7 @@ def check_train_shape(seq_len: int, block_size: int) -> None:
 
 
 # --------------------------------------------------------------------------------------------
-# Decoding: causal tokens, then groups of k mask tokens, after a KV cache. TIDAR.md section 2.
+# Decoding: causal tokens, then groups of k mask tokens, after a KV cache. docs/method.md §3.
 # --------------------------------------------------------------------------------------------
 
 
