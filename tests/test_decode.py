@@ -4,6 +4,7 @@ import copy
 
 import pytest
 import torch
+from transformers import LogitsProcessorList
 from transformers import StoppingCriteria, StoppingCriteriaList
 
 from tidar_convert.decode import Sampling, generate
@@ -276,3 +277,30 @@ def test_bad_inputs(trained, untrained):
             generate(ids, model=plain, max_new_tokens=4)
     finally:
         plain.config = saved
+
+
+
+def test_sampling_is_exact_for_a_row_that_accepted_more_than_the_batch_commits():
+    """Rows share one cache length, so a step commits the fewest drafts any row accepted (j). A row
+    that accepted its draft j must commit that draft: a fresh sample from p there would make its
+    token a*p + max(0, p - q) (a = acceptance rate), not p. Row 0 always rejects; row 1 has
+    p = (.5, .5) and proposal q = (.9, .1): wrong rule -> (.3, .7), right rule -> (.5, .5)."""
+    from scipy.stats import binomtest
+
+    from tidar_convert.decode import Draft
+
+    n = 4000
+    gen = torch.Generator().manual_seed(0)
+    pick = Sampling(LogitsProcessorList(), gen)
+    p = torch.tensor([[[1.0, 0.0], [0.5, 0.5]], [[0.5, 0.5], [0.5, 0.5]]]).log()  # (B, k=2, V): AR rows
+    q = torch.tensor([[[0.0, 1.0]], [[0.9, 0.1]]])  # (B, k-1, V): proposal of draft 1
+    ones = 0
+    for _ in range(n):
+        d1 = torch.stack([torch.tensor(1), torch.multinomial(q[1, 0], 1, generator=gen)[0]])
+        draft = Draft(torch.stack([torch.zeros(2, dtype=torch.long), d1], 1), q)
+        accepted = pick.verify(p, draft)
+        j = int(accepted.min())
+        assert j == 1 and accepted[0] == 1
+        y = pick.next_token(p, torch.zeros(2, 2, 2, 2), draft, accepted, j)
+        ones += int(y[1])
+    assert binomtest(ones, n, 0.5).pvalue > 1e-3, ones / n

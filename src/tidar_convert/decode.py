@@ -131,11 +131,14 @@ class Sampling:
         return 1 + (u < ratio).long().cumprod(1).sum(1)
 
     def next_token(self, ar, diff, draft, accepted, j):
-        """Rows that stopped at j by rejection resample from norm(max(0, p - q)); rows that accepted
-        more (the batch commits the least) or all k take a fresh sample from p, which is exact too."""
+        """The token at draft position j. Rows that rejected draft j resample from norm(max(0, p - q));
+        rows that accepted it (the batch commits the fewest any row accepted) commit draft j itself:
+        "draft if accepted, else residual" is what makes the token distributed as p. After all k
+        drafts, a fresh sample from p (the bonus token)."""
         k = draft.tokens.shape[1]
         y = self.token(ar[:, j - 1], diff[:, j - 1, 0])
         if j < k and self.beta == 1.0:
+            y = torch.where(accepted > j, draft.tokens[:, j], y)
             residual = (self._p[:, j - 1] - draft.q[:, j - 1]).clamp(min=0)
             rejected = (accepted == j) & (residual.sum(-1) > 0)
             if rejected.any():
