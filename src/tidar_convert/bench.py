@@ -378,7 +378,7 @@ def bench_cmd(
     """
     from transformers import AutoTokenizer
 
-    from .export import check_export, load
+    from .export import check_export, load, update_model_card
 
     check_bench_args(k, max_new_tokens, limit, prompt_lookup_tokens, ppl_base, ppl_data)
     path = Path(model).expanduser()
@@ -438,6 +438,7 @@ def bench_cmd(
     json_path = out / f"{name}.json"
     json_path.write_text(json.dumps(result, indent=1))
     print_summary(summary, result["perplexity"])
+    update_model_card(path, result)  # the export's README.md shows what was measured
     return str(json_path)
 
 
