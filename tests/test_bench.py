@@ -61,6 +61,8 @@ def test_bench_json_and_plots(tiny_export, tmp_path, capsys):
     assert set(r["plots"]) == {"tokens_per_s", "accepted", "slots"}
     for png in r["plots"].values():
         assert Path(png).read_bytes()[:4] == PNG
+    card = (tiny_export / "README.md").read_text()  # the export's model card shows the measurement
+    assert "| tidar |" in card and "k=4, 3 prompts" in card and "Not measured yet" not in card
 
 
 def test_bench_eos_at_once(tiny_export, tmp_path):

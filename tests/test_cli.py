@@ -42,13 +42,20 @@ def test_generate_plain_text_output(exported, capsys):
     assert "tokens/NFE" in captured.err and captured.out.strip()
 
 
-def test_export_from_checkpoint(tmp_path, tiny_dirs):
+def test_export_from_checkpoint(tmp_path, tiny_dirs, capsys):
     from pathlib import Path
 
     recipe = str(Path(__file__).parents[1] / "recipes" / "tiny.yaml")
     run = tmp_path / "run"
     main(["fit", "--config", recipe, "--model.model", str(tiny_dirs["llama"]), "--trainer.max_steps", "10", "--trainer.logger", "false", "--trainer.default_root_dir", str(run)])
     main(["export", "--checkpoint", str(run / "checkpoints" / "last.ckpt"), "--out", str(tmp_path / "out")])
+    assert f"exported TiDAR model to {tmp_path / 'out'}" in capsys.readouterr().err
+    card = (tmp_path / "out" / "README.md").read_text()
+    assert "steps: 10" in card and "max_steps: 10" in card  # the step count and the recipe it ran
+    with pytest.raises(SystemExit):  # an earlier export is replaced only on request
+        main(["export", "--checkpoint", str(run / "checkpoints" / "last.ckpt"), "--out", str(tmp_path / "out")])
+    assert "pass --overwrite" in capsys.readouterr().err
+    main(["export", "--checkpoint", str(run / "checkpoints" / "last.ckpt"), "--out", str(tmp_path / "out"), "--overwrite"])
     from tidar_convert import load
 
     m = load(tmp_path / "out")

@@ -11,6 +11,7 @@ from transformers import AutoModelForCausalLM
 
 from tidar_convert import export, load
 from tidar_convert.export import check_export
+from tidar_convert.outputs import MARKER, is_export
 
 from conftest import cycle_batch
 
@@ -23,9 +24,18 @@ def exported(trained, tmp_path_factory):
 
 def test_folder_contents(exported):
     names = {p.name for p in exported.iterdir()}
-    assert {"config.json", "model.safetensors", "tokenizer.json", "custom_generate"} <= names
+    assert {"config.json", "model.safetensors", "tokenizer.json", "custom_generate", "README.md", MARKER} <= names
     assert check_export(exported) == {"block_size": 4, "mask_token_id": json.loads((exported / "config.json").read_text())["mask_token_id"], "alpha": 1.0}
     assert not list(exported.parent.glob(".*tmp-*")), "temporary folder left behind"
+    listed = json.loads((exported / MARKER).read_text())["files"]
+    assert "README.md" in listed and "custom_generate/generate.py" in listed and is_export(exported)
+
+
+def test_model_card_loads_as_a_hub_card(exported):
+    hub = pytest.importorskip("huggingface_hub")
+    card = hub.ModelCard.load(exported / "README.md")
+    assert card.data.library_name == "transformers" and {"tidar", "custom_generate"} <= set(card.data.tags)
+    assert "trust_remote_code=True" in card.text and "block size (tokens drafted per step): 4" in card.text
 
 
 def test_runs_without_tidar_convert_installed(exported):

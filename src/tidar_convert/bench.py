@@ -388,7 +388,7 @@ def bench_cmd(
     """
     from transformers import AutoTokenizer
 
-    from .export import check_export, load
+    from .export import check_export, load, update_model_card
 
     check_bench_args(k, max_new_tokens, limit, prompt_lookup_tokens, ppl_base, ppl_data)
     path = Path(model).expanduser()
@@ -451,6 +451,8 @@ def bench_cmd(
     print(f"wrote {json_path}", file=sys.stderr)
     for plot in result["plots"].values():
         print(f"wrote {plot}", file=sys.stderr)
+    if update_model_card(path, result):  # the export's README.md shows what was measured
+        print(f"updated {path / 'README.md'} (results section)", file=sys.stderr)
     return str(json_path)
 
 

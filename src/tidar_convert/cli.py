@@ -176,20 +176,34 @@ def check_resume(trainer, ckpt_path) -> None:
         raise FileNotFoundError(f"--ckpt_path {ckpt_path}: no such checkpoint; `fit` writes them under <default_root_dir>/checkpoints/.")
 
 
-def export_cmd(checkpoint: str, out: str) -> str:
+def export_cmd(checkpoint: str, out: str, overwrite: bool = False) -> str:
     """Export a Lightning checkpoint (e.g. runs/.../checkpoints/last.ckpt) as a TiDAR HF folder.
 
     Args:
         checkpoint: .ckpt written by `tidar-convert fit`.
-        out: folder to write.
+        out: folder to write: new, empty, or an earlier export (with --overwrite). Any other
+            existing folder or file is refused, and nothing is deleted.
+        overwrite: replace an earlier export at `out` (only that: never other files).
     """
+    import torch
+
     from .export import export
     from .module import TiDARModule
+    from .outputs import check_export_target
 
     if not Path(checkpoint).is_file():
         raise FileNotFoundError(f"checkpoint {checkpoint!r} does not exist; `fit` writes them under <default_root_dir>/checkpoints/.")
+    check_export_target(out, overwrite)  # before loading anything: a refused --out costs nothing
     m = TiDARModule.load_from_checkpoint(checkpoint, map_location="cpu")
-    return str(export(m.model, m.tokenizer, out, m.block_size, m.alpha))
+    card = {k: m.hparams[k] for k in ("lora_r", "lora_alpha", "warmup_ratio", "min_lr_ratio") if k in m.hparams}
+    card["base_model"] = m.hparams.get("model")
+    card["steps"] = torch.load(checkpoint, map_location="cpu", mmap=True, weights_only=False).get("global_step")
+    recipe = Path(checkpoint).resolve().parent.parent / "config.yaml"  # LightningCLI saves it in the run folder
+    if recipe.is_file():
+        card["recipe"] = recipe.read_text()
+    path = export(m.model, m.tokenizer, out, m.block_size, m.alpha, overwrite=overwrite, card=card)
+    print(f"exported TiDAR model to {path}", file=sys.stderr)
+    return str(path)
 
 
 def generate_cmd(
@@ -286,7 +300,7 @@ def main(argv: list[str] | None = None) -> None:
 
         commands = {"export": export_cmd, "generate": generate_cmd, "bench": bench_cmd, "eval-ppl": eval_ppl_cmd}
         auto_cli(commands, args=_unix_flags(args, commands.values()), as_positional=False)  # --model X, as the README says
-    except (ValueError, FileNotFoundError, FloatingPointError) as e:  # bad input: the message says the fix
+    except (ValueError, FileNotFoundError, PermissionError, FloatingPointError) as e:  # bad input: the message says the fix
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
 

