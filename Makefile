@@ -28,7 +28,7 @@ convert: $(BIN)/.installed
 	$(BIN)/tidar-convert fit --config $(RECIPE) \
 		$(if $(MODEL),--model.model $(MODEL)) \
 		$(if $(MAX_STEPS),--trainer.max_steps $(MAX_STEPS)) \
-		--out $(OUT)
+		--out $(OUT) --overwrite  # replaces only an earlier export of this tool, never other files
 
 test: $(BIN)/.installed
 	$(BIN)/python -m pytest -q tests

@@ -80,7 +80,7 @@ def test_resume_from_last_checkpoint(tmp_path, tiny_dirs):
     fit(tmp_path, tiny_dirs["qwen2"], "--trainer.max_steps", "10")
     last = tmp_path / "run" / "checkpoints" / "last.ckpt"
     assert torch.load(last, weights_only=False)["global_step"] == 10
-    fit(tmp_path, tiny_dirs["qwen2"], "--trainer.max_steps", "20", "--ckpt_path", "last")  # tiny.yaml sets no dirpath: still found
+    fit(tmp_path, tiny_dirs["qwen2"], "--trainer.max_steps", "20", "--ckpt_path", "last", "--overwrite", "true")  # tiny.yaml sets no dirpath: still found
     assert torch.load(last, weights_only=False)["global_step"] == 20
 
 
@@ -210,3 +210,30 @@ def test_max_steps_that_train_nothing_are_refused(tmp_path, tiny_dirs, capsys, s
         fit(tmp_path, tiny_dirs["llama"], "--trainer.max_steps", steps)
     assert f"--trainer.max_steps {steps}: trains nothing" in capsys.readouterr().err
     assert not (tmp_path / "run").exists() and not (tmp_path / "out").exists()
+
+
+def test_fit_out_is_checked_before_training(tmp_path, tiny_dirs, capsys):
+    """A bad --out fails in seconds, not after the whole run, and is never deleted."""
+    thesis = tmp_path / "thesis"
+    thesis.mkdir()
+    (thesis / "thesis.tex").write_text("years of work")
+    a_file = tmp_path / "notes.txt"
+    a_file.write_text("mine")
+    for out, extra in ((thesis, []), (thesis, ["--overwrite", "true"]), (a_file, [])):
+        with pytest.raises(SystemExit):
+            main(["fit", "--config", RECIPE, "--model.model", str(tiny_dirs["llama"]), "--trainer.logger", "false",
+                  "--trainer.default_root_dir", str(tmp_path / "run"), "--out", str(out), *extra])
+        assert str(out) in capsys.readouterr().err
+        assert not (tmp_path / "run").exists(), "training started before --out was checked"
+    assert (thesis / "thesis.tex").read_text() == "years of work" and a_file.read_text() == "mine"
+
+
+def test_fit_replaces_an_earlier_export_only_with_overwrite(tmp_path, tiny_dirs, capsys):
+    out = fit(tmp_path, tiny_dirs["llama"], "--trainer.max_steps", "2")
+    card = (out / "README.md").read_text()
+    assert "steps: 2" in card and "max_steps: 2" in card  # the training facts and the full config
+    with pytest.raises(SystemExit):
+        fit(tmp_path, tiny_dirs["llama"], "--trainer.max_steps", "3")
+    assert "--overwrite" in capsys.readouterr().err
+    fit(tmp_path, tiny_dirs["llama"], "--trainer.max_steps", "3", "--overwrite", "true")
+    assert "steps: 3" in (out / "README.md").read_text()

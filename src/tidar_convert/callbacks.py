@@ -6,7 +6,7 @@ import sys
 import time
 from pathlib import Path
 
-from lightning.pytorch.callbacks import Callback, ProgressBar
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint, ProgressBar
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from .progress import duration, is_tty
@@ -101,8 +101,14 @@ class Preemption(Callback):
     def on_exception(self, trainer, pl_module, exception) -> None:
         if not isinstance(exception, SIGTERMException):
             return
-        dirs = [cb.dirpath for cb in trainer.checkpoint_callbacks if getattr(cb, "dirpath", None)]
-        path = Path(dirs[0] if dirs else Path(trainer.default_root_dir) / "checkpoints") / "last.ckpt"
+        savers = [cb for cb in trainer.checkpoint_callbacks if isinstance(cb, ModelCheckpoint) and cb.dirpath]
+        if savers:
+            # Named and recorded as the ModelCheckpoint's own last checkpoint, so the resumed run
+            # overwrites it instead of writing last-v1.ckpt beside it.
+            path = savers[0].format_checkpoint_name({}, savers[0].CHECKPOINT_NAME_LAST)
+            savers[0].last_model_path = path
+        else:
+            path = str(Path(trainer.default_root_dir) / "checkpoints" / "last.ckpt")
         trainer.save_checkpoint(path)  # every rank: sharded strategies save collectively
         if trainer.is_global_zero:
             print(f"received SIGTERM: saved {path} at step {trainer.global_step}; run the same command with --ckpt_path last to continue.", file=sys.stderr, flush=True)

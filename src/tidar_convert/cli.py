@@ -136,8 +136,7 @@ def _lightning_cli(args: list[str] | None):
             cfg = self.config[self.subcommand]
             if cfg.get("out") and trainer.is_global_zero:
                 m = self.model
-                recipe = ", ".join(str(c) for c in (cfg.get("config") or [])) or None
-                card = {"recipe": recipe, "steps": trainer.global_step, "base_model": m.hparams.get("model")}
+                card = training_card(m.hparams, trainer.global_step, Path(trainer.default_root_dir))
                 path = export(m.model, m.tokenizer, cfg.out, m.block_size, m.alpha, overwrite=bool(cfg.get("overwrite")), card=card)
                 print(f"exported TiDAR model to {path}", file=sys.stderr)
 
@@ -176,6 +175,17 @@ def check_resume(trainer, ckpt_path) -> None:
         raise FileNotFoundError(f"--ckpt_path {ckpt_path}: no such checkpoint; `fit` writes them under <default_root_dir>/checkpoints/.")
 
 
+def training_card(hparams, steps: int | None, run_dir: Path) -> dict:
+    """What an export's model card says about its training: base model, steps, LoRA and schedule
+    settings, and the full config (`fit` saves it as <run folder>/config.yaml)."""
+    card = {k: hparams[k] for k in ("lora_r", "lora_alpha", "warmup_ratio", "min_lr_ratio") if k in hparams}
+    card["base_model"] = hparams.get("model")
+    card["steps"] = steps
+    if (run_dir / "config.yaml").is_file():
+        card["recipe"] = (run_dir / "config.yaml").read_text()
+    return card
+
+
 def export_cmd(checkpoint: str, out: str, overwrite: bool = False) -> str:
     """Export a Lightning checkpoint (e.g. runs/.../checkpoints/last.ckpt) as a TiDAR HF folder.
 
@@ -195,12 +205,8 @@ def export_cmd(checkpoint: str, out: str, overwrite: bool = False) -> str:
         raise FileNotFoundError(f"checkpoint {checkpoint!r} does not exist; `fit` writes them under <default_root_dir>/checkpoints/.")
     check_export_target(out, overwrite)  # before loading anything: a refused --out costs nothing
     m = TiDARModule.load_from_checkpoint(checkpoint, map_location="cpu")
-    card = {k: m.hparams[k] for k in ("lora_r", "lora_alpha", "warmup_ratio", "min_lr_ratio") if k in m.hparams}
-    card["base_model"] = m.hparams.get("model")
-    card["steps"] = torch.load(checkpoint, map_location="cpu", mmap=True, weights_only=False).get("global_step")
-    recipe = Path(checkpoint).resolve().parent.parent / "config.yaml"  # LightningCLI saves it in the run folder
-    if recipe.is_file():
-        card["recipe"] = recipe.read_text()
+    steps = torch.load(checkpoint, map_location="cpu", mmap=True, weights_only=False).get("global_step")
+    card = training_card(m.hparams, steps, Path(checkpoint).resolve().parent.parent)  # <run>/checkpoints/x.ckpt
     path = export(m.model, m.tokenizer, out, m.block_size, m.alpha, overwrite=overwrite, card=card)
     print(f"exported TiDAR model to {path}", file=sys.stderr)
     return str(path)

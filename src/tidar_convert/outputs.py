@@ -331,12 +331,13 @@ def check_export_target(out: str | os.PathLike, overwrite: bool = False, cleanup
     an earlier export without `overwrite`, a mount point. `cleanup`: first `recover` leftovers of
     killed runs (a set-aside earlier export is put back, so it is checked like any other).
     """
-    raw = str(out)
+    given = str(out)
     out = Path(out).expanduser().resolve()
+    shown = repr(given) if given == str(out) else f"{given!r} ({out})"  # what was typed, and where it leads
     if cleanup:
         recover(out)
     if out.exists() and not out.is_dir():
-        raise ValueError(f"--out {raw!r} ({out}) is an existing file, not a folder; choose a new folder name.")
+        raise ValueError(f"--out {shown} is an existing file, not a folder; choose a new folder name.")
     if out.is_dir():
         entries = list(out.iterdir())
         foreign = foreign_files(out)
@@ -346,18 +347,18 @@ def check_export_target(out: str | os.PathLike, overwrite: bool = False, cleanup
             what = f"it holds {_listing(sorted(p.name for p in entries))}" if foreign is None else f"besides an earlier export it holds {_listing(foreign)}"
             here = " (the current directory)" if out == Path.cwd().resolve() else ""
             raise ValueError(
-                f"--out {raw!r} ({out}){here} is not empty and not a tidar-convert export: {what}. "
+                f"--out {shown}{here} is not empty and not a tidar-convert export: {what}. "
                 "Nothing was written or deleted. Choose a new or empty folder; --overwrite only replaces earlier exports."
             )
         elif not overwrite:
-            raise ValueError(f"--out {raw!r} ({out}) holds an earlier export; pass --overwrite to replace it, or choose a new folder.")
+            raise ValueError(f"--out {shown} holds an earlier export; pass --overwrite to replace it, or choose a new folder.")
         if os.path.ismount(out):
-            raise ValueError(f"--out {raw!r} ({out}) is a mount point, which cannot be replaced atomically; export into a folder inside it.")
+            raise ValueError(f"--out {shown} is a mount point, which cannot be replaced atomically; export into a folder inside it.")
     parent = out.parent
     while not parent.exists():
         parent = parent.parent
     if not parent.is_dir():
-        raise ValueError(f"--out {raw!r}: {parent} is a file, so no folder can be made under it; choose another path.")
+        raise ValueError(f"--out {shown}: {parent} is a file, so no folder can be made under it; choose another path.")
     if not os.access(parent, os.W_OK | os.X_OK):
-        raise PermissionError(f"--out {raw!r}: {parent} is not writable by this user; choose a folder you can write to.")
+        raise PermissionError(f"--out {shown}: {parent} is not writable by this user; choose a folder you can write to.")
     return out
