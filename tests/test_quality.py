@@ -1,0 +1,159 @@
+"""quality.py: repetition metrics on hand-made token lists, the pass@1 harness on tiny problems, the verdict."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from tidar_convert import quality as q
+
+# ---------------------------------------------------------------------------------------------
+# distinct-2 and the loop detector.
+# ---------------------------------------------------------------------------------------------
+
+
+def test_distinct_n():
+    assert q.distinct_n([1, 2, 3, 4]) == 1.0  # 3 bigrams, all different
+    assert q.distinct_n([5, 5, 5, 5, 5]) == 0.25  # 4 bigrams, one kind
+    assert q.distinct_n([1, 2, 1, 2, 1]) == 0.5  # (1,2) (2,1) (1,2) (2,1)
+    assert q.distinct_n([1, 2, 1, 2, 1], n=3) == 2 / 3  # (1,2,1) (2,1,2) (1,2,1)
+    assert q.distinct_n([7]) == 0.0 and q.distinct_n([]) == 0.0  # no bigram: nothing said, no reward
+    assert q.mean_distinct2([[1, 2, 3], [5, 5, 5, 5, 5]]) == (1.0 + 0.25) / 2  # per output, then averaged
+
+
+def varied(n, start=100):
+    return list(range(start, start + n))
+
+
+@pytest.mark.parametrize("period", [1, 3, 8])
+def test_periodic_tail_is_a_loop(period):
+    cycle = varied(period, start=500)
+    tokens = varied(80) + cycle * (60 // period + 1)  # varied text, then stuck
+    assert q.ends_in_loop(tokens)
+
+
+def test_period_9_is_not_a_loop():
+    assert not q.ends_in_loop(varied(9) * 20)
+    assert q.ends_in_loop(varied(9) * 20, max_period=9)
+
+
+def test_loop_early_but_varied_tail_is_not_a_loop():
+    assert not q.ends_in_loop([1, 2] * 40 + varied(48))
+    assert not q.ends_in_loop([1, 2] * 40 + varied(1))  # one fresh token breaks the period at the end
+
+
+def test_short_outputs_are_not_loops():
+    assert not q.ends_in_loop([3] * 47)  # shorter than the 48-token tail: it stopped at EOS by itself
+    assert q.ends_in_loop([3] * 48)
+    assert not q.ends_in_loop([])
+    assert q.ends_in_loop([3] * 10, tail=10)
+
+
+def test_loop_share():
+    assert q.loop_share([[3] * 60, varied(60), varied(10), [1, 2, 3] * 20]) == 0.5
+    with pytest.raises(ValueError):
+        q.loop_share([])
+
+
+# ---------------------------------------------------------------------------------------------
+# HumanEval pass@1 harness.
+# ---------------------------------------------------------------------------------------------
+
+PROBLEMS = {
+    "Tiny/add": {
+        "task_id": "Tiny/add",
+        "prompt": "def add(a, b):\n    \"\"\"Sum of a and b.\"\"\"\n",
+        "entry_point": "add",
+        "test": "def check(candidate):\n    assert candidate(2, 3) == 5\n    assert candidate(-1, 1) == 0\n",
+    },
+    "Tiny/rev": {
+        "task_id": "Tiny/rev",
+        "prompt": "def rev(s):\n    \"\"\"s reversed.\"\"\"\n",
+        "entry_point": "rev",
+        "test": "def check(candidate):\n    assert candidate('abc') == 'cba'\n",
+    },
+    "Tiny/spin": {
+        "task_id": "Tiny/spin",
+        "prompt": "def spin(x):\n    \"\"\"x, eventually.\"\"\"\n",
+        "entry_point": "spin",
+        "test": "def check(candidate):\n    assert candidate(1) == 1\n",
+    },
+}
+
+
+def test_pass_at_1_solved_unsolved_and_timeout():
+    completions = {
+        "Tiny/add": "    return a + b\n\ndef unrelated():\n    raise SystemError\n",  # cut at the stop sequence
+        "Tiny/rev": "    return s\n",  # wrong
+        "Tiny/spin": "    while True:\n        pass\n",  # never returns: killed by the timeout
+    }
+    t0 = time.perf_counter()
+    r = q.humaneval_pass_at_1(completions, PROBLEMS, timeout=2.0, workers=3)
+    assert time.perf_counter() - t0 < 15  # the spinning program is killed, not waited for
+    assert r["results"]["Tiny/add"] == "passed"
+    assert r["results"]["Tiny/rev"] == "failed: AssertionError"
+    assert r["results"]["Tiny/spin"] == "timed out"
+    assert (r["passed"], r["total"]) == (1, 3) and r["pass@1"] == pytest.approx(1 / 3)
+
+
+def test_exiting_early_is_not_a_pass():
+    r = q.humaneval_pass_at_1({"Tiny/add": "    import sys; sys.exit(0)\n"}, PROBLEMS, timeout=5.0)
+    assert r["results"]["Tiny/add"] != "passed" and r["pass@1"] == 0.0
+
+
+def test_pass_at_1_rejects_unknown_problems():
+    with pytest.raises(ValueError, match="unknown"):
+        q.humaneval_pass_at_1({"Tiny/nope": "    pass\n"}, PROBLEMS)
+
+
+def test_truncate_at_stop_sequences():
+    body = "    return a + b\n"
+    for tail in ("\ndef f():\n    pass", "\nclass A:\n    pass", "\nif __name__ == '__main__':\n    x", "\nprint(add(1, 2))", "\n# test\n"):
+        assert q.truncate(body + tail) == body
+    assert q.truncate(body + "\n\n\ndef g(): pass\n# x") == body + "\n\n"  # the earliest stop wins
+    nested = "    def helper(x):\n        return x\n    # why\n    return helper(a) + b\n"
+    assert q.truncate(nested) == nested  # indented defs and comments belong to the body
+    assert q.truncate("") == ""
+
+
+# ---------------------------------------------------------------------------------------------
+# The verdict.
+# ---------------------------------------------------------------------------------------------
+
+GOOD = [varied(60), varied(60, start=300)]  # distinct-2 1.0, no loops
+LOOPY = [[3] * 60, varied(60)]  # distinct-2 (1/59 + 1) / 2, half loop
+
+
+def test_report_passes_when_as_good_as_the_base():
+    r = q.quality_report(GOOD, GOOD, converted_pass1=0.40, base_pass1=0.41)  # within one point
+    assert r["passes"] and r["reasons"] == []
+    assert r["distinct2_ratio"] == 1.0 and r["loop_share_change"] == 0.0
+    assert r["pass@1_change_points"] == pytest.approx(-1.0)
+    assert q.quality_report(GOOD, GOOD)["passes"]  # without HumanEval: the text rules only
+
+
+def test_report_distinct2_alone_can_fail():
+    lower = [[1, 2, 3, 4, 5, 6] * 6 + varied(12)] * 2  # repetitive but not ending in a loop
+    assert q.loop_share(lower) == 0.0 and q.mean_distinct2(lower) < 0.9
+    r = q.quality_report(lower, GOOD, 0.5, 0.5)
+    assert not r["passes"] and len(r["reasons"]) == 1 and "distinct-2" in r["reasons"][0]
+
+
+def test_report_loop_share_alone_can_fail():
+    one_loop = [varied(200) + [7] * 48, varied(100)]  # a long varied text that ends stuck: distinct-2 stays high
+    r = q.quality_report(one_loop + GOOD, GOOD + GOOD, 0.5, 0.5)
+    assert r["converted"]["distinct2"] >= 0.9 * r["base"]["distinct2"]
+    assert not r["passes"] and len(r["reasons"]) == 1 and "loop share" in r["reasons"][0]
+    assert q.quality_report(LOOPY, LOOPY)["passes"]  # a loop share no higher than the base's is fine
+
+
+def test_report_pass_at_1_alone_can_fail():
+    r = q.quality_report(GOOD, GOOD, converted_pass1=0.38, base_pass1=0.40)
+    assert not r["passes"] and len(r["reasons"]) == 1 and "pass@1" in r["reasons"][0]
+    assert q.quality_report(GOOD, GOOD, converted_pass1=0.49, base_pass1=0.50)["passes"]  # exactly 1 point down
+
+
+def test_report_needs_pass_at_1_for_both_or_neither():
+    with pytest.raises(ValueError, match="both"):
+        q.quality_report(GOOD, GOOD, converted_pass1=0.5)
