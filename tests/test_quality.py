@@ -157,3 +157,29 @@ def test_report_pass_at_1_alone_can_fail():
 def test_report_needs_pass_at_1_for_both_or_neither():
     with pytest.raises(ValueError, match="both"):
         q.quality_report(GOOD, GOOD, converted_pass1=0.5)
+
+
+# ---------------------------------------------------------------------------------------------
+# `tidar-convert quality` on a tiny export of a tiny random model.
+# ---------------------------------------------------------------------------------------------
+
+
+def test_quality_cli_writes_a_report(tiny_dirs, tmp_path, capsys):
+    import json
+
+    from tidar_convert.cli import main
+    from tidar_convert.export import export
+    from tidar_convert.loading import load_base
+
+    m, tok = load_base(str(tiny_dirs["llama"]))
+    path = export(m, tok, tmp_path / "tiny", block_size=4, alpha=1.0)
+    out = tmp_path / "report.json"
+    main(["quality", "--model", str(path), "--base", str(tiny_dirs["llama"]), "--limit", "2", "--max-new-tokens", "8", "--out", str(out)])
+    assert f"wrote {out}" in capsys.readouterr().err
+    r = json.loads(out.read_text())
+    assert r["prompts"] == 2 and r["humaneval_problems"] == 1 and isinstance(r["passes"], bool)
+    assert [row["kind"] for row in r["rows"]] == ["code", "text"]
+    assert r["rows"][0]["converted"]["humaneval"] != "passed"  # a random model does not solve HumanEval/0
+    for side in ("converted", "base"):
+        assert set(r[side]) == {"distinct2", "loop_share", "pass@1"} and r[side]["pass@1"] == 0.0
+        assert all(row[side]["new_tokens"] <= 8 for row in r["rows"])

@@ -303,8 +303,9 @@ def main(argv: list[str] | None = None) -> None:
         from jsonargparse import auto_cli
 
         from .bench import bench_cmd, eval_ppl_cmd
+        from .quality import quality_cmd
 
-        commands = {"export": export_cmd, "generate": generate_cmd, "bench": bench_cmd, "eval-ppl": eval_ppl_cmd}
+        commands = {"export": export_cmd, "generate": generate_cmd, "bench": bench_cmd, "eval-ppl": eval_ppl_cmd, "quality": quality_cmd}
         auto_cli(commands, args=_unix_flags(args, commands.values()), as_positional=False)  # --model X, as the README says
     except (ValueError, FileNotFoundError, PermissionError, FloatingPointError) as e:  # bad input: the message says the fix
         print(f"error: {e}", file=sys.stderr)

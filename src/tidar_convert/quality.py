@@ -226,3 +226,101 @@ def quality_report(converted_outputs, base_outputs, converted_pass1: float | Non
         "passes": not reasons,
         "reasons": reasons,
     }
+
+
+# ---------------------------------------------------------------------------------------------
+# `tidar-convert quality`.
+# ---------------------------------------------------------------------------------------------
+
+
+def quality_cmd(
+    model: str,
+    base: str | None = None,
+    limit: int | None = None,
+    max_new_tokens: int = 128,
+    humaneval: bool = True,
+    decoder: str = "tidar",
+    timeout: float = 3.0,
+    out: str | None = None,
+    dtype: str = "float32",
+) -> str:
+    """Compare a TiDAR export's own greedy text with its base model's: distinct-2, loop share, pass@1.
+
+    Both models complete the bench prompts (HumanEval + plain text, raw) greedily; the export passes
+    when distinct-2 >= 0.9x the base's, its loop share is no higher, and HumanEval pass@1 >= the
+    base's - 1 point. Writes a JSON report (metrics, verdict, every output).
+
+    Args:
+        model: TiDAR export folder (from `make convert` or `tidar-convert export`).
+        base: the base model it was converted from: folder, hub id or .gguf; default: the embedded
+            SmolLM2-135M-Instruct (the default conversion's base).
+        limit: only the first N prompts (code and text interleaved); default: all 169. pass@1 is then
+            over the HumanEval problems among them (the pass rule is meant for all 164).
+        max_new_tokens: tokens per generation (>= 128 for a meaningful loop check).
+        humaneval: run the HumanEval programs for pass@1 (model-written code, in subprocesses).
+        decoder: how the export decodes: tidar (what a user gets) or ar (same weights; greedy TiDAR
+            gives the same tokens).
+        timeout: seconds per HumanEval program.
+        out: JSON path; default bench/results/<model folder name>-quality.json.
+        dtype: float32 or bfloat16, for both models.
+
+    Returns:
+        Path of the JSON written.
+    """
+    import json
+
+    import torch
+    from transformers import AutoTokenizer
+
+    from .bench import bench_prompts, default_device
+    from .export import check_export, load
+    from .loading import load_base
+
+    if decoder not in ("tidar", "ar"):
+        raise ValueError(f"decoder={decoder!r}: use tidar or ar.")
+    if max_new_tokens < 1 or (limit is not None and limit < 1) or timeout <= 0:
+        raise ValueError("max_new_tokens and limit must be >= 1, timeout > 0.")
+    if dtype not in ("float32", "bfloat16"):
+        raise ValueError(f"dtype={dtype!r}: use float32 or bfloat16.")
+    path = Path(model).expanduser()
+    check_export(path)
+    json_path = Path(out) if out else Path("bench/results") / f"{path.resolve().name}-quality.json"
+    prompts = bench_prompts(limit)
+    texts = [p["text"] for p in prompts]
+    device = default_device()
+    dt = getattr(torch, dtype)
+
+    lm = load(path, dtype=dt).to(device).eval()
+    tok = AutoTokenizer.from_pretrained(path)
+    converted = greedy_completions(lm, tok, texts, max_new_tokens, {"tidar": decoder == "tidar"})
+    del lm
+    base_lm, base_tok = load_base(base, dtype=dt)
+    base_outputs = greedy_completions(base_lm.to(device).eval(), base_tok, texts, max_new_tokens)
+    del base_lm
+
+    rows = [{"id": p["id"], "kind": p["kind"]} for p in prompts]
+    pass1 = {}
+    for side, outputs, tokenizer in (("converted", converted, tok), ("base", base_outputs, base_tok)):
+        for row, tokens in zip(rows, outputs):
+            row[side] = {"text": tokenizer.decode(tokens, skip_special_tokens=True), "new_tokens": len(tokens), "distinct2": distinct_n(tokens), "loop": ends_in_loop(tokens)}
+        code = {row["id"]: row[side]["text"] for row in rows if row["kind"] == "code"}
+        if humaneval and code:
+            pass1[side] = humaneval_pass_at_1(code, timeout=timeout)
+            for row in rows:
+                if row["id"] in code:
+                    row[side]["humaneval"] = pass1[side]["results"][row["id"]]
+    c1, b1 = (pass1["converted"]["pass@1"], pass1["base"]["pass@1"]) if pass1 else (None, None)
+    report = quality_report(converted, base_outputs, c1, b1)
+    result = {
+        "model": str(path.resolve()), "base": base, "decoder": decoder, "max_new_tokens": max_new_tokens,
+        "prompts": len(prompts), "humaneval_problems": pass1["base"]["total"] if pass1 else 0, **report, "rows": rows,
+    }
+    json_path.parent.mkdir(parents=True, exist_ok=True)
+    json_path.write_text(json.dumps(result, indent=1))
+    for side in ("converted", "base"):
+        m = report[side]
+        p1 = "" if m["pass@1"] is None else f", pass@1 {m['pass@1']:.1%}"
+        print(f"{side:>9}: distinct-2 {m['distinct2']:.3f}, loop share {m['loop_share']:.1%}{p1}", file=sys.stderr)
+    print("quality: PASS" if report["passes"] else "quality: FAIL (" + "; ".join(report["reasons"]) + ")", file=sys.stderr)
+    print(f"wrote {json_path}", file=sys.stderr)
+    return str(json_path)
