@@ -33,7 +33,14 @@ EMBEDDED_NAME = "SmolLM2-135M-Instruct"
 
 def cache_dir() -> Path:
     path = Path(os.environ.get("TIDAR_CACHE") or Path.home() / ".cache" / "tidar_convert")
-    path.mkdir(parents=True, exist_ok=True)
+    what = f"TIDAR_CACHE={os.environ['TIDAR_CACHE']!r}" if os.environ.get("TIDAR_CACHE") else f"the cache folder {str(path)!r} (TIDAR_CACHE is unset)"
+    fix = "point TIDAR_CACHE to a writable folder, e.g. export TIDAR_CACHE=/tmp/tidar_cache"
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ValueError(f"{what} cannot be made a folder ({e.strerror}: {e.filename}); {fix}.") from None
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise ValueError(f"{what} is not writable; {fix}.")
     return path
 
 
