@@ -6,6 +6,7 @@ Also adds the tokens TiDAR needs (mask, pad) and refuses architectures it cannot
 from __future__ import annotations
 
 import copy
+import json
 import logging
 import os
 import shutil
@@ -98,15 +99,74 @@ def _load_gguf(path: Path):
 def resolve(model: str | None) -> str:
     """What `model` names, as something from_pretrained takes (or a .gguf path)."""
     if model in (None, "", "default", "embedded"):
-        return str(embedded_default())
+        out = embedded_default()
+        try:
+            check_model_files(out)
+        except ValueError as e:  # the cached conversion was damaged after it was made: make it again
+            log.warning("%s. Rebuilding the embedded default model...", e)
+            shutil.rmtree(out)
+            out = embedded_default()
+        return str(out)
     path = Path(model).expanduser()
     if path.suffix == ".gguf" and not path.exists():
         raise FileNotFoundError(f"GGUF file {model!r} does not exist; pass an existing .gguf path, a folder, or a hub id.")
     if path.exists():
+        if path.is_dir():
+            check_model_files(path)
         return str(path)
     if model.startswith((".", "/", "~")) or model.count("/") > 1:
         raise FileNotFoundError(f"model={model!r} is neither an existing path nor a hub id like 'Qwen/Qwen2.5-1.5B'.")
     return model  # a hub id: transformers downloads it (or finds it in the HF cache offline)
+
+
+# The files of a model folder that transformers parses as JSON.
+MODEL_JSON_FILES = ("config.json", "generation_config.json", "tokenizer_config.json", "tokenizer.json", "special_tokens_map.json", "model.safetensors.index.json")
+
+
+def check_model_files(folder: str | os.PathLike) -> None:
+    """Refuse a model folder whose JSON files do not parse or whose safetensors are cut short, naming
+    the file and the fix (transformers and safetensors would raise without saying which file)."""
+    folder = Path(folder)
+    if (folder / "custom_generate" / "generate.py").exists():
+        fix = "export it again (`tidar-convert export --checkpoint CKPT --out DIR` or `make convert`)"
+    else:
+        fix = "download or save the model again"
+    for name in MODEL_JSON_FILES:
+        f = folder / name
+        if f.is_file():
+            try:
+                json.loads(f.read_bytes())
+            except ValueError as e:  # JSONDecodeError, UnicodeDecodeError
+                raise ValueError(f"{str(f)!r} is not valid JSON ({e}): the file is damaged; {fix}") from None
+    for f in sorted(folder.glob("*.safetensors")):
+        problem = _safetensors_problem(f)
+        if problem:
+            raise ValueError(f"{str(f)!r} is truncated or corrupt ({problem}); {fix}")
+
+
+def _safetensors_problem(path: Path) -> str | None:
+    """Why a safetensors file cannot load, from its header alone (None if it looks whole).
+
+    Layout: an 8-byte little-endian header length, a JSON header of tensor byte ranges, the data.
+    """
+    size = path.stat().st_size
+    with path.open("rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            return f"{size} bytes, too short for a safetensors header"
+        n = int.from_bytes(head, "little")
+        if n > size - 8:
+            return f"its header should be {n} bytes long but only {size - 8} follow"
+        try:
+            header = json.loads(f.read(n))
+            end = max((t["data_offsets"][1] for k, t in header.items() if k != "__metadata__"), default=0)
+        except (ValueError, TypeError, KeyError, IndexError, AttributeError):
+            return "its header is not a valid safetensors header"
+    if size < 8 + n + end:
+        return f"cut short: {size} bytes of the {8 + n + end} its header describes"
+    if size > 8 + n + end:
+        return f"{size} bytes where its header describes {8 + n + end}"
+    return None
 
 
 def check_architecture(config) -> None:
