@@ -156,3 +156,54 @@ def test_damaged_embedded_default_is_rebuilt(tiny_dirs, tmp_path, monkeypatch, c
     assert loading.resolve("default") == str(cached)
     assert loading._safetensors_problem(cached / "model.safetensors") is None
     assert "model.safetensors' is truncated or corrupt" in caplog.text and "Rebuilding" in caplog.text
+
+
+# --------------------------------------------------------------------------------------------
+# A hub id with no network: fail in a moment, say it is a hub id and how to pass a folder.
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def no_hub(tmp_path, monkeypatch):
+    """The hub at a closed loopback port (nothing leaves the machine) and an empty HF cache."""
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "ENDPOINT", "http://127.0.0.1:9")
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hf-cache"))
+    return tmp_path / "hf-cache"
+
+
+def test_hub_id_without_network_fails_fast_and_says_pass_a_folder(no_hub, tmp_path, capsys):
+    import time
+
+    from tidar_convert.loading import HubUnreachableError, load_base
+
+    t0 = time.perf_counter()
+    with pytest.raises(HubUnreachableError) as info:
+        load_base("tidar-test/no-such-model")
+    assert time.perf_counter() - t0 < 15  # transformers alone retries for about 34 s
+    message = str(info.value)
+    assert isinstance(info.value, ConnectionError)  # what transformers' own OSError was: catchable the same way
+    assert "model='tidar-test/no-such-model' is not a local path, so it was taken as a Hugging Face hub id" in message
+    assert "the hub was not reachable (http://127.0.0.1:9: " in message and "not in the local Hugging Face cache" in message
+    assert "hf download tidar-test/no-such-model --local-dir DIR" in message and "--model.model DIR" in message
+    assert "taken as a Hugging Face hub id" in cli_error(capsys, "eval-ppl", "--model", "tidar-test/no-such-model", "--data", "stdlib")
+    assert "taken as a Hugging Face hub id" in cli_error(capsys, *fit_args(tmp_path, "tidar-test/no-such-model"))
+
+
+def test_hub_id_without_network_uses_the_cached_copy(no_hub, tiny_dirs, caplog):
+    """A model downloaded before loads from the HF cache at once, instead of after the retries."""
+    import shutil
+
+    from tidar_convert.loading import load_base, resolve
+
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    repo = no_hub / "models--tidar-test--tiny"
+    shutil.copytree(tiny_dirs["llama"], repo / "snapshots" / commit)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(commit)
+    assert resolve("tidar-test/tiny") == str(repo / "snapshots" / commit)
+    assert "hub is not reachable" in caplog.text and "using the cached copy of tidar-test/tiny" in caplog.text
+    model, tok = load_base("tidar-test/tiny")
+    assert model.config.mask_token_id == tok.mask_token_id

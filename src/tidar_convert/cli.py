@@ -154,7 +154,7 @@ def main(argv: list[str] | None = None) -> None:
 
         commands = {"export": export_cmd, "generate": generate_cmd, "bench": bench_cmd, "eval-ppl": eval_ppl_cmd}
         auto_cli(commands, args=_unix_flags(args, commands.values()), as_positional=False)  # --model X, as the README says
-    except (ValueError, FileNotFoundError, FloatingPointError) as e:  # bad input: the message says the fix
+    except (ValueError, FileNotFoundError, FloatingPointError, ConnectionError) as e:  # bad input, or no hub: the message says the fix
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
 

@@ -116,7 +116,52 @@ def resolve(model: str | None) -> str:
         return str(path)
     if model.startswith((".", "/", "~")) or model.count("/") > 1:
         raise FileNotFoundError(f"model={model!r} is neither an existing path nor a hub id like 'Qwen/Qwen2.5-1.5B'.")
-    return model  # a hub id: transformers downloads it (or finds it in the HF cache offline)
+    return _hub_model(model)
+
+
+class HubUnreachableError(ConnectionError):
+    """A name that can only be a Hugging Face hub id, while the hub cannot be reached (and no cached copy)."""
+
+
+def hub_unreachable(timeout: float = 5.0) -> str | None:
+    """Why the Hugging Face hub cannot be reached now, or None if it answers: one request, no retries
+    (transformers retries for half a minute before saying it could not connect)."""
+    from huggingface_hub import constants, get_session
+
+    if getattr(constants, "is_offline_mode", lambda: constants.HF_HUB_OFFLINE)():
+        return "HF_HUB_OFFLINE is set"
+    try:
+        get_session().head(constants.ENDPOINT, timeout=timeout)  # any answer at all means reachable
+    except Exception as e:  # connection refused, no DNS, timeout, proxy errors
+        return f"{constants.ENDPOINT}: {str(e) or type(e).__name__}"
+    return None
+
+
+def _hub_model(model_id: str) -> str:
+    """A hub id as from_pretrained should take it: the id when the hub answers, the local HF cache's
+    copy when it does not, and a one-line error naming the id and the way out when neither."""
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    try:
+        validate_repo_id(model_id)
+    except HFValidationError:
+        raise FileNotFoundError(f"model={model_id!r} is neither an existing path nor a hub id like 'Qwen/Qwen2.5-1.5B'.") from None
+    why = hub_unreachable()
+    if why is None:
+        return model_id  # transformers downloads it, or uses the HF cache
+    try:
+        cached = Path(snapshot_download(model_id, local_files_only=True))
+    except Exception:  # LocalEntryNotFoundError: never downloaded
+        cached = None
+    if cached is not None and (cached / "config.json").exists() and (any(cached.glob("*.safetensors")) or any(cached.glob("*.bin"))):
+        log.warning("The Hugging Face hub is not reachable (%s); using the cached copy of %s in %s.", why, model_id, cached)
+        return str(cached)
+    raise HubUnreachableError(
+        f"model={model_id!r} is not a local path, so it was taken as a Hugging Face hub id, but the hub was not reachable "
+        f"({why}) and the model is not in the local Hugging Face cache; download it where the hub is reachable "
+        f"(e.g. `hf download {model_id} --local-dir DIR`) and pass that folder (or a .gguf file) as the model, e.g. --model.model DIR."
+    )
 
 
 # The files of a model folder that transformers parses as JSON.
