@@ -207,3 +207,23 @@ def test_hub_id_without_network_uses_the_cached_copy(no_hub, tiny_dirs, caplog):
     assert "hub is not reachable" in caplog.text and "using the cached copy of tidar-test/tiny" in caplog.text
     model, tok = load_base("tidar-test/tiny")
     assert model.config.mask_token_id == tok.mask_token_id
+
+
+# --------------------------------------------------------------------------------------------
+# Data files: the wrong text field.
+# --------------------------------------------------------------------------------------------
+
+
+def test_jsonl_without_the_text_field_names_the_field_and_the_flag(tmp_path, tiny_dirs, capsys):
+    import json
+
+    from tidar_convert.data import iter_documents
+
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text("\n".join(json.dumps({"id": i, "body": f"def f_{i}(x):\n    return x + {i}\n" * 8}) for i in range(40)))
+    message = f"data source '{rows}' has no field 'text' holding the text (its rows have: id, body); set the one that does: --data.text_field body (TiDARData(text_field='body') in Python)."
+    with pytest.raises(ValueError) as info:
+        list(iter_documents(str(rows)))
+    assert str(info.value) == message
+    assert cli_error(capsys, *fit_args(tmp_path, tiny_dirs["llama"], "--data.source", str(rows))) == f"error: {message}"
+    assert cli_error(capsys, "eval-ppl", "--model", str(tiny_dirs["llama"]), "--data", str(rows)) == f"error: {message}"

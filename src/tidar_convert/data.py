@@ -74,7 +74,12 @@ def iter_documents(source: str, text_field: str = "text", name: str | None = Non
         for row in stream:
             field = "text" if "text" in row and text_field not in row else text_field
             if field not in row:
-                raise KeyError(f"data source {source!r} has no field {text_field!r} (fields: {', '.join(row)}); set text_field.")
+                strings = [k for k, v in row.items() if isinstance(v, str)]
+                hint = strings[0] if len(strings) == 1 else "NAME"
+                raise ValueError(
+                    f"data source {source!r} has no field {text_field!r} holding the text (its rows have: {', '.join(row)}); "
+                    f"set the one that does: --data.text_field {hint} (TiDARData(text_field={hint!r}) in Python)."
+                )
             if row[field]:
                 yield row[field]
 
