@@ -210,8 +210,54 @@ def test_hub_id_without_network_uses_the_cached_copy(no_hub, tiny_dirs, caplog):
 
 
 # --------------------------------------------------------------------------------------------
-# Data files: the wrong text field.
+# Data files: not UTF-8, binary, the wrong text field.
 # --------------------------------------------------------------------------------------------
+
+
+def test_undecodable_text_files_in_a_folder_are_skipped_with_a_warning_naming_each(tmp_path, tiny_dirs, caplog, capsys):
+    """A folder of one-document files reads what it can: each bad file is named once, the rest is read."""
+    from tidar_convert.data import iter_documents
+
+    folder = tmp_path / "docs"
+    folder.mkdir()
+    (folder / "a.txt").write_text("def good():\n    return 'plain UTF-8 text'\n" * 20)
+    (folder / "b.txt").write_bytes("caf\xe9 au lait, written in Latin-1".encode("latin-1"))
+    (folder / "c.py").write_bytes(b"\x7fELF\x02\x01\x01\x00\x00\x00")  # a binary saved with a text suffix
+    for _ in range(2):  # a second pass (validation, the next epoch) does not repeat the warnings
+        assert list(iter_documents(str(folder))) == [(folder / "a.txt").read_text()]
+    skipped = [r.getMessage() for r in caplog.records if r.getMessage().startswith("Skipping data file")]
+    assert skipped == [
+        f"Skipping data file '{folder}/b.txt': it is not UTF-8 text (byte 0xe9 at offset 3). Convert it to UTF-8 text, or remove it, to silence this.",
+        f"Skipping data file '{folder}/c.py': it is binary, not text (a NUL byte at offset 7). Convert it to UTF-8 text, or remove it, to silence this.",
+    ]
+    main(["eval-ppl", "--model", str(tiny_dirs["llama"]), "--data", str(folder), "--seq_len", "16", "--max_tokens", "64"])
+    assert "perplexity" in capsys.readouterr().out
+
+
+def test_undecodable_single_data_files_are_refused_by_name(tmp_path, tiny_dirs, capsys):
+    from tidar_convert.data import iter_documents
+
+    latin1 = tmp_path / "latin1.txt"
+    latin1.write_bytes("na\xefve".encode("latin-1"))
+    rows = tmp_path / "rows.jsonl"
+    rows.write_bytes(b'{"text": "fine"}\n{"text": "caf\xe9"}\n')
+    parquet = tmp_path / "image.parquet"
+    parquet.write_bytes(b"\x89PNG\r\n\x1a\n" + bytes(100))
+    folder = tmp_path / "all-bad"
+    folder.mkdir()
+    for i in range(2):
+        (folder / f"{i}.txt").write_bytes(b"\xff\xfe" + bytes(10))
+    cases = [
+        (latin1, rf"data file '{latin1}' is not UTF-8 text \(byte 0xef at offset 2\); convert it to UTF-8 text, or pass another data source."),
+        (rows, rf"data file '{rows}' is not UTF-8 text \(byte 0xe9 at offset 30\); convert it to UTF-8, or remove it from the data."),
+        (parquet, rf"data file '{parquet}' is not a parquet file \(no PAR1 marks at its start and end\); write it again, or remove it"),
+        (folder, rf"none of the 2 text files of the data source is UTF-8 text \(the last, '{folder}/1.txt', is not UTF-8 text"),
+    ]
+    for source, message in cases:
+        with pytest.raises(ValueError, match=message):
+            list(iter_documents(str(source)))
+    assert f"data file '{latin1}' is not UTF-8 text" in cli_error(capsys, "eval-ppl", "--model", str(tiny_dirs["llama"]), "--data", str(latin1))
+    assert f"data file '{rows}' is not UTF-8 text" in cli_error(capsys, *fit_args(tmp_path, tiny_dirs["llama"], "--data.source", str(rows)))
 
 
 def test_jsonl_without_the_text_field_names_the_field_and_the_flag(tmp_path, tiny_dirs, capsys):
@@ -227,3 +273,4 @@ def test_jsonl_without_the_text_field_names_the_field_and_the_flag(tmp_path, tin
     assert str(info.value) == message
     assert cli_error(capsys, *fit_args(tmp_path, tiny_dirs["llama"], "--data.source", str(rows))) == f"error: {message}"
     assert cli_error(capsys, "eval-ppl", "--model", str(tiny_dirs["llama"]), "--data", str(rows)) == f"error: {message}"
+
