@@ -210,7 +210,7 @@ def test_hub_id_without_network_uses_the_cached_copy(no_hub, tiny_dirs, caplog):
 
 
 # --------------------------------------------------------------------------------------------
-# Data files: not UTF-8, binary, the wrong text field.
+# Data files: not UTF-8, binary, the wrong text field, a hub dataset with no hub.
 # --------------------------------------------------------------------------------------------
 
 
@@ -274,3 +274,15 @@ def test_jsonl_without_the_text_field_names_the_field_and_the_flag(tmp_path, tin
     assert cli_error(capsys, *fit_args(tmp_path, tiny_dirs["llama"], "--data.source", str(rows))) == f"error: {message}"
     assert cli_error(capsys, "eval-ppl", "--model", str(tiny_dirs["llama"]), "--data", str(rows)) == f"error: {message}"
 
+
+def test_hub_dataset_without_network_fails_fast_and_says_pass_a_file(no_hub, tiny_dirs, capsys):
+    import time
+
+    from tidar_convert.data import iter_documents
+    from tidar_convert.loading import HubUnreachableError
+
+    t0 = time.perf_counter()
+    with pytest.raises(HubUnreachableError, match=r"data source 'tidar-test/no-such-data' is not a local file or folder, so it was taken as a Hugging Face hub dataset, but the hub was not reachable \(http://127.0.0.1:9: .*\); .*--data.source data/train.jsonl"):
+        list(iter_documents("tidar-test/no-such-data"))
+    assert time.perf_counter() - t0 < 15
+    assert "taken as a Hugging Face hub dataset" in cli_error(capsys, "eval-ppl", "--model", str(tiny_dirs["llama"]), "--data", "tidar-test/no-such-data")

@@ -71,6 +71,7 @@ def iter_documents(source: str, text_field: str = "text", name: str | None = Non
         for builder, files in _files_by_builder(Path(source).expanduser()).items():
             streams.append(_text_rows(files) if builder == "text" else _rows(builder, files))
     else:
+        _check_hub_dataset(source)
         streams = [load_dataset(source, name, split=split, streaming=True)]
     for stream in streams:
         for row in stream:
@@ -142,6 +143,19 @@ def _parquet_problem(path: str) -> str | None:
         f.seek(max(0, os.path.getsize(path) - 4))
         tail = f.read(4)
     return None if head == tail == b"PAR1" else "not a parquet file (no PAR1 marks at its start and end)"
+
+
+def _check_hub_dataset(source: str) -> None:
+    """A name that is no local path is a hub dataset: refuse at once when the hub cannot be reached."""
+    from .loading import HubUnreachableError, hub_unreachable
+
+    why = hub_unreachable()
+    if why:
+        raise HubUnreachableError(
+            f"data source {source!r} is not a local file or folder, so it was taken as a Hugging Face hub dataset, but the hub "
+            f"was not reachable ({why}); download the data where the hub is reachable and pass a local file or folder "
+            "(.txt/.md/.py one document per file, .jsonl/.parquet one per row), e.g. --data.source data/train.jsonl."
+        )
 
 
 def pack(token_docs: Iterator[list[int]], seq_len: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
