@@ -286,3 +286,22 @@ def test_hub_dataset_without_network_fails_fast_and_says_pass_a_file(no_hub, tin
         list(iter_documents("tidar-test/no-such-data"))
     assert time.perf_counter() - t0 < 15
     assert "taken as a Hugging Face hub dataset" in cli_error(capsys, "eval-ppl", "--model", str(tiny_dirs["llama"]), "--data", "tidar-test/no-such-data")
+
+
+# --------------------------------------------------------------------------------------------
+# Sampling settings out of range.
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "flags,message",
+    [
+        (["--top-p", "2"], "error: top_p=2.0: must be in (0, 1] (1 = off)"),
+        (["--top-p", "0"], "error: top_p=0.0: must be in (0, 1]"),
+        (["--top_p", "-0.5"], "error: top_p=-0.5: must be in (0, 1]"),
+        (["--top-k", "-1"], "error: top_k=-1: must be >= 0 (0 = off)."),
+    ],
+)
+def test_generate_refuses_top_p_outside_0_1_and_negative_top_k(export_dir, capsys, flags, message):
+    line = cli_error(capsys, "generate", "--model", str(export_dir), "--prompt", "x", "--temperature", "0.8", *flags)
+    assert line.startswith(message)

@@ -102,6 +102,10 @@ def generate_cmd(
         raise ValueError("the prompt is empty; pass --prompt 'some text'.")
     if temperature < 0:
         raise ValueError(f"temperature={temperature}: must be >= 0 (0 = greedy).")
+    if not 0 < top_p <= 1:
+        raise ValueError(f"top_p={top_p}: must be in (0, 1] (1 = off), the share of probability mass sampled from.")
+    if top_k < 0:
+        raise ValueError(f"top_k={top_k}: must be >= 0 (0 = off).")
     if dtype not in ("float32", "bfloat16"):
         raise ValueError(f"dtype={dtype!r}: use float32 or bfloat16.")
     lm = load(model, dtype=getattr(torch, dtype))
