@@ -174,6 +174,18 @@ def no_hub(tmp_path, monkeypatch):
     return tmp_path / "hf-cache"
 
 
+def hub_cache_entry(hub_cache: Path, repo_id: str, folder) -> Path:
+    """Put a model folder in an HF hub cache as a download would (refs/main -> snapshots/<commit>)."""
+    import shutil
+
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    repo = hub_cache / f"models--{repo_id.replace('/', '--')}"
+    shutil.copytree(folder, repo / "snapshots" / commit)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(commit)
+    return repo / "snapshots" / commit
+
+
 def test_hub_id_without_network_fails_fast_and_says_pass_a_folder(no_hub, tmp_path, capsys):
     import time
 
@@ -194,19 +206,27 @@ def test_hub_id_without_network_fails_fast_and_says_pass_a_folder(no_hub, tmp_pa
 
 def test_hub_id_without_network_uses_the_cached_copy(no_hub, tiny_dirs, caplog):
     """A model downloaded before loads from the HF cache at once, instead of after the retries."""
-    import shutil
-
     from tidar_convert.loading import load_base, resolve
 
-    commit = "0123456789abcdef0123456789abcdef01234567"
-    repo = no_hub / "models--tidar-test--tiny"
-    shutil.copytree(tiny_dirs["llama"], repo / "snapshots" / commit)
-    (repo / "refs").mkdir()
-    (repo / "refs" / "main").write_text(commit)
-    assert resolve("tidar-test/tiny") == str(repo / "snapshots" / commit)
+    snapshot = hub_cache_entry(no_hub, "tidar-test/tiny", tiny_dirs["llama"])
+    assert resolve("tidar-test/tiny") == str(snapshot)
     assert "hub is not reachable" in caplog.text and "using the cached copy of tidar-test/tiny" in caplog.text
     model, tok = load_base("tidar-test/tiny")
     assert model.config.mask_token_id == tok.mask_token_id
+
+
+def test_hub_id_in_offline_mode(no_hub, tiny_dirs, monkeypatch):
+    """HF_HUB_OFFLINE=1: a cached model keeps loading by id (transformers reads its cache); one that
+    is not cached is refused with the reason."""
+    from huggingface_hub import constants
+
+    from tidar_convert.loading import HubUnreachableError, resolve
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    hub_cache_entry(no_hub, "tidar-test/tiny", tiny_dirs["llama"])
+    assert resolve("tidar-test/tiny") == "tidar-test/tiny"
+    with pytest.raises(HubUnreachableError, match=r"hub was not reachable \(HF_HUB_OFFLINE is set\) and the model is not in the local Hugging Face cache"):
+        resolve("tidar-test/other")
 
 
 # --------------------------------------------------------------------------------------------

@@ -119,6 +119,9 @@ def resolve(model: str | None) -> str:
     return _hub_model(model)
 
 
+HF_OFFLINE = "HF_HUB_OFFLINE is set"
+
+
 class HubUnreachableError(ConnectionError):
     """A name that can only be a Hugging Face hub id, while the hub cannot be reached (and no cached copy)."""
 
@@ -129,7 +132,7 @@ def hub_unreachable(timeout: float = 5.0) -> str | None:
     from huggingface_hub import constants, get_session
 
     if getattr(constants, "is_offline_mode", lambda: constants.HF_HUB_OFFLINE)():
-        return "HF_HUB_OFFLINE is set"
+        return HF_OFFLINE
     try:
         get_session().head(constants.ENDPOINT, timeout=timeout)  # any answer at all means reachable
     except Exception as e:  # connection refused, no DNS, timeout, proxy errors
@@ -155,8 +158,11 @@ def _hub_model(model_id: str) -> str:
     except Exception:  # LocalEntryNotFoundError: never downloaded
         cached = None
     if cached is not None and (cached / "config.json").exists() and (any(cached.glob("*.safetensors")) or any(cached.glob("*.bin"))):
+        check_model_files(cached)
+        if why == HF_OFFLINE:
+            return model_id  # offline by choice: transformers reads its cache at once, by id
         log.warning("The Hugging Face hub is not reachable (%s); using the cached copy of %s in %s.", why, model_id, cached)
-        return str(cached)
+        return str(cached)  # a folder: from_pretrained does not retry the hub for half a minute first
     raise HubUnreachableError(
         f"model={model_id!r} is not a local path, so it was taken as a Hugging Face hub id, but the hub was not reachable "
         f"({why}) and the model is not in the local Hugging Face cache; download it where the hub is reachable "
