@@ -26,7 +26,7 @@ def test_local_sources(tmp_path):
     rows.write_text("\n".join(json.dumps({"body": f"row {i}"}) for i in range(3)))
     assert sorted(iter_documents(str(tmp_path / "txt"))) == ["alpha document", "beta document"]
     assert list(iter_documents(str(rows), text_field="body")) == ["row 0", "row 1", "row 2"]
-    with pytest.raises(KeyError, match="no field 'text'"):
+    with pytest.raises(ValueError, match="no field 'text'.*--data.text_field body"):
         list(iter_documents(str(rows)))
     import datasets
 

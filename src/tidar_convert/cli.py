@@ -253,6 +253,10 @@ def generate_cmd(
         raise ValueError("the prompt is empty; pass --prompt 'some text'.")
     if temperature < 0:
         raise ValueError(f"temperature={temperature}: must be >= 0 (0 = greedy).")
+    if not 0 < top_p <= 1:
+        raise ValueError(f"top_p={top_p}: must be in (0, 1] (1 = off), the share of probability mass sampled from.")
+    if top_k < 0:
+        raise ValueError(f"top_k={top_k}: must be >= 0 (0 = off).")
     if dtype not in ("float32", "bfloat16"):
         raise ValueError(f"dtype={dtype!r}: use float32 or bfloat16.")
     lm = load(model, dtype=getattr(torch, dtype))
@@ -307,7 +311,7 @@ def main(argv: list[str] | None = None) -> None:
 
         commands = {"export": export_cmd, "generate": generate_cmd, "bench": bench_cmd, "eval-ppl": eval_ppl_cmd, "quality": quality_cmd}
         auto_cli(commands, args=_unix_flags(args, commands.values()), as_positional=False)  # --model X, as the README says
-    except (ValueError, FileNotFoundError, PermissionError, FloatingPointError) as e:  # bad input: the message says the fix
+    except (ValueError, FileNotFoundError, PermissionError, FloatingPointError, ConnectionError) as e:  # bad input, or no hub: the message says the fix
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
 

@@ -17,6 +17,8 @@ document in every `val_every` goes to validation, never to training.
 from __future__ import annotations
 
 import contextlib
+import logging
+import os
 import random
 import re
 import sysconfig
@@ -30,6 +32,8 @@ from torch.utils.data import DataLoader, IterableDataset
 
 from .loading import cache_dir, fetch_from_wheel
 from .outputs import atomic_dir, atomic_file
+
+log = logging.getLogger(__name__)
 
 TEXT_SUFFIXES = {".txt": "text", ".md": "text", ".py": "text", ".rst": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet"}
 
@@ -64,17 +68,93 @@ def iter_documents(source: str, text_field: str = "text", name: str | None = Non
     elif Path(source).expanduser().exists():
         streams = []
         for builder, files in _files_by_builder(Path(source).expanduser()).items():
-            kwargs = {"sample_by": "document"} if builder == "text" else {}
-            streams.append(load_dataset(builder, data_files=files, split="train", streaming=True, **kwargs))
+            streams.append(_text_rows(files) if builder == "text" else _rows(builder, files))
     else:
+        _check_hub_dataset(source)
         streams = [load_dataset(source, name, split=split, streaming=True)]
     for stream in streams:
         for row in stream:
             field = "text" if "text" in row and text_field not in row else text_field
             if field not in row:
-                raise KeyError(f"data source {source!r} has no field {text_field!r} (fields: {', '.join(row)}); set text_field.")
+                strings = [k for k, v in row.items() if isinstance(v, str)]
+                hint = strings[0] if len(strings) == 1 else "NAME"
+                raise ValueError(
+                    f"data source {source!r} has no field {text_field!r} holding the text (its rows have: {', '.join(row)}); "
+                    f"set the one that does: --data.text_field {hint} (TiDARData(text_field={hint!r}) in Python)."
+                )
             if row[field]:
                 yield row[field]
+
+
+_WARNED: set[str] = set()  # data files already reported as skipped: once per file, not per epoch or split
+
+
+def _decode(path: str) -> tuple[str | None, str | None]:
+    """(text, None) for a UTF-8 text file, read as open() reads text (universal newlines), or
+    (None, why not) for one that is not: another encoding, or binary (NUL bytes)."""
+    data = Path(path).read_bytes()
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        return None, f"not UTF-8 text (byte 0x{data[e.start]:02x} at offset {e.start})"
+    if "\0" in text:
+        return None, f"binary, not text (a NUL byte at offset {data.index(0)})"
+    return text.replace("\r\n", "\n").replace("\r", "\n"), None
+
+
+def _text_rows(files: list[str]) -> Iterator[dict]:
+    """One row per text file (one document each). A file that is not UTF-8 text is skipped with a
+    warning naming it; a single such file, or a source with no readable one, is refused."""
+    skipped = 0
+    for f in files:
+        text, why = _decode(f)
+        if why is None:
+            yield {"text": text}
+            continue
+        if len(files) == 1:
+            raise ValueError(f"data file {f!r} is {why}; convert it to UTF-8 text, or pass another data source.")
+        skipped += 1
+        if skipped == len(files):
+            raise ValueError(f"none of the {len(files)} text files of the data source is UTF-8 text (the last, {f!r}, is {why}); convert them to UTF-8.")
+        if f not in _WARNED:
+            _WARNED.add(f)
+            log.warning("Skipping data file %r: it is %s. Convert it to UTF-8 text, or remove it, to silence this.", f, why)
+
+
+def _rows(builder: str, files: list[str]) -> Iterator[dict]:
+    """Rows of json/parquet files; a file that cannot be decoded is refused by name (a bad file would
+    otherwise end the stream in a pyarrow error naming no file)."""
+    from datasets import load_dataset
+
+    try:
+        yield from load_dataset(builder, data_files=files, split="train", streaming=True)
+    except Exception as e:
+        for f in files:
+            why = _parquet_problem(f) if builder == "parquet" else _decode(f)[1]
+            if why:
+                raise ValueError(f"data file {f!r} is {why}; {'write it again' if builder == 'parquet' else 'convert it to UTF-8'}, or remove it from the data.") from e
+        raise
+
+
+def _parquet_problem(path: str) -> str | None:
+    with open(path, "rb") as f:
+        head = f.read(4)
+        f.seek(max(0, os.path.getsize(path) - 4))
+        tail = f.read(4)
+    return None if head == tail == b"PAR1" else "not a parquet file (no PAR1 marks at its start and end)"
+
+
+def _check_hub_dataset(source: str) -> None:
+    """A name that is no local path is a hub dataset: refuse at once when the hub cannot be reached."""
+    from .loading import HubUnreachableError, hub_unreachable
+
+    why = hub_unreachable()
+    if why:
+        raise HubUnreachableError(
+            f"data source {source!r} is not a local file or folder, so it was taken as a Hugging Face hub dataset, but the hub "
+            f"was not reachable ({why}); download the data where the hub is reachable and pass a local file or folder "
+            "(.txt/.md/.py one document per file, .jsonl/.parquet one per row), e.g. --data.source data/train.jsonl."
+        )
 
 
 def pack(token_docs: Iterator[list[int]], seq_len: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:

@@ -203,6 +203,9 @@ def check_export(path: str | os.PathLike) -> dict:
     cfg_file = path / "config.json"
     if not cfg_file.exists():
         raise FileNotFoundError(f"{str(path)!r} has no config.json: not a model folder. Pass the OUT folder of `make convert`.")
+    from .loading import check_model_files
+
+    check_model_files(path)  # config.json parses, safetensors are whole: else the file and the fix, by name
     cfg = json.loads(cfg_file.read_text())
     missing = [f for f in TIDAR_FIELDS if f not in cfg]
     if missing or not (path / "custom_generate" / "generate.py").exists():

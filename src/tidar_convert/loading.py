@@ -6,8 +6,10 @@ Also adds the tokens TiDAR needs (mask, pad) and refuses architectures it cannot
 from __future__ import annotations
 
 import copy
+import json
 import logging
 import os
+import shutil
 import subprocess
 import sys
 import zipfile
@@ -33,7 +35,14 @@ EMBEDDED_NAME = "SmolLM2-135M-Instruct"
 
 def cache_dir() -> Path:
     path = Path(os.environ.get("TIDAR_CACHE") or Path.home() / ".cache" / "tidar_convert")
-    path.mkdir(parents=True, exist_ok=True)
+    what = f"TIDAR_CACHE={os.environ['TIDAR_CACHE']!r}" if os.environ.get("TIDAR_CACHE") else f"the cache folder {str(path)!r} (TIDAR_CACHE is unset)"
+    fix = "point TIDAR_CACHE to a writable folder, e.g. export TIDAR_CACHE=/tmp/tidar_cache"
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ValueError(f"{what} cannot be made a folder ({e.strerror}: {e.filename}); {fix}.") from None
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise ValueError(f"{what} is not writable; {fix}.")
     return path
 
 
@@ -90,15 +99,125 @@ def _load_gguf(path: Path):
 def resolve(model: str | None) -> str:
     """What `model` names, as something from_pretrained takes (or a .gguf path)."""
     if model in (None, "", "default", "embedded"):
-        return str(embedded_default())
+        out = embedded_default()
+        try:
+            check_model_files(out)
+        except ValueError as e:  # the cached conversion was damaged after it was made: make it again
+            log.warning("%s. Rebuilding the embedded default model...", e)
+            shutil.rmtree(out)
+            out = embedded_default()
+        return str(out)
     path = Path(model).expanduser()
     if path.suffix == ".gguf" and not path.exists():
         raise FileNotFoundError(f"GGUF file {model!r} does not exist; pass an existing .gguf path, a folder, or a hub id.")
     if path.exists():
+        if path.is_dir():
+            check_model_files(path)
         return str(path)
     if model.startswith((".", "/", "~")) or model.count("/") > 1:
         raise FileNotFoundError(f"model={model!r} is neither an existing path nor a hub id like 'Qwen/Qwen2.5-1.5B'.")
-    return model  # a hub id: transformers downloads it (or finds it in the HF cache offline)
+    return _hub_model(model)
+
+
+HF_OFFLINE = "HF_HUB_OFFLINE is set"
+
+
+class HubUnreachableError(ConnectionError):
+    """A name that can only be a Hugging Face hub id, while the hub cannot be reached (and no cached copy)."""
+
+
+def hub_unreachable(timeout: float = 5.0) -> str | None:
+    """Why the Hugging Face hub cannot be reached now, or None if it answers: one request, no retries
+    (transformers retries for half a minute before saying it could not connect)."""
+    from huggingface_hub import constants, get_session
+
+    if getattr(constants, "is_offline_mode", lambda: constants.HF_HUB_OFFLINE)():
+        return HF_OFFLINE
+    try:
+        get_session().head(constants.ENDPOINT, timeout=timeout)  # any answer at all means reachable
+    except Exception as e:  # connection refused, no DNS, timeout, proxy errors
+        return f"{constants.ENDPOINT}: {str(e) or type(e).__name__}"
+    return None
+
+
+def _hub_model(model_id: str) -> str:
+    """A hub id as from_pretrained should take it: the id when the hub answers, the local HF cache's
+    copy when it does not, and a one-line error naming the id and the way out when neither."""
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    try:
+        validate_repo_id(model_id)
+    except HFValidationError:
+        raise FileNotFoundError(f"model={model_id!r} is neither an existing path nor a hub id like 'Qwen/Qwen2.5-1.5B'.") from None
+    why = hub_unreachable()
+    if why is None:
+        return model_id  # transformers downloads it, or uses the HF cache
+    try:
+        cached = Path(snapshot_download(model_id, local_files_only=True))
+    except Exception:  # LocalEntryNotFoundError: never downloaded
+        cached = None
+    if cached is not None and (cached / "config.json").exists() and (any(cached.glob("*.safetensors")) or any(cached.glob("*.bin"))):
+        check_model_files(cached)
+        if why == HF_OFFLINE:
+            return model_id  # offline by choice: transformers reads its cache at once, by id
+        log.warning("The Hugging Face hub is not reachable (%s); using the cached copy of %s in %s.", why, model_id, cached)
+        return str(cached)  # a folder: from_pretrained does not retry the hub for half a minute first
+    raise HubUnreachableError(
+        f"model={model_id!r} is not a local path, so it was taken as a Hugging Face hub id, but the hub was not reachable "
+        f"({why}) and the model is not in the local Hugging Face cache; download it where the hub is reachable "
+        f"(e.g. `hf download {model_id} --local-dir DIR`) and pass that folder (or a .gguf file) as the model, e.g. --model.model DIR."
+    )
+
+
+# The files of a model folder that transformers parses as JSON.
+MODEL_JSON_FILES = ("config.json", "generation_config.json", "tokenizer_config.json", "tokenizer.json", "special_tokens_map.json", "model.safetensors.index.json")
+
+
+def check_model_files(folder: str | os.PathLike) -> None:
+    """Refuse a model folder whose JSON files do not parse or whose safetensors are cut short, naming
+    the file and the fix (transformers and safetensors would raise without saying which file)."""
+    folder = Path(folder)
+    if (folder / "custom_generate" / "generate.py").exists():
+        fix = "export it again (`tidar-convert export --checkpoint CKPT --out DIR` or `make convert`)"
+    else:
+        fix = "download or save the model again"
+    for name in MODEL_JSON_FILES:
+        f = folder / name
+        if f.is_file():
+            try:
+                json.loads(f.read_bytes())
+            except ValueError as e:  # JSONDecodeError, UnicodeDecodeError
+                raise ValueError(f"{str(f)!r} is not valid JSON ({e}): the file is damaged; {fix}") from None
+    for f in sorted(folder.glob("*.safetensors")):
+        problem = _safetensors_problem(f)
+        if problem:
+            raise ValueError(f"{str(f)!r} is truncated or corrupt ({problem}); {fix}")
+
+
+def _safetensors_problem(path: Path) -> str | None:
+    """Why a safetensors file cannot load, from its header alone (None if it looks whole).
+
+    Layout: an 8-byte little-endian header length, a JSON header of tensor byte ranges, the data.
+    """
+    size = path.stat().st_size
+    with path.open("rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            return f"{size} bytes, too short for a safetensors header"
+        n = int.from_bytes(head, "little")
+        if n > size - 8:
+            return f"its header should be {n} bytes long but only {size - 8} follow"
+        try:
+            header = json.loads(f.read(n))
+            end = max((t["data_offsets"][1] for k, t in header.items() if k != "__metadata__"), default=0)
+        except (ValueError, TypeError, KeyError, IndexError, AttributeError):
+            return "its header is not a valid safetensors header"
+    if size < 8 + n + end:
+        return f"cut short: {size} bytes of the {8 + n + end} its header describes"
+    if size > 8 + n + end:
+        return f"{size} bytes where its header describes {8 + n + end}"
+    return None
 
 
 def check_architecture(config) -> None:
