@@ -3,7 +3,7 @@ import json
 import pytest
 import torch
 
-from tidar_convert.data import PackedDocuments, TiDARData, iter_documents, pack, shuffled, split_prose
+from tidar_convert.data import is_validation, PackedDocuments, TiDARData, iter_documents, pack, shuffled, split_prose
 
 
 def test_pack_numbers_documents_inside_each_chunk():
@@ -42,28 +42,64 @@ def test_stdlib_is_the_offline_default():
 
 def test_train_and_validation_documents_are_disjoint(tokenizer, tmp_path):
     rows = tmp_path / "docs.jsonl"
-    rows.write_text("\n".join(json.dumps({"text": f"document number {i} " * 5}) for i in range(60)))
+    rows.write_text("\n".join(json.dumps({"text": f"document number {i} " * 5}) for i in range(200)))
     kw = dict(tokenizer=tokenizer, sources=[str(rows)], seq_len=8, val_every=10, text_field="text", name=None, split="train", seed=0)
     train = list(PackedDocuments(part="train", **kw).documents())
     val = list(PackedDocuments(part="val", **kw).documents())
-    assert len(val) == 6 and len(train) == 54 and not set(train) & set(val)
+    assert 8 <= len(val) <= 35 and len(train) + len(val) == 200 and not set(train) & set(val)
+    assert all(is_validation(d, 10) for d in val) and not any(is_validation(d, 10) for d in train)
     # two ranks split the training documents between them
     r0 = list(PackedDocuments(part="train", rank=0, world_size=2, **kw).documents())
     r1 = list(PackedDocuments(part="train", rank=1, world_size=2, **kw).documents())
     assert sorted(r0 + r1) == sorted(train) and not set(r0) & set(r1)
 
 
+def test_the_split_depends_on_the_document_not_on_its_position(tokenizer, tmp_path):
+    """Adding a source (say self-distilled text) used to shift every position and move validation
+    documents into training: now the same text is held out whatever comes before it."""
+    docs, extra = tmp_path / "docs.jsonl", tmp_path / "extra.jsonl"
+    docs.write_text("\n".join(json.dumps({"text": f"held out or not {i}"}) for i in range(300)))
+    extra.write_text("\n".join(json.dumps({"text": f"another source {i} " * 3}) for i in range(77)))
+    kw = dict(tokenizer=tokenizer, seq_len=8, val_every=10, text_field="text", name=None, split="train", seed=0)
+    val_alone = set(PackedDocuments(sources=[str(docs)], part="val", **kw).documents())
+    train_mixed = set(PackedDocuments(sources=[str(extra), str(docs)], part="train", **kw).documents())
+    assert val_alone and not val_alone & train_mixed
+    # a train-only source (greedy documents) never goes to validation
+    val_mixed = list(PackedDocuments(sources=[str(docs), str(extra)], part="val", train_only=(1,), **kw).documents())
+    assert set(val_mixed) == val_alone
+
+
+def test_ranks_times_workers_see_each_document_exactly_once(tokenizer, tmp_path):
+    """2 ranks x 2 DataLoader workers: every training document of the epoch once, none twice."""
+    from torch.utils.data import DataLoader
+
+    rows = tmp_path / "docs.jsonl"
+    rows.write_text("\n".join(json.dumps({"text": f"doc {i:03d} " + "word " * (i % 7)}) for i in range(120)))
+    kw = dict(tokenizer=tokenizer, sources=[str(rows)], seq_len=4, val_every=10, text_field="text", name=None, split="train", seed=0)
+    expected = list(PackedDocuments(part="train", **kw).documents())
+
+    class Docs(PackedDocuments):  # yield the documents themselves, through real worker processes
+        def __iter__(self):
+            yield from self.documents()
+
+    seen = []
+    for rank in range(2):
+        loader = DataLoader(Docs(part="train", rank=rank, world_size=2, **kw), batch_size=None, num_workers=2)
+        seen += list(loader)
+    assert sorted(seen) == sorted(expected) and len(seen) == len(set(seen))
+
+
 def test_mixed_sources_interleave(tokenizer, tmp_path):
     a, b = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
     a.write_text("\n".join(json.dumps({"text": f"a{i}"}) for i in range(4)))
     b.write_text("\n".join(json.dumps({"text": f"b{i}"}) for i in range(4)))
-    ds = PackedDocuments(tokenizer, [str(a), str(b)], 8, "train", 100, "text", None, "train", 0)
-    assert list(ds.documents())[:5] == ["b0", "a1", "b1", "a2", "b2"]  # document 0 (a0) is validation
+    ds = PackedDocuments(tokenizer, [str(a), str(b)], 8, "train", 10**9, "text", None, "train", 0)
+    assert list(ds.documents())[:5] == ["a0", "b0", "a1", "b1", "a2"]
     # equal shares of text, not of documents: one long document of c is worth many short ones of a
     c = tmp_path / "c.jsonl"
     c.write_text(json.dumps({"text": "c" * 6}) + "\n" + json.dumps({"text": "C" * 6}))
-    ds = PackedDocuments(tokenizer, [str(a), str(c)], 8, "train", 100, "text", None, "train", 0)
-    assert list(ds.documents()) == ["cccccc", "a1", "a2", "a3", "CCCCCC"]
+    ds = PackedDocuments(tokenizer, [str(a), str(c)], 8, "train", 10**9, "text", None, "train", 0)
+    assert list(ds.documents()) == ["a0", "cccccc", "a1", "a2", "a3", "CCCCCC"]
 
 
 def test_datamodule_batches(tokenizer):

@@ -11,12 +11,14 @@ Sources (`TiDARData(source=...)`):
   Several sources mix by listing them: `source: [stdlib, data/prose.jsonl]` (documents interleave).
 
 Documents are streamed and tokenized on the fly, so a 20-step run reads 20 steps of data. One
-document in every `val_every` goes to validation, never to training.
+document in about every `val_every` goes to validation, chosen by a hash of its text (`is_validation`):
+never to training, whatever the mix or the number of ranks and workers.
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import logging
 import os
 import random
@@ -64,14 +66,14 @@ def iter_documents(source: str, text_field: str = "text", name: str | None = Non
     if source == "stdlib":
         files = stdlib_files()
         random.Random(seed).shuffle(files)  # mix modules instead of reading the stdlib alphabetically
-        streams = [load_dataset("text", data_files=files, sample_by="document", split="train", streaming=True)]
+        streams = [_text_rows(files)]
     elif Path(source).expanduser().exists():
         streams = []
         for builder, files in _files_by_builder(Path(source).expanduser()).items():
             streams.append(_text_rows(files) if builder == "text" else _rows(builder, files))
     else:
         _check_hub_dataset(source)
-        streams = [load_dataset(source, name, split=split, streaming=True)]
+        streams = [whole(load_dataset(source, name, split=split, streaming=True))]
     for stream in streams:
         for row in stream:
             field = "text" if "text" in row and text_field not in row else text_field
@@ -84,6 +86,15 @@ def iter_documents(source: str, text_field: str = "text", name: str | None = Non
                 )
             if row[field]:
                 yield row[field]
+
+
+def whole(stream, batch: int = 256) -> Iterator[dict]:
+    """Every row of a `datasets` stream, also inside a DataLoader worker. Iterated plainly, a stream
+    in a worker yields only that worker's file shards (none at all when it has fewer shards than
+    there are workers); PackedDocuments splits the documents between readers itself."""
+    for rows in stream.iter(batch_size=batch):
+        for i in range(len(next(iter(rows.values()), []))):
+            yield {k: v[i] for k, v in rows.items()}
 
 
 _WARNED: set[str] = set()  # data files already reported as skipped: once per file, not per epoch or split
@@ -127,7 +138,7 @@ def _rows(builder: str, files: list[str]) -> Iterator[dict]:
     from datasets import load_dataset
 
     try:
-        yield from load_dataset(builder, data_files=files, split="train", streaming=True)
+        yield from whole(load_dataset(builder, data_files=files, split="train", streaming=True))
     except Exception as e:
         for f in files:
             why = _parquet_problem(f) if builder == "parquet" else _decode(f)[1]
@@ -188,20 +199,43 @@ def shuffled(items, buffer: int, seed: int):
     yield from pool
 
 
-class PackedDocuments(IterableDataset):
-    """Packed chunks from one or more sources; `part` selects training or validation documents."""
+def is_validation(text: str, val_every: int) -> bool:
+    """A document is held out by its own content (a stable hash), never by its position in a stream:
+    the same text is on the same side whatever the source order, the mix, or the process reading it."""
+    digest = hashlib.blake2b(text.encode("utf-8", "surrogatepass"), digest_size=8).digest()
+    return int.from_bytes(digest, "little") % val_every == 0
 
-    def __init__(self, tokenizer, sources: list[str], seq_len: int, part: str, val_every: int, text_field: str, name, split, seed: int, rank: int = 0, world_size: int = 1, shuffle_buffer: int = 0):
+
+def shard() -> tuple[int, int]:
+    """(this DataLoader worker's index, workers per process): (0, 1) in the main process."""
+    info = torch.utils.data.get_worker_info()
+    return (info.id, info.num_workers) if info is not None else (0, 1)
+
+
+class PackedDocuments(IterableDataset):
+    """Packed chunks from one or more sources; `part` selects training or validation documents.
+
+    Each (rank, DataLoader worker) reads the documents of its own part and no other: document n of
+    the part goes to reader n mod (world_size * workers). Every reader scans the stream, but only
+    tokenizes and packs its own documents, so an epoch sees each document exactly once across all
+    ranks and workers. Sources listed in `train_only` (self-distilled text made from training
+    prompts) never go to validation.
+    """
+
+    def __init__(self, tokenizer, sources: list[str], seq_len: int, part: str, val_every: int, text_field: str, name, split, seed: int, rank: int = 0, world_size: int = 1, shuffle_buffer: int = 0, train_only: tuple[int, ...] = ()):
         self.tokenizer, self.sources, self.seq_len, self.part = tokenizer, sources, seq_len, part
         self.val_every, self.text_field, self.name, self.split, self.seed = val_every, text_field, name, split, seed
-        self.rank, self.world_size, self.shuffle_buffer = rank, world_size, shuffle_buffer
+        self.rank, self.world_size, self.shuffle_buffer, self.train_only = rank, world_size, shuffle_buffer, set(train_only)
 
     def documents(self) -> Iterator[str]:
-        """Documents of all sources, interleaved so each source gets an equal share of the text
-        (by characters): a list of sources is a mix from the first step, whatever the document sizes."""
+        """This reader's documents of all sources, interleaved so each source gets an equal share of
+        the text (by characters): a list of sources is a mix from the first step, whatever the
+        document sizes."""
+        worker, workers = shard()
+        readers, me = self.world_size * workers, self.rank * workers + worker
         streams = {j: iter_documents(s, self.text_field, self.name, self.split, self.seed) for j, s in enumerate(self.sources)}
         chars = dict.fromkeys(streams, 0)
-        i = 0
+        n = 0  # documents of this part seen so far, by every reader alike
         while streams:
             j = min(streams, key=lambda j: (chars[j], j))
             doc = next(streams[j], None)
@@ -209,10 +243,12 @@ class PackedDocuments(IterableDataset):
                 del streams[j]
                 continue
             chars[j] += len(doc)
-            is_val = i % self.val_every == 0
-            if is_val == (self.part == "val") and (i // self.val_every) % self.world_size == self.rank:
+            is_val = j not in self.train_only and is_validation(doc, self.val_every)
+            if is_val != (self.part == "val"):
+                continue
+            if n % readers == me:
                 yield doc
-            i += 1
+            n += 1
 
     def tokenized(self) -> Iterator[list[int]]:
         eos = self.tokenizer.eos_token_id
@@ -293,7 +329,8 @@ class TiDARData(L.LightningDataModule):
             source: "stdlib", a local file/folder, a hub dataset name, or a list of these to mix.
             seq_len: tokens per packed chunk (the model sees 2 * seq_len with the masked half).
             batch_size: chunks per step and device.
-            val_every: one document in this many is held out for validation.
+            val_every: about one document in this many is held out for validation (by a hash of its
+                text, so the split does not depend on the order or mix of the sources).
             val_batches: validation batches per validation run (a fixed, repeatable set).
             text_field: column holding the text in json/parquet/hub sources.
             name: hub dataset configuration name.
@@ -324,11 +361,11 @@ class TiDARData(L.LightningDataModule):
             raise RuntimeError("TiDARData.tokenizer is not set; the TiDARModule sets it in setup().")
         rank, world = (self.trainer.global_rank, self.trainer.world_size) if self.trainer else (0, 1)
         buffer = self.shuffle_buffer if part == "train" else 0
-        sources = self.sources
+        sources, train_only = self.sources, ()
         if part == "train" and self.greedy_docs > 0:
             path = greedy_corpus(self.model, self.tokenizer, self.sources, self.greedy_docs, self.val_every, new_tokens=self.greedy_new_tokens, seed=self.seed)
-            sources = sources + [str(path)]
-        return PackedDocuments(self.tokenizer, sources, self.seq_len, part, self.val_every, self.text_field, self.name, self.split, self.seed, rank, world, buffer)
+            sources, train_only = sources + [str(path)], (len(sources),)  # greedy text continues training prompts
+        return PackedDocuments(self.tokenizer, sources, self.seq_len, part, self.val_every, self.text_field, self.name, self.split, self.seed, rank, world, buffer, train_only)
 
     def train_dataloader(self):
         return DataLoader(self._dataset("train"), batch_size=self.batch_size, num_workers=self.num_workers)
