@@ -5,21 +5,29 @@ proves the shipped code never ran. Each load is a fresh interpreter, so nothing 
 by an earlier test can hide what transformers does. The acceptance test for trust_remote_code=True
 (TiDAR output equals AR, drafts accepted, tidar_convert not importable) is in test_export.py; here
 the True case is only the positive control for the sentinel.
+
+Also the silent fallback: when custom_generate fails to load, transformers keeps its own generate
+without a word. tidar_convert.export finds that (tidar_active / fallback_reason / require_tidar),
+load() warns about it, and the bench refuses to time AR as TiDAR.
 """
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import shutil
 import subprocess
 import sys
 import textwrap
+import warnings
 from pathlib import Path
 
 import pytest
+from transformers import AutoModelForCausalLM
 
-from tidar_convert import export
+from tidar_convert import bench, export, load
+from tidar_convert.export import TiDARFallbackWarning, custom_generate_problem, fallback_reason, require_tidar, tidar_active
 
 from conftest import cycle_batch
 
@@ -90,6 +98,99 @@ def test_with_trust_remote_code_the_shipped_code_runs(spiked, tmp_path):
     out = load_in_subprocess(folder, tmp_path, "True")
     assert sentinel.read_text() == "ran"
     assert out["generate"].endswith("custom_generate.generate.generate") and out["tidar_stats"]
+
+
+# --------------------------------------------------------------------------------------------
+# The silent fallback, and how tidar_convert reports it.
+# --------------------------------------------------------------------------------------------
+
+
+def broken_copy(exported: Path, tmp_path: Path, how: str) -> Path:
+    folder = tmp_path / f"broken-{how}"
+    shutil.copytree(exported, folder)
+    gen = folder / "custom_generate" / "generate.py"
+    if how == "no_layout":  # e.g. copied by hand without the file beside it
+        (folder / "custom_generate" / "layout.py").unlink()
+    elif how == "missing_package":
+        gen.write_text(gen.read_text().replace("import torch\n", "import torch\nimport tidar_no_such_package\n", 1))
+    elif how == "syntax":
+        gen.write_text(gen.read_text() + "\ndef broken(:\n")
+    elif how == "no_generate":
+        gen.write_text(gen.read_text().replace("\ndef generate(", "\ndef generate_renamed("))
+    elif how == "requirements":
+        (folder / "custom_generate" / "requirements.txt").write_text("tidar-no-such-package>=1\n")
+    return folder
+
+
+def test_transformers_falls_back_to_ar_silently_and_it_is_detected(exported, tmp_path, capfd):
+    """The failure transformers swallows: a file custom_generate/generate.py imports is missing. It loads
+    with trust_remote_code=True, no error, no warning, and generate is AR; tidar_convert says why."""
+    folder = broken_copy(exported, tmp_path, "no_layout")
+    capfd.readouterr()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        m = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True)
+    said = capfd.readouterr()
+    assert "custom_generate" not in said.out + said.err and not caught, "transformers reported the failure after all"
+    ids = cycle_batch(1, 5, seed=1)
+    m.generate(ids, max_new_tokens=4, do_sample=False, eos_token_id=None)
+    assert not hasattr(m, "tidar_stats")  # it ran transformers' AR generate
+    assert not tidar_active(m)
+    reason = fallback_reason(m)
+    assert "custom_generate/layout.py is missing" in reason and str(folder) in reason
+    with pytest.raises(RuntimeError, match=r"TiDAR decoding not active: transformers fell back to AR \(.*layout\.py is missing"):
+        require_tidar(m)
+
+
+def test_tidar_active_on_every_binding(exported):
+    assert tidar_active(load(exported))
+    remote = AutoModelForCausalLM.from_pretrained(exported, trust_remote_code=True)
+    assert tidar_active(remote) and fallback_reason(remote) is None
+    plain = AutoModelForCausalLM.from_pretrained(exported)
+    assert not tidar_active(plain)
+    assert "loaded without trust_remote_code=True" in fallback_reason(plain)
+    # a TiDAR generate bound to another model is not this model's TiDAR decoding
+    plain.generate = remote.generate
+    assert not tidar_active(plain)
+
+
+@pytest.mark.parametrize(
+    "how, message",
+    [
+        ("no_layout", "custom_generate/layout.py is missing (imported by custom_generate/generate.py)"),
+        ("missing_package", "generate.py imports tidar_no_such_package, not installed here"),
+        ("syntax", "generate.py does not parse: SyntaxError"),
+        ("no_generate", "generate.py defines no `generate` function"),
+        ("requirements", "requirements.txt is not met"),
+    ],
+)
+def test_load_warns_when_the_exports_own_code_would_not_load(exported, tmp_path, how, message):
+    """load() itself works (it binds the package's decode) but names the file and the error, without running it."""
+    folder = broken_copy(exported, tmp_path, how)
+    assert message in custom_generate_problem(folder)
+    with pytest.warns(TiDARFallbackWarning, match="silently decodes with plain AR") as record:
+        m = load(folder)
+    assert str(folder / "custom_generate") in str(record[0].message) and message in str(record[0].message)
+    assert tidar_active(m)
+    m.generate(cycle_batch(1, 5, seed=1), max_new_tokens=4, do_sample=False, eos_token_id=None)
+    assert "accepted" in m.tidar_stats
+
+
+def test_load_is_quiet_on_a_good_export(exported, recwarn):
+    assert custom_generate_problem(exported) is None
+    load(exported)
+    assert not [w for w in recwarn if issubclass(w.category, TiDARFallbackWarning)]
+
+
+def test_bench_refuses_to_time_ar_as_tidar(exported, tmp_path, monkeypatch):
+    """If the model the bench gets decodes with transformers' AR, it stops with the reason, writing nothing."""
+    export_mod = importlib.import_module("tidar_convert.export")  # the package's `export` attribute is the function
+
+    folder = broken_copy(exported, tmp_path, "no_layout")
+    monkeypatch.setattr(export_mod, "load", lambda path, **kw: AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True, **kw))
+    with pytest.raises(RuntimeError, match=r"TiDAR decoding not active: transformers fell back to AR \(.*layout\.py is missing"):
+        bench.bench_cmd(str(folder), max_new_tokens=4, limit=1, out_dir=str(tmp_path / "out"))
+    assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())
 
 
 def test_transformers_lower_bound_has_both_fixes():
