@@ -401,6 +401,9 @@ def bench_cmd(
     if dtype not in ("float32", "bfloat16"):
         raise ValueError(f"dtype={dtype!r}: use float32 or bfloat16.")
     lm = load(path, dtype=getattr(torch, dtype)).to(device).eval()
+    from .export import require_tidar  # never time transformers' AR generate and call it TiDAR
+
+    require_tidar(lm, path)
     tokenizer = AutoTokenizer.from_pretrained(path)
     prompts = bench_prompts(limit if limit is not None else default_limit(device))
     if limit is None and device.type != "cuda":
