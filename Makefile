@@ -37,7 +37,7 @@ test-fast: $(BIN)/.installed
 	$(BIN)/python -m pytest -q -m "not slow" tests
 
 bench: $(BIN)/.installed
-	$(BIN)/tidar-convert bench --model $(or $(MODEL),$(OUT)) $(if $(K),--k $(K)) $(if $(LIMIT),--limit $(LIMIT))
+	$(BIN)/tidar-convert bench --model $(or $(MODEL),$(OUT)) $(if $(K),--k $(K)) $(if $(LIMIT),--limit $(LIMIT)) $(if $(BASE),--base $(BASE))
 
 ppl: $(BIN)/.installed
 	$(BIN)/tidar-convert eval-ppl --model $(or $(MODEL),$(OUT)) --data $(or $(DATA),prose)

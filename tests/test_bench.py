@@ -22,7 +22,8 @@ def tiny_export(tiny_dirs, tmp_path_factory):
     from tidar_convert.loading import load_base
 
     m, tok = load_base(str(tiny_dirs["llama"]))
-    return export(m, tok, tmp_path_factory.mktemp("bench") / "tiny", block_size=4, alpha=1.0)
+    # Untrained, so the export's weights equal its base's: the guard must find the same text.
+    return export(m, tok, tmp_path_factory.mktemp("bench") / "tiny", block_size=4, alpha=1.0, card={"base_model": str(tiny_dirs["llama"])})
 
 
 def test_prompts_mix_code_and_text():
@@ -32,7 +33,7 @@ def test_prompts_mix_code_and_text():
     assert len(bench.bench_prompts()) == 164 + len(bench.TEXT_PROMPTS)
 
 
-def test_bench_json_and_plots(tiny_export, tmp_path, capsys):
+def test_bench_json_and_plots(tiny_dirs, tiny_export, tmp_path, capsys):
     path = Path(bench.bench_cmd(str(tiny_export), max_new_tokens=8, limit=3, out_dir=str(tmp_path)))
     assert path == tmp_path / "tiny.json"
     err = capsys.readouterr().err
@@ -47,6 +48,20 @@ def test_bench_json_and_plots(tiny_export, tmp_path, capsys):
             assert key in s, (decoder, key)
         assert s["all_identical"], f"{decoder} is not token-for-token AR greedy"
     assert r["summary"]["ar"]["tokens_per_s_vs_ar"] == 1.0
+    # prompt lookup on the base model: what a user gets without converting, timed in the same run
+    base = r["summary"]["base_prompt_lookup"]
+    assert base["identical"] is None and base["tokens_per_s_vs_base_prompt_lookup"] == 1.0
+    assert r["summary"]["tidar"]["tokens_per_s_vs_base_prompt_lookup"] > 0 and r["summary"]["tidar"]["tokens_per_s_vs_prompt_lookup"] > 0
+    # the quality guard on the bench's own outputs; the export's weights are its base's, so same text
+    q = r["quality"]
+    assert q["base_model"] == str(tiny_dirs["llama"].resolve())
+    assert q["passes"] and q["reasons"] == [] and q["distinct2_ratio"] == 1.0
+    assert q["humaneval_problems"] == 2 and q["converted"]["pass@1"] == q["base"]["pass@1"]
+    assert "note" in q  # 8 new tokens: below what the guard is meant for
+    for row in r["rows"]:
+        assert row["base_prompt_lookup"]["tokens"] == row["ar"]["tokens"]
+        assert row["quality"]["converted"]["text"] == row["quality"]["base"]["text"]
+    assert "base_prompt_lookup" in err and "quality: PASS" in err
     assert {row["kind"] for row in r["rows"]} == {"code", "text"}
     for row in r["rows"]:
         assert row["ar"]["nfe"] == row["ar"]["new_tokens"] == 8  # AR: one forward per token
@@ -63,6 +78,28 @@ def test_bench_json_and_plots(tiny_export, tmp_path, capsys):
         assert Path(png).read_bytes()[:4] == PNG
     card = (tiny_export / "README.md").read_text()  # the export's model card shows the measurement
     assert "| tidar |" in card and "k=4, 3 prompts" in card and "Not measured yet" not in card
+    assert "| base_prompt_lookup |" in card and "The quality guard passes" in card
+
+
+def test_export_records_its_base_and_bench_says_when_it_cannot(tiny_dirs, tiny_export, tmp_path, capsys):
+    """fit/export record the base (an absolute path here) so bench finds it from any folder; an
+    export that does not record one is benched without the guard, and the output says so."""
+    from tidar_convert.export import base_source
+
+    assert json.loads((tiny_export / "config.json").read_text())["tidar_base_model"] == str(tiny_dirs["llama"].resolve())
+    assert base_source(None) == "embedded" and base_source("Qwen/Qwen2.5-1.5B") == "Qwen/Qwen2.5-1.5B"
+    folder = shutil.copytree(tiny_export, tmp_path / "nobase")
+    cfg = json.loads((folder / "config.json").read_text())
+    del cfg["tidar_base_model"]
+    (folder / "config.json").write_text(json.dumps(cfg))
+    r = json.loads(Path(bench.bench_cmd(str(folder), max_new_tokens=4, limit=1, out_dir=str(tmp_path / "out"))).read_text())
+    assert r["quality"] is None and "base_prompt_lookup" not in r["summary"]
+    assert "does not record its base model" in capsys.readouterr().err
+    # --base names it; quality=False skips the base entirely
+    r = json.loads(Path(bench.bench_cmd(str(folder), max_new_tokens=4, limit=1, out_dir=str(tmp_path / "out"), base=str(tiny_dirs["llama"]))).read_text())
+    assert r["quality"]["passes"] and "base_prompt_lookup" in r["summary"]
+    r = json.loads(Path(bench.bench_cmd(str(tiny_export), max_new_tokens=4, limit=1, out_dir=str(tmp_path / "out"), quality=False)).read_text())
+    assert r["quality"] is None and "base_prompt_lookup" not in r["summary"]
 
 
 def test_bench_eos_at_once(tiny_export, tmp_path):
@@ -99,6 +136,8 @@ def test_bench_rejects_bad_input(tiny_dirs, tiny_export):
         bench.bench_cmd(str(tiny_dirs["llama"]))
     with pytest.raises(FileNotFoundError, match="not a folder"):
         bench.bench_cmd("/nonexistent/model")
+    with pytest.raises(ValueError, match="humaneval_timeout=0"):
+        bench.bench_cmd(str(tiny_export), humaneval_timeout=0)
 
 
 def hand_perplexity(model, tokenizer, texts, seq_len, max_tokens):

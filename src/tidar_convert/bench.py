@@ -8,7 +8,17 @@ weights, batch 1, greedy:
   prompt_lookup  transformers' generate with prompt-lookup decoding (n-gram drafts from the prompt)
   tidar          TiDAR decoding (draft in diffusion, verify AR, one forward a step)
 
-and writes `<out_dir>/<name>.json` (summary per decoder, one row per prompt, machine info) with PNG
+and, on the base model the export was converted from (recorded in the export; `--base` to name
+another), what a user gets without converting:
+
+  base_prompt_lookup   transformers' prompt-lookup decoding on the base weights
+
+The decoders run interleaved, prompt by prompt, so machine noise hits them alike. Beside the speed,
+the generation-quality guard (quality.py) compares the export's own greedy text (the AR row: greedy
+TiDAR writes the same tokens) with the base's (the base_prompt_lookup row: greedy lookup writes the
+base's greedy tokens) on the same prompts: speed figures count only for a conversion that passes.
+
+It writes `<out_dir>/<name>.json` (summary per decoder, one row per prompt, machine info) with PNG
 plots beside it. NFE is counted the same way for every decoder: calls of `model.forward`.
 
 `tidar-convert eval-ppl --model M --data D` is AR perplexity in one plain causal pass per chunk: a
@@ -37,7 +47,8 @@ from . import layout
 from .progress import progress
 from .decode import cache_kwargs
 
-DECODERS = ("ar", "prompt_lookup", "tidar")
+DECODERS = ("ar", "prompt_lookup", "tidar")  # on the export's weights
+BASE_DECODERS = ("base_prompt_lookup",)  # on the base model's weights
 
 # Plain-text prompts (written for this file) so the set is not only code; interleaved with HumanEval.
 TEXT_PROMPTS = (
@@ -113,6 +124,8 @@ def decoder_kwargs(decoder: str, k: int | None, prompt_lookup_tokens: int) -> di
         return {"tidar": False}
     if decoder == "prompt_lookup":
         return {"tidar": False, "prompt_lookup_num_tokens": prompt_lookup_tokens}
+    if decoder == "base_prompt_lookup":  # transformers' own generate: no `tidar` argument
+        return {"prompt_lookup_num_tokens": prompt_lookup_tokens}
     return {"tidar": True, "block_size": k}
 
 
@@ -120,14 +133,19 @@ def run_decoder(model, input_ids, decoder: str, max_new_tokens: int, pad_token_i
     """One greedy generation; new tokens, forward passes, wall seconds (and TiDAR's accepted list)."""
     device = input_ids.device
     kwargs = decoder_kwargs(decoder, k, prompt_lookup_tokens)
-    with torch.no_grad():
-        synchronize(device)
-        t0 = time.perf_counter()
-        out = model.generate(input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=pad_token_id, **kwargs)
-        synchronize(device)
-        seconds = time.perf_counter() - t0
+    calls = []  # forward passes (NFE), counted alike for every decoder: calls of model.forward
+    hook = model.register_forward_pre_hook(lambda *_: calls.append(1))
+    try:
+        with torch.no_grad():
+            synchronize(device)
+            t0 = time.perf_counter()
+            out = model.generate(input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=pad_token_id, **kwargs)
+            synchronize(device)
+            seconds = time.perf_counter() - t0
+    finally:
+        hook.remove()
     tokens = out[0, input_ids.shape[1] :].tolist()
-    nfe = model.tidar_stats["nfe"]  # forward passes, counted alike for every decoder
+    nfe = len(calls)
     row = {
         "new_tokens": len(tokens),
         "nfe": nfe,
@@ -141,8 +159,10 @@ def run_decoder(model, input_ids, decoder: str, max_new_tokens: int, pad_token_i
     return row
 
 
-def bench_prompt(model, tokenizer, prompt: dict, max_new_tokens: int, k: int | None, prompt_lookup_tokens: int) -> dict:
-    """Every decoder on one prompt; identical_to_ar compares token for token with the AR output."""
+def bench_prompt(model, tokenizer, prompt: dict, max_new_tokens: int, k: int | None, prompt_lookup_tokens: int, base=None) -> dict:
+    """Every decoder on one prompt; identical_to_ar compares token for token with the export's AR
+    output (for the base decoders: with the base's own, which is a different model's text).
+    base: (base model, its tokenizer), or None to skip the base decoders."""
     device = next(model.parameters()).device
     ids = tokenizer(prompt["text"], return_tensors="pt").input_ids.to(device)
     row = {"id": prompt["id"], "kind": prompt["kind"], "prompt_tokens": ids.shape[1]}
@@ -150,6 +170,12 @@ def bench_prompt(model, tokenizer, prompt: dict, max_new_tokens: int, k: int | N
         row[decoder] = run_decoder(model, ids, decoder, max_new_tokens, tokenizer.pad_token_id, k, prompt_lookup_tokens)
     for decoder in DECODERS:
         row[decoder]["identical_to_ar"] = row[decoder]["tokens"] == row["ar"]["tokens"]
+    if base is not None:
+        base_model, base_tokenizer = base
+        base_ids = base_tokenizer(prompt["text"], return_tensors="pt").input_ids.to(device)
+        for decoder in BASE_DECODERS:
+            row[decoder] = run_decoder(base_model, base_ids, decoder, max_new_tokens, base_tokenizer.pad_token_id, k, prompt_lookup_tokens)
+            row[decoder]["identical_to_ar"] = None  # another model's text: quality.py compares the two
     return row
 
 
@@ -157,7 +183,7 @@ def summarize(rows: list[dict]) -> dict:
     """Totals per decoder. tokens/s is total tokens over total seconds (long generations weigh more);
     tokens_per_nfe likewise; mean_tokens_per_nfe averages the per-prompt ratios."""
     summary = {}
-    for decoder in DECODERS:
+    for decoder in [d for d in DECODERS + BASE_DECODERS if rows and d in rows[0]]:
         runs = [r[decoder] for r in rows]
         tokens, nfe, seconds = (sum(r[key] for r in runs) for key in ("new_tokens", "nfe", "seconds"))
         summary[decoder] = {
@@ -168,12 +194,18 @@ def summarize(rows: list[dict]) -> dict:
             "tokens_per_s": tokens / seconds if seconds > 0 else 0.0,
             "tokens_per_nfe": tokens / nfe if nfe else 0.0,
             "mean_tokens_per_nfe": statistics.fmean(r["tokens_per_nfe"] for r in runs) if runs else 0.0,
-            "identical": sum(r["identical_to_ar"] for r in runs),
+            "identical": sum(bool(r["identical_to_ar"]) for r in runs),
             "all_identical": all(r["identical_to_ar"] for r in runs),
         }
-    ar_speed = summary["ar"]["tokens_per_s"]
-    for s in summary.values():
-        s["tokens_per_s_vs_ar"] = s["tokens_per_s"] / ar_speed if ar_speed > 0 else 0.0
+        if decoder in BASE_DECODERS:  # not the export's weights: "identical to AR" means nothing here
+            summary[decoder]["identical"] = summary[decoder]["all_identical"] = None
+    # Ratios to AR on the export, to prompt lookup on the export, and to prompt lookup on the base:
+    # the last is what a user gets without converting at all.
+    for ref, key in (("ar", "tokens_per_s_vs_ar"), ("prompt_lookup", "tokens_per_s_vs_prompt_lookup"), ("base_prompt_lookup", "tokens_per_s_vs_base_prompt_lookup")):
+        if ref in summary:
+            speed = summary[ref]["tokens_per_s"]
+            for s in summary.values():
+                s[key] = s["tokens_per_s"] / speed if speed > 0 else 0.0
     return summary
 
 
@@ -247,9 +279,10 @@ def _pyplot():
 def plot_tokens_per_s(summary: dict, path: Path, title: str) -> Path:
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(5, 3.5))
-    speeds = [summary[d]["tokens_per_s"] for d in DECODERS]
-    bars = ax.bar(DECODERS, speeds, color=["#888888", "#4c72b0", "#dd8452"])
-    for bar, d in zip(bars, DECODERS):
+    decoders = list(summary)
+    speeds = [summary[d]["tokens_per_s"] for d in decoders]
+    bars = ax.bar([d.replace("_", "\n") for d in decoders], speeds, color=["#888888", "#4c72b0", "#dd8452", "#55a868"][: len(decoders)])
+    for bar, d in zip(bars, decoders):
         s = summary[d]
         ax.annotate(f"{s['tokens_per_s_vs_ar']:.2f}x\n{s['tokens_per_nfe']:.2f} T/NFE", (bar.get_x() + bar.get_width() / 2, bar.get_height()), ha="center", va="bottom", fontsize=8)
     ax.set_ylabel("tokens / s (batch 1, greedy)")
@@ -356,7 +389,7 @@ def check_bench_args(k, max_new_tokens, limit, prompt_lookup_tokens, ppl_base, p
 def bench_cmd(
     model: str,
     k: int | None = None,
-    max_new_tokens: int = 64,
+    max_new_tokens: int = 128,
     out_dir: str = "bench/results",
     name: str | None = None,
     limit: int | None = None,
@@ -364,10 +397,15 @@ def bench_cmd(
     ppl_base: str | None = None,
     ppl_data: str | None = None,
     dtype: str = "float32",
+    base: str | None = None,
+    quality: bool = True,
+    humaneval_timeout: float = 3.0,
 ) -> str:
     """Benchmark a TiDAR export against AR and prompt-lookup decoding on the same weights.
 
     Batch 1, greedy, raw prompts (HumanEval + plain text). Writes <out_dir>/<name>.json and PNG plots.
+    With the base model (recorded in the export by `fit`, or `base`), it also times prompt lookup on
+    the base weights and runs the generation-quality guard (quality.py) on the same outputs.
 
     Args:
         model: TiDAR export folder (from `make convert` or `tidar-convert export`).
@@ -382,6 +420,10 @@ def bench_cmd(
         ppl_data: perplexity data: prose (held-out English prose), stdlib, a file/folder or a hub dataset.
         dtype: weights for every decoder alike: float32 or bfloat16 (CPUs with AMX, and GPUs, run
             many query slots nearly as fast as one in bf16: the free slots TiDAR drafts in).
+        base: the base model the export was converted from (folder, hub id, .gguf or "embedded");
+            default: the one the export records (exports made by `fit`/`export` record it).
+        quality: time prompt lookup on the base and run the quality guard (needs the base model).
+        humaneval_timeout: seconds per HumanEval program of the guard's pass@1.
 
     Returns:
         Path of the JSON written.
@@ -391,10 +433,17 @@ def bench_cmd(
     from .export import check_export, load, update_model_card
 
     check_bench_args(k, max_new_tokens, limit, prompt_lookup_tokens, ppl_base, ppl_data)
+    if humaneval_timeout <= 0:
+        raise ValueError(f"humaneval_timeout={humaneval_timeout}: must be > 0 seconds.")
     path = Path(model).expanduser()
     if not path.is_dir():
         raise FileNotFoundError(f"model={model!r} is not a folder; pass a TiDAR export folder (the OUT of `make convert`).")
     trained = check_export(path)
+    if quality and base is None:
+        base = json.loads((path / "config.json").read_text()).get("tidar_base_model")
+        if base is None:
+            print(f"bench: {path} does not record its base model: no quality guard, no base prompt lookup (pass --base to get both)", file=sys.stderr)
+            quality = False
     k = k or trained["block_size"]
     name = name or path.resolve().name
     device = default_device()
@@ -405,6 +454,12 @@ def bench_cmd(
 
     require_tidar(lm, path)
     tokenizer = AutoTokenizer.from_pretrained(path)
+    base_pair = None
+    if quality:
+        from .loading import load_base
+
+        base_lm, base_tokenizer = load_base(base, dtype=getattr(torch, dtype))
+        base_pair = (base_lm.to(device).eval(), base_tokenizer)
     prompts = bench_prompts(limit if limit is not None else default_limit(device))
     if limit is None and device.type != "cuda":
         print(f"bench: {len(prompts)} of {len(bench_prompts())} prompts (the CPU default; --limit {len(bench_prompts())} for all)", file=sys.stderr)
@@ -412,11 +467,16 @@ def bench_cmd(
     out.mkdir(parents=True, exist_ok=True)
 
     # Warm-up (allocator, kernels, lazy imports) so the first timed prompt is not an outlier.
-    bench_prompt(lm, tokenizer, prompts[0], min(max_new_tokens, 8), k, prompt_lookup_tokens)
+    bench_prompt(lm, tokenizer, prompts[0], min(max_new_tokens, 8), k, prompt_lookup_tokens, base_pair)
     rows = []
     for prompt in progress(prompts, f"bench {name}", unit="prompt"):  # with an ETA, on a terminal or in a log
-        rows.append(bench_prompt(lm, tokenizer, prompt, max_new_tokens, k, prompt_lookup_tokens))
+        rows.append(bench_prompt(lm, tokenizer, prompt, max_new_tokens, k, prompt_lookup_tokens, base_pair))
     summary = summarize(rows)
+    guard = None
+    if base_pair is not None:
+        guard = quality_guard(prompts, rows, lm, tokenizer, base_pair, humaneval_timeout)
+        guard = {"base_model": base, **guard}
+        base_pair = None  # free its memory before perplexity loads two more models
     step_ks = (2, 4, 8, k)  # the TiDAR step sizes (k + k*k slots) for the usual block sizes
     slots = sorted(set(GPU_SLOTS if device.type == "cuda" else CPU_SLOTS) | {kk + kk * kk for kk in step_ks})
     points = slot_latency(lm, slots)
@@ -436,6 +496,7 @@ def bench_cmd(
         "accepted_histogram": accepted_histogram(rows, k),
         "slot_latency": {"cache_len": SLOT_CACHE_LEN, "tidar_step_slots": k + k * k, "tidar_step_vs_ar_step": step_vs_ar, "points": points},
         "perplexity": None,
+        "quality": guard,
         "rows": rows,
     }
     if ppl_base is not None:
@@ -451,6 +512,10 @@ def bench_cmd(
     json_path = out / f"{name}.json"
     json_path.write_text(json.dumps(result, indent=1))
     print_summary(summary, result["perplexity"])
+    if guard is not None:
+        from .quality import print_verdict
+
+        print_verdict(guard)
     print(f"wrote {json_path}", file=sys.stderr)
     for plot in result["plots"].values():
         print(f"wrote {plot}", file=sys.stderr)
@@ -459,13 +524,28 @@ def bench_cmd(
     return str(json_path)
 
 
+def quality_guard(prompts: list[dict], rows: list[dict], model, tokenizer, base: tuple, timeout: float) -> dict:
+    """quality.compare on the bench's own outputs: the export's AR row (greedy TiDAR writes the same
+    tokens) against the base's prompt-lookup row (greedy lookup writes the base's greedy tokens), each
+    cut at its EOS. The rows' texts go in the bench rows, the metrics and verdict in the result."""
+    from .quality import compare, cut_at_eos, eos_ids
+
+    base_model, base_tokenizer = base
+    mine = [cut_at_eos(r["ar"]["tokens"], eos_ids(model, tokenizer)) for r in rows]
+    theirs = [cut_at_eos(r["base_prompt_lookup"]["tokens"], eos_ids(base_model, base_tokenizer)) for r in rows]
+    report = compare(prompts, mine, theirs, tokenizer, base_tokenizer, timeout=timeout)
+    for row, q in zip(rows, report.pop("rows")):
+        row["quality"] = {side: q[side] for side in ("converted", "base")}
+    if rows and rows[0]["ar"]["new_tokens"] < 128:
+        report["note"] = f"{rows[0]['ar']['new_tokens']} new tokens per prompt: the guard is meant for >= 128 (--max_new_tokens)"
+    return report
+
+
 def print_summary(summary: dict, ppl: dict | None) -> None:
     for decoder, s in summary.items():
-        print(
-            f"{decoder:>14}: {s['tokens_per_s']:8.1f} tok/s ({s['tokens_per_s_vs_ar']:.2f}x AR), "
-            f"{s['tokens_per_nfe']:.2f} T/NFE, identical to AR {s['identical']}/{s['prompts']}",
-            file=sys.stderr,
-        )
+        vs_base = f", {s['tokens_per_s_vs_base_prompt_lookup']:.2f}x base lookup" if "tokens_per_s_vs_base_prompt_lookup" in s else ""
+        same = "base weights" if s["identical"] is None else f"identical to AR {s['identical']}/{s['prompts']}"
+        print(f"{decoder:>18}: {s['tokens_per_s']:8.1f} tok/s ({s['tokens_per_s_vs_ar']:.2f}x AR{vs_base}), {s['tokens_per_nfe']:.2f} T/NFE, {same}", file=sys.stderr)
     if ppl:
         print(f"    perplexity: base {ppl['base']:.3f} -> converted {ppl['converted']:.3f} ({ppl['change_pct']:+.1f}%) on {ppl['data']}", file=sys.stderr)
 

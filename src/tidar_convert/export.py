@@ -49,6 +49,8 @@ def export(model, tokenizer, out: str | os.PathLike, block_size: int, alpha: flo
     model.config.alpha = alpha
     model.config.mask_token_id = tokenizer.mask_token_id
     model.config.pad_token_id = tokenizer.pad_token_id
+    if card and "base_model" in card:  # bench and quality compare against it by default
+        model.config.tidar_base_model = base_source(card["base_model"])
     with atomic_dir(out) as tmp:
         model.save_pretrained(tmp, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
@@ -70,6 +72,15 @@ KNOWN_BASES = {EMBEDDED_NAME: "HuggingFaceTB/SmolLM2-135M-Instruct"}
 RESULTS_START = "<!-- tidar-results:start -->"
 RESULTS_END = "<!-- tidar-results:end -->"
 NOT_MEASURED = "Not measured yet: `tidar-convert bench --model <this folder>` measures it and fills this in."
+
+
+def base_source(model: str | None) -> str:
+    """The base model as `loading.resolve` takes it again later: "embedded" (the default model), an
+    absolute path (so it still resolves from another working directory), or a hub id."""
+    if model in (None, "", "default", "embedded"):
+        return "embedded"
+    path = Path(model).expanduser()
+    return str(path.resolve()) if path.exists() else str(model)
 
 
 def base_model_id(name_or_path: str | None) -> str | None:
@@ -161,9 +172,15 @@ def results_section(metrics: dict) -> str:
     if summary:
         lines += ["", "| decoder | tokens per forward (T/NFE) | tokens/s | vs AR | identical to AR greedy |", "|---|---|---|---|---|"]
         for decoder, s in summary.items():
-            lines.append(
-                f"| {decoder} | {s['tokens_per_nfe']:.2f} | {s['tokens_per_s']:.1f} | {s['tokens_per_s_vs_ar']:.2f}x | {s['identical']}/{s['prompts']} |"
-            )
+            same = "(base model)" if s["identical"] is None else f"{s['identical']}/{s['prompts']}"
+            lines.append(f"| {decoder} | {s['tokens_per_nfe']:.2f} | {s['tokens_per_s']:.1f} | {s['tokens_per_s_vs_ar']:.2f}x | {same} |")
+    guard = metrics.get("quality")
+    if guard:
+        c, b = guard["converted"], guard["base"]
+        pass1 = "" if c["pass@1"] is None else f", HumanEval pass@1 {c['pass@1']:.1%} vs {b['pass@1']:.1%} ({guard['humaneval_problems']} problems)"
+        verdict = "passes" if guard["passes"] else "FAILS (" + "; ".join(guard["reasons"]) + ")"
+        lines += ["", f"Its own greedy text against the base model's, same prompts: distinct-2 {c['distinct2']:.3f} vs {b['distinct2']:.3f}, "
+                  f"ending in a loop {c['loop_share']:.0%} vs {b['loop_share']:.0%}{pass1}. The quality guard {verdict}."]
     ppl = metrics.get("perplexity")
     if ppl:
         lines += ["", f"Perplexity on {ppl['data']} ({ppl.get('max_tokens', '?')} tokens, {ppl.get('seq_len', '?')}-token chunks): "

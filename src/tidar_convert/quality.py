@@ -186,17 +186,14 @@ def greedy_completions(model, tokenizer, prompts, max_new_tokens: int = 128, dec
     kwargs = dict(decoder_kwargs or {})
     if "tidar" in inspect.signature(model.generate).parameters:
         kwargs.setdefault("tidar", False)
-    eos = model.generation_config.eos_token_id
-    eos = set(eos if isinstance(eos, list) else [eos]) | {tokenizer.eos_token_id}
+    eos = eos_ids(model, tokenizer)
     device = next(model.parameters()).device
     outputs = []
     for text in progress(list(prompts), "generate", unit="prompt"):
         ids = tokenizer(text, return_tensors="pt").input_ids.to(device)
         with torch.no_grad():
             out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=tokenizer.pad_token_id, **kwargs)
-        new = out[0, ids.shape[1] :].tolist()
-        stop = next((i for i, t in enumerate(new) if t in eos), len(new))
-        outputs.append(new[:stop])
+        outputs.append(cut_at_eos(out[0, ids.shape[1] :].tolist(), eos))
     return outputs
 
 
@@ -298,11 +295,23 @@ def quality_cmd(
     base_outputs = greedy_completions(base_lm.to(device).eval(), base_tok, texts, max_new_tokens)
     del base_lm
 
+    result = {"model": str(path.resolve()), "base": base, "decoder": decoder, "max_new_tokens": max_new_tokens, "prompts": len(prompts)}
+    result |= compare(prompts, converted, base_outputs, tok, base_tok, humaneval, timeout)
+    json_path.parent.mkdir(parents=True, exist_ok=True)
+    json_path.write_text(json.dumps(result, indent=1))
+    print_verdict(result)
+    print(f"wrote {json_path}", file=sys.stderr)
+    return str(json_path)
+
+
+def compare(prompts: list[dict], converted, base_outputs, tokenizer, base_tokenizer, humaneval: bool = True, timeout: float = 3.0) -> dict:
+    """quality_report on the two models' outputs for `prompts` (bench_prompts entries), plus pass@1
+    on the HumanEval prompts among them (if `humaneval`), and one row per prompt with both texts."""
     rows = [{"id": p["id"], "kind": p["kind"]} for p in prompts]
     pass1 = {}
-    for side, outputs, tokenizer in (("converted", converted, tok), ("base", base_outputs, base_tok)):
+    for side, outputs, tok in (("converted", converted, tokenizer), ("base", base_outputs, base_tokenizer)):
         for row, tokens in zip(rows, outputs):
-            row[side] = {"text": tokenizer.decode(tokens, skip_special_tokens=True), "new_tokens": len(tokens), "distinct2": distinct_n(tokens), "loop": ends_in_loop(tokens)}
+            row[side] = {"text": tok.decode(tokens, skip_special_tokens=True), "new_tokens": len(tokens), "distinct2": distinct_n(tokens), "loop": ends_in_loop(tokens)}
         code = {row["id"]: row[side]["text"] for row in rows if row["kind"] == "code"}
         if humaneval and code:
             pass1[side] = humaneval_pass_at_1(code, timeout=timeout)
@@ -310,17 +319,22 @@ def quality_cmd(
                 if row["id"] in code:
                     row[side]["humaneval"] = pass1[side]["results"][row["id"]]
     c1, b1 = (pass1["converted"]["pass@1"], pass1["base"]["pass@1"]) if pass1 else (None, None)
-    report = quality_report(converted, base_outputs, c1, b1)
-    result = {
-        "model": str(path.resolve()), "base": base, "decoder": decoder, "max_new_tokens": max_new_tokens,
-        "prompts": len(prompts), "humaneval_problems": pass1["base"]["total"] if pass1 else 0, **report, "rows": rows,
-    }
-    json_path.parent.mkdir(parents=True, exist_ok=True)
-    json_path.write_text(json.dumps(result, indent=1))
+    return {"humaneval_problems": pass1["base"]["total"] if pass1 else 0, **quality_report(converted, base_outputs, c1, b1), "rows": rows}
+
+
+def print_verdict(report: dict) -> None:
     for side in ("converted", "base"):
         m = report[side]
-        p1 = "" if m["pass@1"] is None else f", pass@1 {m['pass@1']:.1%}"
+        p1 = "" if m["pass@1"] is None else f", pass@1 {m['pass@1']:.1%} of {report['humaneval_problems']}"
         print(f"{side:>9}: distinct-2 {m['distinct2']:.3f}, loop share {m['loop_share']:.1%}{p1}", file=sys.stderr)
     print("quality: PASS" if report["passes"] else "quality: FAIL (" + "; ".join(report["reasons"]) + ")", file=sys.stderr)
-    print(f"wrote {json_path}", file=sys.stderr)
-    return str(json_path)
+
+
+def cut_at_eos(tokens: list[int], eos: set[int]) -> list[int]:
+    """The generated tokens before the first EOS: what the model wrote."""
+    return tokens[: next((i for i, t in enumerate(tokens) if t in eos), len(tokens))]
+
+
+def eos_ids(model, tokenizer) -> set[int]:
+    eos = model.generation_config.eos_token_id
+    return {t for t in (eos if isinstance(eos, list) else [eos]) + [tokenizer.eos_token_id] if t is not None}
