@@ -183,3 +183,19 @@ def test_quality_cli_writes_a_report(tiny_dirs, tmp_path, capsys):
     for side in ("converted", "base"):
         assert set(r[side]) == {"distinct2", "loop_share", "pass@1"} and r[side]["pass@1"] == 0.0
         assert all(row[side]["new_tokens"] <= 8 for row in r["rows"])
+
+
+def test_quality_cli_defaults_to_the_base_the_export_records(tiny_dirs, tmp_path):
+    import json
+
+    from tidar_convert.cli import main
+    from tidar_convert.export import export
+    from tidar_convert.loading import load_base
+
+    m, tok = load_base(str(tiny_dirs["qwen2"]))
+    path = export(m, tok, tmp_path / "tiny", block_size=4, alpha=1.0, card={"base_model": str(tiny_dirs["qwen2"])})
+    out = tmp_path / "report.json"
+    main(["quality", "--model", str(path), "--limit", "2", "--max-new-tokens", "8", "--humaneval", "false", "--out", str(out)])
+    r = json.loads(out.read_text())
+    assert r["base_model"] == str(tiny_dirs["qwen2"].resolve())  # not overwritten by the base metrics
+    assert r["passes"] and r["distinct2_ratio"] == 1.0  # untrained export: the base's own weights, the same text

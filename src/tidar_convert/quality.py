@@ -249,8 +249,8 @@ def quality_cmd(
 
     Args:
         model: TiDAR export folder (from `make convert` or `tidar-convert export`).
-        base: the base model it was converted from: folder, hub id or .gguf; default: the embedded
-            SmolLM2-135M-Instruct (the default conversion's base).
+        base: the base model it was converted from: folder, hub id or .gguf; default: the one the
+            export records (`tidar_base_model`), else the embedded SmolLM2-135M-Instruct.
         limit: only the first N prompts (code and text interleaved); default: all 169. pass@1 is then
             over the HumanEval problems among them (the pass rule is meant for all 164).
         max_new_tokens: tokens per generation (>= 128 for a meaningful loop check).
@@ -281,6 +281,8 @@ def quality_cmd(
         raise ValueError(f"dtype={dtype!r}: use float32 or bfloat16.")
     path = Path(model).expanduser()
     check_export(path)
+    if base is None:
+        base = json.loads((path / "config.json").read_text()).get("tidar_base_model", "embedded")
     json_path = Path(out) if out else Path("bench/results") / f"{path.resolve().name}-quality.json"
     prompts = bench_prompts(limit)
     texts = [p["text"] for p in prompts]
@@ -295,7 +297,7 @@ def quality_cmd(
     base_outputs = greedy_completions(base_lm.to(device).eval(), base_tok, texts, max_new_tokens)
     del base_lm
 
-    result = {"model": str(path.resolve()), "base": base, "decoder": decoder, "max_new_tokens": max_new_tokens, "prompts": len(prompts)}
+    result = {"model": str(path.resolve()), "base_model": base, "decoder": decoder, "max_new_tokens": max_new_tokens, "prompts": len(prompts)}
     result |= compare(prompts, converted, base_outputs, tok, base_tok, humaneval, timeout)
     json_path.parent.mkdir(parents=True, exist_ok=True)
     json_path.write_text(json.dumps(result, indent=1))
