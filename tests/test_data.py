@@ -119,20 +119,26 @@ def test_bad_data_settings():
 
 
 def test_split_prose_by_document(tmp_path):
-    book = "\n\n".join(f"Paragraph {i} of the story goes on\nacross a wrapped line." for i in range(40))
+    book = "\n\n".join(f"Paragraph {i} of the story {{t}} goes on\nacross a wrapped line." for i in range(40))
     text = "".join(
-        f"The Project Gutenberg EBook of {t}\nLicence text here.\n*** START OF THIS PROJECT GUTENBERG EBOOK {t.upper()} ***\n{book}\n"
+        f"The Project Gutenberg EBook of {t}\nLicence text here.\n*** START OF THIS PROJECT GUTENBERG EBOOK {t.upper()} ***\n{book.format(t=t)}\n"
         f"*** END OF THIS PROJECT GUTENBERG EBOOK {t.upper()} ***\nMore licence text.\n"
         for t in ("First Book", "Second Book")
     )
-    counts = split_prose(text, tmp_path, heldout_every=4, doc_chars=200)
-    train = {p.name: p.read_text() for p in (tmp_path / "train").iterdir()}
-    heldout = {p.name: p.read_text() for p in (tmp_path / "heldout").iterdir()}
-    assert counts == {"train": len(train), "heldout": len(heldout)} and heldout and train
+    counts = split_prose(text, tmp_path, heldout_every=4, doc_chars=200, heldout_book="second-book")
+    train, heldout, book = ({p.name: p.read_text() for p in (tmp_path / part).iterdir()} for part in ("train", "heldout", "book"))
+    assert counts == {"train": len(train), "heldout": len(heldout), "book": len(book)} and heldout and train and book
     assert {n.split("-", 1)[1] for n in heldout} == {"first-book.txt", "second-book.txt"}
+    assert {n.split("-", 1)[1] for n in train} == {"first-book.txt"}  # the held-out book: never in train
+    assert {n.split("-", 1)[1] for n in book} == {"second-book.txt"}
+    assert {n for n in heldout if n.endswith("second-book.txt")} < set(book)  # the whole book, its held-out share included
     train_paragraphs = {p for doc in train.values() for p in doc.split("\n\n")}
-    for doc in heldout.values():
+    for doc in list(heldout.values()) + list(book.values()):
         assert not set(doc.split("\n\n")) & train_paragraphs
+    # the held-out share of each book is the same whichever book is whole in book/
+    other = tmp_path / "other"
+    split_prose(text, other, heldout_every=4, doc_chars=200, heldout_book="first-book")
+    assert sorted(p.name for p in (other / "heldout").iterdir()) == sorted(heldout)
     everything = "".join(train.values()) + "".join(heldout.values())
     assert "icence" not in everything and "GUTENBERG" not in everything
     assert "goes on across a wrapped line." in everything  # hard wraps joined

