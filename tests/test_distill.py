@@ -210,3 +210,11 @@ def test_short_fit_with_distillation(tmp_path, tiny_dirs, extra):
     for key in ("train/loss_distill", "train/agree_ar_0", "train/agree_ar_3", "val/loss_distill", "val/agree_ar_1", "val/acc_diff_1"):
         assert key in metrics and torch.isfinite(metrics[key]), key
     assert 0 <= metrics["val/agree_ar_2"].item() <= 1
+
+
+def test_model_card_lists_distillation_only_when_used(tmp_path):
+    from tidar_convert.cli import training_card
+
+    hp = {"lora_r": 0, "distill_weight": 0.5, "distill_temperature": 2.0, "teacher": "self"}
+    assert {"distill_weight": 0.5, "distill_temperature": 2.0, "teacher": "self"}.items() <= training_card(hp, 3, tmp_path).items()
+    assert "distill_weight" not in training_card({**hp, "distill_weight": 0.0}, 3, tmp_path)
