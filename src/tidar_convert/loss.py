@@ -95,9 +95,8 @@ def distill_loss(diff_logits: torch.Tensor, diff_labels: torch.Tensor, teacher: 
     valid = diff_labels != IGNORE_INDEX
     logq = diff_logits.float().log_softmax(-1)
     hard = -logq.gather(-1, diff_labels.clamp(min=0).unsqueeze(-1)).squeeze(-1)
-    logp = (teacher.detach().float() / temperature).log_softmax(-1)
-    p = logp.exp()
-    kl = (torch.special.xlogy(p, p) - p * logq[:, 1:]).sum(-1)  # xlogy: 0 log 0 = 0, finite as T -> 0
+    logp = (teacher.detach().float() / temperature).log_softmax(-1)  # finite even as T -> 0 (logits are)
+    kl = F.kl_div(logq[:, 1:], logp, reduction="none", log_target=True).sum(-1)
     per_slot = hard.clone()
     per_slot[:, 1:] = torch.where(has_teacher[:, 1:], kl, hard[:, 1:])
     return (per_slot * valid).sum() / valid.sum().clamp(min=1)
