@@ -54,8 +54,8 @@ def hybrid_loss(
     loss_ar = F.cross_entropy(ar_logits.flatten(0, 1).float(), ar_labels.flatten(), ignore_index=IGNORE_INDEX)
     loss_diff = F.cross_entropy(diff_logits.flatten(0, 1).float(), diff_labels.flatten(), ignore_index=IGNORE_INDEX)
     valid = diff_labels != IGNORE_INDEX
-    # Mask slot i has an AR prediction for its token from clean slot i - 1, unless that slot's AR label
-    # is ignored (chunk end never applies here; a document boundary does): the same token, x_i.
+    # Mask slot i (i >= 1) guesses x_i, which clean slot i - 1 predicts too (its AR label is x_i), unless
+    # a document starts at i: then that AR label is ignored and the slot has no AR teacher.
     has_teacher = torch.zeros_like(valid)
     has_teacher[:, 1:] = (ar_labels[:, :-1] != IGNORE_INDEX) & valid[:, 1:]
     term_diff, extra = loss_diff, {}
