@@ -9,7 +9,7 @@ import lightning as L
 import torch
 
 from . import layout
-from .loss import hybrid_loss
+from .loss import check_distill, hybrid_loss
 
 OptimizerCallable = Callable[[Iterable], torch.optim.Optimizer]
 
@@ -32,6 +32,9 @@ class TiDARModule(L.LightningModule):
         attn_implementation: str | None = None,
         gradient_checkpointing: bool = False,
         val_decode_prompts: int = 2,
+        distill_weight: float = 0.0,
+        distill_temperature: float = 1.0,
+        teacher: str = "self",
     ):
         """
         Args:
@@ -47,6 +50,13 @@ class TiDARModule(L.LightningModule):
             gradient_checkpointing: recompute activations in backward (large models).
             val_decode_prompts: at each validation, decode this many held-out prompts with TiDAR and log
                 `val/tokens_per_nfe` (0 = off).
+            distill_weight: w in [0, 1]; the diffusion term becomes (1 - w) * L_Diff + w * L_Distill, where
+                L_Distill pulls each mask slot toward the AR distribution for the same token (KL, teacher
+                detached; docs/method.md §2). 0 = hard labels only (the paper).
+            distill_temperature: T > 0 applied to the teacher's logits: 1 = the AR distribution, near 0 = its argmax.
+            teacher: 'self' = this forward's own AR half (no extra forward); 'base' = the frozen base model
+                (adapters disabled, one extra no-grad causal forward of the clean half), so the student's drift
+                cannot move the target. 'base' needs LoRA (lora_r > 0).
         """
         super().__init__()
         if alpha < 0:
@@ -55,6 +65,11 @@ class TiDARModule(L.LightningModule):
             raise ValueError(f"block_size={block_size}: TiDAR needs at least 2 tokens per block; use 2 or more.")
         if not 0 <= warmup_ratio < 1:
             raise ValueError(f"warmup_ratio={warmup_ratio}: must be in [0, 1).")
+        check_distill(distill_weight, distill_temperature, teacher)
+        if teacher == "base" and lora_r <= 0:
+            # Full fine-tuning would need a frozen copy of every weight (twice the memory, and in every
+            # checkpoint); with LoRA the base model is the same weights with the adapters switched off.
+            raise ValueError(f"teacher='base' with lora_r={lora_r}: the frozen-base teacher needs LoRA; set lora_r > 0 (e.g. 16), or use teacher='self'.")
         self.save_hyperparameters()
         from .loading import load_base
 
@@ -77,6 +92,7 @@ class TiDARModule(L.LightningModule):
             self.model = get_peft_model(self.model, cfg)
         self.block_size, self.alpha, self.optimizer_factory = block_size, alpha, optimizer
         self.warmup_ratio, self.min_lr_ratio, self.val_decode_prompts = warmup_ratio, min_lr_ratio, val_decode_prompts
+        self.distill_weight, self.distill_temperature, self.teacher = distill_weight, distill_temperature, teacher
 
     def setup(self, stage: str) -> None:
         dm = getattr(self.trainer, "datamodule", None) if self._trainer is not None else None
@@ -96,7 +112,27 @@ class TiDARModule(L.LightningModule):
             use_cache=False,
         ).logits
         ar_labels, diff_labels = layout.train_labels(input_ids, doc_ids)
-        return hybrid_loss(logits, ar_labels, diff_labels, self.alpha, self.block_size)
+        teacher_logits = self.base_ar_logits(input_ids, doc_ids) if self.teacher == "base" and self.distill_weight > 0 else None
+        return hybrid_loss(
+            logits, ar_labels, diff_labels, self.alpha, self.block_size, self.distill_weight, self.distill_temperature, teacher_logits
+        )
+
+    @torch.no_grad()
+    def base_ar_logits(self, input_ids: torch.Tensor, doc_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """(B, S, V) AR logits of the frozen base model (LoRA adapters off) on the clean tokens alone.
+
+        The clean half never sees a mask slot, so a plain causal forward over the S clean tokens (with the
+        same document isolation and positions) is exactly the clean half the base model would compute.
+        """
+        B, S = input_ids.shape
+        mask = layout.build_mask(layout.train_mask_mod(S, self.block_size, doc_ids), B, S, S, self.attn_implementation, input_ids.device)
+        with self.model.disable_adapter():
+            return self.model(
+                input_ids=input_ids,
+                position_ids=layout.train_position_ids(input_ids, doc_ids)[:, :S],
+                attention_mask=mask,
+                use_cache=False,
+            ).logits
 
     def training_step(self, batch, batch_idx):
         out = self.forward_tidar(batch["input_ids"], batch.get("doc_ids"))
