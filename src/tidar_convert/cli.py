@@ -66,6 +66,31 @@ def check_fit_config(cfg) -> None:
         from .outputs import check_export_target
 
         check_export_target(cfg.out, overwrite=bool(cfg.get("overwrite")))
+    precision = str(cfg.trainer.get("precision") or "")
+    if precision.startswith("bf16") and training_on_cpu(cfg.trainer.get("accelerator")) and cpu_has_native_bf16() is False:
+        print(
+            f"warning: --trainer.precision {precision} on a CPU without native bf16 (no amx_bf16 or avx512_bf16 in "
+            "/proc/cpuinfo): bf16 matmuls are emulated, and training runs many times slower than in float32. "
+            "Pass --trainer.precision 32-true on this machine.",
+            file=sys.stderr,
+        )
+
+
+def training_on_cpu(accelerator) -> bool:
+    if str(accelerator) == "cpu":
+        return True
+    import torch
+
+    return str(accelerator) in ("auto", "None") and not torch.cuda.is_available()
+
+
+def cpu_has_native_bf16(cpuinfo: str = "/proc/cpuinfo") -> bool | None:
+    """Whether this CPU computes bf16 natively (AMX or AVX512-BF16); None where it cannot be told."""
+    try:
+        flags = set(Path(cpuinfo).read_text().split())
+    except OSError:
+        return None
+    return bool(flags & {"amx_bf16", "avx512_bf16"})
 
 
 def _lightning_cli(args: list[str] | None):
