@@ -1,7 +1,8 @@
 """Issue 7: a killed run resumes the data stream where it stopped, not from its beginning."""
 
-import json
 import hashlib
+import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -62,3 +63,107 @@ def test_a_position_is_refused_for_other_workers_or_data(tokenizer, uneven_rows)
         loader().load_state_dict(state)
     with pytest.raises(ValueError, match="other data settings"):
         loader(workers=2, seed=1).load_state_dict(state)
+
+
+# --------------------------------------------------------------------------------------------
+# End to end: `tidar-convert fit` stopped, then resumed with --ckpt_path last, sees exactly the
+# chunks of an uninterrupted run, step for step.
+# --------------------------------------------------------------------------------------------
+
+RECIPE = str(Path(__file__).parents[1] / "recipes" / "tiny.yaml")
+
+
+class Killed(Exception):
+    """Stands for SIGKILL: the run ends at once, nothing is saved beyond the last checkpoint."""
+
+
+@pytest.fixture(scope="module")
+def small_corpus(tmp_path_factory):
+    """A jsonl of unique documents, a few training steps per epoch: every run below crosses epochs."""
+    path = tmp_path_factory.mktemp("small") / "code.jsonl"
+    rows = [{"text": f"def f_{i}(x, y):\n    z = x + {i * 7 % 100}\n    return z * y - {i}\n"} for i in range(36)]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+@pytest.fixture
+def steps(monkeypatch):
+    """Records what each training step saw: {global_step: (epoch, chunk fingerprints, loss)}.
+    `steps.kill_at = n` ends the run (Killed) when step n is about to train."""
+    from tidar_convert.module import TiDARModule
+
+    original = TiDARModule.training_step
+
+    class Steps(dict):
+        kill_at = None
+
+    seen = Steps()
+
+    def recording(module, batch, batch_idx):
+        step = module.global_step
+        if step == seen.kill_at:
+            raise Killed(f"killed before step {step}")
+        loss = original(module, batch, batch_idx)
+        seen[step] = (module.current_epoch, [fingerprint(row) for row in batch["input_ids"]], loss.item())
+        return loss
+
+    monkeypatch.setattr(TiDARModule, "training_step", recording)
+    return seen
+
+
+def fit(run, model_dir, corpus, workers, max_steps, *extra):
+    from tidar_convert.cli import main
+
+    main([
+        "fit", "--config", RECIPE, "--model.model", str(model_dir), "--data.source", str(corpus), "--data.num_workers", str(workers),
+        "--trainer.default_root_dir", str(run), "--trainer.logger", "false", "--trainer.max_steps", str(max_steps), "--data.val_every", "4",
+        "--trainer.num_sanity_val_steps", "0", *extra,
+    ])  # fmt: skip
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_resumed_fit_sees_exactly_the_chunks_of_an_uninterrupted_one(tmp_path, tiny_dirs, small_corpus, steps, workers):
+    total = 20
+    model = tiny_dirs["qwen2"]
+    fit(tmp_path / "whole", model, small_corpus, workers, total)
+    whole = dict(steps)
+    assert sorted(whole) == list(range(total))
+    epochs = [whole[s][0] for s in range(total)]
+    epoch_end = epochs.index(1)  # steps in the first epoch
+    assert 3 <= epoch_end < 10 and epochs[-1] >= 2, epochs  # the runs below cross epoch ends before and after the checkpoint
+    for epoch in set(epochs):  # the reference itself: each chunk of an epoch once
+        chunks = [c for s in range(total) if whole[s][0] == epoch for c in whole[s][1]]
+        assert len(chunks) == len(set(chunks)), f"epoch {epoch} repeats chunks"
+
+    def interrupted(name, stop, kill):
+        """Stop a run at step `stop` (killed, or by max_steps), resume it with --ckpt_path last up to
+        `total` steps: (the step of the checkpoint it resumed from, steps trained before, steps after)."""
+        run = tmp_path / name
+        steps.clear()
+        steps.kill_at = stop if kill else None
+        try:
+            fit(run, model, small_corpus, workers, total if kill else stop)
+        except Killed:
+            pass
+        before = dict(steps)
+        ckpt = torch.load(run / "checkpoints" / "last.ckpt", weights_only=False)
+        saved = ckpt["global_step"]
+        [position] = ckpt["loops"]["fit_loop"]["state_dict"]["combined_loader"]  # where Lightning keeps ResumableLoader.state_dict()
+        assert position["readers"] == max(1, workers)
+        steps.clear()
+        steps.kill_at = None
+        fit(run, model, small_corpus, workers, total, "--ckpt_path", "last")
+        after = dict(steps)
+        assert sorted(after) == list(range(saved, total)), f"{name}: the resumed run trained steps {sorted(after)} after a checkpoint at {saved}"
+        return saved, before, after
+
+    # Killed between checkpoints (every 10 steps in tiny.yaml): steps 10-12 are lost and trained
+    # again. And stopped by max_steps exactly at the end of the first epoch.
+    for name, stop, kill in (("killed", 13, True), ("epoch_end", epoch_end, False)):
+        saved, before, after = interrupted(name, stop, kill)
+        assert saved == (10 if kill else epoch_end)
+        for s in range(saved):
+            assert before[s][1] == whole[s][1], f"{name}: step {s} before the stop differs from the uninterrupted run"
+        for s in range(saved, total):
+            assert after[s][:2] == whole[s][:2], f"{name}: step {s} after resuming from step {saved} saw other chunks than the uninterrupted run"
+            assert after[s][2] == pytest.approx(whole[s][2], rel=1e-4, abs=1e-5), f"{name}: loss at step {s}"
