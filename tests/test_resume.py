@@ -63,6 +63,8 @@ def test_a_position_is_refused_for_other_workers_or_data(tokenizer, uneven_rows)
         loader().load_state_dict(state)
     with pytest.raises(ValueError, match="other data settings"):
         loader(workers=2, seed=1).load_state_dict(state)
+    with pytest.raises(ValueError, match=r"persistent_workers=True\) is not supported"):
+        ResumableLoader(loader().dataset, batch_size=3, num_workers=2, persistent_workers=True)
 
 
 # --------------------------------------------------------------------------------------------

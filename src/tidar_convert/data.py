@@ -440,10 +440,17 @@ class ResumableLoader(DataLoader):
     Limits: the position must be resumed with the same data settings and num_workers (refused
     otherwise). With several ranks, the checkpoint holds rank 0's position and every rank resumes
     from it: exact while no reader has run out in the current epoch (all ranks then consume
-    alike); `persistent_workers` is not supported (a worker would keep the position for later epochs).
+    alike). `persistent_workers=True` is refused (a worker would keep the position for later epochs).
     """
 
     def __init__(self, dataset: PackedDocuments, **kwargs):
+        if kwargs.get("persistent_workers"):
+            # Persistent workers keep the dataset copy they were started with, resume position
+            # included, and would skip the same chunks again at the start of every later epoch.
+            raise ValueError(
+                "ResumableLoader(persistent_workers=True) is not supported: the workers would keep the resumed "
+                "position for every later epoch; leave persistent_workers off (each epoch starts its workers again)."
+            )
         super().__init__(dataset, **kwargs)
         dataset.tag_reader = True
         self.readers = max(1, self.num_workers)
