@@ -90,14 +90,16 @@ def small_corpus(tmp_path_factory):
 
 @pytest.fixture
 def steps(monkeypatch):
-    """Records what each training step saw: {global_step: (epoch, chunk fingerprints, loss)}.
-    `steps.kill_at = n` ends the run (Killed) when step n is about to train."""
+    """Records what each optimizer step trained on: {global_step: [(epoch, chunk fingerprints, loss)
+    per micro-batch]}. `steps.kill_at = n` ends the run (Killed) when step n is about to train;
+    `steps.sigterm_at = (n, m)` delivers a SIGTERM, as Lightning's handler records it, while
+    micro-batch m of step n trains."""
     from tidar_convert.module import TiDARModule
 
     original = TiDARModule.training_step
 
     class Steps(dict):
-        kill_at = None
+        kill_at = sigterm_at = None
 
     seen = Steps()
 
@@ -105,12 +107,38 @@ def steps(monkeypatch):
         step = module.global_step
         if step == seen.kill_at:
             raise Killed(f"killed before step {step}")
+        if (step, len(seen.get(step, []))) == seen.sigterm_at:
+            module.trainer._signal_connector.received_sigterm = True
         loss = original(module, batch, batch_idx)
-        seen[step] = (module.current_epoch, [fingerprint(row) for row in batch["input_ids"]], loss.item())
+        seen.setdefault(step, []).append((module.current_epoch, [fingerprint(row) for row in batch["input_ids"]], loss.item()))
         return loss
 
     monkeypatch.setattr(TiDARModule, "training_step", recording)
     return seen
+
+
+def assert_same_steps(name, got, expected, steps):
+    """The same chunks in the same epochs, micro-batch by micro-batch, and the same losses."""
+    for s in steps:
+        assert [r[:2] for r in got[s]] == [r[:2] for r in expected[s]], f"{name}: step {s} saw other chunks than the uninterrupted run"
+        assert [r[2] for r in got[s]] == pytest.approx([r[2] for r in expected[s]], rel=1e-4, abs=1e-5), f"{name}: losses at step {s}"
+
+
+def check_reference(whole, total):
+    """The uninterrupted run: `total` steps, each chunk once per epoch; its epoch of each step."""
+    assert sorted(whole) == list(range(total))
+    epochs = [whole[s][-1][0] for s in range(total)]
+    for epoch in set(epochs):
+        chunks = [c for s in range(total) for e, fps, _ in whole[s] if e == epoch for c in fps]
+        assert len(chunks) == len(set(chunks)), f"epoch {epoch} repeats chunks"
+    return epochs
+
+
+def saved_step(run, workers) -> int:
+    ckpt = torch.load(run / "checkpoints" / "last.ckpt", weights_only=False)
+    [position] = ckpt["loops"]["fit_loop"]["state_dict"]["combined_loader"]  # where Lightning keeps ResumableLoader.state_dict()
+    assert position["readers"] == max(1, workers)
+    return ckpt["global_step"]
 
 
 def fit(run, model_dir, corpus, workers, max_steps, *extra):
@@ -129,13 +157,9 @@ def test_a_resumed_fit_sees_exactly_the_chunks_of_an_uninterrupted_one(tmp_path,
     model = tiny_dirs["qwen2"]
     fit(tmp_path / "whole", model, small_corpus, workers, total)
     whole = dict(steps)
-    assert sorted(whole) == list(range(total))
-    epochs = [whole[s][0] for s in range(total)]
+    epochs = check_reference(whole, total)
     epoch_end = epochs.index(1)  # steps in the first epoch
     assert 3 <= epoch_end < 10 and epochs[-1] >= 2, epochs  # the runs below cross epoch ends before and after the checkpoint
-    for epoch in set(epochs):  # the reference itself: each chunk of an epoch once
-        chunks = [c for s in range(total) if whole[s][0] == epoch for c in whole[s][1]]
-        assert len(chunks) == len(set(chunks)), f"epoch {epoch} repeats chunks"
 
     def interrupted(name, stop, kill):
         """Stop a run at step `stop` (killed, or by max_steps), resume it with --ckpt_path last up to
@@ -148,10 +172,7 @@ def test_a_resumed_fit_sees_exactly_the_chunks_of_an_uninterrupted_one(tmp_path,
         except Killed:
             pass
         before = dict(steps)
-        ckpt = torch.load(run / "checkpoints" / "last.ckpt", weights_only=False)
-        saved = ckpt["global_step"]
-        [position] = ckpt["loops"]["fit_loop"]["state_dict"]["combined_loader"]  # where Lightning keeps ResumableLoader.state_dict()
-        assert position["readers"] == max(1, workers)
+        saved = saved_step(run, workers)
         steps.clear()
         steps.kill_at = None
         fit(run, model, small_corpus, workers, total, "--ckpt_path", "last")
@@ -164,8 +185,30 @@ def test_a_resumed_fit_sees_exactly_the_chunks_of_an_uninterrupted_one(tmp_path,
     for name, stop, kill in (("killed", 13, True), ("epoch_end", epoch_end, False)):
         saved, before, after = interrupted(name, stop, kill)
         assert saved == (10 if kill else epoch_end)
-        for s in range(saved):
-            assert before[s][1] == whole[s][1], f"{name}: step {s} before the stop differs from the uninterrupted run"
-        for s in range(saved, total):
-            assert after[s][:2] == whole[s][:2], f"{name}: step {s} after resuming from step {saved} saw other chunks than the uninterrupted run"
-            assert after[s][2] == pytest.approx(whole[s][2], rel=1e-4, abs=1e-5), f"{name}: loss at step {s}"
+        assert_same_steps(name + ", before the stop", before, whole, range(saved))
+        assert_same_steps(name + ", resumed", after, whole, range(saved, total))
+
+
+def test_sigterm_during_gradient_accumulation_resumes_on_the_same_chunks(tmp_path, tiny_dirs, small_corpus, steps):
+    """The paper recipes accumulate gradients: a SIGTERM while a micro-batch trains saves at the end
+    of that optimizer step, and the resumed run goes on from the next one."""
+    total, accumulate = 10, ["--trainer.accumulate_grad_batches", "2"]
+    model = tiny_dirs["qwen2"]
+    fit(tmp_path / "whole", model, small_corpus, 0, total, *accumulate)
+    whole = dict(steps)
+    check_reference(whole, total)
+    assert all(len(whole[s]) == 2 for s in range(total) if s + 1 < total and whole[s + 1][0][0] == whole[s][0][0])
+    steps.clear()
+    steps.sigterm_at = (5, 0)  # while the first of step 5's two micro-batches trains
+    with pytest.raises(SystemExit) as exit:
+        fit(tmp_path / "run", model, small_corpus, 0, total, *accumulate)
+    assert exit.value.code == 143
+    before = dict(steps)
+    assert saved_step(tmp_path / "run", 0) == 6 and sorted(before) == list(range(6))
+    assert_same_steps("before SIGTERM", before, whole, range(6))
+    steps.clear()
+    steps.sigterm_at = None
+    fit(tmp_path / "run", model, small_corpus, 0, total, *accumulate, "--ckpt_path", "last")
+    after = dict(steps)
+    assert sorted(after) == list(range(6, total))
+    assert_same_steps("resumed after SIGTERM", after, whole, range(6, total))
