@@ -47,7 +47,7 @@ def test_a_resumed_loader_yields_exactly_the_batches_that_were_still_to_come(tok
         resumed.load_state_dict(state)
         rest = [resumed.count(b)["input_ids"] for b in resumed]
         assert [fingerprint(b) for b in rest] == [fingerprint(b) for b in reference[c:]], f"resumed after {c} batches"
-        # the count goes on: a second resume from the end of this one yields nothing more
+        # and the count goes on from the loaded position: it ends where the uninterrupted one did
         assert resumed.state_dict() == states[-1]
     again = [whole.count(b)["input_ids"] for b in whole]  # the next epoch starts from its beginning
     assert [fingerprint(b) for b in again] == [fingerprint(b) for b in reference]
