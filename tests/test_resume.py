@@ -152,7 +152,7 @@ def fit(run, model_dir, corpus, workers, max_steps, *extra):
 
 
 @pytest.mark.parametrize("workers", [0, 2])
-def test_a_resumed_fit_sees_exactly_the_chunks_of_an_uninterrupted_one(tmp_path, tiny_dirs, small_corpus, steps, workers):
+def test_a_resumed_fit_sees_exactly_the_chunks_of_an_uninterrupted_one(tmp_path, tiny_dirs, small_corpus, steps, workers, capsys):
     total = 20
     model = tiny_dirs["qwen2"]
     fit(tmp_path / "whole", model, small_corpus, workers, total)
@@ -181,7 +181,10 @@ def test_a_resumed_fit_sees_exactly_the_chunks_of_an_uninterrupted_one(tmp_path,
         saved = saved_step(run, workers)
         steps.clear()
         steps.kill_at = None
+        capsys.readouterr()
         fit(run, model, small_corpus, workers, total, "--config", str(checkpoints), "--ckpt_path", "last")
+        if epochs[saved] == epochs[saved - 1]:  # resumed inside an epoch: says why its first step takes longer
+            assert "resuming the training data after the" in capsys.readouterr().err
         after = dict(steps)
         assert sorted(after) == list(range(saved, total)), f"{name}: the resumed run trained steps {sorted(after)} after a checkpoint at {saved}"
         return saved, before, after

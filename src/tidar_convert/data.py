@@ -23,6 +23,7 @@ import logging
 import os
 import random
 import re
+import sys
 import sysconfig
 from collections import Counter
 from collections.abc import Iterator
@@ -489,6 +490,8 @@ class ResumableLoader(DataLoader):
             )
         self.consumed, self.next_reader = list(state["consumed"]), state["next"]
         self._resume = {"next": self.next_reader, "consumed": list(self.consumed)}
+        if sum(self.consumed) and self.dataset.rank == 0:  # says why the first step of a resumed run is slow
+            print(f"resuming the training data after the {sum(self.consumed)} chunks already trained on in this epoch (read again, not trained on)", file=sys.stderr, flush=True)
 
     def __iter__(self):
         resume, self._resume = self._resume, None
