@@ -94,9 +94,14 @@ class Preemption(Callback):
     """SIGTERM (what SLURM and Kubernetes send) saves last.ckpt, so a requeued job resumes.
 
     Lightning turns SIGTERM into a SIGTERMException at the next step boundary, after the optimizer
-    step, so what is saved is a consistent state. Lightning then exits 0, which a scheduler reads as
-    "finished": `cli.main` exits 143 (128 + SIGTERM) instead.
+    step, so what is saved is a consistent state (with gradient accumulation, only once the step's
+    last micro-batch is trained: see `hold_sigterm_until_step_end`). Lightning then exits 0, which a
+    scheduler reads as "finished": `cli.main` exits 143 (128 + SIGTERM) instead.
     """
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        if trainer.accumulate_grad_batches > 1:
+            hold_sigterm_until_step_end(trainer)
 
     def on_exception(self, trainer, pl_module, exception) -> None:
         if not isinstance(exception, SIGTERMException):
@@ -112,3 +117,35 @@ class Preemption(Callback):
         trainer.save_checkpoint(path)  # every rank: sharded strategies save collectively
         if trainer.is_global_zero:
             print(f"received SIGTERM: saved {path} at step {trainer.global_step}; run the same command with --ckpt_path last to continue.", file=sys.stderr, flush=True)
+
+
+def hold_sigterm_until_step_end(trainer) -> None:
+    """Make Lightning act on a SIGTERM only between optimizer steps, not between micro-batches.
+
+    Lightning checks for SIGTERM after every batch (and, with several ranks, before the next one),
+    also between the micro-batches of an accumulated step. Stopping there saves a checkpoint that
+    holds neither the gradients of the micro-batches already trained nor the data they came from
+    (the data position has moved past them): the resumed run would make that step from the rest of
+    its micro-batches alone. Lightning reads the signal through `trainer._signal_connector
+    .received_sigterm` everywhere, so that flag reads False while a step is half accumulated.
+    """
+    connector = trainer._signal_connector
+    if isinstance(connector, _HeldSigterm):
+        return
+    received = connector.__dict__.pop("received_sigterm", False)
+    connector.__class__ = type("HeldSigterm" + type(connector).__name__, (_HeldSigterm, type(connector)), {})
+    connector.received_sigterm = received
+
+
+class _HeldSigterm:
+    """Mixed into Lightning's signal connector by `hold_sigterm_until_step_end`."""
+
+    @property
+    def received_sigterm(self) -> bool:
+        trainer = self.trainer
+        mid_step = trainer.training and trainer.fit_loop.epoch_loop._should_accumulate()
+        return self._sigterm and not mid_step
+
+    @received_sigterm.setter
+    def received_sigterm(self, value: bool) -> None:
+        self._sigterm = value

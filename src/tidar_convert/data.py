@@ -24,6 +24,7 @@ import logging
 import os
 import random
 import re
+import sys
 import sysconfig
 from collections import Counter
 from collections.abc import Iterator
@@ -227,12 +228,21 @@ class PackedDocuments(IterableDataset):
         self.tokenizer, self.sources, self.seq_len, self.part = tokenizer, sources, seq_len, part
         self.val_every, self.text_field, self.name, self.split, self.seed = val_every, text_field, name, split, seed
         self.rank, self.world_size, self.shuffle_buffer, self.train_only = rank, world_size, shuffle_buffer, set(train_only)
+        self.tag_reader = False  # add "reader" (the reader index on this rank) to each item: ResumableLoader counts by it
+        self.resume = None  # {"next": reader, "consumed": [chunks per reader]}: set by ResumableLoader for one iter()
 
-    def documents(self) -> Iterator[str]:
+    def stream_key(self) -> list:
+        """The settings that decide which chunks come in which order: a saved position is only
+        meaningful for a stream with the same key."""
+        return [list(self.sources), self.seq_len, self.part, self.val_every, self.text_field, self.name, self.split, self.seed, self.world_size, self.shuffle_buffer, sorted(self.train_only)]
+
+    def documents(self, worker: int | None = None) -> Iterator[str]:
         """This reader's documents of all sources, interleaved so each source gets an equal share of
         the text (by characters): a list of sources is a mix from the first step, whatever the
-        document sizes."""
-        worker, workers = shard()
+        document sizes. `worker` is the reader this process plays on its rank (default: its
+        DataLoader worker index; a resumed loader rotates it, see `ResumableLoader`)."""
+        index, workers = shard()
+        worker = index if worker is None else worker
         readers, me = self.world_size * workers, self.rank * workers + worker
         streams = {j: iter_documents(s, self.text_field, self.name, self.split, self.seed) for j, s in enumerate(self.sources)}
         chars = dict.fromkeys(streams, 0)
@@ -251,17 +261,38 @@ class PackedDocuments(IterableDataset):
                 yield doc
             n += 1
 
-    def tokenized(self) -> Iterator[list[int]]:
+    def tokenized(self, worker: int | None = None) -> Iterator[list[int]]:
         eos = self.tokenizer.eos_token_id
-        for doc in self.documents():
+        for doc in self.documents(worker):
             ids = self.tokenizer(doc, add_special_tokens=False)["input_ids"]
             yield ids + ([eos] if eos is not None else [])
 
     def __iter__(self):
+        # Read the resume position now, not when the first item is asked for: a loader without
+        # workers calls iter() on this very object and clears the position right after.
+        index, workers = shard()
+        resume = self.resume
+        if resume is None:
+            return self._chunks(index, 0)
+        worker = (index + resume["next"]) % workers  # DataLoader worker 0 plays the reader whose turn is next
+        return self._chunks(worker, resume["consumed"][worker])
+
+    def _chunks(self, worker: int, skip: int):
+        """The chunks of reader `worker` (on this rank), after its first `skip` ones.
+
+        Skipped chunks are read, tokenized, packed and shuffled like the others and then dropped,
+        so the chunks that follow are exactly those an uninterrupted run gets next (the shuffle
+        buffer's state included); the cost is re-reading what was consumed before the resume.
+        """
         n = 0
-        for input_ids, doc_ids in shuffled(pack(self.tokenized(), self.seq_len), self.shuffle_buffer, self.seed):
+        for input_ids, doc_ids in shuffled(pack(self.tokenized(worker), self.seq_len), self.shuffle_buffer, self.seed):
             n += 1
-            yield {"input_ids": input_ids, "doc_ids": doc_ids}
+            if n <= skip:
+                continue
+            item = {"input_ids": input_ids, "doc_ids": doc_ids}
+            if self.tag_reader:
+                item["reader"] = worker
+            yield item
         if n == 0:
             raise ValueError(
                 f"the {self.part} data ({', '.join(self.sources)}) holds fewer than seq_len={self.seq_len} tokens; "
@@ -369,11 +400,109 @@ class TiDARData(L.LightningDataModule):
         return PackedDocuments(self.tokenizer, sources, self.seq_len, part, self.val_every, self.text_field, self.name, self.split, self.seed, rank, world, buffer, train_only)
 
     def train_dataloader(self):
-        return DataLoader(self._dataset("train"), batch_size=self.batch_size, num_workers=self.num_workers)
+        self._train_loader = ResumableLoader(self._dataset("train"), batch_size=self.batch_size, num_workers=self.num_workers)
+        return self._train_loader
+
+    def on_before_batch_transfer(self, batch, dataloader_idx: int):
+        """Training batches are counted here, as the training loop takes them (the position saved
+        in checkpoints, see ResumableLoader); prefetched batches are not counted until then."""
+        if isinstance(batch, dict) and "reader" in batch:
+            loader = getattr(self, "_train_loader", None)
+            trainer = self.trainer
+            if loader is None or trainer is None or not trainer.training:
+                return {k: v for k, v in batch.items() if k != "reader"}
+            batch = loader.count(batch)
+            if trainer.fit_loop.epoch_loop.batch_progress.is_last_batch:
+                loader.end_epoch()
+        return batch
 
     def val_dataloader(self):
         ds = self._dataset("val")
         return DataLoader(_Take(ds, self.val_batches * self.batch_size), batch_size=self.batch_size)
+
+
+class ResumableLoader(DataLoader):
+    """The training DataLoader, with its position in the stream: Lightning stores `state_dict()` in
+    every checkpoint and calls `load_state_dict()` when a run resumes (`--ckpt_path last`), so a
+    killed run continues where it stopped: no chunk is seen twice and none is skipped.
+
+    The stream is deterministic given the data settings, rank and reader, so the position is how
+    many chunks of each reader training has consumed in the current epoch, and which reader comes
+    next. `count()` records a batch when training takes it (TiDARData.on_before_batch_transfer:
+    batches the optimizer loop used, micro-batches under gradient accumulation, never the ones
+    prefetched). With W workers, torch hands out batches from workers 0, 1, ..., W-1 in turn
+    (dropping a worker whose stream has ended); each batch is tagged with its reader, so the counts
+    stay exact also at the ragged end of an epoch and with partial last batches.
+
+    On resume, the first iter() has worker w play reader (w + next) % W, so the turn order goes on
+    where it stopped, and each reader drops the chunks it had already delivered (they are read and
+    tokenized again: resuming costs time in proportion to the epoch consumed so far). After the
+    last batch of an epoch the position is the start of the next one; later epochs start fresh.
+
+    Limits: the position must be resumed with the same data settings and num_workers (refused
+    otherwise). With several ranks, the checkpoint holds rank 0's position and every rank resumes
+    from it: exact while no reader has run out in the current epoch (all ranks then consume
+    alike). `persistent_workers=True` is refused (a worker would keep the position for later epochs).
+    """
+
+    def __init__(self, dataset: PackedDocuments, **kwargs):
+        if kwargs.get("persistent_workers"):
+            # Persistent workers keep the dataset copy they were started with, resume position
+            # included, and would skip the same chunks again at the start of every later epoch.
+            raise ValueError(
+                "ResumableLoader(persistent_workers=True) is not supported: the workers would keep the resumed "
+                "position for every later epoch; leave persistent_workers off (each epoch starts its workers again)."
+            )
+        super().__init__(dataset, **kwargs)
+        dataset.tag_reader = True
+        self.readers = max(1, self.num_workers)
+        self.consumed, self.next_reader = [0] * self.readers, 0
+        self._resume = None
+
+    def count(self, batch: dict) -> dict:
+        """Record a batch training has taken; returns it without its "reader" tag."""
+        batch = dict(batch)
+        reader = batch.pop("reader")
+        r = int(reader[0])
+        self.consumed[r] += len(reader)
+        self.next_reader = (r + 1) % self.readers
+        return batch
+
+    def end_epoch(self) -> None:
+        """The last batch of the epoch was taken: the position is the start of the next epoch."""
+        self.consumed, self.next_reader = [0] * self.readers, 0
+
+    def state_dict(self) -> dict:
+        return {"readers": self.readers, "consumed": list(self.consumed), "next": self.next_reader, "stream": self.dataset.stream_key()}
+
+    def load_state_dict(self, state: dict) -> None:
+        if state["readers"] != self.readers:
+            saved = state["readers"] if state["readers"] > 1 else 0
+            raise ValueError(
+                f"the checkpoint's data position was saved with --data.num_workers {saved} and this run has {self.num_workers}: "
+                f"each worker reads its own share of the documents, so the position only holds for the same number; "
+                f"resume with --data.num_workers {saved}."
+            )
+        if state["stream"] != self.dataset.stream_key():
+            raise ValueError(
+                "the checkpoint's data position was saved for other data settings (sources, seq_len, seed, shuffle_buffer, "
+                f"val_every, text_field or number of devices: {state['stream']}, now {self.dataset.stream_key()}); "
+                "resume with the settings of the run that wrote it (its config.yaml in the run folder)."
+            )
+        self.consumed, self.next_reader = list(state["consumed"]), state["next"]
+        self._resume = {"next": self.next_reader, "consumed": list(self.consumed)}
+        if sum(self.consumed) and self.dataset.rank == 0:  # says why the first step of a resumed run is slow
+            print(f"resuming the training data after the {sum(self.consumed)} chunks already trained on in this epoch (read again, not trained on)", file=sys.stderr, flush=True)
+
+    def __iter__(self):
+        resume, self._resume = self._resume, None
+        if resume is None:  # a new epoch
+            self.end_epoch()
+        self.dataset.resume = resume
+        try:
+            return super().__iter__()  # the workers get their copy of the dataset here
+        finally:
+            self.dataset.resume = None
 
 
 class _Take(IterableDataset):

@@ -1,0 +1,228 @@
+"""Issue 7: a killed run resumes the data stream where it stopped, not from its beginning."""
+
+import hashlib
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from tidar_convert.data import PackedDocuments, ResumableLoader
+
+
+def fingerprint(ids: torch.Tensor) -> str:
+    return hashlib.sha1(ids.numpy().tobytes()).hexdigest()[:16]
+
+
+@pytest.fixture(scope="module")
+def uneven_rows(tmp_path_factory):
+    """Documents of uneven lengths, one .txt file each (read without `datasets`: these tests start
+    DataLoader workers dozens of times). The long ones all go to the same reader, so with 2 or 3
+    workers the readers end their epoch at different batches, with partial batches in between."""
+    path = tmp_path_factory.mktemp("uneven")
+    for i in range(20):
+        (path / f"{i:03d}.txt").write_text(f"doc {i:03d} " + "word " * (i % 11) + "long " * (15 * (i % 4 == 1)) + "x" * (i % 5))
+    return path
+
+
+@pytest.mark.parametrize("workers", [0, 1, 2, 3])
+def test_a_resumed_loader_yields_exactly_the_batches_that_were_still_to_come(tokenizer, uneven_rows, workers):
+    """The skip arithmetic, checked at every position of an epoch: consume c batches, save, load into
+    a new loader: it yields batches c, c+1, ... of the uninterrupted epoch, in order, and nothing else."""
+
+    def loader():
+        ds = PackedDocuments(tokenizer, [str(uneven_rows)], 16, "train", 10, "text", None, "train", 0, shuffle_buffer=4)
+        return ResumableLoader(ds, batch_size=3, num_workers=workers)
+
+    whole = loader()
+    states, reference = [whole.state_dict()], []
+    for batch in whole:
+        batch = whole.count(batch)
+        reference.append(batch["input_ids"])
+        states.append(whole.state_dict())
+    sizes = [len(b) for b in reference]
+    assert len(reference) >= 12 and (workers < 2 or min(sizes[:-1]) < 3), sizes  # a reader ends before the others
+    for c, state in enumerate(states):
+        resumed = loader()
+        resumed.load_state_dict(state)
+        rest = [resumed.count(b)["input_ids"] for b in resumed]
+        assert [fingerprint(b) for b in rest] == [fingerprint(b) for b in reference[c:]], f"resumed after {c} batches"
+        # and the count goes on from the loaded position: it ends where the uninterrupted one did
+        assert resumed.state_dict() == states[-1]
+    again = [whole.count(b)["input_ids"] for b in whole]  # the next epoch starts from its beginning
+    assert [fingerprint(b) for b in again] == [fingerprint(b) for b in reference]
+
+
+def test_a_position_is_refused_for_other_workers_or_data(tokenizer, uneven_rows):
+    def loader(workers=0, seed=0):
+        ds = PackedDocuments(tokenizer, [str(uneven_rows)], 16, "train", 10, "text", None, "train", seed)
+        return ResumableLoader(ds, batch_size=3, num_workers=workers)
+
+    state = loader(workers=2).state_dict()
+    with pytest.raises(ValueError, match="saved with --data.num_workers 2 and this run has 0.*resume with --data.num_workers 2"):
+        loader().load_state_dict(state)
+    with pytest.raises(ValueError, match="other data settings"):
+        loader(workers=2, seed=1).load_state_dict(state)
+    with pytest.raises(ValueError, match=r"persistent_workers=True\) is not supported"):
+        ResumableLoader(loader().dataset, batch_size=3, num_workers=2, persistent_workers=True)
+
+
+# --------------------------------------------------------------------------------------------
+# End to end: `tidar-convert fit` stopped, then resumed with --ckpt_path last, sees exactly the
+# chunks of an uninterrupted run, step for step.
+# --------------------------------------------------------------------------------------------
+
+RECIPE = str(Path(__file__).parents[1] / "recipes" / "tiny.yaml")
+
+
+class Killed(Exception):
+    """Stands for SIGKILL: the run ends at once, nothing is saved beyond the last checkpoint."""
+
+
+@pytest.fixture(scope="module")
+def small_corpus(tmp_path_factory):
+    """A jsonl of unique documents, a few training steps per epoch: every run below crosses epochs."""
+    path = tmp_path_factory.mktemp("small") / "code.jsonl"
+    rows = [{"text": f"def f_{i}(x, y):\n    z = x + {i * 7 % 100}\n    return z * y - {i}\n"} for i in range(36)]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+@pytest.fixture
+def steps(monkeypatch):
+    """Records what each optimizer step trained on: {global_step: [(epoch, chunk fingerprints, loss)
+    per micro-batch]}. `steps.kill_at = n` ends the run (Killed) when step n is about to train;
+    `steps.sigterm_at = (n, m)` delivers a SIGTERM, as Lightning's handler records it, while
+    micro-batch m of step n trains."""
+    from tidar_convert.module import TiDARModule
+
+    original = TiDARModule.training_step
+
+    class Steps(dict):
+        kill_at = sigterm_at = None
+
+    seen = Steps()
+
+    def recording(module, batch, batch_idx):
+        step = module.global_step
+        if step == seen.kill_at:
+            raise Killed(f"killed before step {step}")
+        if (step, len(seen.get(step, []))) == seen.sigterm_at:
+            module.trainer._signal_connector.received_sigterm = True
+        loss = original(module, batch, batch_idx)
+        seen.setdefault(step, []).append((module.current_epoch, [fingerprint(row) for row in batch["input_ids"]], loss.item()))
+        return loss
+
+    monkeypatch.setattr(TiDARModule, "training_step", recording)
+    return seen
+
+
+def assert_same_steps(name, got, expected, steps):
+    """The same chunks in the same epochs, micro-batch by micro-batch, and the same losses."""
+    for s in steps:
+        assert [r[:2] for r in got[s]] == [r[:2] for r in expected[s]], f"{name}: step {s} saw other chunks than the uninterrupted run"
+        assert [r[2] for r in got[s]] == pytest.approx([r[2] for r in expected[s]], rel=1e-4, abs=1e-5), f"{name}: losses at step {s}"
+
+
+def check_reference(whole, total):
+    """The uninterrupted run: `total` steps, each chunk once per epoch; its epoch of each step."""
+    assert sorted(whole) == list(range(total))
+    epochs = [whole[s][-1][0] for s in range(total)]
+    for epoch in set(epochs):
+        chunks = [c for s in range(total) for e, fps, _ in whole[s] if e == epoch for c in fps]
+        assert len(chunks) == len(set(chunks)), f"epoch {epoch} repeats chunks"
+    return epochs
+
+
+def saved_step(run, workers) -> int:
+    ckpt = torch.load(run / "checkpoints" / "last.ckpt", weights_only=False)
+    [position] = ckpt["loops"]["fit_loop"]["state_dict"]["combined_loader"]  # where Lightning keeps ResumableLoader.state_dict()
+    assert position["readers"] == max(1, workers)
+    return ckpt["global_step"]
+
+
+def fit(run, model_dir, corpus, workers, max_steps, *extra):
+    from tidar_convert.cli import main
+
+    main([
+        "fit", "--config", RECIPE, "--model.model", str(model_dir), "--data.source", str(corpus), "--data.num_workers", str(workers),
+        "--trainer.default_root_dir", str(run), "--trainer.logger", "false", "--trainer.max_steps", str(max_steps), "--data.val_every", "4",
+        "--trainer.num_sanity_val_steps", "0", *extra,
+    ])  # fmt: skip
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_resumed_fit_sees_exactly_the_chunks_of_an_uninterrupted_one(tmp_path, tiny_dirs, small_corpus, steps, workers, capsys):
+    total = 20
+    model = tiny_dirs["qwen2"]
+    fit(tmp_path / "whole", model, small_corpus, workers, total)
+    whole = dict(steps)
+    epochs = check_reference(whole, total)
+    epoch_end = epochs.index(1)  # steps in the first epoch
+    assert 3 <= epoch_end < 10 and epochs[-1] >= 2, epochs  # the runs below cross epoch ends before and after the checkpoint
+
+    def interrupted(name, stop, kill, every=10):
+        """Stop a run at step `stop` (killed, or by max_steps) with checkpoints every `every` steps,
+        resume it with --ckpt_path last up to `total` steps: (the step of the checkpoint it resumed
+        from, steps trained before, steps after)."""
+        run = tmp_path / name
+        checkpoints = tmp_path / f"{name}.yaml"  # replaces tiny.yaml's callbacks (one ModelCheckpoint, every 10 steps)
+        checkpoints.write_text(
+            "trainer:\n  callbacks:\n    - class_path: lightning.pytorch.callbacks.ModelCheckpoint\n"
+            f"      init_args: {{save_last: true, save_top_k: 0, every_n_train_steps: {every}}}\n"
+        )
+        steps.clear()
+        steps.kill_at = stop if kill else None
+        try:
+            fit(run, model, small_corpus, workers, total if kill else stop, "--config", str(checkpoints))
+        except Killed:
+            pass
+        before = dict(steps)
+        saved = saved_step(run, workers)
+        steps.clear()
+        steps.kill_at = None
+        capsys.readouterr()
+        fit(run, model, small_corpus, workers, total, "--config", str(checkpoints), "--ckpt_path", "last")
+        if epochs[saved] == epochs[saved - 1]:  # resumed inside an epoch: says why its first step takes longer
+            assert "resuming the training data after the" in capsys.readouterr().err
+        after = dict(steps)
+        assert sorted(after) == list(range(saved, total)), f"{name}: the resumed run trained steps {sorted(after)} after a checkpoint at {saved}"
+        return saved, before, after
+
+    scenarios = (
+        ("killed between checkpoints", 13, True, 10, 10),  # steps 10-12 are lost and trained again
+        ("killed after a checkpoint at the end of an epoch", epoch_end + 1, True, epoch_end, epoch_end),
+        ("stopped by max_steps at the end of an epoch", epoch_end, False, 10, epoch_end),
+    )
+    # With workers, the unit test above already resumes at every position of an epoch: here only the
+    # first scenario, which crosses the epoch end where one worker's reader runs out before the other.
+    for name, stop, kill, every, expected in scenarios if workers == 0 else scenarios[:1]:
+        saved, before, after = interrupted(name.replace(" ", "_"), stop, kill, every)
+        assert saved == expected, name
+        assert_same_steps(name + ", before the stop", before, whole, range(saved))
+        assert_same_steps(name + ", resumed", after, whole, range(saved, total))
+
+
+def test_sigterm_during_gradient_accumulation_resumes_on_the_same_chunks(tmp_path, tiny_dirs, small_corpus, steps):
+    """The paper recipes accumulate gradients: a SIGTERM while a micro-batch trains saves at the end
+    of that optimizer step, and the resumed run goes on from the next one."""
+    total, accumulate = 10, ["--trainer.accumulate_grad_batches", "2"]
+    model = tiny_dirs["qwen2"]
+    fit(tmp_path / "whole", model, small_corpus, 0, total, *accumulate)
+    whole = dict(steps)
+    check_reference(whole, total)
+    assert all(len(whole[s]) == 2 for s in range(total) if s + 1 < total and whole[s + 1][0][0] == whole[s][0][0])
+    steps.clear()
+    steps.sigterm_at = (5, 0)  # while the first of step 5's two micro-batches trains
+    with pytest.raises(SystemExit) as exit:
+        fit(tmp_path / "run", model, small_corpus, 0, total, *accumulate)
+    assert exit.value.code == 143
+    before = dict(steps)
+    assert saved_step(tmp_path / "run", 0) == 6 and sorted(before) == list(range(6))
+    assert_same_steps("before SIGTERM", before, whole, range(6))
+    steps.clear()
+    steps.sigterm_at = None
+    fit(tmp_path / "run", model, small_corpus, 0, total, *accumulate, "--ckpt_path", "last")
+    after = dict(steps)
+    assert sorted(after) == list(range(6, total))
+    assert_same_steps("resumed after SIGTERM", after, whole, range(6, total))
