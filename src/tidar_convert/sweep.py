@@ -87,9 +87,10 @@ def load_spec(path: str) -> dict[str, list[str]]:
         if flags is None:
             flags = []
         if not isinstance(flags, list):
+            words = str(flags).split() if isinstance(flags, str) and flags.strip() else ["--model.alpha", "'0.5'"]
             raise ValueError(
                 f"arm {name!r} in {path} is a {type(flags).__name__} ({flags!r}), not a list of flags; "
-                f"write it as {name}: [--model.alpha, '0.5'] (one item per word), or {name}: [] for the recipe as it is."
+                f"write it as {name}: [{', '.join(words)}] (one item per word), or {name}: [] for the recipe as it is."
             )
         arms[name] = [_as_flag(v, name, spec) for v in flags]
         check_flags(arms[name], f"arm {name!r} in {path}")
@@ -419,9 +420,15 @@ def sweep_cmd(
         arm_dir = out_dir / "arms" / name
         state = _read_json(arm_dir / "arm.json")
         resumable = (arm_dir / "checkpoints" / "last.ckpt").is_file()
-        if state and (state.get("status") == "done" or resumable) and state.get("settings") != settings[name]:
+        was = (state or {}).get("settings") or {}
+        if state and (state.get("status") == "done" or resumable) and was != settings[name]:
+            now = settings[name]
+            what = (
+                f"flags {was.get('flags')}, now {now['flags']}" if was.get("flags") != now["flags"]
+                else f"recipe {was.get('recipe')} with other contents, now {now['recipe']}"
+            )
             raise ValueError(
-                f"arm {name!r} in {arm_dir} was run with other settings ({state.get('settings')}); "
+                f"arm {name!r} in {arm_dir} was run with other settings ({what}); "
                 "pass another --out, or remove that arm's folder to run it again."
             )
 
