@@ -256,9 +256,13 @@ def run_arm(name: str, cmd: list[str], arm_dir: Path, wall_before: float, forwar
                     trained = int(m.group(1))
                 print(f"[{name}] {text}", file=sys.stderr, flush=True)
             rc = proc.wait()
-        except KeyboardInterrupt:  # Ctrl-C reached the arm too (same process group): let it stop
+        except KeyboardInterrupt:  # Ctrl-C on a terminal reaches the arm too (same process group): let it stop
             try:
-                rc = proc.wait(timeout=120)
+                try:
+                    rc = proc.wait(timeout=5)
+                except subprocess.TimeoutExpired:  # only the sweep got it (kill -INT): pass it on
+                    proc.send_signal(signal.SIGINT)
+                    rc = proc.wait(timeout=120)
             except (subprocess.TimeoutExpired, KeyboardInterrupt):
                 proc.kill()
                 rc = proc.wait()
