@@ -50,6 +50,8 @@ def test_sweep_end_to_end_a_failing_arm_does_not_stop_the_others_and_a_rerun_ski
     # Again: the finished arms are skipped without starting a process, and their results are kept.
     import subprocess
 
+    real_popen = subprocess.Popen
+
     def no_process(*args, **kwargs):
         raise AssertionError(f"a finished arm was run again: {args}")
 
@@ -61,6 +63,17 @@ def test_sweep_end_to_end_a_failing_arm_does_not_stop_the_others_and_a_rerun_ski
     assert {n: (out / "arms" / n / "arm.json").read_text() for n in ("hard", "soft")} == before
     result = json.loads((out / "sweep.json").read_text())
     assert [(a["arm"], a["status"], len(a["curve"])) for a in result["arms"]] == [("typo", "failed", 0), ("hard", "done", 2), ("soft", "done", 2)]
+
+    # An arm cut short (as SIGTERM leaves it: status interrupted, last.ckpt kept) resumes from its checkpoint.
+    state = json.loads((out / "arms" / "hard" / "arm.json").read_text())
+    (out / "arms" / "hard" / "arm.json").write_text(json.dumps({**state, "status": "interrupted"}))
+    runs = []
+    monkeypatch.setattr(subprocess, "Popen", lambda cmd, **kw: runs.append(cmd) or real_popen(cmd, **kw))
+    sweep(tmp_path, tiny_dirs["llama"], arms, "--arms", "[hard, soft]")
+    assert "[1/2] hard: resuming from" in capsys.readouterr().err
+    assert len(runs) == 1 and runs[0][-2:] == ["--ckpt_path", "last"]
+    hard = json.loads((out / "sweep.json").read_text())["arms"][1]
+    assert hard["status"] == "done" and [p["step"] for p in hard["curve"]] == [1, 2] and hard["wall_s"] > state["wall_s"]
 
     # A finished arm whose settings changed is refused, not silently reused or mixed.
     with pytest.raises(SystemExit):
