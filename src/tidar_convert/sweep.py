@@ -425,11 +425,12 @@ def sweep_cmd(
         state = _read_json(arm_dir / "arm.json")
         resumable = (arm_dir / "checkpoints" / "last.ckpt").is_file()
         was = (state or {}).get("settings") or {}
-        if state and (state.get("status") == "done" or resumable) and was != settings[name]:
-            now = settings[name]
+        now = settings[name]
+        same = was.get("flags") == now["flags"] and was.get("recipe_sha256") == now["recipe_sha256"]  # the recipe's path may be spelled differently
+        if state and (state.get("status") == "done" or resumable) and not same:
             what = (
                 f"flags {was.get('flags')}, now {now['flags']}" if was.get("flags") != now["flags"]
-                else f"recipe {was.get('recipe')} with other contents, now {now['recipe']}"
+                else f"recipe {was.get('recipe')} had other contents than {now['recipe']} has now"
             )
             raise ValueError(
                 f"arm {name!r} in {arm_dir} was run with other settings ({what}); "
