@@ -1,6 +1,7 @@
 # tidar-convert. `make convert` and `make test` each set up .venv on first use.
 #   make convert [MODEL=hub-id|folder|file.gguf] [RECIPE=recipes/x.yaml] [OUT=folder] [MAX_STEPS=n]
 #   make test | make test-fast | make bench MODEL=out/... [K=4] | make bench-gpu
+#   make sweep SWEEP=recipes/sweeps/x.yaml RECIPE=recipes/y.yaml [MAX_STEPS=n] [VAL=n] [ARMS='[a, b]'] [SWEEP_OUT=folder]
 
 PYTHON ?= python3
 VENV ?= .venv
@@ -16,7 +17,15 @@ OUT ?= out/$(basename $(notdir $(RECIPE)))
 MAX_STEPS ?=
 K ?=
 
-.PHONY: convert test test-fast bench ppl bench-gpu clean
+SWEEP ?= recipes/sweeps/smollm2-cpu-levers.yaml
+# The lever sweep is written for the best CPU recipe: that is its base unless RECIPE is given.
+SWEEP_RECIPE = $(if $(filter command line environment,$(origin RECIPE)),$(RECIPE),recipes/smollm2-135m-cpu-best.yaml)
+VAL ?=
+ARMS ?=
+SWEEP_OUT ?=
+comma := ,
+
+.PHONY: convert test test-fast bench ppl bench-gpu sweep clean
 
 $(BIN)/.installed: pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv --system-site-packages $(VENV)
@@ -44,6 +53,14 @@ ppl: $(BIN)/.installed
 
 bench-gpu: $(BIN)/.installed
 	$(BIN)/python -m tidar_convert.bench_gpu
+
+# One `fit` per arm of SWEEP on RECIPE -> SWEEP_OUT (default runs/sweeps/<sweep name>)/sweep.json + sweep.png.
+# Running it again skips finished arms and resumes an interrupted one.
+sweep: $(BIN)/.installed
+	$(BIN)/tidar-convert sweep --spec $(SWEEP) --recipe $(SWEEP_RECIPE) \
+		$(if $(MAX_STEPS),--max_steps $(MAX_STEPS)) $(if $(VAL),--val_check_interval $(VAL)) \
+		$(if $(ARMS),--arms '$(ARMS)') $(if $(SWEEP_OUT),--out $(SWEEP_OUT)) \
+		$(if $(MODEL),--fit_args '[--model.model$(comma) $(MODEL)]')
 
 clean:
 	rm -rf runs wandb lightning_logs

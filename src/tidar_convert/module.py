@@ -35,6 +35,7 @@ class TiDARModule(L.LightningModule):
         distill_weight: float = 0.0,
         distill_temperature: float = 1.0,
         teacher: str = "self",
+        val_decode_block_size: int | None = None,
     ):
         """
         Args:
@@ -57,6 +58,8 @@ class TiDARModule(L.LightningModule):
             teacher: 'self' = this forward's own AR half (no extra forward); 'base' = the frozen base model
                 (adapters disabled, one extra no-grad causal forward of the clean half), so the student's drift
                 cannot move the target. 'base' needs LoRA (lora_r > 0).
+            val_decode_block_size: k used by the `val/tokens_per_nfe` decoding (None = block_size). Set it to
+                compare runs trained at different block sizes at the same decode k (train at 8, decode at 4).
         """
         super().__init__()
         if alpha < 0:
@@ -66,6 +69,8 @@ class TiDARModule(L.LightningModule):
         if not 0 <= warmup_ratio < 1:
             raise ValueError(f"warmup_ratio={warmup_ratio}: must be in [0, 1).")
         check_distill(distill_weight, distill_temperature, teacher)
+        if val_decode_block_size is not None and val_decode_block_size < 2:
+            raise ValueError(f"val_decode_block_size={val_decode_block_size}: decoding needs at least 2 tokens per block; use 2 or more, or null for block_size.")
         if teacher == "base" and lora_r <= 0:
             # Full fine-tuning would need a frozen copy of every weight (twice the memory, and in every
             # checkpoint); with LoRA the base model is the same weights with the adapters switched off.
@@ -93,6 +98,7 @@ class TiDARModule(L.LightningModule):
         self.block_size, self.alpha, self.optimizer_factory = block_size, alpha, optimizer
         self.warmup_ratio, self.min_lr_ratio, self.val_decode_prompts = warmup_ratio, min_lr_ratio, val_decode_prompts
         self.distill_weight, self.distill_temperature, self.teacher = distill_weight, distill_temperature, teacher
+        self.val_decode_block_size = val_decode_block_size or block_size
 
     def setup(self, stage: str) -> None:
         dm = getattr(self.trainer, "datamodule", None) if self._trainer is not None else None
@@ -162,7 +168,7 @@ class TiDARModule(L.LightningModule):
         was_training = model.training
         model.eval()
         try:
-            generate(chunk[:, :prompt_len], model=model, max_new_tokens=new_tokens, do_sample=False, eos_token_id=None, block_size=self.block_size)
+            generate(chunk[:, :prompt_len], model=model, max_new_tokens=new_tokens, do_sample=False, eos_token_id=None, block_size=self.val_decode_block_size)
             return model.tidar_stats["tokens_per_nfe"]
         finally:
             model.train(was_training)

@@ -1,0 +1,528 @@
+"""`tidar-convert sweep`: one recipe, several arms (lists of `fit` flags), a learning curve per arm.
+
+Each arm is its own `tidar-convert fit` process, run one after another, in its own folder
+`<out>/arms/<arm>/` (run folder, CSV metrics, checkpoints, `fit.log`). A crash of one arm is recorded
+and the next arm runs. What is measured is `val/tokens_per_nfe` (real TiDAR decoding of held-out
+validation prompts, never training text; see `TiDARModule.validation_step`) and `val/loss`, against
+training tokens (clean tokens: steps x batch_size x seq_len x accumulate_grad_batches x devices x
+num_nodes, read from the arm's own saved config.yaml) and against wall-clock seconds.
+
+Nothing is lost on interruption: every arm writes `<out>/arms/<arm>/arm.json` when its process ends,
+and `<out>/sweep.json` + `sweep.png` are rewritten after every arm. A rerun skips arms that finished,
+resumes an interrupted arm from its last checkpoint (saved after each validation), and retries a
+failed one; an arm whose settings changed since it ran is refused rather than silently mixed.
+"""
+
+from __future__ import annotations
+
+import csv
+import hashlib
+import json
+import math
+import re
+import shlex
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+# Flags the sweep sets for every arm: an arm or --fit_args setting them would break the arm's
+# isolation (its folder, its metrics, resuming), so they are refused.
+MANAGED = ("--trainer.default_root_dir", "--trainer.logger", "--trainer.callbacks", "--out", "--overwrite", "--ckpt_path")
+ARM_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.+-]*$")
+VALIDATION_LINE = re.compile(r"^validation at step (\d+):")  # callbacks.TrainProgress.on_validation_end
+TRAINED_LINE = re.compile(r"^trained (\d+) steps; run folder")  # cli.TiDARCLI.after_fit
+EXAMPLE = "recipes/sweeps/smollm2-cpu-levers.yaml"
+
+
+def _flag_name(arg: str) -> str:
+    return arg.split("=", 1)[0]
+
+
+def _as_flag(value, arm: str, spec: Path) -> str:
+    """YAML scalars as the command line spells them: 1.0 -> '1.0', true -> 'true', null -> 'null'."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if value is None:
+        return "null"
+    if isinstance(value, (str, int, float)):
+        return str(value)
+    raise ValueError(
+        f"arm {arm!r} in {spec}: item {value!r} is a {type(value).__name__}; each item is one command-line word, "
+        "e.g. [--data.source, '[prose-train, stdlib]'] (quote a list or mapping value as one string)."
+    )
+
+
+def check_flags(flags: list[str], where: str) -> None:
+    for arg in flags:
+        if _flag_name(arg) in MANAGED:
+            raise ValueError(
+                f"{where} sets {_flag_name(arg)}: the sweep sets it for every arm (each arm's own folder under --out); "
+                "remove it from the arm."
+            )
+
+
+def load_spec(path: str) -> dict[str, list[str]]:
+    """The sweep spec: a YAML mapping arm name -> list of `fit` flags ([] = the recipe as it is)."""
+    import yaml
+
+    spec = Path(path)
+    fix = f"write one `name: [--flag, value, ...]` per arm (see {EXAMPLE})"
+    if not spec.is_file():
+        raise FileNotFoundError(f"sweep spec {path!r} does not exist{' (it is a folder)' if spec.is_dir() else ''}; pass --spec a YAML file: {fix}.")
+    try:
+        raw = yaml.safe_load(spec.read_text())
+    except yaml.YAMLError as e:
+        raise ValueError(f"sweep spec {path}: not valid YAML ({' '.join(str(e).split())}); {fix}.") from None
+    if not raw:
+        raise ValueError(f"sweep spec {path} holds no arms; {fix}, e.g. `baseline: []` runs the recipe as it is.")
+    if not isinstance(raw, dict):
+        raise ValueError(f"sweep spec {path} is a {type(raw).__name__}, not a mapping of arm name -> list of flags; {fix}.")
+    arms = {}
+    for name, flags in raw.items():
+        name = str(name)
+        if not ARM_NAME.match(name):
+            raise ValueError(f"arm name {name!r} in {path}: use letters, digits and . _ + - (it names the arm's folder), e.g. 'lora-16'.")
+        if flags is None:
+            flags = []
+        if not isinstance(flags, list):
+            words = str(flags).split() if isinstance(flags, str) and flags.strip() else ["--model.alpha", "'0.5'"]
+            raise ValueError(
+                f"arm {name!r} in {path} is a {type(flags).__name__} ({flags!r}), not a list of flags; "
+                f"write it as {name}: [{', '.join(words)}] (one item per word), or {name}: [] for the recipe as it is."
+            )
+        arms[name] = [_as_flag(v, name, spec) for v in flags]
+        check_flags(arms[name], f"arm {name!r} in {path}")
+    return arms
+
+
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _read_json(path: Path) -> dict | None:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _write_json(path: Path, data) -> None:
+    """Atomic: an interrupted write leaves the earlier file, never half of one."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(data, indent=2) + "\n")
+    tmp.replace(path)
+
+
+def tokens_per_step(config_path: Path) -> tuple[int | None, dict]:
+    """Clean training tokens per optimizer step from an arm's saved config.yaml, and the values used."""
+    import yaml
+
+    try:
+        cfg = yaml.safe_load(config_path.read_text()) or {}
+    except (OSError, yaml.YAMLError):
+        return None, {}
+    data, trainer, model = cfg.get("data") or {}, cfg.get("trainer") or {}, cfg.get("model") or {}
+    devices, notes = trainer.get("devices", 1), []
+    if isinstance(devices, list):
+        devices = len(devices)
+    elif isinstance(devices, str) and devices.strip().isdigit():
+        devices = int(devices)
+    if not isinstance(devices, int) or devices < 1:
+        notes.append(f"trainer.devices={trainer.get('devices')!r} counted as 1 device")
+        devices = 1
+    used = {
+        "batch_size": int(data.get("batch_size") or 1),
+        "seq_len": int(data.get("seq_len") or 0),
+        "accumulate_grad_batches": int(trainer.get("accumulate_grad_batches") or 1),
+        "devices": devices,
+        "num_nodes": int(trainer.get("num_nodes") or 1),
+        "max_steps": trainer.get("max_steps"),
+        "block_size": model.get("block_size"),
+        "decode_block_size": model.get("val_decode_block_size") or model.get("block_size"),
+    }
+    if notes:
+        used["notes"] = notes
+    n = used["batch_size"] * used["seq_len"] * used["accumulate_grad_batches"] * used["devices"] * used["num_nodes"]
+    return n or None, used
+
+
+def _finite(value: str | None) -> float | None:
+    try:
+        x = float(value)
+    except (TypeError, ValueError):
+        return None
+    return x if math.isfinite(x) else None
+
+
+def read_curve(arm_dir: Path) -> dict[int, dict]:
+    """{optimizer steps done: {metric: value}} of every `val/*` metric in the arm's CSV logs.
+
+    Lightning logs a validation with step = steps done - 1. Several csv/version_* folders are the
+    attempts of a resumed arm, read in order so the latest attempt's value for a step wins.
+    """
+
+    def version(path: Path) -> int:
+        n = path.parent.name.rsplit("_", 1)[-1]
+        return int(n) if n.isdigit() else -1
+
+    points: dict[int, dict] = {}
+    for path in sorted(arm_dir.glob("csv/version_*/metrics.csv"), key=version):
+        with path.open(newline="") as f:
+            for row in csv.DictReader(f):
+                values = {k[4:]: _finite(v) for k, v in row.items() if k and k.startswith("val/") and v not in (None, "")}
+                if not values or not (row.get("step") or "").isdigit():
+                    continue
+                points.setdefault(int(row["step"]) + 1, {}).update(values)
+    return dict(sorted(points.items()))
+
+
+def _arm_command(recipe: str, flags: list[str], arm_dir: Path, name: str, sweep_name: str, keep_loggers: bool, recipe_cfg: dict, resume: bool) -> list[str]:
+    """`python -m tidar_convert.cli fit --config RECIPE <flags> <this arm's folders>`: the folder flags
+    come last, so they win over anything the recipe sets."""
+    csv_logger = {"class_path": "lightning.pytorch.loggers.CSVLogger", "init_args": {"save_dir": str(arm_dir), "name": "csv", "flush_logs_every_n_steps": 1}}
+    loggers = [csv_logger]
+    trainer = recipe_cfg.get("trainer") or {}
+    if keep_loggers:
+        recipe_loggers = trainer.get("logger")
+        recipe_loggers = recipe_loggers if isinstance(recipe_loggers, list) else [recipe_loggers] if isinstance(recipe_loggers, dict) else []
+        for lg in recipe_loggers:
+            path = str(lg.get("class_path", ""))
+            if path.endswith("CSVLogger"):
+                continue
+            args = dict(lg.get("init_args") or {})
+            args["save_dir"] = str(arm_dir)  # W&B, TensorBoard...: into the arm's folder, named after the arm
+            if path.endswith("WandbLogger"):
+                args["name"] = f"{sweep_name}-{name}"
+            loggers.append({"class_path": path, "init_args": args})
+    # The recipe's callbacks stay, except checkpoints: one last.ckpt in the arm's folder, saved right
+    # after each validation (so a resumed arm never skips the measurement of the step it resumes from).
+    callbacks = trainer.get("callbacks") or []
+    callbacks = [c for c in (callbacks if isinstance(callbacks, list) else [callbacks]) if isinstance(c, dict) and not str(c.get("class_path", "")).endswith("ModelCheckpoint")]
+    callbacks.append({
+        "class_path": "lightning.pytorch.callbacks.ModelCheckpoint",
+        "init_args": {"dirpath": str(arm_dir / "checkpoints"), "save_last": True, "save_top_k": 0, "save_on_train_epoch_end": False},
+    })
+    cmd = [sys.executable, "-m", "tidar_convert.cli", "fit", "--config", recipe, *flags]
+    cmd += ["--trainer.default_root_dir", str(arm_dir), "--trainer.logger", json.dumps(loggers), "--trainer.callbacks", json.dumps(callbacks)]
+    if resume:
+        cmd += ["--ckpt_path", "last"]
+    return cmd
+
+
+class _Forward:
+    """While an arm runs, SIGTERM to the sweep goes to the arm too (it saves last.ckpt and exits 143)."""
+
+    def __init__(self):
+        self.proc, self.received = None, None
+
+    def __enter__(self):
+        self.old = signal.getsignal(signal.SIGTERM)
+        try:
+            signal.signal(signal.SIGTERM, self._handle)
+        except ValueError:  # not the main thread: leave signals alone
+            self.old = None
+        return self
+
+    def _handle(self, signum, frame):
+        self.received = signum
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signum)
+
+    def __exit__(self, *exc):
+        if self.old is not None:
+            signal.signal(signal.SIGTERM, self.old)
+
+
+def run_arm(name: str, cmd: list[str], arm_dir: Path, wall_before: float, forward: _Forward) -> dict:
+    """Run one arm, its output to `fit.log` and, prefixed with the arm's name, to stderr."""
+    start = time.perf_counter()
+    times: dict[int, float] = {}
+    trained = None
+    with (arm_dir / "fit.log").open("a") as log:
+        log.write(f"$ {shlex.join(cmd)}\n")
+        log.flush()
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
+        forward.proc = proc
+        try:
+            for line in proc.stdout:
+                log.write(line)
+                log.flush()
+                text = line.rstrip("\n")
+                if m := VALIDATION_LINE.match(text):
+                    times[int(m.group(1))] = wall_before + time.perf_counter() - start
+                if m := TRAINED_LINE.match(text):
+                    trained = int(m.group(1))
+                print(f"[{name}] {text}", file=sys.stderr, flush=True)
+            rc = proc.wait()
+        except KeyboardInterrupt:  # Ctrl-C on a terminal reaches the arm too (same process group): let it stop
+            try:
+                try:
+                    rc = proc.wait(timeout=5)
+                except subprocess.TimeoutExpired:  # only the sweep got it (kill -INT): pass it on
+                    proc.send_signal(signal.SIGINT)
+                    rc = proc.wait(timeout=120)
+            except (subprocess.TimeoutExpired, KeyboardInterrupt):
+                proc.kill()
+                rc = proc.wait()
+            forward.received = signal.SIGINT
+        finally:
+            forward.proc = None
+    return {"rc": rc, "wall_s": wall_before + time.perf_counter() - start, "val_times": times, "trained_steps": trained, "last_lines": _tail(arm_dir / "fit.log")}
+
+
+def _tail(path: Path, n: int = 5) -> list[str]:
+    try:
+        lines = [line for line in path.read_text(errors="replace").splitlines() if line.strip()]
+    except OSError:
+        return []
+    return lines[-n:]
+
+
+def _error_line(lines: list[str]) -> str | None:
+    for line in reversed(lines):
+        if line.startswith("error:") or "Error" in line or "error" in line:
+            return line.strip()
+    return lines[-1].strip() if lines else None
+
+
+def collect(name: str, flags: list[str], arm_dir: Path, state: dict | None) -> dict:
+    """Everything the sweep knows about one arm: status, settings, curve."""
+    state = state or {}
+    per_step, used = tokens_per_step(arm_dir / "config.yaml")
+    times = {int(k): v for k, v in (state.get("val_times") or {}).items()}
+    curve = []
+    for step, point in read_curve(arm_dir).items():
+        first = {"step": step, "tokens": step * per_step if per_step else None, "wall_s": round(times[step], 1) if step in times else None}
+        curve.append({**first, "tokens_per_nfe": point.pop("tokens_per_nfe", None), **point})
+    result = {
+        "arm": name,
+        "status": state.get("status", "not run"),
+        "flags": flags,
+        "run_dir": str(arm_dir),
+        "log": str(arm_dir / "fit.log"),
+        "wall_s": round(state["wall_s"], 1) if state.get("wall_s") is not None else None,
+        "steps": state.get("trained_steps"),
+        "tokens_per_step": per_step,
+        "config": used,
+        "curve": curve,
+    }
+    if state.get("error"):
+        result["error"] = state["error"]
+    return result
+
+
+def plot(results: list[dict], path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(2, 2, figsize=(13, 9))
+    axes = axes.ravel()
+    panels = [
+        (axes[0], "tokens", "tokens_per_nfe", "training tokens", "val T/NFE (TiDAR decoding of held-out prompts)"),
+        (axes[1], "wall_s", "tokens_per_nfe", "wall-clock minutes since the arm started", "val T/NFE"),
+        (axes[2], "tokens", "loss_ar", "training tokens", "val AR loss (held-out documents)"),
+        (axes[3], "tokens", "loss_diff", "training tokens", "val diffusion loss, hard labels"),
+    ]
+    for ax, xkey, ykey, xlabel, ylabel in panels:
+        for r in results:
+            pts = [(p[xkey], p[ykey]) for p in r["curve"] if p.get(xkey) is not None and p.get(ykey) is not None]
+            if not pts:
+                continue
+            xs, ys = zip(*pts)
+            if xkey == "wall_s":
+                xs = [x / 60 for x in xs]
+            done = r["status"] == "done"
+            ax.plot(xs, ys, "o-" if done else "o--", label=r["arm"] + ("" if done else f" ({r['status']})"))
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel(ylabel)
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=8)
+    fig.suptitle(title)
+    fig.tight_layout()
+    tmp = path.with_name(path.stem + ".tmp.png")
+    fig.savefig(tmp, dpi=110)
+    plt.close(fig)
+    tmp.replace(path)
+
+
+def sweep_cmd(
+    spec: str,
+    recipe: str = "recipes/smollm2-135m-cpu-best.yaml",
+    out: str | None = None,
+    max_steps: int | None = None,
+    val_check_interval: int | None = None,
+    fit_args: list[str] | None = None,
+    arms: list[str] | None = None,
+    keep_loggers: bool = False,
+    keep_checkpoints: bool = True,
+    dry_run: bool = False,
+) -> str:
+    """Train one `tidar-convert fit` per arm of a sweep spec and write learning curves of T/NFE.
+
+    Args:
+        spec: YAML mapping arm name -> list of `fit` flags, e.g. `soft: [--model.distill_weight, '1.0']`
+            (`baseline: []` = the recipe as it is); see recipes/sweeps/.
+        recipe: the base recipe every arm starts from.
+        out: sweep folder (default runs/sweeps/<spec name>): arms/<arm>/ per arm, sweep.json, sweep.png.
+            Running again with the same folder skips finished arms and resumes interrupted ones.
+        max_steps: optimizer steps per arm (default: the recipe's); an arm may still set its own.
+        val_check_interval: steps between validations, i.e. between points of the curve (default: the recipe's).
+        fit_args: flags added to every arm, before the arm's own (e.g. '[--model.model, ./my-model]').
+        arms: run only these arms of the spec (default: all); sweep.json still lists every arm.
+        keep_loggers: also keep the recipe's other loggers (W&B...), each writing into its arm's folder
+            (default: only the CSV metrics the sweep reads).
+        keep_checkpoints: keep each finished arm's last.ckpt (false: delete it once the arm is done; an
+            interrupted arm always keeps it to resume).
+        dry_run: print each arm's command and write nothing.
+    """
+    import yaml
+
+    arm_flags = load_spec(spec)
+    recipe_path = Path(recipe)
+    if not recipe_path.is_file():
+        raise FileNotFoundError(f"recipe {recipe!r} does not exist; pass --recipe a fit recipe such as recipes/smollm2-135m-cpu-best.yaml.")
+    for value, flag in ((max_steps, "--max_steps"), (val_check_interval, "--val_check_interval")):
+        if value is not None and value < 1:
+            raise ValueError(f"{flag} {value}: must be >= 1 (leave it out to use the recipe's).")
+    common = [str(a) for a in (fit_args or [])]
+    check_flags(common, "--fit_args")
+    selected = list(arm_flags) if not arms else list(arms)
+    unknown = [a for a in selected if a not in arm_flags]
+    if unknown:
+        raise ValueError(f"--arms {', '.join(unknown)}: not in {spec} (its arms: {', '.join(arm_flags)}).")
+    out_dir = Path(out) if out else Path("runs") / "sweeps" / Path(spec).stem
+    if out_dir.exists() and not out_dir.is_dir():
+        raise ValueError(f"--out {out_dir} is a file; pass a new folder, or an earlier sweep's folder to continue it.")
+    if out_dir.is_dir() and any(out_dir.iterdir()) and not (out_dir / "sweep.json").is_file():
+        raise ValueError(f"--out {out_dir} is a folder with other files and no sweep.json: not an earlier sweep; pass a new or empty folder.")
+    recipe_cfg = yaml.safe_load(recipe_path.read_text()) or {}
+    sweep_name = out_dir.name
+    shared = []
+    if max_steps is not None:
+        shared += ["--trainer.max_steps", str(max_steps)]
+    if val_check_interval is not None:
+        shared += ["--trainer.val_check_interval", str(val_check_interval)]
+    shared += common
+    steps = max_steps or (recipe_cfg.get("trainer") or {}).get("max_steps")
+    every = val_check_interval or (recipe_cfg.get("trainer") or {}).get("val_check_interval")
+    if isinstance(steps, int) and isinstance(every, int) and steps % every:
+        print(f"note: max_steps {steps} is not a multiple of val_check_interval {every}: the last {steps % every} steps of each arm are never measured.", file=sys.stderr)
+
+    settings = {name: {"recipe": str(recipe), "recipe_sha256": _sha256(recipe_path), "flags": shared + flags} for name, flags in arm_flags.items()}
+    if dry_run:
+        for name in selected:
+            arm_dir = (out_dir / "arms" / name).resolve()
+            print(shlex.join(_arm_command(recipe, settings[name]["flags"], arm_dir, name, sweep_name, keep_loggers, recipe_cfg, resume=False)))
+        return str(out_dir)
+
+    # Settings of finished or resumable arms must match this run's: refuse before training anything.
+    for name in selected:
+        arm_dir = out_dir / "arms" / name
+        state = _read_json(arm_dir / "arm.json")
+        resumable = (arm_dir / "checkpoints" / "last.ckpt").is_file()
+        was = (state or {}).get("settings") or {}
+        now = settings[name]
+        same = was.get("flags") == now["flags"] and was.get("recipe_sha256") == now["recipe_sha256"]  # the recipe's path may be spelled differently
+        if state and (state.get("status") == "done" or resumable) and not same:
+            what = (
+                f"flags {was.get('flags')}, now {now['flags']}" if was.get("flags") != now["flags"]
+                else f"recipe {was.get('recipe')} had other contents than {now['recipe']} has now"
+            )
+            raise ValueError(
+                f"arm {name!r} in {arm_dir} was run with other settings ({what}); "
+                "pass another --out, or remove that arm's folder to run it again."
+            )
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    json_path, png_path = out_dir / "sweep.json", out_dir / "sweep.png"
+    title = f"{Path(spec).name} on {recipe_path.name}"
+
+    def write_summary() -> list[dict]:
+        results = [collect(name, settings[name]["flags"], out_dir / "arms" / name, _read_json(out_dir / "arms" / name / "arm.json")) for name in arm_flags]
+        _write_json(json_path, {
+            "spec": str(spec), "recipe": str(recipe), "max_steps": max_steps, "val_check_interval": val_check_interval,
+            "fit_args": common, "metric": "val/tokens_per_nfe: greedy TiDAR decoding of held-out validation prompts",
+            "tokens": "clean training tokens = steps x batch_size x seq_len x accumulate_grad_batches x devices x num_nodes",
+            "curve_fields": "step: optimizer steps; tokens: training tokens at that step; wall_s: seconds since the arm started "
+            "(all its attempts); tokens_per_nfe and every other val/* metric, e.g. loss_ar (AR cross-entropy), loss_diff "
+            "(hard-label diffusion loss), loss (the arm's own objective: not comparable across distill_weight or alpha)",
+            "arms": results,
+        })
+        plot(results, png_path, title)
+        return results
+
+    if not json_path.exists():
+        write_summary()  # marks the folder as a sweep's from the start
+    print(f"sweep {spec}: {len(selected)} arm(s) of {recipe} -> {out_dir}", file=sys.stderr)
+    interrupted = None
+    with _Forward() as forward:
+        for i, name in enumerate(selected, 1):
+            arm_dir = out_dir / "arms" / name
+            state = _read_json(arm_dir / "arm.json") or {}
+            if state.get("status") == "done":
+                print(f"[{i}/{len(selected)}] {name}: done earlier ({arm_dir}), skipped", file=sys.stderr)
+                continue
+            arm_dir.mkdir(parents=True, exist_ok=True)
+            resume = (arm_dir / "checkpoints" / "last.ckpt").is_file()
+            wall_before = float(state.get("wall_s") or 0.0) if resume else 0.0
+            times = state.get("val_times", {}) if resume else {}
+            if not resume:  # a fresh start: what an earlier attempt that saved no checkpoint left is stale
+                for old in [*arm_dir.glob("csv/version_*/metrics.csv"), arm_dir / "config.yaml"]:
+                    old.unlink(missing_ok=True)
+            cmd = _arm_command(recipe, settings[name]["flags"], arm_dir.resolve(), name, sweep_name, keep_loggers, recipe_cfg, resume)
+            how = f"resuming from {arm_dir / 'checkpoints' / 'last.ckpt'}" if resume else "starting"
+            print(f"[{i}/{len(selected)}] {name}: {how}, log {arm_dir / 'fit.log'}", file=sys.stderr)
+            ran = run_arm(name, cmd, arm_dir, wall_before, forward)
+            _, used = tokens_per_step(arm_dir / "config.yaml")
+            target = used.get("max_steps")
+            finished = ran["rc"] == 0 and ran["trained_steps"] is not None and (not isinstance(target, int) or target < 0 or ran["trained_steps"] >= target)
+            status = "done" if finished else "interrupted" if forward.received or ran["rc"] == 143 else "failed"
+            new_state = {
+                "status": status, "settings": settings[name], "command": cmd, "rc": ran["rc"], "wall_s": ran["wall_s"],
+                "trained_steps": ran["trained_steps"], "val_times": {**times, **{str(k): v for k, v in ran["val_times"].items()}},
+            }
+            if status != "done":
+                new_state["error"] = _error_line(ran["last_lines"]) or f"exit status {ran['rc']}"
+            _write_json(arm_dir / "arm.json", new_state)
+            if status == "done" and not keep_checkpoints:
+                for ckpt in (arm_dir / "checkpoints").glob("*.ckpt"):
+                    ckpt.unlink()
+            results = write_summary()
+            r = next(r for r in results if r["arm"] == name)
+            last = r["curve"][-1] if r["curve"] else {}
+            print(
+                f"[{i}/{len(selected)}] {name}: {status} in {r['wall_s']:.0f} s, {len(r['curve'])} curve points"
+                + (f", last T/NFE {last['tokens_per_nfe']:.3f} at {last['tokens']} tokens" if last.get("tokens_per_nfe") is not None else "")
+                + (f"; {new_state['error']}" if status != "done" else ""),
+                file=sys.stderr,
+            )
+            if forward.received:
+                interrupted = forward.received
+                break
+
+    results = write_summary()
+    print("\narm            status       steps   tokens      T/NFE    AR loss   wall", file=sys.stderr)
+    for r in results:
+        last = r["curve"][-1] if r["curve"] else {}
+        fmt = lambda v, f: format(v, f) if v is not None else "-"  # noqa: E731
+        print(
+            f"{r['arm']:<14} {r['status']:<12} {fmt(last.get('step'), 'd'):>5} {fmt(last.get('tokens'), 'd'):>8}   "
+            f"{fmt(last.get('tokens_per_nfe'), '.3f'):>6}   {fmt(last.get('loss_ar'), '.3f'):>8}   {fmt(r['wall_s'], '.0f'):>5} s",
+            file=sys.stderr,
+        )
+    print(f"wrote {json_path}\nwrote {png_path}", file=sys.stderr)
+    for r in results:
+        if r["status"] != "not run":
+            print(f"arm {r['arm']}: {r['run_dir']} (log {r['log']})", file=sys.stderr)
+    if interrupted:
+        print("interrupted: run the same command again to resume (finished arms are skipped).", file=sys.stderr)
+        sys.exit(143 if interrupted == signal.SIGTERM else 130)
+    failed = [r["arm"] for r in results if r["arm"] in selected and r["status"] != "done"]
+    if failed:
+        print(f"{len(failed)} arm(s) did not finish: {', '.join(failed)}; see their fit.log. Running the same command again retries them and skips the rest.", file=sys.stderr)
+        sys.exit(1)
+    return str(json_path)
