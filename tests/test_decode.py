@@ -4,7 +4,6 @@ import copy
 
 import pytest
 import torch
-from transformers import LogitsProcessorList
 from transformers import StoppingCriteria, StoppingCriteriaList
 
 from tidar_convert.decode import Sampling, generate
@@ -169,7 +168,8 @@ def small_vocab_model():
 
 
 def exact_distribution(model, prompt, warp):
-    """P(x1 x2 x3 | prompt) for all V**3 continuations, by enumeration of the AR model."""
+    """P(x1 x2 x3 | prompt) for all V**3 continuations, by enumeration of the AR model.
+    warp(prefix ids (1, n), logits (1, V + 1)) -> next-token probabilities."""
     probs = {}
 
     def walk(prefix, p):
@@ -180,7 +180,7 @@ def exact_distribution(model, prompt, warp):
             logits = model(input_ids=torch.tensor([prefix])).logits[0, -1, :V]
         full = torch.full((V + 1,), -float("inf"))
         full[:V] = logits  # the mask token is never a sampled output in this test (AR would not either)
-        nxt = warp(full[None])[0]
+        nxt = warp(torch.tensor([prefix]), full[None])[0]
         for t in range(V):
             if nxt[t] > 0:
                 walk(prefix + [t], p * nxt[t].item())
@@ -213,10 +213,12 @@ def sample_counts(fn, n):
     return counts
 
 
-@pytest.mark.parametrize("settings", [dict(temperature=1.0), dict(temperature=0.7, top_k=4, top_p=0.9)])
-def test_sampling_matches_ar_distribution(small_vocab_model, settings, monkeypatch):
-    from tidar_convert.decode import warpers
+# Sampling settings checked here; tests/test_generate_args.py checks the other sampling fields.
+SAMPLING_SETTINGS = [dict(temperature=1.0), dict(temperature=0.7, top_k=4, top_p=0.9), dict(temperature=0.8, min_p=0.15)]
 
+
+@pytest.mark.parametrize("settings", SAMPLING_SETTINGS)
+def test_sampling_matches_ar_distribution(small_vocab_model, settings, monkeypatch):
     model = small_vocab_model
     prompt = torch.tensor([[1, 2]])
     gen_kw = dict(do_sample=True, max_new_tokens=N_NEW, eos_token_id=None, **settings)
@@ -226,7 +228,8 @@ def test_sampling_matches_ar_distribution(small_vocab_model, settings, monkeypat
     bias = torch.zeros(V + 1)
     bias[V] = -float("inf")
     monkeypatch.setattr(model.lm_head, "bias", torch.nn.Parameter(bias, requires_grad=False), raising=False)
-    probs = exact_distribution(model, prompt, lambda logits: warpers(gc)(None, logits).softmax(-1))
+    processors = model._get_logits_processor(gc, input_ids_seq_length=prompt.shape[1], device="cpu")  # transformers' own
+    probs = exact_distribution(model, prompt, lambda ids, logits: processors(ids, logits).softmax(-1))
     n = 400  # the wrong rule below scores p ~ 1e-30 at this size; right ones ~ 0.2-0.7
     hf = sample_counts(lambda: model.generate(prompt, **gen_kw), n)
     tidar = sample_counts(lambda: generate(prompt, model=model, **gen_kw), n)
@@ -291,7 +294,7 @@ def test_sampling_is_exact_for_a_row_that_accepted_more_than_the_batch_commits()
 
     n = 4000
     gen = torch.Generator().manual_seed(0)
-    pick = Sampling(LogitsProcessorList(), gen)
+    pick = Sampling(gen)
     p = torch.tensor([[[1.0, 0.0], [0.5, 0.5]], [[0.5, 0.5], [0.5, 0.5]]]).log()  # (B, k=2, V): AR rows
     q = torch.tensor([[[0.0, 1.0]], [[0.9, 0.1]]])  # (B, k-1, V): proposal of draft 1
     ones = 0
@@ -301,6 +304,6 @@ def test_sampling_is_exact_for_a_row_that_accepted_more_than_the_batch_commits()
         accepted = pick.verify(p, draft)
         j = int(accepted.min())
         assert j == 1 and accepted[0] == 1
-        y = pick.next_token(p, torch.zeros(2, 2, 2, 2), draft, accepted, j)
+        y = pick.next_token(p[:, j - 1], draft, accepted, j)
         ones += int(y[1])
     assert binomtest(ones, n, 0.5).pvalue > 1e-3, ones / n
