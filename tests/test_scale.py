@@ -1,0 +1,90 @@
+"""Paper-scale runs: the global batch in tokens and the accumulation derived from it, every recipe's
+arithmetic, and throughput / memory reaching the loggers."""
+
+import csv
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tidar_convert.cli import _lightning_cli, accumulation, device_count, global_batch_line, main
+
+RECIPES = sorted((Path(__file__).parents[1] / "recipes").glob("*.yaml"))
+TINY = str(Path(__file__).parents[1] / "recipes" / "tiny.yaml")
+
+
+def test_accumulation_reaches_the_global_batch():
+    # the paper's 2M tokens: 8 GPUs x 4 x 4096 x 16, and 4 nodes x 8 GPUs x 2 x 4096 x 8
+    assert accumulation(2**21, 4, 4096, 8, 1, None) == 16
+    assert accumulation(2**21, 2, 4096, 8, 4, None) == 8
+    assert accumulation(2**21, 2, 4096, 8, 4, 8) == 8  # stated and agreeing
+    assert accumulation(2**21, 512, 4096, 1, 1, None) == 1
+    assert accumulation(None, 4, 4096, 8, 1, None) == 1  # no global batch: what the run was given
+    assert accumulation(None, 4, 4096, 8, 1, 3) == 3
+
+
+def test_global_batch_line():
+    assert global_batch_line(4, 4096, 8, 1, 16) == "global batch 2097152 tokens = micro-batch 4 x seq_len 4096 x devices 8 x nodes 1 x accumulation 16"
+
+
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        ((2**21, 3, 4096, 8, 1, None), "--global_batch_tokens 2097152 is not a whole number of micro-steps of micro-batch 3 x seq_len 4096 x devices 8 x nodes 1 = 98304 tokens"),
+        ((2**19, 4, 4096, 8, 8, None), "set --global_batch_tokens to a multiple of 1048576"),  # one micro-step is already twice the batch
+        ((2**21, 4, 4096, 8, 1, 8), "--trainer.accumulate_grad_batches 8 gives 1048576 tokens per step"),
+    ],
+)
+def test_unreachable_global_batch_is_refused(args, message):
+    with pytest.raises(ValueError) as e:
+        accumulation(*args)
+    assert message in str(e.value) and "\n" not in str(e.value)
+
+
+def test_device_count():
+    assert [device_count(d) for d in (8, "8", [0, 1], "0,1,3", "auto", -1)] == [8, 8, 2, 3, None, None]
+
+
+@pytest.mark.parametrize("recipe", RECIPES, ids=[r.stem for r in RECIPES])
+def test_every_recipe_parses_and_reaches_its_global_batch(recipe, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["fit", "--config", str(recipe), "--print_config"])
+    assert e.value.code in (0, None)
+    cfg = yaml.safe_load(capsys.readouterr().out)
+    t, d = cfg["trainer"], cfg["data"]
+    shape = (d["batch_size"], d["seq_len"], device_count(t["devices"]) or 1, t["num_nodes"])
+    a = accumulation(cfg["global_batch_tokens"], *shape, t["accumulate_grad_batches"])
+    if cfg["global_batch_tokens"] is not None:
+        assert d["batch_size"] * d["seq_len"] * shape[2] * shape[3] * a == cfg["global_batch_tokens"]
+    if recipe.stem.startswith(("qwen2.5-1.5b", "qwen3-8b")):  # the paper's: 2M tokens of seq 4096, cosine 1e-5 -> 3e-6
+        assert cfg["global_batch_tokens"] == 2**21 and d["seq_len"] == 4096
+        assert cfg["model"]["optimizer"]["init_args"]["lr"] == 1e-5 and cfg["model"]["min_lr_ratio"] == 0.3
+        assert cfg["model"]["warmup_ratio"] == 0.01 and t["precision"].startswith("bf16")
+        assert t["val_check_interval"] == 500 * a  # counts micro-batches: every 500 optimizer steps
+    blocks = {"qwen2.5-1.5b": 4, "qwen2.5-1.5b-k8": 8, "qwen2.5-1.5b-k16": 16, "qwen3-8b": 16}
+    if recipe.stem in blocks:
+        assert cfg["model"]["block_size"] == blocks[recipe.stem]
+
+
+def test_fit_derives_accumulation_prints_it_and_records_it(tmp_path, tiny_dirs, capsys):
+    cli = _lightning_cli([
+        "fit", "--config", TINY, "--model.model", str(tiny_dirs["llama"]), "--trainer.max_steps", "2",
+        "--trainer.logger", "false", "--trainer.default_root_dir", str(tmp_path), "--global_batch_tokens", "384",
+    ])
+    assert cli.trainer.accumulate_grad_batches == 3 and cli.trainer.global_step == 2
+    assert "global batch 384 tokens = micro-batch 2 x seq_len 64 x devices 1 x nodes 1 x accumulation 3" in capsys.readouterr().err
+    assert yaml.safe_load((tmp_path / "config.yaml").read_text())["trainer"]["accumulate_grad_batches"] == 3
+
+
+@pytest.mark.parametrize(
+    "extra,message",
+    [
+        (["--global_batch_tokens", "1000"], "error: --global_batch_tokens 1000 is not a whole number of micro-steps"),
+        (["--global_batch_tokens", "384", "--trainer.accumulate_grad_batches", "2"], "error: --trainer.accumulate_grad_batches 2 gives 256 tokens"),
+        (["--global_batch_tokens", "0"], "error: --global_batch_tokens 0: must be > 0"),
+    ],
+)
+def test_fit_refuses_an_unreachable_global_batch_before_loading_the_model(tmp_path, extra, message, capsys):
+    with pytest.raises(SystemExit):  # the model folder does not exist: refused before anything loads
+        main(["fit", "--config", TINY, "--model.model", str(tmp_path / "no-model"), "--trainer.logger", "false", "--trainer.default_root_dir", str(tmp_path), *extra])
+    assert message in capsys.readouterr().err
