@@ -88,3 +88,32 @@ def test_fit_refuses_an_unreachable_global_batch_before_loading_the_model(tmp_pa
     with pytest.raises(SystemExit):  # the model folder does not exist: refused before anything loads
         main(["fit", "--config", TINY, "--model.model", str(tmp_path / "no-model"), "--trainer.logger", "false", "--trainer.default_root_dir", str(tmp_path), *extra])
     assert message in capsys.readouterr().err
+
+
+def test_fit_logs_throughput_and_memory_to_csv_and_wandb(tmp_path, tiny_dirs, monkeypatch):
+    from tidar_convert.loading import load_base
+
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    loggers = tmp_path / "loggers.yaml"
+    loggers.write_text(yaml.safe_dump({"trainer": {"logger": [
+        {"class_path": "lightning.pytorch.loggers.CSVLogger", "init_args": {"save_dir": str(tmp_path), "name": "csv"}},
+        {"class_path": "lightning.pytorch.loggers.WandbLogger", "init_args": {"save_dir": str(tmp_path), "project": "tidar-convert-tests"}},
+    ]}}))
+    main([
+        "fit", "--config", TINY, "--config", str(loggers), "--model.model", str(tiny_dirs["llama"]), "--trainer.max_steps", "6",
+        "--trainer.log_every_n_steps", "2", "--trainer.default_root_dir", str(tmp_path), "--global_batch_tokens", "256",
+    ])
+    rows = list(csv.DictReader(next((tmp_path / "csv").glob("version_*/metrics.csv")).open()))
+    perf = [r for r in rows if r.get("perf/tokens_per_sec")]
+    losses = [r["step"] for r in rows if r.get("train/loss")]
+    assert [r["step"] for r in perf] == losses == ["1", "3", "5"]  # with the loss, every log_every_n_steps optimizer steps
+    base, _ = load_base(str(tiny_dirs["llama"]))  # with the mask token's rows, as trained
+    n = sum(p.numel() for p in base.parameters()) - base.get_input_embeddings().weight.numel()  # untied: the lookup does no matmul
+    for r in perf:
+        tok_s, rss = float(r["perf/tokens_per_sec_per_device"]), float(r["perf/peak_rss_gib/rank0"])
+        assert 0 < tok_s < 1e7 and float(r["perf/tokens_per_sec"]) == tok_s  # one device
+        assert 0.1 < rss < 64
+        # 12N FLOPs per training token: 6N per position, and the forward runs 2 positions per token
+        assert float(r["perf/tflops_per_device"]) * 1e12 / tok_s == pytest.approx(12 * n, rel=1e-6)
+        assert not r.get("perf/mfu_per_device")  # no known peak FLOP/s for a CPU
+    assert list((tmp_path / "wandb").glob("offline-run-*/*.wandb")), "no offline W&B run written"

@@ -148,7 +148,7 @@ def _lightning_cli(args: list[str] | None):
     from .data import TiDARData
     from .export import export
     from .module import TiDARModule
-    from .callbacks import Preemption, TrainProgress
+    from .callbacks import Preemption, Throughput, TrainProgress
 
     class RunFolderConfig(SaveConfigCallback):
         """config.yaml goes into the run folder (trainer.default_root_dir), never into the working
@@ -236,7 +236,7 @@ def _lightning_cli(args: list[str] | None):
                 path = export(m.model, m.tokenizer, cfg.out, m.block_size, m.alpha, overwrite=bool(cfg.get("overwrite")), card=card)
                 print(f"exported TiDAR model to {path}", file=sys.stderr)
 
-    callbacks = [TrainProgress(), Preemption()]
+    callbacks = [TrainProgress(), Preemption(), Throughput()]  # every recipe logs throughput and memory
     return TiDARCLI(
         TiDARModule, TiDARData, args=args, save_config_callback=RunFolderConfig,
         save_config_kwargs={"overwrite": True}, trainer_defaults={"callbacks": callbacks},
