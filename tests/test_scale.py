@@ -117,3 +117,39 @@ def test_fit_logs_throughput_and_memory_to_csv_and_wandb(tmp_path, tiny_dirs, mo
         assert float(r["perf/tflops_per_device"]) * 1e12 / tok_s == pytest.approx(12 * n, rel=1e-6)
         assert not r.get("perf/mfu_per_device")  # no known peak FLOP/s for a CPU
     assert list((tmp_path / "wandb").glob("offline-run-*/*.wandb")), "no offline W&B run written"
+
+
+def test_two_nodes_under_torchrun_reach_the_global_batch_and_log_each_rank(tmp_path, tiny_dirs):
+    """What the README's torchrun command does, with 2 one-process "nodes" on this machine (gloo)."""
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    loggers = tmp_path / "loggers.yaml"
+    loggers.write_text(yaml.safe_dump({"trainer": {"logger": [{"class_path": "lightning.pytorch.loggers.CSVLogger", "init_args": {"save_dir": str(tmp_path), "name": "csv"}}]}}))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[1] / "src"), os.environ.get("PYTHONPATH", "")]), "WANDB_MODE": "offline"}
+    nodes = [
+        subprocess.Popen(
+            [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1", "--node-rank", str(rank),
+             "--master-addr", "127.0.0.1", "--master-port", str(port),
+             "-m", "tidar_convert.cli", "fit", "--config", TINY, "--config", str(loggers), "--model.model", str(tiny_dirs["qwen3"]),
+             "--trainer.devices", "1", "--trainer.num_nodes", "2", "--trainer.strategy", "ddp", "--trainer.max_steps", "2",
+             "--trainer.log_every_n_steps", "1", "--trainer.num_sanity_val_steps", "0", "--global_batch_tokens", "512",
+             "--trainer.default_root_dir", str(tmp_path / "run")],
+            env=env, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True,
+        )
+        for rank in (0, 1)
+    ]
+    errs = [p.communicate(timeout=600)[1] for p in nodes]
+    assert [p.returncode for p in nodes] == [0, 0], errs
+    line = "global batch 512 tokens = micro-batch 2 x seq_len 64 x devices 1 x nodes 2 x accumulation 2"
+    assert errs[0].count(line) == 1 and line not in errs[1]  # said once, by rank 0
+    rows = [r for r in csv.DictReader(next((tmp_path / "csv").glob("version_*/metrics.csv")).open()) if r.get("perf/tokens_per_sec")]
+    assert [r["step"] for r in rows] == ["0", "1"]
+    for r in rows:
+        assert float(r["perf/peak_rss_gib/rank0"]) > 0.1 and float(r["perf/peak_rss_gib/rank1"]) > 0.1
+        assert float(r["perf/tokens_per_sec"]) == pytest.approx(2 * float(r["perf/tokens_per_sec_per_device"]))
