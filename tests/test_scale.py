@@ -153,3 +153,19 @@ def test_two_nodes_under_torchrun_reach_the_global_batch_and_log_each_rank(tmp_p
     for r in rows:
         assert float(r["perf/peak_rss_gib/rank0"]) > 0.1 and float(r["perf/peak_rss_gib/rank1"]) > 0.1
         assert float(r["perf/tokens_per_sec"]) == pytest.approx(2 * float(r["perf/tokens_per_sec_per_device"]))
+
+
+def test_flops_inputs(tiny_dirs, monkeypatch):
+    import torch
+
+    from tidar_convert.callbacks import matmul_params, peak_flops
+    from tidar_convert.loading import load_base
+
+    for family in ("llama", "qwen2"):  # untied: the input embedding is a lookup; tied: it is also the output layer
+        model, _ = load_base(str(tiny_dirs[family]))
+        total, embed = sum(p.numel() for p in model.parameters()), model.get_input_embeddings().weight.numel()
+        assert matmul_params(model) == (total if model.config.tie_word_embeddings else total - embed)
+    assert peak_flops(torch.device("cpu"), "bf16-mixed") is None  # no MFU without a known peak
+    for name, flops in (("NVIDIA H200", 989e12), ("NVIDIA H100 80GB HBM3", 989.4e12), ("NVIDIA A100-SXM4-80GB", 312e12)):
+        monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None, name=name: name)
+        assert peak_flops(torch.device("cuda", 0), "bf16-mixed") == flops, name  # dense bf16
