@@ -42,7 +42,7 @@ def test_unreachable_global_batch_is_refused(args, message):
 
 
 def test_device_count():
-    assert [device_count(d) for d in (8, "8", [0, 1], "0,1,3", "auto", -1)] == [8, 8, 2, 3, None, None]
+    assert [device_count(d) for d in (8, "8", [0, 1], "0,1,3", "auto", -1, 0)] == [8, 8, 2, 3, None, None, None]
 
 
 @pytest.mark.parametrize("recipe", RECIPES, ids=[r.stem for r in RECIPES])
@@ -73,7 +73,8 @@ def test_fit_derives_accumulation_prints_it_and_records_it(tmp_path, tiny_dirs, 
     ])
     assert cli.trainer.accumulate_grad_batches == 3 and cli.trainer.global_step == 2
     assert "global batch 384 tokens = micro-batch 2 x seq_len 64 x devices 1 x nodes 1 x accumulation 3" in capsys.readouterr().err
-    assert yaml.safe_load((tmp_path / "config.yaml").read_text())["trainer"]["accumulate_grad_batches"] == 3
+    saved = yaml.safe_load((tmp_path / "config.yaml").read_text())
+    assert saved["global_batch_tokens"] == 384 and saved["trainer"]["accumulate_grad_batches"] is None  # derived again on a rerun
 
 
 @pytest.mark.parametrize(

@@ -106,7 +106,7 @@ def device_count(devices) -> int | None:
         return None
     if "," in text:  # "0,1,3": those GPU indices
         return len([x for x in text.split(",") if x.strip()])
-    return int(text)
+    return int(text) if int(text) > 0 else None  # 0: the Trainer's own error says it
 
 
 def accumulation(global_batch_tokens: int | None, batch_size: int, seq_len: int, devices: int, nodes: int, accumulate: int | None) -> int:
@@ -130,8 +130,8 @@ def accumulation(global_batch_tokens: int | None, batch_size: int, seq_len: int,
     if accumulate is not None and accumulate != needed:
         raise ValueError(
             f"--trainer.accumulate_grad_batches {accumulate} gives {accumulate * per_step} tokens per step with {shape}, "
-            f"but --global_batch_tokens is {global_batch_tokens} (accumulation {needed}); leave accumulate_grad_batches unset "
-            f"to derive it, or set --global_batch_tokens {accumulate * per_step}."
+            f"but --global_batch_tokens is {global_batch_tokens} (accumulation {needed}); leave out accumulate_grad_batches "
+            f"(it is derived), or set --global_batch_tokens {accumulate * per_step}."
         )
     return needed
 
@@ -212,7 +212,8 @@ def _lightning_cli(args: list[str] | None):
             cfg, trainer, data = self.config[self.subcommand], self.trainer, self.datamodule
             shape = (data.batch_size, data.seq_len, trainer.num_devices, trainer.num_nodes)
             trainer.accumulate_grad_batches = accumulation(cfg.get("global_batch_tokens"), *shape, self.accumulate)
-            cfg.trainer.accumulate_grad_batches = trainer.accumulate_grad_batches  # config.yaml records what ran
+            # config.yaml keeps a derived accumulation unset (null): rerun on other devices, it is derived again
+            cfg.trainer.accumulate_grad_batches = self.accumulate if cfg.get("global_batch_tokens") else trainer.accumulate_grad_batches
             if trainer.is_global_zero:
                 print(global_batch_line(*shape, trainer.accumulate_grad_batches), file=sys.stderr, flush=True)
 
