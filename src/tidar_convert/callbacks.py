@@ -228,7 +228,7 @@ class Throughput(Callback):
         cuda = trainer.strategy.root_device.type == "cuda"
         rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)  # KiB on Linux
         gpu = torch.cuda.max_memory_allocated(trainer.strategy.root_device) if cuda else 0
-        mine = torch.tensor([self.tokens / self.seconds, rss / 2**30, gpu / 2**30], dtype=torch.float64, device=pl_module.device)
+        mine = torch.tensor([self.tokens / self.seconds, rss / 2**30, gpu / 2**30], dtype=torch.float32, device=pl_module.device)  # float32: MPS has no float64
         ranks = trainer.strategy.all_gather(mine).reshape(-1, 3).tolist()  # one row per rank
         per_device = sum(r[0] for r in ranks) / len(ranks)
         metrics = {"perf/tokens_per_sec": per_device * len(ranks), "perf/tokens_per_sec_per_device": per_device}
