@@ -1,11 +1,14 @@
-"""Lightning callbacks: progress by optimizer step, and saving on preemption."""
+"""Lightning callbacks: progress by optimizer step, throughput and memory, and saving on preemption."""
 
 from __future__ import annotations
 
+import copy
+import resource
 import sys
 import time
 from pathlib import Path
 
+import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint, ProgressBar
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
@@ -42,7 +45,7 @@ class TrainProgress(ProgressBar):
     def on_train_start(self, trainer, pl_module) -> None:
         if not (self._enabled and trainer.is_global_zero):
             return
-        self.start_step, self.tokens = trainer.global_step, 0
+        self.start_step, self.tokens, self.shown = trainer.global_step, 0, None
         self.start = self.last = time.perf_counter()
         if is_tty():
             from tqdm.auto import tqdm
@@ -64,7 +67,10 @@ class TrainProgress(ProgressBar):
             return
         done = step - self.start_step  # this run's steps only: a resumed run must not look instantly fast
         last = self.total is not None and step >= self.total
+        if step == self.shown:  # accumulating: this step was already reported
+            return
         if done == 1 or last or now - self.last >= self.interval:
+            self.shown = step
             self.last = now
             rate = done / (now - self.start)
             text = f"train step {step}/{self.total or '?'}"
@@ -149,3 +155,88 @@ class _HeldSigterm:
     @received_sigterm.setter
     def received_sigterm(self, value: bool) -> None:
         self._sigterm = value
+
+
+def matmul_params(model) -> int:
+    """N, the parameters a token multiplies: all but the input embedding (a lookup), unless it is tied to
+    the output layer. Counted on a meta-device copy built from the config: under FSDP the live
+    parameters are shards, and with LoRA they include the adapters."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        base = AutoModelForCausalLM.from_config(copy.deepcopy(model.config))  # from_config mutates its config
+    n = sum(p.numel() for p in base.parameters())  # tied weights are counted once
+    inp, out = base.get_input_embeddings(), base.get_output_embeddings()
+    return n if out is not None and out.weight is inp.weight else n - inp.weight.numel()
+
+
+def peak_flops(device: torch.device, precision: str) -> float | None:
+    """The device's dense peak FLOP/s at the training precision; None where unknown (CPUs): no MFU then."""
+    from lightning.fabric.utilities.throughput import get_available_flops
+
+    dtype = torch.bfloat16 if "bf16" in precision else torch.float16 if precision.startswith("16") else torch.float32
+    if device.type == "cuda" and "h200" in torch.cuda.get_device_name(device).lower() and dtype != torch.float32:
+        return 989e12  # Lightning knows H200s only by variant names, at the 2:4-sparse figure; dense = H100 SXM
+    return get_available_flops(device, dtype)
+
+
+class Throughput(Callback):
+    """Tokens/s and MFU per device, and peak memory of every rank, to the loggers every log_every_n_steps.
+
+    Tokens are training tokens, S per sequence: the unit of the global batch. TiDAR's forward runs 2S
+    positions for them (the clean half and the mask half), so with the usual 6N FLOPs per position
+    (forward 2N, backward 4N) a training token costs 12N; with LoRA the frozen weights get no weight
+    gradient, so 8N. Attention's own FLOPs and activation-checkpointing recompute are left out, as in
+    the MFU convention (model FLOPs, not hardware FLOPs). Time is training time: validation is excluded.
+    Memory: peak allocated GPU memory on CUDA, and the process's peak RSS (host memory) always.
+    """
+
+    def setup(self, trainer, pl_module, stage) -> None:
+        self.peak = peak_flops(trainer.strategy.root_device, str(trainer.precision)) if stage == "fit" else None
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        full = all(p.requires_grad for p in pl_module.model.parameters())
+        self.flops_per_token = 2 * (6 if full else 4) * matmul_params(pl_module.model)
+        self.step, self.tokens, self.seconds, self.last = trainer.global_step, 0, 0.0, self._now(trainer)
+
+    def _now(self, trainer) -> float:
+        if trainer.strategy.root_device.type == "cuda":
+            torch.cuda.synchronize()  # kernels run asynchronously: the clock must wait for them
+        return time.perf_counter()
+
+    def on_validation_end(self, trainer, pl_module) -> None:
+        if hasattr(self, "last"):  # not the sanity check before training
+            self.last = self._now(trainer)  # the next interval starts after validation
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        now = self._now(trainer)
+        self.seconds, self.last = self.seconds + now - self.last, now
+        self.tokens += batch["input_ids"].numel()
+        if trainer.global_step == self.step:  # still accumulating: log after optimizer steps only
+            return
+        self.step = trainer.global_step
+        # Same decision on every rank (same step, same loggers), so all join the gather below.
+        if self.step % trainer.log_every_n_steps or not trainer.loggers:
+            return
+        metrics = self.metrics(trainer, pl_module)
+        self.tokens, self.seconds = 0, 0.0
+        for logger in trainer.loggers:  # the loggers write on rank 0 only
+            # Lightning logs a step's loss under its 0-based index: put these figures in the same row.
+            logger.log_metrics(metrics, step=trainer.global_step - 1)
+
+    def metrics(self, trainer, pl_module) -> dict[str, float]:
+        cuda = trainer.strategy.root_device.type == "cuda"
+        rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)  # KiB on Linux
+        gpu = torch.cuda.max_memory_allocated(trainer.strategy.root_device) if cuda else 0
+        mine = torch.tensor([self.tokens / self.seconds, rss / 2**30, gpu / 2**30], dtype=torch.float32, device=pl_module.device)  # float32: MPS has no float64
+        ranks = trainer.strategy.all_gather(mine).reshape(-1, 3).tolist()  # one row per rank
+        per_device = sum(r[0] for r in ranks) / len(ranks)
+        metrics = {"perf/tokens_per_sec": per_device * len(ranks), "perf/tokens_per_sec_per_device": per_device}
+        metrics["perf/tflops_per_device"] = per_device * self.flops_per_token / 1e12
+        if self.peak:
+            metrics["perf/mfu_per_device"] = per_device * self.flops_per_token / self.peak
+        for i, (_, rss_gib, gpu_gib) in enumerate(ranks):
+            metrics[f"perf/peak_rss_gib/rank{i}"] = rss_gib
+            if cuda:
+                metrics[f"perf/peak_gpu_mem_gib/rank{i}"] = gpu_gib
+        return metrics

@@ -62,6 +62,9 @@ def check_fit_config(cfg) -> None:
             f"--trainer.max_steps {steps}: trains nothing{'' if steps == 0 else ' (negative)'}; "
             "pass the number of optimizer steps to train (>= 1), or -1 to stop after --trainer.max_epochs."
         )
+    tokens = cfg.get("global_batch_tokens")
+    if tokens is not None and tokens <= 0:
+        raise ValueError(f"--global_batch_tokens {tokens}: must be > 0 (the paper's recipes use 2097152, 2M tokens).")
     if cfg.get("out"):
         from .outputs import check_export_target
 
@@ -93,6 +96,51 @@ def cpu_has_native_bf16(cpuinfo: str = "/proc/cpuinfo") -> bool | None:
     return bool(flags & {"amx_bf16", "avx512_bf16"})
 
 
+def device_count(devices) -> int | None:
+    """Processes per node as a recipe states `trainer.devices`; None for auto / -1, which only the
+    Trainer resolves (it depends on the machine)."""
+    if isinstance(devices, (list, tuple)):
+        return len(devices)
+    text = str(devices).strip()
+    if text in ("auto", "-1"):
+        return None
+    if "," in text:  # "0,1,3": those GPU indices
+        return len([x for x in text.split(",") if x.strip()])
+    return int(text) if int(text) > 0 else None  # 0: the Trainer's own error says it
+
+
+def accumulation(global_batch_tokens: int | None, batch_size: int, seq_len: int, devices: int, nodes: int, accumulate: int | None) -> int:
+    """Gradient accumulation a with micro-batch x seq_len x devices x nodes x a = the global batch.
+
+    `accumulate` is `trainer.accumulate_grad_batches` when the user set it (None = derive it). Without a
+    global batch, the run takes what it was given. A global batch that the micro-steps cannot reach
+    exactly, or a stated accumulation that disagrees with it, is refused: training would silently run at
+    another batch size than the recipe says, and the learning rate was tuned for that one.
+    """
+    if global_batch_tokens is None:
+        return accumulate or 1
+    per_step = batch_size * seq_len * devices * nodes
+    shape = f"micro-batch {batch_size} x seq_len {seq_len} x devices {devices} x nodes {nodes} = {per_step} tokens"
+    if global_batch_tokens % per_step:
+        raise ValueError(
+            f"--global_batch_tokens {global_batch_tokens} is not a whole number of micro-steps of {shape}; "
+            f"set --global_batch_tokens to a multiple of {per_step}, or change --data.batch_size, --trainer.devices or --trainer.num_nodes."
+        )
+    needed = global_batch_tokens // per_step
+    if accumulate is not None and accumulate != needed:
+        raise ValueError(
+            f"--trainer.accumulate_grad_batches {accumulate} gives {accumulate * per_step} tokens per step with {shape}, "
+            f"but --global_batch_tokens is {global_batch_tokens} (accumulation {needed}); leave out accumulate_grad_batches "
+            f"(it is derived), or set --global_batch_tokens {accumulate * per_step}."
+        )
+    return needed
+
+
+def global_batch_line(batch_size: int, seq_len: int, devices: int, nodes: int, accumulate: int) -> str:
+    total = batch_size * seq_len * devices * nodes * accumulate
+    return f"global batch {total} tokens = micro-batch {batch_size} x seq_len {seq_len} x devices {devices} x nodes {nodes} x accumulation {accumulate}"
+
+
 def _lightning_cli(args: list[str] | None):
     from lightning.pytorch.callbacks import ModelCheckpoint
     from lightning.pytorch.cli import LightningCLI, SaveConfigCallback
@@ -100,7 +148,7 @@ def _lightning_cli(args: list[str] | None):
     from .data import TiDARData
     from .export import export
     from .module import TiDARModule
-    from .callbacks import Preemption, TrainProgress
+    from .callbacks import Preemption, Throughput, TrainProgress
 
     class RunFolderConfig(SaveConfigCallback):
         """config.yaml goes into the run folder (trainer.default_root_dir), never into the working
@@ -122,12 +170,25 @@ def _lightning_cli(args: list[str] | None):
                 "--overwrite", type=bool, default=False,
                 help="let --out replace an earlier export of this tool (anything else in that folder is never replaced)",
             )
-            parser.set_defaults({"trainer.default_root_dir": "runs/tidar"})
+            # Top level, not under data: it ties the data (micro-batch, seq_len) to the trainer (devices,
+            # nodes, accumulation), and belongs to neither.
+            parser.add_argument(
+                "--global_batch_tokens", type=int | None, default=None,
+                help="tokens per optimizer step over all devices and nodes; trainer.accumulate_grad_batches is derived from it",
+            )
+            # None = "not set": then it is derived from global_batch_tokens, and a value the user did
+            # set can be checked against it (a default of 1 could not be told apart from an explicit 1).
+            parser.set_defaults({"trainer.default_root_dir": "runs/tidar", "trainer.accumulate_grad_batches": None})
 
         def before_instantiate_classes(self):
             cfg = self.config[self.subcommand]
+            self.accumulate = cfg.trainer.get("accumulate_grad_batches")  # as the user set it, or None
             if self.subcommand == "fit":
                 check_fit_config(cfg)
+                devices = device_count(cfg.trainer.get("devices", "auto"))
+                if devices is not None:  # refuse before the model loads; auto is checked once the Trainer resolved it
+                    accumulation(cfg.get("global_batch_tokens"), cfg.data.batch_size, cfg.data.seq_len, devices, cfg.trainer.get("num_nodes") or 1, self.accumulate)
+            cfg.trainer.accumulate_grad_batches = self.accumulate or 1  # placeholder for the Trainer; set in after_instantiate
             if cfg.trainer.get("enable_progress_bar") is False:  # Lightning refuses a bar callback then
                 self.trainer_defaults["callbacks"] = [cb for cb in self.trainer_defaults["callbacks"] if not isinstance(cb, TrainProgress)]
 
@@ -144,6 +205,17 @@ def _lightning_cli(args: list[str] | None):
                 getattr(logger, "_wandb_init", {}).pop("anonymous", None)
             if self.subcommand == "fit":
                 check_resume(trainer, self.config[self.subcommand].get("ckpt_path"))
+                self.set_accumulation()
+
+        def set_accumulation(self):
+            """Derive accumulation from the global batch with the devices the Trainer resolved, and say it."""
+            cfg, trainer, data = self.config[self.subcommand], self.trainer, self.datamodule
+            shape = (data.batch_size, data.seq_len, trainer.num_devices, trainer.num_nodes)
+            trainer.accumulate_grad_batches = accumulation(cfg.get("global_batch_tokens"), *shape, self.accumulate)
+            # config.yaml keeps a derived accumulation unset (null): rerun on other devices, it is derived again
+            cfg.trainer.accumulate_grad_batches = self.accumulate if cfg.get("global_batch_tokens") else trainer.accumulate_grad_batches
+            if trainer.is_global_zero:
+                print(global_batch_line(*shape, trainer.accumulate_grad_batches), file=sys.stderr, flush=True)
 
         def after_fit(self):
             trainer = self.trainer
@@ -165,7 +237,7 @@ def _lightning_cli(args: list[str] | None):
                 path = export(m.model, m.tokenizer, cfg.out, m.block_size, m.alpha, overwrite=bool(cfg.get("overwrite")), card=card)
                 print(f"exported TiDAR model to {path}", file=sys.stderr)
 
-    callbacks = [TrainProgress(), Preemption()]
+    callbacks = [TrainProgress(), Preemption(), Throughput()]  # every recipe logs throughput and memory
     return TiDARCLI(
         TiDARModule, TiDARData, args=args, save_config_callback=RunFolderConfig,
         save_config_kwargs={"overwrite": True}, trainer_defaults={"callbacks": callbacks},
