@@ -256,3 +256,20 @@ def test_bf16_on_a_cpu_without_native_bf16_is_flagged(tmp_path, tiny_dirs, capsy
     monkeypatch.setattr(cli, "cpu_has_native_bf16", lambda: True)
     fit(tmp_path / "again", tiny_dirs["llama"], "--trainer.max_steps", "1", "--trainer.precision", "bf16-mixed", "--trainer.accelerator", "cpu")
     assert "without native bf16" not in capsys.readouterr().err
+
+
+def test_each_fit_in_one_process_gets_its_own_wandb_run(tmp_path, tiny_dirs, monkeypatch):
+    """Lightning leaves the W&B run open after fit; the next WandbLogger in the same process (a
+    notebook, a test, a sweep) would log into it, in the first run's folder. fit closes it."""
+    import wandb
+    import yaml
+
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    for name in ("first", "second"):
+        loggers = tmp_path / f"{name}.yaml"
+        logger = {"class_path": "lightning.pytorch.loggers.WandbLogger", "init_args": {"save_dir": str(tmp_path / name), "project": "tidar-convert-tests"}}
+        loggers.write_text(yaml.safe_dump({"trainer": {"logger": [logger]}}))
+        main(["fit", "--config", RECIPE, "--config", str(loggers), "--model.model", str(tiny_dirs["llama"]), "--trainer.max_steps", "2",
+              "--trainer.default_root_dir", str(tmp_path / name / "run")])
+        assert list((tmp_path / name / "wandb").glob("offline-run-*/*.wandb")), f"the {name} fit has no W&B run of its own"
+        assert wandb.run is None

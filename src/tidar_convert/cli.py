@@ -395,13 +395,25 @@ def _unix_flags(args: list[str], functions) -> list[str]:
     return out
 
 
+def _finish_wandb() -> None:
+    """Close the W&B run of this fit, however it ended. Lightning leaves it open, and the next
+    WandbLogger in the same process (a notebook, a test, a sweep in-process) would silently log into
+    it, in the old run's folder."""
+    wandb = sys.modules.get("wandb")
+    if wandb is not None and getattr(wandb, "run", None) is not None:
+        wandb.finish()
+
+
 def main(argv: list[str] | None = None) -> None:
     args = list(sys.argv[1:] if argv is None else argv)
     _configure_wandb()
     try:
         if args and args[0] in ("fit", "validate"):
             _quiet_libraries()
-            _run_lightning(argv)
+            try:
+                _run_lightning(argv)
+            finally:
+                _finish_wandb()
             return
         from jsonargparse import auto_cli
 
