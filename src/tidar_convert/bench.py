@@ -460,6 +460,7 @@ def bench_cmd(
 
         base_lm, base_tokenizer = load_base(base, dtype=getattr(torch, dtype))
         base_pair = (base_lm.to(device).eval(), base_tokenizer)
+        del base_lm  # base_pair holds the only reference: dropping it frees the model
     prompts = bench_prompts(limit if limit is not None else default_limit(device))
     if limit is None and device.type != "cuda":
         print(f"bench: {len(prompts)} of {len(bench_prompts())} prompts (the CPU default; --limit {len(bench_prompts())} for all)", file=sys.stderr)
@@ -474,7 +475,7 @@ def bench_cmd(
     summary = summarize(rows)
     guard = None
     if base_pair is not None:
-        guard = quality_guard(prompts, rows, lm, tokenizer, base_pair, humaneval_timeout)
+        guard = quality_guard(prompts, rows, lm, tokenizer, base_pair, max_new_tokens, humaneval_timeout)
         guard = {"base_model": base, **guard}
         base_pair = None  # free its memory before perplexity loads two more models
     step_ks = (2, 4, 8, k)  # the TiDAR step sizes (k + k*k slots) for the usual block sizes
@@ -524,7 +525,7 @@ def bench_cmd(
     return str(json_path)
 
 
-def quality_guard(prompts: list[dict], rows: list[dict], model, tokenizer, base: tuple, timeout: float) -> dict:
+def quality_guard(prompts: list[dict], rows: list[dict], model, tokenizer, base: tuple, max_new_tokens: int, timeout: float) -> dict:
     """quality.compare on the bench's own outputs: the export's AR row (greedy TiDAR writes the same
     tokens) against the base's prompt-lookup row (greedy lookup writes the base's greedy tokens), each
     cut at its EOS. The rows' texts go in the bench rows, the metrics and verdict in the result."""
@@ -536,8 +537,8 @@ def quality_guard(prompts: list[dict], rows: list[dict], model, tokenizer, base:
     report = compare(prompts, mine, theirs, tokenizer, base_tokenizer, timeout=timeout)
     for row, q in zip(rows, report.pop("rows")):
         row["quality"] = {side: q[side] for side in ("converted", "base")}
-    if rows and rows[0]["ar"]["new_tokens"] < 128:
-        report["note"] = f"{rows[0]['ar']['new_tokens']} new tokens per prompt: the guard is meant for >= 128 (--max_new_tokens)"
+    if max_new_tokens < 128:
+        report["note"] = f"max_new_tokens={max_new_tokens}: the guard is meant for >= 128 new tokens per prompt"
     return report
 
 
