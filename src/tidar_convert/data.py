@@ -27,7 +27,7 @@ import re
 import sys
 import sysconfig
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import lightning as L
@@ -170,11 +170,19 @@ def _check_hub_dataset(source: str) -> None:
         )
 
 
-def pack(token_docs: Iterator[list[int]], seq_len: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+def tokenize_documents(tokenizer, docs: Iterable[str]) -> Iterator[list[int]]:
+    """Each document's tokens (no special tokens), followed by EOS: the stream `pack` cuts."""
+    eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+    for doc in docs:
+        yield tokenizer(doc, add_special_tokens=False)["input_ids"] + eos
+
+
+def pack(token_docs: Iterator[list[int]], seq_len: int, tail: bool = False) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     """Concatenate tokenized documents and cut seq_len chunks: (input_ids, doc_ids).
 
     doc_ids number the documents inside a chunk from 0; a document cut at a chunk end continues
-    as document 0 of the next chunk.
+    as document 0 of the next chunk. tail: also yield the shorter last chunk (training drops it,
+    as a batch needs equal lengths; an evaluation keeps it, so every token counts).
     """
     ids: list[int] = []
     docs: list[int] = []
@@ -187,6 +195,9 @@ def pack(token_docs: Iterator[list[int]], seq_len: int) -> Iterator[tuple[torch.
             chunk_docs = torch.tensor(docs[:seq_len])
             yield torch.tensor(ids[:seq_len]), chunk_docs - chunk_docs[0]
             ids, docs = ids[seq_len:], docs[seq_len:]
+    if tail and ids:
+        chunk_docs = torch.tensor(docs)
+        yield torch.tensor(ids), chunk_docs - chunk_docs[0]
 
 
 def shuffled(items, buffer: int, seed: int):
@@ -262,10 +273,7 @@ class PackedDocuments(IterableDataset):
             n += 1
 
     def tokenized(self, worker: int | None = None) -> Iterator[list[int]]:
-        eos = self.tokenizer.eos_token_id
-        for doc in self.documents(worker):
-            ids = self.tokenizer(doc, add_special_tokens=False)["input_ids"]
-            yield ids + ([eos] if eos is not None else [])
+        return tokenize_documents(self.tokenizer, self.documents(worker))
 
     def __iter__(self):
         # Read the resume position now, not when the first item is asked for: a loader without
