@@ -39,19 +39,24 @@ def spans(prof) -> list[tuple[str, int, int, int]]:
 
 
 def phase_shares(events: list[tuple[str, int, int, int]]) -> dict:
-    """{"total_ms", "phases": {label: {"ms", "share"}, ..., "other": {...}}} from `spans`: time under
-    each `tidar.*` label, and the rest of the REGION time as "other". A label inside another label
-    on the same thread is reported, but its time is not taken from "other" a second time."""
+    """{"total_ms", "phases": {label: {"ms", "share", "within"}, ..., "other": {...}}} from `spans`:
+    time under each `tidar.*` label, and the rest of the REGION time as "other". A label inside
+    another one on the same thread names it in "within"; its time is not taken from "other" twice,
+    so the shares of the labels with an empty "within", and other, add up to 1."""
     total = sum(end - start for name, start, end, _ in events if name == REGION)
-    labelled, covered, open_until = defaultdict(int), 0, {}
+    labelled, within, covered, outer = defaultdict(int), defaultdict(set), 0, {}
     for name, start, end, thread in sorted((e for e in events if e[0] != REGION), key=lambda e: (e[1], -e[2])):
         labelled[name] += end - start
-        if end > open_until.get(thread, -1):  # not inside the last top-level label of this thread
+        top = outer.get(thread)  # the last top-level label of this thread: (name, end)
+        if top is not None and end <= top[1]:
+            within[name].add(top[0])
+        else:
             covered += end - start
-            open_until[thread] = end
-    phases = dict(sorted(labelled.items()))
-    phases["other"] = max(0, total - covered)
-    return {"total_ms": total / 1e6, "phases": {name: {"ms": ns / 1e6, "share": ns / total if total > 0 else 0.0} for name, ns in phases.items()}}
+            outer[thread] = (name, end)
+    phases = {name: {"ms": ns / 1e6, "share": ns / total if total > 0 else 0.0, "within": sorted(within[name])} for name, ns in sorted(labelled.items())}
+    other = max(0, total - covered)
+    phases["other"] = {"ms": other / 1e6, "share": other / total if total > 0 else 0.0, "within": []}
+    return {"total_ms": total / 1e6, "phases": phases}
 
 
 def step_breakdown(model, tokenizer, prompts: list[dict], k: int | None, max_new_tokens: int = PROFILE_TOKENS, decoder: str = "tidar") -> dict:

@@ -11,6 +11,7 @@ from .decoders import DECODERS
 # Speed ratios: to AR on the export, to prompt lookup on the export, and to prompt lookup on the
 # base (what a user gets without converting at all).
 REFERENCES = (("ar", "tokens_per_s_vs_ar"), ("prompt_lookup", "tokens_per_s_vs_prompt_lookup"), ("base_prompt_lookup", "tokens_per_s_vs_base_prompt_lookup"))
+SHORT = {"ar": "AR", "prompt_lookup": "lookup", "base_prompt_lookup": "base lookup"}
 
 
 def per_step(runs: list[dict], key: str) -> float | None:
@@ -72,7 +73,7 @@ def _num(x, fmt: str = ".2f") -> str:
 
 
 def summary_line(decoder: str, s: dict) -> str:
-    vs = ", ".join(f"{s[key]:.2f}x {ref.replace('_', ' ')}" for ref, key in REFERENCES if key in s)
+    vs = ", ".join(f"{s[key]:.2f}x {SHORT[ref]}" for ref, key in REFERENCES if key in s)
     same = "base weights" if s["identical"] is None else f"identical to AR {s['identical']}/{s['prompts']}"
     return (
         f"{decoder:>18}: {s['tokens_per_s']:8.1f} tok/s ({vs}), {s['tokens_per_nfe']:.2f} T/NFE, "
