@@ -390,7 +390,7 @@ def test_slot_plot_marks_each_decoder_step(tmp_path, monkeypatch):
     path = plots.plot_slots(points, tmp_path / "slots.png", "t", full_step=20, steps=at)
     assert path.read_bytes()[:4] == PNG
     ax = figures[0].axes[0]
-    marks = {line.get_label().split(":")[0]: (line.get_xdata()[0], line.get_ydata()[0]) for line in ax.get_lines() if line.get_marker() == "D"}
+    marks = {line.get_label().split(":")[0]: (line.get_xdata()[0], line.get_ydata()[0]) for line in ax.get_lines() if "slots/step" in line.get_label()}
     assert marks == {d: (a["slots_per_step"], a["ms"]) for d, a in at.items()}
     assert "full TiDAR step: k + k*k = 20" in [t.get_text() for t in ax.get_legend().get_texts()]
 

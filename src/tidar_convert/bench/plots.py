@@ -5,6 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 
 COLORS = ("#888888", "#4c72b0", "#dd8452", "#c44e52", "#8172b3", "#55a868", "#937860")
+MARK_COLORS = ("#dd8452", "#55a868", "#c44e52", "#8172b3", "#937860", "#da8bc3", "#8c8c8c")
+MARKERS = ("D", "s", "^", "v", "o", "P", "X")
 
 
 def _pyplot():
@@ -51,15 +53,17 @@ def plot_slots(points: list[dict], path: Path, title: str, full_step: int | None
     slots = [p["slots"] for p in points]
     ax.plot(slots, [p["ms"] for p in points], marker="o", color="#4c72b0", label="one forward")
     ax.set_xscale("log", base=2)
-    ax.set_xticks(slots, [str(n) for n in slots])
+    ticks = [n for n in slots if n & (n - 1) == 0 or n == full_step]  # powers of 2: labels of 64 and 72 would overlap
+    ax.set_xticks(ticks, [str(n) for n in ticks])
     ax.minorticks_off()
     ax.set_ylim(bottom=0)
     ax.set_xlabel("query slots in one forward")
     ax.set_ylabel("latency (ms)")
     if full_step:
-        ax.axvline(full_step, color="#dd8452", linestyle="--", label=f"full TiDAR step: k + k*k = {full_step}")
-    for i, (decoder, at) in enumerate((steps or {}).items()):
-        ax.plot([at["slots_per_step"]], [at["ms"]], marker="D", linestyle="none", color=COLORS[(i + 2) % len(COLORS)], label=f"{decoder}: {at['slots_per_step']:.1f} slots/step")
+        ax.axvline(full_step, color="#555555", linestyle="--", label=f"full TiDAR step: k + k*k = {full_step}")
+    for i, (decoder, at) in enumerate((steps or {}).items()):  # shapes differ too: decoders at one spot stay visible
+        ax.plot([at["slots_per_step"]], [at["ms"]], marker=MARKERS[i % len(MARKERS)], markersize=8, fillstyle="none", mew=1.5, linestyle="none",
+                color=MARK_COLORS[i % len(MARK_COLORS)], label=f"{decoder}: {at['slots_per_step']:.1f} slots/step")
     if full_step or steps:
         ax.legend(fontsize=7)
     ax.set_title(title, fontsize=9)
