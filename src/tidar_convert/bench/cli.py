@@ -190,7 +190,7 @@ def bench_cmd(
 
 
 def print_breakdown(breakdown: dict) -> None:
-    phases = ", ".join(f"{label} {p['share']:.0%}" + (f" (within {', '.join(p['within'])})" if p["within"] else "") for label, p in breakdown["phases"].items())
+    phases = ", ".join(f"{label} {p['share']:.0%}" for label, p in breakdown["phases"].items())
     per = breakdown["ms_per_forward"]
     print(f"    {breakdown['decoder']} step time ({breakdown['prompts']} prompts, {'-' if per is None else f'{per:.1f}'} ms a forward): {phases}", file=sys.stderr)
 

@@ -3,8 +3,8 @@
 The engine labels its phases with `torch.profiler.record_function("tidar.<phase>")` (draft, mask,
 forward, lm_head, verify, commit, crop). Whatever `tidar.*` labels appear are reported with their
 share of the generate() time, and "other" is the rest (time under no label), so the breakdown
-means the same before and after an engine adds or renames phases. Labels nested inside another
-`tidar.*` label are reported but not subtracted twice. On a GPU the shares are of host time: the
+means the same before and after an engine adds or renames phases. A label nested inside another
+`tidar.*` label is reported under its path ("tidar.verify > tidar.lm_head") and not subtracted twice. On a GPU the shares are of host time: the
 engine waits for the device when it verifies, so kernel time lands in the phase that waits.
 """
 
@@ -39,24 +39,23 @@ def spans(prof) -> list[tuple[str, int, int, int]]:
 
 
 def phase_shares(events: list[tuple[str, int, int, int]]) -> dict:
-    """{"total_ms", "phases": {label: {"ms", "share", "within"}, ..., "other": {...}}} from `spans`:
-    time under each `tidar.*` label, and the rest of the REGION time as "other". A label inside
-    another one on the same thread names it in "within"; its time is not taken from "other" twice,
-    so the shares of the labels with an empty "within", and other, add up to 1."""
+    """{"total_ms", "phases": {label: {"ms", "share"}, ..., "other": {...}}} from `spans`: time under
+    each `tidar.*` label, and the rest of the REGION time as "other". A label met inside another one
+    (on the same thread) is keyed by its path, "tidar.verify > tidar.lm_head", apart from where it
+    runs on its own: the shares of the keys without " > ", and other, add up to 1."""
     total = sum(end - start for name, start, end, _ in events if name == REGION)
-    labelled, within, covered, outer = defaultdict(int), defaultdict(set), 0, {}
+    labelled, covered, open_labels = defaultdict(int), 0, defaultdict(list)
     for name, start, end, thread in sorted((e for e in events if e[0] != REGION), key=lambda e: (e[1], -e[2])):
-        labelled[name] += end - start
-        top = outer.get(thread)  # the last top-level label of this thread: (name, end)
-        if top is not None and end <= top[1]:
-            within[name].add(top[0])
-        else:
+        stack = open_labels[thread]  # (label, end) of the labels still open at `start`, outermost first
+        while stack and stack[-1][1] <= start:
+            stack.pop()
+        labelled[" > ".join([label for label, _ in stack] + [name])] += end - start
+        if not stack:
             covered += end - start
-            outer[thread] = (name, end)
-    phases = {name: {"ms": ns / 1e6, "share": ns / total if total > 0 else 0.0, "within": sorted(within[name])} for name, ns in sorted(labelled.items())}
-    other = max(0, total - covered)
-    phases["other"] = {"ms": other / 1e6, "share": other / total if total > 0 else 0.0, "within": []}
-    return {"total_ms": total / 1e6, "phases": phases}
+        stack.append((name, end))
+    phases = dict(sorted(labelled.items()))
+    phases["other"] = max(0, total - covered)
+    return {"total_ms": total / 1e6, "phases": {name: {"ms": ns / 1e6, "share": ns / total if total > 0 else 0.0} for name, ns in phases.items()}}
 
 
 def step_breakdown(model, tokenizer, prompts: list[dict], k: int | None, max_new_tokens: int = PROFILE_TOKENS, decoder: str = "tidar") -> dict:
