@@ -24,19 +24,21 @@ from .timing import synchronize
 @dataclass(frozen=True)
 class Decoder:
     """weights: "export" or "base". tidar: TiDAR decoding, else transformers' own generate.
-    drafter: the TiDAR drafter (None: the engine's default). lookup: transformers' prompt lookup."""
+    drafter: the TiDAR drafter (None: the engine's default). lookup: transformers' prompt lookup.
+    block_size: TiDAR's k for this decoder alone (None: the run's `--k`)."""
 
     weights: str = "export"
     tidar: bool = False
     drafter: str | None = None
     lookup: bool = False
+    block_size: int | None = None
 
     def generate_kwargs(self, k: int | None, prompt_lookup_tokens: int) -> dict:
         kwargs = {}
         if self.weights == "export":  # the base runs transformers' own generate: no `tidar` argument
             kwargs["tidar"] = self.tidar
         if self.tidar:
-            kwargs["block_size"] = k
+            kwargs["block_size"] = self.block_size or k
         if self.drafter is not None:
             kwargs["drafter"] = self.drafter
         if self.lookup:
