@@ -190,3 +190,25 @@ def test_fit_trains_on_a_distill_corpus_with_every_greedy_lever(tiny_dirs, tmp_p
     assert "self-distillation: generating" not in capsys.readouterr().err  # the given corpus, nothing generated
     ds = cli.datamodule._train_loader.dataset
     assert ds.sources[-1] == str(corpus) and ds.no_ar == {1} and ds.weights == (0.5, 0.5) and ds.max_docs == {1: 8}
+
+
+def test_a_failing_rank_0_still_releases_the_other_ranks(tiny_dirs, tmp_path, monkeypatch):
+    """If rank 0 cannot make the corpus, it reaches the barrier before raising (the other ranks would
+    otherwise wait there until the process-group timeout), and the others fail with a message."""
+    from types import SimpleNamespace
+
+    from tidar_convert.distill import corpus_for_fit
+
+    monkeypatch.setenv("TIDAR_CACHE", str(tmp_path / "cache"))
+    code_docs(tmp_path / "docs.jsonl")
+    barriers = []
+
+    def trainer(rank):
+        return SimpleNamespace(world_size=2, global_rank=rank, strategy=SimpleNamespace(root_device="cpu", barrier=lambda name: barriers.append((rank, name))))
+
+    args = (str(tiny_dirs["llama"]), [str(tmp_path / "docs.jsonl")], 50, 4, 8, 4, 2, "text", None, "train", 0, "float32")  # 50 > the 9 prompts
+    with pytest.raises(ValueError, match="fewer than the 50 greedy documents"):
+        corpus_for_fit(trainer(0), *args)
+    with pytest.raises(FileNotFoundError, match="rank 1: the greedy corpus .* is not here after rank 0's turn: either rank 0 failed"):
+        corpus_for_fit(trainer(1), *args)
+    assert barriers == [(0, "greedy_corpus"), (1, "greedy_corpus")]

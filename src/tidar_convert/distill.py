@@ -143,16 +143,25 @@ def corpus_for_fit(trainer, model: str | None, sources: list[str], n_docs: int, 
     path = cache_path(model, sources, n_docs, val_every, prompt_tokens, new_tokens, text_field, name, split, seed, dtype)
     world = trainer.world_size if trainer is not None else 1
     rank = trainer.global_rank if trainer is not None else 0
+    failed = None
     if rank == 0 and not path.is_file():
         device = trainer.strategy.root_device if trainer is not None else "cpu"
         print(f"self-distillation: generating {n_docs} greedy documents with {model or 'the default model'} ({dtype}) into {path}", file=sys.stderr, flush=True)
-        make_corpus(model, sources, path, n_docs, val_every, prompt_tokens, new_tokens, batch_size, text_field, name, split, seed, dtype, device)
+        try:
+            make_corpus(model, sources, path, n_docs, val_every, prompt_tokens, new_tokens, batch_size, text_field, name, split, seed, dtype, device)
+        except Exception as e:  # still reach the barrier: the other ranks would otherwise wait there until the timeout
+            if world == 1:
+                raise
+            failed = e
     if world > 1:
-        trainer.strategy.barrier("greedy_corpus")  # rank 0 has written the file (or found it) past this point
+        trainer.strategy.barrier("greedy_corpus")  # rank 0 has written the file (or found it, or failed) past this point
+        if failed is not None:
+            raise failed
         if not path.is_file():
             raise FileNotFoundError(
-                f"rank {rank}: the greedy corpus {path} that rank 0 wrote is not visible here; point TIDAR_CACHE at a filesystem "
-                "every node shares, or make the corpus once with `tidar-convert distill` and pass --data.greedy_corpus."
+                f"rank {rank}: the greedy corpus {path} is not here after rank 0's turn: either rank 0 failed to make it (its error "
+                "says why), or it is on a filesystem this node does not see; point TIDAR_CACHE at one every node shares, or make "
+                "the corpus once with `tidar-convert distill` and pass --data.greedy_corpus."
             )
         print(f"rank {rank}: greedy documents from {path}", file=sys.stderr, flush=True)
     return path
