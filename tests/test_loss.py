@@ -128,3 +128,7 @@ def test_module_trains_greedy_tokens_in_the_diffusion_loss_only(tiny_dirs):
     assert skip["loss_ar"].item() == pytest.approx(expect.item(), rel=1e-4)
     assert skip["loss_ar"].item() != pytest.approx(full["loss_ar"].item(), rel=1e-4)
     assert skip["loss_diff"].item() == pytest.approx(full["loss_diff"].item(), rel=1e-6)
+    # training_step reads the mark from the batch (as TiDARData delivers it): all greedy -> the diffusion term alone
+    with pytest.warns(UserWarning, match="self.log"), torch.no_grad():  # no Trainer attached here
+        loss = m.training_step({"input_ids": ids, "doc_ids": doc_ids, "no_ar_target": torch.ones_like(marked)}, 0)
+    assert loss.item() == pytest.approx(full["loss_diff"].item() / 2, rel=1e-5)
