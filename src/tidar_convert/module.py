@@ -62,8 +62,8 @@ class TiDARModule(L.LightningModule):
             val_decode_block_size: k used by the `val/tokens_per_nfe` decoding (None = block_size). Set it to
                 compare runs trained at different block sizes at the same decode k (train at 8, decode at 4).
             diff_offset_weights: one weight per position in a block (block_size numbers) for the diffusion
-                loss; None = uniform (the paper). The first drafted position gates the acceptance of all the
-                others, so weighting it up (or the hard last ones) trades per-offset accuracy.
+                loss; None = uniform (the paper). Decoding drafts from offsets 1..k-1 only (offset 0 sits where
+                the AR token goes) and draft 1 gates the acceptance of the others, so the spread is a lever.
         """
         super().__init__()
         if alpha < 0:
