@@ -1,7 +1,7 @@
 """AR perplexity: one plain causal pass per chunk of packed documents.
 
 A TiDAR model must keep its base model's likelihood (docs/method.md §2); this is how to check it.
-Documents are tokenized and packed as training packs them (`data.tokenize_documents`, `data.pack`),
+Documents are tokenized and packed as training packs them (`data.tokenize_document`, `data.pack`),
 and models load as they are saved (`loading.load_pretrained`).
 """
 
@@ -22,7 +22,7 @@ def chunks(tokenizer, texts: Iterable[str], seq_len: int, max_tokens: int) -> It
     """seq_len chunks of the packed documents (each followed by EOS), at most max_tokens tokens in
     all; the shorter last chunk is kept when it has something to predict (>= 2 tokens)."""
     left = max_tokens
-    for ids, _ in data.pack(data.tokenize_documents(tokenizer, texts), seq_len, tail=True):
+    for ids, _ in data.pack((data.tokenize_document(tokenizer, t) for t in texts), seq_len, tail=True):
         ids = ids[:left]
         if len(ids) < 2:
             return
