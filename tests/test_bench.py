@@ -1,7 +1,9 @@
-"""bench.py and bench_gpu.py on tiny random models: fields, exactness checks, plots, perplexity."""
+"""The bench package and bench_gpu.py on tiny random models: the decoder table, counts, JSON fields,
+exactness checks, the step breakdown, plots, perplexity."""
 
 from __future__ import annotations
 
+import inspect
 import json
 import math
 import shutil
@@ -11,7 +13,9 @@ import pytest
 
 import torch
 
-from tidar_convert import bench, bench_gpu
+from tidar_convert import bench_gpu, decode
+from tidar_convert.bench import cli as bench, decoders, perplexity, plots, prompts, slots, steps
+from tidar_convert.bench.decoders import DECODERS, Decoder
 
 PNG = b"\x89PNG"
 
@@ -27,10 +31,10 @@ def tiny_export(tiny_dirs, tmp_path_factory):
 
 
 def test_prompts_mix_code_and_text():
-    prompts = bench.bench_prompts(limit=6)
-    assert [p["kind"] for p in prompts] == ["code", "text"] * 3
-    assert prompts[0]["id"] == "HumanEval/0"
-    assert len(bench.bench_prompts()) == 164 + len(bench.TEXT_PROMPTS)
+    mixed = prompts.bench_prompts(limit=6)
+    assert [p["kind"] for p in mixed] == ["code", "text"] * 3
+    assert mixed[0]["id"] == "HumanEval/0"
+    assert len(prompts.bench_prompts()) == 164 + len(prompts.TEXT_PROMPTS)
 
 
 def test_bench_json_and_plots(tiny_dirs, tiny_export, tmp_path, capsys):
@@ -38,20 +42,33 @@ def test_bench_json_and_plots(tiny_dirs, tiny_export, tmp_path, capsys):
     assert path == tmp_path / "tiny.json"
     err = capsys.readouterr().err
     assert f"wrote {path}" in err and f"wrote {tmp_path / 'tiny_slots.png'}" in err  # every file written is named
+    assert f"wrote {tmp_path / 'tiny.md'}" in err
+    assert "slot latency: " in err and "took" in err  # the slot curve says how far it is (not a terminal: log lines)
     r = json.loads(path.read_text())
 
     assert r["block_size"] == 4 and r["prompts"] == 3 and r["perplexity"] is None
     assert {"torch", "threads", "device"} <= set(r["machine"])
-    for decoder in bench.DECODERS:
+    # every decoder of the table either ran or is listed with the reason it could not (a drafter the engine lacks)
+    assert set(r["summary"]) | set(r["skipped_decoders"]) == set(DECODERS)
+    assert {"ar", "prompt_lookup", "tidar", "base_prompt_lookup"} <= set(r["summary"])
+    assert all("drafter" in why for why in r["skipped_decoders"].values())
+    assert r["decoders"]["tidar"] == {"tidar": True, "block_size": 4, "weights": "export"}
+    for decoder in (d for d in r["summary"] if DECODERS[d].weights == "export"):
         s = r["summary"][decoder]
-        for key in ("new_tokens", "nfe", "seconds", "tokens_per_s", "tokens_per_s_vs_ar", "tokens_per_nfe", "mean_tokens_per_nfe", "all_identical"):
+        for key in ("new_tokens", "nfe", "seconds", "tokens_per_s", "tokens_per_s_vs_ar", "tokens_per_s_vs_prompt_lookup", "tokens_per_nfe", "mean_tokens_per_nfe", "slots_per_step", "lm_head_rows_per_step", "all_identical"):
             assert key in s, (decoder, key)
         assert s["all_identical"], f"{decoder} is not token-for-token AR greedy"
-    assert r["summary"]["ar"]["tokens_per_s_vs_ar"] == 1.0
+    ar, lookup, tidar = (r["summary"][d] for d in ("ar", "prompt_lookup", "tidar"))
+    assert ar["tokens_per_s_vs_ar"] == 1.0 and lookup["tokens_per_s_vs_prompt_lookup"] == 1.0
+    assert ar["slots_per_step"] == ar["lm_head_rows_per_step"] == 1.0  # AR: one slot, one row a step
+    assert 1.0 <= lookup["slots_per_step"] <= r["prompt_lookup_tokens"] + 1  # its draft + the last token
+    assert lookup["lm_head_rows_per_step"] == lookup["slots_per_step"]  # transformers reads every slot's logits
+    assert 1.0 < tidar["slots_per_step"] and 1.0 <= tidar["lm_head_rows_per_step"] <= tidar["slots_per_step"]
+    assert "draft_sources" in tidar
     # prompt lookup on the base model: what a user gets without converting, timed in the same run
     base = r["summary"]["base_prompt_lookup"]
     assert base["identical"] is None and base["tokens_per_s_vs_base_prompt_lookup"] == 1.0
-    assert r["summary"]["tidar"]["tokens_per_s_vs_base_prompt_lookup"] > 0 and r["summary"]["tidar"]["tokens_per_s_vs_prompt_lookup"] > 0
+    assert tidar["tokens_per_s_vs_base_prompt_lookup"] > 0 and tidar["tokens_per_s_vs_prompt_lookup"] > 0
     # the quality guard on the bench's own outputs; the export's weights are its base's, so same text
     q = r["quality"]
     assert q["base_model"] == str(tiny_dirs["llama"].resolve())
@@ -65,17 +82,33 @@ def test_bench_json_and_plots(tiny_dirs, tiny_export, tmp_path, capsys):
     assert {row["kind"] for row in r["rows"]} == {"code", "text"}
     for row in r["rows"]:
         assert row["ar"]["nfe"] == row["ar"]["new_tokens"] == 8  # AR: one forward per token
+        assert row["ar"]["steps"] == 7  # every forward after the prefill
         assert row["prompt_lookup"]["nfe"] <= 8 and row["tidar"]["nfe"] <= 8
-        assert all(row[d]["identical_to_ar"] for d in bench.DECODERS)
+        assert all(row[d]["identical_to_ar"] for d in r["summary"] if DECODERS[d].weights == "export")
     # one prefill per prompt, then one histogram entry per TiDAR step
-    steps = sum(r["accepted_histogram"].values())
-    assert steps == r["summary"]["tidar"]["nfe"] - r["prompts"]
-    assert [p["slots"] for p in r["slot_latency"]["points"]] == sorted(set(bench.CPU_SLOTS) | {6, 20, 72})
-    assert set(r["slot_latency"]["tidar_step_vs_ar_step"]) == {"2", "4", "8"}
-    assert all(v > 0 for v in r["slot_latency"]["tidar_step_vs_ar_step"].values())
+    steps_taken = sum(r["accepted_histogram"].values())
+    assert steps_taken == r["summary"]["tidar"]["nfe"] - r["prompts"]
+    sl = r["slot_latency"]
+    assert [p["slots"] for p in sl["points"]] == sorted(set(slots.CPU_SLOTS) | {6, 20, 72})
+    assert set(sl["tidar_step_vs_ar_step"]) == {"2", "4", "8"}
+    assert all(v > 0 for v in sl["tidar_step_vs_ar_step"].values())
+    # where each decoder's mean step sits on the slot curve
+    assert set(sl["decoder_steps"]) == {d for d, s in r["summary"].items() if s["slots_per_step"] is not None}
+    assert sl["decoder_steps"]["ar"]["slots_per_step"] == 1.0 and sl["decoder_steps"]["ar"]["vs_one_slot"] == pytest.approx(1.0)
+    assert all(at["ms"] > 0 for at in sl["decoder_steps"].values())
+    # the step breakdown: engine phases (whatever tidar.* labels there are) + other, shares of the profiled time
+    b = r["step_breakdown"]
+    assert {"decoder", "prompts", "new_tokens", "forwards", "ms_per_forward", "total_ms", "phases"} <= set(b)
+    assert b["decoder"] == "tidar" and b["prompts"] == 2 and b["total_ms"] > 0 and b["forwards"] >= 2
+    assert "other" in b["phases"] and all(label == "other" or label.startswith("tidar.") for label in b["phases"])
+    assert all(0.0 <= p["share"] <= 1.0 for p in b["phases"].values())
+    assert sum(p["share"] for label, p in b["phases"].items() if " > " not in label) == pytest.approx(1.0)  # nested labels not counted twice
+    assert "step time" in err
     assert set(r["plots"]) == {"tokens_per_s", "accepted", "slots"}
     for png in r["plots"].values():
         assert Path(png).read_bytes()[:4] == PNG
+    md = (tmp_path / "tiny.md").read_text()  # the README-ready table, as in the model card
+    assert "| tidar | " in md and "query slots per step" in md and "vs prompt lookup" in md
     card = (tiny_export / "README.md").read_text()  # the export's model card shows the measurement
     assert "| tidar |" in card and "k=4, 3 prompts" in card and "Not measured yet" not in card
     assert "| base_prompt_lookup |" in card and "The quality guard passes" in card
@@ -111,7 +144,7 @@ def test_bench_eos_at_once(tiny_export, tmp_path):
     folder = shutil.copytree(tiny_export, tmp_path / "eos")
     lm, tok = load(folder), AutoTokenizer.from_pretrained(folder)
     firsts = set()
-    for p in bench.bench_prompts(limit=2):
+    for p in prompts.bench_prompts(limit=2):
         ids = tok(p["text"], return_tensors="pt").input_ids
         firsts.add(int(lm.generate(ids, max_new_tokens=1, do_sample=False, tidar=False, pad_token_id=tok.pad_token_id)[0, -1]))
     gen_file = folder / "generation_config.json"
@@ -120,9 +153,11 @@ def test_bench_eos_at_once(tiny_export, tmp_path):
     gen_file.write_text(json.dumps(gen))
 
     r = json.loads(Path(bench.bench_cmd(str(folder), max_new_tokens=8, limit=2, out_dir=str(tmp_path / "out"))).read_text())
-    for decoder in bench.DECODERS:
+    for decoder in (d for d in r["summary"] if DECODERS[d].weights == "export"):
         assert r["summary"][decoder]["new_tokens"] == 2 and r["summary"][decoder]["nfe"] == 2, decoder
         assert r["summary"][decoder]["all_identical"]
+        assert r["summary"][decoder]["slots_per_step"] is None  # no step after the prefill: no mean to take
+    assert all(DECODERS[d].weights == "base" for d in r["slot_latency"]["decoder_steps"])  # the base has its own EOS
     assert sum(r["accepted_histogram"].values()) == 0
     assert all(Path(p).exists() for p in r["plots"].values())
 
@@ -138,6 +173,8 @@ def test_bench_rejects_bad_input(tiny_dirs, tiny_export):
         bench.bench_cmd("/nonexistent/model")
     with pytest.raises(ValueError, match="humaneval_timeout=0"):
         bench.bench_cmd(str(tiny_export), humaneval_timeout=0)
+    with pytest.raises(ValueError, match="dtype='float16'.*float32 or bfloat16"):
+        bench.bench_cmd(str(tiny_export), dtype="float16")
 
 
 def hand_perplexity(model, tokenizer, texts, seq_len, max_tokens):
@@ -164,10 +201,10 @@ def test_perplexity_is_exp_mean_nll(tiny_dirs, tokenizer):
     texts = ["def f(x):\n    return x + 1\n", "The quick brown fox jumps over the lazy dog.", "import os\nprint(os.getcwd())\n"]
     n_tokens = sum(len(tokenizer(t, add_special_tokens=False).input_ids) + 1 for t in texts)
     max_tokens = n_tokens - 5  # cut inside the last document, and leave a short last chunk
-    got = bench.perplexity(model, tokenizer, texts, seq_len=8, max_tokens=max_tokens, progress=False)
+    got = perplexity.perplexity(model, tokenizer, texts, seq_len=8, max_tokens=max_tokens, progress=False)
     assert got == pytest.approx(hand_perplexity(model, tokenizer, texts, 8, max_tokens), rel=1e-5)
     with pytest.raises(ValueError, match="seq_len=1"):
-        bench.perplexity(model, tokenizer, texts, seq_len=1)
+        perplexity.perplexity(model, tokenizer, texts, seq_len=1)
 
 
 def test_eval_ppl_cmd_on_a_folder(tiny_dirs, tokenizer, tmp_path, capsys):
@@ -176,7 +213,7 @@ def test_eval_ppl_cmd_on_a_folder(tiny_dirs, tokenizer, tmp_path, capsys):
     docs = ["Call the function twice and compare the results.\n", "The river rose through the night and the town slept.\n"]
     for i, d in enumerate(docs):
         (tmp_path / f"{i}.txt").write_text(d)
-    ppl = bench.eval_ppl_cmd(str(tiny_dirs["llama"]), str(tmp_path), seq_len=16, max_tokens=64)
+    ppl = perplexity.eval_ppl_cmd(str(tiny_dirs["llama"]), str(tmp_path), seq_len=16, max_tokens=64)
     model = AutoModelForCausalLM.from_pretrained(tiny_dirs["llama"]).eval()
     assert ppl == pytest.approx(hand_perplexity(model, tokenizer, docs, 16, 64), rel=1e-4)
     assert "perplexity" in capsys.readouterr().out
@@ -195,11 +232,11 @@ def test_bench_gpu_dry_run(tmp_path):
 
 
 def test_cpu_default_is_minutes_and_gpu_default_is_every_prompt():
-    assert bench.default_limit(torch.device("cuda")) is None
-    n = bench.default_limit(torch.device("cpu"))
-    prompts = bench.bench_prompts(n)
-    assert n == bench.CPU_DEFAULT_PROMPTS < len(bench.bench_prompts())
-    assert {p["kind"] for p in prompts} == {"code", "text"}
+    assert prompts.default_limit(torch.device("cuda")) is None
+    n = prompts.default_limit(torch.device("cpu"))
+    chosen = prompts.bench_prompts(n)
+    assert n == prompts.CPU_DEFAULT_PROMPTS < len(prompts.bench_prompts())
+    assert {p["kind"] for p in chosen} == {"code", "text"}
 
 
 def test_progress_lines_when_not_a_terminal(capsys):
@@ -210,3 +247,199 @@ def test_progress_lines_when_not_a_terminal(capsys):
     assert lines[0].startswith("work: 1/3 (33%)") and "ETA" in lines[0]
     assert lines[-1].startswith("work: 3/3 (100%)") and "took" in lines[-1]
     assert (duration(7.2), duration(125), duration(3725)) == ("7s", "2m05s", "1h02m")
+
+
+# --------------------------------------------------------------------------------------------
+# The decoder table and what run_decoder counts.
+# --------------------------------------------------------------------------------------------
+
+
+def test_decoder_table_says_weights_and_generate_arguments():
+    kw = {name: d.generate_kwargs(4, 3) for name, d in DECODERS.items()}
+    assert kw["ar"] == {"tidar": False}
+    assert kw["prompt_lookup"] == {"tidar": False, "prompt_lookup_num_tokens": 3}
+    assert kw["tidar"] == {"tidar": True, "block_size": 4}  # the engine's default drafter
+    assert kw["tidar_diffusion"] == {"tidar": True, "block_size": 4, "drafter": "diffusion"}
+    assert kw["tidar_lookup"] == {"tidar": True, "block_size": 4, "drafter": "lookup"}
+    assert kw["base_prompt_lookup"] == {"prompt_lookup_num_tokens": 3}  # transformers' own generate: no `tidar`
+    assert decoders.decoder_names("export") == ("ar", "prompt_lookup", "tidar", "tidar_diffusion", "tidar_lookup")
+    assert decoders.decoder_names("base") == ("base_prompt_lookup",)
+
+
+def test_a_new_decoder_is_one_table_entry(tiny_export, monkeypatch):
+    from transformers import AutoTokenizer
+
+    from tidar_convert.bench.summary import summarize
+    from tidar_convert.export import load
+
+    monkeypatch.setitem(DECODERS, "tidar_k2", Decoder(tidar=True, block_size=2))  # the one line
+    lm, tok = load(tiny_export), AutoTokenizer.from_pretrained(tiny_export)
+    row = decoders.bench_prompt(lm, tok, prompts.bench_prompts(1)[0], 6, 4, 3, ("ar", "tidar", "tidar_k2"))
+    summary = summarize([row])
+    assert list(summary) == ["ar", "tidar", "tidar_k2"] and summary["tidar_k2"]["all_identical"]
+    assert row["tidar_k2"]["slots_per_step"] < row["tidar"]["slots_per_step"]  # it really ran with its own k (fewer slots a step)
+
+
+def test_forward_counter_counts_slots_and_lm_head_rows(tiny_export):
+    from transformers import DynamicCache
+
+    from tidar_convert.export import load
+
+    lm = load(tiny_export)
+    cache = DynamicCache()
+    with torch.no_grad(), decoders.ForwardCounter(lm) as count:
+        for n, keep in ((7, 1), (5, 0), (3, 2)):  # prefill 7 slots, then steps of 5 and 3 slots
+            lm(input_ids=torch.randint(0, 100, (1, n)), logits_to_keep=keep, **decode.cache_kwargs(lm, cache))
+    assert count.slots == [7, 5, 3] and count.head_rows == [1, 5, 2]
+    assert count.forwards == 3 and count.steps == 2
+    assert count.per_step(count.slots) == 4.0 and count.per_step(count.head_rows) == 3.5
+    assert count.per_step([7]) is None  # generation that ended at the prefill
+    lm(input_ids=torch.ones(1, 2, dtype=torch.long))
+    assert count.forwards == 3  # the hooks are gone after the block
+
+
+def test_drafters_this_engine_lacks_are_left_out_with_the_reason(tiny_export):
+    from transformers import AutoTokenizer
+
+    from tidar_convert.export import load
+
+    lm, tok = load(tiny_export), AutoTokenizer.from_pretrained(tiny_export)
+    names, skipped = decoders.runnable(decoders.decoder_names("export"), lm, tok, 4, 3)
+    assert {"ar", "prompt_lookup", "tidar"} <= set(names)
+    assert set(names) | set(skipped) == set(decoders.decoder_names("export"))
+    has_drafters = "drafter" in inspect.signature(decode.generate).parameters
+    assert bool(skipped) != has_drafters and all("drafter=" in why for why in skipped.values())
+
+
+ENGINE_HAS_DRAFTERS = "drafter" in inspect.signature(decode.generate).parameters
+
+
+@pytest.mark.xfail(not ENGINE_HAS_DRAFTERS, reason="decode.generate has no drafter= until the engine branch merges", strict=True)
+def test_drafter_rows(tiny_export, tmp_path):
+    """Each TiDAR drafter is a bench row, AR-exact, with the engine's own per-step counts."""
+    r = json.loads(Path(bench.bench_cmd(str(tiny_export), max_new_tokens=8, limit=1, out_dir=str(tmp_path), quality=False)).read_text())
+    assert r["skipped_decoders"] == {}
+    for decoder in ("tidar", "tidar_diffusion", "tidar_lookup"):
+        s = r["summary"][decoder]
+        assert s["all_identical"], decoder
+        assert s["slots_per_step"] is not None and s["lm_head_rows_per_step"] is not None and s["draft_sources"] is not None, decoder
+        assert r["decoders"][decoder].get("drafter") == DECODERS[decoder].drafter
+        for row in r["rows"]:
+            assert row[decoder]["engine_slots_per_step"] is not None, decoder
+    assert set(r["slot_latency"]["decoder_steps"]) >= {"tidar", "tidar_diffusion", "tidar_lookup"}
+
+
+def test_bench_in_bfloat16(tiny_export, tmp_path):
+    r = json.loads(Path(bench.bench_cmd(str(tiny_export), max_new_tokens=4, limit=1, out_dir=str(tmp_path), quality=False, dtype="bfloat16")).read_text())
+    assert r["machine"]["dtype"] == "torch.bfloat16"
+    assert r["summary"]["tidar"]["new_tokens"] == 4 and r["step_breakdown"]["total_ms"] > 0
+
+
+# --------------------------------------------------------------------------------------------
+# The step breakdown and the slot plot.
+# --------------------------------------------------------------------------------------------
+
+
+def test_phase_shares_split_the_profiled_time_by_tidar_labels():
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    def work(n):
+        x = torch.randn(64, 64)
+        for _ in range(n):
+            x = (x @ x).tanh()
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        with record_function(steps.REGION):
+            with record_function("tidar.verify"):
+                work(20)
+                with record_function("tidar.lm_head"):  # nested: reported under its path, not subtracted twice
+                    work(10)
+            with record_function("tidar.crop"):
+                work(5)
+            with record_function("tidar.lm_head"):  # the same label, this time on its own
+                work(5)
+            with record_function("unrelated.label"):  # not the engine's: counts as other
+                work(10)
+            work(10)
+    out = steps.phase_shares(steps.spans(prof))
+    p = out["phases"]
+    # lm_head inside verify is keyed by its path, apart from the lm_head that runs on its own
+    assert set(p) == {"tidar.verify", "tidar.verify > tidar.lm_head", "tidar.lm_head", "tidar.crop", "other"}
+    assert p["tidar.verify > tidar.lm_head"]["ms"] < p["tidar.verify"]["ms"]
+    top = ("tidar.verify", "tidar.lm_head", "tidar.crop")
+    assert p["other"]["ms"] == pytest.approx(out["total_ms"] - sum(p[label]["ms"] for label in top))
+    assert sum(p[label]["share"] for label in (*top, "other")) == pytest.approx(1.0)
+    assert p["other"]["share"] > 0.1  # the unlabelled work and the unrelated label
+    # no engine labels at all (an engine from before the phases were named): everything is other
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        with record_function(steps.REGION):
+            work(5)
+    alone = steps.phase_shares(steps.spans(prof))
+    assert alone["phases"] == {"other": {"ms": alone["total_ms"], "share": 1.0}} and alone["total_ms"] > 0
+
+
+def test_slot_plot_marks_each_decoder_step(tmp_path, monkeypatch):
+    points = [{"slots": n, "ms": ms} for n, ms in ((1, 10.0), (2, 10.0), (4, 12.0), (8, 20.0), (16, 36.0))]
+    assert slots.latency_at(points, 1) == 10.0 and slots.latency_at(points, 6) == pytest.approx(12 + 8 * (math.log2(6) - 2))
+    assert slots.latency_at(points, 100) == 36.0  # held at the last measured size
+    summary = {"ar": {"slots_per_step": 1.0}, "prompt_lookup": {"slots_per_step": 3.0}, "tidar": {"slots_per_step": 12.0}, "eos_at_once": {"slots_per_step": None}}
+    at = slots.decoder_steps(summary, points)
+    assert set(at) == {"ar", "prompt_lookup", "tidar"}
+    assert at["tidar"]["ms"] == pytest.approx(slots.latency_at(points, 12.0)) and at["tidar"]["vs_one_slot"] == pytest.approx(at["tidar"]["ms"] / 10)
+    figures = []
+    save = plots._save
+    monkeypatch.setattr(plots, "_save", lambda fig, path: (figures.append(fig), save(fig, path))[1])
+    path = plots.plot_slots(points, tmp_path / "slots.png", "t", full_step=20, steps=at)
+    assert path.read_bytes()[:4] == PNG
+    ax = figures[0].axes[0]
+    marks = {line.get_label().split(":")[0]: (line.get_xdata()[0], line.get_ydata()[0]) for line in ax.get_lines() if "slots/step" in line.get_label()}
+    assert marks == {d: (a["slots_per_step"], a["ms"]) for d, a in at.items()}
+    assert "full TiDAR step: k + k*k = 20" in [t.get_text() for t in ax.get_legend().get_texts()]
+
+
+# --------------------------------------------------------------------------------------------
+# Perplexity reuses data and loading; loading says nothing about its deliberate mean resizing.
+# --------------------------------------------------------------------------------------------
+
+
+def test_perplexity_packs_with_data_and_loads_with_loading(tiny_dirs, tmp_path, monkeypatch):
+    from tidar_convert import data, loading
+
+    calls = []
+    pack, load_pretrained = data.pack, loading.load_pretrained
+    monkeypatch.setattr(data, "pack", lambda *a, **kw: (calls.append(("pack", kw)), pack(*a, **kw))[1])
+    monkeypatch.setattr(loading, "load_pretrained", lambda *a, **kw: (calls.append(("load", a)), load_pretrained(*a, **kw))[1])
+    (tmp_path / "a.txt").write_text("The river rose through the night and the town slept.\n")
+    assert perplexity.eval_ppl_cmd(str(tiny_dirs["llama"]), str(tmp_path), seq_len=8, max_tokens=30) > 0
+    assert ("pack", {"tail": True}) in calls and ("load", (str(tiny_dirs["llama"]),)) in calls
+    # pack's tail: the short last chunk an evaluation keeps (training drops it)
+    chunks = [ids.tolist() for ids, _ in data.pack(iter([[1, 2, 3], [4, 5]]), 4, tail=True)]
+    assert chunks == [[1, 2, 3, 4], [5]] and len(list(data.pack(iter([[1, 2, 3], [4, 5]]), 4))) == 1
+
+
+def test_load_base_does_not_announce_its_mean_resizing(tiny_dirs):
+    """transformers' notice about the mean init of the added rows (embeddings and an untied head) is
+    dropped; any other notice of the same logger still goes out."""
+    import logging
+
+    from transformers.utils import logging as hf_logging
+
+    from tidar_convert.loading import load_base
+
+    records = []
+    handler = logging.Handler()
+    handler.emit = lambda record: records.append(record.getMessage())
+    root = hf_logging.get_logger("transformers")
+    level = root.level
+    root.addHandler(handler)
+    root.setLevel(logging.WARNING)  # as a bench run has it (fit's CLI lowers it anyway)
+    hf_logging.warning_once.cache_clear()  # the notices are once per process: make them due again
+    try:
+        model, tok = load_base(str(tiny_dirs["llama"]))  # an untied llama: embeddings and head resized
+        hf_logging.get_logger("transformers.modeling_utils").warning("a notice that is not the one silenced")
+    finally:
+        root.removeHandler(handler)
+        root.setLevel(level)
+    assert tok.mask_token is not None and model.get_input_embeddings().num_embeddings >= len(tok)  # it did resize
+    assert "a notice that is not the one silenced" in records
+    assert not [m for m in records if "multivariate normal" in m], records

@@ -33,8 +33,10 @@ import torch
 import torch.nn.functional as F
 
 from . import layout
+from .bench.machine import machine_info
+from .bench.slots import slot_latency
+from .bench.timing import median_seconds, synchronize
 from .decode import cache_kwargs
-from .bench import machine_info, median_seconds, slot_latency, synchronize
 from .loss import hybrid_loss
 
 # Qwen2.5-1.5B's dimensions (its config.json), so the numbers transfer to the paper's 1.5B model.

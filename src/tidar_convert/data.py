@@ -27,7 +27,7 @@ import re
 import sys
 import sysconfig
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import lightning as L
@@ -170,17 +170,24 @@ def _check_hub_dataset(source: str) -> None:
         )
 
 
-def pack(token_docs: Iterator[list[int]], seq_len: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+def tokenize_document(tokenizer, doc: str) -> list[int]:
+    """A document's tokens (no special tokens), followed by EOS: what `pack` concatenates."""
+    eos = tokenizer.eos_token_id
+    return tokenizer(doc, add_special_tokens=False)["input_ids"] + ([eos] if eos is not None else [])
+
+
+def pack(token_docs: Iterable[list[int]], seq_len: int, tail: bool = False) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     """Concatenate tokenized documents and cut seq_len chunks: (input_ids, doc_ids).
 
     doc_ids number the documents inside a chunk from 0; a document cut at a chunk end continues
-    as document 0 of the next chunk.
+    as document 0 of the next chunk. tail: also yield the shorter last chunk (training drops it,
+    as a batch needs equal lengths; an evaluation keeps it, so every token counts).
     """
-    for input_ids, doc_ids, _ in pack_marked(((tokens, False) for tokens in token_docs), seq_len):
+    for input_ids, doc_ids, _ in pack_marked(((tokens, False) for tokens in token_docs), seq_len, tail):
         yield input_ids, doc_ids
 
 
-def pack_marked(docs: Iterator[tuple[list[int], bool]], seq_len: int) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+def pack_marked(docs: Iterable[tuple[list[int], bool]], seq_len: int, tail: bool = False) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
     """`pack` of (tokens, mark) documents: (input_ids, doc_ids, marked), marked a bool per token
     (its document's mark: say, self-distilled text)."""
     ids: list[int] = []
@@ -196,6 +203,9 @@ def pack_marked(docs: Iterator[tuple[list[int], bool]], seq_len: int) -> Iterato
             chunk_docs = torch.tensor(docs_[:seq_len])
             yield torch.tensor(ids[:seq_len]), chunk_docs - chunk_docs[0], torch.tensor(marks[:seq_len])
             ids, docs_, marks = ids[seq_len:], docs_[seq_len:], marks[seq_len:]
+    if tail and ids:
+        chunk_docs = torch.tensor(docs_)
+        yield torch.tensor(ids), chunk_docs - chunk_docs[0], torch.tensor(marks)
 
 
 def shuffled(items, buffer: int, seed: int):
@@ -301,10 +311,8 @@ class PackedDocuments(IterableDataset):
 
     def marked_tokens(self, worker: int | None = None) -> Iterator[tuple[list[int], bool]]:
         """(token ids with EOS, whether the document is of a `no_ar` source)."""
-        eos = self.tokenizer.eos_token_id
         for j, doc in self.sourced_documents(worker):
-            ids = self.tokenizer(doc, add_special_tokens=False)["input_ids"]
-            yield ids + ([eos] if eos is not None else []), j in self.no_ar
+            yield tokenize_document(self.tokenizer, doc), j in self.no_ar
 
     def __iter__(self):
         # Read the resume position now, not when the first item is asked for: a loader without

@@ -170,10 +170,22 @@ def results_section(metrics: dict) -> str:
     lines.append(f"Measured by `tidar-convert bench` ({setting}):")
     summary = metrics.get("summary") or {}
     if summary:
-        lines += ["", "| decoder | tokens per forward (T/NFE) | tokens/s | vs AR | identical to AR greedy |", "|---|---|---|---|---|"]
+        # Older bench results lack the per-step and lookup columns: "-" there.
+        def num(x, fmt):
+            return "-" if x is None else format(x, fmt)
+
+        lines += [
+            "",
+            "| decoder | tokens per forward (T/NFE) | query slots per step | LM-head rows per step | tokens/s | vs AR | vs prompt lookup | vs base prompt lookup | identical to AR greedy |",
+            "|---|---|---|---|---|---|---|---|---|",
+        ]
         for decoder, s in summary.items():
             same = "(base model)" if s["identical"] is None else f"{s['identical']}/{s['prompts']}"
-            lines.append(f"| {decoder} | {s['tokens_per_nfe']:.2f} | {s['tokens_per_s']:.1f} | {s['tokens_per_s_vs_ar']:.2f}x | {same} |")
+            ratios = " | ".join(num(s.get(key), ".2f") + ("x" if s.get(key) is not None else "") for key in ("tokens_per_s_vs_ar", "tokens_per_s_vs_prompt_lookup", "tokens_per_s_vs_base_prompt_lookup"))
+            lines.append(
+                f"| {decoder} | {s['tokens_per_nfe']:.2f} | {num(s.get('slots_per_step'), '.1f')} | {num(s.get('lm_head_rows_per_step'), '.1f')} "
+                f"| {s['tokens_per_s']:.1f} | {ratios} | {same} |"
+            )
     guard = metrics.get("quality")
     if guard:
         c, b = guard["converted"], guard["base"]

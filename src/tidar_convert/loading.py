@@ -5,10 +5,12 @@ Also adds the tokens TiDAR needs (mask, pad) and refuses architectures it cannot
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import logging
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -242,17 +244,26 @@ def check_architecture(config) -> None:
 def load_base(model: str | None = None, attn_implementation: str = "sdpa", dtype: torch.dtype = torch.float32) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """Load the base causal LM and its tokenizer, with the TiDAR mask and pad tokens added."""
     source = resolve(model)
-    if source.endswith(".gguf"):
-        check_architecture(_gguf_config(Path(source)))
-        hf_model, tokenizer = _load_gguf(Path(source))
-        hf_model.set_attn_implementation(attn_implementation)
-        hf_model.to(dtype)
-    else:
-        config = AutoConfig.from_pretrained(source)
-        check_architecture(config)
-        tokenizer = AutoTokenizer.from_pretrained(source)
-        hf_model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, attn_implementation=attn_implementation)
+    check_architecture(_gguf_config(Path(source)) if source.endswith(".gguf") else AutoConfig.from_pretrained(source))
+    hf_model, tokenizer = load_pretrained(source, dtype, attn_implementation)
     add_tidar_tokens(hf_model, tokenizer)
+    return hf_model, tokenizer
+
+
+def load_pretrained(source: str, dtype: torch.dtype = torch.float32, attn_implementation: str | None = None) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """A causal LM and its tokenizer exactly as saved: no tokens added, no architecture check.
+
+    source: what `resolve` returns (a folder, a hub id or a .gguf path). load_base builds on this;
+    perplexity uses it alone, since added mask/pad rows would join the softmax and move the number.
+    attn_implementation: None keeps transformers' default for the model.
+    """
+    if source.endswith(".gguf"):
+        hf_model, tokenizer = _load_gguf(Path(source))
+        if attn_implementation is not None:
+            hf_model.set_attn_implementation(attn_implementation)
+        return hf_model.to(dtype), tokenizer
+    tokenizer = AutoTokenizer.from_pretrained(source)
+    hf_model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, attn_implementation=attn_implementation)
     return hf_model, tokenizer
 
 
@@ -280,8 +291,30 @@ def add_tidar_tokens(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase)
     if added:
         tokenizer.add_special_tokens(added)
     if len(tokenizer) > model.get_input_embeddings().num_embeddings:
-        model.resize_token_embeddings(len(tokenizer), mean_resizing=True)
+        with _without_notice("transformers.modeling_utils", MEAN_RESIZING_NOTICE):
+            model.resize_token_embeddings(len(tokenizer), mean_resizing=True)
     model.config.mask_token_id = tokenizer.mask_token_id
     model.config.pad_token_id = tokenizer.pad_token_id
     if model.generation_config is not None and model.generation_config.pad_token_id is None:
         model.generation_config.pad_token_id = tokenizer.pad_token_id
+
+
+# transformers announces the mean resizing asked for above (for the embeddings, and again for an
+# untied head), with advice to turn it off (`mean_resizing=False`) that a user of this tool cannot
+# follow and should not: it is the intended init.
+MEAN_RESIZING_NOTICE = re.compile(r"The new (embeddings|lm_head weights) will be initialized from a multivariate normal distribution")
+
+
+@contextlib.contextmanager
+def _without_notice(logger: str, notice: re.Pattern):
+    """Drop the log records of `logger` that start with `notice`, and no others, while inside."""
+
+    def keep(record: logging.LogRecord) -> bool:
+        return not notice.match(record.getMessage())
+
+    log_ = logging.getLogger(logger)
+    log_.addFilter(keep)
+    try:
+        yield
+    finally:
+        log_.removeFilter(keep)

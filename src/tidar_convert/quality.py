@@ -269,7 +269,8 @@ def quality_cmd(
     import torch
     from transformers import AutoTokenizer
 
-    from .bench import bench_prompts, default_device
+    from .bench.machine import default_device
+    from .bench.prompts import bench_prompts
     from .export import check_export, load
     from .loading import load_base
 

@@ -1,0 +1,31 @@
+"""Measurements: TiDAR against AR and prompt-lookup decoding, forward latency vs query slots, perplexity.
+
+`tidar-convert bench --model OUT` decodes a fixed held-out prompt set (prompts.py: HumanEval prompts
+interleaved with a few plain-text ones) with every decoder of the table in decoders.py, batch 1,
+greedy, on the same weights:
+
+  ar                  transformers' own generate (tidar=False)
+  prompt_lookup       transformers' prompt-lookup decoding (n-gram drafts from the prompt)
+  tidar               TiDAR decoding with its default drafter (one forward a step)
+  tidar_diffusion     TiDAR with diffusion drafts only
+  tidar_lookup        TiDAR with lookup drafts only
+  base_prompt_lookup  prompt lookup on the base model the export was converted from (recorded in
+                      the export; `--base` to name another): what a user gets without converting
+
+The modules, one concern each:
+  prompts.py     the prompt set
+  decoders.py    the table of decoders, one counted and timed generation
+  summary.py     totals per decoder, ratios to AR and to prompt lookup, the printed lines
+  slots.py       forward latency against query slots, and where each decoder's step sits on it
+  steps.py       a TiDAR step's time split by the engine's phases (torch.profiler)
+  plots.py       the PNGs
+  machine.py     what it ran on
+  timing.py      wall-clock timing, synchronized on a GPU
+  perplexity.py  `tidar-convert eval-ppl`: AR perplexity (a TiDAR model must keep its base's)
+  cli.py         `tidar-convert bench`, and the generation-quality guard on its outputs (quality.py)
+"""
+
+from .cli import bench_cmd
+from .perplexity import eval_ppl_cmd
+
+__all__ = ["bench_cmd", "eval_ppl_cmd"]

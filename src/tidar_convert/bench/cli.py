@@ -1,0 +1,212 @@
+"""`tidar-convert bench`: every decoder of the table on the same prompts and weights, then the slot
+curve, the step breakdown, the quality guard and (optionally) perplexity; JSON, Markdown and plots."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+from ..progress import progress
+from .decoders import DECODERS, accepted_histogram, bench_prompt, decoder_names, runnable
+from .machine import default_device, machine_info
+from .perplexity import compare_perplexity
+from .plots import plot_accepted, plot_slots, plot_tokens_per_s
+from .prompts import HUMANEVAL_PROBLEMS, TEXT_PROMPTS, bench_prompts, default_limit
+from .slots import SLOT_CACHE_LEN, STEP_KS, decoder_steps, slot_latency, slot_sizes
+from .steps import PROFILE_PROMPTS, PROFILE_TOKENS, step_breakdown
+from .summary import print_summary, summarize
+
+DTYPES = ("float32", "bfloat16")
+
+
+def check_bench_args(k, max_new_tokens, limit, prompt_lookup_tokens, ppl_base, ppl_data, dtype="float32", humaneval_timeout=3.0) -> None:
+    if k is not None and k < 2:
+        raise ValueError(f"k={k}: TiDAR drafts at least 2 tokens per step; use 2 or more, or leave it out for the trained block size.")
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens={max_new_tokens}: must be >= 1.")
+    if limit is not None and limit < 1:
+        raise ValueError(f"limit={limit}: must be >= 1 (or leave it out for all {len(TEXT_PROMPTS) + HUMANEVAL_PROBLEMS} prompts).")
+    if prompt_lookup_tokens < 1:
+        raise ValueError(f"prompt_lookup_tokens={prompt_lookup_tokens}: must be >= 1 (transformers' default is 10; 4 suits short drafts).")
+    if (ppl_base is None) != (ppl_data is None):
+        raise ValueError("perplexity needs both --ppl_base (the base model) and --ppl_data (e.g. prose); pass both or neither.")
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype={dtype!r}: use float32 or bfloat16.")
+    if humaneval_timeout <= 0:
+        raise ValueError(f"humaneval_timeout={humaneval_timeout}: must be > 0 seconds.")
+
+
+def bench_cmd(
+    model: str,
+    k: int | None = None,
+    max_new_tokens: int = 128,
+    out_dir: str = "bench/results",
+    name: str | None = None,
+    limit: int | None = None,
+    prompt_lookup_tokens: int = 4,
+    ppl_base: str | None = None,
+    ppl_data: str | None = None,
+    dtype: str = "float32",
+    base: str | None = None,
+    quality: bool = True,
+    humaneval_timeout: float = 3.0,
+) -> str:
+    """Benchmark a TiDAR export against AR and prompt-lookup decoding on the same weights.
+
+    Batch 1, greedy, raw prompts (HumanEval + plain text). Every decoder of the table
+    (bench.decoders.DECODERS) runs, prompt by prompt, so machine noise hits them alike; TiDAR
+    drafters this export's engine lacks are left out, with the reason. Writes <out_dir>/<name>.json
+    (summary per decoder, rows, slot curve, step breakdown, machine), <name>.md (the README table)
+    and PNG plots. With the base model (recorded in the export by `fit`, or `base`), it also times
+    prompt lookup on the base weights and runs the generation-quality guard (quality.py) on the
+    same outputs.
+
+    Args:
+        model: TiDAR export folder (from `make convert` or `tidar-convert export`).
+        k: TiDAR block size (drafts per step); default: the trained block size.
+        max_new_tokens: tokens generated per prompt and decoder.
+        out_dir: folder for the JSON, the Markdown and the plots.
+        name: file name stem; default: the model folder's name.
+        limit: use only the first N prompts (code and text interleaved); default: all 169 on a GPU,
+            the first CPU_DEFAULT_PROMPTS on a CPU (minutes instead of about an hour).
+        prompt_lookup_tokens: draft length of prompt-lookup decoding.
+        ppl_base: base model (folder, hub id or .gguf) to compare perplexity against; needs ppl_data.
+        ppl_data: perplexity data: prose (held-out English prose), stdlib, a file/folder or a hub dataset.
+        dtype: weights for every decoder alike: float32 or bfloat16 (CPUs with AMX, and GPUs, run
+            many query slots nearly as fast as one in bf16: the free slots TiDAR drafts in).
+        base: the base model the export was converted from (folder, hub id, .gguf or "embedded");
+            default: the one the export records (exports made by `fit`/`export` record it).
+        quality: time prompt lookup on the base and run the quality guard (needs the base model).
+        humaneval_timeout: seconds per HumanEval program of the guard's pass@1.
+
+    Returns:
+        Path of the JSON written.
+    """
+    from transformers import AutoTokenizer
+
+    from ..export import check_export, load, require_tidar, results_section, update_model_card
+
+    check_bench_args(k, max_new_tokens, limit, prompt_lookup_tokens, ppl_base, ppl_data, dtype, humaneval_timeout)
+    path = Path(model).expanduser()
+    if not path.is_dir():
+        raise FileNotFoundError(f"model={model!r} is not a folder; pass a TiDAR export folder (the OUT of `make convert`).")
+    trained = check_export(path)
+    if quality and base is None:
+        base = json.loads((path / "config.json").read_text()).get("tidar_base_model")
+        if base is None:
+            print(f"bench: {path} does not record its base model: no quality guard, no base prompt lookup (pass --base to get both)", file=sys.stderr)
+            quality = False
+    k = k or trained["block_size"]
+    name = name or path.resolve().name
+    device = default_device()
+    lm = load(path, dtype=getattr(torch, dtype)).to(device).eval()
+    require_tidar(lm, path)  # never time transformers' AR generate and call it TiDAR
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    base_pair = None
+    if quality:
+        from ..loading import load_base
+
+        # Held beside the export for the whole decoding phase: the base decoders run interleaved
+        # with the others, prompt by prompt, so machine noise hits every decoder alike. It is freed
+        # right after the guard, before the slot curve and perplexity.
+        base_lm, base_tokenizer = load_base(base, dtype=getattr(torch, dtype))
+        base_pair = (base_lm.to(device).eval(), base_tokenizer)
+        del base_lm  # base_pair holds the only reference: dropping it frees the model
+    prompts = bench_prompts(limit if limit is not None else default_limit(device))
+    if limit is None and device.type != "cuda":
+        print(f"bench: {len(prompts)} of {len(bench_prompts())} prompts (the CPU default; --limit {len(bench_prompts())} for all)", file=sys.stderr)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+
+    decoders, skipped = runnable(decoder_names("export"), lm, tokenizer, k, prompt_lookup_tokens)
+    for decoder, why in skipped.items():
+        print(f"bench: {decoder} left out: {why}", file=sys.stderr)
+    if base_pair is not None:
+        decoders += decoder_names("base")
+    # Warm-up (allocator, kernels, lazy imports) so the first timed prompt is not an outlier.
+    bench_prompt(lm, tokenizer, prompts[0], min(max_new_tokens, 8), k, prompt_lookup_tokens, decoders, base_pair)
+    rows = []
+    for prompt in progress(prompts, f"bench {name}", unit="prompt"):  # with an ETA, on a terminal or in a log
+        rows.append(bench_prompt(lm, tokenizer, prompt, max_new_tokens, k, prompt_lookup_tokens, decoders, base_pair))
+    summary = summarize(rows)
+    guard = None
+    if base_pair is not None:
+        guard = quality_guard(prompts, rows, lm, tokenizer, base_pair, max_new_tokens, humaneval_timeout)
+        guard = {"base_model": base, **guard}
+        base_pair = None  # free its memory before the slot curve and perplexity
+    breakdown = step_breakdown(lm, tokenizer, prompts[:PROFILE_PROMPTS], k, min(max_new_tokens, PROFILE_TOKENS))
+    points = slot_latency(lm, slot_sizes(device, k))
+    ms = {p["slots"]: p["ms"] for p in points}
+    step_vs_ar = {str(kk): ms[kk + kk * kk] / ms[1] for kk in sorted(set(STEP_KS) | {k})}
+    steps = decoder_steps(summary, points)
+
+    result = {
+        "model": str(path.resolve()),
+        "name": name,
+        "block_size": k,
+        "trained_block_size": trained["block_size"],
+        "max_new_tokens": max_new_tokens,
+        "prompt_lookup_tokens": prompt_lookup_tokens,
+        "prompts": len(prompts),
+        "machine": machine_info(device, lm),
+        "decoders": {d: DECODERS[d].generate_kwargs(k, prompt_lookup_tokens) | {"weights": DECODERS[d].weights} for d in decoders},
+        "skipped_decoders": skipped,
+        "summary": summary,
+        "accepted_histogram": accepted_histogram(rows, k),
+        "slot_latency": {"cache_len": SLOT_CACHE_LEN, "tidar_step_slots": k + k * k, "tidar_step_vs_ar_step": step_vs_ar, "decoder_steps": steps, "points": points},
+        "step_breakdown": breakdown,
+        "perplexity": None,
+        "quality": guard,
+        "rows": rows,
+    }
+    if ppl_base is not None:
+        del lm  # free memory before loading two more models
+        result["perplexity"] = compare_perplexity(ppl_base, str(path), ppl_data)
+
+    title = f"{name} (k={k}, {len(prompts)} prompts, {max_new_tokens} new tokens, {device.type})"
+    result["plots"] = {
+        "tokens_per_s": str(plot_tokens_per_s(summary, out / f"{name}_tokens_per_s.png", title)),
+        "accepted": str(plot_accepted(result["accepted_histogram"], out / f"{name}_accepted.png", title)),
+        "slots": str(plot_slots(points, out / f"{name}_slots.png", f"{name}: one forward after a {SLOT_CACHE_LEN}-token KV cache ({device.type})", full_step=k + k * k, steps=steps)),
+    }
+    json_path = out / f"{name}.json"
+    json_path.write_text(json.dumps(result, indent=1))
+    md_path = out / f"{name}.md"
+    md_path.write_text(results_section(result) + "\n")
+    print_summary(summary, result["perplexity"], skipped)
+    print_breakdown(breakdown)
+    if guard is not None:
+        from ..quality import print_verdict
+
+        print_verdict(guard)
+    for written in (json_path, md_path, *result["plots"].values()):
+        print(f"wrote {written}", file=sys.stderr)
+    if update_model_card(path, result):  # the export's README.md shows what was measured
+        print(f"updated {path / 'README.md'} (results section)", file=sys.stderr)
+    return str(json_path)
+
+
+def print_breakdown(breakdown: dict) -> None:
+    phases = ", ".join(f"{label} {p['share']:.0%}" for label, p in breakdown["phases"].items())
+    per = breakdown["ms_per_forward"]
+    print(f"    {breakdown['decoder']} step time ({breakdown['prompts']} prompts, {'-' if per is None else f'{per:.1f}'} ms a forward): {phases}", file=sys.stderr)
+
+
+def quality_guard(prompts: list[dict], rows: list[dict], model, tokenizer, base: tuple, max_new_tokens: int, timeout: float) -> dict:
+    """quality.compare on the bench's own outputs: the export's AR row (greedy TiDAR writes the same
+    tokens) against the base's prompt-lookup row (greedy lookup writes the base's greedy tokens), each
+    cut at its EOS. The rows' texts go in the bench rows, the metrics and verdict in the result."""
+    from ..quality import compare, cut_at_eos, eos_ids
+
+    base_model, base_tokenizer = base
+    mine = [cut_at_eos(r["ar"]["tokens"], eos_ids(model, tokenizer)) for r in rows]
+    theirs = [cut_at_eos(r["base_prompt_lookup"]["tokens"], eos_ids(base_model, base_tokenizer)) for r in rows]
+    report = compare(prompts, mine, theirs, tokenizer, base_tokenizer, timeout=timeout)
+    for row, q in zip(rows, report.pop("rows")):
+        row["quality"] = {side: q[side] for side in ("converted", "base")}
+    if max_new_tokens < 128:
+        report["note"] = f"max_new_tokens={max_new_tokens}: the guard is meant for >= 128 new tokens per prompt"
+    return report

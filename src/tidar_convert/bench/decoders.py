@@ -1,0 +1,197 @@
+"""The decoders the bench compares, as one table, and one timed, counted greedy generation.
+
+Every decoder is one `Decoder` entry in DECODERS: which weights it runs on (the export, or the base
+model the export was converted from) and what it passes to `generate()`. A new decoder, a TiDAR
+drafter mix included, is one more line there.
+
+NFE, query slots and LM-head rows are counted the same way for every decoder, by hooks on the
+model's decoder stack and its output embedding (`ForwardCounter`): every forward goes through both,
+whoever drives it (transformers' generate, its prompt lookup, or TiDAR's engine).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections import Counter
+from dataclasses import dataclass
+
+import torch
+
+from .timing import synchronize
+
+
+@dataclass(frozen=True)
+class Decoder:
+    """weights: "export" or "base". tidar: TiDAR decoding, else transformers' own generate.
+    drafter: the TiDAR drafter (None: the engine's default). lookup: transformers' prompt lookup.
+    block_size: TiDAR's k for this decoder alone (None: the run's `--k`)."""
+
+    weights: str = "export"
+    tidar: bool = False
+    drafter: str | None = None
+    lookup: bool = False
+    block_size: int | None = None
+
+    def generate_kwargs(self, k: int | None, prompt_lookup_tokens: int) -> dict:
+        kwargs = {}
+        if self.weights == "export":  # the base runs transformers' own generate: no `tidar` argument
+            kwargs["tidar"] = self.tidar
+        if self.tidar:
+            kwargs["block_size"] = self.block_size or k
+        if self.drafter is not None:
+            kwargs["drafter"] = self.drafter
+        if self.lookup:
+            kwargs["prompt_lookup_num_tokens"] = prompt_lookup_tokens
+        return kwargs
+
+
+DECODERS = {
+    "ar": Decoder(),  # transformers' generate (tidar=False): the reference every other row is compared with
+    "prompt_lookup": Decoder(lookup=True),  # transformers' n-gram drafts from the prompt, same weights
+    "tidar": Decoder(tidar=True),  # TiDAR with its default drafter (hybrid: lookup where it matches, else diffusion)
+    "tidar_diffusion": Decoder(tidar=True, drafter="diffusion"),
+    "tidar_lookup": Decoder(tidar=True, drafter="lookup"),
+    "base_prompt_lookup": Decoder(weights="base", lookup=True),  # what a user gets without converting
+}
+
+
+def decoder_names(weights: str) -> tuple[str, ...]:
+    return tuple(name for name, d in DECODERS.items() if d.weights == weights)
+
+
+class ForwardCounter:
+    """Query slots of each forward of the decoder stack, and the LM-head rows computed after it.
+
+    `with ForwardCounter(model) as count: model.generate(...)`; the first forward is the prefill
+    (for prompt lookup it also carries the first draft), the ones after it are decoding steps.
+    Head rows are summed over the batch (the bench decodes batch 1).
+    """
+
+    def __init__(self, model):
+        self.model = model
+        self.slots: list[int] = []
+        self.head_rows: list[int] = []
+
+    def _forward(self, module, args, kwargs):
+        x = kwargs.get("input_ids")
+        if x is None:
+            x = kwargs.get("inputs_embeds")
+        if x is None and args:
+            x = args[0]
+        self.slots.append(int(x.shape[1]))
+        self.head_rows.append(0)
+
+    def _head(self, module, args, output):
+        if self.head_rows:  # rows belong to the forward they read from: the last one started
+            self.head_rows[-1] += output.numel() // output.shape[-1]
+
+    def __enter__(self):
+        self.hooks = [
+            self.model.get_decoder().register_forward_pre_hook(self._forward, with_kwargs=True),
+            self.model.get_output_embeddings().register_forward_hook(self._head),
+        ]
+        return self
+
+    def __exit__(self, *exc):
+        for hook in self.hooks:
+            hook.remove()
+
+    @property
+    def forwards(self) -> int:
+        return len(self.slots)
+
+    @property
+    def steps(self) -> int:
+        return max(0, self.forwards - 1)
+
+    def per_step(self, counts: list[int]) -> float | None:
+        """Mean over the decoding steps (the prefill excluded); None when generation ended at the prefill."""
+        return statistics.fmean(counts[1:]) if len(counts) > 1 else None
+
+
+def run_decoder(model, input_ids, decoder: str, max_new_tokens: int, pad_token_id: int, k: int | None, prompt_lookup_tokens: int) -> dict:
+    """One greedy generation: new tokens, forwards, wall seconds, query slots and LM-head rows per
+    step, and, for TiDAR, the engine's own stats (accepted drafts per step, and where the engine
+    reports them, its LM-head rows and draft sources; None where it does not)."""
+    spec = DECODERS[decoder]
+    device = input_ids.device
+    with torch.no_grad(), ForwardCounter(model) as count:
+        synchronize(device)
+        t0 = time.perf_counter()
+        out = model.generate(input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=pad_token_id, **spec.generate_kwargs(k, prompt_lookup_tokens))
+        synchronize(device)
+        seconds = time.perf_counter() - t0
+    tokens = out[0, input_ids.shape[1] :].tolist()
+    nfe = count.forwards
+    row = {
+        "new_tokens": len(tokens),
+        "nfe": nfe,
+        "tokens_per_nfe": len(tokens) / nfe if nfe else 0.0,
+        "seconds": seconds,
+        "tokens_per_s": len(tokens) / seconds if seconds > 0 else 0.0,
+        "steps": count.steps,
+        "slots_per_step": count.per_step(count.slots),
+        "lm_head_rows_per_step": count.per_step(count.head_rows),
+        "tokens": tokens,
+    }
+    if spec.tidar:
+        stats = getattr(model, "tidar_stats", None) or {}
+        row["accepted"] = list(stats.get("accepted", []))
+        # The engine may run the head on hidden states without the output embedding's forward (and so
+        # past the hook): its own count wins where it gives one.
+        if stats.get("lm_head_rows_per_step") is not None:
+            row["lm_head_rows_per_step"] = stats["lm_head_rows_per_step"]
+        row["engine_slots_per_step"] = stats.get("slots_per_step")
+        row["draft_sources"] = stats.get("draft_sources")
+    return row
+
+
+def bench_prompt(model, tokenizer, prompt: dict, max_new_tokens: int, k: int | None, prompt_lookup_tokens: int, decoders: tuple[str, ...], base=None) -> dict:
+    """Each of `decoders` on one prompt, export decoders first; identical_to_ar compares token for
+    token with the export's AR output (None for base decoders: another model's text, which
+    quality.py compares). base: (base model, its tokenizer), needed for any base decoder."""
+    device = next(model.parameters()).device
+    ids = tokenizer(prompt["text"], return_tensors="pt").input_ids.to(device)
+    row = {"id": prompt["id"], "kind": prompt["kind"], "prompt_tokens": ids.shape[1]}
+    for decoder in decoders:
+        if DECODERS[decoder].weights == "export":
+            row[decoder] = run_decoder(model, ids, decoder, max_new_tokens, tokenizer.pad_token_id, k, prompt_lookup_tokens)
+            row[decoder]["identical_to_ar"] = row[decoder]["tokens"] == row["ar"]["tokens"] if "ar" in row else None
+    for decoder in decoders:
+        if DECODERS[decoder].weights == "base":
+            base_model, base_tokenizer = base
+            base_ids = base_tokenizer(prompt["text"], return_tensors="pt").input_ids.to(device)
+            row[decoder] = run_decoder(base_model, base_ids, decoder, max_new_tokens, base_tokenizer.pad_token_id, k, prompt_lookup_tokens)
+            row[decoder]["identical_to_ar"] = None
+    return row
+
+
+def runnable(decoders: tuple[str, ...], model, tokenizer, k: int | None, prompt_lookup_tokens: int) -> tuple[tuple[str, ...], dict[str, str]]:
+    """The decoders this model's generate() can run, and why each other one cannot.
+
+    A TiDAR drafter needs a decoding engine that has it: exports load this package's decode.py, and
+    one from before drafters existed refuses `drafter=` with a TypeError naming it. Those rows are
+    left out with the reason instead of failing the whole bench.
+    """
+    ids = tokenizer("def", return_tensors="pt").input_ids.to(next(model.parameters()).device)
+    keep, skipped = [], {}
+    for name in decoders:
+        spec = DECODERS[name]
+        if spec.weights == "export" and spec.drafter is not None:
+            try:
+                run_decoder(model, ids, name, 2, tokenizer.pad_token_id, k, prompt_lookup_tokens)
+            except TypeError as e:
+                if "drafter" not in str(e):
+                    raise
+                skipped[name] = f"this TiDAR engine has no drafter={spec.drafter!r} ({e})"
+                continue
+        keep.append(name)
+    return tuple(keep), skipped
+
+
+def accepted_histogram(rows: list[dict], k: int, decoder: str = "tidar") -> dict[str, int]:
+    """Tokens committed per TiDAR step (1 + drafts accepted beyond the committed d[0]), over all prompts."""
+    counts = Counter(j for r in rows for j in r[decoder].get("accepted", []))
+    top = max([k, *counts])  # lookup drafts may be longer than k
+    return {str(j): counts.get(j, 0) for j in range(1, top + 1)}

@@ -1,0 +1,77 @@
+"""The bench's plots (matplotlib, Agg: no display needed)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+COLORS = ("#888888", "#4c72b0", "#dd8452", "#c44e52", "#8172b3", "#55a868", "#937860")
+MARK_COLORS = ("#dd8452", "#55a868", "#c44e52", "#8172b3", "#937860", "#da8bc3", "#8c8c8c")
+MARKERS = ("D", "s", "^", "v", "o", "P", "X")
+
+
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def plot_tokens_per_s(summary: dict, path: Path, title: str) -> Path:
+    plt = _pyplot()
+    decoders = list(summary)
+    fig, ax = plt.subplots(figsize=(max(5, 1.1 * len(decoders)), 3.5))
+    speeds = [summary[d]["tokens_per_s"] for d in decoders]
+    bars = ax.bar([d.replace("_", "\n") for d in decoders], speeds, color=[COLORS[i % len(COLORS)] for i in range(len(decoders))])
+    for bar, d in zip(bars, decoders):
+        s = summary[d]
+        ax.annotate(f"{s['tokens_per_s_vs_ar']:.2f}x\n{s['tokens_per_nfe']:.2f} T/NFE", (bar.get_x() + bar.get_width() / 2, bar.get_height()), ha="center", va="bottom", fontsize=8)
+    ax.set_ylabel("tokens / s (batch 1, greedy)")
+    ax.set_title(title, fontsize=9)
+    ax.margins(y=0.25)
+    return _save(fig, path)
+
+
+def plot_accepted(histogram: dict[str, int], path: Path, title: str) -> Path:
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(5, 3.5))
+    ax.bar([int(j) for j in histogram], list(histogram.values()), color="#dd8452")
+    ax.set_xlabel("tokens committed per TiDAR step (1 + drafts accepted)")
+    ax.set_ylabel("steps")
+    ax.set_title(title, fontsize=9)
+    if not any(histogram.values()):  # e.g. every generation stopped at the prefill
+        ax.text(0.5, 0.5, "no decode steps", transform=ax.transAxes, ha="center")
+    return _save(fig, path)
+
+
+def plot_slots(points: list[dict], path: Path, title: str, full_step: int | None = None, steps: dict | None = None) -> Path:
+    """The latency curve; a dashed line at TiDAR's full step (k + k*k slots) and one labelled marker
+    per decoder at its mean step (slots_per_step, latency on the curve: `slots.decoder_steps`)."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(5.5, 3.8))
+    slots = [p["slots"] for p in points]
+    ax.plot(slots, [p["ms"] for p in points], marker="o", color="#4c72b0", label="one forward")
+    ax.set_xscale("log", base=2)
+    ticks = [n for n in slots if n & (n - 1) == 0 or n == full_step]  # powers of 2: labels of 64 and 72 would overlap
+    ax.set_xticks(ticks, [str(n) for n in ticks])
+    ax.minorticks_off()
+    ax.set_ylim(bottom=0)
+    ax.set_xlabel("query slots in one forward")
+    ax.set_ylabel("latency (ms)")
+    if full_step:
+        ax.axvline(full_step, color="#555555", linestyle="--", label=f"full TiDAR step: k + k*k = {full_step}")
+    for i, (decoder, at) in enumerate((steps or {}).items()):  # shapes differ too: decoders at one spot stay visible
+        ax.plot([at["slots_per_step"]], [at["ms"]], marker=MARKERS[i % len(MARKERS)], markersize=8, fillstyle="none", mew=1.5, linestyle="none",
+                color=MARK_COLORS[i % len(MARK_COLORS)], label=f"{decoder}: {at['slots_per_step']:.1f} slots/step")
+    if full_step or steps:
+        ax.legend(fontsize=7)
+    ax.set_title(title, fontsize=9)
+    return _save(fig, path)
+
+
+def _save(fig, path: Path) -> Path:
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    _pyplot().close(fig)
+    return path

@@ -1,0 +1,90 @@
+"""Per-decoder totals of the bench rows, their ratios to the reference decoders, and the printed lines."""
+
+from __future__ import annotations
+
+import statistics
+import sys
+from collections import Counter
+
+from .decoders import DECODERS
+
+# Speed ratios: to AR on the export, to prompt lookup on the export, and to prompt lookup on the
+# base (what a user gets without converting at all).
+REFERENCES = (("ar", "tokens_per_s_vs_ar"), ("prompt_lookup", "tokens_per_s_vs_prompt_lookup"), ("base_prompt_lookup", "tokens_per_s_vs_base_prompt_lookup"))
+SHORT = {"ar": "AR", "prompt_lookup": "lookup", "base_prompt_lookup": "base lookup"}
+
+
+def per_step(runs: list[dict], key: str) -> float | None:
+    """A per-step figure over all prompts, each prompt weighted by its steps; None with no steps."""
+    pairs = [(r[key], r["steps"]) for r in runs if r.get(key) is not None and r["steps"]]
+    steps = sum(s for _, s in pairs)
+    return sum(v * s for v, s in pairs) / steps if steps else None
+
+
+def draft_sources(runs: list[dict]) -> dict | None:
+    """The engine's draft sources summed over prompts: counts per source (a dict) or one name per
+    draft (a list); None when the engine does not report them."""
+    total, seen = Counter(), False
+    for r in runs:
+        sources = r.get("draft_sources")
+        if isinstance(sources, dict):
+            total.update(sources)
+            seen = True
+        elif isinstance(sources, (list, tuple)):
+            total.update(map(str, sources))
+            seen = True
+    return dict(total) if seen else None
+
+
+def summarize(rows: list[dict]) -> dict:
+    """Totals per decoder, in table order. tokens/s is total tokens over total seconds (long
+    generations weigh more); tokens_per_nfe likewise; mean_tokens_per_nfe averages the per-prompt ratios."""
+    summary = {}
+    for decoder in [d for d in DECODERS if rows and d in rows[0]]:
+        runs = [r[decoder] for r in rows]
+        tokens, nfe, seconds = (sum(r[key] for r in runs) for key in ("new_tokens", "nfe", "seconds"))
+        base = DECODERS[decoder].weights == "base"
+        summary[decoder] = {
+            "prompts": len(runs),
+            "new_tokens": tokens,
+            "nfe": nfe,
+            "seconds": seconds,
+            "tokens_per_s": tokens / seconds if seconds > 0 else 0.0,
+            "tokens_per_nfe": tokens / nfe if nfe else 0.0,
+            "mean_tokens_per_nfe": statistics.fmean(r["tokens_per_nfe"] for r in runs) if runs else 0.0,
+            "slots_per_step": per_step(runs, "slots_per_step"),
+            "lm_head_rows_per_step": per_step(runs, "lm_head_rows_per_step"),
+            # not the export's weights: "identical to AR" means nothing there
+            "identical": None if base else sum(bool(r["identical_to_ar"]) for r in runs),
+            "all_identical": None if base else all(r["identical_to_ar"] for r in runs),
+        }
+        if DECODERS[decoder].tidar:
+            summary[decoder]["draft_sources"] = draft_sources(runs)
+    for ref, key in REFERENCES:
+        if ref in summary:
+            speed = summary[ref]["tokens_per_s"]
+            for s in summary.values():
+                s[key] = s["tokens_per_s"] / speed if speed > 0 else 0.0
+    return summary
+
+
+def _num(x, fmt: str = ".2f") -> str:
+    return "-" if x is None else format(x, fmt)
+
+
+def summary_line(decoder: str, s: dict) -> str:
+    vs = ", ".join(f"{s[key]:.2f}x {SHORT[ref]}" for ref, key in REFERENCES if key in s)
+    same = "base weights" if s["identical"] is None else f"identical to AR {s['identical']}/{s['prompts']}"
+    return (
+        f"{decoder:>18}: {s['tokens_per_s']:8.1f} tok/s ({vs}), {s['tokens_per_nfe']:.2f} T/NFE, "
+        f"{_num(s.get('slots_per_step'), '.1f')} slots and {_num(s.get('lm_head_rows_per_step'), '.1f')} LM-head rows a step, {same}"
+    )
+
+
+def print_summary(summary: dict, ppl: dict | None, skipped: dict[str, str] | None = None) -> None:
+    for decoder, s in summary.items():
+        print(summary_line(decoder, s), file=sys.stderr)
+    for decoder, why in (skipped or {}).items():
+        print(f"{decoder:>18}: not run: {why}", file=sys.stderr)
+    if ppl:
+        print(f"    perplexity: base {ppl['base']:.3f} -> converted {ppl['converted']:.3f} ({ppl['change_pct']:+.1f}%) on {ppl['data']}", file=sys.stderr)
