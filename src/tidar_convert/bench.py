@@ -133,8 +133,8 @@ def run_decoder(model, input_ids, decoder: str, max_new_tokens: int, pad_token_i
     """One greedy generation; new tokens, forward passes, wall seconds (and TiDAR's accepted list)."""
     device = input_ids.device
     kwargs = decoder_kwargs(decoder, k, prompt_lookup_tokens)
-    calls = []  # forward passes (NFE), counted alike for every decoder: calls of model.forward
-    hook = model.register_forward_pre_hook(lambda *_: calls.append(1))
+    calls = []  # forward passes (NFE), counted alike for every decoder: calls of the decoder body (TiDAR
+    hook = model.get_decoder().register_forward_pre_hook(lambda *_: calls.append(1))  # skips model.forward, to run lm_head on fewer rows)
     try:
         with torch.no_grad():
             synchronize(device)
