@@ -64,13 +64,14 @@ def test_stops_exactly_at_eos_inside_an_accepted_lookup_draft(trained, drafter):
     got = generate(ids, model=model, max_new_tokens=12, eos_token_id=eos, drafter=drafter)
     assert torch.equal(got, expected) and got.shape[1] == 14 + 6
     stats = model.tidar_stats
-    assert stats["nfe"] == 2 and stats["accepted"][0] >= 6 and stats["draft_sources"]["lookup"] == 1
+    if drafter == "lookup":  # hybrid may draft with the (trained, confident) diffusion head first
+        assert stats["nfe"] == 2 and stats["accepted"][0] >= 6 and stats["draft_sources"]["lookup"] == 1
 
 
 def test_a_plan_without_a_group_at_the_accepted_length_stays_exact(trained, untrained, monkeypatch):
     """Groups only at the draft's full length: with an untrained head (acceptance 1) no step has a
     group where it lands, so the next draft comes from lookup or from nothing (a fresh group)."""
-    monkeypatch.setattr(Planner, "plan", lambda self, draft, uses_groups: StepPlan(draft.tokens.shape[1], (draft.tokens.shape[1],), self.k))
+    monkeypatch.setattr(Planner, "plan", lambda self, draft, uses_groups, *rest, **kw: StepPlan(draft.tokens.shape[1], (draft.tokens.shape[1],), self.k))
     ids, mask = padded_batch()
     kw = dict(attention_mask=mask, max_new_tokens=20, eos_token_id=None, pad_token_id=0)
     for model in (untrained["qwen2"], trained["qwen2"][0]):
@@ -162,3 +163,41 @@ def test_a_prompt_near_the_position_limit_still_decodes(untrained):
             assert torch.equal(generate(ids, model=model, max_new_tokens=n, eos_token_id=None, drafter=name, block_size=8), expected), (P, name)
     with pytest.raises(ValueError, match="lower max_new_tokens to 3"):
         generate(ids, model=model, max_new_tokens=4)
+
+
+def test_batch_rows_keep_what_each_accepted(trained, monkeypatch):
+    """Rows that accept different numbers of drafts each get their own AR output, and each keeps at
+    least 80% of the gain over AR (T/NFE - 1) it gets alone (issue 8, item 5)."""
+    from tidar_convert.verify import Greedy
+
+    seen, verify = [], Greedy.verify
+    monkeypatch.setattr(Greedy, "verify", lambda self, scores, draft: seen.append(verify(self, scores, draft)) or seen[-1])
+    model, _ = trained["llama"]
+    g = torch.Generator().manual_seed(5)
+    ids = torch.cat([cycle_batch(2, 10, seed=2), torch.randint(1, 300, (2, 10), generator=g)])
+    mask = torch.ones_like(ids)
+    ids[1, :2], mask[1, :2] = 0, 0
+    kw = dict(max_new_tokens=32, eos_token_id=None, pad_token_id=0)
+    for name in DRAFTERS:
+        alone = []
+        for b in range(4):
+            real = ids[b : b + 1, mask[b].bool()]
+            generate(real, model=model, drafter=name, **kw)
+            alone.append(model.tidar_stats["tokens_per_nfe"])
+        before = len(seen)
+        got = generate(ids, model=model, attention_mask=mask, drafter=name, **kw)
+        assert torch.equal(got, ar(model, ids, attention_mask=mask, **kw)), name
+        rows = model.tidar_stats["tokens_per_nfe_per_row"]
+        for b in range(4):
+            assert rows[b] - 1 >= 0.8 * (alone[b] - 1) - 1e-9, (name, b, rows, alone)
+        assert any(len(set(a.tolist())) > 1 for a in seen[before:]), name  # rows did accept different counts
+        assert min(rows) > 2, rows
+
+
+def test_rows_share_one_commit_length_when_a_processor_reads_the_prefix(trained):
+    """repetition_penalty reads each row's prefix: rows then commit the fewest drafts any accepted."""
+    model, _ = trained["llama"]
+    ids = torch.cat([cycle_batch(1, 10, seed=2), torch.randint(1, 300, (1, 10), generator=torch.Generator().manual_seed(5))])
+    kw = dict(max_new_tokens=16, eos_token_id=None, pad_token_id=0, repetition_penalty=1.3)
+    assert torch.equal(generate(ids, model=model, **kw), ar(model, ids, **kw))
+    assert "tokens_per_nfe_per_row" not in model.tidar_stats

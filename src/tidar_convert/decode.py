@@ -14,7 +14,8 @@ query slots one forward runs, a Verifier (verify.py: greedy, rejection sampling)
 After each call, `model.tidar_stats` holds nfe (forward passes), new_tokens, tokens_per_nfe,
 accepted (drafts committed at each step), slots_per_step (mean query slots of a decoding forward),
 lm_head_rows_per_step (mean vocabulary-head rows per batch row of a decoding forward) and
-draft_sources (row-steps drafted by lookup, diffusion, or nothing).
+draft_sources (row-steps drafted by lookup, diffusion, or nothing); with per-row acceptance in a
+batch also tokens_per_nfe_per_row (each row's new tokens over the forwards it was active in).
 """
 
 from __future__ import annotations

@@ -31,6 +31,7 @@ class Draft:
     length: torch.Tensor | None = None  # (B,) real tokens per row (rows may draft fewer; the rest is filler)
     confidence: torch.Tensor | None = None  # (B, m - 1) estimated chance each proposal is accepted (the plan reads it)
     sources: list = field(default_factory=list)  # per row: "lookup", "diffusion" or "none"
+    raw_confidence: torch.Tensor | None = None  # the drafter's own confidence, before any calibration
 
     def __post_init__(self):
         B, m = self.tokens.shape
@@ -49,7 +50,9 @@ class DraftContext:
     max_proposals: int  # proposals beyond this are never used (max_new_tokens)
     pick: object  # the verifier: proposes a token (and q) from scores
     processors: object  # logits processors; drafted slots are processed with their own prefix
-    group: Callable[[], torch.Tensor | None] = lambda: None  # diffusion logits (B, k - 1, V) of the group at the accepted length, computed on first call
+    # Diffusion logits (B, k - 1, V) of the group at each row's accepted length, computed on first
+    # call, and (B,) which rows have one (None: all); (None, None) when no row has one.
+    group: Callable[[], tuple] = lambda: (None, None)
 
     @property
     def y(self):
@@ -85,10 +88,14 @@ class DiffusionDrafter:
     uses_groups = True
 
     def propose(self, ctx: DraftContext) -> Draft | None:
-        group = ctx.group()
+        group, have = ctx.group()
         if group is None or ctx.max_proposals < 1:
             return None
-        return make_draft(ctx.pick, ctx.processors, ctx.seqs, ctx.y, group[:, : ctx.max_proposals])
+        draft = make_draft(ctx.pick, ctx.processors, ctx.seqs, ctx.y, group[:, : ctx.max_proposals])
+        if have is not None and not have.all():  # rows whose accepted length had no group draft nothing
+            draft.length = torch.where(have, draft.length, torch.ones_like(draft.length))
+            draft.sources = [s if h else "none" for s, h in zip(draft.sources, have.tolist())]
+        return draft
 
 
 class LookupDrafter:
@@ -109,10 +116,9 @@ class LookupDrafter:
         return (self.accepted + 1) / (self.proposed + 2)
 
     def observe(self, draft: Draft, accepted: torch.Tensor) -> None:
-        for b, source in enumerate(draft.sources):
-            if source == "lookup":
-                self.proposed += int(draft.length[b]) - 1
-                self.accepted += int(accepted[b]) - 1
+        proposed, taken, _ = observed(draft, accepted, "lookup")
+        self.proposed += proposed
+        self.accepted += taken
 
     def match(self, seq: torch.Tensor, limit: int) -> torch.Tensor | None:
         L = seq.shape[0]
@@ -144,19 +150,27 @@ class LookupDrafter:
 class HybridDrafter:
     """Per row, the lookup draft or the diffusion draft, whichever is expected to get further: the
     expected accepted length is the sum over positions of the product of per-token acceptance
-    chances (lookup: its running acceptance rate; diffusion: the draft head's own probability)."""
+    chances (lookup: its running acceptance rate; diffusion: the draft head's own probability,
+    scaled by how often that probability has come true so far in this call)."""
 
     name = "hybrid"
     uses_groups = True
 
     def __init__(self, num_tokens: int = 10, max_ngram: int = 2):
         self.lookup, self.diffusion = LookupDrafter(num_tokens, max_ngram), DiffusionDrafter()
+        self.predicted = self.taken = 0.0  # diffusion: summed confidence vs accepted, over observed proposals
 
     def observe(self, draft: Draft, accepted: torch.Tensor) -> None:
         self.lookup.observe(draft, accepted)
+        _, taken, predicted = observed(draft, accepted, "diffusion")
+        self.taken += taken
+        self.predicted += predicted
 
     def propose(self, ctx: DraftContext) -> Draft | None:
         look, diff = self.lookup.propose(ctx), self.diffusion.propose(ctx)
+        if diff is not None:
+            diff.raw_confidence = diff.confidence
+            diff.confidence = (diff.confidence * ((self.taken + 1) / (self.predicted + 1))).clamp(max=1.0)
         if look is None or diff is None:
             return look or diff
         use_look = (look.length > 1) & (expected_length(look) >= expected_length(diff))
@@ -165,6 +179,23 @@ class HybridDrafter:
         if not use_look.any():
             return diff
         return merge(use_look, look, diff)
+
+
+def observed(draft: Draft, accepted: torch.Tensor, source: str) -> tuple[int, int, float]:
+    """Over the rows drafted by `source`: proposals whose fate is known (the accepted ones and the
+    first rejected one; later ones were never judged), how many were accepted, and their summed
+    confidence."""
+    proposed = taken = 0
+    predicted = 0.0
+    for b, s in enumerate(draft.sources):
+        if s == source:
+            seen = min(int(accepted[b]), int(draft.length[b]) - 1)
+            proposed += seen
+            taken += int(accepted[b]) - 1
+            conf = draft.raw_confidence if draft.raw_confidence is not None else draft.confidence
+            if conf is not None:
+                predicted += float(conf[b, :seen].sum())
+    return proposed, taken, predicted
 
 
 def expected_length(draft: Draft) -> torch.Tensor:
@@ -197,7 +228,16 @@ def merge(use_a: torch.Tensor, a: Draft, b: Draft) -> Draft:
         qb = qb if qb is not None else one_hot(tb, b.length, V)
         q = torch.where(pick[..., None], qa, qb)
     sources = [sa if u else sb for u, sa, sb in zip(use_a.tolist(), a.sources, b.sources)]
-    return Draft(torch.where(pick, ta, tb), q, torch.where(use_a, a.length, b.length), torch.where(pick, ca, cb), sources)
+    return Draft(torch.where(pick, ta, tb), q, torch.where(use_a, a.length, b.length), torch.where(pick, ca, cb), sources, raw_confidence=_raw(a, b, use_a, m))
+
+
+def _raw(a: Draft, b: Draft, use_a: torch.Tensor, m: int):
+    """The merged draft's uncalibrated confidence (what `observed` compares acceptance with)."""
+    def padded(d):
+        c = d.raw_confidence if d.raw_confidence is not None else d.confidence
+        return torch.cat([c, c.new_zeros(c.shape[0], m - c.shape[1])], 1)
+
+    return torch.where(use_a[:, None], padded(a), padded(b))
 
 
 def one_hot(tokens: torch.Tensor, length: torch.Tensor, V: int) -> torch.Tensor:

@@ -68,8 +68,19 @@ class Output:
         if self.logits is not None:
             return self.logits[:, start:stop]
         self.head_rows += stop - start
+        return self.head(self.hidden[:, start:stop])
+
+    def rows_at(self, starts: torch.Tensor, n: int) -> torch.Tensor:
+        """Slots starts[b] .. starts[b] + n - 1 of each row b (rows that read different groups)."""
+        index = starts[:, None] + torch.arange(n, device=starts.device)
+        if self.logits is not None:
+            return self.logits.gather(1, index[..., None].expand(-1, -1, self.logits.shape[-1]))
+        self.head_rows += n
+        return self.head(self.hidden.gather(1, index[..., None].expand(-1, -1, self.hidden.shape[-1])))
+
+    def head(self, hidden):
         with record_function("tidar.lm_head"):
-            logits = self.model.get_output_embeddings()(self.hidden[:, start:stop])
+            logits = self.model.get_output_embeddings()(hidden)
             cap = getattr(self.model.config, SOFTCAP, None)
             return torch.tanh(logits / cap) * cap if cap else logits
 
@@ -135,7 +146,7 @@ class Planner:
         """Most proposals a draft may hold, leaving room for one group when the drafter uses them."""
         return self.budget - 1 - (self.k if uses_groups else 0)
 
-    def plan(self, draft: Draft, uses_groups: bool, room: int | None = None) -> StepPlan:
+    def plan(self, draft: Draft, uses_groups: bool, room: int | None = None, per_row: bool = False) -> StepPlan:
         """room: the largest position offset from draft 0 the model has (near max_position_embeddings
         a group that would not fit is left out; the last tokens are then drafted by lookup or none)."""
         m = draft.tokens.shape[1]
@@ -145,18 +156,22 @@ class Planner:
         most = max(1, (self.budget - m) // self.k)
         if self.mode == "full" or draft.confidence is None or m == 1:
             return StepPlan(m, tuple(range(1, min(fits, most) + 1)), self.k)
-        chance = accepted_length_chances(draft)[:fits]
+        chance = accepted_length_chances(draft, per_row)[:fits]
         order = sorted(range(fits), key=lambda i: -chance[i])
         picked = [order[0]] + [i for i in order[1:most] if chance[i] >= self.min_chance]
         return StepPlan(m, tuple(sorted(i + 1 for i in picked)), self.k)
 
 
-def accepted_length_chances(draft: Draft) -> list[float]:
-    """P(the batch commits j drafts), j = 1..m: rows share one commit length, the fewest any row accepted."""
+def accepted_length_chances(draft: Draft, per_row: bool = False) -> list[float]:
+    """j = 1..m: with a shared commit, P(the batch commits j drafts) (the fewest any row accepted);
+    per row, the expected share of rows that accept exactly j (each reads the group at its own j)."""
     m = draft.tokens.shape[1]
     real = torch.arange(1, m, device=draft.tokens.device) < draft.length[:, None]
     c = (draft.confidence.float() * real).clamp(0, 1)
-    reach = torch.cat([torch.ones_like(c[:, :1]), c.cumprod(1)], 1).prod(0)  # P(all rows accept >= j), j = 1..m
+    reach = torch.cat([torch.ones_like(c[:, :1]), c.cumprod(1)], 1)  # (B, m): P(row accepts >= j)
+    if per_row:
+        return (reach - torch.cat([reach[:, 1:], reach.new_zeros(reach.shape[0], 1)], 1)).mean(0).tolist()
+    reach = reach.prod(0)
     return (reach - torch.cat([reach[1:], reach.new_zeros(1)])).tolist()
 
 
@@ -170,8 +185,10 @@ class DecodeState:
     seqs: torch.Tensor  # (B, L) committed tokens; the cache holds all but the last
     kv_valid: torch.Tensor  # (B, L) False at left padding
     active: torch.Tensor  # (B,) rows not yet stopped
+    cache_valid: torch.Tensor | None = None  # (B, C) False at the cache's left padding and holes (rows that accepted less)
     cache: DynamicCache = field(default_factory=DynamicCache)
     nfe: int = 0
+    row_nfe: torch.Tensor | None = None  # (B,) forwards while each row was active (per-row acceptance)
     accepted: list = field(default_factory=list)  # drafts committed at each step
     slots: list = field(default_factory=list)  # query slots of each decoding forward
     head_rows: list = field(default_factory=list)  # vocabulary-head rows (per batch row) of each decoding forward
@@ -179,13 +196,17 @@ class DecodeState:
 
     @property
     def start(self) -> torch.Tensor:
-        """(B,) position of the last committed token, where the next draft starts."""
-        return self.kv_valid.sum(1) - 1
+        """(B,) position of the last committed token, where the next draft starts: the cache holds
+        every committed token but that one."""
+        return self.cache_valid.sum(1)
 
     def stats(self, prompt_len: int) -> dict:
         n_new = self.seqs.shape[1] - prompt_len
         steps = max(1, len(self.slots))
-        return {
+        extra = {}
+        if self.row_nfe is not None:
+            extra["tokens_per_nfe_per_row"] = (self.row_new.float() / self.row_nfe.clamp(min=1)).tolist()
+        return {**extra,
             "nfe": self.nfe,
             "new_tokens": n_new,
             "tokens_per_nfe": n_new / self.nfe,
@@ -220,16 +241,16 @@ def prefill(model, state: DecodeState, k: int, mask_id: int, groups: bool) -> tu
         with record_function("tidar.crop"):
             state.cache.crop(-g)
     ar = out.rows(P - 1, P)[:, 0]
-    return ar, (lambda: out.rows(P + 1, P + k)) if g else (lambda: None)
+    return ar, (lambda: (out.rows(P + 1, P + k), None)) if g else (lambda: (None, None))
 
 
 def run_step(model, state: DecodeState, draft: Draft, plan: StepPlan, mask_id: int) -> Output:
     """One forward over the plan's slots: the draft tokens, then the mask groups."""
-    B, C = draft.tokens.shape[0], state.seqs.shape[1] - 1
+    B = draft.tokens.shape[0]
     with record_function("tidar.mask"):
         masks = torch.full((B, plan.slots - plan.n_drafts), mask_id, device=draft.tokens.device)
         tokens = torch.cat([draft.tokens, masks], 1)
-        mask = decode_step_mask(state.kv_valid[:, :C], plan.n_drafts, plan.k, plan.anchors, model.config._attn_implementation)
+        mask = decode_step_mask(state.cache_valid, plan.n_drafts, plan.k, plan.anchors, model.config._attn_implementation)
         positions = plan.positions(state.start)
     out = forward(model, state.cache, tokens, positions, mask)
     state.nfe += 1
@@ -259,7 +280,12 @@ def commit(run, state: DecodeState, new_tokens, scores=None) -> None:
 
 def decode(model, run, drafter, planner: Planner, beta: float = 1.0, record=None) -> DecodeState:
     """Prefill and steps until every row stops. run: decode.Run (the merged arguments). record: None,
-    or (scores, logits) lists that receive one (B, V) tensor per new token."""
+    or (scores, logits) lists that receive one (B, V) tensor per new token.
+
+    A batch whose processors and stopping criteria look at each row alone decodes with per-row
+    acceptance (decode_rows); otherwise each step commits the fewest drafts any row accepted."""
+    if rowwise(run, beta, record):
+        return decode_rows(model, run, drafter, planner)
     pick, processors, k = run.pick, run.processors, run.k
     B, P = run.input_ids.shape
     state = DecodeState(run.input_ids, run.kv_valid, torch.ones(B, dtype=torch.bool, device=run.input_ids.device))
@@ -277,6 +303,7 @@ def decode(model, run, drafter, planner: Planner, beta: float = 1.0, record=None
             commit(run, state, new_tokens, record[0] if record is not None and run.gc.output_scores else None)
         if not state.active.any():
             break
+        state.cache_valid = state.kv_valid[:, :-1]
         with record_function("tidar.draft"):
             remaining = run.max_new - (state.seqs.shape[1] - P)  # y of the next step is one of them
             room = None if limit is None else limit - 1 - int(state.start.max())  # positions left after draft 0
@@ -306,7 +333,7 @@ def decode(model, run, drafter, planner: Planner, beta: float = 1.0, record=None
         with record_function("tidar.crop"):
             state.cache.crop(-(plan.slots - j))  # keep the j accepted drafts, drop the rest
         new_tokens = torch.cat([draft.tokens[:, 1:j], y[:, None]], 1)
-        group = (lambda out=out, g=g: out.rows(g + 1, g + k)) if g is not None else (lambda: None)
+        group = (lambda out=out, g=g: (out.rows(g + 1, g + k), None)) if g is not None else (lambda: (None, None))
         state.accepted.append(j)
         state.slots.append(plan.slots)
         state.sources.update(draft.sources)
@@ -326,3 +353,115 @@ def memo(fn):
         return box[0]
 
     return once
+
+
+# --------------------------------------------------------------------------------------------
+# Per-row acceptance: each row of a batch keeps what it accepted (issue 8, item 5).
+# --------------------------------------------------------------------------------------------
+
+# Processors that act on each row's scores alone, whatever its prefix or batch index; and stopping
+# criteria that read each row's own last tokens (max_length is applied per row here). With anything
+# else (a prefix- or length-dependent processor, a custom criterion), rows share one commit length.
+ROWWISE_PROCESSORS = {"TemperatureLogitsWarper", "TopKLogitsWarper", "TopPLogitsWarper", "MinPLogitsWarper", "TypicalLogitsWarper", "EpsilonLogitsWarper", "EtaLogitsWarper"}
+ROWWISE_CRITERIA = {"MaxLengthCriteria", "EosTokenCriteria", "StopStringCriteria", "MaxTimeCriteria"}
+
+
+def rowwise(run, beta: float, record) -> bool:
+    return (
+        run.input_ids.shape[0] > 1
+        and beta == 1.0
+        and record is None
+        and run.streamer is None
+        and all(type(p).__name__ in ROWWISE_PROCESSORS for p in run.processors)
+        and all(type(c).__name__ in ROWWISE_CRITERIA for c in run.criteria)
+    )
+
+
+def commit_rows(run, criteria, state: DecodeState, tokens, counts, new, n_new) -> None:
+    """Row b appends tokens[b, :counts[b]], one round at a time through the stopping criteria.
+    state.seqs stays right-aligned (each row's last token in the last column; rows that did not
+    advance in a round get a pad on the left, invalid in kv_valid), so criteria reading the last
+    tokens see each row's own sequence. `new` (B, max_new) collects each row's new tokens."""
+    seqs, valid, active = state.seqs, state.kv_valid, state.active
+    B = seqs.shape[0]
+    pad = torch.full((B, 1), run.pad, dtype=seqs.dtype, device=seqs.device)
+    yes = torch.ones((B, 1), dtype=torch.bool, device=seqs.device)
+    rows = torch.arange(B, device=seqs.device)
+    for r in range(tokens.shape[1]):
+        adv = active & (counts > r)
+        if not adv.any():
+            break
+        token = tokens[:, r]
+        seqs = torch.where(adv[:, None], torch.cat([seqs, token[:, None]], 1), torch.cat([pad, seqs], 1))
+        valid = torch.where(adv[:, None], torch.cat([valid, yes], 1), torch.cat([~yes, valid], 1))
+        new[rows[adv], n_new[adv]] = token[adv]
+        n_new += adv.long()
+        done = criteria(seqs, None).to(active.device) if len(criteria) else torch.zeros_like(active)
+        active = active & ~(done & adv) & (n_new < run.max_new)
+    state.seqs, state.kv_valid, state.active = seqs, valid, active
+
+
+def decode_rows(model, run, drafter, planner: Planner) -> DecodeState:
+    """The loop with per-row acceptance. The cache keeps, each step, the most drafts any row accepted;
+    a row's drafts beyond its own accepted count stay in the cache as holes (cache_valid False),
+    which its later queries never attend to, and its positions count only what it committed."""
+    from transformers import StoppingCriteriaList
+
+    pick, processors, k = run.pick, run.processors, run.k
+    B, P = run.input_ids.shape
+    device = run.input_ids.device
+    criteria = StoppingCriteriaList([c for c in run.criteria if type(c).__name__ != "MaxLengthCriteria"])
+    state = DecodeState(run.input_ids, run.kv_valid, torch.ones(B, dtype=torch.bool, device=device))
+    state.row_nfe = torch.ones(B, dtype=torch.long, device=device)
+    new = torch.full((B, run.max_new), run.pad, dtype=run.input_ids.dtype, device=device)
+    n_new = torch.zeros(B, dtype=torch.long, device=device)
+    ar0, group = prefill(model, state, k, run.mask_id, drafter.uses_groups)
+    state.cache_valid = run.kv_valid
+    limit = position_limit(model)
+    with record_function("tidar.verify"):
+        y = pick.token(process(processors, state.seqs, state.seqs[:, :0], ar0[:, None])[:, 0])
+    tokens, counts, last = y[:, None], torch.ones(B, dtype=torch.long, device=device), None
+    while True:
+        with record_function("tidar.commit"):
+            commit_rows(run, criteria, state, tokens, counts, new, n_new)
+        if not state.active.any():
+            break
+        with record_function("tidar.draft"):
+            remaining = run.max_new - int(n_new[state.active].min())
+            room = None if limit is None else limit - 1 - int(state.start.max())
+            most = min(remaining - 1, planner.max_proposals(drafter.uses_groups), room if room is not None else remaining)
+            ctx = DraftContext(state.seqs, state.kv_valid, most, pick, processors, memo(group))
+            draft = drafter.propose(ctx) or fresh(state.seqs[:, -1])
+            plan = planner.plan(draft, drafter.uses_groups, room, per_row=True)
+        if last is not None:
+            state.head_rows.append(last.head_rows)
+        out = run_step(model, state, draft, plan, run.mask_id)
+        state.row_nfe += state.active.long()
+        m = plan.n_drafts
+        with record_function("tidar.verify"):
+            scores = process(processors, state.seqs, draft.tokens[:, 1:], out.rows(0, m))
+            accepted = pick.verify(scores, draft)
+            y = pick.next_token_rows(scores, draft, accepted)
+            if hasattr(drafter, "observe"):
+                drafter.observe(draft, accepted)
+        accepted = torch.where(state.active, accepted, torch.ones_like(accepted))  # finished rows commit nothing
+        J = int(accepted.max())
+        with record_function("tidar.crop"):
+            state.cache.crop(-(plan.slots - J))  # the most any row accepted; the rest of each row: holes
+            state.cache_valid = torch.cat([state.cache_valid, torch.arange(J, device=device) < accepted[:, None]], 1)
+        # Row b commits its accepted proposals, then its y.
+        filler = torch.cat([draft.tokens[:, 1:], draft.tokens[:, :1]], 1)[:, :J]
+        tokens, counts = filler.scatter(1, (accepted - 1)[:, None], y[:, None]), accepted
+        starts = [plan.group_start(a) for a in accepted.tolist()]
+        have = torch.tensor([s is not None for s in starts], device=device)
+        at = torch.tensor([s if s is not None else 0 for s in starts], device=device)
+        group = (lambda out=out, at=at, have=have: (out.rows_at(at + 1, k - 1), have)) if have.any() else (lambda: (None, None))
+        state.accepted.append(J)
+        state.slots.append(plan.slots)
+        state.sources.update(draft.sources)
+        last = out
+    if last is not None:
+        state.head_rows.append(last.head_rows)
+    state.seqs = torch.cat([run.input_ids, new[:, : int(n_new.max())]], 1)
+    state.row_new = n_new
+    return state

@@ -44,6 +44,15 @@ class Greedy:
     def next_token(self, target, draft, accepted, j, exact=True):
         return self.token(target)
 
+    def next_token_rows(self, scores, draft, accepted):
+        """Each row's own next token, after its own accepted drafts (rows commit what they accepted)."""
+        return self.token(at_rows(scores, accepted - 1))
+
+
+def at_rows(x, index):
+    """x[b, index[b]] for each row b: (B, n, ...) -> (B, ...)."""
+    return x[torch.arange(x.shape[0], device=x.device), index]
+
 
 class Sampling:
     """Rejection sampling against the proposal: the output is distributed as AR sampling."""
@@ -107,6 +116,27 @@ class Sampling:
             rejected = (accepted == j) & (residual.sum(-1) > 0)
             if rejected.any():
                 y = torch.where(rejected, self.sample(residual / residual.sum(-1, keepdim=True).clamp(min=1e-30)), y)
+        return y
+
+
+    def next_token_rows(self, scores, draft, accepted):
+        """Each row's own next token: the residual at its first rejected proposal, else (all
+        accepted, or no proposal there) a fresh sample from p after its accepted drafts."""
+        m = draft.tokens.shape[1]
+        y = self.token(at_rows(scores, accepted - 1))
+        rejected = accepted < draft.length
+        if m == 1 or not rejected.any():
+            return y
+        at = (accepted - 1).clamp(max=m - 2)  # the rejected proposal's index among proposals
+        p = at_rows(self._p, at)
+        d = at_rows(draft.tokens[:, 1:], at)
+        if draft.q is not None:
+            residual = (p - at_rows(draft.q, at)).clamp(min=0)
+        else:
+            residual = p.scatter(-1, d[:, None], 0.0)
+        rejected = rejected & (residual.sum(-1) > 0)
+        if rejected.any():
+            y = torch.where(rejected, self.sample(residual / residual.sum(-1, keepdim=True).clamp(min=1e-30)), y)
         return y
 
 
