@@ -67,6 +67,11 @@ def fresh(y: torch.Tensor) -> Draft:
 def make_draft(pick, processors, seqs, y, diff_slots) -> Draft:
     """A diffusion draft: y, then one guess per diffusion slot (B, n, V). Each slot is processed with the
     prefix it would have (seqs ++ the guesses before it), so e.g. suppressed tokens are never drafted."""
+    sources = ["diffusion"] * y.shape[0]
+    if not processors:  # no prefix to thread through: all slots at once
+        scores = diff_slots.float()
+        t, q = pick.propose(scores)
+        return Draft(torch.cat([y[:, None], t], 1), q, confidence=pick.confidence(scores), sources=sources)
     tokens, qs, conf = [y], [], []
     for i in range(diff_slots.shape[1]):
         scores = diff_slots[:, i].to(torch.float32, copy=True)
@@ -78,7 +83,7 @@ def make_draft(pick, processors, seqs, y, diff_slots) -> Draft:
         conf.append(pick.confidence(scores))
     q = torch.stack(qs, 1) if qs and qs[0] is not None else None
     confidence = torch.stack(conf, 1) if conf else None
-    return Draft(torch.stack(tokens, 1), q, confidence=confidence, sources=["diffusion"] * y.shape[0])
+    return Draft(torch.stack(tokens, 1), q, confidence=confidence, sources=sources)
 
 
 class DiffusionDrafter:

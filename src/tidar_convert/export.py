@@ -305,7 +305,7 @@ def custom_generate_problem(path: str | os.PathLike) -> str | None:
     folder = Path(path) / "custom_generate"
     todo, seen = [(folder / "generate.py", None)], set()
     while todo:
-        file, importer = todo.pop()
+        file, importer = todo.pop(0)  # breadth first: a missing file is named with its first importer
         if file in seen:
             continue
         seen.add(file)
@@ -322,7 +322,7 @@ def custom_generate_problem(path: str | os.PathLike) -> str | None:
         missing = [p for p in packages if importlib.util.find_spec(p) is None]
         if missing:
             return f"{file} imports {', '.join(missing)}, not installed here"
-        todo += [(folder / f"{name}.py", file) for name in reversed(get_relative_imports(file))]
+        todo += [(folder / f"{name}.py", file) for name in sorted(get_relative_imports(file))]
     try:
         check_python_requirements(str(path), requirements_file="custom_generate/requirements.txt")
     except ImportError as e:
