@@ -141,6 +141,11 @@ def test_decode_step_mask_is_the_mask_mod_with_anchors():
         valid = torch.cat([cache_valid, torch.ones(2, Q, dtype=torch.bool)], 1)
         expected = layout.to_dense(layout.decode_mask_mod(6, T, k, anchors, valid), 2, Q, 6 + Q)
         assert torch.equal(layout.decode_step_mask(cache_valid, T, k, anchors, "sdpa"), expected), (T, k, anchors)
+        if anchors:  # the anchored mask_mod also runs under FlexAttention's vmap (its BlockMask path)
+            from torch.nn.attention.flex_attention import create_mask
+
+            flex = create_mask(layout.decode_mask_mod(6, T, k, anchors, valid), 2, 1, Q, 6 + Q, device="cpu")
+            assert torch.equal(flex, expected), (T, k, anchors)
     valid = torch.ones(1, 6 + 3 + 6, dtype=torch.bool)
     as_int = layout.to_dense(layout.decode_mask_mod(6, 3, 2, 1, valid), 1, 9, 15)
     assert torch.equal(as_int, layout.to_dense(layout.decode_mask_mod(6, 3, 2, (1, 2, 3), valid), 1, 9, 15))
