@@ -27,10 +27,10 @@ from transformers import GenerationConfig, GenerationMixin, LogitsProcessorList,
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 # Relative, so the same lines work in the package and in an export's custom_generate/ folder.
-from .drafters import DRAFTERS, Draft, make_drafter  # noqa: F401  (Draft: part of the interface)
+from .drafters import Draft, make_drafter  # noqa: F401  (Draft: for callers that build drafts by hand)
 from .engine import Planner, cache_kwargs, decode  # noqa: F401  (cache_kwargs: used by the bench)
 from .layout import decode_mask_mod  # noqa: F401  (imported here so a missing layout.py is named as generate.py's import)
-from .verify import Greedy, Sampling, mix, process  # noqa: F401
+from .verify import Greedy, Sampling
 
 
 # --------------------------------------------------------------------------------------------
