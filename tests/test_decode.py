@@ -1,6 +1,7 @@
 """TiDAR decoding: exactly AR greedy, exactly AR sampling in distribution, and generate()'s contract."""
 
 import copy
+from collections import Counter
 
 import pytest
 import torch
@@ -232,6 +233,7 @@ def test_sampling_matches_ar_distribution(small_vocab_model, settings, monkeypat
     probs = exact_distribution(model, prompt, lambda ids, logits: processors(ids, logits).softmax(-1))
     n = 400  # the wrong rule below scores p ~ 1e-30 at this size; right ones ~ 0.2-0.7
     hf = sample_counts(lambda: model.generate(prompt, **gen_kw), n)
+    gen_kw["drafter"] = "diffusion"  # sampled drafts with their q; lookup's deterministic drafts: the test below
     tidar = sample_counts(lambda: generate(prompt, model=model, **gen_kw), n)
     assert chi_square_p(hf, probs, n) > 1e-3  # the exact distribution is what HF samples
     assert chi_square_p(tidar, probs, n) > 1e-3
@@ -247,6 +249,68 @@ def test_sampling_matches_ar_distribution(small_vocab_model, settings, monkeypat
     monkeypatch.setattr(Sampling, "verify", wrong_verify)
     wrong = sample_counts(lambda: generate(prompt, model=model, **gen_kw), n)
     assert chi_square_p(wrong, probs, n) < 1e-3
+
+
+@pytest.mark.parametrize("drafter", ["lookup", "hybrid"])
+def test_sampling_with_deterministic_drafts_matches_ar_distribution(small_vocab_model, drafter, monkeypatch):
+    """Lookup drafts are deterministic (q = one-hot): accept d with probability p(d), else sample from
+    p with d removed. Every token occurs in the prompt, so lookup drafts at every step."""
+    from tidar_convert import drafters
+
+    model = small_vocab_model
+    prompt = torch.tensor([[1, 2, 3, 4, 0, 2]])
+    gen_kw = dict(do_sample=True, max_new_tokens=N_NEW, eos_token_id=None, temperature=0.9, drafter=drafter)
+    # hybrid: a coin picks lookup or diffusion (the sharp diffusion head here would always win); any
+    # choice that does not look at the AR samples keeps the output exact
+    monkeypatch.setattr(drafters, "expected_length", lambda d: torch.rand(d.tokens.shape[0]))
+    bias = torch.zeros(V + 1)
+    bias[V] = -float("inf")
+    monkeypatch.setattr(model.lm_head, "bias", torch.nn.Parameter(bias, requires_grad=False), raising=False)
+    gc = copy.deepcopy(model.generation_config)
+    gc.update(**{k: v for k, v in gen_kw.items() if k != "drafter"})
+    processors = model._get_logits_processor(gc, input_ids_seq_length=prompt.shape[1], device="cpu")
+    probs = exact_distribution(model, prompt, lambda ids, logits: processors(ids, logits).softmax(-1))
+    n, sources = 400, Counter()
+
+    def run():
+        out = generate(prompt, model=model, **gen_kw)
+        sources.update({s: c for s, c in model.tidar_stats["draft_sources"].items()})
+        return out
+
+    assert chi_square_p(sample_counts(run, n), probs, n) > 1e-3
+    assert sources["lookup"] >= (n if drafter == "lookup" else n // 4), sources  # lookup drafts at least once per generation
+    assert drafter == "lookup" or sources["diffusion"] >= n // 4, sources
+    if drafter == "hybrid":  # same verify code as lookup; at this n the teeth bite only when every step is lookup
+        return
+    # Teeth: resampling from p itself after a rejected lookup draft (d not removed) is detectably wrong.
+    monkeypatch.setattr(Sampling, "residual", lambda self, draft, j: self._p[:, j - 1])
+    assert chi_square_p(sample_counts(lambda: generate(prompt, model=model, **gen_kw), n), probs, n) < 1e-3
+
+
+def test_sampling_with_per_row_acceptance_matches_ar_distribution(small_vocab_model, monkeypatch):
+    """In a batch each row keeps what it accepted; its tokens must still follow AR sampling exactly.
+    Row 0 is the test prompt; row 1 (another prompt) accepts differently."""
+    from tidar_convert import drafters
+
+    model = small_vocab_model
+    prompt = torch.tensor([[1, 2, 3, 4, 0, 2], [4, 4, 3, 1, 1, 0]])
+    gen_kw = dict(do_sample=True, max_new_tokens=N_NEW, eos_token_id=None, temperature=0.8, attention_mask=torch.ones_like(prompt))
+    monkeypatch.setattr(drafters, "expected_length", lambda d: torch.rand(d.tokens.shape[0]))  # hybrid: rows mix sources
+    bias = torch.zeros(V + 1)
+    bias[V] = -float("inf")
+    monkeypatch.setattr(model.lm_head, "bias", torch.nn.Parameter(bias, requires_grad=False), raising=False)
+    gc = copy.deepcopy(model.generation_config)
+    gc.update(**gen_kw)
+    processors = model._get_logits_processor(gc, input_ids_seq_length=prompt.shape[1], device="cpu")
+    probs = exact_distribution(model, prompt[:1], lambda ids, logits: processors(ids, logits).softmax(-1))
+    n = 400
+    for drafter in ("diffusion", "lookup", "hybrid"):
+        run = lambda: generate(prompt, model=model, drafter=drafter, **gen_kw)[:1]  # noqa: E731
+        assert chi_square_p(sample_counts(run, n), probs, n) > 1e-3, drafter
+        assert "tokens_per_nfe_per_row" in model.tidar_stats  # it ran with per-row acceptance
+    # Teeth: a row's next token drawn from p, without the residual after its rejected proposal.
+    monkeypatch.setattr(Sampling, "next_token_rows", lambda self, scores, draft, accepted: self.token(scores[torch.arange(2), accepted - 1]))
+    assert chi_square_p(sample_counts(lambda: generate(prompt, model=model, drafter="lookup", **gen_kw)[:1], n), probs, n) < 1e-3
 
 
 # ---- bad input ---------------------------------------------------------------------------------

@@ -132,6 +132,29 @@ def test_decode_positions():
     assert layout.decode_position_ids(torch.tensor([5]), 2, 2, 2, 1).tolist() == [[5, 6, 6, 7, 7, 8]]
 
 
+def test_decode_step_mask_is_the_mask_mod_with_anchors():
+    """The reusable dense step mask (cache validity + a cached per-plan block) equals decode_mask_mod,
+    for groups at any anchors; consecutive anchors are the int form."""
+    cache_valid = torch.tensor([[0, 0, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1]], dtype=torch.bool)
+    for T, k, anchors in ((3, 2, (1, 2, 3)), (4, 3, (2,)), (5, 2, ()), (6, 2, (1, 4, 6))):
+        Q = T + len(anchors) * k
+        valid = torch.cat([cache_valid, torch.ones(2, Q, dtype=torch.bool)], 1)
+        expected = layout.to_dense(layout.decode_mask_mod(6, T, k, anchors, valid), 2, Q, 6 + Q)
+        assert torch.equal(layout.decode_step_mask(cache_valid, T, k, anchors, "sdpa"), expected), (T, k, anchors)
+        if anchors:  # the anchored mask_mod also runs under FlexAttention's vmap (its BlockMask path)
+            from torch.nn.attention.flex_attention import create_mask
+
+            flex = create_mask(layout.decode_mask_mod(6, T, k, anchors, valid), 2, 1, Q, 6 + Q, device="cpu")
+            assert torch.equal(flex, expected), (T, k, anchors)
+    valid = torch.ones(1, 6 + 3 + 6, dtype=torch.bool)
+    as_int = layout.to_dense(layout.decode_mask_mod(6, 3, 2, 1, valid), 1, 9, 15)
+    assert torch.equal(as_int, layout.to_dense(layout.decode_mask_mod(6, 3, 2, (1, 2, 3), valid), 1, 9, 15))
+    # a group anchored at j sees drafts 0..j-1 only, and sits at the positions after them
+    m = layout.to_dense(layout.decode_mask_mod(0, 4, 2, (3,)), 1, 6, 6)[0, 0]
+    assert m[4].tolist() == [True, True, True, False, True, True]
+    assert layout.decode_position_ids(torch.tensor([5]), 3, 2, 2, (1, 3)).tolist() == [[5, 6, 7, 6, 7, 8, 9]]
+
+
 @pytest.mark.parametrize(
     "seq_len,block,msg",
     [(10, 4, "not a multiple"), (8, 1, "at least 2"), (4, 8, "larger than seq_len")],

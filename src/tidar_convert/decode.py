@@ -1,187 +1,36 @@
-"""TiDAR decoding as a drop-in `generate()`: draft in diffusion, verify autoregressively, one pass a step.
+"""TiDAR decoding as a drop-in `generate()`: draft, verify autoregressively, one pass a step.
 
-Shipped verbatim in every export as `custom_generate/generate.py` (with layout.py beside it), so
-`AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True).generate(...)` runs this loop
-without tidar_convert installed. It imports nothing but torch, transformers and ./layout.
+Shipped in every export as `custom_generate/generate.py`, with its neighbours engine.py, drafters.py,
+verify.py and layout.py beside it (export.shipped_code), so
+`AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True).generate(...)` runs it without
+tidar_convert installed. It imports nothing but torch, transformers and those files.
 
-The loop (docs/method.md §3), with k = block size:
-  prefill  prompt (causal) + one mask block -> first token y (AR) and the first draft (diffusion)
-  step     k drafts + k groups of k masks, one forward
-  verify   draft i is accepted while it is what the AR head says after drafts 0..i-1
-           (greedy: equal to the argmax; sampling: rejection sampling, exact in distribution)
-  commit   accepted drafts + one AR token y; the next draft is y + group j's diffusion guesses
-  crop     the KV cache keeps the accepted drafts and drops every other slot of the step
+This file is the argument side: generate() arguments mean what they mean in transformers (the config
+is merged, the logits processors and stopping criteria are built by transformers' own GenerationMixin
+helpers, `prepare`); what cannot be verified exactly is refused by name. The loop itself is
+engine.decode: a Drafter (drafters.py: diffusion, lookup, hybrid) proposes, a step plan says which
+query slots one forward runs, a Verifier (verify.py: greedy, rejection sampling) accepts.
 
-generate() arguments mean what they mean in transformers: the config is merged and the logits
-processors and stopping criteria are built by transformers' own GenerationMixin helpers (`prepare`).
-Processors see each AR row and each draft slot with the prefix AR would have there (`process`,
-`make_draft`), so verification stays exact; what cannot be verified this way is refused by name.
-
-After each call, `model.tidar_stats` holds {"nfe", "new_tokens", "tokens_per_nfe", "accepted"}:
-forward passes, new token positions, their ratio, and drafts accepted at each step.
+After each call, `model.tidar_stats` holds nfe (forward passes), new_tokens, tokens_per_nfe,
+accepted (drafts committed at each step), slots_per_step (mean query slots of a decoding forward),
+lm_head_rows_per_step (mean vocabulary-head rows per batch row of a decoding forward) and
+draft_sources (row-steps drafted by lookup, diffusion, or nothing); with per-row acceptance in a
+batch also tokens_per_nfe_per_row (each row's new tokens over the forwards it was active in).
 """
 
 from __future__ import annotations
 
-import inspect
 from dataclasses import dataclass
 
 import torch
-from transformers import DynamicCache, GenerationConfig, GenerationMixin, LogitsProcessorList, StoppingCriteriaList
+from transformers import GenerationConfig, GenerationMixin, LogitsProcessorList, StoppingCriteriaList
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
-# Relative, so the same line works in the package and in an export's custom_generate/ folder.
-from .layout import build_mask, decode_mask_mod, decode_position_ids
-
-
-@dataclass
-class Draft:
-    tokens: torch.Tensor  # (B, k); tokens[:, 0] is already committed
-    q: torch.Tensor | None  # (B, k - 1, V) proposal probabilities of tokens[:, 1:] (sampling only)
-
-
-# --------------------------------------------------------------------------------------------
-# The steps.
-# --------------------------------------------------------------------------------------------
-
-
-def forward(model, cache, tokens, positions, mask_mod, kv_len, logits_to_keep=0):
-    mask = build_mask(mask_mod, tokens.shape[0], tokens.shape[1], kv_len, model.config._attn_implementation, tokens.device)
-    out = model(input_ids=tokens, position_ids=positions, attention_mask=mask, logits_to_keep=logits_to_keep, **cache_kwargs(model, cache))
-    return out.logits
-
-
-def cache_kwargs(model, cache) -> dict:
-    """transformers 5.24 renamed `past_key_values` to `cache` (the old name goes in 5.40)."""
-    name = "cache" if "cache" in inspect.signature(type(model).forward).parameters else "past_key_values"
-    return {name: cache, "use_cache": True}
-
-
-def prefill(model, cache, prompt, kv_valid, k, mask_id):
-    """Prompt + one mask block. Returns the AR logits for the first new token y (B, V) and the
-    diffusion logits of the first draft's slots 1..k-1 (B, k - 1, V)."""
-    B, P = prompt.shape
-    n = kv_valid.sum(1)  # real prompt tokens per row (left padding)
-    tokens = torch.cat([prompt, torch.full((B, k), mask_id, device=prompt.device)], 1)
-    prompt_pos = (kv_valid.cumsum(1) - 1).clamp(min=0)
-    positions = torch.cat([prompt_pos, decode_position_ids(n - P, P, k, 1, P)[:, P:]], 1)
-    valid = torch.cat([kv_valid, torch.ones(B, k, dtype=torch.bool, device=prompt.device)], 1)
-    # Only the last prompt token (-> y) and the mask block (-> the draft) need the vocabulary head.
-    logits = forward(model, cache, tokens, positions, decode_mask_mod(0, P, k, P, valid), P + k, logits_to_keep=k + 1)
-    cache.crop(-k)
-    return logits[:, 0], logits[:, 2:]
-
-
-def step(model, cache, draft: Draft, start, kv_valid, k, mask_id):
-    """One forward over k drafts (at positions start..) and k groups of k masks."""
-    B, C = draft.tokens.shape[0], cache.get_seq_length()
-    masks = torch.full((B, k * k), mask_id, device=draft.tokens.device)
-    tokens = torch.cat([draft.tokens, masks], 1)
-    valid = torch.cat([kv_valid[:, :C], torch.ones(B, k + k * k, dtype=torch.bool, device=kv_valid.device)], 1)
-    logits = forward(model, cache, tokens, decode_position_ids(start, k, k, k, 1), decode_mask_mod(C, k, k, 1, valid), C + k + k * k)
-    return logits[:, :k], logits[:, k:].unflatten(1, (k, k))  # ar (B, k, V), diff (B, group, slot, V)
-
-
-class Greedy:
-    """Accept a draft while it equals the argmax of the processed AR scores; the output is exactly AR greedy."""
-
-    def token(self, scores):
-        return scores.argmax(-1)
-
-    def propose(self, scores):  # one draft slot: (token, proposal distribution or None)
-        return scores.argmax(-1), None
-
-    def verify(self, scores, draft: Draft):
-        """Drafts accepted per row (>= 1: draft 0 is committed already). scores (B, k, V): processed AR."""
-        match = scores[:, :-1].argmax(-1) == draft.tokens[:, 1:]
-        return 1 + match.long().cumprod(1).sum(1)
-
-    def next_token(self, target, draft, accepted, j, exact=True):
-        return self.token(target)
-
-
-class Sampling:
-    """Rejection sampling against the diffusion proposal: the output is distributed as AR sampling."""
-
-    def __init__(self, generator=None):
-        self.generator = generator
-
-    @staticmethod
-    def probs(scores):
-        scores = scores.float()
-        dead = ~torch.isfinite(scores).any(-1, keepdim=True)  # a processor removed every token (only in a draft)
-        return scores.masked_fill(dead, 0.0).softmax(-1)
-
-    def sample(self, probs):
-        shape = probs.shape
-        return torch.multinomial(probs.reshape(-1, shape[-1]), 1, generator=self.generator).reshape(shape[:-1])
-
-    def token(self, scores):
-        return self.sample(self.probs(scores))
-
-    def propose(self, scores):
-        q = self.probs(scores)
-        return self.sample(q), q
-
-    def verify(self, scores, draft: Draft):
-        p = self.probs(scores[:, :-1])  # p[:, i-1] is the AR distribution for draft i
-        d = draft.tokens[:, 1:, None]
-        ratio = p.gather(-1, d).squeeze(-1) / draft.q.gather(-1, d).squeeze(-1)
-        u = torch.rand(ratio.shape, generator=self.generator, device=ratio.device)
-        self._p = p
-        return 1 + (u < ratio).long().cumprod(1).sum(1)
-
-    def next_token(self, target, draft, accepted, j, exact=True):
-        """The token at draft position j, drawn from `target` (the processed AR scores there). Rows that
-        rejected draft j resample from norm(max(0, p - q)); rows that accepted it (the batch commits the
-        fewest any row accepted) commit draft j itself: "draft if accepted, else residual" is what makes
-        the token distributed as p. After all k drafts, a fresh sample from p (the bonus token).
-        exact=False (beta < 1): `target` is not p, so a plain draw from it."""
-        k = draft.tokens.shape[1]
-        y = self.token(target)
-        if j < k and exact:
-            y = torch.where(accepted > j, draft.tokens[:, j], y)
-            residual = (self._p[:, j - 1] - draft.q[:, j - 1]).clamp(min=0)
-            rejected = (accepted == j) & (residual.sum(-1) > 0)
-            if rejected.any():
-                y = torch.where(rejected, self.sample(residual / residual.sum(-1, keepdim=True).clamp(min=1e-30)), y)
-        return y
-
-
-def mix(ar_logits, diff_logits, beta):
-    """beta = 1: trust AR (exact). beta < 1 mixes in the diffusion head's log-probs (faster, not exact)."""
-    if beta == 1.0 or diff_logits is None:
-        return ar_logits
-    return beta * ar_logits.float().log_softmax(-1) + (1 - beta) * diff_logits.float().log_softmax(-1)
-
-
-def process(processors, seqs, extra, logits):
-    """Logits processors, row by row with each row's own prefix, as AR decoding would call them.
-
-    logits (B, n, V): row i predicts the token after `seqs ++ extra[:, :i]`. Returns float32 scores.
-    Prefix-dependent processors (no_repeat_ngram_size, min_new_tokens, repetition_penalty, ...) thus
-    see exactly the sequence AR would have had at that position."""
-    if not processors:
-        return logits.float()
-    rows = []
-    for i in range(logits.shape[1]):
-        scores = logits[:, i].to(torch.float32, copy=True)
-        rows.append(processors(torch.cat([seqs, extra[:, :i]], 1), scores))
-    return torch.stack(rows, 1)
-
-
-def make_draft(pick, processors, seqs, y, diff_slots):
-    """The next draft: y, then one guess per diffusion slot (B, k - 1, V). Each slot is processed with
-    the prefix it would have (seqs ++ the guesses before it), so e.g. suppressed tokens are never drafted."""
-    tokens, qs = [y], []
-    for i in range(diff_slots.shape[1]):
-        scores = diff_slots[:, i].to(torch.float32, copy=True)
-        if processors:
-            scores = processors(torch.cat([seqs] + [t[:, None] for t in tokens[1:]], 1), scores)
-        t, q = pick.propose(scores)
-        tokens.append(t)
-        qs.append(q)
-    return Draft(torch.stack(tokens, 1), torch.stack(qs, 1) if qs and qs[0] is not None else None)
+# Relative, so the same lines work in the package and in an export's custom_generate/ folder.
+from .drafters import Draft, make_drafter  # noqa: F401  (Draft: for callers that build drafts by hand)
+from .engine import Planner, cache_kwargs, decode  # noqa: F401  (cache_kwargs: used by the bench)
+from .layout import decode_mask_mod  # noqa: F401  (imported here so a missing layout.py is named as generate.py's import)
+from .verify import Greedy, Sampling
 
 
 # --------------------------------------------------------------------------------------------
@@ -327,13 +176,32 @@ def prepare(model, input_ids, generation_config, block_size, beta, kwargs) -> Ru
     )
 
 
-def generate(inputs=None, generation_config=None, *, model, tidar: bool = True, block_size: int | None = None, beta: float = 1.0, **kwargs):
+def generate(
+    inputs=None,
+    generation_config=None,
+    *,
+    model,
+    tidar: bool = True,
+    block_size: int | None = None,
+    beta: float = 1.0,
+    drafter: str = "hybrid",
+    plan: str = "adaptive",
+    slot_budget: int | None = None,
+    **kwargs,
+):
     """TiDAR `generate()`. Same arguments as transformers' generate, plus:
 
     tidar: False runs plain AR decoding (transformers' own generate) on the same weights.
-    block_size: drafts per step; defaults to the trained `config.block_size`. Any value >= 2 keeps the
-        output exact (only acceptance changes); the diffusion head is only trained for the trained one.
+    block_size: tokens per mask group (diffusion drafts); defaults to the trained `config.block_size`.
+        Any value >= 2 keeps the output exact (only acceptance changes); the diffusion head is only
+        trained for the trained one.
     beta: 1.0 (default) trusts AR and is exact; < 1 mixes diffusion logits into the committed token.
+    drafter: where drafts come from: "hybrid" (default; per row, lookup or diffusion, whichever is
+        expected to be accepted further), "diffusion" (TiDAR's mask groups), "lookup" (n-gram matches
+        in the prompt and generated text, no mask groups). Every drafter is exact.
+    plan: "adaptive" (default) computes mask groups only at the acceptance lengths likely to occur;
+        "full" at every length (the paper's k + k*k slots). slot_budget: most query slots per step
+        (default max(k + k*k, 11 + k): the paper's step, or a full lookup draft and one group).
 
     generation_config and keyword arguments are merged with the model's defaults as transformers does.
     Logits processors (transformers' own, built from the config, plus `logits_processor`) apply to
@@ -345,105 +213,59 @@ def generate(inputs=None, generation_config=None, *, model, tidar: bool = True, 
     input_ids = inputs if inputs is not None else kwargs.pop("input_ids", None)
     if not tidar:
         return ar_generate(model, input_ids, generation_config, kwargs)
+    chosen = make_drafter(drafter)
     run = prepare(model, input_ids, generation_config, block_size, beta, kwargs)
-    gc, pick, processors, k = run.gc, run.pick, run.processors, run.k
-    B, P = run.input_ids.shape
-    record = gc.return_dict_in_generate and (gc.output_scores or gc.output_logits)
-    out_scores, out_logits = [], []  # one (B, V) per new token: processed scores and raw AR logits
-
-    seqs, kv_valid, active, accepted_log = run.input_ids, run.kv_valid, torch.ones(B, dtype=torch.bool, device=run.input_ids.device), []
+    planner = Planner(run.k, plan, slot_budget)
+    gc = run.gc
+    record = ([], []) if gc.return_dict_in_generate and (gc.output_scores or gc.output_logits) else None
     if run.streamer is not None:
-        run.streamer.put(seqs.cpu())
-    cache = DynamicCache()
+        run.streamer.put(run.input_ids.cpu())
     with torch.no_grad():
-        ar0, diff_slots = prefill(model, cache, seqs, kv_valid, k, run.mask_id)
-        scores0 = process(processors, seqs, seqs[:, :0], ar0[:, None])[:, 0]
-        y = pick.token(scores0)
-        if record:
-            out_scores.append(scores0)
-            out_logits.append(ar0.float())
-        nfe, new_tokens = 1, y[:, None]
-        while True:
-            seqs, active, kv_valid = commit(run, seqs, new_tokens, active, kv_valid, out_scores if gc.output_scores and record else None)
-            if not active.any():
-                break
-            draft = make_draft(pick, processors, seqs, y, diff_slots)
-            start = kv_valid.sum(1) - 1  # position of draft 0 (= the last committed token)
-            ar, diff = step(model, cache, draft, start, kv_valid, k, run.mask_id)
-            nfe += 1
-            scores = process(processors, seqs, draft.tokens[:, 1:], ar)  # row i: after seqs ++ drafts 1..i
-            accepted = pick.verify(scores, draft)
-            j = int(accepted[active].min())  # rows share one cache length: commit the least
-            target = scores[:, j - 1]
-            if beta != 1.0:
-                target = process(processors, seqs, draft.tokens[:, 1:j], mix(ar[:, j - 1], diff[:, j - 1, 0], beta)[:, None])[:, 0]
-            y = pick.next_token(target, draft, accepted, j, exact=beta == 1.0)
-            new_tokens = torch.cat([draft.tokens[:, 1:j], y[:, None]], 1)
-            if record:
-                out_scores.extend(scores[:, :j].unbind(1))
-                out_logits.extend(ar[:, :j].float().unbind(1))
-            cache.crop(-(k + k * k - j))  # keep the j accepted drafts, drop the rest
-            diff_slots = diff[:, j - 1, 1:]
-            accepted_log.append(j)
+        state = decode(model, run, chosen, planner, beta, record)
     if run.streamer is not None:
         run.streamer.end()
-    n_new = seqs.shape[1] - P
-    model.tidar_stats = {"nfe": nfe, "new_tokens": n_new, "tokens_per_nfe": n_new / nfe, "accepted": accepted_log}
+    P = run.input_ids.shape[1]
+    model.tidar_stats = state.stats(P)
     if gc.return_dict_in_generate:
+        n_new = state.seqs.shape[1] - P
         return GenerateDecoderOnlyOutput(
-            sequences=seqs,
-            scores=tuple(out_scores[:n_new]) if gc.output_scores else None,
-            logits=tuple(out_logits[:n_new]) if gc.output_logits else None,
-            past_key_values=cache,
+            sequences=state.seqs,
+            scores=tuple(record[0][:n_new]) if gc.output_scores else None,
+            logits=tuple(record[1][:n_new]) if gc.output_logits else None,
+            past_key_values=state.cache,
         )
-    return seqs
+    return state.seqs
+
+
+ASSISTED = ("assistant_model", "prompt_lookup_num_tokens", "assistant_early_exit")
 
 
 def ar_generate(model, input_ids, generation_config, kwargs):
-    """tidar=False: transformers' own generate on the same weights, with forward passes counted."""
-    calls = []  # prompt lookup and friends make fewer than one per token
-    hook = model.register_forward_pre_hook(lambda *_: calls.append(1))
-    try:
-        out = GenerationMixin.generate(model, input_ids, generation_config, **kwargs)
-    finally:
-        hook.remove()
+    """tidar=False: transformers' own generate on the same weights. Plain AR decoding runs one forward
+    per new position, so that is its nfe; assisted decoding (prompt lookup, an assistant) makes fewer,
+    which only a forward hook can count (the bench keeps its own): nfe is None there."""
+    assisted = any(kwargs.get(n) is not None or getattr(generation_config, n, None) is not None for n in ASSISTED)
+    out = GenerationMixin.generate(model, input_ids, generation_config, **kwargs)
     seqs = out if isinstance(out, torch.Tensor) else out.sequences
     new = seqs.shape[1] - (input_ids.shape[1] if input_ids is not None else 0)
-    model.tidar_stats = {"nfe": len(calls), "new_tokens": new, "tokens_per_nfe": new / max(1, len(calls)), "accepted": []}
+    nfe = None if assisted else new
+    model.tidar_stats = {"nfe": nfe, "new_tokens": new, "tokens_per_nfe": new / nfe if nfe else None, "accepted": []}
     return out
 
 
-def commit(run: Run, seqs, new_tokens, active, kv_valid, scores=None):
-    """Append tokens one at a time so EOS, max_length and stopping criteria stop exactly where AR would.
-    A finished row gets `pad`, as in transformers. `scores` (the processed scores so far) go to the
-    stopping criteria when output_scores is on, as transformers passes them."""
-    P = run.input_ids.shape[1]
-    for t in range(new_tokens.shape[1]):
-        token = torch.where(active, new_tokens[:, t], torch.full_like(new_tokens[:, t], run.pad))
-        seqs = torch.cat([seqs, token[:, None]], 1)
-        kv_valid = torch.cat([kv_valid, torch.ones_like(kv_valid[:, :1])], 1)
-        if run.streamer is not None:
-            run.streamer.put(token.cpu())
-        done = run.criteria(seqs, tuple(scores[: seqs.shape[1] - P]) if scores is not None else None).to(active.device)
-        active = active & ~done
-        if seqs.shape[1] - P >= run.max_new:
-            active = torch.zeros_like(active)
-        if not active.any():
-            break
-    return seqs, active, kv_valid
-
-
 def check_length(model, P, max_new, k) -> None:
+    """Only what AR itself could not do is refused: near the position limit a step drafts less and
+    leaves out the mask groups that would not fit (engine.Planner), down to plain AR steps."""
     if max_new <= 0:
         raise ValueError(f"max_length={P + max_new} leaves no room after the {P}-token prompt; raise it or pass max_new_tokens.")
     limit = getattr(model.config, "max_position_embeddings", None)
-    if limit and P + max_new + k > limit:
+    if limit and P + max_new > limit:
         raise ValueError(
-            f"prompt ({P} tokens) + max_new_tokens ({max_new}) + block_size ({k}) exceeds the "
-            f"model's {limit} positions; shorten the prompt or lower max_new_tokens."
+            f"prompt ({P} tokens) + max_new_tokens ({max_new}) exceeds the model's {limit} positions; "
+            f"shorten the prompt or lower max_new_tokens to {max(limit - P, 0)}."
         )
     window = getattr(model.config, "sliding_window", None) if getattr(model.config, "use_sliding_window", True) else None
-    if window and P + max_new + k > window:
+    if window and P + max_new > window:
         raise ValueError(f"prompt + max_new_tokens exceeds the sliding window ({window}), which TiDAR decoding does not implement.")
 
 

@@ -2,8 +2,8 @@
 
 The folder keeps the base `model_type`, so without trust_remote_code it loads as the plain base
 model (AR; any engine can serve it). With trust_remote_code, transformers finds
-`custom_generate/generate.py` (decode.py, verbatim, with layout.py beside it) and uses it as
-`model.generate`: TiDAR decoding with nothing but transformers installed.
+`custom_generate/generate.py` (decode.py, verbatim, with the engine's other files beside it) and
+uses it as `model.generate`: TiDAR decoding with nothing but transformers installed.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import shutil
 import warnings
 from pathlib import Path
 
-from . import decode, layout
+from . import decode, drafters, engine, layout, verify
 from .loading import EMBEDDED_NAME
 from .outputs import MARKER, atomic_dir, check_export_target, scratch_dir, write_marker
 
@@ -28,8 +28,9 @@ TIDAR_FIELDS = ("block_size", "mask_token_id", "alpha")
 
 
 def shipped_code() -> dict[str, Path]:
-    """Files an export ships, by their name inside custom_generate/ (single source: the package's own)."""
-    return {"generate.py": Path(decode.__file__), "layout.py": Path(layout.__file__)}
+    """Files an export ships, by their name inside custom_generate/ (single source: the package's own).
+    generate.py imports the others relatively, so they keep their package names."""
+    return {"generate.py": Path(decode.__file__), **{Path(m.__file__).name: Path(m.__file__) for m in (engine, drafters, verify, layout)}}
 
 
 def export(model, tokenizer, out: str | os.PathLike, block_size: int, alpha: float, overwrite: bool = False, card: dict | None = None) -> Path:
@@ -314,14 +315,14 @@ def custom_generate_problem(path: str | os.PathLike) -> str | None:
     from transformers.dynamic_module_utils import check_python_requirements, get_imports, get_relative_imports
 
     folder = Path(path) / "custom_generate"
-    todo, seen = [folder / "generate.py"], set()
+    todo, seen = [(folder / "generate.py", None)], set()
     while todo:
-        file = todo.pop()
+        file, importer = todo.pop(0)  # breadth first: a missing file is named with its first importer
         if file in seen:
             continue
         seen.add(file)
         if not file.is_file():
-            needed = "" if file.name == "generate.py" else " (imported by custom_generate/generate.py)"
+            needed = "" if importer is None else f" (imported by custom_generate/{importer.name})"
             return f"{file} is missing{needed}"
         try:
             tree = ast.parse(file.read_text(encoding="utf-8"), filename=str(file))
@@ -333,7 +334,7 @@ def custom_generate_problem(path: str | os.PathLike) -> str | None:
         missing = [p for p in packages if importlib.util.find_spec(p) is None]
         if missing:
             return f"{file} imports {', '.join(missing)}, not installed here"
-        todo += [folder / f"{name}.py" for name in get_relative_imports(file)]
+        todo += [(folder / f"{name}.py", file) for name in sorted(get_relative_imports(file))]
     try:
         check_python_requirements(str(path), requirements_file="custom_generate/requirements.txt")
     except ImportError as e:

@@ -101,18 +101,29 @@ def check_train_shape(seq_len: int, block_size: int) -> None:
 # --------------------------------------------------------------------------------------------
 
 
-def decode_mask_mod(cache_len: int, n_causal: int, block_size: int, first_group_sees: int, kv_valid: torch.Tensor | None = None):
+def group_anchors(first_group_sees, n_groups: int | None = None) -> torch.Tensor:
+    """Causal tokens each group sees, as a 1-D tensor: an int means consecutive groups seeing
+    first_group_sees, first_group_sees + 1, ... (today's full step); a sequence is used as given."""
+    if isinstance(first_group_sees, int):
+        return first_group_sees + torch.arange(n_groups if n_groups is not None else 1)
+    return torch.as_tensor(first_group_sees, dtype=torch.long)
+
+
+def decode_mask_mod(cache_len: int, n_causal: int, block_size: int, first_group_sees, kv_valid: torch.Tensor | None = None):
     """Queries: `n_causal` causal tokens, then groups of `block_size` mask tokens.
 
-    Every query sees the whole cache (minus padding). Group g sees the first
-    `first_group_sees + g` causal tokens and its own group bidirectionally, no other group.
+    Every query sees the whole cache (minus padding). Group g sees the first `sees[g]` causal tokens
+    and its own group bidirectionally, no other group; `first_group_sees` is an int (sees[g] =
+    first_group_sees + g) or a sequence of anchors, one per group (a step plan that computes groups
+    only at chosen acceptance lengths).
     Prefill: causal = prompt, one group that sees all of it (first_group_sees = prompt length).
-    Step: causal = k drafts, k groups; group g (0-based) sees drafts[0..g] (first_group_sees = 1).
+    Step: causal = m drafts; a group anchored at j sees drafts[0..j) and sits at the positions after them.
 
     kv_valid: (B, cache_len + n_queries) bool, False at left padding. A query always sees itself, so
     a padding row is never fully masked (SDPA would turn it into NaN and spread it through the cache).
     """
     C, T, k = cache_len, n_causal, block_size
+    anchors = None if isinstance(first_group_sees, int) else group_anchors(first_group_sees)
 
     def mask_mod(b, h, q, kv):
         q_causal = q < T
@@ -120,8 +131,12 @@ def decode_mask_mod(cache_len: int, n_causal: int, block_size: int, first_group_
         in_cache = kv_new < 0
         kv_causal = ~in_cache & (kv_new < T)
         q_group, kv_group = (q - T) // k, (kv_new - T) // k
+        if anchors is None:
+            sees = first_group_sees + q_group
+        else:  # causal queries index group 0 here; their term below is masked out by ~q_causal
+            sees = anchors.to(q.device)[q_group.clamp(0, max(len(anchors) - 1, 0))] if len(anchors) else q_group
         causal = q_causal & kv_causal & (kv_new <= q)
-        drafts_seen = ~q_causal & kv_causal & (kv_new < first_group_sees + q_group)
+        drafts_seen = ~q_causal & kv_causal & (kv_new < sees)
         same_group = ~q_causal & ~in_cache & ~kv_causal & (kv_group == q_group)
         allowed = in_cache | causal | drafts_seen | same_group
         if kv_valid is not None:
@@ -131,15 +146,42 @@ def decode_mask_mod(cache_len: int, n_causal: int, block_size: int, first_group_
     return mask_mod
 
 
-def decode_position_ids(start: torch.Tensor, n_causal: int, block_size: int, n_groups: int, first_group_sees: int) -> torch.Tensor:
+def decode_position_ids(start: torch.Tensor, n_causal: int, block_size: int, n_groups: int, first_group_sees) -> torch.Tensor:
     """Positions for one decode forward. start: (B,) position of the first causal token.
 
     Group g sits right after the causal tokens it sees: its slot 0 is the next token to predict.
+    first_group_sees: an int (consecutive groups) or one anchor per group, as in decode_mask_mod.
     """
     device = start.device
     causal = torch.arange(n_causal, device=device)
-    groups = (first_group_sees + torch.arange(n_groups, device=device))[:, None] + torch.arange(block_size, device=device)
+    groups = group_anchors(first_group_sees, n_groups).to(device)[:, None] + torch.arange(block_size, device=device)
     return start[:, None] + torch.cat([causal, groups.flatten()])
+
+
+_LOCAL_MASKS: dict = {}
+
+
+def decode_step_mask(cache_valid: torch.Tensor, n_causal: int, block_size: int, anchors, attn_implementation: str | None):
+    """The attention_mask of one decode step after a cache, for this attention implementation.
+
+    cache_valid: (B, C) False at the cache's left padding. Dense masks are built from two reusable
+    parts instead of evaluating decode_mask_mod over all (Q, C + Q) pairs every step: the cache
+    columns are each row's cache_valid, and the (Q, Q) block among the step's own queries depends on
+    the plan alone, so it is evaluated once per plan and kept."""
+    B, C = cache_valid.shape
+    anchors = tuple(int(a) for a in anchors)
+    Q = n_causal + len(anchors) * block_size
+    device = cache_valid.device
+    if attn_implementation == "flex_attention":
+        valid = torch.cat([cache_valid, torch.ones(B, Q, dtype=torch.bool, device=device)], 1)
+        return to_block_mask(decode_mask_mod(C, n_causal, block_size, anchors, valid), B, Q, C + Q, device=device)
+    key = (n_causal, block_size, anchors, str(device))
+    local = _LOCAL_MASKS.get(key)
+    if local is None:
+        if len(_LOCAL_MASKS) > 512:  # plans vary with draft length and anchors; keep the memory bounded
+            _LOCAL_MASKS.clear()
+        local = _LOCAL_MASKS[key] = to_dense(decode_mask_mod(0, n_causal, block_size, anchors), 1, Q, Q, device=device)
+    return torch.cat([cache_valid[:, None, None, :].expand(B, 1, Q, C), local.expand(B, 1, Q, Q)], -1)
 
 
 # --------------------------------------------------------------------------------------------

@@ -171,14 +171,16 @@ class TiDARModule(L.LightningModule):
 
     @torch.no_grad()
     def decode_tokens_per_nfe(self, chunk: torch.Tensor, prompt_len: int = 32, new_tokens: int = 32) -> float:
-        """Greedy TiDAR decoding from the start of a held-out chunk: the real acceptance, not a proxy."""
+        """Greedy TiDAR decoding from the start of a held-out chunk: the real acceptance, not a proxy.
+        Diffusion drafts only, a group at every acceptance length: what is measured is the diffusion
+        head being trained (lookup drafts would credit it with the text's own repeats)."""
         from .decode import generate
 
         model = self.model
         was_training = model.training
         model.eval()
         try:
-            generate(chunk[:, :prompt_len], model=model, max_new_tokens=new_tokens, do_sample=False, eos_token_id=None, block_size=self.val_decode_block_size)
+            generate(chunk[:, :prompt_len], model=model, max_new_tokens=new_tokens, do_sample=False, eos_token_id=None, block_size=self.val_decode_block_size, drafter="diffusion", plan="full")
             return model.tidar_stats["tokens_per_nfe"]
         finally:
             model.train(was_training)

@@ -1,0 +1,262 @@
+"""Drafters: where the tokens a TiDAR step verifies come from.
+
+Shipped in every export's custom_generate/ folder (see export.shipped_code): imports nothing but torch.
+
+A drafter proposes, after each step, the next draft: `tokens[:, 0]` is the token just committed,
+`tokens[:, 1:length]` the proposals, with their proposal distributions q (sampled drafts) or none
+(deterministic drafts). Every draft is verified by the AR head in the next step's single forward,
+whatever its source, so every drafter gives exactly the AR output (verify.py).
+
+  diffusion  TiDAR's own: the mask group the last step computed at the accepted length.
+  lookup     n-gram matches in the prompt and the generated text, as transformers'
+             PromptLookupCandidateGenerator (same search, same defaults); may be longer than k.
+  hybrid     per row, whichever of the two is expected to be accepted further (the default).
+
+Adding a drafter: a class with `name`, `uses_groups` and `propose(ctx) -> Draft | None`, and an
+entry in DRAFTERS.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+
+@dataclass
+class Draft:
+    tokens: torch.Tensor  # (B, m); tokens[:, 0] is already committed
+    q: torch.Tensor | None = None  # (B, m - 1, V) proposal probabilities of tokens[:, 1:] (sampled drafts only)
+    length: torch.Tensor | None = None  # (B,) real tokens per row (rows may draft fewer; the rest is filler)
+    confidence: torch.Tensor | None = None  # (B, m - 1) estimated chance each proposal is accepted (the plan reads it)
+    sources: list = field(default_factory=list)  # per row: "lookup", "diffusion" or "none"
+    raw_confidence: torch.Tensor | None = None  # the drafter's own confidence, before any calibration
+
+    def __post_init__(self):
+        B, m = self.tokens.shape
+        if self.length is None:
+            self.length = torch.full((B,), m, dtype=torch.long, device=self.tokens.device)
+        if not self.sources:
+            self.sources = ["none" if m == 1 else "?"] * B
+
+
+@dataclass
+class DraftContext:
+    """What a drafter may read after a step."""
+
+    seqs: torch.Tensor  # (B, L) committed tokens, the last one (y) included
+    kv_valid: torch.Tensor  # (B, L) False at left padding
+    max_proposals: int  # proposals beyond this are never used (max_new_tokens)
+    pick: object  # the verifier: proposes a token (and q) from scores
+    processors: object  # logits processors; drafted slots are processed with their own prefix
+    # Diffusion logits (B, k - 1, V) of the group at each row's accepted length, computed on first
+    # call, and (B,) which rows have one (None: all); (None, None) when no row has one.
+    group: Callable[[], tuple] = lambda: (None, None)
+
+    @property
+    def y(self):
+        return self.seqs[:, -1]
+
+
+def fresh(y: torch.Tensor) -> Draft:
+    """No proposals: the step verifies nothing and drafts for the next one (one AR row + mask groups)."""
+    return Draft(y[:, None], sources=["none"] * y.shape[0])
+
+
+def make_draft(pick, processors, seqs, y, diff_slots) -> Draft:
+    """A diffusion draft: y, then one guess per diffusion slot (B, n, V). Each slot is processed with the
+    prefix it would have (seqs ++ the guesses before it), so e.g. suppressed tokens are never drafted."""
+    sources = ["diffusion"] * y.shape[0]
+    if not processors:  # no prefix to thread through: all slots at once
+        scores = diff_slots.float()
+        t, q = pick.propose(scores)
+        return Draft(torch.cat([y[:, None], t], 1), q, confidence=pick.confidence(scores), sources=sources)
+    tokens, qs, conf = [y], [], []
+    for i in range(diff_slots.shape[1]):
+        scores = diff_slots[:, i].to(torch.float32, copy=True)
+        if processors:
+            scores = processors(torch.cat([seqs] + [t[:, None] for t in tokens[1:]], 1), scores)
+        t, q = pick.propose(scores)
+        tokens.append(t)
+        qs.append(q)
+        conf.append(pick.confidence(scores))
+    q = torch.stack(qs, 1) if qs and qs[0] is not None else None
+    confidence = torch.stack(conf, 1) if conf else None
+    return Draft(torch.stack(tokens, 1), q, confidence=confidence, sources=sources)
+
+
+class DiffusionDrafter:
+    """TiDAR: the next draft is the mask group computed at the accepted length (None if the plan had none)."""
+
+    name = "diffusion"
+    uses_groups = True
+
+    def propose(self, ctx: DraftContext) -> Draft | None:
+        group, have = ctx.group()
+        if group is None or ctx.max_proposals < 1:
+            return None
+        draft = make_draft(ctx.pick, ctx.processors, ctx.seqs, ctx.y, group[:, : ctx.max_proposals])
+        if have is not None and not have.all():  # rows whose accepted length had no group draft nothing
+            draft.length = torch.where(have, draft.length, torch.ones_like(draft.length))
+            draft.sources = [s if h else "none" for s, h in zip(draft.sources, have.tolist())]
+        return draft
+
+
+class LookupDrafter:
+    """Prompt lookup: the tokens that followed the latest n-gram's earlier occurrence (n = max_ngram..1).
+
+    The search is transformers' PromptLookupCandidateGenerator.get_candidates (first occurrence, longest
+    n-gram first, up to num_tokens). One difference: a draft may contain EOS, since an accepted EOS
+    ends the row exactly where AR would (commit stops there) and saves a step."""
+
+    name = "lookup"
+    uses_groups = False
+
+    def __init__(self, num_tokens: int = 10, max_ngram: int = 2):
+        self.num_tokens, self.max_ngram = num_tokens, max_ngram
+        self.proposed = self.accepted = 0  # running totals, for the chance a lookup token is accepted
+
+    def rate(self) -> float:
+        return (self.accepted + 1) / (self.proposed + 2)
+
+    def observe(self, draft: Draft, accepted: torch.Tensor) -> None:
+        proposed, taken, _ = observed(draft, accepted, "lookup")
+        self.proposed += proposed
+        self.accepted += taken
+
+    def match(self, seq: torch.Tensor, limit: int) -> torch.Tensor | None:
+        L = seq.shape[0]
+        for n in range(min(self.max_ngram, L - 1), 0, -1):
+            hits = (seq.unfold(0, n, 1)[: L - n] == seq[L - n :]).all(1).nonzero()  # the n-gram itself excluded
+            if hits.numel():
+                start = int(hits[0, 0]) + n
+                return seq[start : start + min(self.num_tokens, limit)]
+        return None
+
+    def propose(self, ctx: DraftContext) -> Draft | None:
+        if ctx.max_proposals < 1:
+            return None
+        found = [self.match(ctx.seqs[b][ctx.kv_valid[b]], ctx.max_proposals) for b in range(ctx.seqs.shape[0])]
+        if all(f is None for f in found):
+            return None
+        B, m = len(found), 1 + max(f.shape[0] for f in found if f is not None)
+        tokens = ctx.y[:, None].repeat(1, m)  # filler beyond a row's length is never accepted
+        length = torch.ones(B, dtype=torch.long, device=tokens.device)
+        for b, f in enumerate(found):
+            if f is not None:
+                tokens[b, 1 : 1 + f.shape[0]] = f
+                length[b] = 1 + f.shape[0]
+        confidence = torch.full((B, m - 1), self.rate(), device=tokens.device)
+        sources = ["lookup" if f is not None else "none" for f in found]
+        return Draft(tokens, None, length, confidence, sources)
+
+
+class HybridDrafter:
+    """Per row, the lookup draft or the diffusion draft, whichever is expected to get further: the
+    expected accepted length is the sum over positions of the product of per-token acceptance
+    chances (lookup: its running acceptance rate; diffusion: the draft head's own probability,
+    scaled by how often that probability has come true so far in this call)."""
+
+    name = "hybrid"
+    uses_groups = True
+
+    def __init__(self, num_tokens: int = 10, max_ngram: int = 2):
+        self.lookup, self.diffusion = LookupDrafter(num_tokens, max_ngram), DiffusionDrafter()
+        self.predicted = self.taken = 0.0  # diffusion: summed confidence vs accepted, over observed proposals
+
+    def observe(self, draft: Draft, accepted: torch.Tensor) -> None:
+        self.lookup.observe(draft, accepted)
+        _, taken, predicted = observed(draft, accepted, "diffusion")
+        self.taken += taken
+        self.predicted += predicted
+
+    def propose(self, ctx: DraftContext) -> Draft | None:
+        look, diff = self.lookup.propose(ctx), self.diffusion.propose(ctx)
+        if diff is not None:
+            diff.raw_confidence = diff.confidence
+            diff.confidence = (diff.confidence * ((self.taken + 1) / (self.predicted + 1))).clamp(max=1.0)
+        if look is None or diff is None:
+            return look or diff
+        use_look = (look.length > 1) & (expected_length(look) >= expected_length(diff))
+        if use_look.all():
+            return look
+        if not use_look.any():
+            return diff
+        return merge(use_look, look, diff)
+
+
+def observed(draft: Draft, accepted: torch.Tensor, source: str) -> tuple[int, int, float]:
+    """Over the rows drafted by `source`: proposals whose fate is known (the accepted ones and the
+    first rejected one; later ones were never judged), how many were accepted, and their summed
+    confidence."""
+    proposed = taken = 0
+    predicted = 0.0
+    for b, s in enumerate(draft.sources):
+        if s == source:
+            seen = min(int(accepted[b]), int(draft.length[b]) - 1)
+            proposed += seen
+            taken += int(accepted[b]) - 1
+            conf = draft.raw_confidence if draft.raw_confidence is not None else draft.confidence
+            if conf is not None:
+                predicted += float(conf[b, :seen].sum())
+    return proposed, taken, predicted
+
+
+def expected_length(draft: Draft) -> torch.Tensor:
+    """(B,) expected number of proposals accepted, from draft.confidence (geometric, stopping at the first miss)."""
+    m = draft.tokens.shape[1]
+    real = torch.arange(1, m, device=draft.tokens.device) < draft.length[:, None]
+    return (draft.confidence.float() * real).cumprod(1).sum(1)
+
+
+def merge(use_a: torch.Tensor, a: Draft, b: Draft) -> Draft:
+    """Row b of the result is a's where use_a[b], else b's; padded to the longer draft. A sampled
+    draft keeps its q; a deterministic row gets q = one-hot(token), which is what it is."""
+    m = max(a.tokens.shape[1], b.tokens.shape[1])
+
+    def pad(d: Draft):
+        extra = m - d.tokens.shape[1]
+        tokens = torch.cat([d.tokens, d.tokens[:, :1].repeat(1, extra)], 1)
+        conf = torch.cat([d.confidence, d.confidence.new_zeros(d.confidence.shape[0], extra)], 1)
+        q = None
+        if d.q is not None:
+            q = torch.cat([d.q, d.q.new_zeros(d.q.shape[0], extra, d.q.shape[2])], 1)
+        return tokens, q, conf
+
+    (ta, qa, ca), (tb, qb, cb) = pad(a), pad(b)
+    pick = use_a[:, None]
+    q = None
+    if qa is not None or qb is not None:
+        V = (qa if qa is not None else qb).shape[-1]
+        qa = qa if qa is not None else one_hot(ta, a.length, V)
+        qb = qb if qb is not None else one_hot(tb, b.length, V)
+        q = torch.where(pick[..., None], qa, qb)
+    sources = [sa if u else sb for u, sa, sb in zip(use_a.tolist(), a.sources, b.sources)]
+    return Draft(torch.where(pick, ta, tb), q, torch.where(use_a, a.length, b.length), torch.where(pick, ca, cb), sources, raw_confidence=_raw(a, b, use_a, m))
+
+
+def _raw(a: Draft, b: Draft, use_a: torch.Tensor, m: int):
+    """The merged draft's uncalibrated confidence (what `observed` compares acceptance with)."""
+    def padded(d):
+        c = d.raw_confidence if d.raw_confidence is not None else d.confidence
+        return torch.cat([c, c.new_zeros(c.shape[0], m - c.shape[1])], 1)
+
+    return torch.where(use_a[:, None], padded(a), padded(b))
+
+
+def one_hot(tokens: torch.Tensor, length: torch.Tensor, V: int) -> torch.Tensor:
+    """q of a deterministic draft (B, m - 1, V); zero where a row has no proposal."""
+    q = torch.nn.functional.one_hot(tokens[:, 1:], V).float()
+    real = torch.arange(1, tokens.shape[1], device=tokens.device) < length[:, None]
+    return q * real[..., None]
+
+
+DRAFTERS = {"hybrid": HybridDrafter, "diffusion": DiffusionDrafter, "lookup": LookupDrafter}
+
+
+def make_drafter(name: str):
+    if name not in DRAFTERS:
+        raise ValueError(f"drafter={name!r}: choose one of {', '.join(repr(n) for n in DRAFTERS)} (default 'hybrid').")
+    return DRAFTERS[name]()
+

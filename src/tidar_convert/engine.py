@@ -1,0 +1,467 @@
+"""The TiDAR decoding engine: prefill, then steps of draft -> plan -> forward -> verify -> commit -> crop.
+
+Shipped in every export's custom_generate/ folder (see export.shipped_code): imports nothing but
+torch, transformers and its neighbours (layout, drafters, verify).
+
+One step (docs/method.md §3), for a draft of m tokens (draft 0 = the last committed token):
+  plan     which query slots the forward runs: the m drafts (causal), plus mask groups of k at
+           chosen anchors; a group anchored at j sees drafts[0..j) and pre-drafts the step after
+           j drafts are accepted (StepPlan, Planner)
+  forward  the decoder body once; the vocabulary head only on the rows read: the m AR rows, then,
+           after verification, the group at the accepted length, if the drafter asks for it
+  verify   the Verifier (verify.py) accepts j >= 1 drafts and picks the next token y
+  commit   accepted drafts + y, one at a time through the stopping criteria
+  crop     the KV cache keeps the j accepted drafts and drops every other slot of the step
+  draft    the Drafter (drafters.py) proposes the next draft; with none, the next step drafts nothing
+           and only runs y and a fresh group
+
+Each phase runs under torch.profiler.record_function("tidar.<phase>") for a step breakdown.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections import Counter
+from dataclasses import dataclass, field
+
+import torch
+from torch.profiler import record_function
+from transformers import DynamicCache
+
+from .drafters import Draft, DraftContext, fresh
+from .layout import build_mask, decode_mask_mod, decode_position_ids, decode_step_mask
+from .verify import mix, process
+
+# False: the vocabulary head on every slot, as a plain model forward does. Only tests change it, to
+# show the read-rows-only head gives the same tokens.
+READ_ROWS_ONLY = True
+
+
+# --------------------------------------------------------------------------------------------
+# One forward: the decoder body on all slots, the vocabulary head on the rows read.
+# --------------------------------------------------------------------------------------------
+
+
+def cache_kwargs(model, cache) -> dict:
+    """transformers 5.24 renamed `past_key_values` to `cache` (the old name goes in 5.40)."""
+    name = "cache" if "cache" in inspect.signature(type(model).forward).parameters else "past_key_values"
+    return {name: cache, "use_cache": True}
+
+
+# Config fields through which a family's causal-LM head does more than `lm_head(hidden)`. Softcapping
+# is applied here; for the others the engine runs the model's own forward (all rows through the head).
+SOFTCAP = "final_logit_softcapping"
+OTHER_HEAD_TRANSFORMS = ("logit_scale", "logits_scaling", "output_multiplier_scale")
+
+
+def head_is_plain(model) -> bool:
+    return READ_ROWS_ONLY and not any(getattr(model.config, f, None) not in (None, 1, 1.0) for f in OTHER_HEAD_TRANSFORMS)
+
+
+class Output:
+    """One forward's result; `rows(i, j)` are the logits of query slots i..j-1, computed when asked."""
+
+    def __init__(self, model, hidden=None, logits=None):
+        self.model, self.hidden, self.logits, self.head_rows = model, hidden, logits, 0
+
+    def rows(self, start: int, stop: int) -> torch.Tensor:
+        if self.logits is not None:
+            return self.logits[:, start:stop]
+        self.head_rows += stop - start
+        return self.head(self.hidden[:, start:stop])
+
+    def rows_at(self, starts: torch.Tensor, n: int) -> torch.Tensor:
+        """Slots starts[b] .. starts[b] + n - 1 of each row b (rows that read different groups)."""
+        index = starts[:, None] + torch.arange(n, device=starts.device)
+        if self.logits is not None:
+            return self.logits.gather(1, index[..., None].expand(-1, -1, self.logits.shape[-1]))
+        self.head_rows += n
+        return self.head(self.hidden.gather(1, index[..., None].expand(-1, -1, self.hidden.shape[-1])))
+
+    def head(self, hidden):
+        with record_function("tidar.lm_head"):
+            logits = self.model.get_output_embeddings()(hidden)
+            cap = getattr(self.model.config, SOFTCAP, None)
+            return torch.tanh(logits / cap) * cap if cap else logits
+
+
+def forward(model, cache, tokens, positions, mask) -> Output:
+    with record_function("tidar.forward"):
+        if head_is_plain(model):
+            body = model.get_decoder()  # final norm included: its last_hidden_state is what lm_head reads
+            out = body(input_ids=tokens, position_ids=positions, attention_mask=mask, **cache_kwargs(body, cache))
+            return Output(model, hidden=out.last_hidden_state)
+        out = model(input_ids=tokens, position_ids=positions, attention_mask=mask, **cache_kwargs(model, cache))
+        result = Output(model, logits=out.logits)
+        result.head_rows = tokens.shape[1]
+        return result
+
+
+# --------------------------------------------------------------------------------------------
+# The step plan.
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """Which query slots one forward runs: `n_drafts` causal drafts, then a group of `k` masks at each
+    anchor (a group anchored at j sees drafts[0..j) and predicts the k positions after them)."""
+
+    n_drafts: int
+    anchors: tuple[int, ...]
+    k: int
+
+    @property
+    def slots(self) -> int:
+        return self.n_drafts + len(self.anchors) * self.k
+
+    def group_start(self, j: int) -> int | None:
+        """Query index of the group anchored at j, None if the plan has none there."""
+        return self.n_drafts + self.anchors.index(j) * self.k if j in self.anchors else None
+
+    def positions(self, start: torch.Tensor) -> torch.Tensor:
+        return decode_position_ids(start, self.n_drafts, self.k, len(self.anchors), self.anchors)
+
+
+class Planner:
+    """Chooses the anchors of a step's mask groups.
+
+    full      a group at every acceptance length 1..m, as the paper's step (k + k*k slots for m = k).
+    adaptive  groups only at the acceptance lengths likely to occur, from the draft's own confidence
+              (diffusion: the draft head's probability; lookup: its running acceptance rate): the most
+              likely lengths first, each with chance >= min_chance, within the slot budget.
+    A length without a group is still decoded exactly: the next draft then comes from lookup or,
+    with none, the next step drafts nothing and runs a fresh group."""
+
+    def __init__(self, k: int, mode: str = "adaptive", slot_budget: int | None = None, min_chance: float = 0.05):
+        if mode not in ("adaptive", "full"):
+            raise ValueError(f"plan={mode!r}: choose 'adaptive' or 'full'.")
+        if slot_budget is not None and slot_budget < 1 + k:
+            raise ValueError(f"slot_budget={slot_budget}: a step needs at least 1 + block_size = {1 + k} query slots.")
+        self.k, self.mode, self.min_chance = k, mode, min_chance
+        # Default: the paper's step (k + k*k), or room for a full lookup draft (10) + y + one group.
+        self.budget = slot_budget if slot_budget is not None else max(k + k * k, 11 + k)
+
+    def max_proposals(self, uses_groups: bool) -> int:
+        """Most proposals a draft may hold, leaving room for one group when the drafter uses them."""
+        return self.budget - 1 - (self.k if uses_groups else 0)
+
+    def plan(self, draft: Draft, uses_groups: bool, room: int | None = None, per_row: bool = False) -> StepPlan:
+        """room: the largest position offset from draft 0 the model has (near max_position_embeddings
+        a group that would not fit is left out; the last tokens are then drafted by lookup or none)."""
+        m = draft.tokens.shape[1]
+        fits = m if room is None else min(m, room - self.k + 1)  # a group at j uses offsets j .. j + k - 1
+        if not uses_groups or fits < 1:
+            return StepPlan(m, (), self.k)
+        most = max(1, (self.budget - m) // self.k)
+        if self.mode == "full" or draft.confidence is None or m == 1:
+            return StepPlan(m, tuple(range(1, min(fits, most) + 1)), self.k)
+        chance = accepted_length_chances(draft, per_row)[:fits]
+        order = sorted(range(fits), key=lambda i: -chance[i])
+        picked = [order[0]] + [i for i in order[1:most] if chance[i] >= self.min_chance]
+        return StepPlan(m, tuple(sorted(i + 1 for i in picked)), self.k)
+
+
+def accepted_length_chances(draft: Draft, per_row: bool = False) -> list[float]:
+    """j = 1..m: with a shared commit, P(the batch commits j drafts) (the fewest any row accepted);
+    per row, the expected share of rows that accept exactly j (each reads the group at its own j)."""
+    m = draft.tokens.shape[1]
+    real = torch.arange(1, m, device=draft.tokens.device) < draft.length[:, None]
+    c = (draft.confidence.float() * real).clamp(0, 1)
+    reach = torch.cat([torch.ones_like(c[:, :1]), c.cumprod(1)], 1)  # (B, m): P(row accepts >= j)
+    if per_row:
+        return (reach - torch.cat([reach[:, 1:], reach.new_zeros(reach.shape[0], 1)], 1)).mean(0).tolist()
+    reach = reach.prod(0)
+    return (reach - torch.cat([reach[1:], reach.new_zeros(1)])).tolist()
+
+
+# --------------------------------------------------------------------------------------------
+# The state, and the loop.
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class DecodeState:
+    seqs: torch.Tensor  # (B, L) committed tokens; the cache holds all but the last
+    kv_valid: torch.Tensor  # (B, L) False at left padding
+    active: torch.Tensor  # (B,) rows not yet stopped
+    cache_valid: torch.Tensor | None = None  # (B, C) False at the cache's left padding and holes (rows that accepted less)
+    cache: DynamicCache = field(default_factory=DynamicCache)
+    nfe: int = 0
+    row_nfe: torch.Tensor | None = None  # (B,) forwards while each row was active (per-row acceptance)
+    accepted: list = field(default_factory=list)  # drafts committed at each step
+    slots: list = field(default_factory=list)  # query slots of each decoding forward
+    head_rows: list = field(default_factory=list)  # vocabulary-head rows (per batch row) of each decoding forward
+    sources: Counter = field(default_factory=Counter)  # row-steps drafted by each source
+
+    @property
+    def start(self) -> torch.Tensor:
+        """(B,) position of the last committed token, where the next draft starts: the cache holds
+        every committed token but that one."""
+        return self.cache_valid.sum(1)
+
+    def stats(self, prompt_len: int) -> dict:
+        n_new = self.seqs.shape[1] - prompt_len
+        steps = max(1, len(self.slots))
+        extra = {}
+        if self.row_nfe is not None:
+            extra["tokens_per_nfe_per_row"] = (self.row_new.float() / self.row_nfe.clamp(min=1)).tolist()
+        return {**extra,
+            "nfe": self.nfe,
+            "new_tokens": n_new,
+            "tokens_per_nfe": n_new / self.nfe,
+            "accepted": self.accepted,
+            "slots_per_step": sum(self.slots) / steps,
+            "lm_head_rows_per_step": sum(self.head_rows) / steps,
+            "draft_sources": {s: self.sources.get(s, 0) for s in ("lookup", "diffusion", "none")},
+        }
+
+
+def position_limit(model) -> int | None:
+    return getattr(model.config, "max_position_embeddings", None)
+
+
+def prefill(model, state: DecodeState, k: int, mask_id: int, groups: bool) -> tuple[torch.Tensor, callable]:
+    """The prompt (causal), plus one mask group after it when the drafter uses groups (and its
+    positions exist). Returns the AR logits of the first new token (B, V) and a function giving the
+    group's draft logits (B, k - 1, V), or None."""
+    prompt, valid = state.seqs, state.kv_valid
+    B, P = prompt.shape
+    n = valid.sum(1)  # real prompt tokens per row (left padding)
+    limit = position_limit(model)
+    g = k if groups and (limit is None or int(n.max()) + k <= limit) else 0
+    with record_function("tidar.mask"):
+        tokens = torch.cat([prompt, torch.full((B, g), mask_id, device=prompt.device)], 1)
+        positions = torch.cat([(valid.cumsum(1) - 1).clamp(min=0), decode_position_ids(n - P, P, k, 1, P)[:, P : P + g]], 1)
+        all_valid = torch.cat([valid, torch.ones(B, g, dtype=torch.bool, device=prompt.device)], 1)
+        mask = build_mask(decode_mask_mod(0, P, k, P, all_valid), B, P + g, P + g, model.config._attn_implementation, prompt.device)
+    out = forward(model, state.cache, tokens, positions, mask)
+    state.nfe += 1
+    if g:
+        with record_function("tidar.crop"):
+            state.cache.crop(-g)
+    ar = out.rows(P - 1, P)[:, 0]
+    return ar, (lambda: (out.rows(P + 1, P + k), None)) if g else (lambda: (None, None))
+
+
+def run_step(model, state: DecodeState, draft: Draft, plan: StepPlan, mask_id: int) -> Output:
+    """One forward over the plan's slots: the draft tokens, then the mask groups."""
+    B = draft.tokens.shape[0]
+    with record_function("tidar.mask"):
+        masks = torch.full((B, plan.slots - plan.n_drafts), mask_id, device=draft.tokens.device)
+        tokens = torch.cat([draft.tokens, masks], 1)
+        mask = decode_step_mask(state.cache_valid, plan.n_drafts, plan.k, plan.anchors, model.config._attn_implementation)
+        positions = plan.positions(state.start)
+    out = forward(model, state.cache, tokens, positions, mask)
+    state.nfe += 1
+    return out
+
+
+def commit(run, state: DecodeState, new_tokens, scores=None) -> None:
+    """Append tokens one at a time so EOS, max_length and stopping criteria stop exactly where AR would.
+    A finished row gets `pad`, as in transformers. `scores` (the processed scores so far) go to the
+    stopping criteria when output_scores is on, as transformers passes them."""
+    P = run.input_ids.shape[1]
+    seqs, kv_valid, active = state.seqs, state.kv_valid, state.active
+    for t in range(new_tokens.shape[1]):
+        token = torch.where(active, new_tokens[:, t], torch.full_like(new_tokens[:, t], run.pad))
+        seqs = torch.cat([seqs, token[:, None]], 1)
+        kv_valid = torch.cat([kv_valid, torch.ones_like(kv_valid[:, :1])], 1)
+        if run.streamer is not None:
+            run.streamer.put(token.cpu())
+        done = run.criteria(seqs, tuple(scores[: seqs.shape[1] - P]) if scores is not None else None).to(active.device)
+        active = active & ~done
+        if seqs.shape[1] - P >= run.max_new:
+            active = torch.zeros_like(active)
+        if not active.any():
+            break
+    state.seqs, state.kv_valid, state.active = seqs, kv_valid, active
+
+
+def decode(model, run, drafter, planner: Planner, beta: float = 1.0, record=None) -> DecodeState:
+    """Prefill and steps until every row stops. run: decode.Run (the merged arguments). record: None,
+    or (scores, logits) lists that receive one (B, V) tensor per new token.
+
+    A batch whose processors and stopping criteria look at each row alone decodes with per-row
+    acceptance (decode_rows); otherwise each step commits the fewest drafts any row accepted."""
+    if rowwise(run, beta, record):
+        return decode_rows(model, run, drafter, planner)
+    pick, processors, k = run.pick, run.processors, run.k
+    B, P = run.input_ids.shape
+    state = DecodeState(run.input_ids, run.kv_valid, torch.ones(B, dtype=torch.bool, device=run.input_ids.device))
+    ar0, group = prefill(model, state, k, run.mask_id, drafter.uses_groups)
+    limit = position_limit(model)
+    with record_function("tidar.verify"):
+        scores0 = process(processors, state.seqs, state.seqs[:, :0], ar0[:, None])[:, 0]
+        y = pick.token(scores0)
+    if record is not None:
+        record[0].append(scores0)
+        record[1].append(ar0.float())
+    new_tokens, last = y[:, None], None
+    while True:
+        with record_function("tidar.commit"):
+            commit(run, state, new_tokens, record[0] if record is not None and run.gc.output_scores else None)
+        if not state.active.any():
+            break
+        state.cache_valid = state.kv_valid[:, :-1]
+        with record_function("tidar.draft"):
+            remaining = run.max_new - (state.seqs.shape[1] - P)  # y of the next step is one of them
+            room = None if limit is None else limit - 1 - int(state.start.max())  # positions left after draft 0
+            most = min(remaining - 1, planner.max_proposals(drafter.uses_groups), room if room is not None else remaining)
+            ctx = DraftContext(state.seqs, state.kv_valid, most, pick, processors, memo(group))
+            draft = drafter.propose(ctx) or fresh(state.seqs[:, -1])
+            plan = planner.plan(draft, drafter.uses_groups, room)
+        if last is not None:  # the last step's head rows are all known once this draft has read its group (or not)
+            state.head_rows.append(last.head_rows)
+        out = run_step(model, state, draft, plan, run.mask_id)
+        m = plan.n_drafts
+        with record_function("tidar.verify"):
+            ar = out.rows(0, m)
+            scores = process(processors, state.seqs, draft.tokens[:, 1:], ar)  # row i: after seqs ++ drafts 1..i
+            accepted = pick.verify(scores, draft)
+            j = int(accepted[state.active].min())  # rows share one cache length: commit the least
+            g = plan.group_start(j)
+            target = scores[:, j - 1]
+            if beta != 1.0 and g is not None:
+                target = process(processors, state.seqs, draft.tokens[:, 1:j], mix(ar[:, j - 1], out.rows(g, g + 1)[:, 0], beta)[:, None])[:, 0]
+            y = pick.next_token(target, draft, accepted, j, exact=beta == 1.0)
+            if hasattr(drafter, "observe"):
+                drafter.observe(draft, accepted)
+        if record is not None:
+            record[0].extend(scores[:, :j].unbind(1))
+            record[1].extend(ar[:, :j].float().unbind(1))
+        with record_function("tidar.crop"):
+            state.cache.crop(-(plan.slots - j))  # keep the j accepted drafts, drop the rest
+        new_tokens = torch.cat([draft.tokens[:, 1:j], y[:, None]], 1)
+        group = (lambda out=out, g=g: (out.rows(g + 1, g + k), None)) if g is not None else (lambda: (None, None))
+        state.accepted.append(j)
+        state.slots.append(plan.slots)
+        state.sources.update(draft.sources)
+        last = out
+    if last is not None:
+        state.head_rows.append(last.head_rows)
+    return state
+
+
+def memo(fn):
+    """fn, computed at most once (the group's vocabulary head runs only if a drafter asks)."""
+    box = []
+
+    def once():
+        if not box:
+            box.append(fn())
+        return box[0]
+
+    return once
+
+
+# --------------------------------------------------------------------------------------------
+# Per-row acceptance: each row of a batch keeps what it accepted (issue 8, item 5).
+# --------------------------------------------------------------------------------------------
+
+# Processors that act on each row's scores alone, whatever its prefix or batch index; and stopping
+# criteria that read each row's own last tokens (max_length is applied per row here). With anything
+# else (a prefix- or length-dependent processor, a custom criterion), rows share one commit length.
+ROWWISE_PROCESSORS = {"TemperatureLogitsWarper", "TopKLogitsWarper", "TopPLogitsWarper", "MinPLogitsWarper", "TypicalLogitsWarper", "EpsilonLogitsWarper", "EtaLogitsWarper"}
+ROWWISE_CRITERIA = {"MaxLengthCriteria", "EosTokenCriteria", "StopStringCriteria", "MaxTimeCriteria"}
+
+
+def rowwise(run, beta: float, record) -> bool:
+    return (
+        run.input_ids.shape[0] > 1
+        and beta == 1.0
+        and record is None
+        and run.streamer is None
+        and all(type(p).__name__ in ROWWISE_PROCESSORS for p in run.processors)
+        and all(type(c).__name__ in ROWWISE_CRITERIA for c in run.criteria)
+    )
+
+
+def commit_rows(run, criteria, state: DecodeState, tokens, counts, new, n_new) -> None:
+    """Row b appends tokens[b, :counts[b]], one round at a time through the stopping criteria.
+    state.seqs stays right-aligned (each row's last token in the last column; rows that did not
+    advance in a round get a pad on the left, invalid in kv_valid), so criteria reading the last
+    tokens see each row's own sequence. `new` (B, max_new) collects each row's new tokens."""
+    seqs, valid, active = state.seqs, state.kv_valid, state.active
+    B = seqs.shape[0]
+    pad = torch.full((B, 1), run.pad, dtype=seqs.dtype, device=seqs.device)
+    yes = torch.ones((B, 1), dtype=torch.bool, device=seqs.device)
+    rows = torch.arange(B, device=seqs.device)
+    for r in range(tokens.shape[1]):
+        adv = active & (counts > r)
+        if not adv.any():
+            break
+        token = tokens[:, r]
+        seqs = torch.where(adv[:, None], torch.cat([seqs, token[:, None]], 1), torch.cat([pad, seqs], 1))
+        valid = torch.where(adv[:, None], torch.cat([valid, yes], 1), torch.cat([~yes, valid], 1))
+        new[rows[adv], n_new[adv]] = token[adv]
+        n_new += adv.long()
+        done = criteria(seqs, None).to(active.device) if len(criteria) else torch.zeros_like(active)
+        active = active & ~(done & adv) & (n_new < run.max_new)
+    state.seqs, state.kv_valid, state.active = seqs, valid, active
+
+
+def decode_rows(model, run, drafter, planner: Planner) -> DecodeState:
+    """The loop with per-row acceptance. The cache keeps, each step, the most drafts any row accepted;
+    a row's drafts beyond its own accepted count stay in the cache as holes (cache_valid False),
+    which its later queries never attend to, and its positions count only what it committed."""
+    from transformers import StoppingCriteriaList
+
+    pick, processors, k = run.pick, run.processors, run.k
+    B, P = run.input_ids.shape
+    device = run.input_ids.device
+    criteria = StoppingCriteriaList([c for c in run.criteria if type(c).__name__ != "MaxLengthCriteria"])
+    state = DecodeState(run.input_ids, run.kv_valid, torch.ones(B, dtype=torch.bool, device=device))
+    state.row_nfe = torch.ones(B, dtype=torch.long, device=device)
+    new = torch.full((B, run.max_new), run.pad, dtype=run.input_ids.dtype, device=device)
+    n_new = torch.zeros(B, dtype=torch.long, device=device)
+    ar0, group = prefill(model, state, k, run.mask_id, drafter.uses_groups)
+    state.cache_valid = run.kv_valid
+    limit = position_limit(model)
+    with record_function("tidar.verify"):
+        y = pick.token(process(processors, state.seqs, state.seqs[:, :0], ar0[:, None])[:, 0])
+    tokens, counts, last = y[:, None], torch.ones(B, dtype=torch.long, device=device), None
+    while True:
+        with record_function("tidar.commit"):
+            commit_rows(run, criteria, state, tokens, counts, new, n_new)
+        if not state.active.any():
+            break
+        with record_function("tidar.draft"):
+            remaining = run.max_new - int(n_new[state.active].min())
+            room = None if limit is None else limit - 1 - int(state.start.max())
+            most = min(remaining - 1, planner.max_proposals(drafter.uses_groups), room if room is not None else remaining)
+            ctx = DraftContext(state.seqs, state.kv_valid, most, pick, processors, memo(group))
+            draft = drafter.propose(ctx) or fresh(state.seqs[:, -1])
+            plan = planner.plan(draft, drafter.uses_groups, room, per_row=True)
+        if last is not None:
+            state.head_rows.append(last.head_rows)
+        out = run_step(model, state, draft, plan, run.mask_id)
+        state.row_nfe += state.active.long()
+        m = plan.n_drafts
+        with record_function("tidar.verify"):
+            scores = process(processors, state.seqs, draft.tokens[:, 1:], out.rows(0, m))
+            accepted = pick.verify(scores, draft)
+            y = pick.next_token_rows(scores, draft, accepted)
+            if hasattr(drafter, "observe"):
+                drafter.observe(draft, accepted)
+        accepted = torch.where(state.active, accepted, torch.ones_like(accepted))  # finished rows commit nothing
+        J = int(accepted.max())
+        with record_function("tidar.crop"):
+            state.cache.crop(-(plan.slots - J))  # the most any row accepted; the rest of each row: holes
+            state.cache_valid = torch.cat([state.cache_valid, torch.arange(J, device=device) < accepted[:, None]], 1)
+        # Row b commits its accepted proposals, then its y.
+        filler = torch.cat([draft.tokens[:, 1:], draft.tokens[:, :1]], 1)[:, :J]
+        tokens, counts = filler.scatter(1, (accepted - 1)[:, None], y[:, None]), accepted
+        starts = [plan.group_start(a) for a in accepted.tolist()]
+        have = torch.tensor([s is not None for s in starts], device=device)
+        at = torch.tensor([s if s is not None else 0 for s in starts], device=device)
+        group = (lambda out=out, at=at, have=have: (out.rows_at(at + 1, k - 1), have)) if have.any() else (lambda: (None, None))
+        state.accepted.append(J)
+        state.slots.append(plan.slots)
+        state.sources.update(draft.sources)
+        last = out
+    if last is not None:
+        state.head_rows.append(last.head_rows)
+    state.seqs = torch.cat([run.input_ids, new[:, : int(n_new.max())]], 1)
+    state.row_new = n_new
+    return state

@@ -1,0 +1,203 @@
+"""The decoding engine's parts: every drafter gives exactly AR's output, the step plan may skip any
+group and stay exact, the vocabulary head reads only the rows used, and a new drafter is one class.
+
+Sampling with every drafter is checked by the chi-square tests in test_decode.py."""
+
+import pytest
+import torch
+
+from tidar_convert import drafters, engine
+from tidar_convert.decode import generate
+from tidar_convert.drafters import DRAFTERS, Draft, DraftContext, LookupDrafter
+from tidar_convert.engine import Planner, StepPlan
+from tidar_convert.loading import load_base
+
+from conftest import FAMILIES, cycle_batch
+
+
+def ar(model, ids, **kw):
+    return model.generate(ids, do_sample=False, **kw)
+
+
+@pytest.fixture(scope="module")
+def untrained(tiny_dirs):
+    models = {f: load_base(str(tiny_dirs[f]))[0].eval() for f in FAMILIES}
+    for m in models.values():
+        m.config.block_size = 4
+    return models
+
+
+def padded_batch():
+    """Two cycle rows (lookup and diffusion both draft well), one random row; left padding."""
+    g = torch.Generator().manual_seed(0)
+    ids = torch.cat([cycle_batch(2, 12, seed=1), torch.randint(1, 300, (1, 12), generator=g)])
+    mask = torch.ones_like(ids)
+    for row, pad in enumerate([3, 0, 5]):
+        ids[row, :pad], mask[row, :pad] = 0, 0
+    return ids, mask
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_every_drafter_every_k_equals_ar_greedy(trained, untrained, family):
+    """Trained head (long acceptances) and untrained head (acceptance 1, groups unused), k = 2..8,
+    a left-padded batch: each drafter's output is AR greedy's, token for token."""
+    ids, mask = padded_batch()
+    kw = dict(attention_mask=mask, max_new_tokens=20, eos_token_id=None, pad_token_id=0)
+    for model in (trained[family][0], untrained[family]):
+        expected = ar(model, ids, **kw)
+        for name in DRAFTERS:
+            for k in range(2, 9):
+                got = generate(ids, model=model, block_size=k, drafter=name, **kw)
+                assert torch.equal(got, expected), (name, k)
+    model = trained[family][0]
+    generate(ids[:1], model=model, max_new_tokens=30, eos_token_id=None, drafter="diffusion")
+    assert model.tidar_stats["tokens_per_nfe"] > 1.5 and model.tidar_stats["draft_sources"]["diffusion"] > 0
+
+
+@pytest.mark.parametrize("drafter", ["lookup", "hybrid"])
+def test_stops_exactly_at_eos_inside_an_accepted_lookup_draft(trained, drafter):
+    model, _ = trained["llama"]
+    ids = cycle_batch(1, 14, seed=3)  # two periods of the cycle: lookup matches from the first step
+    full = generate(ids, model=model, max_new_tokens=12, eos_token_id=None, drafter=drafter)
+    eos = full[0, 14 + 5].item()  # the 6th new token: inside the first step's lookup draft (new tokens 2..11)
+    expected = ar(model, ids, max_new_tokens=12, eos_token_id=eos)
+    got = generate(ids, model=model, max_new_tokens=12, eos_token_id=eos, drafter=drafter)
+    assert torch.equal(got, expected) and got.shape[1] == 14 + 6
+    stats = model.tidar_stats
+    if drafter == "lookup":  # hybrid may draft with the (trained, confident) diffusion head first
+        assert stats["nfe"] == 2 and stats["accepted"][0] >= 6 and stats["draft_sources"]["lookup"] == 1
+
+
+def test_a_plan_without_a_group_at_the_accepted_length_stays_exact(trained, untrained, monkeypatch):
+    """Groups only at the draft's full length: with an untrained head (acceptance 1) no step has a
+    group where it lands, so the next draft comes from lookup or from nothing (a fresh group)."""
+    monkeypatch.setattr(Planner, "plan", lambda self, draft, uses_groups, *rest, **kw: StepPlan(draft.tokens.shape[1], (draft.tokens.shape[1],), self.k))
+    ids, mask = padded_batch()
+    kw = dict(attention_mask=mask, max_new_tokens=20, eos_token_id=None, pad_token_id=0)
+    for model in (untrained["qwen2"], trained["qwen2"][0]):
+        expected = ar(model, ids, **kw)
+        for name in ("diffusion", "hybrid"):
+            assert torch.equal(generate(ids, model=model, drafter=name, **kw), expected), name
+    generate(ids, model=untrained["qwen2"], drafter="diffusion", **kw)
+    assert untrained["qwen2"].tidar_stats["draft_sources"]["none"] > 0  # steps that had no draft, and still exact
+
+
+def test_adaptive_plan_runs_fewer_slots_and_stays_exact(untrained):
+    model = untrained["llama"]
+    ids = torch.randint(1, 300, (1, 9), generator=torch.Generator().manual_seed(2))
+    expected = ar(model, ids, max_new_tokens=24, eos_token_id=None)
+    slots = {}
+    for plan in ("full", "adaptive"):
+        assert torch.equal(generate(ids, model=model, max_new_tokens=24, eos_token_id=None, drafter="diffusion", plan=plan), expected)
+        slots[plan] = model.tidar_stats["slots_per_step"]
+    assert slots["adaptive"] < 10 < slots["full"]  # untrained: only the group at length 1 is likely
+    assert torch.equal(generate(ids, model=model, max_new_tokens=24, eos_token_id=None, slot_budget=6), expected)
+    assert model.tidar_stats["slots_per_step"] <= 6 + 1e-9
+    with pytest.raises(ValueError, match="slot_budget=3"):
+        generate(ids, model=model, max_new_tokens=4, slot_budget=3)
+    with pytest.raises(ValueError, match="plan='wide'"):
+        generate(ids, model=model, max_new_tokens=4, plan="wide")
+
+
+def test_lm_head_on_read_rows_gives_the_tokens_of_full_logits(trained, monkeypatch):
+    model, _ = trained["mistral"]
+    ids, mask = padded_batch()
+    kw = dict(attention_mask=mask, max_new_tokens=24, eos_token_id=None, pad_token_id=0, plan="full")
+    for name in DRAFTERS:
+        read = generate(ids, model=model, drafter=name, **kw)
+        rows, slots = model.tidar_stats["lm_head_rows_per_step"], model.tidar_stats["slots_per_step"]
+        monkeypatch.setattr(engine, "READ_ROWS_ONLY", False)
+        full = generate(ids, model=model, drafter=name, **kw)
+        monkeypatch.setattr(engine, "READ_ROWS_ONLY", True)
+        assert torch.equal(read, full), name
+        assert model.tidar_stats["lm_head_rows_per_step"] == model.tidar_stats["slots_per_step"]
+        if name != "lookup":  # lookup steps have no groups: every slot is an AR row, all read
+            assert rows < slots, name
+
+
+def test_bad_drafter_is_refused_by_name(trained):
+    model, _ = trained["llama"]
+    with pytest.raises(ValueError, match=r"drafter='ngram': choose one of 'hybrid', 'diffusion', 'lookup'"):
+        generate(cycle_batch(1, 4, seed=0), model=model, max_new_tokens=4, drafter="ngram")
+
+
+def test_lookup_follows_transformers_prompt_lookup():
+    """Longest n-gram first (max 2), its first occurrence, up to num_tokens; the n-gram itself excluded."""
+    lk = LookupDrafter(num_tokens=3, max_ngram=2)
+    t = torch.tensor
+    assert lk.match(t([5, 6, 7, 8, 9, 6, 7]), 10).tolist() == [8, 9, 6]  # bigram (6, 7) at 1
+    assert lk.match(t([5, 6, 7, 8, 9, 1, 7]), 10).tolist() == [8, 9, 1]  # no bigram: unigram 7 at 2
+    assert lk.match(t([1, 5, 1, 6, 1]), 10).tolist() == [5, 1, 6]  # first occurrence
+    assert lk.match(t([5, 6, 7, 8, 9, 6, 7]), 1).tolist() == [8]  # capped
+    assert lk.match(t([1, 2, 3]), 10) is None
+
+
+def test_a_new_drafter_is_one_class(untrained, monkeypatch):
+    """A deterministic drafter that always proposes "the last token, three more times": exact, no
+    engine change, and the plan groups it like any other."""
+
+    class Repeat:
+        name, uses_groups = "repeat", True
+
+        def propose(self, ctx: DraftContext):
+            return Draft(ctx.y[:, None].repeat(1, 4), confidence=torch.full((ctx.y.shape[0], 3), 0.5), sources=["lookup"] * ctx.y.shape[0])
+
+    monkeypatch.setitem(drafters.DRAFTERS, "repeat", Repeat)
+    model = untrained["qwen3"]
+    ids = torch.tensor([[7, 7, 7, 7, 9]])
+    expected = ar(model, ids, max_new_tokens=16, eos_token_id=None)
+    assert torch.equal(generate(ids, model=model, max_new_tokens=16, eos_token_id=None, drafter="repeat"), expected)
+    assert model.tidar_stats["draft_sources"]["lookup"] == len(model.tidar_stats["accepted"])
+
+
+def test_a_prompt_near_the_position_limit_still_decodes(untrained):
+    """Near max_position_embeddings (1024 here) the steps draft less and drop the groups that would
+    not fit, down to plain AR steps, instead of refusing (issue 8, item 6)."""
+    model = untrained["llama"]
+    g = torch.Generator().manual_seed(3)
+    for P, n in ((1012, 12), (1021, 3)):
+        ids = torch.randint(1, 300, (1, P), generator=g)
+        ids[0, -40:] = ids[0, :40]  # a repeat, so lookup drafts too
+        expected = ar(model, ids, max_new_tokens=n, eos_token_id=None)
+        for name in DRAFTERS:
+            assert torch.equal(generate(ids, model=model, max_new_tokens=n, eos_token_id=None, drafter=name, block_size=8), expected), (P, name)
+    with pytest.raises(ValueError, match="lower max_new_tokens to 3"):
+        generate(ids, model=model, max_new_tokens=4)
+
+
+def test_batch_rows_keep_what_each_accepted(trained, monkeypatch):
+    """Rows that accept different numbers of drafts each get their own AR output, and each keeps at
+    least 80% of the gain over AR (T/NFE - 1) it gets alone (issue 8, item 5)."""
+    from tidar_convert.verify import Greedy
+
+    seen, verify = [], Greedy.verify
+    monkeypatch.setattr(Greedy, "verify", lambda self, scores, draft: seen.append(verify(self, scores, draft)) or seen[-1])
+    model, _ = trained["llama"]
+    g = torch.Generator().manual_seed(5)
+    ids = torch.cat([cycle_batch(2, 10, seed=2), torch.randint(1, 300, (2, 10), generator=g)])
+    mask = torch.ones_like(ids)
+    ids[1, :2], mask[1, :2] = 0, 0
+    kw = dict(max_new_tokens=32, eos_token_id=None, pad_token_id=0)
+    for name in DRAFTERS:
+        alone = []
+        for b in range(4):
+            real = ids[b : b + 1, mask[b].bool()]
+            generate(real, model=model, drafter=name, **kw)
+            alone.append(model.tidar_stats["tokens_per_nfe"])
+        before = len(seen)
+        got = generate(ids, model=model, attention_mask=mask, drafter=name, **kw)
+        assert torch.equal(got, ar(model, ids, attention_mask=mask, **kw)), name
+        rows = model.tidar_stats["tokens_per_nfe_per_row"]
+        for b in range(4):
+            assert rows[b] - 1 >= 0.8 * (alone[b] - 1) - 1e-9, (name, b, rows, alone)
+        assert any(len(set(a.tolist())) > 1 for a in seen[before:]), name  # rows did accept different counts
+        assert min(rows) > 2, rows
+
+
+def test_rows_share_one_commit_length_when_a_processor_reads_the_prefix(trained):
+    """repetition_penalty reads each row's prefix: rows then commit the fewest drafts any accepted."""
+    model, _ = trained["llama"]
+    ids = torch.cat([cycle_batch(1, 10, seed=2), torch.randint(1, 300, (1, 10), generator=torch.Generator().manual_seed(5))])
+    kw = dict(max_new_tokens=16, eos_token_id=None, pad_token_id=0, repetition_penalty=1.3)
+    assert torch.equal(generate(ids, model=model, **kw), ar(model, ids, **kw))
+    assert "tokens_per_nfe_per_row" not in model.tidar_stats
