@@ -239,14 +239,19 @@ def check_architecture(config) -> None:
         log.warning("model_type=%r is a rotary causal LM but untested with TiDAR (tested: %s).", model_type, ", ".join(SUPPORTED_MODEL_TYPES))
 
 
-def load_base(model: str | None = None, attn_implementation: str = "sdpa", dtype: torch.dtype = torch.float32) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    """Load the base causal LM and its tokenizer, with the TiDAR mask and pad tokens added."""
+def load_base(model: str | None = None, attn_implementation: str = "sdpa", dtype: torch.dtype | str = torch.float32) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """Load the base causal LM and its tokenizer, with the TiDAR mask and pad tokens added.
+
+    dtype: the weights' dtype, or "auto" for the checkpoint's own (a bf16 checkpoint then takes half
+    the host memory of float32, and nothing is rounded).
+    """
     source = resolve(model)
     if source.endswith(".gguf"):
         check_architecture(_gguf_config(Path(source)))
         hf_model, tokenizer = _load_gguf(Path(source))
         hf_model.set_attn_implementation(attn_implementation)
-        hf_model.to(dtype)
+        if dtype != "auto":
+            hf_model.to(dtype)
     else:
         config = AutoConfig.from_pretrained(source)
         check_architecture(config)
@@ -254,6 +259,24 @@ def load_base(model: str | None = None, attn_implementation: str = "sdpa", dtype
         hf_model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, attn_implementation=attn_implementation)
     add_tidar_tokens(hf_model, tokenizer)
     return hf_model, tokenizer
+
+
+def load_config_and_tokenizer(model: str | None = None) -> tuple[object, PreTrainedTokenizerBase]:
+    """The base model's config and its tokenizer with the TiDAR tokens added, without loading any weight
+    (the model itself is built later, where the training strategy wants it)."""
+    source = resolve(model)
+    if source.endswith(".gguf"):
+        path = Path(source)
+        config = _gguf_config(path)
+        tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    else:
+        config = AutoConfig.from_pretrained(source)
+        tokenizer = AutoTokenizer.from_pretrained(source)
+    check_architecture(config)
+    added = {k: v for k, v in (("mask_token", MASK_TOKEN), ("pad_token", PAD_TOKEN)) if getattr(tokenizer, k) is None}
+    if added:
+        tokenizer.add_special_tokens(added)
+    return config, tokenizer
 
 
 def _gguf_config(path: Path):
@@ -266,11 +289,12 @@ def model_from_config(config, attn_implementation: str = "sdpa") -> PreTrainedMo
     return AutoModelForCausalLM.from_config(copy.deepcopy(config), attn_implementation=attn_implementation)
 
 
-def add_tidar_tokens(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> None:
+def add_tidar_tokens(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, mean_resizing: bool = True) -> None:
     """Ensure a mask and a pad token exist; record their ids in the model config.
 
     New embedding rows start at the mean of the existing ones (transformers' mean resizing), so
     the new tokens look like an average token rather than noise; tied heads stay tied.
+    mean_resizing=False: for a model on the meta device, whose values are loaded afterwards.
     """
     added = {}
     if tokenizer.mask_token is None:
@@ -280,7 +304,7 @@ def add_tidar_tokens(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase)
     if added:
         tokenizer.add_special_tokens(added)
     if len(tokenizer) > model.get_input_embeddings().num_embeddings:
-        model.resize_token_embeddings(len(tokenizer), mean_resizing=True)
+        model.resize_token_embeddings(len(tokenizer), mean_resizing=mean_resizing)
     model.config.mask_token_id = tokenizer.mask_token_id
     model.config.pad_token_id = tokenizer.pad_token_id
     if model.generation_config is not None and model.generation_config.pad_token_id is None:
