@@ -262,9 +262,11 @@ def check_resume(trainer, ckpt_path) -> None:
         return
     from lightning.pytorch.callbacks import ModelCheckpoint
 
+    found = [ckpt_path]
     if ckpt_path == "last":
         dirs = [cb.dirpath for cb in trainer.checkpoint_callbacks if isinstance(cb, ModelCheckpoint)]
-        if not any(cb._find_last_checkpoints(trainer) for cb in trainer.checkpoint_callbacks if isinstance(cb, ModelCheckpoint)):
+        found = [p for cb in trainer.checkpoint_callbacks if isinstance(cb, ModelCheckpoint) for p in cb._find_last_checkpoints(trainer)]
+        if not found:
             where = ", ".join(map(str, dirs)) or "nowhere: no ModelCheckpoint callback is configured"
             raise FileNotFoundError(
                 f"--ckpt_path last: no last checkpoint in {where}. Leave out --ckpt_path to train from scratch, "
@@ -272,6 +274,24 @@ def check_resume(trainer, ckpt_path) -> None:
             )
     elif ckpt_path not in ("best", "hpc") and not Path(ckpt_path).exists():
         raise FileNotFoundError(f"--ckpt_path {ckpt_path}: no such checkpoint; `fit` writes them under <default_root_dir>/checkpoints/.")
+    check_checkpoint_format([p for p in found if p not in ("best", "hpc")], trainer.strategy)
+
+
+def check_checkpoint_format(paths, strategy) -> None:
+    """A folder of shards resumes only under the strategy that reads them; any other would fail deep in
+    torch.load (a directory) or load nothing."""
+    from lightning.pytorch.strategies import ModelParallelStrategy
+
+    from .sharding import is_sharded_checkpoint
+
+    for path in paths:
+        if is_sharded_checkpoint(path) and not isinstance(strategy, ModelParallelStrategy):
+            raise ValueError(
+                f"--ckpt_path {path} is a sharded checkpoint (a folder of one file per rank, written by ModelParallelStrategy), "
+                f"and this run's strategy is {type(strategy).__name__}; resume it with the strategy that wrote it "
+                "(--trainer.strategy lightning.pytorch.strategies.ModelParallelStrategy, as the paper recipes set it), "
+                "or turn it into a model folder with `tidar-convert export --checkpoint PATH --out DIR` and train from that."
+            )
 
 
 def training_card(hparams, steps: int | None, run_dir: Path) -> dict:

@@ -9,6 +9,7 @@ dtype, so no rank ever holds the whole model in float32 (Qwen ships bf16: half o
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 from typing import Callable
 
@@ -92,9 +93,13 @@ def load_sharded_module(cls, path: str | Path):
 
     path = Path(path)
     meta = torch.load(path / _METADATA_FILENAME, map_location="cpu", weights_only=False)
-    module = _load_state(cls, {**meta, "state_dict": {}}, strict=False)
-    state = {"state_dict": module.state_dict()}
-    dcp.load(state, checkpoint_id=path)  # fills the module's own tensors
+    with warnings.catch_warnings():
+        # Lightning: "keys in the model but not in the checkpoint" (all of them: they are read next);
+        # torch: "torch.distributed is ... uninitialized, assuming ... a single process" (it is).
+        warnings.filterwarnings("ignore", message=r".*(not in the checkpoint|assuming the intent is to load in a single process).*")
+        module = _load_state(cls, {**meta, "state_dict": {}}, strict=False)
+        state = {"state_dict": module.state_dict()}
+        dcp.load(state, checkpoint_id=path)  # fills the module's own tensors
     module.load_state_dict(state["state_dict"])
     return module, meta.get("global_step")
 
