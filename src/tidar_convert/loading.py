@@ -273,9 +273,7 @@ def load_config_and_tokenizer(model: str | None = None) -> tuple[object, PreTrai
         config = AutoConfig.from_pretrained(source)
         tokenizer = AutoTokenizer.from_pretrained(source)
     check_architecture(config)
-    added = {k: v for k, v in (("mask_token", MASK_TOKEN), ("pad_token", PAD_TOKEN)) if getattr(tokenizer, k) is None}
-    if added:
-        tokenizer.add_special_tokens(added)
+    add_tidar_token_names(tokenizer)
     return config, tokenizer
 
 
@@ -296,6 +294,18 @@ def add_tidar_tokens(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase,
     the new tokens look like an average token rather than noise; tied heads stay tied.
     mean_resizing=False: for a model on the meta device, whose values are loaded afterwards.
     """
+    add_tidar_token_names(tokenizer)
+    if len(tokenizer) > model.get_input_embeddings().num_embeddings:
+        model.resize_token_embeddings(len(tokenizer), mean_resizing=mean_resizing)
+    model.config.mask_token_id = tokenizer.mask_token_id
+    model.config.pad_token_id = tokenizer.pad_token_id
+    if model.generation_config is not None and model.generation_config.pad_token_id is None:
+        model.generation_config.pad_token_id = tokenizer.pad_token_id
+
+
+def add_tidar_token_names(tokenizer: PreTrainedTokenizerBase) -> None:
+    """Give the tokenizer a mask and a pad token if it lacks them (always in this order, so their ids
+    are the same whether the model is loaded with the tokenizer or later)."""
     added = {}
     if tokenizer.mask_token is None:
         added["mask_token"] = MASK_TOKEN
@@ -303,9 +313,3 @@ def add_tidar_tokens(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase,
         added["pad_token"] = PAD_TOKEN
     if added:
         tokenizer.add_special_tokens(added)
-    if len(tokenizer) > model.get_input_embeddings().num_embeddings:
-        model.resize_token_embeddings(len(tokenizer), mean_resizing=mean_resizing)
-    model.config.mask_token_id = tokenizer.mask_token_id
-    model.config.pad_token_id = tokenizer.pad_token_id
-    if model.generation_config is not None and model.generation_config.pad_token_id is None:
-        model.generation_config.pad_token_id = tokenizer.pad_token_id

@@ -105,7 +105,7 @@ class TiDARModule(L.LightningModule):
         from .loading import load_base
 
         dtype = torch.get_default_dtype()
-        mesh = self.device_mesh if self._device_mesh is not None else None
+        mesh = self._device_mesh  # set by ModelParallelStrategy before this hook; None under any other
         if mesh is None:
             self.model = self._prepare(load_base(self.hparams.model, attn_implementation=self.attn_implementation, dtype=dtype)[0])
         else:
