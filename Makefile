@@ -2,6 +2,7 @@
 #   make convert [MODEL=hub-id|folder|file.gguf] [RECIPE=recipes/x.yaml] [OUT=folder] [MAX_STEPS=n]
 #   make test | make test-fast | make bench MODEL=out/... [K=4] | make bench-gpu
 #   make sweep SWEEP=recipes/sweeps/x.yaml RECIPE=recipes/y.yaml [MAX_STEPS=n] [VAL=n] [ARMS='[a, b]'] [SWEEP_OUT=folder]
+#   make distill [MODEL=...] [DISTILL_OUT=runs/greedy.jsonl] [N_DOCS=n] [DTYPE=bfloat16]
 
 PYTHON ?= python3
 VENV ?= .venv
@@ -25,7 +26,15 @@ ARMS ?=
 SWEEP_OUT ?=
 comma := ,
 
-.PHONY: convert test test-fast bench ppl bench-gpu sweep clean
+# Self-distillation corpus; its defaults are the data settings of recipes/smollm2-135m-cpu-best.yaml.
+DISTILL_OUT ?= runs/greedy.jsonl
+SOURCES ?= [prose-train, stdlib]
+N_DOCS ?= 384
+NEW_TOKENS ?= 160
+VAL_EVERY ?= 50
+DTYPE ?= float32
+
+.PHONY: convert test test-fast bench ppl bench-gpu sweep distill clean
 
 $(BIN)/.installed: pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv --system-site-packages $(VENV)
@@ -61,6 +70,12 @@ sweep: $(BIN)/.installed
 		$(if $(MAX_STEPS),--max_steps $(MAX_STEPS)) $(if $(VAL),--val_check_interval $(VAL)) \
 		$(if $(ARMS),--arms '$(ARMS)') $(if $(SWEEP_OUT),--out $(SWEEP_OUT)) \
 		$(if $(MODEL),--fit_args '[--model.model$(comma) $(MODEL)]')
+
+# MODEL's greedy continuations of training prompts -> DISTILL_OUT; train on them with
+# fit --data.greedy_corpus DISTILL_OUT (and the same --data.val_every). Replaces only an earlier corpus.
+distill: $(BIN)/.installed
+	$(BIN)/tidar-convert distill --out $(DISTILL_OUT) $(if $(MODEL),--model $(MODEL)) --sources '$(SOURCES)' \
+		--n_docs $(N_DOCS) --new_tokens $(NEW_TOKENS) --val_every $(VAL_EVERY) --dtype $(DTYPE) --overwrite
 
 clean:
 	rm -rf runs wandb lightning_logs

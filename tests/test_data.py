@@ -144,21 +144,54 @@ def test_split_prose_by_document(tmp_path):
     assert "goes on across a wrapped line." in everything  # hard wraps joined
 
 
-def test_greedy_corpus_is_the_models_own_continuation(tiny_dirs, tmp_path, monkeypatch):
-    from tidar_convert.data import greedy_corpus
-    from tidar_convert.loading import load_base
+def greedy_mix(tmp_path, tokenizer, **kw):
+    """TiDARData over a human source and a corpus in `distill`'s row format, both plentiful."""
+    from tidar_convert.distill import MADE_BY
 
-    monkeypatch.setenv("TIDAR_CACHE", str(tmp_path / "cache"))
-    model, tok = load_base(str(tiny_dirs["llama"]))
-    src = tmp_path / "docs.jsonl"
-    src.write_text("\n".join(json.dumps({"text": f"def function_{i}(x):\n    return x * {i} + {i}\n" * 3}) for i in range(8)))
-    path = greedy_corpus(model, tok, [str(src)], n_docs=3, val_every=4, prompt_tokens=8, new_tokens=6, batch_size=2)
-    rows = [json.loads(line)["text"] for line in path.read_text().splitlines()]
-    assert len(rows) == 3
-    prompt = tok(json.loads(src.read_text().splitlines()[1])["text"], add_special_tokens=False)["input_ids"][:8]  # doc 0 is validation
-    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
-        expected = model.generate(torch.tensor([prompt]), max_new_tokens=6, do_sample=False, pad_token_id=tok.pad_token_id)
-    assert rows[0] == tok.decode(expected[0], skip_special_tokens=True)
-    mtime = path.stat().st_mtime
-    assert greedy_corpus(model, tok, [str(src)], n_docs=3, val_every=4, prompt_tokens=8, new_tokens=6, batch_size=2) == path
-    assert path.stat().st_mtime == mtime  # cached, not made again
+    human, greedy = tmp_path / "human.jsonl", tmp_path / "greedy.jsonl"
+    human.write_text("\n".join(json.dumps({"text": f"human {i} " + "words " * (i % 5)}) for i in range(600)))
+    greedy.write_text("".join(json.dumps({"text": f"greedy {i} " + "loop " * (i % 3), "made_by": MADE_BY, "val_every": 10}) + "\n" for i in range(600)))
+    dm = TiDARData(source=str(human), seq_len=8, val_every=10, greedy_corpus=str(greedy), shuffle_buffer=0, **kw)
+    dm.tokenizer = tokenizer
+    return dm
+
+
+@pytest.mark.parametrize("share", [0.0, 1 / 3, 2 / 3, 1.0])
+def test_greedy_share_is_the_realised_share_of_the_text(tokenizer, tmp_path, share):
+    dm = greedy_mix(tmp_path, tokenizer, greedy_docs=300, greedy_share=share)
+    docs = list(dm._dataset("train").documents())
+    n_greedy = sum(d.startswith("greedy") for d in docs)
+    assert n_greedy == (0 if share == 0 else 300)  # greedy_docs caps the greedy documents read
+    if share in (0, 1):
+        first = docs[:300]
+        assert all(d.startswith("greedy") == (share == 1) for d in first)  # all greedy first, or none at all
+        return
+    last = max(i for i, d in enumerate(docs) if d.startswith("greedy"))
+    mixed = docs[: last + 1]  # while the greedy documents last
+    realised = sum(len(d) for d in mixed if d.startswith("greedy")) / sum(len(d) for d in mixed)
+    assert realised == pytest.approx(share, abs=0.02)
+
+
+def test_greedy_share_bad_values_are_refused():
+    with pytest.raises(ValueError, match=r"greedy_share=1.5: must be in \[0, 1\]"):
+        TiDARData(greedy_docs=10, greedy_share=1.5)
+    with pytest.raises(ValueError, match="greedy_share=0.5 with greedy_docs=0: there are no greedy documents to mix in"):
+        TiDARData(greedy_share=0.5)
+    with pytest.raises(ValueError, match="greedy_dtype='int8': use one of float32"):
+        TiDARData(greedy_dtype="int8")
+
+
+@pytest.mark.parametrize("ar_loss", [True, False])
+def test_greedy_ar_loss_false_marks_exactly_the_greedy_tokens(tokenizer, tmp_path, ar_loss):
+    dm = greedy_mix(tmp_path, tokenizer, greedy_docs=50, greedy_ar_loss=ar_loss)
+    items = list(dm._dataset("train")._chunks(0, 0))
+    if ar_loss:
+        assert all("no_ar_target" not in item for item in items)
+        return
+    # The stream in order (no shuffle buffer): each token marked exactly when its document is greedy text.
+    expected = []
+    for doc in dm._dataset("train").documents():
+        expected += [doc.startswith("greedy")] * (len(tokenizer(doc, add_special_tokens=False)["input_ids"]) + 1)  # + EOS
+    marks = torch.cat([item["no_ar_target"] for item in items]).tolist()
+    assert marks == expected[: len(marks)] and any(marks) and not all(marks)
+    assert all("no_ar_target" not in item for item in dm._dataset("val")._chunks(0, 0))  # validation: no greedy text

@@ -5,6 +5,7 @@ import math
 from pathlib import Path
 
 import pytest
+import yaml
 
 from tidar_convert.cli import main
 
@@ -178,6 +179,16 @@ def test_the_smollm2_lever_spec_is_valid():
     arms = load_spec(str(SPEC))
     assert {"best", "soft", "greedy-0", "full-ft", "block-8"} <= set(arms)
     assert arms["block-8"][arms["block-8"].index("--model.val_decode_block_size") + 1] == "4"  # compared at the same decode k
+    assert {"greedy-2of3", "greedy-all", "greedy-diff-only", "offset-front", "offset-drafts-only"} <= set(arms)
+    recipe = yaml.safe_load((SPEC.parents[1] / "smollm2-135m-cpu-best.yaml").read_text())
+    train_tokens = recipe["trainer"]["max_steps"] * recipe["data"]["seq_len"] * recipe["data"]["batch_size"]
+    for name, flags in arms.items():
+        value = dict(zip(flags[::2], flags[1::2]))
+        if "--data.greedy_share" in value:  # enough greedy documents (32 prompt + new tokens each) for the share all run long
+            per_doc = 32 + recipe["data"]["greedy_new_tokens"]
+            assert int(value["--data.greedy_docs"]) * per_doc >= float(value["--data.greedy_share"]) * train_tokens, name
+        if "--model.diff_offset_weights" in value:  # one weight per offset of the recipe's block
+            assert len(yaml.safe_load(value["--model.diff_offset_weights"])) == recipe["model"]["block_size"], name
 
 
 def test_val_decode_block_size_decodes_at_that_k(tiny_dirs):

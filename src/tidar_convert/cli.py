@@ -1,4 +1,4 @@
-"""`tidar-convert fit | validate | export | generate | bench | eval-ppl | quality | sweep`.
+"""`tidar-convert fit | validate | export | generate | bench | eval-ppl | quality | sweep | distill`.
 
 fit/validate are LightningCLI (every key of a recipe is a flag: --model.block_size 8,
 --trainer.max_steps 20, --ckpt_path last); the others are typed functions whose signatures are
@@ -452,10 +452,11 @@ def main(argv: list[str] | None = None) -> None:
         from jsonargparse import auto_cli
 
         from .bench import bench_cmd, eval_ppl_cmd
+        from .distill import distill_cmd
         from .quality import quality_cmd
         from .sweep import sweep_cmd
 
-        commands = {"export": export_cmd, "generate": generate_cmd, "bench": bench_cmd, "eval-ppl": eval_ppl_cmd, "quality": quality_cmd, "sweep": sweep_cmd}
+        commands = {"export": export_cmd, "generate": generate_cmd, "bench": bench_cmd, "eval-ppl": eval_ppl_cmd, "quality": quality_cmd, "sweep": sweep_cmd, "distill": distill_cmd}
         auto_cli(commands, args=_unix_flags(args, commands.values()), as_positional=False)  # --model X, as the README says
     except (ValueError, FileNotFoundError, PermissionError, FloatingPointError, ConnectionError) as e:  # bad input, or no hub: the message says the fix
         print(f"error: {e}", file=sys.stderr)

@@ -18,8 +18,8 @@ never to training, whatever the mix or the number of ranks and workers.
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
+import itertools
 import logging
 import os
 import random
@@ -35,7 +35,7 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset
 
 from .loading import cache_dir, fetch_from_wheel
-from .outputs import atomic_dir, atomic_file
+from .outputs import atomic_dir
 
 log = logging.getLogger(__name__)
 
@@ -176,17 +176,26 @@ def pack(token_docs: Iterator[list[int]], seq_len: int) -> Iterator[tuple[torch.
     doc_ids number the documents inside a chunk from 0; a document cut at a chunk end continues
     as document 0 of the next chunk.
     """
+    for input_ids, doc_ids, _ in pack_marked(((tokens, False) for tokens in token_docs), seq_len):
+        yield input_ids, doc_ids
+
+
+def pack_marked(docs: Iterator[tuple[list[int], bool]], seq_len: int) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """`pack` of (tokens, mark) documents: (input_ids, doc_ids, marked), marked a bool per token
+    (its document's mark: say, self-distilled text)."""
     ids: list[int] = []
-    docs: list[int] = []
+    docs_: list[int] = []
+    marks: list[bool] = []
     doc = 0
-    for tokens in token_docs:
+    for tokens, mark in docs:
         ids.extend(tokens)
-        docs.extend([doc] * len(tokens))
+        docs_.extend([doc] * len(tokens))
+        marks.extend([mark] * len(tokens))
         doc += 1
         while len(ids) >= seq_len:
-            chunk_docs = torch.tensor(docs[:seq_len])
-            yield torch.tensor(ids[:seq_len]), chunk_docs - chunk_docs[0]
-            ids, docs = ids[seq_len:], docs[seq_len:]
+            chunk_docs = torch.tensor(docs_[:seq_len])
+            yield torch.tensor(ids[:seq_len]), chunk_docs - chunk_docs[0], torch.tensor(marks[:seq_len])
+            ids, docs_, marks = ids[seq_len:], docs_[seq_len:], marks[seq_len:]
 
 
 def shuffled(items, buffer: int, seed: int):
@@ -222,50 +231,80 @@ class PackedDocuments(IterableDataset):
     tokenizes and packs its own documents, so an epoch sees each document exactly once across all
     ranks and workers. Sources listed in `train_only` (self-distilled text made from training
     prompts) never go to validation.
+
+    `weights` (one per source, >= 0; default equal) set each source's share of this part's text
+    while all sources last; `max_docs` ({source: n}) reads only the first n documents of a source; the tokens
+    of sources in `no_ar` are marked in each item's `no_ar_target` (bool per token): the AR loss does
+    not train on them as targets (TiDARModule), only the diffusion loss does.
     """
 
-    def __init__(self, tokenizer, sources: list[str], seq_len: int, part: str, val_every: int, text_field: str, name, split, seed: int, rank: int = 0, world_size: int = 1, shuffle_buffer: int = 0, train_only: tuple[int, ...] = ()):
+    def __init__(self, tokenizer, sources: list[str], seq_len: int, part: str, val_every: int, text_field: str, name, split, seed: int, rank: int = 0, world_size: int = 1, shuffle_buffer: int = 0, train_only: tuple[int, ...] = (), weights: tuple[float, ...] | None = None, max_docs: dict[int, int] | None = None, no_ar: tuple[int, ...] = ()):
         self.tokenizer, self.sources, self.seq_len, self.part = tokenizer, sources, seq_len, part
         self.val_every, self.text_field, self.name, self.split, self.seed = val_every, text_field, name, split, seed
         self.rank, self.world_size, self.shuffle_buffer, self.train_only = rank, world_size, shuffle_buffer, set(train_only)
+        if weights is not None and (len(weights) != len(sources) or min(weights) < 0 or not sum(weights) > 0):
+            raise ValueError(f"weights={list(weights)}: give one share >= 0 per source ({len(sources)}: {', '.join(sources)}), not all 0.")
+        self.weights, self.max_docs, self.no_ar = weights, dict(max_docs or {}), set(no_ar)
         self.tag_reader = False  # add "reader" (the reader index on this rank) to each item: ResumableLoader counts by it
         self.resume = None  # {"next": reader, "consumed": [chunks per reader]}: set by ResumableLoader for one iter()
 
     def stream_key(self) -> list:
         """The settings that decide which chunks come in which order: a saved position is only
         meaningful for a stream with the same key."""
-        return [list(self.sources), self.seq_len, self.part, self.val_every, self.text_field, self.name, self.split, self.seed, self.world_size, self.shuffle_buffer, sorted(self.train_only)]
+        key = [list(self.sources), self.seq_len, self.part, self.val_every, self.text_field, self.name, self.split, self.seed, self.world_size, self.shuffle_buffer, sorted(self.train_only)]
+        if self.weights is not None or self.max_docs or self.no_ar:  # (absent when unused: older checkpoints still resume)
+            key += [self.weights and list(self.weights), sorted(self.max_docs.items()), sorted(self.no_ar)]
+        return key
 
     def documents(self, worker: int | None = None) -> Iterator[str]:
         """This reader's documents of all sources, interleaved so each source gets an equal share of
-        the text (by characters): a list of sources is a mix from the first step, whatever the
-        document sizes. `worker` is the reader this process plays on its rank (default: its
-        DataLoader worker index; a resumed loader rotates it, see `ResumableLoader`)."""
+        the text (by characters; or the share `weights` gives it): a list of sources is a mix from the
+        first step, whatever the document sizes. `worker` is the reader this process plays on its rank
+        (default: its DataLoader worker index; a resumed loader rotates it, see `ResumableLoader`)."""
+        for _, doc in self.sourced_documents(worker):
+            yield doc
+
+    def sourced_documents(self, worker: int | None = None) -> Iterator[tuple[int, str]]:
+        """(source index, text) of this reader's documents; see `documents`."""
         index, workers = shard()
         worker = index if worker is None else worker
         readers, me = self.world_size * workers, self.rank * workers + worker
         streams = {j: iter_documents(s, self.text_field, self.name, self.split, self.seed) for j, s in enumerate(self.sources)}
+        for j, n_max in self.max_docs.items():
+            streams[j] = itertools.islice(streams[j], n_max)
         chars = dict.fromkeys(streams, 0)
+        if self.weights is None:
+            turn = lambda j: (chars[j], j)  # noqa: E731
+        else:  # the source furthest below its share; a 0-share source only once the others have run out
+            turn = lambda j: (0, chars[j] / self.weights[j], j) if self.weights[j] > 0 else (1, chars[j], j)  # noqa: E731
         n = 0  # documents of this part seen so far, by every reader alike
         while streams:
-            j = min(streams, key=lambda j: (chars[j], j))
+            j = min(streams, key=turn)
             doc = next(streams[j], None)
             if doc is None:
                 del streams[j]
                 continue
-            chars[j] += len(doc)
             is_val = j not in self.train_only and is_validation(doc, self.val_every)
+            # Equal shares count the text the stream reads (the order older runs saw, so their saved
+            # positions still hold); explicit shares count this part's text, so they are exact in it.
+            if self.weights is None or is_val == (self.part == "val"):
+                chars[j] += len(doc)
             if is_val != (self.part == "val"):
                 continue
             if n % readers == me:
-                yield doc
+                yield j, doc
             n += 1
 
     def tokenized(self, worker: int | None = None) -> Iterator[list[int]]:
+        for tokens, _ in self.marked_tokens(worker):
+            yield tokens
+
+    def marked_tokens(self, worker: int | None = None) -> Iterator[tuple[list[int], bool]]:
+        """(token ids with EOS, whether the document is of a `no_ar` source)."""
         eos = self.tokenizer.eos_token_id
-        for doc in self.documents(worker):
+        for j, doc in self.sourced_documents(worker):
             ids = self.tokenizer(doc, add_special_tokens=False)["input_ids"]
-            yield ids + ([eos] if eos is not None else [])
+            yield ids + ([eos] if eos is not None else []), j in self.no_ar
 
     def __iter__(self):
         # Read the resume position now, not when the first item is asked for: a loader without
@@ -285,11 +324,13 @@ class PackedDocuments(IterableDataset):
         buffer's state included); the cost is re-reading what was consumed before the resume.
         """
         n = 0
-        for input_ids, doc_ids in shuffled(pack(self.tokenized(worker), self.seq_len), self.shuffle_buffer, self.seed):
+        for input_ids, doc_ids, marked in shuffled(pack_marked(self.marked_tokens(worker), self.seq_len), self.shuffle_buffer, self.seed):
             n += 1
             if n <= skip:
                 continue
             item = {"input_ids": input_ids, "doc_ids": doc_ids}
+            if self.no_ar:
+                item["no_ar_target"] = marked
             if self.tag_reader:
                 item["reader"] = worker
             yield item
@@ -300,43 +341,17 @@ class PackedDocuments(IterableDataset):
             )
 
 
-def greedy_corpus(model, tokenizer, sources: list[str], n_docs: int, val_every: int, prompt_tokens: int = 32, new_tokens: int = 224, batch_size: int = 32, seed: int = 0) -> Path:
-    """A jsonl of `n_docs` documents: a real prompt, then the model's own greedy continuation.
+def check_greedy(greedy_docs: int, greedy_share: float | None, greedy_dtype: str) -> None:
+    from .distill import DTYPES
 
-    Self-distillation data for the diffusion half: the verifier accepts exactly what AR greedy
-    decoding says, so these are the drafts worth learning. Made once per (model, settings) and cached.
-    """
-    import hashlib
-    import json
-
-    from tqdm.auto import tqdm
-
-    key = json.dumps([str(model.config.name_or_path), sources, n_docs, val_every, prompt_tokens, new_tokens, seed])
-    path = cache_dir() / "greedy" / f"{hashlib.sha1(key.encode()).hexdigest()[:16]}.jsonl"
-    if path.exists():
-        return path
-    path.parent.mkdir(parents=True, exist_ok=True)
-    prompts = []
-    for doc in PackedDocuments(tokenizer, sources, prompt_tokens, "train", val_every, "text", None, "train", seed).tokenized():  # never validation prompts
-        if len(doc) > prompt_tokens:
-            prompts.append(doc[:prompt_tokens])
-        if len(prompts) == n_docs:
-            break
-    device = next(model.parameters()).device
-    was_training = model.training
-    model.eval()
-    # LoRA layers add hundreds of small matmuls per token; they are zero at this point anyway.
-    adapters_off = model.disable_adapter() if hasattr(model, "disable_adapter") else contextlib.nullcontext()
-    try:
-        with atomic_file(path) as tmp, tmp.open("w") as f, torch.no_grad(), torch.autocast(device.type, dtype=torch.bfloat16), adapters_off:
-            for i in tqdm(range(0, len(prompts), batch_size), desc="greedy continuations", unit="batch"):
-                ids = torch.tensor(prompts[i : i + batch_size], device=device)  # equal lengths: no padding
-                out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, do_sample=False, pad_token_id=tokenizer.pad_token_id)
-                for row in out:
-                    f.write(json.dumps({"text": tokenizer.decode(row, skip_special_tokens=True)}) + "\n")
-    finally:
-        model.train(was_training)
-    return path
+    if greedy_docs < 0:
+        raise ValueError(f"greedy_docs={greedy_docs}: must be >= 0 (0 = no self-distilled documents).")
+    if greedy_share is not None and not 0 <= greedy_share <= 1:
+        raise ValueError(f"greedy_share={greedy_share}: must be in [0, 1] (the greedy documents' share of the training text), or null for an equal share.")
+    if greedy_share and greedy_docs == 0:
+        raise ValueError(f"greedy_share={greedy_share} with greedy_docs=0: there are no greedy documents to mix in; set --data.greedy_docs (e.g. 384).")
+    if greedy_dtype not in DTYPES:
+        raise ValueError(f"greedy_dtype={greedy_dtype!r}: use one of {', '.join(DTYPES)}.")
 
 
 class TiDARData(L.LightningDataModule):
@@ -354,6 +369,10 @@ class TiDARData(L.LightningDataModule):
         shuffle_buffer: int = 64,
         greedy_docs: int = 0,
         greedy_new_tokens: int = 224,
+        greedy_corpus: str | None = None,
+        greedy_share: float | None = None,
+        greedy_ar_loss: bool = True,
+        greedy_dtype: str = "float32",
         num_workers: int = 0,
     ):
         """
@@ -369,9 +388,18 @@ class TiDARData(L.LightningDataModule):
             split: hub dataset split.
             seed: order of the stdlib files and of the shuffle buffer.
             shuffle_buffer: training chunks drawn at random from a buffer of this many (0 = in order).
-            greedy_docs: mix in this many documents made of a real prompt (32 tokens of the sources)
-                and the base model's own greedy continuation (self-distillation; made once, cached).
+            greedy_docs: mix in this many documents made of a real prompt (32 tokens of a training
+                document) and the base model's own greedy continuation (self-distillation; made once,
+                by rank 0, and cached; see `tidar_convert.distill`). 0 = none.
             greedy_new_tokens: length of each greedy continuation.
+            greedy_corpus: take the greedy documents (the first greedy_docs) from this file, written
+                by `tidar-convert distill` with the same val_every, instead of generating them.
+            greedy_share: the greedy documents' share of the training text, in [0, 1], while they
+                last (the other sources share the rest equally); None = an equal share with each
+                source. Raise greedy_docs to make them last the whole run.
+            greedy_ar_loss: False = greedy tokens train the diffusion loss only, never as AR targets,
+                so the AR half is not sharpened toward its own greedy loops.
+            greedy_dtype: float32, bfloat16 or float16 weights for generating the greedy documents.
             num_workers: DataLoader workers (0 = tokenize in the training process).
         """
         super().__init__()
@@ -385,7 +413,9 @@ class TiDARData(L.LightningDataModule):
         self.seq_len, self.batch_size, self.val_every, self.val_batches = seq_len, batch_size, val_every, val_batches
         self.text_field, self.name, self.split, self.seed, self.num_workers = text_field, name, split, seed, num_workers
         self.shuffle_buffer, self.greedy_docs, self.greedy_new_tokens = shuffle_buffer, greedy_docs, greedy_new_tokens
-        self.model = None  # set by the module when greedy_docs > 0: the base model writes its own drafts
+        check_greedy(greedy_docs, greedy_share, greedy_dtype)
+        self.greedy_corpus, self.greedy_share, self.greedy_ar_loss, self.greedy_dtype = greedy_corpus, greedy_share, greedy_ar_loss, greedy_dtype
+        self.base_model = None  # the base model's name, set by the module: it writes the greedy documents
         self.tokenizer = None  # set by the module (it owns the tokenizer with the mask token)
 
     def _dataset(self, part: str) -> PackedDocuments:
@@ -393,11 +423,27 @@ class TiDARData(L.LightningDataModule):
             raise RuntimeError("TiDARData.tokenizer is not set; the TiDARModule sets it in setup().")
         rank, world = (self.trainer.global_rank, self.trainer.world_size) if self.trainer else (0, 1)
         buffer = self.shuffle_buffer if part == "train" else 0
-        sources, train_only = self.sources, ()
-        if part == "train" and self.greedy_docs > 0:
-            path = greedy_corpus(self.model, self.tokenizer, self.sources, self.greedy_docs, self.val_every, new_tokens=self.greedy_new_tokens, seed=self.seed)
-            sources, train_only = sources + [str(path)], (len(sources),)  # greedy text continues training prompts
-        return PackedDocuments(self.tokenizer, sources, self.seq_len, part, self.val_every, self.text_field, self.name, self.split, self.seed, rank, world, buffer, train_only)
+        sources, greedy = self.sources, {}
+        if part == "train" and self.greedy_docs > 0 and self.greedy_share != 0:
+            g = len(sources)  # greedy text continues training prompts: it never goes to validation
+            sources, greedy = sources + [self._greedy_path()], {"train_only": (g,), "max_docs": {g: self.greedy_docs}}
+            if self.greedy_share is not None:
+                greedy["weights"] = (*[(1 - self.greedy_share) / g] * g, self.greedy_share)
+            if not self.greedy_ar_loss:
+                greedy["no_ar"] = (g,)
+        return PackedDocuments(self.tokenizer, sources, self.seq_len, part, self.val_every, self.text_field, self.name, self.split, self.seed, rank, world, buffer, **greedy)
+
+    def _greedy_path(self) -> str:
+        from . import distill
+
+        if self.greedy_corpus:
+            distill.check_corpus(self.greedy_corpus, self.val_every, self.greedy_docs)
+            return str(Path(self.greedy_corpus).expanduser().absolute())
+        path = distill.corpus_for_fit(
+            self.trainer, self.base_model, self.sources, self.greedy_docs, self.val_every, 32, self.greedy_new_tokens, 32,
+            self.text_field, self.name, self.split, self.seed, self.greedy_dtype,
+        )
+        return str(path)
 
     def train_dataloader(self):
         self._train_loader = ResumableLoader(self._dataset("train"), batch_size=self.batch_size, num_workers=self.num_workers)

@@ -65,11 +65,12 @@ def train_position_ids(input_ids: torch.Tensor, doc_ids: torch.Tensor | None = N
     return torch.cat([pos, pos], dim=1)
 
 
-def train_labels(input_ids: torch.Tensor, doc_ids: torch.Tensor | None = None):
+def train_labels(input_ids: torch.Tensor, doc_ids: torch.Tensor | None = None, no_ar_target: torch.Tensor | None = None):
     """(ar_labels, diff_labels), each (B, S).
 
-    AR: clean token i predicts x_{i+1} (ignored at the chunk end and across a document boundary).
-    Diffusion: masked slot S + i predicts x_i (not shifted).
+    AR: clean token i predicts x_{i+1} (ignored at the chunk end and across a document boundary,
+    and where `no_ar_target` (B, S, bool) marks x_{i+1}: text the AR half must not learn to write,
+    say its own greedy continuations). Diffusion: masked slot S + i predicts x_i (not shifted).
     """
     ar = torch.full_like(input_ids, IGNORE_INDEX)
     ar[:, :-1] = input_ids[:, 1:]
@@ -77,6 +78,10 @@ def train_labels(input_ids: torch.Tensor, doc_ids: torch.Tensor | None = None):
         crosses = torch.zeros_like(input_ids, dtype=torch.bool)
         crosses[:, :-1] = doc_ids[:, 1:] != doc_ids[:, :-1]
         ar = ar.masked_fill(crosses, IGNORE_INDEX)
+    if no_ar_target is not None:
+        skip = torch.zeros_like(input_ids, dtype=torch.bool)
+        skip[:, :-1] = no_ar_target[:, 1:]
+        ar = ar.masked_fill(skip, IGNORE_INDEX)
     return ar, input_ids.clone()
 
 

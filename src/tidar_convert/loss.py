@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 import torch.nn.functional as F
 
@@ -20,6 +22,16 @@ def check_distill(distill_weight: float, distill_temperature: float, teacher: st
         raise ValueError(f"teacher={teacher!r}: use 'self' (the model's own AR head) or 'base' (the frozen base model, LoRA only).")
 
 
+def check_offset_weights(weights: Sequence[float] | None, block_size: int) -> None:
+    if weights is None:
+        return
+    if len(weights) != block_size or min(weights) < 0 or not sum(weights) > 0:
+        raise ValueError(
+            f"diff_offset_weights={list(weights)}: give one weight >= 0 per position of a block (block_size={block_size}: "
+            f"{block_size} numbers), not all 0, e.g. {[1.0] * block_size} (uniform, the default)."
+        )
+
+
 def hybrid_loss(
     logits: torch.Tensor,
     ar_labels: torch.Tensor,
@@ -29,6 +41,7 @@ def hybrid_loss(
     distill_weight: float = 0.0,
     distill_temperature: float = 1.0,
     teacher_logits: torch.Tensor | None = None,
+    offset_weights: Sequence[float] | None = None,
 ) -> dict[str, torch.Tensor]:
     """logits: (B, 2S, V) over the doubled sequence; labels: (B, S) each (see layout.train_labels).
 
@@ -45,31 +58,46 @@ def hybrid_loss(
     teacher is detached: the AR half learns only from `L_AR`. A slot with no AR prediction for its
     token (the first of a chunk or of a document) keeps its hard label in `L_Distill`. `loss_diff`
     stays the hard cross-entropy, comparable across recipes; `loss_distill` is logged beside it.
+
+    `offset_weights` (one per position in a block; None = uniform) weight the diffusion term by a
+    slot's offset: it becomes sum_i w[i % k] * l_i / sum_i w[i % k] over the valid slots, so uniform
+    weights of any scale give the plain mean. The logged `loss_diff` / `loss_distill` stay unweighted
+    (comparable across recipes); only `loss`, the objective, carries the weights.
+
+    An AR term with no target at all (every label ignored) is 0, not NaN: a chunk made only of text
+    excluded from the AR loss trains the diffusion half alone.
     """
     if alpha < 0:
         raise ValueError(f"alpha={alpha}: the AR weight must be >= 0 (the paper uses 1.0).")
     check_distill(distill_weight, distill_temperature)
+    check_offset_weights(offset_weights, block_size)
     S = ar_labels.shape[1]
     ar_logits, diff_logits = logits[:, :S], logits[:, S:]
-    loss_ar = F.cross_entropy(ar_logits.flatten(0, 1).float(), ar_labels.flatten(), ignore_index=IGNORE_INDEX)
-    loss_diff = F.cross_entropy(diff_logits.flatten(0, 1).float(), diff_labels.flatten(), ignore_index=IGNORE_INDEX)
+    ar_sum = F.cross_entropy(ar_logits.flatten(0, 1).float(), ar_labels.flatten(), ignore_index=IGNORE_INDEX, reduction="sum")
+    loss_ar = ar_sum / (ar_labels != IGNORE_INDEX).sum().clamp(min=1)
+    hard = F.cross_entropy(diff_logits.flatten(0, 1).float(), diff_labels.flatten(), ignore_index=IGNORE_INDEX, reduction="none").view_as(diff_labels)
     valid = diff_labels != IGNORE_INDEX
+    offset = torch.arange(S, device=logits.device) % block_size
+    loss_diff = mean_over(hard, valid.float())
+    # The objective's per-slot weights: the offset's weight on valid slots (plain validity when uniform).
+    slot_w = valid.float() if offset_weights is None else torch.tensor(offset_weights, dtype=torch.float32, device=logits.device)[offset] * valid
     # Mask slot i (i >= 1) guesses x_i, which clean slot i - 1 predicts too (its AR label is x_i), unless
     # a document starts at i: then that AR label is ignored and the slot has no AR teacher.
     has_teacher = torch.zeros_like(valid)
     has_teacher[:, 1:] = (ar_labels[:, :-1] != IGNORE_INDEX) & valid[:, 1:]
-    term_diff, extra = loss_diff, {}
+    term_diff, extra = (loss_diff if offset_weights is None else mean_over(hard, slot_w)), {}
     if distill_weight > 0:
         teacher = logits[:, : S - 1] if teacher_logits is None else teacher_logits[:, : S - 1]
-        extra["loss_distill"] = distill_loss(diff_logits, diff_labels, teacher, has_teacher, distill_temperature)
-        term_diff = (1 - distill_weight) * loss_diff + distill_weight * extra["loss_distill"]
+        per_slot = distill_per_slot(diff_logits, diff_labels, teacher, has_teacher, distill_temperature)
+        extra["loss_distill"] = mean_over(per_slot, valid.float())
+        term_distill = extra["loss_distill"] if offset_weights is None else mean_over(per_slot, slot_w)
+        term_diff = (1 - distill_weight) * term_diff + distill_weight * term_distill
     out = {"loss": (alpha * loss_ar + term_diff) / (1 + alpha), "loss_ar": loss_ar, "loss_diff": loss_diff, **extra}
     with torch.no_grad():
         diff_pred = diff_logits.argmax(-1)
         correct = (diff_pred == diff_labels).float()
         agree = torch.zeros_like(correct)
         agree[:, 1:] = (diff_pred[:, 1:] == ar_logits[:, :-1].argmax(-1)).float()
-        offset = torch.arange(S, device=logits.device) % block_size
         for i in range(block_size):
             sel = valid[:, offset == i].float()
             out[f"acc_diff_{i}"] = (correct[:, offset == i] * sel).sum() / sel.sum().clamp(min=1)
@@ -79,8 +107,18 @@ def hybrid_loss(
     return out
 
 
+def mean_over(per_slot: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """sum(weights * per_slot) / sum(weights); 0 where no slot has weight."""
+    return (per_slot * weights).sum() / weights.sum().clamp(min=torch.finfo(weights.dtype).tiny)
+
+
 def distill_loss(diff_logits: torch.Tensor, diff_labels: torch.Tensor, teacher: torch.Tensor, has_teacher: torch.Tensor, temperature: float) -> torch.Tensor:
-    """Mean over valid diffusion slots of KL(softmax(teacher / T) || softmax(diff)).
+    """Mean over valid diffusion slots of KL(softmax(teacher / T) || softmax(diff)); see `distill_per_slot`."""
+    return mean_over(distill_per_slot(diff_logits, diff_labels, teacher, has_teacher, temperature), (diff_labels != IGNORE_INDEX).float())
+
+
+def distill_per_slot(diff_logits: torch.Tensor, diff_labels: torch.Tensor, teacher: torch.Tensor, has_teacher: torch.Tensor, temperature: float) -> torch.Tensor:
+    """(B, S): KL(softmax(teacher / T) || softmax(diff)) per diffusion slot (0 on invalid slots).
 
     diff_logits (B, S, V); teacher (B, S-1, V) is the AR prediction for slots 1..S-1 (detached here);
     has_teacher (B, S) marks the slots it applies to. The other valid slots use their hard label.
@@ -99,4 +137,4 @@ def distill_loss(diff_logits: torch.Tensor, diff_labels: torch.Tensor, teacher: 
     kl = F.kl_div(logq[:, 1:], logp, reduction="none", log_target=True).sum(-1)
     per_slot = hard.clone()
     per_slot[:, 1:] = torch.where(has_teacher[:, 1:], kl, hard[:, 1:])
-    return (per_slot * valid).sum() / valid.sum().clamp(min=1)
+    return per_slot * valid

@@ -10,7 +10,7 @@ import lightning as L
 import torch
 
 from . import layout
-from .loss import check_distill, hybrid_loss
+from .loss import check_distill, check_offset_weights, hybrid_loss
 
 OptimizerCallable = Callable[[Iterable], torch.optim.Optimizer]
 
@@ -37,6 +37,7 @@ class TiDARModule(L.LightningModule):
         distill_temperature: float = 1.0,
         teacher: str = "self",
         val_decode_block_size: int | None = None,
+        diff_offset_weights: list[float] | None = None,
     ):
         """
         Args:
@@ -61,6 +62,9 @@ class TiDARModule(L.LightningModule):
                 cannot move the target. 'base' needs LoRA (lora_r > 0).
             val_decode_block_size: k used by the `val/tokens_per_nfe` decoding (None = block_size). Set it to
                 compare runs trained at different block sizes at the same decode k (train at 8, decode at 4).
+            diff_offset_weights: one weight per position in a block (block_size numbers) for the diffusion
+                loss; None = uniform (the paper). Decoding drafts from offsets 1..k-1 only (offset 0 sits where
+                the AR token goes) and draft 1 gates the acceptance of the others, so the spread is a lever.
         """
         super().__init__()
         if alpha < 0:
@@ -70,6 +74,7 @@ class TiDARModule(L.LightningModule):
         if not 0 <= warmup_ratio < 1:
             raise ValueError(f"warmup_ratio={warmup_ratio}: must be in [0, 1).")
         check_distill(distill_weight, distill_temperature, teacher)
+        check_offset_weights(diff_offset_weights, block_size)
         if val_decode_block_size is not None and val_decode_block_size < 2:
             raise ValueError(f"val_decode_block_size={val_decode_block_size}: decoding needs at least 2 tokens per block; use 2 or more, or null for block_size.")
         if teacher == "base" and lora_r <= 0:
@@ -88,6 +93,7 @@ class TiDARModule(L.LightningModule):
         self.warmup_ratio, self.min_lr_ratio, self.val_decode_prompts = warmup_ratio, min_lr_ratio, val_decode_prompts
         self.distill_weight, self.distill_temperature, self.teacher = distill_weight, distill_temperature, teacher
         self.val_decode_block_size = val_decode_block_size or block_size
+        self.diff_offset_weights = diff_offset_weights
 
     def configure_model(self) -> None:
         """Build the model. Lightning calls this on every rank once the strategy is set up, with the
@@ -116,9 +122,6 @@ class TiDARModule(L.LightningModule):
 
             self.model = build_sharded(full, lambda: self._prepare(self._empty_model(dtype)), mesh)
         self.model.train()  # from_pretrained returns eval mode; Lightning keeps whatever mode it finds
-        dm = getattr(self.trainer, "datamodule", None) if self._trainer is not None else None
-        if dm is not None:
-            dm.model = self.model
 
     def _empty_model(self, dtype: torch.dtype):
         """The base model on the meta device (no memory), with the rows of the TiDAR tokens."""
@@ -162,9 +165,12 @@ class TiDARModule(L.LightningModule):
         dm = getattr(self.trainer, "datamodule", None) if self._trainer is not None else None
         if dm is not None:
             layout.check_train_shape(dm.seq_len, self.block_size)
-            dm.tokenizer = self.tokenizer  # dm.model is set by configure_model(), which Lightning calls after setup()
+            dm.tokenizer, dm.base_model = self.tokenizer, self.hparams.model  # the base model writes the greedy documents
 
-    def forward_tidar(self, input_ids: torch.Tensor, doc_ids: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+    def forward_tidar(self, input_ids: torch.Tensor, doc_ids: torch.Tensor | None = None, no_ar_target: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+        """The hybrid loss and metrics of a batch; `no_ar_target` (B, S) marks tokens the AR loss does not
+        learn to predict (self-distilled text with --data.greedy_ar_loss false): they train the diffusion
+        half only."""
         B, S = input_ids.shape
         layout.check_train_shape(S, self.block_size)
         mask_mod = layout.train_mask_mod(S, self.block_size, doc_ids)
@@ -175,10 +181,11 @@ class TiDARModule(L.LightningModule):
             attention_mask=mask,
             use_cache=False,
         ).logits
-        ar_labels, diff_labels = layout.train_labels(input_ids, doc_ids)
+        ar_labels, diff_labels = layout.train_labels(input_ids, doc_ids, no_ar_target)
         teacher_logits = self.base_ar_logits(input_ids, doc_ids) if self.teacher == "base" and self.distill_weight > 0 else None
         return hybrid_loss(
-            logits, ar_labels, diff_labels, self.alpha, self.block_size, self.distill_weight, self.distill_temperature, teacher_logits
+            logits, ar_labels, diff_labels, self.alpha, self.block_size, self.distill_weight, self.distill_temperature, teacher_logits,
+            self.diff_offset_weights,
         )
 
     @torch.no_grad()
@@ -199,7 +206,7 @@ class TiDARModule(L.LightningModule):
             ).logits
 
     def training_step(self, batch, batch_idx):
-        out = self.forward_tidar(batch["input_ids"], batch.get("doc_ids"))
+        out = self.forward_tidar(batch["input_ids"], batch.get("doc_ids"), batch.get("no_ar_target"))
         if not torch.isfinite(out["loss"]):
             ckpt = getattr(self.trainer.checkpoint_callback, "last_model_path", "") or "none saved yet"
             raise FloatingPointError(

@@ -1,0 +1,222 @@
+"""Self-distillation data: the base model's own greedy continuations of training-document prefixes.
+
+Under greedy verification a draft is accepted exactly when it equals the AR argmax, so the base
+model's own greedy text is what the diffusion half should learn to draft. Three ways to get it:
+
+  - `tidar-convert distill --model M --sources ... --out corpus.jsonl` writes a corpus as its own
+    step (a progress bar, batched generation, the model in eval mode, the dtype of your choice);
+  - `fit --data.greedy_docs N` makes one before training (cached by its settings), on rank 0 only:
+    the other ranks wait at a barrier and read the same file, so every rank trains on identical
+    greedy documents and the generation runs on one full (never sharded) copy of the base model;
+  - `fit --data.greedy_corpus corpus.jsonl` trains on a corpus made earlier by `distill`.
+
+Prompts are the first `prompt_tokens` tokens of *training* documents only (`data.is_validation`
+decides by a hash of each document's text). Every row records the `val_every` it was split with, and
+`fit` refuses a corpus split with another one: a prompt could then be a validation document.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+from .outputs import atomic_file
+
+MADE_BY = "tidar-convert distill"  # in every row: what marks a file as a corpus this tool may replace
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+def training_prompts(tokenizer, sources: list[str], n_docs: int, prompt_tokens: int, val_every: int, text_field: str = "text", name: str | None = None, split: str = "train", seed: int = 0) -> list[list[int]]:
+    """The first `prompt_tokens` tokens of the first `n_docs` training documents longer than that."""
+    from .data import PackedDocuments
+
+    prompts = []
+    docs = PackedDocuments(tokenizer, sources, prompt_tokens, "train", val_every, text_field, name, split, seed)
+    for doc in docs.tokenized():  # the training part only: never a validation document
+        if len(doc) > prompt_tokens:
+            prompts.append(doc[:prompt_tokens])
+            if len(prompts) == n_docs:
+                return prompts
+    raise ValueError(
+        f"the training documents of {', '.join(sources)} give {len(prompts)} prompts of more than {prompt_tokens} tokens, "
+        f"fewer than the {n_docs} greedy documents asked for; lower the number (--n_docs, or --data.greedy_docs in fit) or add documents."
+    )
+
+
+@torch.no_grad()
+def write_corpus(model, tokenizer, prompts: list[list[int]], out: str | Path, new_tokens: int, batch_size: int, meta: dict) -> Path:
+    """Write one row per prompt, `{"text": prompt + greedy continuation, **meta}`, atomically."""
+    from .progress import progress
+
+    device = next(model.parameters()).device
+    was_training = model.training
+    model.eval()  # no dropout: the continuation is the one greedy decoding gives
+    batches = range(0, len(prompts), batch_size)
+    try:
+        with atomic_file(out) as tmp, tmp.open("w") as f:
+            for i in progress(batches, "greedy continuations", total=len(batches), unit="batch"):
+                ids = torch.tensor(prompts[i : i + batch_size], device=device)  # equal lengths: no padding
+                rows = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, do_sample=False, pad_token_id=tokenizer.pad_token_id)
+                for row in rows:
+                    f.write(json.dumps({"text": tokenizer.decode(row, skip_special_tokens=True), **meta}) + "\n")
+    finally:
+        model.train(was_training)
+    return Path(out).expanduser().absolute()
+
+
+def make_corpus(model: str | None, sources: list[str], out: str | Path, n_docs: int, val_every: int, prompt_tokens: int, new_tokens: int, batch_size: int, text_field: str, name: str | None, split: str, seed: int, dtype: str, device: str | torch.device) -> Path:
+    """Load the base model (its own full copy, in `dtype` on `device`), write the corpus, free the model."""
+    from .loading import load_base
+
+    base, tokenizer = load_base(model, dtype=getattr(torch, dtype))
+    base.to(device)
+    prompts = training_prompts(tokenizer, sources, n_docs, prompt_tokens, val_every, text_field, name, split, seed)
+    meta = {"made_by": MADE_BY, "val_every": val_every, "model": model or "default"}
+    return write_corpus(base, tokenizer, prompts, out, new_tokens, batch_size, meta)
+
+
+def first_row(path: str | Path) -> dict | None:
+    """The first row of a jsonl file, or None if it has none that parses as a JSON object."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            row = json.loads(f.readline())
+    except (OSError, UnicodeDecodeError, ValueError):
+        return None
+    return row if isinstance(row, dict) else None
+
+
+def check_out(out: str, overwrite: bool) -> None:
+    """Refuse, before any model loads, an --out that is not ours to write: only a new path, or (with
+    overwrite) a corpus written by this command, may be written."""
+    path = Path(out).expanduser()
+    if path.is_dir():
+        raise ValueError(f"--out {out!r} is a folder; name a .jsonl file to write, e.g. --out {Path(out) / 'greedy.jsonl'}.")
+    if not path.exists():
+        return
+    if (first_row(path) or {}).get("made_by") != MADE_BY:
+        raise ValueError(f"--out {out!r} exists and is not a corpus written by `tidar-convert distill`; nothing was written. Choose a new file name.")
+    if not overwrite:
+        raise ValueError(f"--out {out!r} holds an earlier corpus of `tidar-convert distill`; pass --overwrite to replace it, or choose a new file name.")
+
+
+def check_corpus(path: str, val_every: int, n_docs: int) -> int:
+    """The number of rows of a corpus `fit` may train on (`--data.greedy_corpus`); refuses one that
+    is missing, was not written by `distill`, was split with another val_every, or is too short."""
+    fix = f"make one with `tidar-convert distill --model M --sources ... --val_every {val_every} --out {path}`"
+    if not Path(path).is_file():
+        raise FileNotFoundError(f"--data.greedy_corpus {path!r} does not exist; {fix}.")
+    first = first_row(path)
+    if first is None or first.get("made_by") != MADE_BY:
+        raise ValueError(f"--data.greedy_corpus {path!r} was not written by `tidar-convert distill`, so nothing says its prompts are training documents; {fix}.")
+    if first.get("val_every") != val_every:
+        raise ValueError(
+            f"--data.greedy_corpus {path!r} took its prompts from a split with val_every={first.get('val_every')}, and this run holds out "
+            f"documents with val_every={val_every}: some prompts could be this run's validation documents. Pass --data.val_every "
+            f"{first.get('val_every')}, or {fix}."
+        )
+    with open(path, encoding="utf-8") as f:
+        rows = sum(1 for line in f if line.strip())
+    if rows < n_docs:
+        raise ValueError(f"--data.greedy_corpus {path!r} holds {rows} documents and --data.greedy_docs asks for {n_docs}; lower --data.greedy_docs to {rows}, or make a larger corpus.")
+    return rows
+
+
+def cache_path(model: str | None, sources: list[str], n_docs: int, val_every: int, prompt_tokens: int, new_tokens: int, text_field: str, name: str | None, split: str, seed: int, dtype: str) -> Path:
+    """Where `fit` keeps the corpus of these settings: computed alike on every rank, without the model."""
+    from .loading import cache_dir
+
+    key = json.dumps([model or "default", sources, n_docs, val_every, prompt_tokens, new_tokens, text_field, name, split, seed, dtype])
+    return cache_dir() / "greedy" / f"{hashlib.sha1(key.encode()).hexdigest()[:16]}.jsonl"
+
+
+def corpus_for_fit(trainer, model: str | None, sources: list[str], n_docs: int, val_every: int, prompt_tokens: int, new_tokens: int, batch_size: int, text_field: str, name: str | None, split: str, seed: int, dtype: str) -> Path:
+    """The cached corpus for a training run, made once: rank 0 first, the other ranks after a barrier.
+
+    Every rank must read the same file (the documents are dealt to ranks by their position in the
+    stream), so only rank 0 generates; the cache must be on a filesystem all nodes see (TIDAR_CACHE),
+    or made beforehand with `distill` and passed as --data.greedy_corpus.
+    """
+    path = cache_path(model, sources, n_docs, val_every, prompt_tokens, new_tokens, text_field, name, split, seed, dtype)
+    world = trainer.world_size if trainer is not None else 1
+    rank = trainer.global_rank if trainer is not None else 0
+    failed = None
+    if rank == 0 and not path.is_file():
+        device = trainer.strategy.root_device if trainer is not None else "cpu"
+        print(f"self-distillation: generating {n_docs} greedy documents with {model or 'the default model'} ({dtype}) into {path}", file=sys.stderr, flush=True)
+        try:
+            make_corpus(model, sources, path, n_docs, val_every, prompt_tokens, new_tokens, batch_size, text_field, name, split, seed, dtype, device)
+        except Exception as e:  # still reach the barrier: the other ranks would otherwise wait there until the timeout
+            if world == 1:
+                raise
+            failed = e
+    if world > 1:
+        trainer.strategy.barrier("greedy_corpus")  # rank 0 has written the file (or found it, or failed) past this point
+        if failed is not None:
+            raise failed
+        if not path.is_file():
+            raise FileNotFoundError(
+                f"rank {rank}: the greedy corpus {path} is not here after rank 0's turn: either rank 0 failed to make it (its error "
+                "says why), or it is on a filesystem this node does not see; point TIDAR_CACHE at one every node shares, or make "
+                "the corpus once with `tidar-convert distill` and pass --data.greedy_corpus."
+            )
+        print(f"rank {rank}: greedy documents from {path}", file=sys.stderr, flush=True)
+    return path
+
+
+def distill_cmd(
+    out: str,
+    model: str | None = None,
+    sources: str | list[str] = "stdlib",
+    n_docs: int = 384,
+    prompt_tokens: int = 32,
+    new_tokens: int = 224,
+    batch_size: int = 32,
+    val_every: int = 50,
+    text_field: str = "text",
+    name: str | None = None,
+    split: str = "train",
+    seed: int = 0,
+    dtype: str = "float32",
+    device: str = "auto",
+    overwrite: bool = False,
+) -> str:
+    """Write self-distillation documents: real prompts, then the base model's own greedy continuation.
+
+    Train on them with `fit --data.greedy_corpus OUT --data.greedy_docs N`, with the same
+    --data.val_every (so no prompt is a validation document of the run).
+
+    Args:
+        out: the .jsonl file to write (new, or an earlier corpus of this command with --overwrite).
+        model: base checkpoint: hub id, local folder or .gguf file; None = embedded SmolLM2-135M-Instruct.
+        sources: data sources the prompts come from, as `fit --data.source` takes them.
+        n_docs: documents to write.
+        prompt_tokens: tokens of a training document that start each one.
+        new_tokens: greedy tokens generated after the prompt.
+        batch_size: prompts generated together.
+        val_every: the training run's --data.val_every: prompts come from its training documents only.
+        text_field: column holding the text in json/parquet/hub sources.
+        name: hub dataset configuration name.
+        split: hub dataset split.
+        seed: the training run's --data.seed (it orders the stdlib files, so it decides which documents come first).
+        dtype: float32, bfloat16 or float16 weights for generation.
+        device: auto (cuda if available), cpu, cuda, cuda:1, ...
+        overwrite: replace an earlier corpus of this command at `out` (never any other file).
+    """
+    sources = [sources] if isinstance(sources, str) else list(sources)
+    if not sources:
+        raise ValueError("--sources []: name at least one data source, e.g. stdlib.")
+    if dtype not in DTYPES:
+        raise ValueError(f"--dtype {dtype!r}: use one of {', '.join(DTYPES)}.")
+    for flag, value, least in (("n_docs", n_docs, 1), ("prompt_tokens", prompt_tokens, 1), ("new_tokens", new_tokens, 1), ("batch_size", batch_size, 1), ("val_every", val_every, 2)):
+        if value < least:
+            raise ValueError(f"--{flag} {value}: must be >= {least}.")
+    check_out(out, overwrite)
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    path = make_corpus(model, sources, out, n_docs, val_every, prompt_tokens, new_tokens, batch_size, text_field, name, split, seed, dtype, device)
+    print(f"wrote {n_docs} greedy documents to {path}", file=sys.stderr)
+    return str(path)
