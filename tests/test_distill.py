@@ -132,6 +132,7 @@ def test_agree_ar_matches_a_direct_count(tiny_dirs):
 
     k = 4
     m = TiDARModule(model=str(tiny_dirs["llama"]), block_size=k)
+    m.configure_model()  # outside a Trainer the module builds its model when asked
     train_tiny(m.model, steps=40, block_size=k)  # so the diffusion head agrees often, not only by chance
     ids = cycle_batch(3, 32, seed=1)
     doc_ids = torch.zeros_like(ids)
@@ -163,6 +164,7 @@ def test_base_teacher_is_the_base_model_with_adapters_off(tiny_dirs):
     from tidar_convert.module import TiDARModule
 
     m = TiDARModule(model=str(tiny_dirs["qwen2"]), block_size=4, lora_r=4, teacher="base", distill_weight=0.5)
+    m.configure_model()  # outside a Trainer the module builds its model when asked
     torch.manual_seed(0)
     with torch.no_grad():  # move the adapters away from zero: the student now differs from the base
         for name, p in m.model.named_parameters():

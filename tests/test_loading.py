@@ -68,3 +68,16 @@ def test_missing_paths_are_clear():
         resolve("/no/such/model.gguf")
     with pytest.raises(FileNotFoundError, match="neither an existing path nor a hub id"):
         resolve("./no/such/folder")
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_config_and_tokenizer_alone_agree_with_the_loaded_model(tiny_dirs, family):
+    """The module reads these before any weight (the model is built later, where the strategy wants it):
+    the token ids must be the ones the loaded model gets."""
+    from tidar_convert.loading import load_config_and_tokenizer
+
+    config, tok = load_config_and_tokenizer(str(tiny_dirs[family]))
+    model, tok_loaded = load_base(str(tiny_dirs[family]))
+    assert config.model_type == model.config.model_type == family
+    assert (tok.mask_token_id, tok.pad_token_id, len(tok)) == (model.config.mask_token_id, model.config.pad_token_id, len(tok_loaded))
+    assert len(tok) == model.get_input_embeddings().num_embeddings

@@ -109,6 +109,7 @@ def test_module_trains_greedy_tokens_in_the_diffusion_loss_only(tiny_dirs):
     from tidar_convert.module import TiDARModule
 
     m = TiDARModule(model=str(tiny_dirs["llama"]), block_size=4)
+    m.configure_model()  # outside a Trainer the module builds its model when asked
     ids = cycle_batch(2, 16, seed=3)
     S = ids.shape[1]
     doc_ids = torch.zeros_like(ids)

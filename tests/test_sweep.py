@@ -197,6 +197,7 @@ def test_val_decode_block_size_decodes_at_that_k(tiny_dirs):
     from tidar_convert.module import TiDARModule
 
     m = TiDARModule(model=str(tiny_dirs["llama"]), block_size=8, val_decode_block_size=2)
+    m.configure_model()  # outside a Trainer the module builds its model when asked
     assert 1.0 <= m.decode_tokens_per_nfe(torch.randint(3, 300, (1, 40)), prompt_len=8, new_tokens=8) <= 2.0
     assert max(m.model.tidar_stats["accepted"]) <= 2
     with pytest.raises(ValueError, match="val_decode_block_size=1"):

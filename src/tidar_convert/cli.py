@@ -231,11 +231,13 @@ def _lightning_cli(args: list[str] | None):
                         where = Path(run.dir).parent
                         print(f"W&B run: {where}" + (f" (offline; upload with `wandb sync {where}`)" if offline else f" ({run.url})"), file=sys.stderr)
             cfg = self.config[self.subcommand]
-            if cfg.get("out") and trainer.is_global_zero:
+            if cfg.get("out"):
                 m = self.model
-                card = training_card(m.hparams, trainer.global_step, Path(trainer.default_root_dir))
-                path = export(m.model, m.tokenizer, cfg.out, m.block_size, m.alpha, overwrite=bool(cfg.get("overwrite")), card=card)
-                print(f"exported TiDAR model to {path}", file=sys.stderr)
+                model = m.unsharded_model()  # sharded: every rank takes part in gathering it onto rank 0
+                if trainer.is_global_zero:
+                    card = training_card(m.hparams, trainer.global_step, Path(trainer.default_root_dir))
+                    path = export(model, m.tokenizer, cfg.out, m.block_size, m.alpha, overwrite=bool(cfg.get("overwrite")), card=card)
+                    print(f"exported TiDAR model to {path}", file=sys.stderr)
 
     callbacks = [TrainProgress(), Preemption(), Throughput()]  # every recipe logs throughput and memory
     return TiDARCLI(
@@ -260,9 +262,11 @@ def check_resume(trainer, ckpt_path) -> None:
         return
     from lightning.pytorch.callbacks import ModelCheckpoint
 
+    found = [ckpt_path]
     if ckpt_path == "last":
         dirs = [cb.dirpath for cb in trainer.checkpoint_callbacks if isinstance(cb, ModelCheckpoint)]
-        if not any(cb._find_last_checkpoints(trainer) for cb in trainer.checkpoint_callbacks if isinstance(cb, ModelCheckpoint)):
+        found = [p for cb in trainer.checkpoint_callbacks if isinstance(cb, ModelCheckpoint) for p in cb._find_last_checkpoints(trainer)]
+        if not found:
             where = ", ".join(map(str, dirs)) or "nowhere: no ModelCheckpoint callback is configured"
             raise FileNotFoundError(
                 f"--ckpt_path last: no last checkpoint in {where}. Leave out --ckpt_path to train from scratch, "
@@ -270,6 +274,24 @@ def check_resume(trainer, ckpt_path) -> None:
             )
     elif ckpt_path not in ("best", "hpc") and not Path(ckpt_path).exists():
         raise FileNotFoundError(f"--ckpt_path {ckpt_path}: no such checkpoint; `fit` writes them under <default_root_dir>/checkpoints/.")
+    check_checkpoint_format([p for p in found if p not in ("best", "hpc")], trainer.strategy)
+
+
+def check_checkpoint_format(paths, strategy) -> None:
+    """A folder of shards resumes only under the strategy that reads them; any other would fail deep in
+    torch.load (a directory) or load nothing."""
+    from lightning.pytorch.strategies import ModelParallelStrategy
+
+    from .sharding import is_sharded_checkpoint
+
+    for path in paths:
+        if is_sharded_checkpoint(path) and not isinstance(strategy, ModelParallelStrategy):
+            raise ValueError(
+                f"--ckpt_path {path} is a sharded checkpoint (a folder of one file per rank, written by ModelParallelStrategy), "
+                f"and this run's strategy is {type(strategy).__name__}; resume it with the strategy that wrote it "
+                "(--trainer.strategy lightning.pytorch.strategies.ModelParallelStrategy, as the paper recipes set it), "
+                "or turn it into a model folder with `tidar-convert export --checkpoint PATH --out DIR` and train from that."
+            )
 
 
 def training_card(hparams, steps: int | None, run_dir: Path) -> dict:
@@ -289,7 +311,8 @@ def export_cmd(checkpoint: str, out: str, overwrite: bool = False) -> str:
     """Export a Lightning checkpoint (e.g. runs/.../checkpoints/last.ckpt) as a TiDAR HF folder.
 
     Args:
-        checkpoint: .ckpt written by `tidar-convert fit`.
+        checkpoint: .ckpt written by `tidar-convert fit`: a file, or the folder a sharded strategy
+            (ModelParallelStrategy) writes under that name; either is read in this one process.
         out: folder to write: new, empty, or an earlier export (with --overwrite). Any other
             existing folder or file is refused, and nothing is deleted.
         overwrite: replace an earlier export at `out` (only that: never other files).
@@ -300,11 +323,22 @@ def export_cmd(checkpoint: str, out: str, overwrite: bool = False) -> str:
     from .module import TiDARModule
     from .outputs import check_export_target
 
-    if not Path(checkpoint).is_file():
+    from .sharding import is_sharded_checkpoint, load_sharded_module
+
+    sharded = is_sharded_checkpoint(checkpoint)
+    if not (Path(checkpoint).is_file() or sharded):
+        if Path(checkpoint).is_dir():
+            raise FileNotFoundError(
+                f"checkpoint {checkpoint!r} is a folder but not a sharded checkpoint (no .metadata in it); pass a "
+                "checkpoint file or folder from <default_root_dir>/checkpoints/, e.g. last.ckpt."
+            )
         raise FileNotFoundError(f"checkpoint {checkpoint!r} does not exist; `fit` writes them under <default_root_dir>/checkpoints/.")
     check_export_target(out, overwrite)  # before loading anything: a refused --out costs nothing
-    m = TiDARModule.load_from_checkpoint(checkpoint, map_location="cpu")
-    steps = torch.load(checkpoint, map_location="cpu", mmap=True, weights_only=False).get("global_step")
+    if sharded:
+        m, steps = load_sharded_module(TiDARModule, checkpoint)
+    else:
+        m = TiDARModule.load_from_checkpoint(checkpoint, map_location="cpu")
+        steps = torch.load(checkpoint, map_location="cpu", mmap=True, weights_only=False).get("global_step")
     card = training_card(m.hparams, steps, Path(checkpoint).resolve().parent.parent)  # <run>/checkpoints/x.ckpt
     path = export(m.model, m.tokenizer, out, m.block_size, m.alpha, overwrite=overwrite, card=card)
     print(f"exported TiDAR model to {path}", file=sys.stderr)

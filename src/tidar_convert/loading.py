@@ -241,8 +241,12 @@ def check_architecture(config) -> None:
         log.warning("model_type=%r is a rotary causal LM but untested with TiDAR (tested: %s).", model_type, ", ".join(SUPPORTED_MODEL_TYPES))
 
 
-def load_base(model: str | None = None, attn_implementation: str = "sdpa", dtype: torch.dtype = torch.float32) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    """Load the base causal LM and its tokenizer, with the TiDAR mask and pad tokens added."""
+def load_base(model: str | None = None, attn_implementation: str = "sdpa", dtype: torch.dtype | str = torch.float32) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """Load the base causal LM and its tokenizer, with the TiDAR mask and pad tokens added.
+
+    dtype: the weights' dtype, or "auto" for the checkpoint's own (a bf16 checkpoint then takes half
+    the host memory of float32, and nothing is rounded).
+    """
     source = resolve(model)
     check_architecture(_gguf_config(Path(source)) if source.endswith(".gguf") else AutoConfig.from_pretrained(source))
     hf_model, tokenizer = load_pretrained(source, dtype, attn_implementation)
@@ -250,21 +254,37 @@ def load_base(model: str | None = None, attn_implementation: str = "sdpa", dtype
     return hf_model, tokenizer
 
 
-def load_pretrained(source: str, dtype: torch.dtype = torch.float32, attn_implementation: str | None = None) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+def load_pretrained(source: str, dtype: torch.dtype | str = torch.float32, attn_implementation: str | None = None) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """A causal LM and its tokenizer exactly as saved: no tokens added, no architecture check.
 
     source: what `resolve` returns (a folder, a hub id or a .gguf path). load_base builds on this;
     perplexity uses it alone, since added mask/pad rows would join the softmax and move the number.
-    attn_implementation: None keeps transformers' default for the model.
+    dtype: "auto" keeps the checkpoint's own. attn_implementation: None keeps transformers' default.
     """
     if source.endswith(".gguf"):
         hf_model, tokenizer = _load_gguf(Path(source))
         if attn_implementation is not None:
             hf_model.set_attn_implementation(attn_implementation)
-        return hf_model.to(dtype), tokenizer
+        return (hf_model if dtype == "auto" else hf_model.to(dtype)), tokenizer
     tokenizer = AutoTokenizer.from_pretrained(source)
     hf_model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, attn_implementation=attn_implementation)
     return hf_model, tokenizer
+
+
+def load_config_and_tokenizer(model: str | None = None) -> tuple[object, PreTrainedTokenizerBase]:
+    """The base model's config and its tokenizer with the TiDAR tokens added, without loading any weight
+    (the model itself is built later, where the training strategy wants it)."""
+    source = resolve(model)
+    if source.endswith(".gguf"):
+        path = Path(source)
+        config = _gguf_config(path)
+        tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    else:
+        config = AutoConfig.from_pretrained(source)
+        tokenizer = AutoTokenizer.from_pretrained(source)
+    check_architecture(config)
+    add_tidar_token_names(tokenizer)
+    return config, tokenizer
 
 
 def _gguf_config(path: Path):
@@ -277,12 +297,26 @@ def model_from_config(config, attn_implementation: str = "sdpa") -> PreTrainedMo
     return AutoModelForCausalLM.from_config(copy.deepcopy(config), attn_implementation=attn_implementation)
 
 
-def add_tidar_tokens(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> None:
+def add_tidar_tokens(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, mean_resizing: bool = True) -> None:
     """Ensure a mask and a pad token exist; record their ids in the model config.
 
     New embedding rows start at the mean of the existing ones (transformers' mean resizing), so
     the new tokens look like an average token rather than noise; tied heads stay tied.
+    mean_resizing=False: for a model on the meta device, whose values are loaded afterwards.
     """
+    add_tidar_token_names(tokenizer)
+    if len(tokenizer) > model.get_input_embeddings().num_embeddings:
+        with _without_notice("transformers.modeling_utils", MEAN_RESIZING_NOTICE):
+            model.resize_token_embeddings(len(tokenizer), mean_resizing=mean_resizing)
+    model.config.mask_token_id = tokenizer.mask_token_id
+    model.config.pad_token_id = tokenizer.pad_token_id
+    if model.generation_config is not None and model.generation_config.pad_token_id is None:
+        model.generation_config.pad_token_id = tokenizer.pad_token_id
+
+
+def add_tidar_token_names(tokenizer: PreTrainedTokenizerBase) -> None:
+    """Give the tokenizer a mask and a pad token if it lacks them (always in this order, so their ids
+    are the same whether the model is loaded with the tokenizer or later)."""
     added = {}
     if tokenizer.mask_token is None:
         added["mask_token"] = MASK_TOKEN
@@ -290,13 +324,6 @@ def add_tidar_tokens(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase)
         added["pad_token"] = PAD_TOKEN
     if added:
         tokenizer.add_special_tokens(added)
-    if len(tokenizer) > model.get_input_embeddings().num_embeddings:
-        with _without_notice("transformers.modeling_utils", MEAN_RESIZING_NOTICE):
-            model.resize_token_embeddings(len(tokenizer), mean_resizing=True)
-    model.config.mask_token_id = tokenizer.mask_token_id
-    model.config.pad_token_id = tokenizer.pad_token_id
-    if model.generation_config is not None and model.generation_config.pad_token_id is None:
-        model.generation_config.pad_token_id = tokenizer.pad_token_id
 
 
 # transformers announces the mean resizing asked for above (for the embeddings, and again for an

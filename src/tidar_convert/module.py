@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import math
 from typing import Callable, Iterable
 
@@ -81,30 +82,84 @@ class TiDARModule(L.LightningModule):
             # checkpoint); with LoRA the base model is the same weights with the adapters switched off.
             raise ValueError(f"teacher='base' with lora_r={lora_r}: the frozen-base teacher needs LoRA; set lora_r > 0 (e.g. 16), or use teacher='self'.")
         self.save_hyperparameters()
-        from .loading import load_base
+        from .loading import load_config_and_tokenizer
 
         self.attn_implementation = attn_implementation or ("flex_attention" if torch.cuda.is_available() else "sdpa")
-        self.model, self.tokenizer = load_base(model, attn_implementation=self.attn_implementation)
-        self.model.train()  # from_pretrained returns eval mode; Lightning keeps whatever mode it finds
-        self.model.config.block_size = block_size
-        self.model.config.alpha = alpha
-        if gradient_checkpointing:
-            self.model.gradient_checkpointing_enable()
-        if lora_r > 0:
-            from peft import LoraConfig, get_peft_model
-
-            cfg = LoraConfig(
-                r=lora_r,
-                lora_alpha=lora_alpha,
-                target_modules="all-linear",
-                trainable_token_indices={"embed_tokens": [self.tokenizer.mask_token_id]},
-            )
-            self.model = get_peft_model(self.model, cfg)
+        # The config and tokenizer only: the weights are loaded in configure_model(), where the strategy
+        # wants them (sharded from the start under ModelParallelStrategy) and in the training dtype.
+        self.config, self.tokenizer = load_config_and_tokenizer(model)
+        self.model = None
         self.block_size, self.alpha, self.optimizer_factory = block_size, alpha, optimizer
         self.warmup_ratio, self.min_lr_ratio, self.val_decode_prompts = warmup_ratio, min_lr_ratio, val_decode_prompts
         self.distill_weight, self.distill_temperature, self.teacher = distill_weight, distill_temperature, teacher
         self.val_decode_block_size = val_decode_block_size or block_size
         self.diff_offset_weights = diff_offset_weights
+
+    def configure_model(self) -> None:
+        """Build the model. Lightning calls this on every rank once the strategy is set up, with the
+        training dtype as the default dtype (bf16 under bf16-true, float32 otherwise); call it yourself
+        to use the module outside a Trainer. Idempotent: Lightning calls it again for each stage.
+
+        Under ModelParallelStrategy the model is sharded with FSDP2 per decoder layer from its first
+        byte (sharding.build_sharded). Its device mesh is (data_parallel, tensor_parallel), by default
+        (nodes, devices per node); TiDAR uses no tensor parallelism, so the second dimension is the
+        one parameters are sharded over and the first the one they are replicated over (HSDP: the
+        all-gathers stay inside a node). `tensor_parallel_size` = world size shards over all ranks.
+        """
+        if self.model is not None:
+            return
+        from .loading import load_base
+
+        dtype = torch.get_default_dtype()
+        mesh = self._device_mesh  # set by ModelParallelStrategy before this hook; None under any other
+        if mesh is None:
+            self.model = self._prepare(load_base(self.hparams.model, attn_implementation=self.attn_implementation, dtype=dtype)[0])
+        else:
+            from .sharding import build_sharded
+
+            def full():  # rank 0: the checkpoint's own dtype (bf16 for Qwen: half of float32), nothing rounded
+                return self._prepare(load_base(self.hparams.model, attn_implementation=self.attn_implementation, dtype="auto")[0])
+
+            self.model = build_sharded(full, lambda: self._prepare(self._empty_model(dtype)), mesh)
+        self.model.train()  # from_pretrained returns eval mode; Lightning keeps whatever mode it finds
+
+    def _empty_model(self, dtype: torch.dtype):
+        """The base model on the meta device (no memory), with the rows of the TiDAR tokens."""
+        from transformers import AutoModelForCausalLM
+
+        from .loading import add_tidar_tokens
+
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(copy.deepcopy(self.config), dtype=dtype, attn_implementation=self.attn_implementation)
+            add_tidar_tokens(model, self.tokenizer, mean_resizing=False)  # the values come from rank 0
+        return model
+
+    def _prepare(self, model):
+        """TiDAR settings, gradient checkpointing and LoRA on a freshly loaded (or meta) base model."""
+        model.config.block_size = self.block_size
+        model.config.alpha = self.alpha
+        if self.hparams.gradient_checkpointing:
+            model.gradient_checkpointing_enable()
+        if self.hparams.lora_r > 0:
+            from peft import LoraConfig, get_peft_model
+
+            cfg = LoraConfig(
+                r=self.hparams.lora_r,
+                lora_alpha=self.hparams.lora_alpha,
+                target_modules="all-linear",
+                trainable_token_indices={"embed_tokens": [self.tokenizer.mask_token_id]},
+            )
+            model = get_peft_model(model, cfg)
+        return model
+
+    def unsharded_model(self):
+        """The model as one plain module, for export. Sharded: a collective (every rank must call it),
+        which returns the gathered model on rank 0 and None on the others."""
+        if self._device_mesh is None:
+            return self.model
+        from .sharding import gather_full
+
+        return gather_full(self.model, lambda: self._prepare(self._empty_model(next(self.model.parameters()).dtype)))
 
     def setup(self, stage: str) -> None:
         dm = getattr(self.trainer, "datamodule", None) if self._trainer is not None else None
@@ -166,7 +221,10 @@ class TiDARModule(L.LightningModule):
     def validation_step(self, batch, batch_idx):
         out = self.forward_tidar(batch["input_ids"], batch.get("doc_ids"))
         if batch_idx < self.val_decode_prompts:
-            out["tokens_per_nfe"] = torch.tensor(self.decode_tokens_per_nfe(batch["input_ids"][:1]))
+            chunk = batch["input_ids"][:1]
+            if self._device_mesh is not None:  # sharded: each forward all-gathers, so every rank decodes rank 0's chunk (same forwards)
+                chunk = self.trainer.strategy.broadcast(chunk)
+            out["tokens_per_nfe"] = torch.tensor(self.decode_tokens_per_nfe(chunk))
         self.log_dict({f"val/{k}": v for k, v in out.items()}, batch_size=batch["input_ids"].shape[0])
 
     @torch.no_grad()
