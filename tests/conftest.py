@@ -113,3 +113,19 @@ def trained(tiny_dirs):
         model, tok = load_base(str(tiny_dirs[family]))
         out[family] = (train_tiny(model), tok)
     return out
+
+
+def ar(model, ids, **kw):
+    """Plain AR greedy decoding (transformers' own generate) on the same weights: the reference."""
+    return model.generate(ids, do_sample=False, **kw)
+
+
+@pytest.fixture(scope="module")
+def untrained(tiny_dirs):
+    """{family: model}: tiny models with untrained diffusion heads (one copy per test module, which may set block_size)."""
+    from tidar_convert.loading import load_base
+
+    models = {f: load_base(str(tiny_dirs[f]))[0].eval() for f in FAMILIES}
+    for m in models.values():
+        m.config.block_size = 4
+    return models

@@ -8,21 +8,8 @@ import torch
 from transformers import StoppingCriteria, StoppingCriteriaList
 
 from tidar_convert.decode import Sampling, generate
-from tidar_convert.loading import load_base
 
-from conftest import FAMILIES, cycle_batch, tiny_config
-
-
-def ar(model, ids, **kw):
-    return model.generate(ids, do_sample=False, **kw)
-
-
-@pytest.fixture(scope="module")
-def untrained(tiny_dirs):
-    models = {f: load_base(str(tiny_dirs[f]))[0].eval() for f in FAMILIES}
-    for m in models.values():
-        m.config.block_size = 4
-    return models
+from conftest import FAMILIES, ar, cycle_batch, tiny_config
 
 
 @pytest.mark.parametrize("family", FAMILIES)

@@ -10,21 +10,8 @@ from tidar_convert import drafters, engine
 from tidar_convert.decode import generate
 from tidar_convert.drafters import DRAFTERS, Draft, DraftContext, LookupDrafter
 from tidar_convert.engine import Planner, StepPlan
-from tidar_convert.loading import load_base
 
-from conftest import FAMILIES, cycle_batch
-
-
-def ar(model, ids, **kw):
-    return model.generate(ids, do_sample=False, **kw)
-
-
-@pytest.fixture(scope="module")
-def untrained(tiny_dirs):
-    models = {f: load_base(str(tiny_dirs[f]))[0].eval() for f in FAMILIES}
-    for m in models.values():
-        m.config.block_size = 4
-    return models
+from conftest import FAMILIES, ar, cycle_batch
 
 
 def padded_batch():
