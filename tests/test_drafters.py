@@ -45,10 +45,12 @@ def test_every_drafter_every_k_equals_ar_greedy(trained, untrained, family):
 def test_stops_exactly_at_eos_inside_an_accepted_lookup_draft(trained, drafter):
     model, _ = trained["llama"]
     ids = cycle_batch(1, 14, seed=3)  # two periods of the cycle: lookup matches from the first step
-    full = generate(ids, model=model, max_new_tokens=12, eos_token_id=None, drafter=drafter)
+    # plan="full": the whole 10-token lookup draft (adaptive would trim the first one, made before
+    # any lookup token was judged, to the proposals likely at its prior rate of 1/2)
+    full = generate(ids, model=model, max_new_tokens=12, eos_token_id=None, drafter=drafter, plan="full")
     eos = full[0, 14 + 5].item()  # the 6th new token: inside the first step's lookup draft (new tokens 2..11)
     expected = ar(model, ids, max_new_tokens=12, eos_token_id=eos)
-    got = generate(ids, model=model, max_new_tokens=12, eos_token_id=eos, drafter=drafter)
+    got = generate(ids, model=model, max_new_tokens=12, eos_token_id=eos, drafter=drafter, plan="full")
     assert torch.equal(got, expected) and got.shape[1] == 14 + 6
     stats = model.tidar_stats
     if drafter == "lookup":  # hybrid may draft with the (trained, confident) diffusion head first
@@ -84,6 +86,34 @@ def test_adaptive_plan_runs_fewer_slots_and_stays_exact(untrained):
         generate(ids, model=model, max_new_tokens=4, slot_budget=3)
     with pytest.raises(ValueError, match="plan='wide'"):
         generate(ids, model=model, max_new_tokens=4, plan="wide")
+
+
+def test_trim_keeps_the_proposals_a_step_is_likely_to_reach():
+    tokens = torch.arange(10).reshape(2, 5)
+    conf = torch.tensor([[0.9, 0.5, 0.1, 0.9], [0.9, 0.9, 0.9, 0.9]])
+    draft = Draft(tokens, confidence=conf, raw_confidence=conf / 2, sources=["diffusion"] * 2)
+    planner = Planner(4, "adaptive", min_chance=0.05)
+    shared = planner.trim(draft)  # row 0 reaches 0.9, 0.45, 0.045: the batch commits at most 2 proposals there
+    assert torch.equal(shared.tokens, tokens[:, :3]) and shared.length.tolist() == [3, 3]
+    assert torch.equal(shared.confidence, conf[:, :2]) and torch.equal(shared.raw_confidence, conf[:, :2] / 2)
+    assert planner.trim(draft, per_row=True) is draft  # row 1 reaches all four on its own
+    assert planner.trim(Draft(tokens, confidence=torch.full((2, 4), 0.01))).tokens.shape[1] == 2  # one proposal at least
+    assert Planner(4, "full").trim(draft) is draft  # the paper's step drafts all of them
+
+
+def test_adaptive_draft_length_drafts_less_where_lookup_misses_and_stays_exact(untrained):
+    """Random prompts, untrained model: lookup matches by chance and is rejected, so its running rate
+    falls and adaptive drafts shrink (full keeps transformers' 10 tokens); outputs equal AR's."""
+    model = untrained["llama"]
+    ids = torch.randint(1, 40, (2, 24), generator=torch.Generator().manual_seed(4))  # small vocabulary: many 2-gram hits
+    kw = dict(max_new_tokens=24, eos_token_id=None, pad_token_id=0)
+    expected = ar(model, ids, **kw)
+    slots = {}
+    for plan in ("full", "adaptive"):
+        for rows in (ids, ids[:1]):  # shared commit and per-row acceptance
+            assert torch.equal(generate(rows, model=model, drafter="lookup", plan=plan, **kw), expected[: rows.shape[0]]), plan
+        slots[plan] = model.tidar_stats["slots_per_step"]
+    assert slots["adaptive"] < slots["full"], slots  # lookup runs no groups: only trimming can lower it
 
 
 def test_lm_head_on_read_rows_gives_the_tokens_of_full_logits(trained, monkeypatch):

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import inspect
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 from torch.profiler import record_function
@@ -131,7 +131,12 @@ class Planner:
               (diffusion: the draft head's probability; lookup: its running acceptance rate): the most
               likely lengths first, each with chance >= min_chance, within the slot budget.
     A length without a group is still decoded exactly: the next draft then comes from lookup or,
-    with none, the next step drafts nothing and runs a fresh group."""
+    with none, the next step drafts nothing and runs a fresh group.
+
+    adaptive also sets the draft length (trim): proposals the step reaches with chance < min_chance
+    are dropped before the forward. Any length >= 2 is exact; each dropped proposal is one query
+    slot less through every layer (and, in full mode, one group less). On a CPU in fp32 a slot costs
+    about 1/25 of an AR step, so a proposal is worth its slot from about that chance up."""
 
     def __init__(self, k: int, mode: str = "adaptive", slot_budget: int | None = None, min_chance: float = 0.05):
         if mode not in ("adaptive", "full"):
@@ -145,6 +150,23 @@ class Planner:
     def max_proposals(self, uses_groups: bool) -> int:
         """Most proposals a draft may hold, leaving room for one group when the drafter uses them."""
         return self.budget - 1 - (self.k if uses_groups else 0)
+
+    def trim(self, draft: Draft, per_row: bool = False) -> Draft:
+        """The draft cut after its last proposal that the step reaches with chance >= min_chance
+        (with a shared commit: every row reaches it; per row: some row does), at least one kept.
+        Sampling stays exact: a slot's confidence reads its proposal distribution, never the token
+        drawn from it, so where a draft stops depends only on the proposals before (a stopping rule)."""
+        m = draft.tokens.shape[1]
+        if self.mode == "full" or draft.confidence is None or m <= 2:
+            return draft
+        reach = reach_chances(draft)[:, 1:]  # (B, m - 1): P(the row accepts proposal i)
+        reach = reach.max(0).values if per_row else reach.prod(0)
+        keep = max(1, int((reach >= self.min_chance).sum()))  # reach only falls with i: a prefix
+        if keep == m - 1:
+            return draft
+        cut = lambda t: None if t is None else t[:, :keep]
+        return replace(draft, tokens=draft.tokens[:, : keep + 1], q=cut(draft.q), length=draft.length.clamp(max=keep + 1),
+                       confidence=cut(draft.confidence), raw_confidence=cut(draft.raw_confidence))
 
     def plan(self, draft: Draft, uses_groups: bool, room: int | None = None, per_row: bool = False) -> StepPlan:
         """room: the largest position offset from draft 0 the model has (near max_position_embeddings
@@ -165,14 +187,20 @@ class Planner:
 def accepted_length_chances(draft: Draft, per_row: bool = False) -> list[float]:
     """j = 1..m: with a shared commit, P(the batch commits j drafts) (the fewest any row accepted);
     per row, the expected share of rows that accept exactly j (each reads the group at its own j)."""
-    m = draft.tokens.shape[1]
-    real = torch.arange(1, m, device=draft.tokens.device) < draft.length[:, None]
-    c = (draft.confidence.float() * real).clamp(0, 1)
-    reach = torch.cat([torch.ones_like(c[:, :1]), c.cumprod(1)], 1)  # (B, m): P(row accepts >= j)
+    reach = reach_chances(draft)
     if per_row:
         return (reach - torch.cat([reach[:, 1:], reach.new_zeros(reach.shape[0], 1)], 1)).mean(0).tolist()
     reach = reach.prod(0)
     return (reach - torch.cat([reach[1:], reach.new_zeros(1)])).tolist()
+
+
+def reach_chances(draft: Draft) -> torch.Tensor:
+    """(B, m): column j - 1 is P(the row accepts >= j drafts), draft 0 always; from draft.confidence,
+    a row's acceptance stopping at its first miss and at its length."""
+    m = draft.tokens.shape[1]
+    real = torch.arange(1, m, device=draft.tokens.device) < draft.length[:, None]
+    c = (draft.confidence.float() * real).clamp(0, 1)
+    return torch.cat([torch.ones_like(c[:, :1]), c.cumprod(1)], 1)
 
 
 # --------------------------------------------------------------------------------------------
@@ -193,6 +221,20 @@ class DecodeState:
     slots: list = field(default_factory=list)  # query slots of each decoding forward
     head_rows: list = field(default_factory=list)  # vocabulary-head rows (per batch row) of each decoding forward
     sources: Counter = field(default_factory=Counter)  # row-steps drafted by each source
+    last: Output | None = None  # the last step's forward, until its vocabulary-head rows are all known
+
+    def record(self, accepted: int, plan: StepPlan, draft: Draft, out: Output) -> None:
+        self.finish()
+        self.accepted.append(accepted)
+        self.slots.append(plan.slots)
+        self.sources.update(draft.sources)
+        self.last = out
+
+    def finish(self) -> None:
+        """Counts the last step's head rows: known once the next draft has read its group, or not."""
+        if self.last is not None:
+            self.head_rows.append(self.last.head_rows)
+            self.last = None
 
     @property
     def start(self) -> torch.Tensor:
@@ -297,7 +339,7 @@ def decode(model, run, drafter, planner: Planner, beta: float = 1.0, record=None
     if record is not None:
         record[0].append(scores0)
         record[1].append(ar0.float())
-    new_tokens, last = y[:, None], None
+    new_tokens = y[:, None]
     while True:
         with record_function("tidar.commit"):
             commit(run, state, new_tokens, record[0] if record is not None and run.gc.output_scores else None)
@@ -309,10 +351,9 @@ def decode(model, run, drafter, planner: Planner, beta: float = 1.0, record=None
             room = None if limit is None else limit - 1 - int(state.start.max())  # positions left after draft 0
             most = min(remaining - 1, planner.max_proposals(drafter.uses_groups), room if room is not None else remaining)
             ctx = DraftContext(state.seqs, state.kv_valid, most, pick, processors, memo(group))
-            draft = drafter.propose(ctx) or fresh(state.seqs[:, -1])
+            draft = planner.trim(drafter.propose(ctx) or fresh(state.seqs[:, -1]))
             plan = planner.plan(draft, drafter.uses_groups, room)
-        if last is not None:  # the last step's head rows are all known once this draft has read its group (or not)
-            state.head_rows.append(last.head_rows)
+        state.finish()
         out = run_step(model, state, draft, plan, run.mask_id)
         m = plan.n_drafts
         with record_function("tidar.verify"):
@@ -334,12 +375,8 @@ def decode(model, run, drafter, planner: Planner, beta: float = 1.0, record=None
             state.cache.crop(-(plan.slots - j))  # keep the j accepted drafts, drop the rest
         new_tokens = torch.cat([draft.tokens[:, 1:j], y[:, None]], 1)
         group = (lambda out=out, g=g: (out.rows(g + 1, g + k), None)) if g is not None else (lambda: (None, None))
-        state.accepted.append(j)
-        state.slots.append(plan.slots)
-        state.sources.update(draft.sources)
-        last = out
-    if last is not None:
-        state.head_rows.append(last.head_rows)
+        state.record(j, plan, draft, out)
+    state.finish()
     return state
 
 
@@ -420,7 +457,7 @@ def decode_rows(model, run, drafter, planner: Planner) -> DecodeState:
     limit = position_limit(model)
     with record_function("tidar.verify"):
         y = pick.token(process(processors, state.seqs, state.seqs[:, :0], ar0[:, None])[:, 0])
-    tokens, counts, last = y[:, None], torch.ones(B, dtype=torch.long, device=device), None
+    tokens, counts = y[:, None], torch.ones(B, dtype=torch.long, device=device)
     while True:
         with record_function("tidar.commit"):
             commit_rows(run, criteria, state, tokens, counts, new, n_new)
@@ -431,10 +468,9 @@ def decode_rows(model, run, drafter, planner: Planner) -> DecodeState:
             room = None if limit is None else limit - 1 - int(state.start.max())
             most = min(remaining - 1, planner.max_proposals(drafter.uses_groups), room if room is not None else remaining)
             ctx = DraftContext(state.seqs, state.kv_valid, most, pick, processors, memo(group))
-            draft = drafter.propose(ctx) or fresh(state.seqs[:, -1])
+            draft = planner.trim(drafter.propose(ctx) or fresh(state.seqs[:, -1]), per_row=True)
             plan = planner.plan(draft, drafter.uses_groups, room, per_row=True)
-        if last is not None:
-            state.head_rows.append(last.head_rows)
+        state.finish()
         out = run_step(model, state, draft, plan, run.mask_id)
         state.row_nfe += state.active.long()
         m = plan.n_drafts
@@ -456,12 +492,8 @@ def decode_rows(model, run, drafter, planner: Planner) -> DecodeState:
         have = torch.tensor([s is not None for s in starts], device=device)
         at = torch.tensor([s if s is not None else 0 for s in starts], device=device)
         group = (lambda out=out, at=at, have=have: (out.rows_at(at + 1, k - 1), have)) if have.any() else (lambda: (None, None))
-        state.accepted.append(J)
-        state.slots.append(plan.slots)
-        state.sources.update(draft.sources)
-        last = out
-    if last is not None:
-        state.head_rows.append(last.head_rows)
+        state.record(J, plan, draft, out)
+    state.finish()
     state.seqs = torch.cat([run.input_ids, new[:, : int(n_new.max())]], 1)
     state.row_new = n_new
     return state
