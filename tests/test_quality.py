@@ -195,7 +195,12 @@ def test_quality_cli_defaults_to_the_base_the_export_records(tiny_dirs, tmp_path
     m, tok = load_base(str(tiny_dirs["qwen2"]))
     path = export(m, tok, tmp_path / "tiny", block_size=4, alpha=1.0, card={"base_model": str(tiny_dirs["qwen2"])})
     out = tmp_path / "report.json"
-    main(["quality", "--model", str(path), "--limit", "2", "--max-new-tokens", "8", "--humaneval", "false", "--out", str(out)])
-    r = json.loads(out.read_text())
-    assert r["base_model"] == str(tiny_dirs["qwen2"].resolve())  # not overwritten by the base metrics
-    assert r["passes"] and r["distinct2_ratio"] == 1.0  # untrained export: the base's own weights, the same text
+    base_text = {}
+    for base_decoder in ("prompt_lookup", "ar"):
+        main(["quality", "--model", str(path), "--limit", "2", "--max-new-tokens", "8", "--humaneval", "false", "--out", str(out), "--base-decoder", base_decoder])
+        r = json.loads(out.read_text())
+        assert r["base_model"] == str(tiny_dirs["qwen2"].resolve())  # not overwritten by the base metrics
+        assert r["base_decoder"] == base_decoder
+        assert r["passes"] and r["distinct2_ratio"] == 1.0  # untrained export: the base's own weights, the same text
+        base_text[base_decoder] = [row["base"]["text"] for row in r["rows"]]
+    assert base_text["prompt_lookup"] == base_text["ar"]  # the fast default writes the base's greedy text

@@ -240,6 +240,7 @@ def quality_cmd(
     timeout: float = 3.0,
     out: str | None = None,
     dtype: str = "float32",
+    base_decoder: str = "prompt_lookup",
 ) -> str:
     """Compare a TiDAR export's own greedy text with its base model's: distinct-2, loop share, pass@1.
 
@@ -260,6 +261,9 @@ def quality_cmd(
         timeout: seconds per HumanEval program.
         out: JSON path; default bench/results/<model folder name>-quality.json.
         dtype: float32 or bfloat16, for both models.
+        base_decoder: how the base decodes: prompt_lookup (transformers' own, greedy: the base's
+            greedy tokens in a fraction of the time, up to rounding where a multi-token forward
+            breaks a near-tie) or ar (one token a forward, exactly AR).
 
     Returns:
         Path of the JSON written.
@@ -276,6 +280,8 @@ def quality_cmd(
 
     if decoder not in ("tidar", "ar"):
         raise ValueError(f"decoder={decoder!r}: use tidar or ar.")
+    if base_decoder not in ("prompt_lookup", "ar"):
+        raise ValueError(f"base_decoder={base_decoder!r}: use prompt_lookup or ar.")
     if max_new_tokens < 1 or (limit is not None and limit < 1) or timeout <= 0:
         raise ValueError("max_new_tokens and limit must be >= 1, timeout > 0.")
     if dtype not in ("float32", "bfloat16"):
@@ -295,10 +301,11 @@ def quality_cmd(
     converted = greedy_completions(lm, tok, texts, max_new_tokens, {"tidar": decoder == "tidar"})
     del lm
     base_lm, base_tok = load_base(base, dtype=dt)
-    base_outputs = greedy_completions(base_lm.to(device).eval(), base_tok, texts, max_new_tokens)
+    lookup = {"prompt_lookup_num_tokens": 4} if base_decoder == "prompt_lookup" else {}  # the bench's draft length
+    base_outputs = greedy_completions(base_lm.to(device).eval(), base_tok, texts, max_new_tokens, lookup)
     del base_lm
 
-    result = {"model": str(path.resolve()), "base_model": base, "decoder": decoder, "max_new_tokens": max_new_tokens, "prompts": len(prompts)}
+    result = {"model": str(path.resolve()), "base_model": base, "decoder": decoder, "base_decoder": base_decoder, "max_new_tokens": max_new_tokens, "prompts": len(prompts)}
     result |= compare(prompts, converted, base_outputs, tok, base_tok, humaneval, timeout)
     json_path.parent.mkdir(parents=True, exist_ok=True)
     json_path.write_text(json.dumps(result, indent=1))
