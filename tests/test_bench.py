@@ -47,6 +47,10 @@ def test_bench_json_and_plots(tiny_dirs, tiny_export, tmp_path, capsys):
     r = json.loads(path.read_text())
 
     assert r["block_size"] == 4 and r["prompts"] == 3 and r["perplexity"] is None
+    kinds = r["summary_by_kind"]  # 2 code prompts and 1 text prompt, summarised apart
+    assert set(kinds) == {"code", "text"} and kinds["code"]["ar"]["prompts"] == 2 and kinds["text"]["tidar"]["prompts"] == 1
+    assert kinds["text"]["tidar"]["new_tokens"] == sum(row["tidar"]["new_tokens"] for row in r["rows"] if row["kind"] == "text")
+    assert "text prompts (1): " in err
     assert {"torch", "threads", "device"} <= set(r["machine"])
     # every decoder of the table either ran or is listed with the reason it could not (a drafter the engine lacks)
     assert set(r["summary"]) | set(r["skipped_decoders"]) == set(DECODERS)

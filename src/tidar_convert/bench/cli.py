@@ -132,6 +132,9 @@ def bench_cmd(
     for prompt in progress(prompts, f"bench {name}", unit="prompt"):  # with an ETA, on a terminal or in a log
         rows.append(bench_prompt(lm, tokenizer, prompt, max_new_tokens, k, prompt_lookup_tokens, decoders, base_pair))
     summary = summarize(rows)
+    # Per kind of prompt: lookup drafts well on code (HumanEval bodies repeat the prompt's names),
+    # rarely on prose, where drafts must come from the diffusion head.
+    by_kind = {kind: summarize([r for r in rows if r["kind"] == kind]) for kind in sorted({r["kind"] for r in rows})}
     guard = None
     if base_pair is not None:
         guard = quality_guard(prompts, rows, lm, tokenizer, base_pair, max_new_tokens, humaneval_timeout)
@@ -155,6 +158,7 @@ def bench_cmd(
         "decoders": {d: DECODERS[d].generate_kwargs(k, prompt_lookup_tokens) | {"weights": DECODERS[d].weights} for d in decoders},
         "skipped_decoders": skipped,
         "summary": summary,
+        "summary_by_kind": by_kind,
         "accepted_histogram": accepted_histogram(rows, k),
         "slot_latency": {"cache_len": SLOT_CACHE_LEN, "tidar_step_slots": k + k * k, "tidar_step_vs_ar_step": step_vs_ar, "decoder_steps": steps, "points": points},
         "step_breakdown": breakdown,
@@ -177,6 +181,8 @@ def bench_cmd(
     md_path = out / f"{name}.md"
     md_path.write_text(results_section(result) + "\n")
     print_summary(summary, result["perplexity"], skipped)
+    for kind, part in by_kind.items():
+        print(f"    {kind} prompts ({next(iter(part.values()))['prompts']}): " + ", ".join(f"{d} {s['tokens_per_s_vs_ar']:.2f}x AR" for d, s in part.items() if d != "ar" and "tokens_per_s_vs_ar" in s), file=sys.stderr)
     print_breakdown(breakdown)
     if guard is not None:
         from ..quality import print_verdict
