@@ -232,6 +232,10 @@ def test_bench_gpu_dry_run(tmp_path):
     assert [row["k"] for row in decode] == [4, 8, 16] and [row["slots"] for row in decode] == [20, 72, 272]
     assert all(row["tidar_step_ms"] > 0 and row["ar_step_ms"] > 0 for row in decode)
     assert r["train"]["ar"]["tokens_per_s"] > 0 and r["train"]["tidar"]["tokens_per_s"] > 0
+    fsdp = r["train"]["tidar_fsdp"]  # the recipes' FSDP2 step, in a one-process group closed afterwards
+    assert fsdp["tokens_per_s"] > 0 and fsdp["mesh"] == [1] and r["train"]["tidar_fsdp_vs_tidar"] > 0
+    assert fsdp["mfu"] is None and fsdp["tflops"] > 0  # no known peak for a CPU
+    assert not torch.distributed.is_initialized()
     assert set(r) >= {"slots", "decode", "train", "conversion", "machine", "model", "seconds"}
 
 

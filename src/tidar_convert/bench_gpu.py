@@ -12,7 +12,9 @@ and nothing has to be downloaded. Sections (each timed as a median over repeats,
           step, `forward` uses a prebuilt one. TiDAR beats AR in wall clock when its T/NFE exceeds
           `step_ratio`.
   train   forward + backward tokens/s (no optimizer step): TiDAR's doubled sequence with the
-          training mask against plain causal AR on the same clean tokens.
+          training mask against plain causal AR on the same clean tokens; then the same TiDAR
+          step under FSDP2 as the recipes train it (fully_shard per decoder layer, sharding.shard,
+          a one-device mesh here: the sharding machinery's own cost), with MFU and peak memory.
 
 On CUDA the model runs in bf16 with FlexAttention (BlockMask), with SDPA + dense masks alongside
 for reference. `--dry-run` runs the same code on CPU with tiny shapes and SDPA + dense masks only
@@ -36,6 +38,7 @@ from . import layout
 from .bench.machine import machine_info
 from .bench.slots import slot_latency
 from .bench.timing import median_seconds, synchronize
+from .callbacks import matmul_params, peak_flops
 from .decode import cache_kwargs
 from .loss import hybrid_loss
 
@@ -189,7 +192,59 @@ def train_throughput(model, plan: Plan) -> dict:
         model.eval()
         model.zero_grad(set_to_none=True)
     out["tidar_vs_ar"] = out["tidar"]["tokens_per_s"] / out["ar"]["tokens_per_s"]
+    out["tidar_fsdp"] = fsdp_train_step(model, plan, lambda m: train_step_tidar(m, ids, mask, k, mask_id))
+    out["tidar_fsdp_vs_tidar"] = out["tidar_fsdp"]["tokens_per_s"] / out["tidar"]["tokens_per_s"]
+    peak = peak_flops(device, "bf16" if plan.dtype == torch.bfloat16 else "32")
+    n = matmul_params(model)
+    for name, per_token in (("ar", 6 * n), ("tidar", 12 * n), ("tidar_fsdp", 12 * n)):  # TiDAR runs 2S positions per S tokens
+        out[name]["tflops"] = out[name]["tokens_per_s"] * per_token / 1e12
+        out[name]["mfu"] = out[name]["tokens_per_s"] * per_token / peak if peak else None
     return out
+
+
+def fsdp_train_step(model, plan: Plan, step_fn) -> dict:
+    """step_fn on a copy of the model sharded as `fit` shards it under ModelParallelStrategy, in a
+    one-process group (NCCL on CUDA, gloo on CPU) that is closed again afterwards."""
+    import os
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from .sharding import shard
+
+    device = torch.device(plan.device)
+    own_group = not dist.is_initialized()
+    if own_group:
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(free_port()))
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=0, world_size=1)
+    try:
+        sharded = shard(copy.deepcopy(model), init_device_mesh(device.type, (1,)))
+        sharded.train()
+
+        def step():
+            step_fn(sharded)
+            sharded.zero_grad(set_to_none=True)
+
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+        seconds = median_seconds(step, device, plan.train_repeats, warmup=2 if device.type == "cuda" else 1)
+        out = {"step_ms": 1000 * seconds, "tokens_per_s": plan.train_seq / seconds, "mesh": [1], "unit": "decoder layer"}
+        if device.type == "cuda":
+            out["peak_memory_gb"] = torch.cuda.max_memory_allocated(device) / 2**30
+        del sharded
+        return out
+    finally:
+        if own_group:
+            dist.destroy_process_group()
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 # --------------------------------------------------------------------------------------------
@@ -257,6 +312,9 @@ def print_report(result: dict) -> None:
     train = result.get("train", {})
     if "tidar" in train:
         print(f"train {train['attn_implementation']}: AR {train['ar']['tokens_per_s']:.0f} tok/s, TiDAR {train['tidar']['tokens_per_s']:.0f} tok/s ({train['tidar_vs_ar']:.2f}x)")
+        fsdp = train["tidar_fsdp"]
+        mfu = "" if fsdp["mfu"] is None else f", MFU {fsdp['mfu']:.1%}"
+        print(f"train TiDAR under FSDP2 (1 device): {fsdp['tokens_per_s']:.0f} tok/s ({train['tidar_fsdp_vs_tidar']:.2f}x unsharded){mfu}")
     print(f"total {result['seconds']:.1f} s")
 
 
