@@ -40,6 +40,15 @@ def test_stdlib_is_the_offline_default():
     assert all("def " in d or "import" in d for d in first)
 
 
+def test_stdlib_heldout_is_what_training_at_val_every_50_never_reads():
+    from tidar_convert.data import STDLIB_HELDOUT_EVERY, stdlib_files
+
+    held = list(iter_documents("stdlib-heldout"))
+    assert STDLIB_HELDOUT_EVERY == 50 and len(held) >= 10  # enough modules for a perplexity figure
+    assert all(is_validation(d, 50) and is_validation(d, 25) and is_validation(d, 10) for d in held)
+    assert len(held) < len(stdlib_files()) / 20  # a held-out share, not the stdlib
+
+
 def test_train_and_validation_documents_are_disjoint(tokenizer, tmp_path):
     rows = tmp_path / "docs.jsonl"
     rows.write_text("\n".join(json.dumps({"text": f"document number {i} " * 5}) for i in range(200)))

@@ -2,7 +2,8 @@
 
 Sources (`TiDARData(source=...)`):
   - "stdlib" (default): the Python standard library's own .py files. Real code, on every machine,
-    no network.
+    no network. "stdlib-heldout": only its modules that training holds out at the recipes'
+    `val_every: 50` (or any divisor of 50), for perplexity on code never trained on.
   - "prose-train" / "prose-heldout" / "prose-book": public-domain English books (see
     `prose_corpus`): train on the first; the second holds one document in ten of each book, the
     third one whole book that training never sees (forgetting measured on text of another book).
@@ -65,10 +66,12 @@ def iter_documents(source: str, text_field: str = "text", name: str | None = Non
 
     if source in ("prose-train", "prose-heldout", "prose-book"):
         source = str(prose_corpus() / source.split("-")[1])
-    if source == "stdlib":
+    if source in ("stdlib", "stdlib-heldout"):
         files = stdlib_files()
         random.Random(seed).shuffle(files)  # mix modules instead of reading the stdlib alphabetically
         streams = [_text_rows(files)]
+        if source == "stdlib-heldout":
+            streams = [(row for row in streams[0] if is_validation(row["text"], STDLIB_HELDOUT_EVERY))]
     elif Path(source).expanduser().exists():
         streams = []
         for builder, files in _files_by_builder(Path(source).expanduser()).items():
@@ -218,6 +221,12 @@ def shuffled(items, buffer: int, seed: int):
             yield pool.pop(rng.randrange(len(pool)))
     rng.shuffle(pool)
     yield from pool
+
+
+# "stdlib-heldout" is the validation part at this val_every: a document held out at 50 is held out at
+# every divisor of 50 too (hash % 50 == 0 implies hash % d == 0), so no recipe with such a
+# val_every trains on it.
+STDLIB_HELDOUT_EVERY = 50
 
 
 def is_validation(text: str, val_every: int) -> bool:

@@ -88,7 +88,8 @@ def eval_ppl_cmd(model: str, data: str, seq_len: int = 512, max_tokens: int = 20
 
     Args:
         model: export folder, base model folder, hub id, .gguf file, or `default` (embedded SmolLM2).
-        data: prose (held-out public-domain English prose), prose-train, stdlib, a local file/folder
+        data: prose (held-out documents of the training books), prose-book (a whole book training
+            never sees), stdlib-heldout (stdlib modules training holds out), prose-train, stdlib, a local file/folder
             (.txt/.md/.py one document per file; .jsonl/.parquet one per row), or a hub dataset name.
         seq_len: tokens per chunk.
         max_tokens: stop after this many tokens.
