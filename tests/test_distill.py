@@ -117,6 +117,8 @@ def test_teacher_is_detached_in_a_tiny_model(tiny_dirs):
         (dict(distill_temperature=0.0), "distill_temperature=0.0: must be > 0"),
         (dict(teacher="ema"), "teacher='ema': use 'self'"),
         (dict(teacher="base", distill_weight=0.5), "teacher='base' with lora_r=0: the frozen-base teacher needs LoRA; set lora_r > 0"),
+        (dict(anchor_weight=1.2, lora_r=4), "anchor_weight=1.2: must be in [0, 1]"),
+        (dict(anchor_weight=0.5), "anchor_weight=0.5 with lora_r=0: the base-model anchor needs LoRA"),
     ],
 )
 def test_bad_distill_settings_are_refused(kwargs, message):
@@ -196,8 +198,9 @@ def test_base_teacher_is_the_base_model_with_adapters_off(tiny_dirs):
     [
         ["--model.distill_weight", "0.5", "--model.distill_temperature", "2.0"],
         ["--model.distill_weight", "1.0", "--model.teacher", "base", "--model.lora_r", "4"],
+        ["--model.distill_weight", "1.0", "--model.anchor_weight", "1.0", "--model.lora_r", "4"],
     ],
-    ids=["self", "base-lora"],
+    ids=["self", "base-lora", "anchor-lora"],
 )
 def test_short_fit_with_distillation(tmp_path, tiny_dirs, extra):
     from test_fit import RECIPE
@@ -212,6 +215,7 @@ def test_short_fit_with_distillation(tmp_path, tiny_dirs, extra):
     for key in ("train/loss_distill", "train/agree_ar_0", "train/agree_ar_3", "val/loss_distill", "val/agree_ar_1", "val/acc_diff_1"):
         assert key in metrics and torch.isfinite(metrics[key]), key
     assert 0 <= metrics["val/agree_ar_2"].item() <= 1
+    assert ("train/loss_anchor" in metrics) == ("--model.anchor_weight" in extra)
 
 
 def test_model_card_lists_distillation_only_when_used(tmp_path):
@@ -220,3 +224,49 @@ def test_model_card_lists_distillation_only_when_used(tmp_path):
     hp = {"lora_r": 0, "distill_weight": 0.5, "distill_temperature": 2.0, "teacher": "self"}
     assert {"distill_weight": 0.5, "distill_temperature": 2.0, "teacher": "self"}.items() <= training_card(hp, 3, tmp_path).items()
     assert "distill_weight" not in training_card({**hp, "distill_weight": 0.0}, 3, tmp_path)
+    assert "anchor_weight" not in training_card(hp, 3, tmp_path) and training_card({**hp, "anchor_weight": 1.0}, 3, tmp_path)["anchor_weight"] == 1.0
+
+
+def test_anchor_pulls_the_ar_half_toward_the_base_distribution():
+    """L_Anchor = mean over AR positions with a target of KL(softmax(base) || softmax(AR)), by hand;
+    detached base; a = 0 is the paper's loss; the diffusion half gets no gradient from it."""
+    torch.manual_seed(0)
+    S, V = 6, 7
+    logits = torch.randn(1, 2 * S, V, requires_grad=True)
+    base = torch.randn(1, S, V, requires_grad=True)
+    ids = torch.randint(0, V, (1, S))
+    ar, diff = layout.train_labels(ids)
+    plain = hybrid_loss(logits, ar, diff, 1.0, 2)
+    assert "loss_anchor" not in plain
+    assert hybrid_loss(logits, ar, diff, 1.0, 2, anchor_weight=0.0, anchor_logits=base)["loss"].item() == pytest.approx(plain["loss"].item())
+    p, logq = base.detach().softmax(-1), logits[:, :S].detach().log_softmax(-1)
+    kl = (p * (p.log() - logq)).sum(-1)[0]
+    has = (ar[0] != -100).float()
+    expect = float((kl * has).sum() / has.sum())
+    out = hybrid_loss(logits, ar, diff, 1.0, 2, anchor_weight=0.25, anchor_logits=base)
+    assert out["loss_anchor"].item() == pytest.approx(expect, rel=1e-5)
+    assert out["loss_ar"].item() == pytest.approx(plain["loss_ar"].item())  # the logged CE is unchanged
+    assert out["loss"].item() == pytest.approx((0.75 * plain["loss_ar"].item() + 0.25 * expect + plain["loss_diff"].item()) / 2, rel=1e-5)
+    anchored = hybrid_loss(logits, ar, diff, 0.0 + 1.0, 2, anchor_weight=1.0, anchor_logits=base)
+    (anchored["loss"] - anchored["loss_diff"] / 2).backward()  # the anchor's part alone
+    assert base.grad is None and torch.count_nonzero(logits.grad[:, S:]) == 0 and torch.count_nonzero(logits.grad[:, :S]) > 0
+    with torch.no_grad():  # an AR half equal to the base has nothing to learn from the anchor
+        same = logits.detach().clone()
+        same[:, :S] = base.detach()
+    assert hybrid_loss(same, ar, diff, 1.0, 2, anchor_weight=1.0, anchor_logits=base)["loss_anchor"].item() == pytest.approx(0.0, abs=1e-6)
+
+
+def test_module_anchors_to_the_base_with_the_teacher_forward_shared(tiny_dirs, monkeypatch):
+    from tidar_convert.module import TiDARModule
+
+    m = TiDARModule(model=str(tiny_dirs["qwen2"]), block_size=4, lora_r=4, anchor_weight=0.5, teacher="base", distill_weight=0.5)
+    m.configure_model()
+    calls = []
+    base_ar_logits = TiDARModule.base_ar_logits
+    monkeypatch.setattr(TiDARModule, "base_ar_logits", lambda self, *a: calls.append(1) or base_ar_logits(self, *a))
+    ids = cycle_batch(2, 16, seed=2)
+    out = m.forward_tidar(ids)
+    assert len(calls) == 1  # one base forward serves the teacher and the anchor
+    assert out["loss_anchor"].item() == pytest.approx(0.0, abs=1e-5)  # fresh LoRA: the AR half is the base
+    out["loss"].backward()
+    assert torch.isfinite(out["loss"])

@@ -300,6 +300,8 @@ def training_card(hparams, steps: int | None, run_dir: Path) -> dict:
     card = {k: hparams[k] for k in ("lora_r", "lora_alpha", "warmup_ratio", "min_lr_ratio") if k in hparams}
     if hparams.get("distill_weight", 0) > 0:
         card.update({k: hparams[k] for k in ("distill_weight", "distill_temperature", "teacher") if k in hparams})
+    if hparams.get("anchor_weight", 0) > 0:
+        card["anchor_weight"] = hparams["anchor_weight"]
     card["base_model"] = hparams.get("model")
     card["steps"] = steps
     if (run_dir / "config.yaml").is_file():

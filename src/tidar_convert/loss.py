@@ -1,4 +1,5 @@
-"""The hybrid TiDAR loss: L = (alpha * L_AR + L_Diff) / (1 + alpha), optionally distilling the AR head."""
+"""The hybrid TiDAR loss: L = (alpha * L_AR + L_Diff) / (1 + alpha), optionally distilling the AR head
+into the diffusion half, and anchoring the AR half to the frozen base model."""
 
 from __future__ import annotations
 
@@ -22,6 +23,13 @@ def check_distill(distill_weight: float, distill_temperature: float, teacher: st
         raise ValueError(f"teacher={teacher!r}: use 'self' (the model's own AR head) or 'base' (the frozen base model, LoRA only).")
 
 
+def check_anchor(anchor_weight: float, anchor_logits: torch.Tensor | None) -> None:
+    if not 0 <= anchor_weight <= 1:
+        raise ValueError(f"anchor_weight={anchor_weight}: must be in [0, 1] (0 = the AR half learns the text, 1 = it keeps the base model's distribution).")
+    if anchor_weight > 0 and anchor_logits is None:
+        raise ValueError(f"anchor_weight={anchor_weight} needs the base model's AR logits (anchor_logits); the module computes them with LoRA (lora_r > 0).")
+
+
 def check_offset_weights(weights: Sequence[float] | None, block_size: int) -> None:
     if weights is None:
         return
@@ -42,6 +50,8 @@ def hybrid_loss(
     distill_temperature: float = 1.0,
     teacher_logits: torch.Tensor | None = None,
     offset_weights: Sequence[float] | None = None,
+    anchor_weight: float = 0.0,
+    anchor_logits: torch.Tensor | None = None,
 ) -> dict[str, torch.Tensor]:
     """logits: (B, 2S, V) over the doubled sequence; labels: (B, S) each (see layout.train_labels).
 
@@ -64,6 +74,13 @@ def hybrid_loss(
     weights of any scale give the plain mean. The logged `loss_diff` / `loss_distill` stay unweighted
     (comparable across recipes); only `loss`, the objective, carries the weights.
 
+    Anchoring (`anchor_weight = a > 0`, with `anchor_logits`: the frozen base model's AR logits of
+    the clean half, B x S x V): the AR term becomes `(1 - a) * L_AR + a * L_Anchor`, where `L_Anchor`
+    is the mean over AR positions of `KL(softmax(base) || softmax(AR))`. The AR half is then pulled
+    toward the base model's own distribution instead of (a = 1: rather than) the training text, so
+    it keeps the base's quality while the diffusion half learns; `loss_ar` stays the hard
+    cross-entropy, `loss_anchor` is logged beside it.
+
     An AR term with no target at all (every label ignored) is 0, not NaN: a chunk made only of text
     excluded from the AR loss trains the diffusion half alone.
     """
@@ -71,6 +88,7 @@ def hybrid_loss(
         raise ValueError(f"alpha={alpha}: the AR weight must be >= 0 (the paper uses 1.0).")
     check_distill(distill_weight, distill_temperature)
     check_offset_weights(offset_weights, block_size)
+    check_anchor(anchor_weight, anchor_logits)
     S = ar_labels.shape[1]
     ar_logits, diff_logits = logits[:, :S], logits[:, S:]
     ar_sum = F.cross_entropy(ar_logits.flatten(0, 1).float(), ar_labels.flatten(), ignore_index=IGNORE_INDEX, reduction="sum")
@@ -92,7 +110,14 @@ def hybrid_loss(
         extra["loss_distill"] = mean_over(per_slot, valid.float())
         term_distill = extra["loss_distill"] if offset_weights is None else mean_over(per_slot, slot_w)
         term_diff = (1 - distill_weight) * term_diff + distill_weight * term_distill
-    out = {"loss": (alpha * loss_ar + term_diff) / (1 + alpha), "loss_ar": loss_ar, "loss_diff": loss_diff, **extra}
+    term_ar = loss_ar
+    if anchor_weight > 0:
+        has_target = (ar_labels != IGNORE_INDEX).float()
+        logp = anchor_logits.detach().float().log_softmax(-1)
+        kl = F.kl_div(ar_logits.float().log_softmax(-1), logp, reduction="none", log_target=True).sum(-1)
+        extra["loss_anchor"] = mean_over(kl, has_target)
+        term_ar = (1 - anchor_weight) * loss_ar + anchor_weight * extra["loss_anchor"]
+    out = {"loss": (alpha * term_ar + term_diff) / (1 + alpha), "loss_ar": loss_ar, "loss_diff": loss_diff, **extra}
     with torch.no_grad():
         diff_pred = diff_logits.argmax(-1)
         correct = (diff_pred == diff_labels).float()

@@ -10,7 +10,7 @@ import lightning as L
 import torch
 
 from . import layout
-from .loss import check_distill, check_offset_weights, hybrid_loss
+from .loss import check_anchor, check_distill, check_offset_weights, hybrid_loss
 
 OptimizerCallable = Callable[[Iterable], torch.optim.Optimizer]
 
@@ -38,6 +38,7 @@ class TiDARModule(L.LightningModule):
         teacher: str = "self",
         val_decode_block_size: int | None = None,
         diff_offset_weights: list[float] | None = None,
+        anchor_weight: float = 0.0,
     ):
         """
         Args:
@@ -65,6 +66,10 @@ class TiDARModule(L.LightningModule):
             diff_offset_weights: one weight per position in a block (block_size numbers) for the diffusion
                 loss; None = uniform (the paper). Decoding drafts from offsets 1..k-1 only (offset 0 sits where
                 the AR token goes) and draft 1 gates the acceptance of the others, so the spread is a lever.
+            anchor_weight: a in [0, 1]; the AR term becomes (1 - a) * L_AR + a * KL(base || AR): the AR half is
+                pulled toward the frozen base model's distribution (adapters off, the same extra forward as
+                teacher='base', shared when both are on) instead of the training text, so it keeps the base
+                model's text while the diffusion half learns. 0 = the paper. Needs LoRA (lora_r > 0).
         """
         super().__init__()
         if alpha < 0:
@@ -77,6 +82,9 @@ class TiDARModule(L.LightningModule):
         check_offset_weights(diff_offset_weights, block_size)
         if val_decode_block_size is not None and val_decode_block_size < 2:
             raise ValueError(f"val_decode_block_size={val_decode_block_size}: decoding needs at least 2 tokens per block; use 2 or more, or null for block_size.")
+        check_anchor(anchor_weight, torch.empty(0))  # its range; the logits come from forward_tidar
+        if anchor_weight > 0 and lora_r <= 0:
+            raise ValueError(f"anchor_weight={anchor_weight} with lora_r={lora_r}: the base-model anchor needs LoRA (the base is the weights with the adapters off); set lora_r > 0 (e.g. 64), or anchor_weight 0.")
         if teacher == "base" and lora_r <= 0:
             # Full fine-tuning would need a frozen copy of every weight (twice the memory, and in every
             # checkpoint); with LoRA the base model is the same weights with the adapters switched off.
@@ -182,10 +190,12 @@ class TiDARModule(L.LightningModule):
             use_cache=False,
         ).logits
         ar_labels, diff_labels = layout.train_labels(input_ids, doc_ids, no_ar_target)
-        teacher_logits = self.base_ar_logits(input_ids, doc_ids) if self.teacher == "base" and self.distill_weight > 0 else None
+        anchor = self.hparams.get("anchor_weight", 0.0)
+        base_teacher = self.teacher == "base" and self.distill_weight > 0
+        base_logits = self.base_ar_logits(input_ids, doc_ids) if base_teacher or anchor > 0 else None
         return hybrid_loss(
-            logits, ar_labels, diff_labels, self.alpha, self.block_size, self.distill_weight, self.distill_temperature, teacher_logits,
-            self.diff_offset_weights,
+            logits, ar_labels, diff_labels, self.alpha, self.block_size, self.distill_weight, self.distill_temperature,
+            base_logits if base_teacher else None, self.diff_offset_weights, anchor, base_logits,
         )
 
     @torch.no_grad()
