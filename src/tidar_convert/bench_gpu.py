@@ -205,8 +205,6 @@ def train_throughput(model, plan: Plan) -> dict:
 def fsdp_train_step(model, plan: Plan, step_fn) -> dict:
     """step_fn on a copy of the model sharded as `fit` shards it under ModelParallelStrategy, in a
     one-process group (NCCL on CUDA, gloo on CPU) that is closed again afterwards."""
-    import os
-
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -215,9 +213,8 @@ def fsdp_train_step(model, plan: Plan, step_fn) -> dict:
     device = torch.device(plan.device)
     own_group = not dist.is_initialized()
     if own_group:
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(free_port()))
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=0, world_size=1)
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
     try:
         sharded = shard(copy.deepcopy(model), init_device_mesh(device.type, (1,)))
         sharded.train()
@@ -230,8 +227,9 @@ def fsdp_train_step(model, plan: Plan, step_fn) -> dict:
             torch.cuda.reset_peak_memory_stats(device)
         seconds = median_seconds(step, device, plan.train_repeats, warmup=2 if device.type == "cuda" else 1)
         out = {"step_ms": 1000 * seconds, "tokens_per_s": plan.train_seq / seconds, "mesh": [1], "unit": "decoder layer"}
-        if device.type == "cuda":
+        if device.type == "cuda":  # the unsharded model of the other rows is still resident beside the copy
             out["peak_memory_gb"] = torch.cuda.max_memory_allocated(device) / 2**30
+            out["peak_memory_note"] = "includes the unsharded model the ar/tidar rows use, still resident"
         del sharded
         return out
     finally:

@@ -135,8 +135,9 @@ class Planner:
 
     adaptive also sets the draft length (trim): proposals the step reaches with chance < min_chance
     are dropped before the forward. Any length >= 2 is exact; each dropped proposal is one query
-    slot less through every layer (and, in full mode, one group less). On a CPU in fp32 a slot costs
-    about 1/25 of an AR step, so a proposal is worth its slot from about that chance up."""
+    slot less through every layer, and one group anchor fewer. On this repo's CPU in fp32 one more
+    slot costs 1/30 to 1/20 of an AR step (the bench's slot curve), so a proposal pays for its slot
+    from a chance of about that much; on a GPU slots are nearly free and min_chance can be lower."""
 
     def __init__(self, k: int, mode: str = "adaptive", slot_budget: int | None = None, min_chance: float = 0.05):
         if mode not in ("adaptive", "full"):
