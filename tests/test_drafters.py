@@ -130,6 +130,14 @@ def test_lm_head_on_read_rows_gives_the_tokens_of_full_logits(trained, monkeypat
         assert model.tidar_stats["lm_head_rows_per_step"] == model.tidar_stats["slots_per_step"]
         if name != "lookup":  # lookup steps have no groups: every slot is an AR row, all read
             assert rows < slots, name
+    # One vocabulary-head call a forward (its weight is read once, not again for the group read later)
+    calls = []
+    hook = model.get_output_embeddings().register_forward_hook(lambda *_: calls.append(1))
+    try:
+        generate(ids, model=model, drafter="diffusion", **kw)
+    finally:
+        hook.remove()
+    assert len(calls) == model.tidar_stats["nfe"]
 
 
 def test_bad_drafter_is_refused_by_name(trained):
