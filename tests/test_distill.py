@@ -238,6 +238,8 @@ def test_anchor_pulls_the_ar_half_toward_the_base_distribution():
     ar, diff = layout.train_labels(ids)
     plain = hybrid_loss(logits, ar, diff, 1.0, 2)
     assert "loss_anchor" not in plain
+    with pytest.raises(ValueError, match="anchor_weight=0.5 needs the base model's AR logits"):
+        hybrid_loss(logits, ar, diff, 1.0, 2, anchor_weight=0.5)
     assert hybrid_loss(logits, ar, diff, 1.0, 2, anchor_weight=0.0, anchor_logits=base)["loss"].item() == pytest.approx(plain["loss"].item())
     p, logq = base.detach().softmax(-1), logits[:, :S].detach().log_softmax(-1)
     kl = (p * (p.log() - logq)).sum(-1)[0]

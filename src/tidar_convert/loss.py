@@ -23,11 +23,9 @@ def check_distill(distill_weight: float, distill_temperature: float, teacher: st
         raise ValueError(f"teacher={teacher!r}: use 'self' (the model's own AR head) or 'base' (the frozen base model, LoRA only).")
 
 
-def check_anchor(anchor_weight: float, anchor_logits: torch.Tensor | None) -> None:
+def check_anchor(anchor_weight: float) -> None:
     if not 0 <= anchor_weight <= 1:
         raise ValueError(f"anchor_weight={anchor_weight}: must be in [0, 1] (0 = the AR half learns the text, 1 = it keeps the base model's distribution).")
-    if anchor_weight > 0 and anchor_logits is None:
-        raise ValueError(f"anchor_weight={anchor_weight} needs the base model's AR logits (anchor_logits); the module computes them with LoRA (lora_r > 0).")
 
 
 def check_offset_weights(weights: Sequence[float] | None, block_size: int) -> None:
@@ -88,7 +86,9 @@ def hybrid_loss(
         raise ValueError(f"alpha={alpha}: the AR weight must be >= 0 (the paper uses 1.0).")
     check_distill(distill_weight, distill_temperature)
     check_offset_weights(offset_weights, block_size)
-    check_anchor(anchor_weight, anchor_logits)
+    check_anchor(anchor_weight)
+    if anchor_weight > 0 and anchor_logits is None:
+        raise ValueError(f"anchor_weight={anchor_weight} needs the base model's AR logits (anchor_logits); the module computes them with LoRA (lora_r > 0).")
     S = ar_labels.shape[1]
     ar_logits, diff_logits = logits[:, :S], logits[:, S:]
     ar_sum = F.cross_entropy(ar_logits.flatten(0, 1).float(), ar_labels.flatten(), ignore_index=IGNORE_INDEX, reduction="sum")

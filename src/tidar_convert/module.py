@@ -82,7 +82,7 @@ class TiDARModule(L.LightningModule):
         check_offset_weights(diff_offset_weights, block_size)
         if val_decode_block_size is not None and val_decode_block_size < 2:
             raise ValueError(f"val_decode_block_size={val_decode_block_size}: decoding needs at least 2 tokens per block; use 2 or more, or null for block_size.")
-        check_anchor(anchor_weight, torch.empty(0))  # its range; the logits come from forward_tidar
+        check_anchor(anchor_weight)
         if anchor_weight > 0 and lora_r <= 0:
             raise ValueError(f"anchor_weight={anchor_weight} with lora_r={lora_r}: the base-model anchor needs LoRA (the base is the weights with the adapters off); set lora_r > 0 (e.g. 64), or anchor_weight 0.")
         if teacher == "base" and lora_r <= 0:
@@ -101,7 +101,7 @@ class TiDARModule(L.LightningModule):
         self.warmup_ratio, self.min_lr_ratio, self.val_decode_prompts = warmup_ratio, min_lr_ratio, val_decode_prompts
         self.distill_weight, self.distill_temperature, self.teacher = distill_weight, distill_temperature, teacher
         self.val_decode_block_size = val_decode_block_size or block_size
-        self.diff_offset_weights = diff_offset_weights
+        self.diff_offset_weights, self.anchor_weight = diff_offset_weights, anchor_weight
 
     def configure_model(self) -> None:
         """Build the model. Lightning calls this on every rank once the strategy is set up, with the
@@ -190,12 +190,11 @@ class TiDARModule(L.LightningModule):
             use_cache=False,
         ).logits
         ar_labels, diff_labels = layout.train_labels(input_ids, doc_ids, no_ar_target)
-        anchor = self.hparams.get("anchor_weight", 0.0)
         base_teacher = self.teacher == "base" and self.distill_weight > 0
-        base_logits = self.base_ar_logits(input_ids, doc_ids) if base_teacher or anchor > 0 else None
+        base_logits = self.base_ar_logits(input_ids, doc_ids) if base_teacher or self.anchor_weight > 0 else None
         return hybrid_loss(
             logits, ar_labels, diff_labels, self.alpha, self.block_size, self.distill_weight, self.distill_temperature,
-            base_logits if base_teacher else None, self.diff_offset_weights, anchor, base_logits,
+            base_logits if base_teacher else None, self.diff_offset_weights, self.anchor_weight, base_logits,
         )
 
     @torch.no_grad()
