@@ -156,9 +156,10 @@ class Planner:
 
     adaptive also sets the draft length (trim): proposals the step reaches with chance < min_chance
     are dropped before the forward. Any length >= 2 is exact; each dropped proposal is one query
-    slot less through every layer, and one group anchor fewer. On this repo's CPU in fp32 one more
-    slot costs 1/30 to 1/20 of an AR step (the bench's slot curve), so a proposal pays for its slot
-    from a chance of about that much; on a GPU slots are nearly free and min_chance can be lower."""
+    slot less through every layer, and one group anchor fewer. On this repo's CPU in fp32, past the
+    first few slots one more costs 1/30 to 1/20 of an AR step (1 slot 60 ms, 4 slots 86 ms, 8 slots
+    96 ms), so a proposal pays for its slot from a chance of about that much; on a GPU slots are
+    nearly free and min_chance can be lower."""
 
     def __init__(self, k: int, mode: str = "adaptive", slot_budget: int | None = None, min_chance: float = 0.05):
         if mode not in ("adaptive", "full"):
