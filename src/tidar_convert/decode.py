@@ -27,6 +27,7 @@ from transformers import GenerationConfig, GenerationMixin, LogitsProcessorList,
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 # Relative, so the same lines work in the package and in an export's custom_generate/ folder.
+from .adapter import ensure as ensure_adapter
 from .drafters import Draft, make_drafter  # noqa: F401  (Draft: for callers that build drafts by hand)
 from .engine import Planner, cache_kwargs, decode  # noqa: F401  (cache_kwargs: used by the bench)
 from .layout import decode_mask_mod  # noqa: F401  (imported here so a missing layout.py is named as generate.py's import)
@@ -214,6 +215,7 @@ def generate(
     if not tidar:
         return ar_generate(model, input_ids, generation_config, kwargs)
     chosen = make_drafter(drafter)
+    ensure_adapter(model)  # an export trained with lora_scope='masks': its drafts' adapter, once
     run = prepare(model, input_ids, generation_config, block_size, beta, kwargs)
     planner = Planner(run.k, plan, slot_budget)
     gc = run.gc

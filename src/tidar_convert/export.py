@@ -18,7 +18,7 @@ import shutil
 import warnings
 from pathlib import Path
 
-from . import decode, drafters, engine, layout, verify
+from . import adapter, decode, drafters, engine, layout, verify
 from .loading import EMBEDDED_NAME
 from .outputs import MARKER, atomic_dir, check_export_target, scratch_dir, write_marker
 
@@ -30,31 +30,41 @@ TIDAR_FIELDS = ("block_size", "mask_token_id", "alpha")
 def shipped_code() -> dict[str, Path]:
     """Files an export ships, by their name inside custom_generate/ (single source: the package's own).
     generate.py imports the others relatively, so they keep their package names."""
-    return {"generate.py": Path(decode.__file__), **{Path(m.__file__).name: Path(m.__file__) for m in (engine, drafters, verify, layout)}}
+    return {"generate.py": Path(decode.__file__), **{Path(m.__file__).name: Path(m.__file__) for m in (engine, drafters, verify, layout, adapter)}}
 
 
 def export(model, tokenizer, out: str | os.PathLike, block_size: int, alpha: float, overwrite: bool = False, card: dict | None = None) -> Path:
     """Save weights (safetensors), tokenizer and config with the TiDAR fields, the decode code, a
     README.md model card and the tidar_export.json marker listing every file written.
 
-    LoRA adapters are merged first. `out` must be new, empty, or (with overwrite) an earlier export
+    LoRA adapters are merged first; adapters on mask slots only (lora_scope='masks') are saved apart
+    instead (adapter.ADAPTER_FILE), so the weights stay the base model's. `out` must be new, empty, or (with overwrite) an earlier export
     and nothing else: anything else is refused before any work (outputs.check_export_target). The
     folder is written under a temporary name and swapped in whole (outputs.atomic_dir), so an
     interrupted export leaves the earlier one, never a half-written folder. `card`: facts for the
     model card (base_model, recipe, steps, data, ...; see `model_card`).
     """
     out = check_export_target(out, overwrite)
+    from .lora import is_mask_scoped, split_mask_adapter
+
+    deltas = split_mask_adapter(model) if is_mask_scoped(model) else None
     if hasattr(model, "merge_and_unload"):
         model = model.merge_and_unload()
     model.config.block_size = block_size
     model.config.alpha = alpha
     model.config.mask_token_id = tokenizer.mask_token_id
     model.config.pad_token_id = tokenizer.pad_token_id
+    if deltas:
+        model.config.tidar_adapter = {"scope": "masks", "file": adapter.ADAPTER_FILE}
     if card and "base_model" in card:  # bench and quality compare against it by default
         model.config.tidar_base_model = base_source(card["base_model"])
     with atomic_dir(out) as tmp:
         model.save_pretrained(tmp, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
+        if deltas:
+            from safetensors.torch import save_file
+
+            save_file(deltas, tmp / adapter.ADAPTER_FILE)
         (tmp / "custom_generate").mkdir()
         for name, src in shipped_code().items():
             shutil.copyfile(src, tmp / "custom_generate" / name)
@@ -111,13 +121,20 @@ def model_card(name: str, config, block_size: int, alpha: float, card: dict | No
     facts = [f"- block size (tokens drafted per step): {block_size}", f"- alpha (AR loss weight, `L = (alpha * L_AR + L_Diff) / (1 + alpha)`): {alpha}"]
     facts += [f"- mask token id: {getattr(config, 'mask_token_id', None)}", f"- model type: `{getattr(config, 'model_type', '?')}`"]
     facts += [f"- {key}: {value}" for key, value in card.items()]
+    scoped_note = ""
+    if getattr(config, "tidar_adapter", None):
+        scoped_note = (
+            f"\n\nThe weights are the base model's, unchanged: the drafts come from low-rank adapters that act on mask\n"
+            f"slots only (`{config.tidar_adapter['file']}`, added by `custom_generate/adapter.py`), so the AR model,\n"
+            "and everything it writes, is the base model's bit for bit."
+        )
     body = f"""
 # {name}
 
 A [TiDAR](https://arxiv.org/abs/2511.08923) conversion of {source}, made with tidar-convert: each
 forward pass drafts up to {block_size} tokens with diffusion (mask blocks) and verifies them
 autoregressively in the same pass. Greedy output is the AR
-model's, token for token; sampling follows the AR distribution exactly.
+model's, token for token; sampling follows the AR distribution exactly.{scoped_note}
 
 ## Usage
 
@@ -242,6 +259,9 @@ def check_export(path: str | os.PathLike) -> dict:
     check_model_files(path)  # config.json parses, safetensors are whole: else the file and the fix, by name
     cfg = json.loads(cfg_file.read_text())
     missing = [f for f in TIDAR_FIELDS if f not in cfg]
+    spec = cfg.get("tidar_adapter")
+    if spec and not (path / spec["file"]).exists():
+        raise FileNotFoundError(f"{str(path)!r} lacks {spec['file']}, the adapter its drafts come from (config.json tidar_adapter); copy the whole export folder, or export again.")
     if missing or not (path / "custom_generate" / "generate.py").exists():
         raise ValueError(
             f"{str(path)!r} is not a TiDAR export (missing {', '.join(missing) or 'custom_generate/generate.py'}); "
@@ -274,6 +294,7 @@ def load(path: str | os.PathLike, **kwargs):
             stacklevel=2,
         )
     model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
+    adapter.ensure(model)
     model.generate = functools.partial(decode.generate, model=model)
     require_tidar(model, path)
     return model

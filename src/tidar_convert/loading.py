@@ -306,7 +306,11 @@ def add_tidar_tokens(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase,
     """
     add_tidar_token_names(tokenizer)
     if len(tokenizer) > model.get_input_embeddings().num_embeddings:
-        with _without_notice("transformers.modeling_utils", MEAN_RESIZING_NOTICE):
+        # Mean resizing draws the new rows from a (very narrow) normal around the mean: seeded, so
+        # every load of a base model is the same model, bit for bit (the export's AR half under
+        # lora_scope='masks' is compared with a fresh load), and the caller's random stream is untouched.
+        with _without_notice("transformers.modeling_utils", MEAN_RESIZING_NOTICE), torch.random.fork_rng(devices=[]):
+            torch.manual_seed(0)
             model.resize_token_embeddings(len(tokenizer), mean_resizing=mean_resizing)
     model.config.mask_token_id = tokenizer.mask_token_id
     model.config.pad_token_id = tokenizer.pad_token_id

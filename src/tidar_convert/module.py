@@ -10,6 +10,7 @@ import lightning as L
 import torch
 
 from . import layout
+from .lora import add_lora, check_scope
 from .loss import check_anchor, check_distill, check_offset_weights, hybrid_loss
 
 OptimizerCallable = Callable[[Iterable], torch.optim.Optimizer]
@@ -39,6 +40,7 @@ class TiDARModule(L.LightningModule):
         val_decode_block_size: int | None = None,
         diff_offset_weights: list[float] | None = None,
         anchor_weight: float = 0.0,
+        lora_scope: str = "all",
     ):
         """
         Args:
@@ -70,6 +72,11 @@ class TiDARModule(L.LightningModule):
                 pulled toward the frozen base model's distribution (adapters off, the same extra forward as
                 teacher='base', shared when both are on) instead of the training text, so it keeps the base
                 model's text while the diffusion half learns. 0 = the paper. Needs LoRA (lora_r > 0).
+            lora_scope: 'all' = the adapters act on every row (the paper: one set of weights for both halves);
+                'masks' = on mask slots only (lora.py): the AR half stays the base model bit for bit, so the
+                conversion writes what the base writes and only the drafts are trained. The AR loss then has
+                nothing to move (alpha only scales it), teacher='self' is the frozen base already, and there is
+                nothing to anchor. The export keeps the deltas apart (tidar_adapter.safetensors).
         """
         super().__init__()
         if alpha < 0:
@@ -89,6 +96,11 @@ class TiDARModule(L.LightningModule):
             # Full fine-tuning would need a frozen copy of every weight (twice the memory, and in every
             # checkpoint); with LoRA the base model is the same weights with the adapters switched off.
             raise ValueError(f"teacher='base' with lora_r={lora_r}: the frozen-base teacher needs LoRA; set lora_r > 0 (e.g. 16), or use teacher='self'.")
+        check_scope(lora_scope, lora_r)
+        if lora_scope == "masks" and anchor_weight > 0:
+            raise ValueError(f"anchor_weight={anchor_weight} with lora_scope='masks': the AR half is the base model exactly, there is nothing to anchor; set anchor_weight 0.")
+        if lora_scope == "masks" and teacher == "base":
+            raise ValueError("teacher='base' with lora_scope='masks': the AR half is the frozen base already; use teacher='self' (the same distribution, no extra forward).")
         self.save_hyperparameters()
         from .loading import load_config_and_tokenizer
 
@@ -149,15 +161,7 @@ class TiDARModule(L.LightningModule):
         if self.hparams.gradient_checkpointing:
             model.gradient_checkpointing_enable()
         if self.hparams.lora_r > 0:
-            from peft import LoraConfig, get_peft_model
-
-            cfg = LoraConfig(
-                r=self.hparams.lora_r,
-                lora_alpha=self.hparams.lora_alpha,
-                target_modules="all-linear",
-                trainable_token_indices={"embed_tokens": [self.tokenizer.mask_token_id]},
-            )
-            model = get_peft_model(model, cfg)
+            model = add_lora(model, self.hparams.lora_r, self.hparams.lora_alpha, self.tokenizer.mask_token_id, self.hparams.get("lora_scope", "all"))
         return model
 
     def unsharded_model(self):

@@ -1,0 +1,123 @@
+"""Adapters that act on mask slots only (lora_scope='masks'): the AR half stays the base model, exactly.
+
+A converted model trained with `--model.lora_scope masks` keeps its low-rank deltas apart from the
+base weights and applies them only to the rows of mask tokens. Every other row (the prompt, committed
+text, the drafts a step verifies) goes through the base weights untouched, and a row only ever
+attends to real tokens and to mask slots of its own group, so every AR distribution, and so every
+token TiDAR commits, is the base model's, bit for bit. Only the drafts come from adapted rows. Plain
+AR decoding and perplexity are those of the base model by construction: converting cannot make the
+model write worse.
+
+One gate per model, set from the input ids by a pre-hook on the input embedding (every forward path
+embeds its tokens first: model(), its decoder alone, PEFT's wrapper) and read by each adapted layer.
+In training the gate multiplies PEFT's LoRA branch (lora.gate_to_masks); in an export it adds the
+saved deltas (ADAPTER_FILE, attach). The engine lays out a step's mask groups after its drafts and a
+training sequence's masks after its clean half, so the rows are one trailing block: a slice, no gather.
+
+Shipped in every export's custom_generate/ folder (see export.shipped_code): imports nothing but torch
+and transformers (safetensors comes with transformers).
+"""
+
+from __future__ import annotations
+
+import torch
+
+ADAPTER_FILE = "tidar_adapter.safetensors"
+GATE_ATTR = "_tidar_gate"
+
+
+class Gate:
+    """Which rows of the current forward are mask slots: a trailing block from column `start` in every
+    row (the layouts this repo builds), or else an explicit (B, T) boolean `rows`; neither = none."""
+
+    def __init__(self, mask_id: int):
+        self.mask_id = mask_id
+        self.start: int | None = None
+        self.rows: torch.Tensor | None = None
+
+    def set(self, input_ids: torch.Tensor) -> None:
+        is_mask = input_ids == self.mask_id
+        self.start = self.rows = None
+        if input_ids.ndim != 2 or not bool(is_mask.any()):
+            return
+        start = int(is_mask.any(0).int().argmax())
+        if bool(is_mask[:, start:].all()):
+            self.start = start
+        else:
+            self.rows = is_mask
+
+    @property
+    def open(self) -> bool:
+        return self.start is not None or self.rows is not None
+
+    def weights(self, like: torch.Tensor) -> torch.Tensor:
+        """(B, T, 1) ones on mask rows, zeros elsewhere, in like's dtype (training: multiplies the LoRA branch)."""
+        B, T = like.shape[:2]
+        w = torch.zeros(B, T, 1, dtype=like.dtype, device=like.device)
+        if self.start is not None:
+            w[:, self.start :] = 1
+        elif self.rows is not None:
+            w[self.rows] = 1
+        return w
+
+    def add(self, out: torch.Tensor, x: torch.Tensor, delta) -> torch.Tensor:
+        """out + delta(x) on the mask rows only (inference: the saved adapter's hook)."""
+        if self.start is not None:
+            out[:, self.start :] += delta(x[:, self.start :])
+        elif self.rows is not None:
+            out[self.rows] += delta(x[self.rows])
+        return out
+
+
+def install_gate(model, mask_id: int) -> Gate:
+    """The model's gate (one per model), set by every forward from its input ids."""
+    gate = getattr(model, GATE_ATTR, None)
+    if gate is None:
+        gate = Gate(mask_id)
+        model.get_input_embeddings().register_forward_pre_hook(lambda module, args: gate.set(args[0]) if args else None)
+        object.__setattr__(model, GATE_ATTR, gate)  # a plain attribute, not a submodule
+    return gate
+
+
+def attach(model, tensors: dict[str, torch.Tensor], mask_id: int) -> Gate:
+    """Adds the saved deltas to the named linear layers on mask rows: out += B(A(x)) (scaling folded
+    into B). tensors: '<module name>.lora_A' (r, in) and '<module name>.lora_B' (out, r)."""
+    gate = install_gate(model, mask_id)
+    modules = dict(model.named_modules())
+    names = sorted({key.rsplit(".", 1)[0] for key in tensors})
+    missing = [n for n in names if n not in modules]
+    if missing:
+        raise ValueError(f"{ADAPTER_FILE} names layers this model does not have ({', '.join(missing[:3])}, ...): it belongs to another model; re-export.")
+    for name in names:
+        layer = modules[name]
+        weight = layer.weight
+        layer.register_buffer("tidar_lora_A", tensors[f"{name}.lora_A"].to(weight.device, weight.dtype), persistent=False)
+        layer.register_buffer("tidar_lora_B", tensors[f"{name}.lora_B"].to(weight.device, weight.dtype), persistent=False)
+
+        def hook(module, args, out):
+            if not gate.open:
+                return None
+            delta = lambda x: torch.nn.functional.linear(torch.nn.functional.linear(x, module.tidar_lora_A), module.tidar_lora_B)
+            return gate.add(out, args[0], delta)
+
+        layer.register_forward_hook(hook)
+    return gate
+
+
+def ensure(model) -> None:
+    """Attach an export's mask-slot adapter once, if its config names one (config.tidar_adapter),
+    from the folder or hub repo the model was loaded from."""
+    spec = getattr(model.config, "tidar_adapter", None)
+    if not spec or getattr(model, GATE_ATTR, None) is not None:
+        return
+    from safetensors.torch import load_file
+    from transformers.utils import cached_file
+
+    source = getattr(model, "name_or_path", None) or getattr(model.config, "_name_or_path", None)
+    path = cached_file(source, spec["file"]) if source else None
+    if path is None:
+        raise FileNotFoundError(
+            f"this export's drafts need {spec['file']} (config.tidar_adapter), which was not found beside the model "
+            f"({source!r}); copy the whole export folder, or pass tidar=False for plain AR decoding."
+        )
+    attach(model, load_file(path), model.config.mask_token_id)

@@ -1,0 +1,231 @@
+"""lora_scope='masks': adapters on mask slots only, so the AR half is the base model bit for bit, in
+training and in the export, while the drafts learn (lora.py, adapter.py)."""
+
+import copy
+import json
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from tidar_convert import export, layout, load
+from tidar_convert.adapter import ADAPTER_FILE, Gate
+from tidar_convert.decode import generate
+from tidar_convert.lora import add_lora
+
+from conftest import ar, cycle_batch, train_tiny
+
+
+def randomize_adapters(model, seed=0, std=0.3):
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=g) * std)
+
+
+def test_clean_half_is_the_base_and_takes_no_gradient(tiny_dirs):
+    from tidar_convert.loss import hybrid_loss
+    from tidar_convert.module import TiDARModule
+
+    m = TiDARModule(model=str(tiny_dirs["llama"]), block_size=4, lora_r=4, lora_scope="masks")
+    m.configure_model()
+    randomize_adapters(m.model)
+    ids = cycle_batch(2, 16, seed=1)
+    S = ids.shape[1]
+    kw = dict(input_ids=layout.train_inputs(ids, m.model.config.mask_token_id), position_ids=layout.train_position_ids(ids),
+              attention_mask=layout.to_dense(layout.train_mask_mod(S, 4), 2, 2 * S, 2 * S))
+    logits = m.model(**kw).logits
+    with torch.no_grad(), m.model.disable_adapter():
+        base = m.model(**kw).logits
+    assert torch.equal(logits[:, :S], base[:, :S])  # the AR half: the base model, bit for bit
+    assert (logits[:, S:] - base[:, S:]).abs().max() > 1e-2  # the mask slots: adapted
+    out = hybrid_loss(logits, *layout.train_labels(ids), alpha=1.0, block_size=4)
+    lora = [p for n, p in m.model.named_parameters() if p.requires_grad]
+    assert lora and all("lora_" in n for n, p in m.model.named_parameters() if p.requires_grad)  # no embedding row trained
+    ar_grads = torch.autograd.grad(out["loss_ar"], lora, allow_unused=True, retain_graph=True)
+    assert all(g is None or g.abs().max() == 0 for g in ar_grads)  # no loss on the AR half can move it
+    diff_grads = torch.autograd.grad(out["loss_diff"], lora, allow_unused=True)
+    assert any(g is not None and g.abs().max() > 0 for g in diff_grads)
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(lora_scope="rows"), "lora_scope='rows': choose 'all'"),
+        (dict(lora_scope="masks"), "lora_scope='masks' with lora_r=0: the mask-slot adapters are LoRA; set lora_r > 0"),
+        (dict(lora_scope="masks", lora_r=4, anchor_weight=0.5), "anchor_weight=0.5 with lora_scope='masks': the AR half is the base model exactly"),
+        (dict(lora_scope="masks", lora_r=4, teacher="base", distill_weight=1.0), "teacher='base' with lora_scope='masks'"),
+    ],
+)
+def test_bad_scope_settings_are_refused_by_name(tiny_dirs, kwargs, message):
+    from tidar_convert.module import TiDARModule
+
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        TiDARModule(model=str(tiny_dirs["qwen2"]), block_size=4, **kwargs)
+
+
+def test_gate_slice_and_rows_agree():
+    torch.manual_seed(0)
+    x, out = torch.randn(2, 6, 5), torch.randn(2, 6, 3)
+    A, B = torch.randn(2, 5), torch.randn(3, 2)
+    delta = lambda v: v @ A.T @ B.T
+    trailing, scattered = Gate(9), Gate(9)
+    trailing.set(torch.tensor([[1, 2, 3, 9, 9, 9], [4, 5, 6, 9, 9, 9]]))
+    scattered.set(torch.tensor([[1, 9, 3, 9, 9, 9], [4, 5, 6, 9, 9, 9]]))
+    assert trailing.start == 3 and trailing.rows is None and scattered.rows is not None
+    rows = torch.tensor([[0, 0, 0, 1, 1, 1], [0, 0, 0, 1, 1, 1]], dtype=torch.bool)
+    expect = out + delta(x) * rows[..., None]
+    torch.testing.assert_close(trailing.add(out.clone(), x, delta), expect)
+    torch.testing.assert_close(trailing.weights(out)[..., 0], rows.float())
+    got = scattered.add(out.clone(), x, delta)
+    torch.testing.assert_close(got[0, 1], expect[0, 1] + delta(x)[0, 1])  # the lone mask in row 0 adapted too
+    none = Gate(9)
+    none.set(torch.tensor([[1, 2, 3]]))
+    assert not none.open and torch.equal(none.add(out.clone(), x, delta), out)
+
+
+def ar_only(model, steps=120, lr=3e-3):
+    """A base model that knows the cycle as an AR model, and nothing of mask slots."""
+    torch.manual_seed(0)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    for _ in range(steps):
+        ids = cycle_batch(8, 32)
+        loss = model(input_ids=ids, labels=ids).loss
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return model.eval()
+
+
+@pytest.fixture(scope="module")
+def scoped(tiny_dirs, tmp_path_factory):
+    """(base, converted PEFT model, export folder, prompt): a converted model that learned drafts with
+    adapters on mask slots only."""
+    from tidar_convert.loading import load_base
+
+    base, tok = load_base(str(tiny_dirs["qwen2"]))
+    base = ar_only(base)
+    base.config.block_size = 4
+    model = add_lora(copy.deepcopy(base), r=8, alpha=16, mask_token_id=tok.mask_token_id, scope="masks")
+    prompt = cycle_batch(1, 6, seed=3)
+    with torch.no_grad():
+        generate(prompt, model=model, max_new_tokens=30, do_sample=False, eos_token_id=None, drafter="diffusion", plan="full")
+    before = model.tidar_stats["tokens_per_nfe"]
+    train_tiny(model, steps=120, lr=1e-2)
+    out = export(model, tok, tmp_path_factory.mktemp("scoped") / "tidar", block_size=4, alpha=1.0)
+    return base, model, out, prompt, before
+
+
+def test_drafts_learn_while_the_ar_model_stays_the_base(scoped):
+    base, model, out, prompt, before = scoped
+    lm = load(out).eval()
+    assert hasattr(lm, "_tidar_gate")  # the adapter is attached on load
+    with torch.no_grad():
+        td = lm.generate(prompt, max_new_tokens=30, do_sample=False, eos_token_id=None, drafter="diffusion", plan="full")
+    after = lm.tidar_stats["tokens_per_nfe"]
+    assert torch.equal(td, ar(base, prompt, max_new_tokens=30, eos_token_id=None))
+    assert after > max(1.5, before + 0.3), (before, after)  # the drafts learned
+    ids = cycle_batch(2, 12, seed=5)
+    with torch.no_grad():
+        assert torch.equal(lm(input_ids=ids).logits, base(input_ids=ids).logits)  # plain forwards: the base
+
+
+def test_export_keeps_base_weights_and_ships_the_deltas(scoped):
+    from safetensors.torch import load_file
+
+    base, model, out, prompt, _ = scoped
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["tidar_adapter"] == {"scope": "masks", "file": ADAPTER_FILE}
+    weights = load_file(out / "model.safetensors")
+    for name, value in base.state_dict().items():
+        if name in weights:
+            assert torch.equal(weights[name], value), name
+    deltas = load_file(out / ADAPTER_FILE)
+    assert deltas and all(k.endswith((".lora_A", ".lora_B")) for k in deltas)
+    assert (out / "custom_generate" / "adapter.py").exists()
+    assert "act on mask\nslots only" in (out / "README.md").read_text()
+
+
+def test_export_mask_rows_match_the_trained_model(tiny_dirs, tmp_path):
+    """The shipped hook adds what PEFT's gated branch added in training, on the same rows."""
+    from tidar_convert.loading import load_base
+
+    base, tok = load_base(str(tiny_dirs["mistral"]))
+    base.config.block_size = 4
+    model = add_lora(copy.deepcopy(base), r=4, alpha=8, mask_token_id=tok.mask_token_id, scope="masks")
+    randomize_adapters(model, seed=4)
+    ids = cycle_batch(2, 8, seed=6)
+    S = ids.shape[1]
+    kw = dict(input_ids=layout.train_inputs(ids, tok.mask_token_id), position_ids=layout.train_position_ids(ids),
+              attention_mask=layout.to_dense(layout.train_mask_mod(S, 4), 2, 2 * S, 2 * S))
+    with torch.no_grad():
+        trained = model(**kw).logits
+    lm = load(export(model, tok, tmp_path / "tidar", block_size=4, alpha=1.0)).eval()
+    with torch.no_grad():
+        shipped = lm(**kw).logits
+        plain = base(**kw).logits
+    assert torch.equal(shipped[:, :S], plain[:, :S])
+    torch.testing.assert_close(shipped[:, S:], trained[:, S:], rtol=1e-4, atol=1e-4)
+    assert (shipped[:, S:] - plain[:, S:]).abs().max() > 1e-2
+
+
+def test_scoped_export_runs_without_tidar_convert_installed(scoped):
+    _, _, out, prompt, _ = scoped
+    script = textwrap.dedent(
+        f"""
+        import sys, json, torch
+        sys.modules["tidar_convert"] = None
+        from transformers import AutoModelForCausalLM
+        m = AutoModelForCausalLM.from_pretrained({str(out)!r}, trust_remote_code=True)
+        ids = torch.tensor({prompt.tolist()})
+        td = m.generate(ids, max_new_tokens=30, do_sample=False, eos_token_id=None, drafter="diffusion")
+        stats = dict(m.tidar_stats)
+        plain = m.generate(ids, max_new_tokens=30, do_sample=False, eos_token_id=None, tidar=False)
+        print(json.dumps({{"same": torch.equal(td, plain), "tpn": stats["tokens_per_nfe"], "gate": hasattr(m, "_tidar_gate")}}))
+        """
+    )
+    res = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    got = json.loads(res.stdout.strip().splitlines()[-1])
+    assert got["same"] and got["gate"] and got["tpn"] > 1.5, got
+
+
+def test_a_scoped_export_missing_its_adapter_is_named(scoped, tmp_path):
+    import shutil
+
+    from tidar_convert.export import check_export
+
+    _, _, out, _, _ = scoped
+    copy_dir = tmp_path / "copy"
+    shutil.copytree(out, copy_dir)
+    (copy_dir / ADAPTER_FILE).unlink()
+    with pytest.raises(FileNotFoundError, match=f"lacks {ADAPTER_FILE}, the adapter its drafts come from"):
+        check_export(copy_dir)
+
+
+def test_fit_with_mask_scope_exports_the_base_weights_and_the_adapter(tmp_path, tiny_dirs):
+    """Through the CLI: the flag reaches the module, training moves only the adapters, the export
+    ships them apart and decodes exactly as the base."""
+    from pathlib import Path
+
+    from safetensors.torch import load_file
+
+    from tidar_convert.cli import main
+    from tidar_convert.loading import load_base
+
+    recipe = str(Path(__file__).parents[1] / "recipes" / "tiny.yaml")
+    main(["fit", "--config", recipe, "--model.model", str(tiny_dirs["qwen3"]), "--model.lora_r", "4", "--model.lora_scope", "masks",
+          "--model.distill_weight", "1.0", "--trainer.max_steps", "3", "--trainer.logger", "false",
+          "--trainer.default_root_dir", str(tmp_path / "run"), "--out", str(tmp_path / "out")])
+    out = tmp_path / "out"
+    base, _ = load_base(str(tiny_dirs["qwen3"]))
+    weights = load_file(out / "model.safetensors")
+    assert all(torch.equal(weights[n], v) for n, v in base.state_dict().items() if n in weights)
+    assert any(v.abs().max() > 0 for k, v in load_file(out / ADAPTER_FILE).items() if k.endswith("lora_B"))  # trained
+    lm = load(out).eval()
+    prompt = cycle_batch(1, 6, seed=1)
+    with torch.no_grad():
+        assert torch.equal(lm.generate(prompt, max_new_tokens=12, do_sample=False, eos_token_id=None), ar(base, prompt, max_new_tokens=12, eos_token_id=None))
