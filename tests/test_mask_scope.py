@@ -229,3 +229,31 @@ def test_fit_with_mask_scope_exports_the_base_weights_and_the_adapter(tmp_path, 
     prompt = cycle_batch(1, 6, seed=1)
     with torch.no_grad():
         assert torch.equal(lm.generate(prompt, max_new_tokens=12, do_sample=False, eos_token_id=None), ar(base, prompt, max_new_tokens=12, eos_token_id=None))
+
+
+def test_split_halves_give_the_one_forward_loss_and_gradients(tiny_dirs, monkeypatch):
+    """Under lora_scope='masks' the clean half runs without autograd and hands its cache to the mask
+    half: the same loss and the same adapter gradients as one forward over both halves."""
+    from tidar_convert.module import TiDARModule
+
+    m = TiDARModule(model=str(tiny_dirs["qwen2"]), block_size=4, lora_r=4, lora_scope="masks", distill_weight=0.5)
+    m.configure_model()
+    randomize_adapters(m.model, seed=2)
+    ids = cycle_batch(2, 16, seed=4)
+    doc_ids = torch.zeros_like(ids)
+    doc_ids[0, 9:] = 1  # a document boundary: its isolation must hold across the two forwards
+    params = [p for p in m.model.parameters() if p.requires_grad]
+
+    def run():
+        out = m.forward_tidar(ids, doc_ids)
+        return out, torch.autograd.grad(out["loss"], params)
+
+    assert m.split_halves
+    split, split_grads = run()
+    monkeypatch.setattr(TiDARModule, "split_halves", property(lambda self: False))
+    one, one_grads = run()
+    for key in one:
+        torch.testing.assert_close(split[key], one[key], rtol=1e-5, atol=1e-6)
+    for a, b in zip(split_grads, one_grads):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+    assert sum(g.abs().sum() for g in split_grads) > 0

@@ -186,7 +186,8 @@ class Throughput(Callback):
     Tokens are training tokens, S per sequence: the unit of the global batch. TiDAR's forward runs 2S
     positions for them (the clean half and the mask half), so with the usual 6N FLOPs per position
     (forward 2N, backward 4N) a training token costs 12N; with LoRA the frozen weights get no weight
-    gradient, so 8N. Attention's own FLOPs and activation-checkpointing recompute are left out, as in
+    gradient, so 8N; with the halves split (lora_scope='masks': the clean half runs without autograd)
+    2N + 4N = 6N. Attention's own FLOPs and activation-checkpointing recompute are left out, as in
     the MFU convention (model FLOPs, not hardware FLOPs). Time is training time: validation is excluded.
     Memory: peak allocated GPU memory on CUDA, and the process's peak RSS (host memory) always.
     """
@@ -196,7 +197,9 @@ class Throughput(Callback):
 
     def on_train_start(self, trainer, pl_module) -> None:
         full = all(p.requires_grad for p in pl_module.model.parameters())
-        self.flops_per_token = 2 * (6 if full else 4) * matmul_params(pl_module.model)
+        per_position = 6 if full else 4
+        clean = 2 if getattr(pl_module, "split_halves", False) else per_position  # forward only
+        self.flops_per_token = (clean + per_position) * matmul_params(pl_module.model)
         self.step, self.tokens, self.seconds, self.last = trainer.global_step, 0, 0.0, self._now(trainer)
 
     def _now(self, trainer) -> float:

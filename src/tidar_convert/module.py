@@ -186,13 +186,13 @@ class TiDARModule(L.LightningModule):
         B, S = input_ids.shape
         layout.check_train_shape(S, self.block_size)
         mask_mod = layout.train_mask_mod(S, self.block_size, doc_ids)
-        mask = layout.build_mask(mask_mod, B, 2 * S, 2 * S, self.attn_implementation, input_ids.device)
-        logits = self.model(
-            input_ids=layout.train_inputs(input_ids, self.model.config.mask_token_id),
-            position_ids=layout.train_position_ids(input_ids, doc_ids),
-            attention_mask=mask,
-            use_cache=False,
-        ).logits
+        inputs = layout.train_inputs(input_ids, self.model.config.mask_token_id)
+        positions = layout.train_position_ids(input_ids, doc_ids)
+        if self.split_halves:
+            logits = self.forward_halves(inputs, positions, mask_mod)
+        else:
+            mask = layout.build_mask(mask_mod, B, 2 * S, 2 * S, self.attn_implementation, input_ids.device)
+            logits = self.model(input_ids=inputs, position_ids=positions, attention_mask=mask, use_cache=False).logits
         ar_labels, diff_labels = layout.train_labels(input_ids, doc_ids, no_ar_target)
         base_teacher = self.teacher == "base" and self.distill_weight > 0
         base_logits = self.base_ar_logits(input_ids, doc_ids) if base_teacher or self.anchor_weight > 0 else None
@@ -200,6 +200,31 @@ class TiDARModule(L.LightningModule):
             logits, ar_labels, diff_labels, self.alpha, self.block_size, self.distill_weight, self.distill_temperature,
             base_logits if base_teacher else None, self.diff_offset_weights, self.anchor_weight, base_logits,
         )
+
+    @property
+    def split_halves(self) -> bool:
+        """lora_scope='masks' (without activation checkpointing, which drops the cache): the clean half
+        runs once without autograd and hands its keys and values to the mask half."""
+        return self.hparams.get("lora_scope", "all") == "masks" and not self.hparams.gradient_checkpointing
+
+    def forward_halves(self, inputs: torch.Tensor, positions: torch.Tensor, mask_mod) -> torch.Tensor:
+        """(B, 2S, V) logits of the doubled sequence in two forwards: the clean half under no_grad (under
+        lora_scope='masks' nothing trainable reaches it, so it needs no graph), then the mask half with
+        the clean half's keys and values as its cache. The same logits as one forward over both halves,
+        with the backward of the mask half only: about 2/3 of the compute of a training step."""
+        from transformers import DynamicCache
+
+        from .engine import cache_kwargs
+
+        B, S2 = inputs.shape
+        S = S2 // 2
+        device, impl = inputs.device, self.attn_implementation
+        cache = DynamicCache()
+        with torch.no_grad():
+            clean = self.model(input_ids=inputs[:, :S], position_ids=positions[:, :S], attention_mask=layout.build_mask(mask_mod, B, S, S, impl, device), **cache_kwargs(self.model, cache)).logits
+        half_mod = lambda b, h, q, kv: mask_mod(b, h, q + S, kv)  # the mask half's rows of the same layout
+        masks = self.model(input_ids=inputs[:, S:], position_ids=positions[:, S:], attention_mask=layout.build_mask(half_mod, B, S, S2, impl, device), **cache_kwargs(self.model, cache)).logits
+        return torch.cat([clean, masks], 1)
 
     @torch.no_grad()
     def base_ar_logits(self, input_ids: torch.Tensor, doc_ids: torch.Tensor | None = None) -> torch.Tensor:
