@@ -9,7 +9,7 @@ import torch
 from tidar_convert import drafters, engine
 from tidar_convert.decode import generate
 from tidar_convert.drafters import DRAFTERS, Draft, DraftContext, LookupDrafter
-from tidar_convert.engine import Planner, StepPlan
+from tidar_convert.engine import Planner, StepCosts, StepPlan
 
 from conftest import FAMILIES, ar, cycle_batch
 
@@ -99,6 +99,53 @@ def test_trim_keeps_the_proposals_a_step_is_likely_to_reach():
     assert planner.trim(draft, per_row=True) is draft  # row 1 reaches all four on its own
     assert planner.trim(Draft(tokens, confidence=torch.full((2, 4), 0.01))).tokens.shape[1] == 2  # one proposal at least
     assert Planner(4, "full").trim(draft) is draft  # the paper's step drafts all of them
+
+
+def costs(table: dict) -> StepCosts:
+    c = StepCosts()
+    for (slots, masked), ms in table.items():
+        c.add(slots, masked, ms / 1000)
+    return c
+
+
+def test_step_costs_price_unmeasured_shapes_optimistically():
+    c = costs({(4, False): 100, (12, False): 120, (8, True): 200})
+    assert c.price(4, False) == 100 and c.price(8, True) == 200
+    assert c.price(2, False) == 20  # in proportion, from the cheapest line through a larger shape: 120 x 2 / 12
+    assert c.price(10, False) == 100  # 12 slots' 120 ms x 10 / 12 (4 slots' line is not above 10)
+    assert c.price(20, False) == 120  # larger than any measured: the dearest smaller one
+    assert c.price(4, True) == 100  # masked, smaller than 8: 200 x 4 / 8
+    assert StepCosts().price(7, True) == 1.0  # nothing measured: every shape alike
+    c.add(4, False, 0.2)  # a moving average follows the cost
+    assert c.price(4, False) == pytest.approx(0.7 * 100 + 0.3 * 200)
+
+
+def test_cost_plan_takes_the_most_expected_tokens_per_second():
+    tokens = torch.arange(5)[None]
+    sure = Draft(tokens, confidence=torch.full((1, 4), 0.95), sources=["lookup"])
+    doubtful = Draft(tokens, confidence=torch.full((1, 4), 0.2), sources=["lookup"])
+    cpu = costs({(1, False): 60, (2, False): 110, (3, False): 130, (4, False): 95, (5, False): 97})
+    flat = costs({(s, False): 60 for s in range(1, 6)})
+    take = lambda costs, draft: Planner(4, "cost", costs=costs).step(draft, uses_groups=False)[1].n_drafts
+    assert take(flat, doubtful) == 5  # slots are free: verify everything
+    assert take(cpu, doubtful) == 1  # 1.25 expected tokens do not pay for 4 more slots: a plain AR step
+    assert take(cpu, sure) == 5  # 4.4 do; and 2 or 3 slots are never worth more than 4
+    masked = costs({(1, False): 60, (5, True): 70})
+    draft, plan = Planner(4, "cost", costs=masked).step(Draft(tokens[:, :1]), uses_groups=True)
+    assert plan.anchors == (1,) and plan.slots == 5  # a group pays when its drafts are expected to (gain 1 a step)
+    dear = costs({(1, False): 60, (5, True): 150})
+    assert Planner(4, "cost", costs=dear).step(Draft(tokens[:, :1]), uses_groups=True)[1].anchors == ()
+
+
+def test_lookup_rate_recovers_when_its_drafts_are_not_verified():
+    lookup = LookupDrafter()
+    lookup.proposed, lookup.accepted = 20.0, 0.0
+    low = lookup.rate()
+    seqs = torch.tensor([[5, 6, 7, 5, 6]])
+    ctx = DraftContext(seqs, torch.ones_like(seqs, dtype=torch.bool), 4, None, None)
+    for _ in range(30):  # matches found, never verified (a plan that keeps no proposal)
+        lookup.propose(ctx)
+    assert low < 0.1 and lookup.rate() > 0.3
 
 
 def test_adaptive_draft_length_drafts_less_where_lookup_misses_and_stays_exact(untrained):
@@ -207,10 +254,10 @@ def test_batch_rows_keep_what_each_accepted(trained, monkeypatch):
         alone = []
         for b in range(4):
             real = ids[b : b + 1, mask[b].bool()]
-            generate(real, model=model, drafter=name, **kw)
+            generate(real, model=model, drafter=name, plan="adaptive", **kw)  # acceptance, not timing, decides the steps
             alone.append(model.tidar_stats["tokens_per_nfe"])
         before = len(seen)
-        got = generate(ids, model=model, attention_mask=mask, drafter=name, **kw)
+        got = generate(ids, model=model, attention_mask=mask, drafter=name, plan="adaptive", **kw)
         assert torch.equal(got, ar(model, ids, attention_mask=mask, **kw)), name
         rows = model.tidar_stats["tokens_per_nfe_per_row"]
         for b in range(4):

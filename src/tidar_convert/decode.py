@@ -29,7 +29,7 @@ from transformers.generation.utils import GenerateDecoderOnlyOutput
 # Relative, so the same lines work in the package and in an export's custom_generate/ folder.
 from .adapter import ensure as ensure_adapter
 from .drafters import Draft, make_drafter  # noqa: F401  (Draft: for callers that build drafts by hand)
-from .engine import Planner, cache_kwargs, decode  # noqa: F401  (cache_kwargs: used by the bench)
+from .engine import Planner, cache_kwargs, costs_of, decode  # noqa: F401  (cache_kwargs: used by the bench)
 from .layout import decode_mask_mod  # noqa: F401  (imported here so a missing layout.py is named as generate.py's import)
 from .verify import Greedy, Sampling
 
@@ -186,7 +186,7 @@ def generate(
     block_size: int | None = None,
     beta: float = 1.0,
     drafter: str = "hybrid",
-    plan: str = "adaptive",
+    plan: str = "cost",
     slot_budget: int | None = None,
     **kwargs,
 ):
@@ -200,8 +200,11 @@ def generate(
     drafter: where drafts come from: "hybrid" (default; per row, lookup or diffusion, whichever is
         expected to be accepted further), "diffusion" (TiDAR's mask groups), "lookup" (n-gram matches
         in the prompt and generated text, no mask groups). Every drafter is exact.
-    plan: "adaptive" (default) computes mask groups only at the acceptance lengths likely to occur;
-        "full" at every length (the paper's k + k*k slots). slot_budget: most query slots per step
+    plan: "cost" (default) runs, each step, the shape (proposals kept, mask groups) with the most
+        expected tokens per second, from the drafts' confidence and the time each step shape has taken
+        on this model and machine (measured as it decodes, kept on the model across calls);
+        "adaptive" keeps the proposals and groups with a chance >= 5 % of being used; "full" a group
+        at every length (the paper's k + k*k slots). Every plan gives the same output. slot_budget: most query slots per step
         (default max(k + k*k, 11 + k): the paper's step, or a full lookup draft and one group).
 
     generation_config and keyword arguments are merged with the model's defaults as transformers does.
@@ -217,7 +220,7 @@ def generate(
     chosen = make_drafter(drafter)
     ensure_adapter(model)  # an export trained with lora_scope='masks': its drafts' adapter, once
     run = prepare(model, input_ids, generation_config, block_size, beta, kwargs)
-    planner = Planner(run.k, plan, slot_budget)
+    planner = Planner(run.k, plan, slot_budget, costs=costs_of(model))
     gc = run.gc
     record = ([], []) if gc.return_dict_in_generate and (gc.output_scores or gc.output_logits) else None
     if run.streamer is not None:

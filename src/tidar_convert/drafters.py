@@ -113,9 +113,15 @@ class LookupDrafter:
     name = "lookup"
     uses_groups = False
 
+    # Each new match weighs what was seen before by this much: the rate follows the text (about the
+    # last 10 judged proposals), and when a plan stops verifying lookup drafts because the rate fell,
+    # unjudged matches pull it back toward the prior 1/2 until some are verified again (else one bad
+    # stretch would stop lookup for the rest of the call).
+    FORGET = 0.9
+
     def __init__(self, num_tokens: int = 10, max_ngram: int = 2):
         self.num_tokens, self.max_ngram = num_tokens, max_ngram
-        self.proposed = self.accepted = 0  # running totals, for the chance a lookup token is accepted
+        self.proposed = self.accepted = 0.0  # decayed totals, for the chance a lookup token is accepted
 
     def rate(self) -> float:
         return (self.accepted + 1) / (self.proposed + 2)
@@ -140,6 +146,8 @@ class LookupDrafter:
         found = [self.match(ctx.seqs[b][ctx.kv_valid[b]], ctx.max_proposals) for b in range(ctx.seqs.shape[0])]
         if all(f is None for f in found):
             return None
+        self.proposed *= self.FORGET
+        self.accepted *= self.FORGET
         B, m = len(found), 1 + max(f.shape[0] for f in found if f is not None)
         tokens = ctx.y[:, None].repeat(1, m)  # filler beyond a row's length is never accepted
         length = torch.ones(B, dtype=torch.long, device=tokens.device)

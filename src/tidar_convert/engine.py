@@ -21,6 +21,7 @@ Each phase runs under torch.profiler.record_function("tidar.<phase>") for a step
 from __future__ import annotations
 
 import inspect
+import time
 from collections import Counter
 from dataclasses import dataclass, field, replace
 
@@ -161,14 +162,59 @@ class Planner:
     96 ms), so a proposal pays for its slot from a chance of about that much; on a GPU slots are
     nearly free and min_chance can be lower."""
 
-    def __init__(self, k: int, mode: str = "adaptive", slot_budget: int | None = None, min_chance: float = 0.05):
-        if mode not in ("adaptive", "full"):
-            raise ValueError(f"plan={mode!r}: choose 'adaptive' or 'full'.")
+    def __init__(self, k: int, mode: str = "cost", slot_budget: int | None = None, min_chance: float = 0.05, costs: "StepCosts | None" = None):
+        if mode not in PLANS:
+            raise ValueError(f"plan={mode!r}: choose 'cost', 'adaptive' or 'full'.")
         if slot_budget is not None and slot_budget < 1 + k:
             raise ValueError(f"slot_budget={slot_budget}: a step needs at least 1 + block_size = {1 + k} query slots.")
         self.k, self.mode, self.min_chance = k, mode, min_chance
+        self.costs = costs if costs is not None else StepCosts()
+        self.group_gain = Mean(1.0)  # proposals accepted when a step drafts from a group
         # Default: the paper's step (k + k*k), or room for a full lookup draft (10) + y + one group.
         self.budget = slot_budget if slot_budget is not None else max(k + k * k, 11 + k)
+
+    def step(self, draft: Draft, uses_groups: bool, room: int | None = None, per_row: bool = False) -> tuple[Draft, "StepPlan"]:
+        """The draft as the step will verify it, and the step's plan."""
+        if self.mode == "cost" and (draft.confidence is not None or draft.tokens.shape[1] == 1):
+            return self.cheapest(draft, uses_groups, room, per_row)
+        draft = self.trim(draft, per_row)
+        return draft, self.plan(draft, uses_groups, room, per_row)
+
+    def cheapest(self, draft: Draft, uses_groups: bool, room: int | None, per_row: bool) -> tuple[Draft, "StepPlan"]:
+        """plan='cost': of every (proposals kept, groups) within the budget, the step with the most
+        expected tokens per measured second. Expected tokens: y, plus each kept proposal's chance of
+        being accepted, plus for each group its length's chance times the proposals a group draft
+        gets accepted on average (`group_gain`, counted in this call). Groups go to the likeliest
+        lengths first. Exact for any choice: which proposals are kept reads their confidence only."""
+        k, m = self.k, draft.tokens.shape[1]
+        reach = reach_chances(draft)  # (B, m): P(row accepts >= j drafts), j = 1..m
+        best = None
+        for n in range(1, m + 1):  # drafts kept: draft 0 and n - 1 proposals
+            r = reach[:, :n]
+            exact_len = r - torch.cat([r[:, 1:], r.new_zeros(r.shape[0], 1)], 1)  # (B, n): P(accepts exactly j)
+            if per_row:
+                tokens, lengths = 1 + float(r[:, 1:].sum(1).mean()), exact_len.mean(0)
+            else:
+                shared = r.prod(0)
+                tokens = 1 + float(shared[1:].sum())
+                lengths = shared - torch.cat([shared[1:], shared.new_zeros(1)])
+            fits = n if room is None else min(n, room - k + 1)
+            order = sorted(range(max(fits, 0)), key=lambda i: -float(lengths[i])) if uses_groups else []
+            most = min(len(order), max(0, (self.budget - n) // k))
+            for g in range(most + 1):
+                value = tokens + self.group_gain.value * float(sum(lengths[i] for i in order[:g]))
+                score = value / self.costs.price(n + g * k, g > 0)
+                if best is None or score > best[0]:
+                    best = (score, n, tuple(sorted(i + 1 for i in order[:g])))
+        _, n, anchors = best
+        return cut(draft, n), StepPlan(n, anchors, k)
+
+    def timed(self, plan: "StepPlan", seconds: float, draft: Draft, accepted: torch.Tensor) -> None:
+        """A step's time by its shape, and the proposals accepted on rows drafted from a group."""
+        self.costs.add(plan.slots, plan.slots > plan.n_drafts, seconds)
+        for b, source in enumerate(draft.sources):
+            if source == "diffusion":
+                self.group_gain.add(float(accepted[b]) - 1)
 
     def max_proposals(self, uses_groups: bool) -> int:
         """Most proposals a draft may hold, leaving room for one group when the drafter uses them."""
@@ -185,11 +231,7 @@ class Planner:
         reach = reach_chances(draft)[:, 1:]  # (B, m - 1): P(the row accepts proposal i)
         reach = reach.max(0).values if per_row else reach.prod(0)
         keep = max(1, int((reach >= self.min_chance).sum()))  # reach only falls with i: a prefix
-        if keep == m - 1:
-            return draft
-        cut = lambda t: None if t is None else t[:, :keep]
-        return replace(draft, tokens=draft.tokens[:, : keep + 1], q=cut(draft.q), length=draft.length.clamp(max=keep + 1),
-                       confidence=cut(draft.confidence), raw_confidence=cut(draft.raw_confidence))
+        return cut(draft, keep + 1)
 
     def plan(self, draft: Draft, uses_groups: bool, room: int | None = None, per_row: bool = False) -> StepPlan:
         """room: the largest position offset from draft 0 the model has (near max_position_embeddings
@@ -207,6 +249,70 @@ class Planner:
         return StepPlan(m, tuple(sorted(i + 1 for i in picked)), self.k)
 
 
+PLANS = ("cost", "adaptive", "full")
+
+
+def cut(draft: Draft, n: int) -> Draft:
+    """The draft's first n tokens (draft 0 and n - 1 proposals)."""
+    if n >= draft.tokens.shape[1]:
+        return draft
+    keep = lambda t: None if t is None else t[:, : n - 1]
+    return replace(draft, tokens=draft.tokens[:, :n], q=keep(draft.q), length=draft.length.clamp(max=n),
+                   confidence=keep(draft.confidence), raw_confidence=keep(draft.raw_confidence))
+
+
+class Mean:
+    def __init__(self, prior: float):
+        self.total, self.count = prior, 1
+
+    def add(self, x: float) -> None:
+        self.total += x
+        self.count += 1
+
+    @property
+    def value(self) -> float:
+        return self.total / self.count
+
+
+class StepCosts:
+    """Wall time of a decoding step by its shape: (query slots, whether it runs mask groups). Kept on
+    the model across generate() calls (`costs_of`), so it is learned once per model and machine.
+
+    Measured, not modelled, because the shape of the curve is the machine's: on this repo's 2-core
+    CPU in fp32 a forward of 1 query slot takes 68 ms, 2 slots 110 ms, 3 slots 133 ms, but 4 to 6
+    slots 97 to 99 ms and 12 slots 102 ms (small-M matrix products are badly served by the BLAS
+    there), and mask-slot adapters (lora_scope='masks') add their own cost; on a GPU the curve is
+    flat far beyond any step. A shape not yet measured is priced optimistically, so that each is
+    tried once and then known: as if time grew in proportion to slots from the measured shapes with
+    more slots (the cheapest such line), or else at the dearest shape with fewer; a moving average
+    follows the cost as the context grows."""
+
+    def __init__(self, decay: float = 0.3):
+        self.ms: dict[tuple[int, bool], float] = {}
+        self.decay = decay
+
+    def add(self, slots: int, masked: bool, seconds: float) -> None:
+        key, ms = (slots, masked), 1000 * seconds
+        self.ms[key] = ms if key not in self.ms else (1 - self.decay) * self.ms[key] + self.decay * ms
+
+    def price(self, slots: int, masked: bool) -> float:
+        if (slots, masked) in self.ms:
+            return self.ms[(slots, masked)]
+        same = {s: v for (s, m), v in self.ms.items() if m == masked} or {s: v for (s, _), v in self.ms.items()}
+        if not same:
+            return 1.0
+        larger = [v * slots / s for s, v in same.items() if s >= slots]
+        return min(larger) if larger else max(same.values())
+
+
+def costs_of(model) -> StepCosts:
+    costs = model.__dict__.get("_tidar_step_costs")
+    if costs is None:
+        costs = StepCosts()
+        object.__setattr__(model, "_tidar_step_costs", costs)
+    return costs
+
+
 def accepted_length_chances(draft: Draft, per_row: bool = False) -> list[float]:
     """j = 1..m: with a shared commit, P(the batch commits j drafts) (the fewest any row accepted);
     per row, the expected share of rows that accept exactly j (each reads the group at its own j)."""
@@ -221,6 +327,8 @@ def reach_chances(draft: Draft) -> torch.Tensor:
     """(B, m): column j - 1 is P(the row accepts >= j drafts), draft 0 always; from draft.confidence,
     a row's acceptance stopping at its first miss and at its length."""
     m = draft.tokens.shape[1]
+    if m == 1:
+        return torch.ones(draft.tokens.shape[0], 1, device=draft.tokens.device)
     real = torch.arange(1, m, device=draft.tokens.device) < draft.length[:, None]
     c = (draft.confidence.float() * real).clamp(0, 1)
     return torch.cat([torch.ones_like(c[:, :1]), c.cumprod(1)], 1)
@@ -374,9 +482,9 @@ def decode(model, run, drafter, planner: Planner, beta: float = 1.0, record=None
             room = None if limit is None else limit - 1 - int(state.start.max())  # positions left after draft 0
             most = min(remaining - 1, planner.max_proposals(drafter.uses_groups), room if room is not None else remaining)
             ctx = DraftContext(state.seqs, state.kv_valid, most, pick, processors, memo(group))
-            draft = planner.trim(drafter.propose(ctx) or fresh(state.seqs[:, -1]))
-            plan = planner.plan(draft, drafter.uses_groups, room)
+            draft, plan = planner.step(drafter.propose(ctx) or fresh(state.seqs[:, -1]), drafter.uses_groups, room)
         state.finish()
+        started = time.perf_counter()
         out = run_step(model, state, draft, plan, run.mask_id)
         m = plan.n_drafts
         with record_function("tidar.verify"):
@@ -384,6 +492,7 @@ def decode(model, run, drafter, planner: Planner, beta: float = 1.0, record=None
             scores = process(processors, state.seqs, draft.tokens[:, 1:], ar)  # row i: after seqs ++ drafts 1..i
             accepted = pick.verify(scores, draft)
             j = int(accepted[state.active].min())  # rows share one cache length: commit the least
+            planner.timed(plan, time.perf_counter() - started, draft, accepted)  # int() above waited for the device
             g = plan.group_start(j)
             target = scores[:, j - 1]
             if beta != 1.0 and g is not None:
@@ -491,15 +600,16 @@ def decode_rows(model, run, drafter, planner: Planner) -> DecodeState:
             room = None if limit is None else limit - 1 - int(state.start.max())
             most = min(remaining - 1, planner.max_proposals(drafter.uses_groups), room if room is not None else remaining)
             ctx = DraftContext(state.seqs, state.kv_valid, most, pick, processors, memo(group))
-            draft = planner.trim(drafter.propose(ctx) or fresh(state.seqs[:, -1]), per_row=True)
-            plan = planner.plan(draft, drafter.uses_groups, room, per_row=True)
+            draft, plan = planner.step(drafter.propose(ctx) or fresh(state.seqs[:, -1]), drafter.uses_groups, room, per_row=True)
         state.finish()
+        started = time.perf_counter()
         out = run_step(model, state, draft, plan, run.mask_id)
         state.row_nfe += state.active.long()
         m = plan.n_drafts
         with record_function("tidar.verify"):
             scores = process(processors, state.seqs, draft.tokens[:, 1:], out.rows(0, m))
             accepted = pick.verify(scores, draft)
+            planner.timed(plan, time.perf_counter() - started, draft, accepted.cpu())  # .cpu() waits for the device
             y = pick.next_token_rows(scores, draft, accepted)
             if hasattr(drafter, "observe"):
                 drafter.observe(draft, accepted)

@@ -25,13 +25,15 @@ from .timing import synchronize
 class Decoder:
     """weights: "export" or "base". tidar: TiDAR decoding, else transformers' own generate.
     drafter: the TiDAR drafter (None: the engine's default). lookup: transformers' prompt lookup.
-    block_size: TiDAR's k for this decoder alone (None: the run's `--k`)."""
+    block_size: TiDAR's k for this decoder alone (None: the run's `--k`). plan: TiDAR's step plan
+    (None: the engine's default, 'cost')."""
 
     weights: str = "export"
     tidar: bool = False
     drafter: str | None = None
     lookup: bool = False
     block_size: int | None = None
+    plan: str | None = None
 
     def generate_kwargs(self, k: int | None, prompt_lookup_tokens: int) -> dict:
         kwargs = {}
@@ -41,6 +43,8 @@ class Decoder:
             kwargs["block_size"] = self.block_size or k
         if self.drafter is not None:
             kwargs["drafter"] = self.drafter
+        if self.plan is not None:
+            kwargs["plan"] = self.plan
         if self.lookup:
             kwargs["prompt_lookup_num_tokens"] = prompt_lookup_tokens
         return kwargs
@@ -50,7 +54,10 @@ DECODERS = {
     "ar": Decoder(),  # transformers' generate (tidar=False): the reference every other row is compared with
     "prompt_lookup": Decoder(lookup=True),  # transformers' n-gram drafts from the prompt, same weights
     "tidar": Decoder(tidar=True),  # TiDAR with its default drafter (hybrid: lookup where it matches, else diffusion)
-    "tidar_diffusion": Decoder(tidar=True, drafter="diffusion"),
+    "tidar_adaptive": Decoder(tidar=True, plan="adaptive"),  # the same drafts, steps chosen by confidence alone (no timing)
+    # The diffusion drafter's own acceptance (issue 9's T/NFE): its drafts verified whenever likely,
+    # whatever a step costs here (the cost plan may find plain AR steps cheaper, and measure nothing).
+    "tidar_diffusion": Decoder(tidar=True, drafter="diffusion", plan="adaptive"),
     "tidar_lookup": Decoder(tidar=True, drafter="lookup"),
     "base_prompt_lookup": Decoder(weights="base", lookup=True),  # what a user gets without converting
 }
