@@ -146,8 +146,11 @@ class StepPlan:
 
 
 class Planner:
-    """Chooses the anchors of a step's mask groups.
+    """Chooses how much of a draft a step verifies, and the anchors of its mask groups.
 
+    cost      (default) the shape with the most expected tokens per measured second (`cheapest`,
+              StepCosts): on a machine where extra slots cost, short or no drafts where they are
+              unlikely to pay; where slots are free, everything likely.
     full      a group at every acceptance length 1..m, as the paper's step (k + k*k slots for m = k).
     adaptive  groups only at the acceptance lengths likely to occur, from the draft's own confidence
               (diffusion: the draft head's probability; lookup: its running acceptance rate): the most
