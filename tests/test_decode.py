@@ -234,6 +234,7 @@ def test_sampling_matches_ar_distribution(small_vocab_model, settings, monkeypat
         return 1 + (u < p.gather(-1, d).squeeze(-1)).long().cumprod(1).sum(1)
 
     monkeypatch.setattr(Sampling, "verify", wrong_verify)
+    gen_kw["plan"] = "full"  # every draft verified: the cost plan may run plain AR steps where drafts do not pay
     wrong = sample_counts(lambda: generate(prompt, model=model, **gen_kw), n)
     assert chi_square_p(wrong, probs, n) < 1e-3
 
@@ -271,7 +272,7 @@ def test_sampling_with_deterministic_drafts_matches_ar_distribution(small_vocab_
         return
     # Teeth: resampling from p itself after a rejected lookup draft (d not removed) is detectably wrong.
     monkeypatch.setattr(Sampling, "residual", lambda self, draft, j: self._p[:, j - 1])
-    assert chi_square_p(sample_counts(lambda: generate(prompt, model=model, **gen_kw), n), probs, n) < 1e-3
+    assert chi_square_p(sample_counts(lambda: generate(prompt, model=model, plan="full", **gen_kw), n), probs, n) < 1e-3
 
 
 def test_sampling_with_per_row_acceptance_matches_ar_distribution(small_vocab_model, monkeypatch):
@@ -297,7 +298,7 @@ def test_sampling_with_per_row_acceptance_matches_ar_distribution(small_vocab_mo
         assert "tokens_per_nfe_per_row" in model.tidar_stats  # it ran with per-row acceptance
     # Teeth: a row's next token drawn from p, without the residual after its rejected proposal.
     monkeypatch.setattr(Sampling, "next_token_rows", lambda self, scores, draft, accepted: self.token(scores[torch.arange(2), accepted - 1]))
-    assert chi_square_p(sample_counts(lambda: generate(prompt, model=model, drafter="lookup", **gen_kw)[:1], n), probs, n) < 1e-3
+    assert chi_square_p(sample_counts(lambda: generate(prompt, model=model, drafter="lookup", plan="full", **gen_kw)[:1], n), probs, n) < 1e-3
 
 
 # ---- bad input ---------------------------------------------------------------------------------

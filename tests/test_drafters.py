@@ -135,6 +135,9 @@ def test_cost_plan_takes_the_most_expected_tokens_per_second():
     assert plan.anchors == (1,) and plan.slots == 5  # a group pays when its drafts are expected to (gain 1 a step)
     dear = costs({(1, False): 60, (5, True): 150})
     assert Planner(4, "cost", costs=dear).step(Draft(tokens[:, :1]), uses_groups=True)[1].anchors == ()
+    planner = Planner(4, "cost", costs=masked)
+    planner.timed(plan, 0.07, Draft(tokens, sources=["diffusion"]), torch.tensor([1]))  # a group draft: nothing accepted
+    assert Planner(4, "cost", costs=masked).group_gain.value == pytest.approx(0.5)  # kept with the costs, across calls
 
 
 def test_lookup_rate_recovers_when_its_drafts_are_not_verified():

@@ -172,7 +172,7 @@ class Planner:
             raise ValueError(f"slot_budget={slot_budget}: a step needs at least 1 + block_size = {1 + k} query slots.")
         self.k, self.mode, self.min_chance = k, mode, min_chance
         self.costs = costs if costs is not None else StepCosts()
-        self.group_gain = Mean(1.0)  # proposals accepted when a step drafts from a group
+        self.group_gain = self.costs.group_gain
         # Default: the paper's step (k + k*k), or room for a full lookup draft (10) + y + one group.
         self.budget = slot_budget if slot_budget is not None else max(k + k * k, 11 + k)
 
@@ -293,6 +293,10 @@ class StepCosts:
     def __init__(self, decay: float = 0.3):
         self.ms: dict[tuple[int, bool], float] = {}
         self.decay = decay
+        # Proposals accepted when a step drafts from a mask group: what a group is worth, learned with
+        # the costs and kept as long (a plan that rarely runs groups sees few, and a fresh estimate
+        # every call would keep pricing them at the prior).
+        self.group_gain = Mean(1.0)
 
     def add(self, slots: int, masked: bool, seconds: float) -> None:
         key, ms = (slots, masked), 1000 * seconds
