@@ -187,25 +187,20 @@ class Planner:
         """plan='cost': of every (proposals kept, groups) within the budget, the step with the most
         expected tokens per measured second. Expected tokens: y, plus each kept proposal's chance of
         being accepted, plus for each group its length's chance times the proposals a group draft
-        gets accepted on average (`group_gain`, counted in this call). Groups go to the likeliest
+        gets accepted on average (`group_gain`, learned with the costs). Groups go to the likeliest
         lengths first. Exact for any choice: which proposals are kept reads their confidence only."""
         k, m = self.k, draft.tokens.shape[1]
         reach = reach_chances(draft)  # (B, m): P(row accepts >= j drafts), j = 1..m
         best = None
         for n in range(1, m + 1):  # drafts kept: draft 0 and n - 1 proposals
-            r = reach[:, :n]
-            exact_len = r - torch.cat([r[:, 1:], r.new_zeros(r.shape[0], 1)], 1)  # (B, n): P(accepts exactly j)
-            if per_row:
-                tokens, lengths = 1 + float(r[:, 1:].sum(1).mean()), exact_len.mean(0)
-            else:
-                shared = r.prod(0)
-                tokens = 1 + float(shared[1:].sum())
-                lengths = shared - torch.cat([shared[1:], shared.new_zeros(1)])
+            r = reach[:, :n] if per_row else reach[:, :n].prod(0, keepdim=True)
+            exact = r - torch.cat([r[:, 1:], r.new_zeros(r.shape[0], 1)], 1)  # P(accepts exactly j drafts), j = 1..n
+            tokens, lengths = 1 + float(r[:, 1:].sum(1).mean()), exact.mean(0).tolist()
             fits = n if room is None else min(n, room - k + 1)
-            order = sorted(range(max(fits, 0)), key=lambda i: -float(lengths[i])) if uses_groups else []
+            order = sorted(range(max(fits, 0)), key=lambda i: -lengths[i]) if uses_groups else []
             most = min(len(order), max(0, (self.budget - n) // k))
             for g in range(most + 1):
-                value = tokens + self.group_gain.value * float(sum(lengths[i] for i in order[:g]))
+                value = tokens + self.group_gain.value * sum(lengths[i] for i in order[:g])
                 score = value / self.costs.price(n + g * k, g > 0)
                 if best is None or score > best[0]:
                     best = (score, n, tuple(sorted(i + 1 for i in order[:g])))
