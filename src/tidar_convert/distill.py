@@ -163,7 +163,10 @@ def corpus_for_fit(trainer, model: str | None, sources: list[str], n_docs: int, 
                 "says why), or it is on a filesystem this node does not see; point TIDAR_CACHE at one every node shares, or make "
                 "the corpus once with `tidar-convert distill` and pass --data.greedy_corpus."
             )
-        print(f"rank {rank}: greedy documents from {path}", file=sys.stderr, flush=True)
+        # One write: print() writes the text and its newline separately, and two ranks' lines on one
+        # stderr then interleave as "...jsonlrank 1: ..." (seen in CI).
+        sys.stderr.write(f"rank {rank}: greedy documents from {path}\n")
+        sys.stderr.flush()
     return path
 
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from .adapter import ADAPTER_FILE, install_gate
+from .adapter import ADAPTER_FILE, GATE_ATTR, install_gate
 
 SCOPES = ("all", "masks")
 ADAPTER = "default"  # PEFT's name for the one adapter
@@ -55,7 +55,7 @@ def gate_to_masks(model, mask_token_id: int) -> None:
 
 
 def is_mask_scoped(model) -> bool:
-    return getattr(model, "_tidar_gate", None) is not None and any(True for _ in lora_layers(model))
+    return getattr(model, GATE_ATTR, None) is not None and any(True for _ in lora_layers(model))
 
 
 def split_mask_adapter(model) -> dict[str, torch.Tensor]:
