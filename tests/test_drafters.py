@@ -102,8 +102,10 @@ def test_trim_keeps_the_proposals_a_step_is_likely_to_reach():
 
 
 def costs(table: dict) -> StepCosts:
+    """Step costs as if each shape had been measured twice at that time (twice: known, not guessed)."""
     c = StepCosts()
     for (slots, masked), ms in table.items():
+        c.add(slots, masked, ms / 1000)
         c.add(slots, masked, ms / 1000)
     return c
 
@@ -118,6 +120,24 @@ def test_step_costs_price_unmeasured_shapes_optimistically():
     assert StepCosts().price(7, True) == 1.0  # nothing measured: every shape alike
     c.add(4, False, 0.2)  # a moving average follows the cost
     assert c.price(4, False) == pytest.approx(0.7 * 100 + 0.3 * 200)
+    stall = StepCosts()
+    stall.add(1, False, 0.06)
+    stall.add(5, False, 0.5)  # a stall on the first try
+    assert stall.price(5, False) == pytest.approx(60)  # once seen: no dearer than the guess from the others (1 slot: 60 ms)
+    stall.add(5, False, 0.1)
+    assert stall.price(5, False) == pytest.approx(100)  # the first two count by their minimum
+
+
+def test_group_gain_forgets_back_to_its_prior():
+    from tidar_convert.engine import Mean
+
+    gain = Mean(1.0)
+    for _ in range(20):
+        gain.add(0.0)
+    assert gain.value < 0.1
+    for _ in range(500):  # steps without a group draft: nothing new is learned
+        gain.tick()
+    assert gain.value > 0.8
 
 
 def test_cost_plan_takes_the_most_expected_tokens_per_second():

@@ -210,6 +210,7 @@ class Planner:
     def timed(self, plan: "StepPlan", seconds: float, draft: Draft, accepted: torch.Tensor) -> None:
         """A step's time by its shape, and the proposals accepted on rows drafted from a group."""
         self.costs.add(plan.slots, plan.slots > plan.n_drafts, seconds)
+        self.group_gain.tick()
         for b, source in enumerate(draft.sources):
             if source == "diffusion":
                 self.group_gain.add(float(accepted[b]) - 1)
@@ -260,16 +261,24 @@ def cut(draft: Draft, n: int) -> Draft:
 
 
 class Mean:
-    def __init__(self, prior: float):
-        self.total, self.count = prior, 1
+    """A mean over a prior worth one observation, that forgets: each step (`tick`) weighs what was seen
+    by `forget`, so with nothing new it drifts back to the prior. A plan that stops running groups
+    because they looked poor sees no more group drafts; without forgetting it would never try again."""
+
+    def __init__(self, prior: float, forget: float = 0.99):
+        self.prior, self.forget, self.total, self.count = prior, forget, 0.0, 0.0
 
     def add(self, x: float) -> None:
         self.total += x
         self.count += 1
 
+    def tick(self) -> None:
+        self.total *= self.forget
+        self.count *= self.forget
+
     @property
     def value(self) -> float:
-        return self.total / self.count
+        return (self.prior + self.total) / (1 + self.count)
 
 
 class StepCosts:
@@ -280,13 +289,15 @@ class StepCosts:
     CPU in fp32 a forward of 1 query slot takes 68 ms, 2 slots 110 ms, 3 slots 133 ms, but 4 to 6
     slots 97 to 99 ms and 12 slots 102 ms (small-M matrix products are badly served by the BLAS
     there), and mask-slot adapters (lora_scope='masks') add their own cost; on a GPU the curve is
-    flat far beyond any step. A shape not yet measured is priced optimistically, so that each is
-    tried once and then known: as if time grew in proportion to slots from the measured shapes with
-    more slots (the cheapest such line), or else at the dearest shape with fewer; a moving average
-    follows the cost as the context grows."""
+    flat far beyond any step. A shape not yet measured twice is priced optimistically, so that each is
+    tried and then known: as if time grew in proportion to slots from the measured shapes with more
+    slots (the cheapest such line), or else at the dearest shape with fewer. Its first two times
+    count by their minimum (one stall, say a garbage collection, must not price a shape out for good),
+    then a moving average follows the cost as the context grows."""
 
     def __init__(self, decay: float = 0.3):
         self.ms: dict[tuple[int, bool], float] = {}
+        self.seen: dict[tuple[int, bool], int] = {}
         self.decay = decay
         # Proposals accepted when a step drafts from a mask group: what a group is worth, learned with
         # the costs and kept as long (a plan that rarely runs groups sees few, and a fresh estimate
@@ -295,12 +306,21 @@ class StepCosts:
 
     def add(self, slots: int, masked: bool, seconds: float) -> None:
         key, ms = (slots, masked), 1000 * seconds
-        self.ms[key] = ms if key not in self.ms else (1 - self.decay) * self.ms[key] + self.decay * ms
+        seen = self.seen.get(key, 0)
+        self.ms[key] = ms if seen == 0 else min(self.ms[key], ms) if seen == 1 else (1 - self.decay) * self.ms[key] + self.decay * ms
+        self.seen[key] = seen + 1
 
     def price(self, slots: int, masked: bool) -> float:
-        if (slots, masked) in self.ms:
-            return self.ms[(slots, masked)]
-        same = {s: v for (s, m), v in self.ms.items() if m == masked} or {s: v for (s, _), v in self.ms.items()}
+        key = (slots, masked)
+        if self.seen.get(key, 0) >= 2:
+            return self.ms[key]
+        guess = self.guess(slots, masked)
+        return min(self.ms[key], guess) if key in self.ms else guess
+
+    def guess(self, slots: int, masked: bool) -> float:
+        """The optimistic price of a shape from the others."""
+        same = {s: v for (s, m), v in self.ms.items() if m == masked and (s, m) != (slots, masked)}
+        same = same or {s: v for (s, m), v in self.ms.items() if (s, m) != (slots, masked)}
         if not same:
             return 1.0
         larger = [v * slots / s for s, v in same.items() if s >= slots]
