@@ -267,11 +267,11 @@ def test_decoder_table_says_weights_and_generate_arguments():
     assert kw["ar"] == {"tidar": False}
     assert kw["prompt_lookup"] == {"tidar": False, "prompt_lookup_num_tokens": 3}
     assert kw["tidar"] == {"tidar": True, "block_size": 4}  # the engine's default drafter
-    assert kw["tidar_adaptive"] == {"tidar": True, "block_size": 4, "plan": "adaptive"}
+    assert kw["tidar_cost"] == {"tidar": True, "block_size": 4, "plan": "cost"}
     assert kw["tidar_diffusion"] == {"tidar": True, "block_size": 4, "drafter": "diffusion", "plan": "adaptive"}  # its acceptance, whatever a step costs
-    assert kw["tidar_lookup"] == {"tidar": True, "block_size": 4, "drafter": "lookup"}
+    assert kw["tidar_lookup"] == {"tidar": True, "block_size": 4, "drafter": "lookup", "plan": "cost"}
     assert kw["base_prompt_lookup"] == {"prompt_lookup_num_tokens": 3}  # transformers' own generate: no `tidar`
-    assert decoders.decoder_names("export") == ("ar", "prompt_lookup", "tidar", "tidar_adaptive", "tidar_diffusion", "tidar_lookup")
+    assert decoders.decoder_names("export") == ("ar", "prompt_lookup", "tidar", "tidar_cost", "tidar_diffusion", "tidar_lookup")
     assert decoders.decoder_names("base") == ("base_prompt_lookup",)
 
 

@@ -247,7 +247,7 @@ def test_sampling_with_deterministic_drafts_matches_ar_distribution(small_vocab_
 
     model = small_vocab_model
     prompt = torch.tensor([[1, 2, 3, 4, 0, 2]])
-    gen_kw = dict(do_sample=True, max_new_tokens=N_NEW, eos_token_id=None, temperature=0.9, drafter=drafter)
+    gen_kw = dict(do_sample=True, max_new_tokens=N_NEW, eos_token_id=None, temperature=0.9, drafter=drafter, plan="cost")  # any plan is exact; cost's choices read timings
     # hybrid: a coin picks lookup or diffusion (the sharp diffusion head here would always win); any
     # choice that does not look at the AR samples keeps the output exact
     monkeypatch.setattr(drafters, "expected_length", lambda d: torch.rand(d.tokens.shape[0]))
@@ -255,7 +255,7 @@ def test_sampling_with_deterministic_drafts_matches_ar_distribution(small_vocab_
     bias[V] = -float("inf")
     monkeypatch.setattr(model.lm_head, "bias", torch.nn.Parameter(bias, requires_grad=False), raising=False)
     gc = copy.deepcopy(model.generation_config)
-    gc.update(**{k: v for k, v in gen_kw.items() if k != "drafter"})
+    gc.update(**{k: v for k, v in gen_kw.items() if k not in ("drafter", "plan")})
     processors = model._get_logits_processor(gc, input_ids_seq_length=prompt.shape[1], device="cpu")
     probs = exact_distribution(model, prompt, lambda ids, logits: processors(ids, logits).softmax(-1))
     n, sources = 400, Counter()
@@ -272,7 +272,7 @@ def test_sampling_with_deterministic_drafts_matches_ar_distribution(small_vocab_
         return
     # Teeth: resampling from p itself after a rejected lookup draft (d not removed) is detectably wrong.
     monkeypatch.setattr(Sampling, "residual", lambda self, draft, j: self._p[:, j - 1])
-    assert chi_square_p(sample_counts(lambda: generate(prompt, model=model, plan="full", **gen_kw), n), probs, n) < 1e-3
+    assert chi_square_p(sample_counts(lambda: generate(prompt, model=model, **{**gen_kw, "plan": "full"}), n), probs, n) < 1e-3
 
 
 def test_sampling_with_per_row_acceptance_matches_ar_distribution(small_vocab_model, monkeypatch):

@@ -160,6 +160,16 @@ def test_cost_plan_takes_the_most_expected_tokens_per_second():
     assert Planner(4, "cost", costs=masked).group_gain.value == pytest.approx(0.5)  # kept with the costs, across calls
 
 
+def test_cost_plan_is_exact_for_every_drafter(trained):
+    """Greedy, shared commit and per-row acceptance: the cost plan's choices change the steps only."""
+    model, _ = trained["qwen2"]
+    ids, mask = padded_batch()
+    kw = dict(max_new_tokens=24, eos_token_id=None, pad_token_id=0)
+    for name in DRAFTERS:
+        assert torch.equal(generate(ids, model=model, attention_mask=mask, drafter=name, plan="cost", **kw), ar(model, ids, attention_mask=mask, **kw)), name
+        assert torch.equal(generate(ids[:1], model=model, drafter=name, plan="cost", **kw), ar(model, ids[:1], **kw)), name
+
+
 def test_lookup_rate_recovers_when_its_drafts_are_not_verified():
     lookup = LookupDrafter()
     lookup.proposed, lookup.accepted = 20.0, 0.0

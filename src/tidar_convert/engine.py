@@ -148,11 +148,12 @@ class StepPlan:
 class Planner:
     """Chooses how much of a draft a step verifies, and the anchors of its mask groups.
 
-    cost      (default) the shape with the most expected tokens per measured second (`cheapest`,
-              StepCosts): on a machine where extra slots cost, short or no drafts where they are
-              unlikely to pay; where slots are free, everything likely.
+    cost      the shape with the most expected tokens per measured second (`cheapest`, StepCosts):
+              on a machine where extra slots cost, short or no drafts where they are unlikely to pay;
+              where slots are free, everything likely. Not the default: which steps run then depends
+              on timings, so acceptance (T/NFE) is not reproducible from run to run.
     full      a group at every acceptance length 1..m, as the paper's step (k + k*k slots for m = k).
-    adaptive  groups only at the acceptance lengths likely to occur, from the draft's own confidence
+    adaptive  (default) groups only at the acceptance lengths likely to occur, from the draft's own confidence
               (diffusion: the draft head's probability; lookup: its running acceptance rate): the most
               likely lengths first, each with chance >= min_chance, within the slot budget.
     A length without a group is still decoded exactly: the next draft then comes from lookup or,
@@ -165,7 +166,7 @@ class Planner:
     96 ms), so a proposal pays for its slot from a chance of about that much; on a GPU slots are
     nearly free and min_chance can be lower."""
 
-    def __init__(self, k: int, mode: str = "cost", slot_budget: int | None = None, min_chance: float = 0.05, costs: "StepCosts | None" = None):
+    def __init__(self, k: int, mode: str = "adaptive", slot_budget: int | None = None, min_chance: float = 0.05, costs: "StepCosts | None" = None):
         if mode not in PLANS:
             raise ValueError(f"plan={mode!r}: choose 'cost', 'adaptive' or 'full'.")
         if slot_budget is not None and slot_budget < 1 + k:

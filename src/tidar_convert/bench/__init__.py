@@ -6,10 +6,10 @@ greedy, on the same weights:
 
   ar                  transformers' own generate (tidar=False)
   prompt_lookup       transformers' prompt-lookup decoding (n-gram drafts from the prompt)
-  tidar               TiDAR decoding with its defaults (hybrid drafts, the cost plan; one forward a step)
-  tidar_adaptive      the same drafts, steps chosen by the drafts' confidence alone (no timing)
+  tidar               TiDAR decoding with its defaults (hybrid drafts, adaptive plan; one forward a step)
+  tidar_cost          the same drafts on the cost plan (step shapes priced by measured step times)
   tidar_diffusion     TiDAR with diffusion drafts only (adaptive plan: the drafter's own acceptance)
-  tidar_lookup        TiDAR with lookup drafts only
+  tidar_lookup        TiDAR with lookup drafts only, on the cost plan
   base_prompt_lookup  prompt lookup on the base model the export was converted from (recorded in
                       the export; `--base` to name another): what a user gets without converting
 

@@ -26,7 +26,7 @@ class Decoder:
     """weights: "export" or "base". tidar: TiDAR decoding, else transformers' own generate.
     drafter: the TiDAR drafter (None: the engine's default). lookup: transformers' prompt lookup.
     block_size: TiDAR's k for this decoder alone (None: the run's `--k`). plan: TiDAR's step plan
-    (None: the engine's default, 'cost')."""
+    (None: the engine's default, 'adaptive')."""
 
     weights: str = "export"
     tidar: bool = False
@@ -54,11 +54,11 @@ DECODERS = {
     "ar": Decoder(),  # transformers' generate (tidar=False): the reference every other row is compared with
     "prompt_lookup": Decoder(lookup=True),  # transformers' n-gram drafts from the prompt, same weights
     "tidar": Decoder(tidar=True),  # TiDAR with its default drafter (hybrid: lookup where it matches, else diffusion)
-    "tidar_adaptive": Decoder(tidar=True, plan="adaptive"),  # the same drafts, steps chosen by confidence alone (no timing)
+    "tidar_cost": Decoder(tidar=True, plan="cost"),  # the same drafts, each step's shape priced by measured step times
     # The diffusion drafter's own acceptance (issue 9's T/NFE): its drafts verified whenever likely,
     # whatever a step costs here (the cost plan may find plain AR steps cheaper, and measure nothing).
     "tidar_diffusion": Decoder(tidar=True, drafter="diffusion", plan="adaptive"),
-    "tidar_lookup": Decoder(tidar=True, drafter="lookup"),
+    "tidar_lookup": Decoder(tidar=True, drafter="lookup", plan="cost"),  # transformers' prompt lookup, verified where it pays
     "base_prompt_lookup": Decoder(weights="base", lookup=True),  # what a user gets without converting
 }
 
