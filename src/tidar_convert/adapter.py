@@ -34,10 +34,12 @@ class Gate:
         self.mask_id = mask_id
         self.start: int | None = None
         self.rows: torch.Tensor | None = None
+        self._weights: dict = {}  # (B, T, dtype, device) -> weights(): one tensor per forward, not one per layer
 
     def set(self, input_ids: torch.Tensor) -> None:
         is_mask = input_ids == self.mask_id
         self.start = self.rows = None
+        self._weights = {}
         if input_ids.ndim != 2 or not bool(is_mask.any()):
             return
         start = int(is_mask.any(0).int().argmax())
@@ -53,12 +55,15 @@ class Gate:
     def weights(self, like: torch.Tensor) -> torch.Tensor:
         """(B, T, 1) ones on mask rows, zeros elsewhere, in like's dtype (training: multiplies the LoRA branch)."""
         B, T = like.shape[:2]
-        w = torch.zeros(B, T, 1, dtype=like.dtype, device=like.device)
-        if self.start is not None:
-            w[:, self.start :] = 1
-        elif self.rows is not None:
-            w[self.rows] = 1
-        return w
+        key = (B, T, like.dtype, like.device)
+        if key not in self._weights:
+            w = torch.zeros(B, T, 1, dtype=like.dtype, device=like.device)
+            if self.start is not None:
+                w[:, self.start :] = 1
+            elif self.rows is not None:
+                w[self.rows] = 1
+            self._weights[key] = w
+        return self._weights[key]
 
     def add(self, out: torch.Tensor, x: torch.Tensor, delta) -> torch.Tensor:
         """out + delta(x) on the mask rows only (inference: the saved adapter's hook)."""
