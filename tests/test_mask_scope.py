@@ -138,13 +138,16 @@ def test_export_keeps_base_weights_and_ships_the_deltas(scoped):
 
     base, model, out, prompt, _ = scoped
     cfg = json.loads((out / "config.json").read_text())
-    assert cfg["tidar_adapter"] == {"scope": "masks", "file": ADAPTER_FILE}
+    spec = cfg["tidar_adapter"]
+    assert {k: spec[k] for k in ("scope", "file", "energy")} == {"scope": "masks", "file": ADAPTER_FILE, "energy": 0.99}
     weights = load_file(out / "model.safetensors")
     for name, value in base.state_dict().items():
         if name in weights:
             assert torch.equal(weights[name], value), name
     deltas = load_file(out / ADAPTER_FILE)
     assert deltas and all(k.endswith((".lora_A", ".lora_B")) for k in deltas)
+    ranks = [v.shape[0] for k, v in deltas.items() if k.endswith(".lora_A")]
+    assert [min(ranks), max(ranks)] == spec["ranks"] and max(ranks) <= 8
     assert (out / "custom_generate" / "adapter.py").exists()
     assert "act on mask\nslots only" in (out / "README.md").read_text()
 
@@ -163,13 +166,51 @@ def test_export_mask_rows_match_the_trained_model(tiny_dirs, tmp_path):
               attention_mask=layout.to_dense(layout.train_mask_mod(S, 4), 2, 2 * S, 2 * S))
     with torch.no_grad():
         trained = model(**kw).logits
-    lm = load(export(model, tok, tmp_path / "tidar", block_size=4, alpha=1.0)).eval()
+    lm = load(export(model, tok, tmp_path / "tidar", block_size=4, alpha=1.0, adapter_energy=1.0)).eval()
     with torch.no_grad():
         shipped = lm(**kw).logits
         plain = base(**kw).logits
     assert torch.equal(shipped[:, :S], plain[:, :S])
     torch.testing.assert_close(shipped[:, S:], trained[:, S:], rtol=1e-4, atol=1e-4)
     assert (shipped[:, S:] - plain[:, S:]).abs().max() > 1e-2
+
+
+def test_compress_keeps_the_asked_share_of_each_delta():
+    from tidar_convert.lora import compress
+
+    g = torch.Generator().manual_seed(0)
+    # A rank-3 delta in rank-8 factors: kept whole, in 3 dimensions, at any energy below 1.
+    A = torch.randn(3, 20, generator=g).repeat(3, 1)[:8] * torch.randn(8, 1, generator=g)
+    B = torch.randn(12, 8, generator=g)
+    A3, B3 = compress(A, B, 0.999999)
+    assert A3.shape == (3, 20) and B3.shape == (12, 3)
+    torch.testing.assert_close(B3 @ A3, B @ A, rtol=1e-4, atol=1e-4)
+    # A full-rank delta: the fewest singular values holding the share, and the error it leaves.
+    A, B = torch.randn(8, 20, generator=g), torch.randn(12, 8, generator=g)
+    s = torch.linalg.svdvals(B @ A)
+    share = s.square().cumsum(0) / s.square().sum()
+    for energy in (0.5, 0.9, 0.99):
+        A_, B_ = compress(A, B, energy)
+        r = A_.shape[0]
+        assert r == int((share < energy).sum()) + 1 and B_.shape == (12, r)
+        assert share[r - 1] >= energy and (r == 1 or share[r - 2] < energy)
+        err = (B_ @ A_ - B @ A).square().sum() / (B @ A).square().sum()
+        torch.testing.assert_close(err, 1 - share[r - 1], rtol=1e-3, atol=1e-5)  # Eckart-Young: the dropped values
+    assert compress(A, B, 1.0) == (A, B)
+    A0, B0 = compress(A, torch.zeros_like(B), 0.99)  # an untrained delta (B = 0) stores one zero rank
+    assert A0.shape == (1, 20) and not (B0 @ A0).any()
+
+
+@pytest.mark.parametrize("energy", [0.0, 1.5, -0.1])
+def test_a_bad_adapter_energy_is_refused_before_anything_is_written(scoped, tmp_path, energy):
+    base, model, out, prompt, _ = scoped
+    from tidar_convert.cli import export_cmd
+
+    with pytest.raises(ValueError, match=rf"adapter_energy={energy}.*\(0, 1\]"):
+        export(model, None, tmp_path / "x", block_size=4, alpha=1.0, adapter_energy=energy)
+    with pytest.raises(ValueError, match=rf"adapter_energy={energy}"):
+        export_cmd("no-such.ckpt", str(tmp_path / "y"), adapter_energy=energy)
+    assert not (tmp_path / "x").exists() and not (tmp_path / "y").exists()
 
 
 def test_scoped_export_runs_without_tidar_convert_installed(scoped):

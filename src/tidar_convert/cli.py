@@ -309,7 +309,7 @@ def training_card(hparams, steps: int | None, run_dir: Path) -> dict:
     return card
 
 
-def export_cmd(checkpoint: str, out: str, overwrite: bool = False) -> str:
+def export_cmd(checkpoint: str, out: str, overwrite: bool = False, adapter_energy: float = 0.99) -> str:
     """Export a Lightning checkpoint (e.g. runs/.../checkpoints/last.ckpt) as a TiDAR HF folder.
 
     Args:
@@ -318,8 +318,15 @@ def export_cmd(checkpoint: str, out: str, overwrite: bool = False) -> str:
         out: folder to write: new, empty, or an earlier export (with --overwrite). Any other
             existing folder or file is refused, and nothing is deleted.
         overwrite: replace an earlier export at `out` (only that: never other files).
+        adapter_energy: lora_scope='masks' only: each adapter delta is stored at the rank that keeps this
+            share of its squared norm (truncated SVD; fewer bytes to read each decoding step). 1.0
+            keeps the trained rank.
     """
     import torch
+
+    from .lora import check_energy
+
+    check_energy(adapter_energy)
 
     from .export import export
     from .module import TiDARModule
@@ -342,7 +349,7 @@ def export_cmd(checkpoint: str, out: str, overwrite: bool = False) -> str:
         m = TiDARModule.load_from_checkpoint(checkpoint, map_location="cpu")
         steps = torch.load(checkpoint, map_location="cpu", mmap=True, weights_only=False).get("global_step")
     card = training_card(m.hparams, steps, Path(checkpoint).resolve().parent.parent)  # <run>/checkpoints/x.ckpt
-    path = export(m.model, m.tokenizer, out, m.block_size, m.alpha, overwrite=overwrite, card=card)
+    path = export(m.model, m.tokenizer, out, m.block_size, m.alpha, overwrite=overwrite, card=card, adapter_energy=adapter_energy)
     print(f"exported TiDAR model to {path}", file=sys.stderr)
     return str(path)
 
