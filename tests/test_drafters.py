@@ -160,6 +160,27 @@ def test_cost_plan_takes_the_most_expected_tokens_per_second():
     assert Planner(4, "cost", costs=masked).group_gain.value == pytest.approx(0.5)  # kept with the costs, across calls
 
 
+def test_cost_plan_stops_paying_for_groups_the_next_draft_does_not_read():
+    """A hybrid that keeps drafting by lookup after lookup steps never reads their groups: the plan
+    learns that, per source, and drops groups there while keeping them after steps without a match."""
+    masked = costs({(1, False): 60, (2, False): 62, (5, True): 70, (6, True): 72})
+    planner = Planner(4, "cost", costs=masked)
+    looked = Draft(torch.tensor([[7, 8]]), confidence=torch.tensor([[0.5]]), sources=["lookup"])
+    alone = Draft(torch.tensor([[7]]), sources=["none"])
+    assert planner.step(looked, uses_groups=True)[1].anchors  # unknown yet: groups are assumed read
+    for _ in range(30):
+        plan = StepPlan(2, (1, 2), 4)
+        planner.timed(plan, 0.072, looked, torch.tensor([2]))  # a group at the accepted length ...
+        planner.timed(StepPlan(2, (), 4), 0.062, looked, torch.tensor([2]))  # ... and the next draft is lookup's again
+    assert masked.group_use["lookup"].value < 0.1
+    assert planner.step(looked, uses_groups=True)[1].anchors == ()
+    assert planner.step(alone, uses_groups=True)[1].anchors == (1,)  # after a step without a match: still worth it
+    planner.timed(StepPlan(1, (1,), 4), 0.07, alone, torch.tensor([1]))
+    planner.timed(StepPlan(4, (), 4), 0.07, Draft(torch.arange(4)[None], sources=["diffusion"]), torch.tensor([2]))
+    use = masked.group_use["none"]
+    assert use.count == pytest.approx(1.0) and use.total == pytest.approx(1.0)  # read once: counted as used
+
+
 def test_cost_plan_is_exact_for_every_drafter(trained):
     """Greedy, shared commit and per-row acceptance: the cost plan's choices change the steps only."""
     model, _ = trained["qwen2"]

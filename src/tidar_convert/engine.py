@@ -174,6 +174,7 @@ class Planner:
         self.k, self.mode, self.min_chance = k, mode, min_chance
         self.costs = costs if costs is not None else StepCosts()
         self.group_gain = self.costs.group_gain
+        self.offered: list | None = None  # per row of the last step: its draft's source where a group was computed at the length it accepted
         # Default: the paper's step (k + k*k), or room for a full lookup draft (10) + y + one group.
         self.budget = slot_budget if slot_budget is not None else max(k + k * k, 11 + k)
 
@@ -188,9 +189,14 @@ class Planner:
         """plan='cost': of every (proposals kept, groups) within the budget, the step with the most
         expected tokens per measured second. Expected tokens: y, plus each kept proposal's chance of
         being accepted, plus for each group its length's chance times the proposals a group draft
-        gets accepted on average (`group_gain`, learned with the costs). Groups go to the likeliest
-        lengths first. Exact for any choice: which proposals are kept reads their confidence only."""
+        gets accepted on average (`group_gain`, learned with the costs), times the chance the next
+        draft is taken from the group at all (`group_use`: a hybrid takes lookup drafts where they
+        look better, and then the group was computed for nothing; learned per source of this
+        step's draft, since lookup matches come in runs). Groups go to the likeliest lengths first.
+        Exact for any choice: which proposals are kept reads their confidence only."""
         k, m = self.k, draft.tokens.shape[1]
+        use = self.costs.group_use
+        worth = self.group_gain.value * sum(use[source_key(s)].value for s in draft.sources) / len(draft.sources)
         reach = reach_chances(draft)  # (B, m): P(row accepts >= j drafts), j = 1..m
         best = None
         for n in range(1, m + 1):  # drafts kept: draft 0 and n - 1 proposals
@@ -201,20 +207,30 @@ class Planner:
             order = sorted(range(max(fits, 0)), key=lambda i: -lengths[i]) if uses_groups else []
             most = min(len(order), max(0, (self.budget - n) // k))
             for g in range(most + 1):
-                value = tokens + self.group_gain.value * sum(lengths[i] for i in order[:g])
+                value = tokens + worth * sum(lengths[i] for i in order[:g])
                 score = value / self.costs.price(n + g * k, g > 0)
                 if best is None or score > best[0]:
                     best = (score, n, tuple(sorted(i + 1 for i in order[:g])))
         _, n, anchors = best
         return cut(draft, n), StepPlan(n, anchors, k)
 
-    def timed(self, plan: "StepPlan", seconds: float, draft: Draft, accepted: torch.Tensor) -> None:
-        """A step's time by its shape, and the proposals accepted on rows drafted from a group."""
+    def timed(self, plan: "StepPlan", seconds: float, draft: Draft, accepted: torch.Tensor, committed: torch.Tensor | None = None) -> None:
+        """A step's time by its shape; the proposals accepted on rows drafted from a group; and whether
+        the rows offered a group by the last step drafted from it. committed: (B,) the drafts each row
+        commits, where the next draft reads its group (default: accepted)."""
         self.costs.add(plan.slots, plan.slots > plan.n_drafts, seconds)
         self.group_gain.tick()
+        for mean in self.costs.group_use.values():
+            mean.tick()
         for b, source in enumerate(draft.sources):
             if source == "diffusion":
                 self.group_gain.add(float(accepted[b]) - 1)
+        if self.offered is not None and len(self.offered) == len(draft.sources):
+            for was, source in zip(self.offered, draft.sources):
+                if was is not None:
+                    self.costs.group_use[was].add(float(source == "diffusion"))
+        at = (accepted if committed is None else committed).tolist()
+        self.offered = [source_key(s) if plan.group_start(int(j)) is not None else None for s, j in zip(draft.sources, at)]
 
     def max_proposals(self, uses_groups: bool) -> int:
         """Most proposals a draft may hold, leaving room for one group when the drafter uses them."""
@@ -302,8 +318,10 @@ class StepCosts:
         self.decay = decay
         # Proposals accepted when a step drafts from a mask group: what a group is worth, learned with
         # the costs and kept as long (a plan that rarely runs groups sees few, and a fresh estimate
-        # every call would keep pricing them at the prior).
+        # every call would keep pricing them at the prior). And the chance a group computed at the
+        # accepted length is drafted from, by the source of the draft of the step that computed it.
         self.group_gain = Mean(1.0)
+        self.group_use = {source: Mean(1.0) for source in SOURCES}
 
     def add(self, slots: int, masked: bool, seconds: float) -> None:
         key, ms = (slots, masked), 1000 * seconds
@@ -326,6 +344,13 @@ class StepCosts:
             return 1.0
         larger = [v * slots / s for s, v in same.items() if s >= slots]
         return min(larger) if larger else max(same.values())
+
+
+SOURCES = ("lookup", "diffusion", "none")
+
+
+def source_key(source: str) -> str:
+    return source if source in SOURCES else "none"
 
 
 def costs_of(model) -> StepCosts:
@@ -515,7 +540,7 @@ def decode(model, run, drafter, planner: Planner, beta: float = 1.0, record=None
             scores = process(processors, state.seqs, draft.tokens[:, 1:], ar)  # row i: after seqs ++ drafts 1..i
             accepted = pick.verify(scores, draft)
             j = int(accepted[state.active].min())  # rows share one cache length: commit the least
-            planner.timed(plan, time.perf_counter() - started, draft, accepted)  # int() above waited for the device
+            planner.timed(plan, time.perf_counter() - started, draft, accepted, torch.full_like(accepted, j))  # int() above waited for the device
             g = plan.group_start(j)
             target = scores[:, j - 1]
             if beta != 1.0 and g is not None:
