@@ -149,7 +149,8 @@ def test_export_keeps_base_weights_and_ships_the_deltas(scoped):
     ranks = [v.shape[0] for k, v in deltas.items() if k.endswith(".lora_A")]
     assert [min(ranks), max(ranks)] == spec["ranks"] and max(ranks) <= 8
     assert (out / "custom_generate" / "adapter.py").exists()
-    assert "act on mask\nslots only" in (out / "README.md").read_text()
+    card = (out / "README.md").read_text()
+    assert "act on mask\nslots only" in card and f"99.0% of its squared norm (ranks {spec['ranks'][0]} to {spec['ranks'][1]})" in card
 
 
 def test_export_mask_rows_match_the_trained_model(tiny_dirs, tmp_path):
