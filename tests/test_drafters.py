@@ -126,6 +126,14 @@ def test_step_costs_price_unmeasured_shapes_optimistically():
     assert stall.price(5, False) == pytest.approx(60)  # once seen: no dearer than the guess from the others (1 slot: 60 ms)
     stall.add(5, False, 0.1)
     assert stall.price(5, False) == pytest.approx(100)  # the first two count by their minimum
+    stall.add(5, False, 0.5)
+    assert stall.price(5, False) > 100
+    stale = costs({(1, False): 60, (5, False): 500})  # two stalls: 5 slots priced out ...
+    for _ in range(stale.stale + 1):
+        stale.add(1, False, 0.06)
+    assert stale.price(5, False) == pytest.approx(60)  # ... until not run for `stale` steps: guessed again (the dearest smaller shape)
+    stale.add(5, False, 0.1)
+    assert stale.price(5, False) == pytest.approx(100)  # and its next time counts by the minimum
 
 
 def test_group_gain_forgets_back_to_its_prior():

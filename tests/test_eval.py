@@ -193,8 +193,8 @@ def test_trust_remote_code_is_what_switches_tidar_on(runs, model, batch):
     assert tidar and all(c["generate"].endswith("custom_generate.generate") and c["tokens_per_nfe"] for c in tidar)
     assert ar and all(c["generate"] == "transformers.generation.utils" and c["tokens_per_nfe"] is None for c in ar)
     assert {c["rows"] for c in tidar} == {batch}
-    if model == "trained":  # drafts accepted: several tokens a forward pass
+    if model == "trained":  # drafts accepted: several tokens a forward pass (AR: 1.0; the cost plan, the default, may verify fewer where they would not pay)
         long = [c for c in tidar if c["new_tokens"] >= 8]  # (a row that meets the stop string at once makes 3 tokens in 2 passes)
-        assert long and all(c["tokens_per_nfe"] > 2 for c in long), tidar
+        assert long and all(c["tokens_per_nfe"] > 1.5 for c in long), [(c["new_tokens"], c["rows"], c["tokens_per_nfe"]) for c in tidar]
     if batch == 4:
         assert any(c["left_padded"] for c in tidar), "lm-eval sent no padded batch: the batch case is not tested"

@@ -186,7 +186,7 @@ def generate(
     block_size: int | None = None,
     beta: float = 1.0,
     drafter: str = "hybrid",
-    plan: str = "adaptive",
+    plan: str = "cost",
     slot_budget: int | None = None,
     **kwargs,
 ):
@@ -200,11 +200,12 @@ def generate(
     drafter: where drafts come from: "hybrid" (default; per row, lookup or diffusion, whichever is
         expected to be accepted further), "diffusion" (TiDAR's mask groups), "lookup" (n-gram matches
         in the prompt and generated text, no mask groups). Every drafter is exact.
-    plan: "adaptive" (default) keeps the proposals and groups with a chance >= 5 % of being used;
-        "cost" runs, each step, the shape (proposals kept, mask groups) with the most expected tokens
-        per second, from the drafts' confidence and the time each step shape has taken on this model
-        and machine (measured as it decodes, kept on the model across calls; faster where extra query
-        slots cost, as on CPUs, but its T/NFE depends on timings); "full" a group at every length
+    plan: "cost" (default) runs, each step, the shape (proposals kept, mask groups) with the most
+        expected tokens per second, from the drafts' confidence and the time each step shape has
+        taken on this model and machine (measured as it decodes, kept on the model across calls;
+        faster where extra query slots cost, as on CPUs, but its T/NFE depends on timings);
+        "adaptive" keeps the proposals and groups with a chance >= 5 % of being used, whatever they
+        cost (T/NFE reproducible); "full" a group at every length
         (the paper's k + k*k slots). Every plan gives the same output. slot_budget: most query slots per step
         (default max(k + k*k, 11 + k): the paper's step, or a full lookup draft and one group).
 

@@ -148,12 +148,12 @@ class StepPlan:
 class Planner:
     """Chooses how much of a draft a step verifies, and the anchors of its mask groups.
 
-    cost      the shape with the most expected tokens per measured second (`cheapest`, StepCosts):
-              on a machine where extra slots cost, short or no drafts where they are unlikely to pay;
-              where slots are free, everything likely. Not the default: which steps run then depends
-              on timings, so acceptance (T/NFE) is not reproducible from run to run.
+    cost      (default) the shape with the most expected tokens per measured second (`cheapest`,
+              StepCosts): on a machine where extra slots cost, short or no drafts where they are
+              unlikely to pay; where slots are free, everything likely. Which steps run depends on
+              timings, so acceptance (T/NFE) varies from run to run; the tokens never do.
     full      a group at every acceptance length 1..m, as the paper's step (k + k*k slots for m = k).
-    adaptive  (default) groups only at the acceptance lengths likely to occur, from the draft's own confidence
+    adaptive  groups only at the acceptance lengths likely to occur, from the draft's own confidence
               (diffusion: the draft head's probability; lookup: its running acceptance rate): the most
               likely lengths first, each with chance >= min_chance, within the slot budget.
     A length without a group is still decoded exactly: the next draft then comes from lookup or,
@@ -166,7 +166,7 @@ class Planner:
     96 ms), so a proposal pays for its slot from a chance of about that much; on a GPU slots are
     nearly free and min_chance can be lower."""
 
-    def __init__(self, k: int, mode: str = "adaptive", slot_budget: int | None = None, min_chance: float = 0.05, costs: "StepCosts | None" = None):
+    def __init__(self, k: int, mode: str = "cost", slot_budget: int | None = None, min_chance: float = 0.05, costs: "StepCosts | None" = None):
         if mode not in PLANS:
             raise ValueError(f"plan={mode!r}: choose 'cost', 'adaptive' or 'full'.")
         if slot_budget is not None and slot_budget < 1 + k:
@@ -310,12 +310,15 @@ class StepCosts:
     tried and then known: as if time grew in proportion to slots from the measured shapes with more
     slots (the cheapest such line), or else at the dearest shape with fewer. Its first two times
     count by their minimum (one stall, say a garbage collection, must not price a shape out for good),
-    then a moving average follows the cost as the context grows."""
+    then a moving average follows the cost as the context grows. A shape not run for `stale` steps is
+    priced optimistically again and its next time counts by the minimum with the old one: a price
+    that two stalls made too dear is retried, not kept for the model's lifetime."""
 
-    def __init__(self, decay: float = 0.3):
+    def __init__(self, decay: float = 0.3, stale: int = 200):
         self.ms: dict[tuple[int, bool], float] = {}
         self.seen: dict[tuple[int, bool], int] = {}
-        self.decay = decay
+        self.when: dict[tuple[int, bool], int] = {}  # step count at each shape's last time
+        self.steps, self.decay, self.stale = 0, decay, stale
         # Proposals accepted when a step drafts from a mask group: what a group is worth, learned with
         # the costs and kept as long (a plan that rarely runs groups sees few, and a fresh estimate
         # every call would keep pricing them at the prior). And the chance a group computed at the
@@ -325,13 +328,18 @@ class StepCosts:
 
     def add(self, slots: int, masked: bool, seconds: float) -> None:
         key, ms = (slots, masked), 1000 * seconds
-        seen = self.seen.get(key, 0)
+        seen = 1 if self.is_stale(key) else self.seen.get(key, 0)
+        self.steps += 1
+        self.when[key] = self.steps
         self.ms[key] = ms if seen == 0 else min(self.ms[key], ms) if seen == 1 else (1 - self.decay) * self.ms[key] + self.decay * ms
         self.seen[key] = seen + 1
 
+    def is_stale(self, key) -> bool:
+        return key in self.when and self.steps - self.when[key] > self.stale
+
     def price(self, slots: int, masked: bool) -> float:
         key = (slots, masked)
-        if self.seen.get(key, 0) >= 2:
+        if self.seen.get(key, 0) >= 2 and not self.is_stale(key):
             return self.ms[key]
         guess = self.guess(slots, masked)
         return min(self.ms[key], guess) if key in self.ms else guess

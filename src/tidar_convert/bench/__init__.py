@@ -6,8 +6,8 @@ greedy, on the same weights:
 
   ar                  transformers' own generate (tidar=False)
   prompt_lookup       transformers' prompt-lookup decoding (n-gram drafts from the prompt)
-  tidar               TiDAR decoding with its defaults (hybrid drafts, adaptive plan; one forward a step)
-  tidar_cost          the same drafts on the cost plan (step shapes priced by measured step times)
+  tidar               TiDAR decoding with its defaults (hybrid drafts, cost plan; one forward a step)
+  tidar_adaptive      the same drafts on the adaptive plan (verified whenever likely, whatever a step costs)
   tidar_diffusion     TiDAR with diffusion drafts only (adaptive plan: the drafter's own acceptance)
   tidar_lookup        TiDAR with lookup drafts only, on the cost plan
   base_prompt_lookup  prompt lookup on the base model the export was converted from (recorded in

@@ -53,8 +53,8 @@ class Decoder:
 DECODERS = {
     "ar": Decoder(),  # transformers' generate (tidar=False): the reference every other row is compared with
     "prompt_lookup": Decoder(lookup=True),  # transformers' n-gram drafts from the prompt, same weights
-    "tidar": Decoder(tidar=True),  # TiDAR with its default drafter (hybrid: lookup where it matches, else diffusion)
-    "tidar_cost": Decoder(tidar=True, plan="cost"),  # the same drafts, each step's shape priced by measured step times
+    "tidar": Decoder(tidar=True),  # TiDAR's defaults: hybrid drafts (lookup where it matches, else diffusion), plan "cost"
+    "tidar_adaptive": Decoder(tidar=True, plan="adaptive"),  # the same drafts verified whenever likely, whatever a step costs
     # The diffusion drafter's own acceptance (issue 9's T/NFE): its drafts verified whenever likely,
     # whatever a step costs here (the cost plan may find plain AR steps cheaper, and measure nothing).
     "tidar_diffusion": Decoder(tidar=True, drafter="diffusion", plan="adaptive"),
