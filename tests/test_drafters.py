@@ -189,6 +189,21 @@ def test_cost_plan_stops_paying_for_groups_the_next_draft_does_not_read():
     assert use.count == pytest.approx(1.0) and use.total == pytest.approx(1.0)  # read once: counted as used
 
 
+def test_a_group_is_worth_what_its_drafts_bring_beyond_verifying_them():
+    """A group's drafts are verified by the next step: where that step costs more than a plain AR
+    step (this repo's CPU: 2 to 4 slots 1.5x one slot), proposals accepted must pay for it."""
+    alone = Draft(torch.tensor([[7]]), sources=["none"])
+    cpu = costs({(1, False): 60, (2, False): 100, (3, False): 120, (4, False): 95, (5, True): 70})
+    flat = costs({(1, False): 60, (2, False): 60, (3, False): 60, (4, False): 60, (5, True): 70})
+    for table in (cpu, flat):
+        for _ in range(200):  # group drafts get half a proposal accepted
+            table.group_gain.add(0.5)
+    assert Planner(4, "cost", costs=cpu).verify_cost() == pytest.approx(35 / 60)
+    assert Planner(4, "cost", costs=cpu).step(alone, uses_groups=True)[1].anchors == ()  # 0.5 < 0.58: not worth it
+    assert Planner(4, "cost", costs=flat).verify_cost() == 0
+    assert Planner(4, "cost", costs=flat).step(alone, uses_groups=True)[1].anchors == (1,)  # free to verify: worth 0.5
+
+
 def test_cost_plan_is_exact_for_every_drafter(trained):
     """Greedy, shared commit and per-row acceptance: the cost plan's choices change the steps only."""
     model, _ = trained["qwen2"]

@@ -189,14 +189,16 @@ class Planner:
         """plan='cost': of every (proposals kept, groups) within the budget, the step with the most
         expected tokens per measured second. Expected tokens: y, plus each kept proposal's chance of
         being accepted, plus for each group its length's chance times the proposals a group draft
-        gets accepted on average (`group_gain`, learned with the costs), times the chance the next
+        gets accepted on average (`group_gain`, learned with the costs) less what verifying them
+        will cost the next step (`verify_cost`), times the chance the next
         draft is taken from the group at all (`group_use`: a hybrid takes lookup drafts where they
         look better, and then the group was computed for nothing; learned per source of this
         step's draft, since lookup matches come in runs). Groups go to the likeliest lengths first.
         Exact for any choice: which proposals are kept reads their confidence only."""
         k, m = self.k, draft.tokens.shape[1]
         use = self.costs.group_use
-        worth = self.group_gain.value * sum(use[source_key(s)].value for s in draft.sources) / len(draft.sources)
+        share = sum(use[source_key(s)].value for s in draft.sources) / len(draft.sources)
+        worth = share * max(0.0, self.group_gain.value - self.verify_cost())
         reach = reach_chances(draft)  # (B, m): P(row accepts >= j drafts), j = 1..m
         best = None
         for n in range(1, m + 1):  # drafts kept: draft 0 and n - 1 proposals
@@ -213,6 +215,16 @@ class Planner:
                     best = (score, n, tuple(sorted(i + 1 for i in order[:g])))
         _, n, anchors = best
         return cut(draft, n), StepPlan(n, anchors, k)
+
+    def verify_cost(self) -> float:
+        """What verifying a group's draft costs the next step, in tokens: the time a step with
+        proposals takes beyond a plain AR step's, over the AR step's (the tokens that time would have
+        made). A group's proposals are worth only what they bring beyond it: on this repo's CPU a
+        step of 2 to 4 slots costs 1.5x one of 1 slot, so a group must get more than half a proposal
+        accepted to pay; where slots are free (a GPU) it costs nothing."""
+        one = self.costs.price(1, False)
+        verify = min(self.costs.price(n, False) for n in range(2, self.k + 1))
+        return max(0.0, verify - one) / one
 
     def timed(self, plan: "StepPlan", seconds: float, draft: Draft, accepted: torch.Tensor, committed: torch.Tensor | None = None) -> None:
         """A step's time by its shape; the proposals accepted on rows drafted from a group; and whether
