@@ -309,7 +309,7 @@ def training_card(hparams, steps: int | None, run_dir: Path) -> dict:
     return card
 
 
-def export_cmd(checkpoint: str, out: str, overwrite: bool = False, adapter_energy: float = 0.99) -> str:
+def export_cmd(checkpoint: str, out: str, overwrite: bool = False, adapter_energy: float | None = None) -> str:
     """Export a Lightning checkpoint (e.g. runs/.../checkpoints/last.ckpt) as a TiDAR HF folder.
 
     Args:
@@ -320,13 +320,14 @@ def export_cmd(checkpoint: str, out: str, overwrite: bool = False, adapter_energ
         overwrite: replace an earlier export at `out` (only that: never other files).
         adapter_energy: lora_scope='masks' only: each adapter delta is stored at the rank that keeps this
             share of its squared norm (truncated SVD; fewer bytes to read each decoding step). 1.0
-            keeps the trained rank.
+            keeps the trained rank; none: lora.ADAPTER_ENERGY (0.99).
     """
     import torch
 
     from .lora import check_energy
 
-    check_energy(adapter_energy)
+    if adapter_energy is not None:
+        check_energy(adapter_energy)
 
     from .export import export
     from .module import TiDARModule

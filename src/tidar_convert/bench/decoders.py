@@ -26,7 +26,7 @@ class Decoder:
     """weights: "export" or "base". tidar: TiDAR decoding, else transformers' own generate.
     drafter: the TiDAR drafter (None: the engine's default). lookup: transformers' prompt lookup.
     block_size: TiDAR's k for this decoder alone (None: the run's `--k`). plan: TiDAR's step plan
-    (None: the engine's default, 'adaptive')."""
+    (None: the engine's default, 'cost')."""
 
     weights: str = "export"
     tidar: bool = False
