@@ -265,13 +265,15 @@ def test_progress_lines_when_not_a_terminal(capsys):
 def test_decoder_table_says_weights_and_generate_arguments():
     kw = {name: d.generate_kwargs(4, 3) for name, d in DECODERS.items()}
     assert kw["ar"] == {"tidar": False}
+    assert kw["ar_stock"] == {"tidar": False, "pack_weights": False}
     assert kw["prompt_lookup"] == {"tidar": False, "prompt_lookup_num_tokens": 3}
     assert kw["tidar"] == {"tidar": True, "block_size": 4}  # the engine's default drafter
     assert kw["tidar_adaptive"] == {"tidar": True, "block_size": 4, "plan": "adaptive"}
     assert kw["tidar_diffusion"] == {"tidar": True, "block_size": 4, "drafter": "diffusion", "plan": "adaptive"}  # its acceptance, whatever a step costs
     assert kw["tidar_lookup"] == {"tidar": True, "block_size": 4, "drafter": "lookup", "plan": "cost"}
     assert kw["base_prompt_lookup"] == {"prompt_lookup_num_tokens": 3}  # transformers' own generate: no `tidar`
-    assert decoders.decoder_names("export") == ("ar", "prompt_lookup", "tidar", "tidar_adaptive", "tidar_diffusion", "tidar_lookup")
+    assert not DECODERS["base_prompt_lookup"].packs_here()  # and its stock product: what a user has without converting
+    assert decoders.decoder_names("export") == ("ar", "ar_stock", "prompt_lookup", "tidar", "tidar_adaptive", "tidar_diffusion", "tidar_lookup")
     assert decoders.decoder_names("base") == ("base_prompt_lookup",)
 
 
@@ -287,6 +289,24 @@ def test_a_new_decoder_is_one_table_entry(tiny_export, monkeypatch):
     summary = summarize([row])
     assert list(summary) == ["ar", "tidar", "tidar_k2"] and summary["tidar_k2"]["all_identical"]
     assert row["tidar_k2"]["slots_per_step"] < row["tidar"]["slots_per_step"]  # it really ran with its own k (fewer slots a step)
+
+
+@pytest.mark.parametrize("decoder,packed", [("ar", True), ("ar_stock", False), ("tidar", True)])
+def test_each_row_runs_the_kernels_it_names(tiny_export, decoder, packed):
+    from transformers import AutoTokenizer
+
+    from tidar_convert import kernels
+    from tidar_convert.export import load
+
+    if packed and not kernels.available():
+        pytest.skip("this torch build has no oneDNN packed linear")
+    lm, tok = load(tiny_export), AutoTokenizer.from_pretrained(tiny_export)
+    layer = lm.get_output_embeddings()
+    seen = []
+    hook = layer.register_forward_pre_hook(lambda module, args: seen.append(getattr(module.__dict__.get("forward"), "_tidar_packed", False)))
+    decoders.run_decoder(lm, tok("def f", return_tensors="pt").input_ids, decoder, 4, tok.pad_token_id, 4, 3)
+    hook.remove()
+    assert seen and set(seen) == {packed}
 
 
 def test_forward_counter_counts_slots_and_lm_head_rows(tiny_export):

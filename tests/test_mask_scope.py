@@ -72,19 +72,23 @@ def test_gate_slice_and_rows_agree():
     x, out = torch.randn(2, 6, 5), torch.randn(2, 6, 3)
     A, B = torch.randn(2, 5), torch.randn(3, 2)
     delta = lambda v: v @ A.T @ B.T
+    At, Bt = A.T.contiguous(), B.T.contiguous()
     trailing, scattered = Gate(9), Gate(9)
     trailing.set(torch.tensor([[1, 2, 3, 9, 9, 9], [4, 5, 6, 9, 9, 9]]))
     scattered.set(torch.tensor([[1, 9, 3, 9, 9, 9], [4, 5, 6, 9, 9, 9]]))
     assert trailing.start == 3 and trailing.rows is None and scattered.rows is not None
     rows = torch.tensor([[0, 0, 0, 1, 1, 1], [0, 0, 0, 1, 1, 1]], dtype=torch.bool)
     expect = out + delta(x) * rows[..., None]
-    torch.testing.assert_close(trailing.add(out.clone(), x, delta), expect)
+    torch.testing.assert_close(trailing.add(out.clone(), x, At, Bt), expect)
+    one = Gate(9)  # batch 1: the in-place addmm path
+    one.set(torch.tensor([[1, 2, 3, 9, 9, 9]]))
+    torch.testing.assert_close(one.add(out[:1].clone(), x[:1], At, Bt), expect[:1])
     torch.testing.assert_close(trailing.weights(out)[..., 0], rows.float())
-    got = scattered.add(out.clone(), x, delta)
+    got = scattered.add(out.clone(), x, At, Bt)
     torch.testing.assert_close(got[0, 1], expect[0, 1] + delta(x)[0, 1])  # the lone mask in row 0 adapted too
     none = Gate(9)
     none.set(torch.tensor([[1, 2, 3]]))
-    assert not none.open and torch.equal(none.add(out.clone(), x, delta), out)
+    assert not none.open and torch.equal(none.add(out.clone(), x, At, Bt), out)
 
 
 def ar_only(model, steps=120, lr=3e-3):

@@ -1,7 +1,7 @@
 """TiDAR decoding as a drop-in `generate()`: draft, verify autoregressively, one pass a step.
 
 Shipped in every export as `custom_generate/generate.py`, with its neighbours engine.py, drafters.py,
-verify.py and layout.py beside it (export.shipped_code), so
+verify.py, layout.py, adapter.py and kernels.py beside it (export.shipped_code), so
 `AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True).generate(...)` runs it without
 tidar_convert installed. It imports nothing but torch, transformers and those files.
 
@@ -30,6 +30,7 @@ from transformers.generation.utils import GenerateDecoderOnlyOutput
 from .adapter import ensure as ensure_adapter
 from .drafters import Draft, make_drafter  # noqa: F401  (Draft: for callers that build drafts by hand)
 from .engine import Planner, cache_kwargs, costs_of, decode  # noqa: F401  (cache_kwargs: used by the bench)
+from .kernels import packed_linears
 from .layout import decode_mask_mod  # noqa: F401  (imported here so a missing layout.py is named as generate.py's import)
 from .verify import Greedy, Sampling
 
@@ -188,6 +189,7 @@ def generate(
     drafter: str = "hybrid",
     plan: str = "cost",
     slot_budget: int | None = None,
+    pack_weights: bool = True,
     **kwargs,
 ):
     """TiDAR `generate()`. Same arguments as transformers' generate, plus:
@@ -208,6 +210,10 @@ def generate(
         cost (T/NFE reproducible); "full" a group at every length
         (the paper's k + k*k slots). Every plan gives the same output. slot_budget: most query slots per step
         (default max(k + k*k, 11 + k): the paper's step, or a full lookup draft and one group).
+    pack_weights: on CPU, linear layers run oneDNN's product on weights packed once (kernels.py), for
+        every path (tidar=False and prompt lookup too): extra query slots become nearly free and rows
+        do not depend on how many share a step. It keeps one packed copy of each weight on the model
+        (kernels.release frees it). False: PyTorch's stock product, no copy.
 
     generation_config and keyword arguments are merged with the model's defaults as transformers does.
     Logits processors (transformers' own, built from the config, plus `logits_processor`) apply to
@@ -217,12 +223,18 @@ def generate(
     fit the verify rule is refused by name (REFUSED, REFUSED_ARGS).
     """
     input_ids = inputs if inputs is not None else kwargs.pop("input_ids", None)
-    if not tidar:
-        return ar_generate(model, input_ids, generation_config, kwargs)
+    with packed_linears(model, enabled=pack_weights):
+        if not tidar:
+            return ar_generate(model, input_ids, generation_config, kwargs)
+        return tidar_generate(model, input_ids, generation_config, block_size, beta, drafter, plan, slot_budget, pack_weights, kwargs)
+
+
+def tidar_generate(model, input_ids, generation_config, block_size, beta, drafter, plan, slot_budget, pack_weights, kwargs):
     chosen = make_drafter(drafter)
     ensure_adapter(model)  # an export trained with lora_scope='masks': its drafts' adapter, once
     run = prepare(model, input_ids, generation_config, block_size, beta, kwargs)
-    planner = Planner(run.k, plan, slot_budget, costs=costs_of(model))
+    setting = (pack_weights, model.dtype, model.device.type, run.input_ids.shape[0])  # what a step's price depends on
+    planner = Planner(run.k, plan, slot_budget, costs=costs_of(model, setting))
     gc = run.gc
     record = ([], []) if gc.return_dict_in_generate and (gc.output_scores or gc.output_logits) else None
     if run.streamer is not None:

@@ -373,12 +373,14 @@ def source_key(source: str) -> str:
     return source if source in SOURCES else "none"
 
 
-def costs_of(model) -> StepCosts:
-    costs = model.__dict__.get("_tidar_step_costs")
-    if costs is None:
-        costs = StepCosts()
-        object.__setattr__(model, "_tidar_step_costs", costs)
-    return costs
+def costs_of(model, setting: tuple = ()) -> StepCosts:
+    """The model's step-cost table for one setting (kernels, dtype, batch size...: whatever changes
+    what a step shape costs), kept on the model across calls."""
+    tables = model.__dict__.get("_tidar_step_costs")
+    if tables is None:
+        tables = {}
+        object.__setattr__(model, "_tidar_step_costs", tables)
+    return tables.setdefault(setting, StepCosts())
 
 
 def accepted_length_chances(draft: Draft, per_row: bool = False) -> list[float]:

@@ -18,7 +18,7 @@ import shutil
 import warnings
 from pathlib import Path
 
-from . import adapter, decode, drafters, engine, layout, verify
+from . import adapter, decode, drafters, engine, kernels, layout, verify
 from .loading import EMBEDDED_NAME
 from .outputs import MARKER, atomic_dir, check_export_target, scratch_dir, write_marker
 
@@ -30,7 +30,7 @@ TIDAR_FIELDS = ("block_size", "mask_token_id", "alpha")
 def shipped_code() -> dict[str, Path]:
     """Files an export ships, by their name inside custom_generate/ (single source: the package's own).
     generate.py imports the others relatively, so they keep their package names."""
-    return {"generate.py": Path(decode.__file__), **{Path(m.__file__).name: Path(m.__file__) for m in (engine, drafters, verify, layout, adapter)}}
+    return {"generate.py": Path(decode.__file__), **{Path(m.__file__).name: Path(m.__file__) for m in (engine, drafters, verify, layout, adapter, kernels)}}
 
 
 def export(model, tokenizer, out: str | os.PathLike, block_size: int, alpha: float, overwrite: bool = False, card: dict | None = None, adapter_energy: float | None = None) -> Path:
@@ -202,12 +202,12 @@ def results_section(metrics: dict) -> str:
 
         lines += [
             "",
-            "| decoder | tokens per forward (T/NFE) | query slots per step | LM-head rows per step | tokens/s | vs AR | vs prompt lookup | vs base prompt lookup | identical to AR greedy |",
-            "|---|---|---|---|---|---|---|---|---|",
+            "| decoder | tokens per forward (T/NFE) | query slots per step | LM-head rows per step | tokens/s | vs AR | vs prompt lookup | vs base prompt lookup | vs stock AR | identical to AR greedy |",
+            "|---|---|---|---|---|---|---|---|---|---|",
         ]
         for decoder, s in summary.items():
             same = "(base model)" if s["identical"] is None else f"{s['identical']}/{s['prompts']}"
-            ratios = " | ".join(num(s.get(key), ".2f") + ("x" if s.get(key) is not None else "") for key in ("tokens_per_s_vs_ar", "tokens_per_s_vs_prompt_lookup", "tokens_per_s_vs_base_prompt_lookup"))
+            ratios = " | ".join(num(s.get(key), ".2f") + ("x" if s.get(key) is not None else "") for key in ("tokens_per_s_vs_ar", "tokens_per_s_vs_prompt_lookup", "tokens_per_s_vs_base_prompt_lookup", "tokens_per_s_vs_ar_stock"))
             lines.append(
                 f"| {decoder} | {s['tokens_per_nfe']:.2f} | {num(s.get('slots_per_step'), '.1f')} | {num(s.get('lm_head_rows_per_step'), '.1f')} "
                 f"| {s['tokens_per_s']:.1f} | {ratios} | {same} |"

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..kernels import packed_linears
 from .timing import synchronize
 
 
@@ -26,7 +27,9 @@ class Decoder:
     """weights: "export" or "base". tidar: TiDAR decoding, else transformers' own generate.
     drafter: the TiDAR drafter (None: the engine's default). lookup: transformers' prompt lookup.
     block_size: TiDAR's k for this decoder alone (None: the run's `--k`). plan: TiDAR's step plan
-    (None: the engine's default, 'cost')."""
+    (None: the engine's default, 'cost'). pack_weights: linear layers on weights packed for oneDNN
+    on CPU (kernels.py; the export's generate() does it by default, the base's generate() does not):
+    False runs PyTorch's stock product, what transformers alone gives."""
 
     weights: str = "export"
     tidar: bool = False
@@ -34,6 +37,7 @@ class Decoder:
     lookup: bool = False
     block_size: int | None = None
     plan: str | None = None
+    pack_weights: bool = True
 
     def generate_kwargs(self, k: int | None, prompt_lookup_tokens: int) -> dict:
         kwargs = {}
@@ -47,11 +51,18 @@ class Decoder:
             kwargs["plan"] = self.plan
         if self.lookup:
             kwargs["prompt_lookup_num_tokens"] = prompt_lookup_tokens
+        if self.weights == "export" and not self.pack_weights:
+            kwargs["pack_weights"] = False
         return kwargs
+
+    def packs_here(self) -> bool:
+        """The bench packs the weights itself: the base runs transformers' own generate, which does not."""
+        return self.weights == "base" and self.pack_weights
 
 
 DECODERS = {
     "ar": Decoder(),  # transformers' generate (tidar=False): the reference every other row is compared with
+    "ar_stock": Decoder(pack_weights=False),  # the same, on PyTorch's stock CPU product: plain transformers
     "prompt_lookup": Decoder(lookup=True),  # transformers' n-gram drafts from the prompt, same weights
     "tidar": Decoder(tidar=True),  # TiDAR's defaults: hybrid drafts (lookup where it matches, else diffusion), plan "cost"
     "tidar_adaptive": Decoder(tidar=True, plan="adaptive"),  # the same drafts verified whenever likely, whatever a step costs
@@ -59,7 +70,7 @@ DECODERS = {
     # whatever a step costs here (the cost plan may find plain AR steps cheaper, and measure nothing).
     "tidar_diffusion": Decoder(tidar=True, drafter="diffusion", plan="adaptive"),
     "tidar_lookup": Decoder(tidar=True, drafter="lookup", plan="cost"),  # transformers' prompt lookup, verified where it pays
-    "base_prompt_lookup": Decoder(weights="base", lookup=True),  # what a user gets without converting
+    "base_prompt_lookup": Decoder(weights="base", lookup=True, pack_weights=False),  # what a user gets without converting
 }
 
 
@@ -123,7 +134,7 @@ def run_decoder(model, input_ids, decoder: str, max_new_tokens: int, pad_token_i
     reports them, its LM-head rows and draft sources; None where it does not)."""
     spec = DECODERS[decoder]
     device = input_ids.device
-    with torch.no_grad(), ForwardCounter(model) as count:
+    with torch.no_grad(), packed_linears(model, enabled=spec.packs_here()), ForwardCounter(model) as count:
         synchronize(device)
         t0 = time.perf_counter()
         out = model.generate(input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=pad_token_id, **spec.generate_kwargs(k, prompt_lookup_tokens))
@@ -185,13 +196,14 @@ def runnable(decoders: tuple[str, ...], model, tokenizer, k: int | None, prompt_
     keep, skipped = [], {}
     for name in decoders:
         spec = DECODERS[name]
-        if spec.weights == "export" and spec.drafter is not None:
+        if spec.weights == "export" and (spec.drafter is not None or not spec.pack_weights):
             try:
                 run_decoder(model, ids, name, 2, tokenizer.pad_token_id, k, prompt_lookup_tokens)
             except TypeError as e:
-                if "drafter" not in str(e):
+                argument = next((a for a in ("drafter", "pack_weights") if a in str(e)), None)
+                if argument is None:
                     raise
-                skipped[name] = f"this TiDAR engine has no drafter={spec.drafter!r} ({e})"
+                skipped[name] = f"this TiDAR engine has no {argument}= ({e})"
                 continue
         keep.append(name)
     return tuple(keep), skipped

@@ -13,6 +13,7 @@ import torch
 
 from .. import layout
 from ..decode import cache_kwargs
+from ..kernels import packed_linears
 from ..progress import progress
 from .timing import median_seconds
 
@@ -27,8 +28,9 @@ def slot_sizes(device: torch.device, k: int) -> list[int]:
     return sorted(set(sizes) | {kk + kk * kk for kk in (*STEP_KS, k)})
 
 
-def slot_latency(model, slots: Iterable[int], cache_len: int = SLOT_CACHE_LEN, repeats: int = 7) -> list[dict]:
-    """Median latency of one forward of n new tokens after a KV cache of `cache_len` tokens.
+def slot_latency(model, slots: Iterable[int], cache_len: int = SLOT_CACHE_LEN, repeats: int = 7, pack_weights: bool = True) -> list[dict]:
+    """Median latency of one forward of n new tokens after a KV cache of `cache_len` tokens, on the
+    kernels generate() runs by default (pack_weights: kernels.packed_linears) or PyTorch's stock ones.
 
     Same mask path as a decode step (layout.build_mask for the model's attention implementation).
     The cache is cropped back after every call, so each n sees exactly `cache_len` cached tokens.
@@ -49,7 +51,7 @@ def slot_latency(model, slots: Iterable[int], cache_len: int = SLOT_CACHE_LEN, r
         positions = torch.arange(start, start + n, device=device)[None]
         return {"input_ids": tokens, "position_ids": positions, "attention_mask": mask}
 
-    with torch.no_grad():
+    with torch.no_grad(), packed_linears(model, enabled=pack_weights):
         model(**inputs(0, cache_len), **cache_kwargs(model, cache))
         steps = {}
         for n in slots:

@@ -1,0 +1,81 @@
+"""Packed CPU linear layers (kernels.py): the same products as PyTorch's, rows independent of how many
+share a call, weights repacked when they change, stock product wherever gradients are needed, and
+generate() decoding the same tokens with them on every path."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from tidar_convert import kernels
+from tidar_convert.decode import generate
+
+pytestmark = pytest.mark.skipif(not kernels.available(), reason="this torch build has no oneDNN packed linear")
+
+
+def swapped(model) -> list:
+    return [m for m in model.modules() if "forward" in m.__dict__]
+
+
+def test_packed_linear_matches_stock_and_is_row_invariant():
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(96, 200)
+    x = torch.randn(1, 13, 96)
+    with torch.no_grad():
+        stock = layer(x)
+        with kernels.packed_linears(layer) as layers:
+            assert layers == [layer]
+            packed = layer(x)
+            # Each row's result is the same whether 1 or 13 rows share the call: bit for bit.
+            rows = [layer(x[:, :j]) for j in range(1, 14)]
+    torch.testing.assert_close(packed, stock, rtol=1e-5, atol=1e-5)
+    for j, part in enumerate(rows, start=1):
+        assert torch.equal(part, packed[:, :j]), j
+    assert not swapped(layer)  # the stock forward is back
+
+
+def test_a_changed_weight_is_packed_again():
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(32, 48, bias=False)
+    x = torch.randn(2, 3, 32)
+    with torch.no_grad(), kernels.packed_linears(layer):
+        before = layer(x)
+        layer.weight.mul_(2)  # in place: same storage, new version
+        torch.testing.assert_close(layer(x), 2 * before)
+        layer.weight = torch.nn.Parameter(torch.randn(48, 32))  # another tensor
+        torch.testing.assert_close(layer(x), x @ layer.weight.T, rtol=1e-5, atol=1e-5)
+    copy.deepcopy(layer)  # the packed copy is not on the layer: it copies and pickles as before
+    kernels.release(layer)
+    assert layer not in kernels._PACKED
+
+
+def test_gradients_take_the_stock_product():
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(16, 8)
+    x = torch.randn(4, 16)
+    with kernels.packed_linears(layer):
+        layer(x).sum().backward()
+    assert layer.weight.grad is not None and torch.allclose(layer.weight.grad, x.sum(0).expand(8, -1))
+
+
+def test_only_cpu_float_layers_are_packed():
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 8).half(), torch.nn.Embedding(4, 8))
+    with kernels.packed_linears(model) as layers:
+        assert layers == [model[0]]
+    with kernels.packed_linears(model, enabled=False) as layers:
+        assert layers == [] and not swapped(model)
+
+
+@pytest.mark.parametrize("tidar", [True, False])
+def test_generate_gives_the_same_tokens_packed_or_not_and_restores_the_layers(untrained, tidar):
+    model = untrained["qwen2"]
+    ids = torch.randint(3, 300, (2, 9), generator=torch.Generator().manual_seed(1))
+    kw = dict(model=model, max_new_tokens=20, eos_token_id=None, pad_token_id=0, tidar=tidar)
+    stock = generate(ids, pack_weights=False, **kw)
+    assert torch.equal(generate(ids, **kw), stock)
+    assert not swapped(model)
+    with pytest.raises(ValueError):  # an error inside generate() still puts the stock forwards back
+        generate(ids, max_length=0, **{k: v for k, v in kw.items() if k != "max_new_tokens"})
+    assert not swapped(model)
