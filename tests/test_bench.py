@@ -423,6 +423,11 @@ def test_slot_plot_marks_each_decoder_step(tmp_path, monkeypatch):
     ax = figures[0].axes[0]
     marks = {line.get_label().split(":")[0]: (line.get_xdata()[0], line.get_ydata()[0]) for line in ax.get_lines() if "slots/step" in line.get_label()}
     assert marks == {d: (a["slots_per_step"], a["ms"]) for d, a in at.items()}
+    # Decoders on PyTorch's stock product sit on the stock curve, each against its own one slot.
+    stock = [{"slots": n, "ms": 2 * p["ms"]} for n, p in zip((1, 2, 4, 8, 16), points)]
+    both = slots.decoder_steps({**summary, "ar_stock": {"slots_per_step": 1.0}}, points, stock)
+    assert both["ar_stock"] == {"slots_per_step": 1.0, "ms": 20.0, "vs_one_slot": 1.0, "beyond_curve": False, "curve": "stock"}
+    assert both["tidar"] == {**at["tidar"], "curve": "packed"}
     assert "full TiDAR step: k + k*k = 20" in [t.get_text() for t in ax.get_legend().get_texts()]
 
 

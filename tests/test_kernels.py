@@ -51,6 +51,17 @@ def test_a_changed_weight_is_packed_again():
     assert layer not in kernels._PACKED
 
 
+def test_a_weight_onednn_refuses_keeps_the_stock_product(monkeypatch):
+    def refuse(*args):
+        raise RuntimeError("no packed layout for this CPU")
+
+    monkeypatch.setattr(kernels, "_reorder", refuse)
+    layer = torch.nn.Linear(8, 4)
+    x = torch.randn(3, 8)
+    with torch.no_grad(), kernels.packed_linears(layer):
+        assert torch.equal(layer(x), torch.nn.functional.linear(x, layer.weight, layer.bias))
+
+
 def test_gradients_take_the_stock_product():
     torch.manual_seed(0)
     layer = torch.nn.Linear(16, 8)

@@ -52,12 +52,22 @@ def eligible(layer) -> bool:
     return isinstance(layer, torch.nn.Linear) and w is not None and w.ndim == 2 and w.device.type == "cpu" and w.dtype in DTYPES
 
 
-def packed_weight(layer) -> torch.Tensor:
+def _reorder(weight: torch.Tensor) -> torch.Tensor:
+    return torch.ops.mkldnn._reorder_linear_weight(weight, PACK_ROWS)
+
+
+def packed_weight(layer) -> torch.Tensor | None:
+    """The layer's weight packed for oneDNN, or None where this machine's oneDNN refuses it (the
+    layer then keeps the stock product)."""
     w = layer.weight
     key = (w.data_ptr(), w._version, w.dtype, tuple(w.shape))
     cached = _PACKED.get(layer)
     if cached is None or cached[0] != key:
-        cached = _PACKED[layer] = (key, torch.ops.mkldnn._reorder_linear_weight(w.detach(), PACK_ROWS))
+        try:
+            packed = _reorder(w.detach())
+        except RuntimeError:
+            packed = None
+        cached = _PACKED[layer] = (key, packed)
     return cached[1]
 
 
@@ -66,8 +76,11 @@ def packed_forward(layer):
         w = layer.weight
         if x.dtype != w.dtype or x.device != w.device or (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad)):
             return F.linear(x, w, layer.bias)  # the packed op has no backward and one dtype
+        packed = packed_weight(layer)
+        if packed is None:
+            return F.linear(x, w, layer.bias)
         bias = layer.bias.detach() if layer.bias is not None else None
-        return torch.ops.mkldnn._linear_pointwise(x, packed_weight(layer), bias, "none", [], "")
+        return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
     forward._tidar_packed = True
     return forward

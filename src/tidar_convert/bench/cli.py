@@ -145,7 +145,7 @@ def bench_cmd(
     points_stock = slot_latency(lm, slot_sizes(device, k), pack_weights=False) if device.type == "cpu" else None
     ms = {p["slots"]: p["ms"] for p in points}
     step_vs_ar = {str(kk): ms[kk + kk * kk] / ms[1] for kk in sorted(set(STEP_KS) | {k})}
-    steps = decoder_steps(summary, points)
+    steps = decoder_steps(summary, points, points_stock)
 
     result = {
         "model": str(path.resolve()),

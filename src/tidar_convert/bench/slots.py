@@ -84,15 +84,20 @@ def latency_at(points: list[dict], slots: float) -> float:
     return points[-1]["ms"]
 
 
-def decoder_steps(summary: dict, points: list[dict]) -> dict:
-    """Where each decoder's mean step sits on the curve: its mean query slots a step, the forward
-    latency there, and that latency over one AR slot's. Decoders with no steps are left out."""
-    one = latency_at(points, 1)
+def decoder_steps(summary: dict, points: list[dict], stock: list[dict] | None = None) -> dict:
+    """Where each decoder's mean step sits on the curve of the kernels it runs (`stock`: the curve on
+    PyTorch's stock product, for decoders with pack_weights=False): its mean query slots a step, the
+    forward latency there, and that latency over one slot's on the same curve. Decoders with no
+    steps are left out."""
+    from .decoders import DECODERS
+
     out = {}
     for decoder, s in summary.items():
+        on_stock = stock is not None and decoder in DECODERS and not DECODERS[decoder].pack_weights
+        curve = stock if on_stock else points
         slots = s.get("slots_per_step")
-        if slots is None or not points:
+        if slots is None or not curve:
             continue
-        ms = latency_at(points, slots)
-        out[decoder] = {"slots_per_step": slots, "ms": ms, "vs_one_slot": ms / one if one > 0 else 0.0, "beyond_curve": slots > points[-1]["slots"]}
+        ms, one = latency_at(curve, slots), latency_at(curve, 1)
+        out[decoder] = {"slots_per_step": slots, "ms": ms, "vs_one_slot": ms / one if one > 0 else 0.0, "beyond_curve": slots > curve[-1]["slots"], "curve": "stock" if on_stock else "packed"}
     return out
