@@ -34,6 +34,8 @@ def test_generate_json_same_text_in_tidar_and_ar_mode(exported, trained, capsys)
     sampled = run_json(capsys, *common, "--temperature", "0.8", "--top-p", "0.9", "--seed", "3")
     again = run_json(capsys, *common, "--temperature", "0.8", "--top_p", "0.9", "--seed", "3")
     assert sampled["text"] == again["text"]  # seeded
+    stock = run_json(capsys, *common, "--mode", "tidar", "--pack-weights", "false")
+    assert stock["text"] == td["text"]  # PyTorch's stock product: the same greedy tokens
 
 
 def test_generate_plain_text_output(exported, capsys):

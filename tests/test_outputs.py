@@ -406,12 +406,12 @@ def test_bench_results_go_into_the_card(tiny, tmp_path):
     assert update_model_card(out, BENCH)
     text = (out / "README.md").read_text()
     # a result from before the per-step columns: "-" there
-    assert "| tidar | 2.37 | - | - | 23.7 | 2.37x | - | - | 169/169 |" in text and "k=4, 169 prompts" in text
+    assert "| tidar | 2.37 | - | - | 23.7 | 2.37x | - | - | - | 169/169 |" in text and "k=4, 169 prompts" in text
     assert "base 10.000, converted 10.500 (+5.0%)" in text and "Not measured yet" not in text
-    tidar = {**BENCH["summary"]["tidar"], "slots_per_step": 12.3, "lm_head_rows_per_step": 6.5, "tokens_per_s_vs_prompt_lookup": 1.32, "tokens_per_s_vs_base_prompt_lookup": 1.5}
+    tidar = {**BENCH["summary"]["tidar"], "slots_per_step": 12.3, "lm_head_rows_per_step": 6.5, "tokens_per_s_vs_prompt_lookup": 1.32, "tokens_per_s_vs_base_prompt_lookup": 1.5, "tokens_per_s_vs_ar_stock": 3.1}
     assert update_model_card(out, {**BENCH, "summary": {**BENCH["summary"], "tidar": tidar}, "perplexity": None})  # a second bench replaces, not appends
     text = (out / "README.md").read_text()
-    assert "| tidar | 2.37 | 12.3 | 6.5 | 23.7 | 2.37x | 1.32x | 1.50x | 169/169 |" in text
+    assert "| tidar | 2.37 | 12.3 | 6.5 | 23.7 | 2.37x | 1.32x | 1.50x | 3.10x | 169/169 |" in text
     assert text.count("| tidar |") == 1 and "converted 10.500" not in text and text.rstrip().endswith("-->")
     assert is_export(out) and not leftovers(out)  # still an export and nothing else: replaceable
 

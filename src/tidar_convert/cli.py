@@ -367,6 +367,7 @@ def generate_cmd(
     no_chat_template: bool = False,
     block_size: int | None = None,
     dtype: str = "float32",
+    pack_weights: bool = True,
     json: bool = False,
 ) -> None:
     """Generate with an exported TiDAR model.
@@ -382,7 +383,9 @@ def generate_cmd(
         seed: random seed for sampling.
         no_chat_template: feed the prompt as raw text even if the tokenizer has a chat template.
         block_size: drafts per step (default: the trained block size).
-        dtype: float32 or bfloat16 (bf16 is faster for TiDAR on GPUs and AMX CPUs).
+        dtype: float32 or bfloat16 (bf16 is faster; float32 keeps greedy TiDAR token-identical to AR).
+        pack_weights: on CPU, linear layers run on weights packed once for oneDNN (kernels.py): faster,
+            at one more copy of the weights in memory; false runs PyTorch's stock product.
         json: print one JSON object (text, new_tokens, nfe, tokens_per_nfe, seconds).
     """
     import torch
@@ -411,7 +414,7 @@ def generate_cmd(
     sampling = {"do_sample": True, "temperature": temperature, "top_p": top_p, "top_k": top_k} if temperature > 0 else {"do_sample": False}
     torch.manual_seed(seed)
     t0 = time.perf_counter()
-    out = lm.generate(ids, max_new_tokens=max_new_tokens, tidar=mode == "tidar", block_size=block_size, pad_token_id=tok.pad_token_id, **sampling)
+    out = lm.generate(ids, max_new_tokens=max_new_tokens, tidar=mode == "tidar", block_size=block_size, pad_token_id=tok.pad_token_id, pack_weights=pack_weights, **sampling)
     seconds = time.perf_counter() - t0
     text = tok.decode(out[0, ids.shape[1] :], skip_special_tokens=True)
     stats = lm.tidar_stats
