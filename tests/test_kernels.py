@@ -87,6 +87,10 @@ def test_generate_gives_the_same_tokens_packed_or_not_and_restores_the_layers(un
     stock = generate(ids, pack_weights=False, **kw)
     assert torch.equal(generate(ids, **kw), stock)
     assert not swapped(model)
-    with pytest.raises(ValueError):  # an error inside generate() still puts the stock forwards back
-        generate(ids, max_length=0, **{k: v for k, v in kw.items() if k != "max_new_tokens"})
+    def fail(input_ids, scores, **kwargs):
+        assert swapped(model)  # while decoding, the packed forwards run
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):  # an interrupted generate() still puts the stock forwards back
+        generate(ids, stopping_criteria=[fail], **kw)
     assert not swapped(model)

@@ -212,8 +212,8 @@ def generate(
         (default max(k + k*k, 11 + k): the paper's step, or a full lookup draft and one group).
     pack_weights: on CPU, linear layers run oneDNN's product on weights packed once (kernels.py), for
         every path (tidar=False and prompt lookup too): extra query slots become nearly free and rows
-        do not depend on how many share a step. It keeps one packed copy of each weight on the model
-        (kernels.release frees it). False: PyTorch's stock product, no copy.
+        do not depend on how many share a step. It keeps one packed copy of each weight for the model's
+        lifetime (kernels.release frees it). False: PyTorch's stock product, no copy.
 
     generation_config and keyword arguments are merged with the model's defaults as transformers does.
     Logits processors (transformers' own, built from the config, plus `logits_processor`) apply to
@@ -223,13 +223,9 @@ def generate(
     fit the verify rule is refused by name (REFUSED, REFUSED_ARGS).
     """
     input_ids = inputs if inputs is not None else kwargs.pop("input_ids", None)
-    with packed_linears(model, enabled=pack_weights):
-        if not tidar:
+    if not tidar:
+        with packed_linears(model, enabled=pack_weights):
             return ar_generate(model, input_ids, generation_config, kwargs)
-        return tidar_generate(model, input_ids, generation_config, block_size, beta, drafter, plan, slot_budget, pack_weights, kwargs)
-
-
-def tidar_generate(model, input_ids, generation_config, block_size, beta, drafter, plan, slot_budget, pack_weights, kwargs):
     chosen = make_drafter(drafter)
     ensure_adapter(model)  # an export trained with lora_scope='masks': its drafts' adapter, once
     run = prepare(model, input_ids, generation_config, block_size, beta, kwargs)
@@ -239,7 +235,7 @@ def tidar_generate(model, input_ids, generation_config, block_size, beta, drafte
     record = ([], []) if gc.return_dict_in_generate and (gc.output_scores or gc.output_logits) else None
     if run.streamer is not None:
         run.streamer.put(run.input_ids.cpu())
-    with torch.no_grad():
+    with torch.no_grad(), packed_linears(model, enabled=pack_weights):
         state = decode(model, run, chosen, planner, beta, record)
     if run.streamer is not None:
         run.streamer.end()

@@ -15,6 +15,7 @@ from .. import layout
 from ..decode import cache_kwargs
 from ..kernels import packed_linears
 from ..progress import progress
+from .decoders import DECODERS
 from .timing import median_seconds
 
 CPU_SLOTS = (1, 2, 4, 8, 16, 32, 64)
@@ -89,8 +90,6 @@ def decoder_steps(summary: dict, points: list[dict], stock: list[dict] | None = 
     PyTorch's stock product, for decoders with pack_weights=False): its mean query slots a step, the
     forward latency there, and that latency over one slot's on the same curve. Decoders with no
     steps are left out."""
-    from .decoders import DECODERS
-
     out = {}
     for decoder, s in summary.items():
         on_stock = stock is not None and decoder in DECODERS and not DECODERS[decoder].pack_weights
