@@ -126,7 +126,7 @@ def bench_cmd(
         print(f"bench: {decoder} left out: {why}", file=sys.stderr)
     if base_pair is not None:
         decoders += decoder_names("base")
-    # Warm-up (allocator, kernels, lazy imports) so the first timed prompt is not an outlier.
+    # Warm-up (allocator, kernels, the one-time weight packing, lazy imports) so the first timed prompt is not an outlier.
     bench_prompt(lm, tokenizer, prompts[0], min(max_new_tokens, 8), k, prompt_lookup_tokens, decoders, base_pair)
     rows = []
     for prompt in progress(prompts, f"bench {name}", unit="prompt"):  # with an ETA, on a terminal or in a log
