@@ -77,6 +77,12 @@ def test_only_cpu_float_layers_are_packed():
         assert layers == [model[0]]
     with kernels.packed_linears(model, enabled=False) as layers:
         assert layers == [] and not swapped(model)
+    with torch.no_grad(), kernels.packed_linears(model):
+        model[0](torch.randn(2, 8))
+    assert model[0] in kernels._PACKED
+    model[0].half()  # no longer packable: the next entry drops its packed copy
+    with kernels.packed_linears(model) as layers:
+        assert layers == [] and model[0] not in kernels._PACKED
 
 
 @pytest.mark.parametrize("tidar", [True, False])

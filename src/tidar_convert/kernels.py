@@ -93,7 +93,9 @@ def packed_linears(model, enabled: bool = True):
     swapped = []
     if enabled and available():
         for layer in model.modules():
-            if eligible(layer) and not getattr(layer.__dict__.get("forward"), "_tidar_packed", False):
+            if not eligible(layer):
+                _PACKED.pop(layer, None)  # moved to a GPU or another dtype: its CPU copy is dead weight
+            elif not getattr(layer.__dict__.get("forward"), "_tidar_packed", False):
                 layer.forward = packed_forward(layer)
                 swapped.append(layer)
     try:
