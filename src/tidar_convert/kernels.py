@@ -4,9 +4,10 @@ TiDAR rests on one fact about decoding: a forward of a few query slots costs abo
 one slot costs, because reading the weights dominates. PyTorch's stock CPU linear breaks that. Its
 MKL path runs 2 or 3 rows as 2 or 3 matrix-vector products and 4 to 13 rows through a GEMM that
 repacks the weights on every call. On SmolLM2-135M in fp32 (2 cores, a 256-token cache), one forward
-takes 71 ms for 1 slot, 122 ms for 2 and 103 ms for 8. With each weight reordered once into oneDNN's
-blocked layout (what torch.compile's CPU freezing does), it takes 46, 53 and 53 ms: the regime the
-paper assumes, and a faster AR step too.
+takes 59 ms for 1 slot, 96 ms for 2 and 93 ms for 8. With each weight reordered once into oneDNN's
+blocked layout (what torch.compile's CPU freezing does), it takes 44, 49 and 54 ms: the regime the
+paper assumes, and a faster AR step too (bench/results/masks-greedy-600-fp32-packed.json,
+slot_latency `points_stock` and `points`).
 
 The packed product is also row-invariant: a row's result does not depend on how many rows share the
 call (measured bitwise for 1 to 13 rows), so the rows TiDAR verifies compute what AR computes there.
