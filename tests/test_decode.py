@@ -251,7 +251,7 @@ def test_sampling_with_deterministic_drafts_matches_ar_distribution(small_vocab_
     gen_kw = dict(do_sample=True, max_new_tokens=N_NEW, eos_token_id=None, temperature=0.9, drafter=drafter, plan="cost")  # any plan is exact; cost's choices read timings
     # hybrid: a coin picks lookup or diffusion (the sharp diffusion head here would always win); any
     # choice that does not look at the AR samples keeps the output exact
-    monkeypatch.setattr(drafters, "expected_length", lambda d: torch.rand(d.tokens.shape[0]))
+    monkeypatch.setattr(drafters.HybridDrafter, "choose", lambda self, look, diff: (look.length > 1) & (torch.rand(look.tokens.shape[0]) < 0.5))
     bias = torch.zeros(V + 1)
     bias[V] = -float("inf")
     monkeypatch.setattr(model.lm_head, "bias", torch.nn.Parameter(bias, requires_grad=False), raising=False)
@@ -284,7 +284,7 @@ def test_sampling_with_per_row_acceptance_matches_ar_distribution(small_vocab_mo
     model = small_vocab_model
     prompt = torch.tensor([[1, 2, 3, 4, 0, 2], [4, 4, 3, 1, 1, 0]])
     gen_kw = dict(do_sample=True, max_new_tokens=N_NEW, eos_token_id=None, temperature=0.8, attention_mask=torch.ones_like(prompt))
-    monkeypatch.setattr(drafters, "expected_length", lambda d: torch.rand(d.tokens.shape[0]))  # hybrid: rows mix sources
+    monkeypatch.setattr(drafters.HybridDrafter, "choose", lambda self, look, diff: (look.length > 1) & (torch.rand(look.tokens.shape[0]) < 0.5))  # hybrid: rows mix sources
     bias = torch.zeros(V + 1)
     bias[V] = -float("inf")
     monkeypatch.setattr(model.lm_head, "bias", torch.nn.Parameter(bias, requires_grad=False), raising=False)

@@ -37,7 +37,8 @@ def test_every_drafter_every_k_equals_ar_greedy(trained, untrained, family):
                 got = generate(ids, model=model, block_size=k, drafter=name, **kw)
                 assert torch.equal(got, expected), (name, k)
     model = trained[family][0]
-    generate(ids[:1], model=model, max_new_tokens=30, eos_token_id=None, drafter="diffusion")
+    # plan="adaptive": the cost plan's acceptance depends on step timings (its first call explores)
+    generate(ids[:1], model=model, max_new_tokens=30, eos_token_id=None, drafter="diffusion", plan="adaptive")
     assert model.tidar_stats["tokens_per_nfe"] > 1.5 and model.tidar_stats["draft_sources"]["diffusion"] > 0
 
 
@@ -268,6 +269,25 @@ def test_bad_drafter_is_refused_by_name(trained):
     model, _ = trained["llama"]
     with pytest.raises(ValueError, match=r"drafter='ngram': choose one of 'hybrid', 'diffusion', 'lookup'"):
         generate(cycle_batch(1, 4, seed=0), model=model, max_new_tokens=4, drafter="ngram")
+
+
+def test_hybrid_drafts_by_lookup_where_it_matches_until_diffusion_proves_better():
+    """Lookup first where a row has a match (its runs pay more than its per-token rate says); once
+    diffusion drafts have been accepted further on average, diffusion first. The choice reads past
+    outcomes only."""
+    hybrid = drafters.HybridDrafter()
+    look = Draft(torch.tensor([[1, 7, 8], [1, 1, 1]]), length=torch.tensor([3, 1]), confidence=torch.full((2, 2), 0.5), sources=["lookup", "none"])
+    diff = Draft(torch.tensor([[1, 9, 9], [1, 9, 9]]), confidence=torch.full((2, 2), 0.5), sources=["diffusion", "diffusion"])
+    assert hybrid.choose(look, diff).tolist() == [True, False]  # the row without a match drafts by diffusion
+    for _ in range(3):  # lookup fails a few times: one bad stretch must not hand every step to diffusion
+        hybrid.observe(Draft(torch.tensor([[1, 7, 8]]), confidence=torch.full((1, 2), 0.5), sources=["lookup"]), torch.tensor([1]))
+        hybrid.observe(Draft(torch.tensor([[1, 9, 9]]), confidence=torch.full((1, 2), 0.5), sources=["diffusion"]), torch.tensor([1]))
+    assert hybrid.choose(look, diff).tolist() == [True, False]
+    for _ in range(40):  # diffusion drafts accepted whole, lookup's not at all
+        hybrid.observe(Draft(torch.tensor([[1, 9, 9]]), confidence=torch.full((1, 2), 0.5), sources=["diffusion"]), torch.tensor([3]))
+        hybrid.observe(Draft(torch.tensor([[1, 7, 8]]), confidence=torch.full((1, 2), 0.5), sources=["lookup"]), torch.tensor([1]))
+    assert hybrid.gain("diffusion") > 1.5 > 0.5 > hybrid.gain("lookup")
+    assert hybrid.choose(look, diff).tolist() == [False, False]
 
 
 def test_lookup_follows_transformers_prompt_lookup():

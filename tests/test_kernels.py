@@ -100,3 +100,45 @@ def test_generate_gives_the_same_tokens_packed_or_not_and_restores_the_layers(un
     with pytest.raises(KeyboardInterrupt):  # an interrupted generate() still puts the stock forwards back
         generate(ids, stopping_criteria=[fail], **kw)
     assert not swapped(model)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_grouped_attention_attends_in_place_to_the_same_values(untrained, family, monkeypatch):
+    """A TiDAR step (two drafts and a mask group after a cache) under grouped_attention: the values of
+    transformers' sdpa path, which copies the key/value heads to every query head, reached through
+    SDPA's enable_gqa instead; the model's attention setting is back afterwards, even on an error."""
+    from transformers import DynamicCache
+
+    from tidar_convert.engine import StepPlan, cache_kwargs
+    from tidar_convert.layout import decode_step_mask
+
+    model = untrained[family]
+    assert model.config._attn_implementation == "sdpa" and model.config.num_key_value_heads < model.config.num_attention_heads
+    ids = torch.randint(3, 300, (1, 12), generator=torch.Generator().manual_seed(0))
+    plan = StepPlan(2, (1,), 4)
+    step = torch.cat([ids[:, -2:], torch.full((1, 4), model.config.mask_token_id)], 1)
+
+    def run():
+        cache = DynamicCache()
+        model.model(input_ids=ids, **cache_kwargs(model.model, cache))  # the prompt: no mask, grouped either way
+        grouped.clear()
+        mask = decode_step_mask(torch.ones(1, 12, dtype=torch.bool), plan.n_drafts, plan.k, plan.anchors, model.config._attn_implementation)
+        return model.model(input_ids=step, position_ids=plan.positions(torch.tensor([12])), attention_mask=mask, **cache_kwargs(model.model, cache)).last_hidden_state
+
+    grouped = []
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", lambda *a, **k: grouped.append(bool(k.get("enable_gqa"))) or sdpa(*a, **k))
+    with torch.no_grad():
+        stock = run()
+        assert grouped == [False] * model.config.num_hidden_layers  # the step: transformers copies the heads under a mask
+        with kernels.grouped_attention(model):
+            assert model.config._attn_implementation == kernels.GQA_ATTENTION
+            in_place = run()
+        assert grouped == [True] * model.config.num_hidden_layers
+    torch.testing.assert_close(in_place, stock, rtol=1e-6, atol=1e-6)
+    assert model.config._attn_implementation == "sdpa"
+    with pytest.raises(KeyboardInterrupt), kernels.grouped_attention(model):
+        raise KeyboardInterrupt
+    assert model.config._attn_implementation == "sdpa"
+    with kernels.grouped_attention(model, enabled=False):
+        assert model.config._attn_implementation == "sdpa"

@@ -30,7 +30,7 @@ from transformers.generation.utils import GenerateDecoderOnlyOutput
 from .adapter import ensure as ensure_adapter
 from .drafters import Draft, make_drafter  # noqa: F401  (Draft: for callers that build drafts by hand)
 from .engine import Planner, cache_kwargs, costs_of, decode  # noqa: F401  (cache_kwargs: used by the bench)
-from .kernels import packed_linears
+from .kernels import cpu_kernels
 from .layout import decode_mask_mod  # noqa: F401  (imported here so a missing layout.py is named as generate.py's import)
 from .verify import Greedy, Sampling
 
@@ -199,8 +199,8 @@ def generate(
         Any value >= 2 keeps the output exact (only acceptance changes); the diffusion head is only
         trained for the trained one.
     beta: 1.0 (default) trusts AR and is exact; < 1 mixes diffusion logits into the committed token.
-    drafter: where drafts come from: "hybrid" (default; per row, lookup or diffusion, whichever is
-        expected to be accepted further), "diffusion" (TiDAR's mask groups), "lookup" (n-gram matches
+    drafter: where drafts come from: "hybrid" (default; per row, lookup where the text has a
+        match, else diffusion; diffusion first once its drafts get accepted further), "diffusion" (TiDAR's mask groups), "lookup" (n-gram matches
         in the prompt and generated text, no mask groups). Every drafter is exact.
     plan: "cost" (default) runs, each step, the shape (proposals kept, mask groups) with the most
         expected tokens per second, from the drafts' confidence and the time each step shape has
@@ -213,7 +213,9 @@ def generate(
     pack_weights: on CPU, linear layers run oneDNN's product on weights packed once (kernels.py), for
         every path (tidar=False and prompt lookup too): extra query slots become nearly free and rows
         do not depend on how many share a step. It keeps one packed copy of each weight for the model's
-        lifetime (kernels.release frees it). False: PyTorch's stock product, no copy.
+        lifetime (kernels.release frees it). Attention under a mask attends grouped key/value heads in
+        place instead of copying the cache to every query head (kernels.grouped_attention). False:
+        PyTorch's stock product and transformers' own attention path, no copy.
 
     generation_config and keyword arguments are merged with the model's defaults as transformers does.
     Logits processors (transformers' own, built from the config, plus `logits_processor`) apply to
@@ -224,7 +226,7 @@ def generate(
     """
     input_ids = inputs if inputs is not None else kwargs.pop("input_ids", None)
     if not tidar:
-        with packed_linears(model, enabled=pack_weights):
+        with cpu_kernels(model, enabled=pack_weights):
             return ar_generate(model, input_ids, generation_config, kwargs)
     chosen = make_drafter(drafter)
     ensure_adapter(model)  # an export trained with lora_scope='masks': its drafts' adapter, once
@@ -235,7 +237,7 @@ def generate(
     record = ([], []) if gc.return_dict_in_generate and (gc.output_scores or gc.output_logits) else None
     if run.streamer is not None:
         run.streamer.put(run.input_ids.cpu())
-    with torch.no_grad(), packed_linears(model, enabled=pack_weights):
+    with torch.no_grad(), cpu_kernels(model, enabled=pack_weights):
         state = decode(model, run, chosen, planner, beta, record)
     if run.streamer is not None:
         run.streamer.end()

@@ -18,7 +18,14 @@ model uses the same kernels. A layer's packed weight is kept while the layer liv
 weight) and made again when the weight changes (another tensor, or an in-place update). Training and
 anything that needs gradients run the stock product.
 
-Shipped in every export's custom_generate/ folder: imports nothing but torch.
+`grouped_attention(model)` does the same for attention: under a mask, transformers' SDPA path copies
+each layer's grouped key/value heads to every query head first (repeat_kv: the whole cache, every
+layer, every step), because CUDA's kernels need it; PyTorch's CPU kernel attends the groups in place
+(`enable_gqa`), to the same bits. Every TiDAR step and every prompt-lookup step has a mask and
+several queries.
+
+Shipped in every export's custom_generate/ folder: imports nothing but torch (transformers, for the
+attention function, only when it is used).
 """
 
 from __future__ import annotations
@@ -110,3 +117,54 @@ def release(model) -> None:
     """Drop the packed copies kept on the model's layers (they are made again when next needed)."""
     for layer in model.modules():
         _PACKED.pop(layer, None)
+
+
+# --------------------------------------------------------------------------------------------
+# Attention over grouped key/value heads without copying them.
+# --------------------------------------------------------------------------------------------
+
+GQA_ATTENTION = "tidar_sdpa_gqa"
+
+
+def sdpa_gqa(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None, **kwargs):
+    """transformers' `sdpa` attention function, except that on CPU, under a mask, with several
+    queries and grouped key/value heads, the groups are attended in place. Anything else (no mask,
+    one query, a position bias, softcapping, another device) goes to transformers' own function."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    grouped = key.shape[1] != query.shape[1]
+    if attention_mask is None or not grouped or query.shape[2] == 1 or query.device.type != "cpu" or kwargs.get("position_bias") is not None or kwargs.get("softcap") is not None:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal, **kwargs)
+    out = F.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask, dropout_p=dropout, scale=scaling, enable_gqa=True)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def _register() -> None:
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    AttentionInterface.register(GQA_ATTENTION, sdpa_gqa)
+    AttentionMaskInterface.register(GQA_ATTENTION, sdpa_mask)  # transformers' own masks stay sdpa's
+
+
+@contextmanager
+def grouped_attention(model, enabled: bool = True):
+    """Within it, a CPU model on transformers' `sdpa` attention runs `sdpa_gqa` instead; restored on exit."""
+    config = model.config
+    parameter = next(model.parameters(), None)
+    if not enabled or getattr(config, "_attn_implementation", None) != "sdpa" or parameter is None or parameter.device.type != "cpu":
+        yield
+        return
+    _register()
+    config._attn_implementation = GQA_ATTENTION
+    try:
+        yield
+    finally:
+        config._attn_implementation = "sdpa"
+
+
+@contextmanager
+def cpu_kernels(model, enabled: bool = True):
+    """Packed linear layers and in-place grouped attention: the kernels every decoder on an export runs."""
+    with packed_linears(model, enabled), grouped_attention(model, enabled):
+        yield

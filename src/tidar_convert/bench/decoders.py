@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..kernels import packed_linears
+from ..kernels import cpu_kernels
 from .timing import synchronize
 
 
@@ -134,7 +134,7 @@ def run_decoder(model, input_ids, decoder: str, max_new_tokens: int, pad_token_i
     reports them, its LM-head rows and draft sources; None where it does not)."""
     spec = DECODERS[decoder]
     device = input_ids.device
-    with torch.no_grad(), packed_linears(model, enabled=spec.packs_here()), ForwardCounter(model) as count:
+    with torch.no_grad(), cpu_kernels(model, enabled=spec.packs_here()), ForwardCounter(model) as count:
         synchronize(device)
         t0 = time.perf_counter()
         out = model.generate(input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=pad_token_id, **spec.generate_kwargs(k, prompt_lookup_tokens))

@@ -13,7 +13,7 @@ import torch
 
 from .. import layout
 from ..decode import cache_kwargs
-from ..kernels import packed_linears
+from ..kernels import cpu_kernels
 from ..progress import progress
 from .decoders import DECODERS
 from .timing import median_seconds
@@ -31,7 +31,7 @@ def slot_sizes(device: torch.device, k: int) -> list[int]:
 
 def slot_latency(model, slots: Iterable[int], cache_len: int = SLOT_CACHE_LEN, repeats: int = 7, pack_weights: bool = True) -> list[dict]:
     """Median latency of one forward of n new tokens after a KV cache of `cache_len` tokens, on the
-    kernels generate() runs by default (pack_weights: kernels.packed_linears) or PyTorch's stock ones.
+    kernels generate() runs by default (pack_weights: kernels.cpu_kernels) or the stock ones.
 
     Same mask path as a decode step (layout.build_mask for the model's attention implementation).
     The cache is cropped back after every call, so each n sees exactly `cache_len` cached tokens.
@@ -52,7 +52,7 @@ def slot_latency(model, slots: Iterable[int], cache_len: int = SLOT_CACHE_LEN, r
         positions = torch.arange(start, start + n, device=device)[None]
         return {"input_ids": tokens, "position_ids": positions, "attention_mask": mask}
 
-    with torch.no_grad(), packed_linears(model, enabled=pack_weights):
+    with torch.no_grad(), cpu_kernels(model, enabled=pack_weights):
         model(**inputs(0, cache_len), **cache_kwargs(model, cache))
         steps = {}
         for n in slots:
