@@ -200,8 +200,9 @@ def generate(
         trained for the trained one.
     beta: 1.0 (default) trusts AR and is exact; < 1 mixes diffusion logits into the committed token.
     drafter: where drafts come from: "hybrid" (default; per row, lookup where the text has a
-        match, else diffusion; diffusion first once its drafts get accepted further), "diffusion" (TiDAR's mask groups), "lookup" (n-gram matches
-        in the prompt and generated text, no mask groups). Every drafter is exact.
+        match, else diffusion; diffusion first once its drafts get accepted further), "diffusion"
+        (TiDAR's mask groups), "lookup" (n-gram matches in the prompt and generated text, no mask
+        groups). Every drafter is exact.
     plan: "cost" (default) runs, each step, the shape (proposals kept, mask groups) with the most
         expected tokens per second, from the drafts' confidence and the time each step shape has
         taken on this model and machine (measured as it decodes, kept on the model across calls;
