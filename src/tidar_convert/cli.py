@@ -384,8 +384,9 @@ def generate_cmd(
         no_chat_template: feed the prompt as raw text even if the tokenizer has a chat template.
         block_size: drafts per step (default: the trained block size).
         dtype: float32 or bfloat16 (bf16 is faster; float32 keeps greedy TiDAR token-identical to AR).
-        pack_weights: on CPU, linear layers run on weights packed once for oneDNN (kernels.py): faster,
-            at one more copy of the weights in memory; false runs PyTorch's stock product.
+        pack_weights: on CPU, linear layers run on weights packed once for oneDNN and attention
+            attends grouped key/value heads in place (kernels.cpu_kernels): faster, at one more copy
+            of the weights in memory; false runs PyTorch's stock product and attention path.
         json: print one JSON object (text, new_tokens, nfe, tokens_per_nfe, seconds).
     """
     import torch

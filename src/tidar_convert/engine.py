@@ -319,8 +319,8 @@ class StepCosts:
     slots 110 ms, 3 slots 133 ms, but 4 to 6 slots 97 to 99 ms; with packed weights (kernels.py)
     1 to 5 slots cost about the same and 13 slots about 1.4x, since past ~8 rows the two cores'
     compute sets the price; mask-slot adapters (lora_scope='masks') add their own cost; on a GPU the
-    curve is flat far beyond any step. A shape not yet measured twice is priced optimistically, so that each is
-    tried and then known: as if time grew in proportion to slots from the measured shapes with more
+    curve is flat far beyond any step. A shape not yet measured twice is priced optimistically, so
+    that each is tried and then known: as if time grew in proportion to slots from the measured shapes with more
     slots (the cheapest such line), or else at the dearest shape with fewer. Its first two times
     count by their minimum (one stall, say a garbage collection, must not price a shape out for good),
     then a moving average follows the cost as the context grows. A shape not run for `stale` steps is

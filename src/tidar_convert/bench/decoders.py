@@ -27,9 +27,10 @@ class Decoder:
     """weights: "export" or "base". tidar: TiDAR decoding, else transformers' own generate.
     drafter: the TiDAR drafter (None: the engine's default). lookup: transformers' prompt lookup.
     block_size: TiDAR's k for this decoder alone (None: the run's `--k`). plan: TiDAR's step plan
-    (None: the engine's default, 'cost'). pack_weights: linear layers on weights packed for oneDNN
-    on CPU (kernels.py; the export's generate() does it by default, the base's generate() does not):
-    False runs PyTorch's stock product, what transformers alone gives."""
+    (None: the engine's default, 'cost'). pack_weights: the CPU kernels of kernels.cpu_kernels
+    (linear layers on weights packed for oneDNN, grouped key/value heads attended in place; the
+    export's generate() runs them by default, the base's generate() does not): False runs PyTorch's
+    stock product and transformers' own attention path, what transformers alone gives."""
 
     weights: str = "export"
     tidar: bool = False
@@ -56,7 +57,7 @@ class Decoder:
         return kwargs
 
     def packs_here(self) -> bool:
-        """The bench packs the weights itself: the base runs transformers' own generate, which does not."""
+        """The bench enters the CPU kernels itself: the base runs transformers' own generate, which does not."""
         return self.weights == "base" and self.pack_weights
 
 
