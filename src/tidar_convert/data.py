@@ -457,7 +457,7 @@ class TiDARData(L.LightningDataModule):
             distill.check_corpus(self.greedy_corpus, self.val_every, self.greedy_docs)
             return str(Path(self.greedy_corpus).expanduser().absolute())
         path = distill.corpus_for_fit(
-            self.trainer, self.base_model, self.sources, self.greedy_docs, self.val_every, 32, self.greedy_new_tokens, 32,
+            self.trainer, self.base_model, self.sources, self.greedy_docs, self.val_every, 32, self.greedy_new_tokens, distill.BATCH,
             self.text_field, self.name, self.split, self.seed, self.greedy_dtype,
         )
         return str(path)

@@ -28,6 +28,7 @@ from .outputs import atomic_file
 
 MADE_BY = "tidar-convert distill"  # in every row: what marks a file as a corpus this tool may replace
 DTYPES = ("float32", "bfloat16", "float16")
+BATCH = 64  # prompts generated together (equal lengths, no padding): 1.4x the tokens/s of 32 on 2 CPU cores
 
 
 def training_prompts(tokenizer, sources: list[str], n_docs: int, prompt_tokens: int, val_every: int, text_field: str = "text", name: str | None = None, split: str = "train", seed: int = 0) -> list[list[int]]:
@@ -50,6 +51,7 @@ def training_prompts(tokenizer, sources: list[str], n_docs: int, prompt_tokens: 
 @torch.no_grad()
 def write_corpus(model, tokenizer, prompts: list[list[int]], out: str | Path, new_tokens: int, batch_size: int, meta: dict) -> Path:
     """Write one row per prompt, `{"text": prompt + greedy continuation, **meta}`, atomically."""
+    from .kernels import cpu_kernels
     from .progress import progress
 
     device = next(model.parameters()).device
@@ -57,7 +59,9 @@ def write_corpus(model, tokenizer, prompts: list[list[int]], out: str | Path, ne
     model.eval()  # no dropout: the continuation is the one greedy decoding gives
     batches = range(0, len(prompts), batch_size)
     try:
-        with atomic_file(out) as tmp, tmp.open("w") as f:
+        # The kernels generate() decodes with on CPU (nothing on a GPU): 832 documents of 160 tokens
+        # took 16 min at batch 32 with stock kernels, 9 min at batch 64 with these (2 cores, fp32).
+        with atomic_file(out) as tmp, tmp.open("w") as f, cpu_kernels(model):
             for i in progress(batches, "greedy continuations", total=len(batches), unit="batch"):
                 ids = torch.tensor(prompts[i : i + batch_size], device=device)  # equal lengths: no padding
                 rows = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, do_sample=False, pad_token_id=tokenizer.pad_token_id)
@@ -177,7 +181,7 @@ def distill_cmd(
     n_docs: int = 384,
     prompt_tokens: int = 32,
     new_tokens: int = 224,
-    batch_size: int = 32,
+    batch_size: int = BATCH,
     val_every: int = 50,
     text_field: str = "text",
     name: str | None = None,
