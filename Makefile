@@ -19,8 +19,8 @@ MAX_STEPS ?=
 K ?=
 
 SWEEP ?= recipes/sweeps/smollm2-cpu-levers.yaml
-# The lever sweep is written for the best CPU recipe: that is its base unless RECIPE is given.
-SWEEP_RECIPE = $(if $(filter command line environment,$(origin RECIPE)),$(RECIPE),recipes/smollm2-135m-cpu-best.yaml)
+# The lever sweep varies issue 4's LoRA recipe: that is its base unless RECIPE is given.
+SWEEP_RECIPE = $(if $(filter command line environment,$(origin RECIPE)),$(RECIPE),recipes/smollm2-135m-cpu-lora.yaml)
 VAL ?=
 ARMS ?=
 SWEEP_OUT ?=
@@ -29,7 +29,7 @@ comma := ,
 # Self-distillation corpus; its defaults are the data settings of recipes/smollm2-135m-cpu-best.yaml.
 DISTILL_OUT ?= runs/greedy.jsonl
 SOURCES ?= [prose-train, stdlib]
-N_DOCS ?= 384
+N_DOCS ?= 832
 NEW_TOKENS ?= 160
 VAL_EVERY ?= 50
 DTYPE ?= float32

@@ -177,10 +177,10 @@ def test_the_smollm2_lever_spec_is_valid():
     from tidar_convert.sweep import load_spec
 
     arms = load_spec(str(SPEC))
-    assert {"best", "soft", "greedy-0", "full-ft", "block-8"} <= set(arms)
+    assert {"lora", "soft", "greedy-0", "full-ft", "block-8"} <= set(arms)
     assert arms["block-8"][arms["block-8"].index("--model.val_decode_block_size") + 1] == "4"  # compared at the same decode k
     assert {"greedy-2of3", "greedy-all", "greedy-diff-only", "offset-front", "offset-drafts-only"} <= set(arms)
-    recipe = yaml.safe_load((SPEC.parents[1] / "smollm2-135m-cpu-best.yaml").read_text())
+    recipe = yaml.safe_load((SPEC.parents[1] / "smollm2-135m-cpu-lora.yaml").read_text())
     train_tokens = recipe["trainer"]["max_steps"] * recipe["data"]["seq_len"] * recipe["data"]["batch_size"]
     for name, flags in arms.items():
         value = dict(zip(flags[::2], flags[1::2]))

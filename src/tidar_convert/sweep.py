@@ -351,7 +351,7 @@ def plot(results: list[dict], path: Path, title: str) -> None:
 
 def sweep_cmd(
     spec: str,
-    recipe: str = "recipes/smollm2-135m-cpu-best.yaml",
+    recipe: str = "recipes/smollm2-135m-cpu-lora.yaml",
     out: str | None = None,
     max_steps: int | None = None,
     val_check_interval: int | None = None,
@@ -384,7 +384,7 @@ def sweep_cmd(
     arm_flags = load_spec(spec)
     recipe_path = Path(recipe)
     if not recipe_path.is_file():
-        raise FileNotFoundError(f"recipe {recipe!r} does not exist; pass --recipe a fit recipe such as recipes/smollm2-135m-cpu-best.yaml.")
+        raise FileNotFoundError(f"recipe {recipe!r} does not exist; pass --recipe a fit recipe such as recipes/smollm2-135m-cpu-lora.yaml.")
     for value, flag in ((max_steps, "--max_steps"), (val_check_interval, "--val_check_interval")):
         if value is not None and value < 1:
             raise ValueError(f"{flag} {value}: must be >= 1 (leave it out to use the recipe's).")
