@@ -228,6 +228,25 @@ def test_fit_out_is_checked_before_training(tmp_path, tiny_dirs, capsys):
     assert (thesis / "thesis.tex").read_text() == "years of work" and a_file.read_text() == "mine"
 
 
+def test_make_convert_runs_the_fit_command_it_prints(tmp_path, tiny_dirs):
+    """`make convert` is the README's first command: its fit line parses, trains, exports, and run
+    again replaces its own export (a bare `--overwrite` the parser refused once broke it)."""
+    import shlex
+    import subprocess
+
+    root = Path(__file__).parents[1]
+    out = tmp_path / "out"
+    make = ["make", "-n", "-C", str(root), "convert", f"RECIPE={RECIPE}", f"MODEL={tiny_dirs['llama']}", "MAX_STEPS=2", f"OUT={out}", "VENV=/nonexistent-venv"]
+    printed = subprocess.run(make, capture_output=True, text=True, check=True).stdout.replace("\\\n", " ")
+    (line,) = [line for line in printed.splitlines() if "tidar-convert fit" in line]
+    args = shlex.split(line, comments=True)
+    args = args[args.index("fit") :] + ["--trainer.default_root_dir", str(tmp_path / "run"), "--trainer.logger", "false"]
+    assert "--overwrite" in args
+    for steps in ("2", "3"):
+        main([*args, "--trainer.max_steps", steps])
+        assert f"steps: {steps}" in (out / "README.md").read_text()
+
+
 def test_fit_replaces_an_earlier_export_only_with_overwrite(tmp_path, tiny_dirs, capsys):
     out = fit(tmp_path, tiny_dirs["llama"], "--trainer.max_steps", "2")
     card = (out / "README.md").read_text()

@@ -167,7 +167,8 @@ def _lightning_cli(args: list[str] | None):
         def add_arguments_to_parser(self, parser):
             parser.add_argument("--out", type=str | None, default=None, help="export the trained model to this folder after fit")
             parser.add_argument(
-                "--overwrite", type=bool, default=False,
+                # A bare `--overwrite` (as `export` and `distill` take it, and `make convert` passes it) or a value.
+                "--overwrite", type=bool, nargs="?", const=True, default=False,
                 help="let --out replace an earlier export of this tool (anything else in that folder is never replaced)",
             )
             # Top level, not under data: it ties the data (micro-batch, seq_len) to the trainer (devices,
