@@ -236,7 +236,7 @@ def test_make_convert_runs_the_fit_command_it_prints(tmp_path, tiny_dirs):
 
     root = Path(__file__).parents[1]
     out = tmp_path / "out"
-    make = ["make", "-n", "-C", str(root), "convert", f"RECIPE={RECIPE}", f"MODEL={tiny_dirs['llama']}", "MAX_STEPS=2", f"OUT={out}", "VENV=/nonexistent-venv"]
+    make = ["make", "-n", "-C", str(root), "convert", f"RECIPE={RECIPE}", f"MODEL={tiny_dirs['llama']}", "MAX_STEPS=2", f"OUT={out}"]
     printed = subprocess.run(make, capture_output=True, text=True, check=True).stdout.replace("\\\n", " ")
     (line,) = [line for line in printed.splitlines() if "tidar-convert fit" in line]
     args = shlex.split(line, comments=True)
