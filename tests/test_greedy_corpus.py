@@ -51,7 +51,7 @@ def test_distill_writes_the_models_greedy_continuations_of_training_prompts(tiny
 
 
 def test_distill_generates_on_the_kernels_generate_decodes_with(tiny_dirs, tmp_path, monkeypatch):
-    """On CPU the corpus is written under the packed linears and grouped attention (1.8x faster)."""
+    """On CPU the corpus is written under the packed linears and grouped attention (1.75x the tokens/s)."""
     from contextlib import contextmanager
 
     from tidar_convert import kernels
