@@ -303,3 +303,31 @@ def test_split_halves_give_the_one_forward_loss_and_gradients(tiny_dirs, monkeyp
     for a, b in zip(split_grads, one_grads):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
     assert sum(g.abs().sum() for g in split_grads) > 0
+
+
+def test_the_default_recipe_keeps_what_the_base_writes(tmp_path, tiny_dirs, monkeypatch):
+    """`make convert`'s recipe, as shipped (but a tiny model, its stdlib data alone and a few steps):
+    the export's weights are the base's and TiDAR decoding writes what the base writes. A default
+    that trains the AR half (the full fine-tune it was until 2026-12) fails here."""
+    from pathlib import Path
+
+    from safetensors.torch import load_file
+
+    from tidar_convert.cli import main
+    from tidar_convert.loading import load_base
+
+    recipe = str(Path(__file__).parents[1] / "recipes" / "smollm2-135m-cpu.yaml")
+    monkeypatch.setenv("TIDAR_CACHE", str(tmp_path / "cache"))
+    monkeypatch.chdir(tmp_path)  # the recipe's runs/ folder lands here
+    main(["fit", "--config", recipe, "--model.model", str(tiny_dirs["llama"]), "--data.source", "stdlib", "--data.greedy_docs", "8",
+          "--data.greedy_new_tokens", "8", "--trainer.max_steps", "3", "--trainer.val_check_interval", "3", "--data.val_batches", "1",
+          "--model.val_decode_prompts", "1", "--trainer.logger", "false", "--out", str(tmp_path / "out")])
+    out = tmp_path / "out"
+    base, _ = load_base(str(tiny_dirs["llama"]))
+    weights = load_file(out / "model.safetensors")
+    assert all(torch.equal(weights[n], v) for n, v in base.state_dict().items() if n in weights)
+    assert (out / ADAPTER_FILE).exists()
+    lm = load(out).eval()
+    prompt = cycle_batch(2, 6, seed=3)
+    with torch.no_grad():
+        assert torch.equal(lm.generate(prompt, max_new_tokens=16, do_sample=False, eos_token_id=None), ar(base, prompt, max_new_tokens=16, eos_token_id=None))
