@@ -260,21 +260,28 @@ def test_fit_with_mask_scope_exports_the_base_weights_and_the_adapter(tmp_path, 
     from safetensors.torch import load_file
 
     from tidar_convert.cli import main
-    from tidar_convert.loading import load_base
 
     recipe = str(Path(__file__).parents[1] / "recipes" / "tiny.yaml")
     main(["fit", "--config", recipe, "--model.model", str(tiny_dirs["qwen3"]), "--model.lora_r", "4", "--model.lora_scope", "masks",
           "--model.distill_weight", "1.0", "--trainer.max_steps", "3", "--trainer.logger", "false",
           "--trainer.default_root_dir", str(tmp_path / "run"), "--out", str(tmp_path / "out")])
     out = tmp_path / "out"
-    base, _ = load_base(str(tiny_dirs["qwen3"]))
+    assert any(v.abs().max() > 0 for k, v in load_file(out / ADAPTER_FILE).items() if k.endswith("lora_B"))  # trained
+    assert_writes_as_the_base(out, tiny_dirs["qwen3"], cycle_batch(1, 6, seed=1), 12)
+
+
+def assert_writes_as_the_base(out, base_dir, prompt, new_tokens):
+    """The export's weights are the base's, and its TiDAR greedy output is the base's AR output."""
+    from safetensors.torch import load_file
+
+    from tidar_convert.loading import load_base
+
+    base, _ = load_base(str(base_dir))
     weights = load_file(out / "model.safetensors")
     assert all(torch.equal(weights[n], v) for n, v in base.state_dict().items() if n in weights)
-    assert any(v.abs().max() > 0 for k, v in load_file(out / ADAPTER_FILE).items() if k.endswith("lora_B"))  # trained
     lm = load(out).eval()
-    prompt = cycle_batch(1, 6, seed=1)
     with torch.no_grad():
-        assert torch.equal(lm.generate(prompt, max_new_tokens=12, do_sample=False, eos_token_id=None), ar(base, prompt, max_new_tokens=12, eos_token_id=None))
+        assert torch.equal(lm.generate(prompt, max_new_tokens=new_tokens, do_sample=False, eos_token_id=None), ar(base, prompt, max_new_tokens=new_tokens, eos_token_id=None))
 
 
 def test_split_halves_give_the_one_forward_loss_and_gradients(tiny_dirs, monkeypatch):
@@ -311,10 +318,7 @@ def test_the_default_recipe_keeps_what_the_base_writes(tmp_path, tiny_dirs, monk
     that trains the AR half (the full fine-tune it was until 2026-12) fails here."""
     from pathlib import Path
 
-    from safetensors.torch import load_file
-
     from tidar_convert.cli import main
-    from tidar_convert.loading import load_base
 
     recipe = str(Path(__file__).parents[1] / "recipes" / "smollm2-135m-cpu.yaml")
     monkeypatch.setenv("TIDAR_CACHE", str(tmp_path / "cache"))
@@ -322,12 +326,5 @@ def test_the_default_recipe_keeps_what_the_base_writes(tmp_path, tiny_dirs, monk
     main(["fit", "--config", recipe, "--model.model", str(tiny_dirs["llama"]), "--data.source", "stdlib", "--data.greedy_docs", "8",
           "--data.greedy_new_tokens", "8", "--trainer.max_steps", "3", "--trainer.val_check_interval", "3", "--data.val_batches", "1",
           "--model.val_decode_prompts", "1", "--trainer.logger", "false", "--out", str(tmp_path / "out")])
-    out = tmp_path / "out"
-    base, _ = load_base(str(tiny_dirs["llama"]))
-    weights = load_file(out / "model.safetensors")
-    assert all(torch.equal(weights[n], v) for n, v in base.state_dict().items() if n in weights)
-    assert (out / ADAPTER_FILE).exists()
-    lm = load(out).eval()
-    prompt = cycle_batch(2, 6, seed=3)
-    with torch.no_grad():
-        assert torch.equal(lm.generate(prompt, max_new_tokens=16, do_sample=False, eos_token_id=None), ar(base, prompt, max_new_tokens=16, eos_token_id=None))
+    assert (tmp_path / "out" / ADAPTER_FILE).exists()
+    assert_writes_as_the_base(tmp_path / "out", tiny_dirs["llama"], cycle_batch(2, 6, seed=3), 16)
