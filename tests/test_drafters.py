@@ -370,3 +370,85 @@ def test_rows_share_one_commit_length_when_a_processor_reads_the_prefix(trained)
     kw = dict(max_new_tokens=16, eos_token_id=None, pad_token_id=0, repetition_penalty=1.3)
     assert torch.equal(generate(ids, model=model, **kw), ar(model, ids, **kw))
     assert "tokens_per_nfe_per_row" not in model.tidar_stats
+
+
+def sibling_prompts():
+    g = torch.Generator().manual_seed(0)
+    return [torch.randint(1, 300, (1, 9), generator=g) for _ in range(3)]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_siblings_commit_the_ar_token_where_draft_1_missed(trained, untrained, family):
+    """Alternatives to draft 1 verified beside the chain (a tree of depth 1): greedy output stays
+    AR's token for token, with every drafter and plan, and a sibling is taken at some steps."""
+    taken = 0
+    for model in (trained[family][0], untrained[family]):
+        for ids in sibling_prompts():
+            expected = ar(model, ids, max_new_tokens=24, eos_token_id=None)
+            for name in ("diffusion", "hybrid"):
+                for plan in ("adaptive", "cost"):
+                    got = generate(ids, model=model, max_new_tokens=24, eos_token_id=None, drafter=name, plan=plan, siblings=3)
+                    assert torch.equal(got, expected), (name, plan)
+                    taken += model.tidar_stats["sibling_steps"]
+    assert taken > 0
+
+
+def test_siblings_keep_the_scores_and_are_off_where_they_would_not_be_exact(trained):
+    """With a sibling taken, output_scores and output_logits are AR's; sampling, beta < 1 and
+    batches verify chains only (a sibling is exact under greedy verification of one row)."""
+    model, _ = trained["qwen2"]
+    kw = dict(max_new_tokens=24, eos_token_id=None, do_sample=False, return_dict_in_generate=True, output_scores=True, output_logits=True)
+    hits = 0
+    for ids in sibling_prompts():
+        hf = model.generate(ids, **kw)
+        td = generate(ids, model=model, drafter="diffusion", plan="adaptive", siblings=3, **kw)
+        hits += model.tidar_stats["sibling_steps"]
+        assert torch.equal(td.sequences, hf.sequences)
+        for a, b in zip(td.scores, hf.scores):
+            assert torch.allclose(a, b, atol=1e-4)
+        for a, b in zip(td.logits, hf.logits):
+            assert torch.allclose(a, b, atol=1e-4)
+    assert hits > 0
+    for ids in sibling_prompts():  # prefix-dependent processors see the sibling's own prefix
+        kw = dict(max_new_tokens=24, eos_token_id=None, repetition_penalty=1.3, no_repeat_ngram_size=3)
+        assert torch.equal(generate(ids, model=model, drafter="diffusion", plan="adaptive", siblings=3, **kw), ar(model, ids, **kw))
+    ids = torch.cat(sibling_prompts()[:2])
+    for extra in (dict(do_sample=True, top_k=5), dict(beta=0.5), dict()):
+        batch = ids[:1] if extra else ids
+        generate(batch, model=model, max_new_tokens=16, eos_token_id=None, drafter="diffusion", plan="adaptive", siblings=3, **extra)
+        assert model.tidar_stats["sibling_steps"] == 0, extra
+    assert torch.equal(generate(ids, model=model, max_new_tokens=16, eos_token_id=None, siblings=3), ar(model, ids, max_new_tokens=16, eos_token_id=None))
+    with pytest.raises(ValueError, match="siblings=-1"):
+        generate(ids[:1], model=model, max_new_tokens=4, siblings=-1)
+
+
+def test_keep_slots_keeps_the_cache_and_a_branch_that_is_not_a_suffix():
+    from transformers import DynamicCache
+
+    cache = DynamicCache()
+    for layer in range(2):
+        x = torch.arange(7.0).view(1, 1, 7, 1) + 10 * layer
+        cache.update(x, -x, layer)
+    engine.keep_slots(cache, 3, [0, 2])  # 3 cached, then a step of 4 slots: keep slots 0 and 2
+    assert cache.layers[1].keys.flatten().tolist() == [10, 11, 12, 13, 15]
+    assert cache.layers[0].values.flatten().tolist() == [0, -1, -2, -3, -5] and cache.get_seq_length() == 5
+
+
+def test_plans_keep_siblings_where_they_pay_and_group_after_the_likely_ones():
+    tokens = torch.arange(4)[None]
+    draft = Draft(tokens, confidence=torch.tensor([[0.3, 0.5, 0.5]]), sources=["diffusion"],
+                  siblings=torch.tensor([[9, 8, 7]]), sibling_confidence=torch.tensor([[0.4, 0.2, 0.01]]))
+    flat = costs({(s, m): 60 for s in range(1, 30) for m in (False, True)})
+    dear = costs({**{(s, False): 60 + 40 * s for s in range(1, 30)}, **{(s, True): 60 + 40 * s for s in range(1, 30)}})
+    _, plan = Planner(4, "cost", slot_budget=40, costs=flat, siblings=3).step(draft, uses_groups=True)
+    assert plan.siblings == 3 and plan.n_drafts == 4  # slots are free: everything
+    _, plan = Planner(4, "cost", costs=flat, siblings=3).step(draft, uses_groups=True)
+    assert plan.siblings == 2 and plan.slots == 20  # within the default budget (20): the likelier siblings
+    assert Planner(4, "cost", costs=dear, siblings=3).step(draft, uses_groups=True)[1].siblings == 0
+    assert Planner(4, "cost", costs=flat).step(draft, uses_groups=True)[1].siblings == 0  # siblings=0: chains only
+    _, plan = Planner(4, "adaptive", siblings=3).step(draft, uses_groups=True)
+    assert plan.siblings == 2  # 0.01 < min_chance
+    assert 5 in plan.anchors  # the likeliest sibling (40 %) gets a group: anchor n_drafts + 0 + 1
+    assert plan.parents() == (-1, 0, 1, 2, 0, 0) and plan.group_start(5) == 6 + plan.anchors.index(5) * 4
+    batch = Draft(tokens.repeat(2, 1), confidence=torch.full((2, 3), 0.5), siblings=torch.tensor([[9], [8]]), sibling_confidence=torch.full((2, 1), 0.4))
+    assert Planner(4, "adaptive", siblings=3).step(batch, uses_groups=True)[1].siblings == 0

@@ -162,3 +162,29 @@ def test_decode_step_mask_is_the_mask_mod_with_anchors():
 def test_bad_shapes_are_refused(seq_len, block, msg):
     with pytest.raises(ValueError, match=msg):
         layout.check_train_shape(seq_len, block)
+
+
+def test_tree_mask_sees_each_branch_and_its_ancestors_only():
+    """A draft with alternatives to draft 1 (siblings): each causal token sees its ancestors and
+    itself, a group after a sibling sees draft 0 and that sibling, and sits after it; a chain given
+    as parents is the plain mask. Dense, cached and FlexAttention forms agree."""
+    from torch.nn.attention.flex_attention import create_mask
+
+    parents = (-1, 0, 1, 0, 0)  # draft 0, drafts 1-2 (chain), siblings of draft 1 at slots 3 and 4
+    anchors, k = (1, 2, 5), 2  # groups after draft 0, after draft 1, after sibling 4
+    m = layout.to_dense(layout.decode_mask_mod(0, 5, k, anchors, parents=parents), 1, 11, 11)[0, 0].int()
+    assert m[:5, :5].tolist() == [[1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [1, 1, 1, 0, 0], [1, 0, 0, 1, 0], [1, 0, 0, 0, 1]]
+    assert m[9, :5].tolist() == [1, 0, 0, 0, 1] and m[9, 5:].tolist() == [0, 0, 0, 0, 1, 1]  # the group after sibling 4
+    assert m[7, :5].tolist() == [1, 1, 0, 0, 0]  # the group after draft 1: not its siblings
+    pos = layout.decode_position_ids(torch.tensor([10]), 5, k, 3, anchors, parents)
+    assert pos.tolist() == [[10, 11, 12, 11, 11, 11, 12, 12, 13, 12, 13]]
+    chain = (-1, 0, 1, 2)
+    for a in ((1, 3), (2,), ()):
+        Q = 4 + len(a) * k
+        assert torch.equal(layout.to_dense(layout.decode_mask_mod(3, 4, k, a, parents=chain), 1, Q, 3 + Q), layout.to_dense(layout.decode_mask_mod(3, 4, k, a), 1, Q, 3 + Q))
+        assert torch.equal(layout.decode_position_ids(torch.tensor([4]), 4, k, len(a), a, chain), layout.decode_position_ids(torch.tensor([4]), 4, k, len(a), a))
+    cache_valid = torch.tensor([[0, 1, 1], [1, 1, 1]], dtype=torch.bool)
+    valid = torch.cat([cache_valid, torch.ones(2, 11, dtype=torch.bool)], 1)
+    expected = layout.to_dense(layout.decode_mask_mod(3, 5, k, anchors, valid, parents), 2, 11, 14)
+    assert torch.equal(layout.decode_step_mask(cache_valid, 5, k, anchors, "sdpa", parents), expected)
+    assert torch.equal(create_mask(layout.decode_mask_mod(3, 5, k, anchors, valid, parents), 2, 1, 11, 14, device="cpu"), expected)

@@ -189,6 +189,7 @@ def generate(
     drafter: str = "hybrid",
     plan: str = "cost",
     slot_budget: int | None = None,
+    siblings: int = 0,
     pack_weights: bool = True,
     **kwargs,
 ):
@@ -211,6 +212,11 @@ def generate(
         cost (T/NFE reproducible); "full" a group at every length
         (the paper's k + k*k slots). Every plan gives the same output. slot_budget: most query slots per step
         (default max(k + k*k, 11 + k): the paper's step, or a full lookup draft and one group).
+    siblings: up to this many alternatives to a draft's first proposal (the diffusion group's next
+        likeliest tokens there) verified in the same forward, one query slot each, as a tree of
+        depth 1; a step may also pre-draft a group after a sibling. Greedy, batch 1, beta = 1 only
+        (elsewhere 0); the plan keeps those worth their slots. Exact: a sibling is taken only where
+        it is the AR token. 0 (default): chains only.
     pack_weights: on CPU, linear layers run oneDNN's product on weights packed once (kernels.py), for
         every path (tidar=False and prompt lookup too): extra query slots become nearly free and rows
         do not depend on how many share a step. It keeps one packed copy of each weight for the model's
@@ -233,7 +239,8 @@ def generate(
     ensure_adapter(model)  # an export trained with lora_scope='masks': its drafts' adapter, once
     run = prepare(model, input_ids, generation_config, block_size, beta, kwargs)
     setting = (pack_weights, model.dtype, model.device.type, run.input_ids.shape[0])  # what a step's price depends on
-    planner = Planner(run.k, plan, slot_budget, costs=costs_of(model, setting))
+    tree = isinstance(run.pick, Greedy) and beta == 1.0 and run.input_ids.shape[0] == 1  # where siblings are exact
+    planner = Planner(run.k, plan, slot_budget, costs=costs_of(model, setting), siblings=siblings if tree or siblings < 0 else 0)
     gc = run.gc
     record = ([], []) if gc.return_dict_in_generate and (gc.output_scores or gc.output_logits) else None
     if run.streamer is not None:

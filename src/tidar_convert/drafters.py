@@ -33,6 +33,10 @@ class Draft:
     confidence: torch.Tensor | None = None  # (B, m - 1) estimated chance each proposal is accepted (the plan reads it)
     sources: list = field(default_factory=list)  # per row: "lookup", "diffusion" or "none"
     raw_confidence: torch.Tensor | None = None  # the drafter's own confidence, before any calibration
+    # Alternatives to tokens[:, 1] (greedy, batch 1): a step may verify them beside the chain, each
+    # in one more query slot, as a tree of depth 1 (engine.StepPlan.siblings). Best first.
+    siblings: torch.Tensor | None = None  # (B, s)
+    sibling_confidence: torch.Tensor | None = None  # (B, s)
 
     def __post_init__(self):
         B, m = self.tokens.shape
@@ -54,6 +58,7 @@ class DraftContext:
     # Diffusion logits (B, k - 1, V) of the group at each row's accepted length, computed on first
     # call, and (B,) which rows have one (None: all); (None, None) when no row has one.
     group: Callable[[], tuple] = lambda: (None, None)
+    siblings: int = 0  # most alternatives to the first proposal the step may verify (0: none)
 
     @property
     def y(self):
@@ -63,6 +68,18 @@ class DraftContext:
 def fresh(y: torch.Tensor) -> Draft:
     """No proposals: the step verifies nothing and drafts for the next one (one AR row + mask groups)."""
     return Draft(y[:, None], sources=["none"] * y.shape[0])
+
+
+def alternatives(ctx: DraftContext, first_slot: torch.Tensor, taken: torch.Tensor, n: int):
+    """The group's next n likeliest tokens for the first proposal, other than `taken` (B,), and their
+    probabilities: (B, n) each. The AR token is the group's first choice at 44 % of steps and among
+    its first 4 at 69 % (README, bench/results/wide-draft-offline.json)."""
+    scores = first_slot.to(torch.float32, copy=True)
+    if ctx.processors:
+        scores = ctx.processors(ctx.seqs, scores)
+    top = scores.softmax(-1).topk(n + 1, -1)
+    other = (top.indices != taken[:, None]).float().argsort(dim=1, descending=True, stable=True)[:, :n]  # drop `taken`, keep the order
+    return top.indices.gather(1, other), top.values.gather(1, other)
 
 
 def make_draft(pick, processors, seqs, y, diff_slots) -> Draft:
@@ -98,6 +115,8 @@ class DiffusionDrafter:
         if group is None or ctx.max_proposals < 1:
             return None
         draft = make_draft(ctx.pick, ctx.processors, ctx.seqs, ctx.y, group[:, : ctx.max_proposals])
+        if ctx.siblings:
+            draft.siblings, draft.sibling_confidence = alternatives(ctx, group[:, 0], draft.tokens[:, 1], ctx.siblings)
         if have is not None and not have.all():  # rows whose accepted length had no group draft nothing
             draft.length = torch.where(have, draft.length, torch.ones_like(draft.length))
             draft.sources = [s if h else "none" for s, h in zip(draft.sources, have.tolist())]
@@ -211,16 +230,31 @@ class HybridDrafter:
     def propose(self, ctx: DraftContext) -> Draft | None:
         look, diff = self.lookup.propose(ctx), self.diffusion.propose(ctx)
         if diff is not None:
+            scale = (self.taken + 1) / (self.predicted + 1)
             diff.raw_confidence = diff.confidence
-            diff.confidence = (diff.confidence * ((self.taken + 1) / (self.predicted + 1))).clamp(max=1.0)
+            diff.confidence = (diff.confidence * scale).clamp(max=1.0)
+            if diff.siblings is not None:
+                diff.sibling_confidence = (diff.sibling_confidence * scale).clamp(max=1.0)
         if look is None or diff is None:
             return look or diff
         use_look = self.choose(look, diff)
         if use_look.all():
+            if diff.siblings is not None:  # the diffusion draft's first choices, beside the lookup chain
+                look.siblings, look.sibling_confidence = besides(look, diff)
             return look
         if not use_look.any():
             return diff
         return merge(use_look, look, diff)
+
+
+def besides(look: Draft, diff: Draft):
+    """The diffusion draft's choices for the first proposal (its own, then its alternatives) other
+    than the lookup draft's: as many as diff has alternatives."""
+    n = diff.siblings.shape[1]
+    tokens = torch.cat([diff.tokens[:, 1:2], diff.siblings], 1)
+    conf = torch.cat([diff.confidence[:, :1], diff.sibling_confidence], 1)
+    other = (tokens != look.tokens[:, 1:2]).float().argsort(dim=1, descending=True, stable=True)[:, :n]
+    return tokens.gather(1, other), conf.gather(1, other)
 
 
 def observed(draft: Draft, accepted: torch.Tensor, source: str) -> tuple[int, int, float]:

@@ -12,6 +12,12 @@ One step (docs/method.md §3), for a draft of m tokens (draft 0 = the last commi
   verify   the Verifier (verify.py) accepts j >= 1 drafts and picks the next token y
   commit   accepted drafts + y, one at a time through the stopping criteria
   crop     the KV cache keeps the j accepted drafts and drops every other slot of the step
+
+Siblings (greedy, batch 1): a step may also verify alternatives to draft 1 (the group's next
+likeliest tokens there), one query slot each beside the chain, plus groups after them: a tree of
+depth 1 (StepPlan.parents). Where the chain stops at draft 0 and a sibling is the AR token, the
+step commits the sibling and the token after it, and the cache keeps draft 0 and the sibling
+(keep_slots) instead of a suffix.
   draft    the Drafter (drafters.py) proposes the next draft; with none, the next step drafts nothing
            and only runs y and a fresh group
 
@@ -122,27 +128,40 @@ def forward(model, cache, tokens, positions, mask, read: list[int] | None = None
 
 @dataclass(frozen=True)
 class StepPlan:
-    """Which query slots one forward runs: `n_drafts` causal drafts, then a group of `k` masks at each
-    anchor (a group anchored at j sees drafts[0..j) and predicts the k positions after them)."""
+    """Which query slots one forward runs: `n_drafts` causal drafts, then `siblings` alternatives to
+    draft 1 (each sees draft 0 and itself: a tree of depth 1), then a group of `k` masks at each
+    anchor. A group anchored at j sees drafts[0..j) and predicts the k positions after them; anchor
+    n_drafts + i + 1 is the group after sibling i (it sees draft 0 and the sibling)."""
 
     n_drafts: int
     anchors: tuple[int, ...]
     k: int
+    siblings: int = 0
+
+    @property
+    def causal(self) -> int:
+        return self.n_drafts + self.siblings
 
     @property
     def slots(self) -> int:
-        return self.n_drafts + len(self.anchors) * self.k
+        return self.causal + len(self.anchors) * self.k
+
+    def parents(self) -> tuple[int, ...] | None:
+        """The tree over the causal slots (layout.decode_mask_mod), None for a plain chain."""
+        if not self.siblings:
+            return None
+        return (-1, *range(self.n_drafts - 1), *(0,) * self.siblings)
 
     def group_start(self, j: int) -> int | None:
         """Query index of the group anchored at j, None if the plan has none there."""
-        return self.n_drafts + self.anchors.index(j) * self.k if j in self.anchors else None
+        return self.causal + self.anchors.index(j) * self.k if j in self.anchors else None
 
     def positions(self, start: torch.Tensor) -> torch.Tensor:
-        return decode_position_ids(start, self.n_drafts, self.k, len(self.anchors), self.anchors)
+        return decode_position_ids(start, self.causal, self.k, len(self.anchors), self.anchors, self.parents())
 
     def read(self) -> list[int]:
         """Slots whose logits a step may read: the AR rows, and each group's draft slots (1..k-1)."""
-        return list(range(self.n_drafts)) + [self.n_drafts + g * self.k + o for g in range(len(self.anchors)) for o in range(1, self.k)]
+        return list(range(self.causal)) + [self.causal + g * self.k + o for g in range(len(self.anchors)) for o in range(1, self.k)]
 
 
 class Planner:
@@ -166,12 +185,14 @@ class Planner:
     96 ms), so a proposal pays for its slot from a chance of about that much; on a GPU slots are
     nearly free and min_chance can be lower."""
 
-    def __init__(self, k: int, mode: str = "cost", slot_budget: int | None = None, min_chance: float = 0.05, costs: "StepCosts | None" = None):
+    def __init__(self, k: int, mode: str = "cost", slot_budget: int | None = None, min_chance: float = 0.05, costs: "StepCosts | None" = None, siblings: int = 0):
         if mode not in PLANS:
             raise ValueError(f"plan={mode!r}: choose 'cost', 'adaptive' or 'full'.")
         if slot_budget is not None and slot_budget < 1 + k:
             raise ValueError(f"slot_budget={slot_budget}: a step needs at least 1 + block_size = {1 + k} query slots.")
-        self.k, self.mode, self.min_chance = k, mode, min_chance
+        if siblings < 0:
+            raise ValueError(f"siblings={siblings}: the alternatives to a draft's first proposal a step may verify; use 0 (none) or more.")
+        self.k, self.mode, self.min_chance, self.siblings = k, mode, min_chance, siblings
         self.costs = costs if costs is not None else StepCosts()
         self.group_gain = self.costs.group_gain
         self.offered: list | None = None  # per row of the last step: its draft's source where a group was computed at the length it accepted
@@ -200,21 +221,28 @@ class Planner:
         share = sum(use[source_key(s)].value for s in draft.sources) / len(draft.sources)
         worth = share * max(0.0, self.group_gain.value - self.verify_cost())
         reach = reach_chances(draft)  # (B, m): P(row accepts >= j drafts), j = 1..m
+        alts = sibling_chances(draft, self.siblings, room, k) if not per_row else []
         best = None
         for n in range(1, m + 1):  # drafts kept: draft 0 and n - 1 proposals
             r = reach[:, :n] if per_row else reach[:, :n].prod(0, keepdim=True)
             exact = r - torch.cat([r[:, 1:], r.new_zeros(r.shape[0], 1)], 1)  # P(accepts exactly j drafts), j = 1..n
-            tokens, lengths = 1 + float(r[:, 1:].sum(1).mean()), exact.mean(0).tolist()
+            chain_tokens, chain_lengths = 1 + float(r[:, 1:].sum(1).mean()), exact.mean(0).tolist()
             fits = n if room is None else min(n, room - k + 1)
-            order = sorted(range(max(fits, 0)), key=lambda i: -lengths[i]) if uses_groups else []
-            most = min(len(order), max(0, (self.budget - n) // k))
-            for g in range(most + 1):
-                value = tokens + worth * sum(lengths[i] for i in order[:g])
-                score = value / self.costs.price(n + g * k, g > 0)
-                if best is None or score > best[0]:
-                    best = (score, n, tuple(sorted(i + 1 for i in order[:g])))
-        _, n, anchors = best
-        return cut(draft, n), StepPlan(n, anchors, k)
+            for s in range(len(alts) + 1 if n > 1 else 1):  # siblings kept (alternatives to proposal 1)
+                # A sibling is accepted only where proposal 1 is not (they differ): draft 0 alone is
+                # then less likely, and each sibling ends the acceptance, so it is a length of its own.
+                lengths = [max(0.0, chain_lengths[0] - sum(alts[:s]))] + chain_lengths[1:] + alts[:s]
+                tokens = chain_tokens + sum(alts[:s])  # an accepted sibling adds itself before y
+                where = list(range(max(fits, 0))) + list(range(n, n + s))  # index i: anchor i + 1
+                order = sorted(where, key=lambda i: -lengths[i]) if uses_groups else []
+                most = min(len(order), max(0, (self.budget - n - s) // k))
+                for g in range(most + 1):
+                    value = tokens + worth * sum(lengths[i] for i in order[:g])
+                    score = value / self.costs.price(n + s + g * k, g > 0)
+                    if best is None or score > best[0]:
+                        best = (score, n, s, tuple(sorted(i + 1 for i in order[:g])))
+        _, n, s, anchors = best
+        return cut(draft, n), StepPlan(n, anchors, k, s)
 
     def verify_cost(self) -> float:
         """What verifying a group's draft costs the next step, in tokens: the time a step with
@@ -230,7 +258,7 @@ class Planner:
         """A step's time by its shape; the proposals accepted on rows drafted from a group; and whether
         the rows offered a group by the last step drafted from it. committed: (B,) the drafts each row
         commits, where the next draft reads its group (default: accepted)."""
-        self.costs.add(plan.slots, plan.slots > plan.n_drafts, seconds)
+        self.costs.add(plan.slots, plan.slots > plan.causal, seconds)
         self.group_gain.tick()
         for mean in self.costs.group_use.values():
             mean.tick()
@@ -268,13 +296,17 @@ class Planner:
         fits = m if room is None else min(m, room - self.k + 1)  # a group at j uses offsets j .. j + k - 1
         if not uses_groups or fits < 1:
             return StepPlan(m, (), self.k)
-        most = max(1, (self.budget - m) // self.k)
+        alts = [] if per_row or m == 1 or self.mode == "full" else sibling_chances(draft, self.siblings, room, self.k)
+        alts = [c for c in alts if c >= self.min_chance]
+        most = max(1, (self.budget - m - len(alts)) // self.k)
         if self.mode == "full" or draft.confidence is None or m == 1:
             return StepPlan(m, tuple(range(1, min(fits, most) + 1)), self.k)
         chance = accepted_length_chances(draft, per_row)[:fits]
-        order = sorted(range(fits), key=lambda i: -chance[i])
-        picked = [order[0]] + [i for i in order[1:most] if chance[i] >= self.min_chance]
-        return StepPlan(m, tuple(sorted(i + 1 for i in picked)), self.k)
+        chance[0] = max(0.0, chance[0] - sum(alts))  # a sibling is accepted only where proposal 1 is not
+        lengths = dict(enumerate(chance)) | {m + i: c for i, c in enumerate(alts)}  # index i: anchor i + 1
+        order = sorted(lengths, key=lambda i: -lengths[i])
+        picked = [order[0]] + [i for i in order[1:most] if lengths[i] >= self.min_chance]
+        return StepPlan(m, tuple(sorted(i + 1 for i in picked)), self.k, len(alts))
 
 
 PLANS = ("cost", "adaptive", "full")
@@ -384,6 +416,14 @@ def costs_of(model, setting: tuple = ()) -> StepCosts:
     return tables.setdefault(setting, StepCosts())
 
 
+def sibling_chances(draft: Draft, most: int, room: int | None, k: int) -> list[float]:
+    """The chance each of the draft's first `most` siblings is accepted (batch 1 only; none where a
+    group after a sibling, at offsets 2..k + 1, would pass the model's last position)."""
+    if not most or draft.siblings is None or draft.tokens.shape[0] != 1 or (room is not None and room < k + 1):
+        return []
+    return draft.sibling_confidence[0, :most].float().clamp(0, 1).tolist()
+
+
 def accepted_length_chances(draft: Draft, per_row: bool = False) -> list[float]:
     """j = 1..m: with a shared commit, P(the batch commits j drafts) (the fewest any row accepted);
     per row, the expected share of rows that accept exactly j (each reads the group at its own j)."""
@@ -423,6 +463,7 @@ class DecodeState:
     slots: list = field(default_factory=list)  # query slots of each decoding forward
     head_rows: list = field(default_factory=list)  # vocabulary-head rows (per batch row) of each decoding forward
     sources: Counter = field(default_factory=Counter)  # row-steps drafted by each source
+    sibling_steps: int = 0  # steps that committed a sibling instead of the chain
     last: Output | None = None  # the last step's forward, until its vocabulary-head rows are all known
 
     def record(self, accepted: int, plan: StepPlan, draft: Draft, out: Output) -> None:
@@ -458,6 +499,7 @@ class DecodeState:
             "slots_per_step": sum(self.slots) / steps,
             "lm_head_rows_per_step": sum(self.head_rows) / steps,
             "draft_sources": {s: self.sources.get(s, 0) for s in ("lookup", "diffusion", "none")},
+            "sibling_steps": self.sibling_steps,
         }
 
 
@@ -492,9 +534,10 @@ def run_step(model, state: DecodeState, draft: Draft, plan: StepPlan, mask_id: i
     """One forward over the plan's slots: the draft tokens, then the mask groups."""
     B = draft.tokens.shape[0]
     with record_function("tidar.mask"):
-        masks = torch.full((B, plan.slots - plan.n_drafts), mask_id, device=draft.tokens.device)
-        tokens = torch.cat([draft.tokens, masks], 1)
-        mask = decode_step_mask(state.cache_valid, plan.n_drafts, plan.k, plan.anchors, model.config._attn_implementation)
+        masks = torch.full((B, plan.slots - plan.causal), mask_id, device=draft.tokens.device)
+        siblings = draft.siblings[:, : plan.siblings] if plan.siblings else draft.tokens[:, :0]
+        tokens = torch.cat([draft.tokens, siblings, masks], 1)
+        mask = decode_step_mask(state.cache_valid, plan.causal, plan.k, plan.anchors, model.config._attn_implementation, plan.parents())
         positions = plan.positions(state.start)
     out = forward(model, state.cache, tokens, positions, mask, read=plan.read())
     state.nfe += 1
@@ -552,7 +595,7 @@ def decode(model, run, drafter, planner: Planner, beta: float = 1.0, record=None
             remaining = run.max_new - (state.seqs.shape[1] - P)  # y of the next step is one of them
             room = None if limit is None else limit - 1 - int(state.start.max())  # positions left after draft 0
             most = min(remaining - 1, planner.max_proposals(drafter.uses_groups), room if room is not None else remaining)
-            ctx = DraftContext(state.seqs, state.kv_valid, most, pick, processors, memo(group))
+            ctx = DraftContext(state.seqs, state.kv_valid, most, pick, processors, memo(group), planner.siblings if B == 1 else 0)
             draft, plan = planner.step(drafter.propose(ctx) or fresh(state.seqs[:, -1]), drafter.uses_groups, room)
         state.finish()
         started = time.perf_counter()
@@ -563,24 +606,65 @@ def decode(model, run, drafter, planner: Planner, beta: float = 1.0, record=None
             scores = process(processors, state.seqs, draft.tokens[:, 1:], ar)  # row i: after seqs ++ drafts 1..i
             accepted = pick.verify(scores, draft)
             j = int(accepted[state.active].min())  # rows share one cache length: commit the least
-            planner.timed(plan, time.perf_counter() - started, draft, accepted, torch.full_like(accepted, j))  # int() above waited for the device
-            g = plan.group_start(j)
-            target = scores[:, j - 1]
-            if beta != 1.0 and g is not None:
-                target = process(processors, state.seqs, draft.tokens[:, 1:j], mix(ar[:, j - 1], out.rows(g, g + 1)[:, 0], beta)[:, None])[:, 0]
-            y = pick.next_token(target, draft, accepted, j, exact=beta == 1.0)
-            if hasattr(drafter, "observe"):
-                drafter.observe(draft, accepted)
-        if record is not None:
-            record[0].extend(scores[:, :j].unbind(1))
-            record[1].extend(ar[:, :j].float().unbind(1))
-        with record_function("tidar.crop"):
-            state.cache.crop(-(plan.slots - j))  # keep the j accepted drafts, drop the rest
-        new_tokens = torch.cat([draft.tokens[:, 1:j], y[:, None]], 1)
+            sib = sibling_accepted(plan, draft, scores, j)
+            if sib is not None:  # draft 1 was rejected, a sibling holds the AR token: take its branch
+                slot = plan.n_drafts + sib
+                token = draft.siblings[:, sib]
+                sib_ar = out.rows(slot, slot + 1)
+                sib_scores = process(processors, torch.cat([state.seqs, token[:, None]], 1), state.seqs[:, :0], sib_ar)
+                planner.timed(plan, time.perf_counter() - started, draft, accepted + 1, torch.full_like(accepted, slot + 1))
+                g = plan.group_start(slot + 1)
+                y = pick.token(sib_scores[:, 0])
+                if hasattr(drafter, "observe"):
+                    drafter.observe(draft, accepted)
+            else:
+                planner.timed(plan, time.perf_counter() - started, draft, accepted, torch.full_like(accepted, j))  # int() above waited for the device
+                g = plan.group_start(j)
+                target = scores[:, j - 1]
+                if beta != 1.0 and g is not None:
+                    target = process(processors, state.seqs, draft.tokens[:, 1:j], mix(ar[:, j - 1], out.rows(g, g + 1)[:, 0], beta)[:, None])[:, 0]
+                y = pick.next_token(target, draft, accepted, j, exact=beta == 1.0)
+                if hasattr(drafter, "observe"):
+                    drafter.observe(draft, accepted)
+        if sib is not None:
+            if record is not None:
+                record[0].extend([scores[:, 0], sib_scores[:, 0]])
+                record[1].extend([ar[:, 0].float(), sib_ar[:, 0].float()])
+            with record_function("tidar.crop"):
+                keep_slots(state.cache, state.cache_valid.shape[1], [0, slot])
+            new_tokens, j = torch.cat([token[:, None], y[:, None]], 1), 2
+            state.sibling_steps += 1
+        else:
+            if record is not None:
+                record[0].extend(scores[:, :j].unbind(1))
+                record[1].extend(ar[:, :j].float().unbind(1))
+            with record_function("tidar.crop"):
+                state.cache.crop(-(plan.slots - j))  # keep the j accepted drafts, drop the rest
+            new_tokens = torch.cat([draft.tokens[:, 1:j], y[:, None]], 1)
         group = (lambda out=out, g=g: (out.rows(g + 1, g + k), None)) if g is not None else (lambda: (None, None))
         state.record(j, plan, draft, out)
     state.finish()
     return state
+
+
+def sibling_accepted(plan: StepPlan, draft: Draft, scores: torch.Tensor, j: int) -> int | None:
+    """Which sibling the AR head accepts, if any: where the chain stopped at draft 0 (j = 1), the
+    sibling equal to the AR's token there. Greedy and batch 1 only (the planner offers siblings
+    nowhere else), so the AR's token is the argmax of its processed scores."""
+    if not plan.siblings or j != 1:
+        return None
+    hit = (draft.siblings[0, : plan.siblings] == scores[0, 0].argmax(-1)).nonzero()
+    return int(hit[0, 0]) if hit.numel() else None
+
+
+def keep_slots(cache, cache_len: int, slots: list[int]) -> None:
+    """Keep the cache's first cache_len entries and, of the step's slots after them, `slots`: a branch
+    of a tree is not a suffix of the step, so `crop` cannot keep it."""
+    index = torch.tensor([*range(cache_len), *(cache_len + s for s in slots)])
+    for layer in cache.layers:
+        if getattr(layer, "keys", None) is not None and layer.keys.numel():
+            i = index.to(layer.keys.device)
+            layer.keys, layer.values = layer.keys.index_select(-2, i), layer.values.index_select(-2, i)
 
 
 def memo(fn):

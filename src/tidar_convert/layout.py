@@ -109,7 +109,17 @@ def group_anchors(first_group_sees, n_groups: int | None = None) -> torch.Tensor
     return torch.as_tensor(first_group_sees, dtype=torch.long)
 
 
-def decode_mask_mod(cache_len: int, n_causal: int, block_size: int, first_group_sees, kv_valid: torch.Tensor | None = None):
+def tree_ancestors(parents) -> torch.Tensor:
+    """(T, T) bool: [q, kv] is True where node kv is q itself or an ancestor of q. parents[0] = -1
+    (draft 0, the committed token); every other node's parent comes before it."""
+    T = len(parents)
+    anc = torch.eye(T, dtype=torch.bool)
+    for i in range(1, T):
+        anc[i] |= anc[parents[i]]
+    return anc
+
+
+def decode_mask_mod(cache_len: int, n_causal: int, block_size: int, first_group_sees, kv_valid: torch.Tensor | None = None, parents=None):
     """Queries: `n_causal` causal tokens, then groups of `block_size` mask tokens.
 
     Every query sees the whole cache (minus padding). Group g sees the first `sees[g]` causal tokens
@@ -119,11 +129,22 @@ def decode_mask_mod(cache_len: int, n_causal: int, block_size: int, first_group_
     Prefill: causal = prompt, one group that sees all of it (first_group_sees = prompt length).
     Step: causal = m drafts; a group anchored at j sees drafts[0..j) and sits at the positions after them.
 
+    parents: None (the causal tokens are one chain), or a tree over them (a draft with alternatives,
+    tree_ancestors): a causal token sees its ancestors and itself, and a group anchored at j sees
+    causal token j - 1 and its ancestors. On a chain both readings are the same mask.
+
     kv_valid: (B, cache_len + n_queries) bool, False at left padding. A query always sees itself, so
     a padding row is never fully masked (SDPA would turn it into NaN and spread it through the cache).
     """
     C, T, k = cache_len, n_causal, block_size
     anchors = None if isinstance(first_group_sees, int) else group_anchors(first_group_sees)
+    anc = None if parents is None else tree_ancestors(parents)
+
+    def sees_token(node, kv_new):  # causal token kv_new is node itself or one of its ancestors
+        if anc is None:
+            return kv_new <= node
+        a = anc.to(kv_new.device)
+        return a[node.clamp(0, T - 1), kv_new.clamp(0, T - 1)]
 
     def mask_mod(b, h, q, kv):
         q_causal = q < T
@@ -135,8 +156,8 @@ def decode_mask_mod(cache_len: int, n_causal: int, block_size: int, first_group_
             sees = first_group_sees + q_group
         else:  # causal queries index group 0 here; their term below is masked out by ~q_causal
             sees = anchors.to(q.device)[q_group.clamp(0, max(len(anchors) - 1, 0))] if len(anchors) else q_group
-        causal = q_causal & kv_causal & (kv_new <= q)
-        drafts_seen = ~q_causal & kv_causal & (kv_new < sees)
+        causal = q_causal & kv_causal & sees_token(q, kv_new)
+        drafts_seen = ~q_causal & kv_causal & sees_token(sees - 1, kv_new)
         same_group = ~q_causal & ~in_cache & ~kv_causal & (kv_group == q_group)
         allowed = in_cache | causal | drafts_seen | same_group
         if kv_valid is not None:
@@ -146,22 +167,28 @@ def decode_mask_mod(cache_len: int, n_causal: int, block_size: int, first_group_
     return mask_mod
 
 
-def decode_position_ids(start: torch.Tensor, n_causal: int, block_size: int, n_groups: int, first_group_sees) -> torch.Tensor:
+def decode_position_ids(start: torch.Tensor, n_causal: int, block_size: int, n_groups: int, first_group_sees, parents=None) -> torch.Tensor:
     """Positions for one decode forward. start: (B,) position of the first causal token.
 
     Group g sits right after the causal tokens it sees: its slot 0 is the next token to predict.
     first_group_sees: an int (consecutive groups) or one anchor per group, as in decode_mask_mod.
+    parents: a tree over the causal tokens (decode_mask_mod); each sits at its depth in the tree.
     """
     device = start.device
-    causal = torch.arange(n_causal, device=device)
-    groups = group_anchors(first_group_sees, n_groups).to(device)[:, None] + torch.arange(block_size, device=device)
+    if parents is None:
+        causal = torch.arange(n_causal, device=device)
+    else:
+        causal = (tree_ancestors(parents).sum(1) - 1).to(device)
+    anchors = group_anchors(first_group_sees, n_groups).to(device)
+    groups = causal[anchors - 1] + 1 if parents is not None and len(anchors) else anchors
+    groups = groups[:, None] + torch.arange(block_size, device=device)
     return start[:, None] + torch.cat([causal, groups.flatten()])
 
 
 _LOCAL_MASKS: dict = {}
 
 
-def decode_step_mask(cache_valid: torch.Tensor, n_causal: int, block_size: int, anchors, attn_implementation: str | None):
+def decode_step_mask(cache_valid: torch.Tensor, n_causal: int, block_size: int, anchors, attn_implementation: str | None, parents=None):
     """The attention_mask of one decode step after a cache, for this attention implementation.
 
     cache_valid: (B, C) False at the cache's left padding. Dense masks are built from two reusable
@@ -174,13 +201,14 @@ def decode_step_mask(cache_valid: torch.Tensor, n_causal: int, block_size: int, 
     device = cache_valid.device
     if attn_implementation == "flex_attention":
         valid = torch.cat([cache_valid, torch.ones(B, Q, dtype=torch.bool, device=device)], 1)
-        return to_block_mask(decode_mask_mod(C, n_causal, block_size, anchors, valid), B, Q, C + Q, device=device)
-    key = (n_causal, block_size, anchors, str(device))
+        return to_block_mask(decode_mask_mod(C, n_causal, block_size, anchors, valid, parents), B, Q, C + Q, device=device)
+    parents = None if parents is None else tuple(int(p) for p in parents)
+    key = (n_causal, block_size, anchors, parents, str(device))
     local = _LOCAL_MASKS.get(key)
     if local is None:
         if len(_LOCAL_MASKS) > 512:  # plans vary with draft length and anchors; keep the memory bounded
             _LOCAL_MASKS.clear()
-        local = _LOCAL_MASKS[key] = to_dense(decode_mask_mod(0, n_causal, block_size, anchors), 1, Q, Q, device=device)
+        local = _LOCAL_MASKS[key] = to_dense(decode_mask_mod(0, n_causal, block_size, anchors, parents=parents), 1, Q, Q, device=device)
     return torch.cat([cache_valid[:, None, None, :].expand(B, 1, Q, C), local.expand(B, 1, Q, Q)], -1)
 
 

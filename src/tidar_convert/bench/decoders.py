@@ -30,7 +30,8 @@ class Decoder:
     (None: the engine's default, 'cost'). pack_weights: the CPU kernels of kernels.cpu_kernels
     (linear layers on weights packed for oneDNN, grouped key/value heads attended in place; the
     export's generate() runs them by default, the base's generate() does not): False runs PyTorch's
-    stock product and transformers' own attention path, what transformers alone gives."""
+    stock product and transformers' own attention path, what transformers alone gives. siblings:
+    TiDAR's alternatives to draft 1 verified beside the chain (None: the engine's default)."""
 
     weights: str = "export"
     tidar: bool = False
@@ -39,6 +40,7 @@ class Decoder:
     block_size: int | None = None
     plan: str | None = None
     pack_weights: bool = True
+    siblings: int | None = None
 
     def generate_kwargs(self, k: int | None, prompt_lookup_tokens: int) -> dict:
         kwargs = {}
@@ -50,6 +52,8 @@ class Decoder:
             kwargs["drafter"] = self.drafter
         if self.plan is not None:
             kwargs["plan"] = self.plan
+        if self.siblings is not None:
+            kwargs["siblings"] = self.siblings
         if self.lookup:
             kwargs["prompt_lookup_num_tokens"] = prompt_lookup_tokens
         if self.weights == "export" and not self.pack_weights:
@@ -71,6 +75,9 @@ DECODERS = {
     # whatever a step costs here (the cost plan may find plain AR steps cheaper, and measure nothing).
     "tidar_diffusion": Decoder(tidar=True, drafter="diffusion", plan="adaptive"),
     "tidar_lookup": Decoder(tidar=True, drafter="lookup", plan="cost"),  # transformers' prompt lookup, verified where it pays
+    # The same two with up to 3 alternatives to draft 1 beside the chain (a tree of depth 1).
+    "tidar_tree": Decoder(tidar=True, siblings=3),
+    "tidar_diffusion_tree": Decoder(tidar=True, drafter="diffusion", plan="adaptive", siblings=3),
     "base_prompt_lookup": Decoder(weights="base", lookup=True, pack_weights=False),  # what a user gets without converting
 }
 
@@ -163,6 +170,7 @@ def run_decoder(model, input_ids, decoder: str, max_new_tokens: int, pad_token_i
             row["lm_head_rows_per_step"] = stats["lm_head_rows_per_step"]
         row["engine_slots_per_step"] = stats.get("slots_per_step")
         row["draft_sources"] = stats.get("draft_sources")
+        row["sibling_steps"] = stats.get("sibling_steps")
     return row
 
 
@@ -197,11 +205,11 @@ def runnable(decoders: tuple[str, ...], model, tokenizer, k: int | None, prompt_
     keep, skipped = [], {}
     for name in decoders:
         spec = DECODERS[name]
-        if spec.weights == "export" and (spec.drafter is not None or not spec.pack_weights):
+        if spec.weights == "export" and (spec.drafter is not None or not spec.pack_weights or spec.siblings is not None):
             try:
                 run_decoder(model, ids, name, 2, tokenizer.pad_token_id, k, prompt_lookup_tokens)
             except TypeError as e:
-                argument = next((a for a in ("drafter", "pack_weights") if a in str(e)), None)
+                argument = next((a for a in ("drafter", "pack_weights", "siblings") if a in str(e)), None)
                 if argument is None:
                     raise
                 skipped[name] = f"this TiDAR engine has no {argument}= ({e})"

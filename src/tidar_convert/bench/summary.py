@@ -66,6 +66,7 @@ def summarize(rows: list[dict]) -> dict:
         }
         if DECODERS[decoder].tidar:
             summary[decoder]["draft_sources"] = draft_sources(runs)
+            summary[decoder]["sibling_steps"] = sum(r.get("sibling_steps") or 0 for r in runs)
     for ref, key in REFERENCES:
         if ref in summary:
             speed = summary[ref]["tokens_per_s"]
