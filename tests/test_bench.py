@@ -269,12 +269,12 @@ def test_decoder_table_says_weights_and_generate_arguments():
     assert kw["prompt_lookup"] == {"tidar": False, "prompt_lookup_num_tokens": 3}
     assert kw["tidar"] == {"tidar": True, "block_size": 4}  # the engine's default drafter
     assert kw["tidar_adaptive"] == {"tidar": True, "block_size": 4, "plan": "adaptive"}
-    assert kw["tidar_diffusion"] == {"tidar": True, "block_size": 4, "drafter": "diffusion", "plan": "adaptive"}  # its acceptance, whatever a step costs
-    assert kw["tidar_diffusion_tree"] == kw["tidar_diffusion"] | {"siblings": 3} and kw["tidar_tree"] == kw["tidar"] | {"siblings": 3}
+    assert kw["tidar_diffusion"] == {"tidar": True, "block_size": 4, "drafter": "diffusion", "plan": "adaptive", "siblings": 0}  # its acceptance, whatever a step costs
+    assert kw["tidar_diffusion_tree"] == kw["tidar_diffusion"] | {"siblings": 3} and kw["tidar_chain"] == kw["tidar"] | {"siblings": 0}
     assert kw["tidar_lookup"] == {"tidar": True, "block_size": 4, "drafter": "lookup", "plan": "cost"}
     assert kw["base_prompt_lookup"] == {"prompt_lookup_num_tokens": 3}  # transformers' own generate: no `tidar`
     assert not DECODERS["base_prompt_lookup"].packs_here()  # and its stock product: what a user has without converting
-    assert decoders.decoder_names("export") == ("ar", "ar_stock", "prompt_lookup", "tidar", "tidar_adaptive", "tidar_diffusion", "tidar_lookup", "tidar_tree", "tidar_diffusion_tree")
+    assert decoders.decoder_names("export") == ("ar", "ar_stock", "prompt_lookup", "tidar", "tidar_chain", "tidar_adaptive", "tidar_diffusion", "tidar_diffusion_tree", "tidar_lookup")
     assert decoders.decoder_names("base") == ("base_prompt_lookup",)
 
 
@@ -349,7 +349,7 @@ def test_drafter_rows(tiny_export, tmp_path):
     """Each TiDAR drafter is a bench row, AR-exact, with the engine's own per-step counts."""
     r = json.loads(Path(bench.bench_cmd(str(tiny_export), max_new_tokens=8, limit=1, out_dir=str(tmp_path), quality=False)).read_text())
     assert r["skipped_decoders"] == {}
-    for decoder in ("tidar", "tidar_diffusion", "tidar_lookup", "tidar_tree", "tidar_diffusion_tree"):
+    for decoder in ("tidar", "tidar_chain", "tidar_diffusion", "tidar_diffusion_tree", "tidar_lookup"):
         s = r["summary"][decoder]
         assert s["all_identical"], decoder
         assert s["slots_per_step"] is not None and s["lm_head_rows_per_step"] is not None and s["draft_sources"] is not None, decoder

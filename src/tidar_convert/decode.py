@@ -14,7 +14,8 @@ query slots one forward runs, a Verifier (verify.py: greedy, rejection sampling)
 After each call, `model.tidar_stats` holds nfe (forward passes), new_tokens, tokens_per_nfe,
 accepted (drafts committed at each step), slots_per_step (mean query slots of a decoding forward),
 lm_head_rows_per_step (mean vocabulary-head rows per batch row of a decoding forward) and
-draft_sources (row-steps drafted by lookup, diffusion, or nothing); with per-row acceptance in a
+draft_sources (row-steps drafted by lookup, diffusion, or nothing), sibling_steps (steps that
+committed a sibling of draft 1 instead of the chain); with per-row acceptance in a
 batch also tokens_per_nfe_per_row (each row's new tokens over the forwards it was active in).
 """
 
@@ -189,7 +190,7 @@ def generate(
     drafter: str = "hybrid",
     plan: str = "cost",
     slot_budget: int | None = None,
-    siblings: int = 0,
+    siblings: int = 3,
     pack_weights: bool = True,
     **kwargs,
 ):
@@ -216,7 +217,7 @@ def generate(
         likeliest tokens there) verified in the same forward, one query slot each, as a tree of
         depth 1; a step may also pre-draft a group after a sibling. Greedy, batch 1, beta = 1 only
         (elsewhere 0); the plan keeps those worth their slots. Exact: a sibling is taken only where
-        it is the AR token. 0 (default): chains only.
+        it is the AR token. Default 3; 0: chains only.
     pack_weights: on CPU, linear layers run oneDNN's product on weights packed once (kernels.py), for
         every path (tidar=False and prompt lookup too): extra query slots become nearly free and rows
         do not depend on how many share a step. It keeps one packed copy of each weight for the model's

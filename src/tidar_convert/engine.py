@@ -228,7 +228,7 @@ class Planner:
             exact = r - torch.cat([r[:, 1:], r.new_zeros(r.shape[0], 1)], 1)  # P(accepts exactly j drafts), j = 1..n
             chain_tokens, chain_lengths = 1 + float(r[:, 1:].sum(1).mean()), exact.mean(0).tolist()
             fits = n if room is None else min(n, room - k + 1)
-            for s in range(len(alts) + 1 if n > 1 else 1):  # siblings kept (alternatives to proposal 1)
+            for s in range(min(len(alts), self.budget - n) + 1 if n > 1 else 1):  # siblings kept (alternatives to proposal 1)
                 # A sibling is accepted only where proposal 1 is not (they differ): draft 0 alone is
                 # then less likely, and each sibling ends the acceptance, so it is a length of its own.
                 lengths = [max(0.0, chain_lengths[0] - sum(alts[:s]))] + chain_lengths[1:] + alts[:s]
@@ -297,7 +297,7 @@ class Planner:
         if not uses_groups or fits < 1:
             return StepPlan(m, (), self.k)
         alts = [] if per_row or m == 1 or self.mode == "full" else sibling_chances(draft, self.siblings, room, self.k)
-        alts = [c for c in alts if c >= self.min_chance]
+        alts = [c for c in alts if c >= self.min_chance][: max(0, self.budget - m - self.k)]
         most = max(1, (self.budget - m - len(alts)) // self.k)
         if self.mode == "full" or draft.confidence is None or m == 1:
             return StepPlan(m, tuple(range(1, min(fits, most) + 1)), self.k)

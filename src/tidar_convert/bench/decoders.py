@@ -69,15 +69,15 @@ DECODERS = {
     "ar": Decoder(),  # transformers' generate (tidar=False): the reference every other row is compared with
     "ar_stock": Decoder(pack_weights=False),  # the same, on PyTorch's stock CPU product: plain transformers
     "prompt_lookup": Decoder(lookup=True),  # transformers' n-gram drafts from the prompt, same weights
-    "tidar": Decoder(tidar=True),  # TiDAR's defaults: hybrid drafts (lookup where it matches, else diffusion), plan "cost"
+    "tidar": Decoder(tidar=True),  # TiDAR's defaults: hybrid drafts (lookup where it matches, else diffusion), plan "cost", 3 siblings
+    "tidar_chain": Decoder(tidar=True, siblings=0),  # the defaults without siblings (the default until 2026-12-02)
     "tidar_adaptive": Decoder(tidar=True, plan="adaptive"),  # the same drafts verified whenever likely, whatever a step costs
     # The diffusion drafter's own acceptance (issue 9's T/NFE): its drafts verified whenever likely,
     # whatever a step costs here (the cost plan may find plain AR steps cheaper, and measure nothing).
-    "tidar_diffusion": Decoder(tidar=True, drafter="diffusion", plan="adaptive"),
-    "tidar_lookup": Decoder(tidar=True, drafter="lookup", plan="cost"),  # transformers' prompt lookup, verified where it pays
-    # The same two with up to 3 alternatives to draft 1 beside the chain (a tree of depth 1).
-    "tidar_tree": Decoder(tidar=True, siblings=3),
+    # Chains only, as every record before siblings measured it; tidar_diffusion_tree with siblings.
+    "tidar_diffusion": Decoder(tidar=True, drafter="diffusion", plan="adaptive", siblings=0),
     "tidar_diffusion_tree": Decoder(tidar=True, drafter="diffusion", plan="adaptive", siblings=3),
+    "tidar_lookup": Decoder(tidar=True, drafter="lookup", plan="cost"),  # transformers' prompt lookup, verified where it pays
     "base_prompt_lookup": Decoder(weights="base", lookup=True, pack_weights=False),  # what a user gets without converting
 }
 
