@@ -241,6 +241,7 @@ def generate(
     run = prepare(model, input_ids, generation_config, block_size, beta, kwargs)
     setting = (pack_weights, model.dtype, model.device.type, run.input_ids.shape[0])  # what a step's price depends on
     tree = isinstance(run.pick, Greedy) and beta == 1.0 and run.input_ids.shape[0] == 1  # where siblings are exact
+    # siblings < 0 goes through, for Planner to refuse by name
     planner = Planner(run.k, plan, slot_budget, costs=costs_of(model, setting), siblings=siblings if tree or siblings < 0 else 0)
     gc = run.gc
     record = ([], []) if gc.return_dict_in_generate and (gc.output_scores or gc.output_logits) else None

@@ -12,14 +12,14 @@ One step (docs/method.md §3), for a draft of m tokens (draft 0 = the last commi
   verify   the Verifier (verify.py) accepts j >= 1 drafts and picks the next token y
   commit   accepted drafts + y, one at a time through the stopping criteria
   crop     the KV cache keeps the j accepted drafts and drops every other slot of the step
+  draft    the Drafter (drafters.py) proposes the next draft; with none, the next step drafts nothing
+           and only runs y and a fresh group
 
 Siblings (greedy, batch 1): a step may also verify alternatives to draft 1 (the group's next
 likeliest tokens there), one query slot each beside the chain, plus groups after them: a tree of
 depth 1 (StepPlan.parents). Where the chain stops at draft 0 and a sibling is the AR token, the
 step commits the sibling and the token after it, and the cache keeps draft 0 and the sibling
 (keep_slots) instead of a suffix.
-  draft    the Drafter (drafters.py) proposes the next draft; with none, the next step drafts nothing
-           and only runs y and a fresh group
 
 Each phase runs under torch.profiler.record_function("tidar.<phase>") for a step breakdown.
 """
@@ -615,8 +615,6 @@ def decode(model, run, drafter, planner: Planner, beta: float = 1.0, record=None
                 planner.timed(plan, time.perf_counter() - started, draft, accepted + 1, torch.full_like(accepted, slot + 1))
                 g = plan.group_start(slot + 1)
                 y = pick.token(sib_scores[:, 0])
-                if hasattr(drafter, "observe"):
-                    drafter.observe(draft, accepted)
             else:
                 planner.timed(plan, time.perf_counter() - started, draft, accepted, torch.full_like(accepted, j))  # int() above waited for the device
                 g = plan.group_start(j)
@@ -624,8 +622,8 @@ def decode(model, run, drafter, planner: Planner, beta: float = 1.0, record=None
                 if beta != 1.0 and g is not None:
                     target = process(processors, state.seqs, draft.tokens[:, 1:j], mix(ar[:, j - 1], out.rows(g, g + 1)[:, 0], beta)[:, None])[:, 0]
                 y = pick.next_token(target, draft, accepted, j, exact=beta == 1.0)
-                if hasattr(drafter, "observe"):
-                    drafter.observe(draft, accepted)
+            if hasattr(drafter, "observe"):
+                drafter.observe(draft, accepted)  # the chain's acceptance: what its confidence predicted
         if sib is not None:
             if record is not None:
                 record[0].extend([scores[:, 0], sib_scores[:, 0]])
