@@ -78,8 +78,13 @@ def alternatives(ctx: DraftContext, first_slot: torch.Tensor, taken: torch.Tenso
     if ctx.processors:
         scores = ctx.processors(ctx.seqs, scores)
     top = scores.softmax(-1).topk(n + 1, -1)
-    other = (top.indices != taken[:, None]).float().argsort(dim=1, descending=True, stable=True)[:, :n]  # drop `taken`, keep the order
-    return top.indices.gather(1, other), top.values.gather(1, other)
+    return without(top.indices, top.values, taken, n)
+
+
+def without(tokens: torch.Tensor, chances: torch.Tensor, taken: torch.Tensor, n: int):
+    """The first n of `tokens` (B, n + 1) other than `taken` (B,), in their order, with their chances."""
+    keep = (tokens != taken[:, None]).float().argsort(dim=1, descending=True, stable=True)[:, :n]
+    return tokens.gather(1, keep), chances.gather(1, keep)
 
 
 def make_draft(pick, processors, seqs, y, diff_slots) -> Draft:
@@ -250,11 +255,9 @@ class HybridDrafter:
 def besides(look: Draft, diff: Draft):
     """The diffusion draft's choices for the first proposal (its own, then its alternatives) other
     than the lookup draft's: as many as diff has alternatives."""
-    n = diff.siblings.shape[1]
     tokens = torch.cat([diff.tokens[:, 1:2], diff.siblings], 1)
     conf = torch.cat([diff.confidence[:, :1], diff.sibling_confidence], 1)
-    other = (tokens != look.tokens[:, 1:2]).float().argsort(dim=1, descending=True, stable=True)[:, :n]
-    return tokens.gather(1, other), conf.gather(1, other)
+    return without(tokens, conf, look.tokens[:, 1], diff.siblings.shape[1])
 
 
 def observed(draft: Draft, accepted: torch.Tensor, source: str) -> tuple[int, int, float]:
