@@ -271,10 +271,11 @@ def test_decoder_table_says_weights_and_generate_arguments():
     assert kw["tidar_adaptive"] == {"tidar": True, "block_size": 4, "plan": "adaptive"}
     assert kw["tidar_diffusion"] == {"tidar": True, "block_size": 4, "drafter": "diffusion", "plan": "adaptive", "siblings": 0}  # its acceptance, whatever a step costs
     assert kw["tidar_diffusion_tree"] == kw["tidar_diffusion"] | {"siblings": 3} and kw["tidar_chain"] == kw["tidar"] | {"siblings": 0}
+    assert kw["tidar_diffusion_wide"] == kw["tidar_diffusion"] | {"siblings": 7, "slot_budget": 96}
     assert kw["tidar_lookup"] == {"tidar": True, "block_size": 4, "drafter": "lookup", "plan": "cost"}
     assert kw["base_prompt_lookup"] == {"prompt_lookup_num_tokens": 3}  # transformers' own generate: no `tidar`
     assert not DECODERS["base_prompt_lookup"].packs_here()  # and its stock product: what a user has without converting
-    assert decoders.decoder_names("export") == ("ar", "ar_stock", "prompt_lookup", "tidar", "tidar_chain", "tidar_adaptive", "tidar_diffusion", "tidar_diffusion_tree", "tidar_lookup")
+    assert decoders.decoder_names("export") == ("ar", "ar_stock", "prompt_lookup", "tidar", "tidar_chain", "tidar_adaptive", "tidar_diffusion", "tidar_diffusion_tree", "tidar_diffusion_wide", "tidar_lookup")
     assert decoders.decoder_names("base") == ("base_prompt_lookup",)
 
 
@@ -349,7 +350,7 @@ def test_drafter_rows(tiny_export, tmp_path):
     """Each TiDAR drafter is a bench row, AR-exact, with the engine's own per-step counts."""
     r = json.loads(Path(bench.bench_cmd(str(tiny_export), max_new_tokens=8, limit=1, out_dir=str(tmp_path), quality=False)).read_text())
     assert r["skipped_decoders"] == {}
-    for decoder in ("tidar", "tidar_chain", "tidar_diffusion", "tidar_diffusion_tree", "tidar_lookup"):
+    for decoder in ("tidar", "tidar_chain", "tidar_diffusion", "tidar_diffusion_tree", "tidar_diffusion_wide", "tidar_lookup"):
         s = r["summary"][decoder]
         assert s["all_identical"], decoder
         assert s["slots_per_step"] is not None and s["lm_head_rows_per_step"] is not None and s["draft_sources"] is not None, decoder

@@ -3,6 +3,8 @@ group and stay exact, the vocabulary head reads only the rows used, and a new dr
 
 Sampling with every drafter is checked by the chi-square tests in test_decode.py."""
 
+from unittest.mock import patch
+
 import pytest
 import torch
 
@@ -379,18 +381,28 @@ def sibling_prompts():
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_siblings_commit_the_ar_token_where_draft_1_missed(trained, untrained, family):
-    """Alternatives to draft 1 verified beside the chain (a tree of depth 1): greedy output stays
-    AR's token for token, with every drafter and plan, and a sibling is taken at some steps."""
-    taken = 0
+    """Alternatives to each proposal verified beside the chain (a tree): greedy output stays AR's
+    token for token, with every drafter and plan, and a branch is taken at some steps, off the chain
+    below depth 1 at some of them."""
+    taken, deep = 0, 0
+    walk = engine.walk
+
+    def spy(plan, *args):
+        nonlocal deep
+        path, *rest = walk(plan, *args)
+        deep += any(s >= plan.n_drafts and plan.parents()[s] != 0 for s in path)
+        return (path, *rest)
+
     for model in (trained[family][0], untrained[family]):
         for ids in sibling_prompts():
             expected = ar(model, ids, max_new_tokens=24, eos_token_id=None)
             for name in ("diffusion", "hybrid"):
                 for plan in ("adaptive", "cost"):
-                    got = generate(ids, model=model, max_new_tokens=24, eos_token_id=None, drafter=name, plan=plan, siblings=3)
+                    with patch.object(engine, "walk", spy):
+                        got = generate(ids, model=model, max_new_tokens=24, eos_token_id=None, drafter=name, plan=plan, siblings=3, slot_budget=40)
                     assert torch.equal(got, expected), (name, plan)
                     taken += model.tidar_stats["sibling_steps"]
-    assert taken > 0
+    assert taken > 0 and deep > 0
 
 
 def test_siblings_keep_the_scores_and_are_off_where_they_would_not_be_exact(trained):
@@ -434,21 +446,37 @@ def test_keep_slots_keeps_the_cache_and_a_branch_that_is_not_a_suffix():
     assert cache.layers[0].values.flatten().tolist() == [0, -1, -2, -3, -5] and cache.get_seq_length() == 5
 
 
-def test_plans_keep_siblings_where_they_pay_and_group_after_the_likely_ones():
+def test_tree_plans_keep_the_likeliest_nodes_and_group_after_the_likely_ends():
+    """Chain proposals reached with 0.3, 0.15, 0.075; siblings of draft 1: 9 (0.4), 8 (0.2), 7 (0.01);
+    under 9, token 6 (0.9 of 0.4 = 0.36)."""
     tokens = torch.arange(4)[None]
-    draft = Draft(tokens, confidence=torch.tensor([[0.3, 0.5, 0.5]]), sources=["diffusion"],
-                  siblings=torch.tensor([[9, 8, 7]]), sibling_confidence=torch.tensor([[0.4, 0.2, 0.01]]))
-    flat = costs({(s, m): 60 for s in range(1, 30) for m in (False, True)})
-    dear = costs({**{(s, False): 60 + 40 * s for s in range(1, 30)}, **{(s, True): 60 + 40 * s for s in range(1, 30)}})
-    _, plan = Planner(4, "cost", slot_budget=40, costs=flat, siblings=3).step(draft, uses_groups=True)
-    assert plan.siblings == 3 and plan.n_drafts == 4  # slots are free: everything
-    _, plan = Planner(4, "cost", costs=flat, siblings=3).step(draft, uses_groups=True)
-    assert plan.siblings == 2 and plan.slots == 20  # within the default budget (20): the likelier siblings
-    assert Planner(4, "cost", costs=dear, siblings=3).step(draft, uses_groups=True)[1].siblings == 0
+    draft = Draft(tokens, confidence=torch.tensor([[0.3, 0.5, 0.5]]), sources=["diffusion"], siblings=torch.tensor([[9, 8, 7, 6]]),
+                  sibling_confidence=torch.tensor([[0.4, 0.2, 0.01, 0.9]]), sibling_parents=(0, 0, 0, 4))
+    flat = costs({(s, m): 60 for s in range(1, 41) for m in (False, True)})
+    dear = costs({**{(s, False): 60 + 50 * s for s in range(1, 41)}, **{(s, True): 60 + 50 * s for s in range(1, 41)}})
+    d, plan = Planner(4, "cost", slot_budget=40, costs=flat, siblings=3).step(draft, uses_groups=True)
+    assert plan.n_drafts == 4 and plan.parents() == (-1, 0, 1, 2, 0, 0, 0, 4)  # slots are free: every node
+    assert d.siblings.tolist() == [[9, 8, 7, 6]] and d.sibling_parents == plan.branches
+    assert len(plan.anchors) == 8  # and a group after each
+    d, plan = Planner(4, "adaptive", siblings=3).step(draft, uses_groups=True)  # budget 20, chances >= 5 %
+    assert plan.parents() == (-1, 0, 1, 2, 0, 0, 4) and d.siblings.tolist() == [[9, 8, 6]]  # 7 (1 %) left out; 6 now under slot 4
+    assert plan.slots == 7 + 3 * 4 and 7 in plan.anchors  # the likeliest end (6, 36 %) gets a group: anchor slot + 1
+    assert plan.group_start(7) == 7 + plan.anchors.index(7) * 4
+    assert plan.positions(torch.tensor([10])).tolist()[0][:7] == [10, 11, 12, 13, 11, 11, 12]  # each node at its depth
+    assert Planner(4, "cost", costs=dear, siblings=3).step(draft, uses_groups=True)[1].slots == 1  # no slot pays
     assert Planner(4, "cost", costs=flat).step(draft, uses_groups=True)[1].siblings == 0  # siblings=0: chains only
-    _, plan = Planner(4, "adaptive", siblings=3).step(draft, uses_groups=True)
-    assert plan.siblings == 2  # 0.01 < min_chance
-    assert 5 in plan.anchors  # the likeliest sibling (40 %) gets a group: anchor n_drafts + 0 + 1
-    assert plan.parents() == (-1, 0, 1, 2, 0, 0) and plan.group_start(5) == 6 + plan.anchors.index(5) * 4
     batch = Draft(tokens.repeat(2, 1), confidence=torch.full((2, 3), 0.5), siblings=torch.tensor([[9], [8]]), sibling_confidence=torch.full((2, 1), 0.4))
     assert Planner(4, "adaptive", siblings=3).step(batch, uses_groups=True)[1].siblings == 0
+
+
+def test_grow_finds_the_likeliest_nodes_of_the_group_best_first():
+    """Two offsets: the chain (5: 0.5, then 6: 0.8) and alternatives (7: 0.3, 8: 0.1; then 9: 0.1).
+    Best first by reach: 5 (0.5), 5-6 (0.4), 7 (0.3), 7-6 (0.24), 8 (0.1)."""
+    from tidar_convert.drafters import grow
+
+    draft = Draft(torch.tensor([[1, 5, 6]]), confidence=torch.tensor([[0.5, 0.8]]))
+    grow(draft, torch.tensor([[[7, 8], [9, 10]]]), torch.tensor([[[0.3, 0.1], [0.1, 0.05]]]), most=5)
+    assert draft.siblings.tolist() == [[7, 6, 8]] and draft.sibling_parents == (0, 3, 0)  # 6 under 7 (slot 3)
+    assert torch.allclose(draft.sibling_confidence, torch.tensor([[0.3, 0.8, 0.1]]))
+    grow(draft, torch.tensor([[[7, 8], [9, 10]]]), torch.tensor([[[0.3, 0.1], [0.1, 0.05]]]), most=2)
+    assert draft.siblings.shape == (1, 0)  # the two chain nodes are the likeliest

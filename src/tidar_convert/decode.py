@@ -209,15 +209,18 @@ def generate(
         expected tokens per second, from the drafts' confidence and the time each step shape has
         taken on this model and machine (measured as it decodes, kept on the model across calls;
         faster where extra query slots cost, as on CPUs, but its T/NFE depends on timings);
-        "adaptive" keeps the proposals and groups with a chance >= 5 % of being used, whatever they
-        cost (T/NFE reproducible); "full" a group at every length
-        (the paper's k + k*k slots). Every plan gives the same output. slot_budget: most query slots per step
-        (default max(k + k*k, 11 + k): the paper's step, or a full lookup draft and one group).
-    siblings: up to this many alternatives to a draft's first proposal (the diffusion group's next
-        likeliest tokens there) verified in the same forward, one query slot each, as a tree of
-        depth 1; a step may also pre-draft a group after a sibling. Greedy, batch 1, beta = 1 only
-        (elsewhere 0); the plan keeps those worth their slots. Exact: a sibling is taken only where
-        it is the AR token. Default 3; 0: chains only.
+        "adaptive" keeps the proposals and groups with a chance >= 1 / slot_budget (5 % at the
+        default budget) of being used, whatever they cost (T/NFE reproducible); "full" a group at
+        every length (the paper's k + k*k slots). Every plan gives the same output. slot_budget: most
+        query slots per step (default max(k + k*k, 11 + k): the paper's step, or a full lookup draft
+        and one group). On a GPU, where a step of ~100 slots costs about what one slot does, a wide
+        budget pays: plan="adaptive", slot_budget=96, siblings=7.
+    siblings: up to this many alternatives to each drafted token (the diffusion group's next
+        likeliest tokens at that offset; for a lookup draft, at its first proposal) verified in the
+        same forward, one query slot each, as a tree: the plan keeps the nodes the step most likely
+        reaches, and may pre-draft a group after any of them. Greedy, batch 1, beta = 1 only
+        (elsewhere 0). Exact: the AR's token at each node picks the child holding it, and the step
+        commits that path. Default 3; 0: chains only.
     pack_weights: on CPU, linear layers run oneDNN's product on weights packed once (kernels.py), for
         every path (tidar=False and prompt lookup too): extra query slots become nearly free and rows
         do not depend on how many share a step. It keeps one packed copy of each weight for the model's

@@ -19,6 +19,7 @@ entry in DRAFTERS.
 
 from __future__ import annotations
 
+import heapq
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -33,10 +34,13 @@ class Draft:
     confidence: torch.Tensor | None = None  # (B, m - 1) estimated chance each proposal is accepted (the plan reads it)
     sources: list = field(default_factory=list)  # per row: "lookup", "diffusion" or "none"
     raw_confidence: torch.Tensor | None = None  # the drafter's own confidence, before any calibration
-    # Alternatives to tokens[:, 1] (greedy, batch 1): a step may verify them beside the chain, each
-    # in one more query slot, as a tree of depth 1 (engine.StepPlan.siblings). Best first.
+    # Branches off the chain (greedy, batch 1): a step may verify them beside it, one query slot each,
+    # as a tree (engine.StepPlan.branches). Sibling i hangs under slot sibling_parents[i]: 0..m-1 the
+    # chain (draft 0, the proposals), m + j an earlier sibling j; None: all under draft 0
+    # (alternatives to tokens[:, 1]). Best first.
     siblings: torch.Tensor | None = None  # (B, s)
-    sibling_confidence: torch.Tensor | None = None  # (B, s)
+    sibling_confidence: torch.Tensor | None = None  # (B, s) chance each is accepted where its parent is
+    sibling_parents: tuple[int, ...] | None = None
 
     def __post_init__(self):
         B, m = self.tokens.shape
@@ -58,7 +62,8 @@ class DraftContext:
     # Diffusion logits (B, k - 1, V) of the group at each row's accepted length, computed on first
     # call, and (B,) which rows have one (None: all); (None, None) when no row has one.
     group: Callable[[], tuple] = lambda: (None, None)
-    siblings: int = 0  # most alternatives to the first proposal the step may verify (0: none)
+    siblings: int = 0  # most alternatives to each proposal the step may verify (0: chains only)
+    nodes: int = 0  # most tree nodes (proposals and siblings) the step may verify
 
     @property
     def y(self):
@@ -70,15 +75,57 @@ def fresh(y: torch.Tensor) -> Draft:
     return Draft(y[:, None], sources=["none"] * y.shape[0])
 
 
-def alternatives(ctx: DraftContext, first_slot: torch.Tensor, taken: torch.Tensor, n: int):
-    """The group's next n likeliest tokens for the first proposal, other than `taken` (B,), and their
-    probabilities: (B, n) each. The AR token is the group's first choice at 44 % of steps and among
+def alternatives(ctx: DraftContext, slots: torch.Tensor, chain: torch.Tensor, n: int):
+    """The group's next n likeliest tokens at each drafted offset, other than the chain's (B, D) there,
+    and their probabilities: (B, D, n) each. Slot i is processed with the chain's prefix, as
+    make_draft does. The AR token is the group's first choice at offset 1 at 44 % of steps and among
     its first 4 at 69 % (README, bench/results/wide-draft-offline.json)."""
-    scores = first_slot.to(torch.float32, copy=True)
+    scores = slots[:, : chain.shape[1]].to(torch.float32, copy=True)
     if ctx.processors:
-        scores = ctx.processors(ctx.seqs, scores)
+        for i in range(scores.shape[1]):
+            scores[:, i] = ctx.processors(torch.cat([ctx.seqs, chain[:, :i]], 1), scores[:, i])
     top = scores.softmax(-1).topk(n + 1, -1)
-    return without(top.indices, top.values, taken, n)
+    tokens, chances = zip(*(without(top.indices[:, i], top.values[:, i], chain[:, i], n) for i in range(scores.shape[1])))
+    return torch.stack(tokens, 1), torch.stack(chances, 1)
+
+
+def grow(draft: Draft, alt_tokens: torch.Tensor, alt_chances: torch.Tensor, most: int, floor: float = 1e-3) -> Draft:
+    """The draft's tree (batch 1): the chain's proposals and, at every node, the alternatives at the
+    next offset, best first by the chance the step reaches them (the product of the chances along
+    the path; a group's offsets are drafted in parallel, so a branch's later tokens are the same
+    offsets' choices as the chain's), until `most` nodes (chain nodes count). The nodes off the chain
+    become draft.siblings, in the order found (a parent before its children)."""
+    m = draft.tokens.shape[1]
+    conf = draft.confidence[0, : m - 1].float().clamp(0, 1).tolist()
+    chain, alts, chances = draft.tokens[0, 1:].tolist(), alt_tokens[0].tolist(), alt_chances[0].float().clamp(0, 1).tolist()
+    tokens, parents, conditional = [], [], []
+    heap, count, found = [], 0, 0
+
+    def push(reach, depth, slot, on_chain):  # the children of a node at `depth` in slot `slot`
+        nonlocal count
+        if depth >= m - 1:
+            return
+        options = [(chain[depth], conf[depth], on_chain)] + [(t, c, False) for t, c in zip(alts[depth], chances[depth])]
+        for token, c, chained in options:
+            if reach * c >= floor:
+                count += 1
+                heapq.heappush(heap, (-reach * c, depth + 1, count, slot, token, c, chained))
+
+    push(1.0, 0, 0, True)
+    while heap and found < most:
+        neg, depth, _, parent, token, c, chained = heapq.heappop(heap)
+        found += 1
+        if chained:
+            slot = depth  # the chain's own proposal
+        else:
+            slot = m + len(tokens)
+            tokens.append(token), parents.append(parent), conditional.append(c)
+        push(-neg, depth, slot, chained)
+    device = draft.tokens.device
+    draft.siblings = torch.tensor([tokens], dtype=draft.tokens.dtype, device=device).view(1, -1)
+    draft.sibling_confidence = torch.tensor([conditional], device=device).view(1, -1)
+    draft.sibling_parents = tuple(parents)
+    return draft
 
 
 def without(tokens: torch.Tensor, chances: torch.Tensor, taken: torch.Tensor, n: int):
@@ -120,8 +167,8 @@ class DiffusionDrafter:
         if group is None or ctx.max_proposals < 1:
             return None
         draft = make_draft(ctx.pick, ctx.processors, ctx.seqs, ctx.y, group[:, : ctx.max_proposals])
-        if ctx.siblings:
-            draft.siblings, draft.sibling_confidence = alternatives(ctx, group[:, 0], draft.tokens[:, 1], ctx.siblings)
+        if ctx.siblings and draft.tokens.shape[0] == 1 and draft.tokens.shape[1] > 1:
+            grow(draft, *alternatives(ctx, group, draft.tokens[:, 1:], ctx.siblings), ctx.nodes or draft.tokens.shape[1] - 1)
         if have is not None and not have.all():  # rows whose accepted length had no group draft nothing
             draft.length = torch.where(have, draft.length, torch.ones_like(draft.length))
             draft.sources = [s if h else "none" for s, h in zip(draft.sources, have.tolist())]
@@ -253,11 +300,13 @@ class HybridDrafter:
 
 
 def besides(look: Draft, diff: Draft):
-    """The diffusion draft's choices for the first proposal (its own, then its alternatives) other
-    than the lookup draft's: as many as diff has alternatives."""
-    tokens = torch.cat([diff.tokens[:, 1:2], diff.siblings], 1)
-    conf = torch.cat([diff.confidence[:, :1], diff.sibling_confidence], 1)
-    return without(tokens, conf, look.tokens[:, 1], diff.siblings.shape[1])
+    """The diffusion draft's choices for the first proposal (its own, then its alternatives there)
+    other than the lookup draft's, as alternatives to the lookup chain's first proposal: as many as
+    diff has alternatives there."""
+    first = [i for i, p in enumerate(diff.sibling_parents) if p == 0] if diff.sibling_parents is not None else list(range(diff.siblings.shape[1]))
+    tokens = torch.cat([diff.tokens[:, 1:2], diff.siblings[:, first]], 1)
+    conf = torch.cat([diff.confidence[:, :1], diff.sibling_confidence[:, first]], 1)
+    return without(tokens, conf, look.tokens[:, 1], len(first))
 
 
 def observed(draft: Draft, accepted: torch.Tensor, source: str) -> tuple[int, int, float]:

@@ -15,11 +15,12 @@ One step (docs/method.md §3), for a draft of m tokens (draft 0 = the last commi
   draft    the Drafter (drafters.py) proposes the next draft; with none, the next step drafts nothing
            and only runs y and a fresh group
 
-Siblings (greedy, batch 1): a step may also verify alternatives to draft 1 (the group's next
-likeliest tokens there), one query slot each beside the chain, plus groups after them: a tree of
-depth 1 (StepPlan.parents). Where the chain stops at draft 0 and a sibling is the AR token, the
-step commits the sibling and the token after it, and the cache keeps draft 0 and the sibling
-(keep_slots) instead of a suffix.
+Trees (greedy, batch 1): a step may also verify alternatives to the chain's tokens (the group's
+next likeliest tokens at each offset, and the chain's own choices after them), one query slot each,
+plus groups after them: the likeliest nodes of the group's tree (drafters.grow, Planner.tree,
+StepPlan.branches). The AR's token at each node picks the child that holds it (walk); the step
+commits the path and the token after it, and the cache keeps the path (keep_slots) where it is not
+a prefix of the step.
 
 Each phase runs under torch.profiler.record_function("tidar.<phase>") for a step breakdown.
 """
@@ -128,19 +129,24 @@ def forward(model, cache, tokens, positions, mask, read: list[int] | None = None
 
 @dataclass(frozen=True)
 class StepPlan:
-    """Which query slots one forward runs: `n_drafts` causal drafts, then `siblings` alternatives to
-    draft 1 (each sees draft 0 and itself: a tree of depth 1), then a group of `k` masks at each
-    anchor. A group anchored at j sees drafts[0..j) and predicts the k positions after them; anchor
-    n_drafts + i + 1 is the group after sibling i (it sees draft 0 and the sibling)."""
+    """Which query slots one forward runs: `n_drafts` causal drafts (a chain), then one causal slot per
+    branch (greedy, batch 1: `branches[i]` is the parent slot of slot n_drafts + i, an earlier slot;
+    each sees its ancestors and itself, a tree), then a group of `k` masks at each anchor. A group
+    anchored at j sees causal slot j - 1 and its ancestors and predicts the k positions after them:
+    on the chain, anchor j sees drafts[0..j)."""
 
     n_drafts: int
     anchors: tuple[int, ...]
     k: int
-    siblings: int = 0
+    branches: tuple[int, ...] = ()
+
+    @property
+    def siblings(self) -> int:
+        return len(self.branches)
 
     @property
     def causal(self) -> int:
-        return self.n_drafts + self.siblings
+        return self.n_drafts + len(self.branches)
 
     @property
     def slots(self) -> int:
@@ -148,9 +154,9 @@ class StepPlan:
 
     def parents(self) -> tuple[int, ...] | None:
         """The tree over the causal slots (layout.decode_mask_mod), None for a plain chain."""
-        if not self.siblings:
+        if not self.branches:
             return None
-        return (-1, *range(self.n_drafts - 1), *(0,) * self.siblings)
+        return (-1, *range(self.n_drafts - 1), *self.branches)
 
     def group_start(self, j: int) -> int | None:
         """Query index of the group anchored at j, None if the plan has none there."""
@@ -174,7 +180,8 @@ class Planner:
     full      a group at every acceptance length 1..m, as the paper's step (k + k*k slots for m = k).
     adaptive  groups only at the acceptance lengths likely to occur, from the draft's own confidence
               (diffusion: the draft head's probability; lookup: its running acceptance rate): the most
-              likely lengths first, each with chance >= min_chance, within the slot budget.
+              likely lengths first, each with chance >= min_chance (default 1 / slot budget: 5 % at
+              the default 20 slots), within the slot budget.
     A length without a group is still decoded exactly: the next draft then comes from lookup or,
     with none, the next step drafts nothing and runs a fresh group.
 
@@ -183,24 +190,28 @@ class Planner:
     slot less through every layer, and one group anchor fewer. On this repo's CPU in fp32, past the
     first few slots one more costs 1/30 to 1/20 of an AR step (1 slot 60 ms, 4 slots 86 ms, 8 slots
     96 ms), so a proposal pays for its slot from a chance of about that much; on a GPU slots are
-    nearly free and min_chance can be lower."""
+    nearly free, and a wide budget (say 96) with its lower min_chance keeps rarer nodes and groups."""
 
-    def __init__(self, k: int, mode: str = "cost", slot_budget: int | None = None, min_chance: float = 0.05, costs: "StepCosts | None" = None, siblings: int = 0):
+    def __init__(self, k: int, mode: str = "cost", slot_budget: int | None = None, min_chance: float | None = None, costs: "StepCosts | None" = None, siblings: int = 0):
         if mode not in PLANS:
             raise ValueError(f"plan={mode!r}: choose 'cost', 'adaptive' or 'full'.")
         if slot_budget is not None and slot_budget < 1 + k:
             raise ValueError(f"slot_budget={slot_budget}: a step needs at least 1 + block_size = {1 + k} query slots.")
         if siblings < 0:
             raise ValueError(f"siblings={siblings}: the alternatives to a draft's first proposal a step may verify; use 0 (none) or more.")
-        self.k, self.mode, self.min_chance, self.siblings = k, mode, min_chance, siblings
+        self.k, self.mode, self.siblings = k, mode, siblings
         self.costs = costs if costs is not None else StepCosts()
         self.group_gain = self.costs.group_gain
         self.offered: list | None = None  # per row of the last step: its draft's source where a group was computed at the length it accepted
         # Default: the paper's step (k + k*k), or room for a full lookup draft (10) + y + one group.
         self.budget = slot_budget if slot_budget is not None else max(k + k * k, 11 + k)
+        # A slot's share of the budget: 5 % at the default 20 slots; a GPU's wide budget keeps rarer nodes.
+        self.min_chance = min_chance if min_chance is not None else 1 / self.budget
 
     def step(self, draft: Draft, uses_groups: bool, room: int | None = None, per_row: bool = False) -> tuple[Draft, "StepPlan"]:
         """The draft as the step will verify it, and the step's plan."""
+        if self.siblings and self.mode != "full" and not per_row and draft.siblings is not None and draft.tokens.shape[0] == 1 and draft.confidence is not None:
+            return self.tree(draft, uses_groups, room)
         if self.mode == "cost" and (draft.confidence is not None or draft.tokens.shape[1] == 1):
             return self.cheapest(draft, uses_groups, room, per_row)
         draft = self.trim(draft, per_row)
@@ -209,40 +220,81 @@ class Planner:
     def cheapest(self, draft: Draft, uses_groups: bool, room: int | None, per_row: bool) -> tuple[Draft, "StepPlan"]:
         """plan='cost': of every (proposals kept, groups) within the budget, the step with the most
         expected tokens per measured second. Expected tokens: y, plus each kept proposal's chance of
-        being accepted, plus for each group its length's chance times the proposals a group draft
-        gets accepted on average (`group_gain`, learned with the costs) less what verifying them
-        will cost the next step (`verify_cost`), times the chance the next
-        draft is taken from the group at all (`group_use`: a hybrid takes lookup drafts where they
-        look better, and then the group was computed for nothing; learned per source of this
-        step's draft, since lookup matches come in runs). Groups go to the likeliest lengths first.
+        being accepted, plus for each group its length's chance times what a group is worth
+        (`group_worth`). Groups go to the likeliest lengths first.
         Exact for any choice: which proposals are kept reads their confidence only."""
         k, m = self.k, draft.tokens.shape[1]
-        use = self.costs.group_use
-        share = sum(use[source_key(s)].value for s in draft.sources) / len(draft.sources)
-        worth = share * max(0.0, self.group_gain.value - self.verify_cost())
+        worth = self.group_worth(draft)
         reach = reach_chances(draft)  # (B, m): P(row accepts >= j drafts), j = 1..m
-        alts = sibling_chances(draft, self.siblings, room, k) if not per_row else []
         best = None
         for n in range(1, m + 1):  # drafts kept: draft 0 and n - 1 proposals
             r = reach[:, :n] if per_row else reach[:, :n].prod(0, keepdim=True)
             exact = r - torch.cat([r[:, 1:], r.new_zeros(r.shape[0], 1)], 1)  # P(accepts exactly j drafts), j = 1..n
-            chain_tokens, chain_lengths = 1 + float(r[:, 1:].sum(1).mean()), exact.mean(0).tolist()
+            tokens, lengths = 1 + float(r[:, 1:].sum(1).mean()), exact.mean(0).tolist()
             fits = n if room is None else min(n, room - k + 1)
-            for s in range(min(len(alts), self.budget - n) + 1 if n > 1 else 1):  # siblings kept (alternatives to proposal 1)
-                # A sibling is accepted only where proposal 1 is not (they differ): draft 0 alone is
-                # then less likely, and each sibling ends the acceptance, so it is a length of its own.
-                lengths = [max(0.0, chain_lengths[0] - sum(alts[:s]))] + chain_lengths[1:] + alts[:s]
-                tokens = chain_tokens + sum(alts[:s])  # an accepted sibling adds itself before y
-                where = list(range(max(fits, 0))) + list(range(n, n + s))  # index i: anchor i + 1
-                order = sorted(where, key=lambda i: -lengths[i]) if uses_groups else []
-                most = min(len(order), max(0, (self.budget - n - s) // k))
-                for g in range(most + 1):
-                    value = tokens + worth * sum(lengths[i] for i in order[:g])
-                    score = value / self.costs.price(n + s + g * k, g > 0)
-                    if best is None or score > best[0]:
-                        best = (score, n, s, tuple(sorted(i + 1 for i in order[:g])))
-        _, n, s, anchors = best
-        return cut(draft, n), StepPlan(n, anchors, k, s)
+            order = sorted(range(max(fits, 0)), key=lambda i: -lengths[i]) if uses_groups else []
+            most = min(len(order), max(0, (self.budget - n) // k))
+            for g in range(most + 1):
+                score = (tokens + worth * sum(lengths[i] for i in order[:g])) / self.costs.price(n + g * k, g > 0)
+                if best is None or score > best[0]:
+                    best = (score, n, tuple(sorted(i + 1 for i in order[:g])))
+        _, n, anchors = best
+        return cut(draft, n), StepPlan(n, anchors, k)
+
+    def group_worth(self, draft: Draft) -> float:
+        """What a group at the accepted length is worth, in tokens: the proposals a group draft gets
+        accepted on average (`group_gain`, learned with the costs) less what verifying them will cost
+        the next step (`verify_cost`), times the chance the next draft is taken from the group at all
+        (`group_use`: a hybrid takes lookup drafts where they look better, and then the group was
+        computed for nothing; learned per source of this step's draft, since lookup matches come in runs)."""
+        use = self.costs.group_use
+        share = sum(use[source_key(s)].value for s in draft.sources) / len(draft.sources)
+        return share * max(0.0, self.group_gain.value - self.verify_cost())
+
+    def tree(self, draft: Draft, uses_groups: bool, room: int | None) -> tuple[Draft, "StepPlan"]:
+        """A step over the draft's tree (greedy, batch 1): the likeliest nodes (chain proposals and
+        siblings, by the chance the step reaches them), then groups after the nodes where the step
+        most likely ends, within the budget. plan='cost': the most expected tokens per measured
+        second; 'adaptive': the most expected tokens, from nodes and ends with chance >= min_chance.
+        Expected tokens: y, plus each node's reach, plus each group's end chance times what a group
+        is worth. A parent is always reached at least as often as its child, so the likeliest nodes
+        are a tree. Exact for any choice: which nodes are kept reads their chances only."""
+        k, m, cost = self.k, draft.tokens.shape[1], self.mode == "cost"
+        chances = draft.sibling_confidence[0].float().clamp(0, 1).tolist()
+        parents = [-1, *range(m - 1), *(draft.sibling_parents if draft.sibling_parents is not None else (0,) * len(chances))]
+        reach, depth = reach_chances(draft)[0].tolist() + [0.0] * len(chances), list(range(m)) + [0] * len(chances)
+        for i, c in enumerate(chances):
+            reach[m + i], depth[m + i] = reach[parents[m + i]] * c, depth[parents[m + i]] + 1
+        order = sorted(range(1, len(reach)), key=lambda s: (-reach[s], depth[s], s))
+        if not cost:
+            order = [s for s in order if reach[s] >= self.min_chance]
+        worth = self.group_worth(draft) if cost else self.group_gain.value
+        deepest = None if room is None else room - k  # a group after a node at depth d uses offsets d + 1 .. d + k
+        ends, tokens, best = {0: 1.0}, 1.0, None
+        for t in range(min(len(order), self.budget - 1) + 1):  # the t likeliest nodes
+            if t:
+                s = order[t - 1]
+                ends[s], tokens = reach[s], tokens + reach[s]
+                ends[parents[s]] -= reach[s]
+            where = sorted((s for s in ends if uses_groups and (deepest is None or depth[s] <= deepest)), key=lambda s: -ends[s])
+            if not cost:
+                where = where[:1] + [s for s in where[1:] if ends[s] >= self.min_chance]
+            most = min(len(where), (self.budget - 1 - t) // k)
+            for g in range(most + 1) if cost else (most,):
+                value = tokens + worth * sum(max(0.0, ends[s]) for s in where[:g])
+                score = value / self.costs.price(1 + t + g * k, g > 0) if cost else value
+                if best is None or score > best[0]:
+                    best = (score, t, where[:g])
+        _, t, groups = best
+        kept = set(order[:t])
+        n = 1 + sum(1 for s in kept if s < m)  # chain nodes kept: a prefix of the chain
+        off = sorted(s for s in kept if s >= m)  # siblings kept, parents first
+        slot = {**{d: d for d in range(n)}, **{s: n + i for i, s in enumerate(off)}}
+        branches = tuple(slot[parents[s]] for s in off)
+        cut_draft = cut(draft, n)
+        index = [s - m for s in off]
+        cut_draft = replace(cut_draft, siblings=draft.siblings[:, index], sibling_confidence=draft.sibling_confidence[:, index], sibling_parents=branches)
+        return cut_draft, StepPlan(n, tuple(sorted(slot[s] + 1 for s in groups)), k, branches)
 
     def verify_cost(self) -> float:
         """What verifying a group's draft costs the next step, in tokens: the time a step with
@@ -296,17 +348,13 @@ class Planner:
         fits = m if room is None else min(m, room - self.k + 1)  # a group at j uses offsets j .. j + k - 1
         if not uses_groups or fits < 1:
             return StepPlan(m, (), self.k)
-        alts = [] if per_row or m == 1 or self.mode == "full" else sibling_chances(draft, self.siblings, room, self.k)
-        alts = [c for c in alts if c >= self.min_chance][: max(0, self.budget - m - self.k)]
-        most = max(1, (self.budget - m - len(alts)) // self.k)
+        most = max(1, (self.budget - m) // self.k)
         if self.mode == "full" or draft.confidence is None or m == 1:
             return StepPlan(m, tuple(range(1, min(fits, most) + 1)), self.k)
         chance = accepted_length_chances(draft, per_row)[:fits]
-        chance[0] = max(0.0, chance[0] - sum(alts))  # a sibling is accepted only where proposal 1 is not
-        lengths = dict(enumerate(chance)) | {m + i: c for i, c in enumerate(alts)}  # index i: anchor i + 1
-        order = sorted(lengths, key=lambda i: -lengths[i])
-        picked = [order[0]] + [i for i in order[1:most] if lengths[i] >= self.min_chance]
-        return StepPlan(m, tuple(sorted(i + 1 for i in picked)), self.k, len(alts))
+        order = sorted(range(len(chance)), key=lambda i: -chance[i])
+        picked = [order[0]] + [i for i in order[1:most] if chance[i] >= self.min_chance]
+        return StepPlan(m, tuple(sorted(i + 1 for i in picked)), self.k)
 
 
 PLANS = ("cost", "adaptive", "full")
@@ -414,14 +462,6 @@ def costs_of(model, setting: tuple = ()) -> StepCosts:
         tables = {}
         object.__setattr__(model, "_tidar_step_costs", tables)
     return tables.setdefault(setting, StepCosts())
-
-
-def sibling_chances(draft: Draft, most: int, room: int | None, k: int) -> list[float]:
-    """The chance each of the draft's first `most` siblings is accepted (batch 1 only; none where a
-    group after a sibling, at offsets 2..k + 1, would pass the model's last position)."""
-    if not most or draft.siblings is None or draft.tokens.shape[0] != 1 or (room is not None and room < k + 1):
-        return []
-    return draft.sibling_confidence[0, :most].float().clamp(0, 1).tolist()
 
 
 def accepted_length_chances(draft: Draft, per_row: bool = False) -> list[float]:
@@ -595,7 +635,7 @@ def decode(model, run, drafter, planner: Planner, beta: float = 1.0, record=None
             remaining = run.max_new - (state.seqs.shape[1] - P)  # y of the next step is one of them
             room = None if limit is None else limit - 1 - int(state.start.max())  # positions left after draft 0
             most = min(remaining - 1, planner.max_proposals(drafter.uses_groups), room if room is not None else remaining)
-            ctx = DraftContext(state.seqs, state.kv_valid, most, pick, processors, memo(group), planner.siblings if B == 1 else 0)
+            ctx = DraftContext(state.seqs, state.kv_valid, most, pick, processors, memo(group), planner.siblings if B == 1 else 0, planner.budget - 1)
             draft, plan = planner.step(drafter.propose(ctx) or fresh(state.seqs[:, -1]), drafter.uses_groups, room)
         state.finish()
         started = time.perf_counter()
@@ -606,15 +646,11 @@ def decode(model, run, drafter, planner: Planner, beta: float = 1.0, record=None
             scores = process(processors, state.seqs, draft.tokens[:, 1:], ar)  # row i: after seqs ++ drafts 1..i
             accepted = pick.verify(scores, draft)
             j = int(accepted[state.active].min())  # rows share one cache length: commit the least
-            sib = sibling_accepted(plan, draft, scores, j)
-            if sib is not None:  # draft 1 was rejected, a sibling holds the AR token: take its branch
-                slot = plan.n_drafts + sib
-                token = draft.siblings[:, sib]
-                sib_ar = out.rows(slot, slot + 1)
-                sib_scores = process(processors, torch.cat([state.seqs, token[:, None]], 1), state.seqs[:, :0], sib_ar)
-                planner.timed(plan, time.perf_counter() - started, draft, accepted + 1, torch.full_like(accepted, slot + 1))
-                g = plan.group_start(slot + 1)
-                y = pick.token(sib_scores[:, 0])
+            if plan.branches:  # a tree: follow the AR's tokens down it, off the chain where they lead
+                path, scored, raw = walk(plan, draft, out, state.seqs, processors, pick, scores, ar)
+                y, j = pick.token(scored[-1]), len(path)
+                planner.timed(plan, time.perf_counter() - started, draft, torch.full_like(accepted, j), torch.full_like(accepted, path[-1] + 1))
+                g = plan.group_start(path[-1] + 1)
             else:
                 planner.timed(plan, time.perf_counter() - started, draft, accepted, torch.full_like(accepted, j))  # int() above waited for the device
                 g = plan.group_start(j)
@@ -622,37 +658,52 @@ def decode(model, run, drafter, planner: Planner, beta: float = 1.0, record=None
                 if beta != 1.0 and g is not None:
                     target = process(processors, state.seqs, draft.tokens[:, 1:j], mix(ar[:, j - 1], out.rows(g, g + 1)[:, 0], beta)[:, None])[:, 0]
                 y = pick.next_token(target, draft, accepted, j, exact=beta == 1.0)
+                path, scored, raw = list(range(j)), scores[:, :j].unbind(1), ar[:, :j].unbind(1)
             if hasattr(drafter, "observe"):
                 drafter.observe(draft, accepted)  # the chain's acceptance: what its confidence predicted
-        if sib is not None:
-            if record is not None:
-                record[0].extend([scores[:, 0], sib_scores[:, 0]])
-                record[1].extend([ar[:, 0].float(), sib_ar[:, 0].float()])
-            with record_function("tidar.crop"):
-                keep_slots(state.cache, state.cache_valid.shape[1], [0, slot])
-            new_tokens, j = torch.cat([token[:, None], y[:, None]], 1), 2
-            state.sibling_steps += 1
-        else:
-            if record is not None:
-                record[0].extend(scores[:, :j].unbind(1))
-                record[1].extend(ar[:, :j].float().unbind(1))
-            with record_function("tidar.crop"):
-                state.cache.crop(-(plan.slots - j))  # keep the j accepted drafts, drop the rest
-            new_tokens = torch.cat([draft.tokens[:, 1:j], y[:, None]], 1)
+        if record is not None:
+            record[0].extend(scored)
+            record[1].extend(a.float() for a in raw)
+        with record_function("tidar.crop"):
+            if path[-1] == j - 1:  # the chain's first j slots: a prefix of the step
+                state.cache.crop(-(plan.slots - j))
+            else:  # a branch off the chain is not a prefix, so `crop` cannot keep it
+                keep_slots(state.cache, state.cache_valid.shape[1], path)
+                state.sibling_steps += 1
+        slot_tokens = torch.cat([draft.tokens, draft.siblings[:, : len(plan.branches)]], 1) if plan.branches else draft.tokens
+        new_tokens = torch.cat([slot_tokens[:, path[1:]], y[:, None]], 1)
         group = (lambda out=out, g=g: (out.rows(g + 1, g + k), None)) if g is not None else (lambda: (None, None))
         state.record(j, plan, draft, out)
     state.finish()
     return state
 
 
-def sibling_accepted(plan: StepPlan, draft: Draft, scores: torch.Tensor, j: int) -> int | None:
-    """Which sibling the AR head accepts, if any: where the chain stopped at draft 0 (j = 1), the
-    sibling equal to the AR's token there. Greedy and batch 1 only (the planner offers siblings
-    nowhere else), so the AR's token is the argmax of its processed scores."""
-    if not plan.siblings or j != 1:
-        return None
-    hit = (draft.siblings[0, : plan.siblings] == scores[0, 0].argmax(-1)).nonzero()
-    return int(hit[0, 0]) if hit.numel() else None
+def walk(plan: StepPlan, draft: Draft, out: Output, seqs, processors, pick, chain_scores, chain_ar):
+    """Greedy verification of a tree (batch 1): from draft 0, the AR's token at each node picks the
+    child that holds it, until none does. Returns the path (slots from draft 0), and the processed
+    scores and raw logits of each node on it, which AR would have produced for the same tokens: each
+    node's row is processed with its own path as prefix. chain_scores, chain_ar: the chain's rows,
+    already processed with the chain as prefix (the path's nodes while it stays on the chain)."""
+    tokens = torch.cat([draft.tokens, draft.siblings[:, : len(plan.branches)]], 1)
+    values = tokens[0].tolist()
+    kids: dict[int, list[int]] = {}
+    for child, parent in enumerate(plan.parents()[1:], 1):
+        kids.setdefault(parent, []).append(child)
+    path, scored, raw = [0], [], []
+    while True:
+        s = path[-1]
+        if s == len(path) - 1 and s < plan.n_drafts:  # still on the chain
+            scores, ar = chain_scores[:, s], chain_ar[:, s]
+        else:
+            ar = out.rows(s, s + 1)[:, 0]
+            scores = process(processors, torch.cat([seqs, tokens[:, path[1:]]], 1), seqs[:, :0], ar[:, None])[:, 0]
+        scored.append(scores)
+        raw.append(ar)
+        y = int(pick.token(scores)[0])
+        nxt = [c for c in kids.get(s, ()) if values[c] == y]
+        if not nxt:
+            return path, scored, raw
+        path.append(nxt[0])
 
 
 def keep_slots(cache, cache_len: int, slots: list[int]) -> None:

@@ -31,7 +31,8 @@ class Decoder:
     (linear layers on weights packed for oneDNN, grouped key/value heads attended in place; the
     export's generate() runs them by default, the base's generate() does not): False runs PyTorch's
     stock product and transformers' own attention path, what transformers alone gives. siblings:
-    TiDAR's alternatives to draft 1 verified beside the chain (None: the engine's default)."""
+    TiDAR's alternatives to each drafted token verified beside the chain, a tree (None: the engine's
+    default). slot_budget: TiDAR's most query slots a step (None: the engine's default, 20 at k = 4)."""
 
     weights: str = "export"
     tidar: bool = False
@@ -41,6 +42,7 @@ class Decoder:
     plan: str | None = None
     pack_weights: bool = True
     siblings: int | None = None
+    slot_budget: int | None = None
 
     def generate_kwargs(self, k: int | None, prompt_lookup_tokens: int) -> dict:
         kwargs = {}
@@ -54,6 +56,8 @@ class Decoder:
             kwargs["plan"] = self.plan
         if self.siblings is not None:
             kwargs["siblings"] = self.siblings
+        if self.slot_budget is not None:
+            kwargs["slot_budget"] = self.slot_budget
         if self.lookup:
             kwargs["prompt_lookup_num_tokens"] = prompt_lookup_tokens
         if self.weights == "export" and not self.pack_weights:
@@ -77,6 +81,9 @@ DECODERS = {
     # Chains only, as every record before siblings measured it; tidar_diffusion_tree with siblings.
     "tidar_diffusion": Decoder(tidar=True, drafter="diffusion", plan="adaptive", siblings=0),
     "tidar_diffusion_tree": Decoder(tidar=True, drafter="diffusion", plan="adaptive", siblings=3),
+    # The same tree at a GPU's width: ~90 query slots a step, about the price of one slot on a GPU
+    # (bench_gpu's slot curve), many times that on a CPU. Its T/NFE is the GPU's speed-up to expect.
+    "tidar_diffusion_wide": Decoder(tidar=True, drafter="diffusion", plan="adaptive", siblings=7, slot_budget=96),
     "tidar_lookup": Decoder(tidar=True, drafter="lookup", plan="cost"),  # transformers' prompt lookup, verified where it pays
     "base_prompt_lookup": Decoder(weights="base", lookup=True, pack_weights=False),  # what a user gets without converting
 }
