@@ -119,7 +119,9 @@ def grow(draft: Draft, alt_tokens: torch.Tensor, alt_chances: torch.Tensor, most
             slot = depth  # the chain's own proposal
         else:
             slot = m + len(tokens)
-            tokens.append(token), parents.append(parent), conditional.append(c)
+            tokens.append(token)
+            parents.append(parent)
+            conditional.append(c)
         push(-neg, depth, slot, chained)
     device = draft.tokens.device
     draft.siblings = torch.tensor([tokens], dtype=draft.tokens.dtype, device=device).view(1, -1)

@@ -198,7 +198,7 @@ class Planner:
         if slot_budget is not None and slot_budget < 1 + k:
             raise ValueError(f"slot_budget={slot_budget}: a step needs at least 1 + block_size = {1 + k} query slots.")
         if siblings < 0:
-            raise ValueError(f"siblings={siblings}: the alternatives to a draft's first proposal a step may verify; use 0 (none) or more.")
+            raise ValueError(f"siblings={siblings}: the alternatives to each drafted token a step may verify; use 0 (chains only) or more.")
         self.k, self.mode, self.siblings = k, mode, siblings
         self.costs = costs if costs is not None else StepCosts()
         self.group_gain = self.costs.group_gain
@@ -575,13 +575,17 @@ def run_step(model, state: DecodeState, draft: Draft, plan: StepPlan, mask_id: i
     B = draft.tokens.shape[0]
     with record_function("tidar.mask"):
         masks = torch.full((B, plan.slots - plan.causal), mask_id, device=draft.tokens.device)
-        siblings = draft.siblings[:, : plan.siblings] if plan.siblings else draft.tokens[:, :0]
-        tokens = torch.cat([draft.tokens, siblings, masks], 1)
+        tokens = torch.cat([causal_tokens(draft, plan), masks], 1)
         mask = decode_step_mask(state.cache_valid, plan.causal, plan.k, plan.anchors, model.config._attn_implementation, plan.parents())
         positions = plan.positions(state.start)
     out = forward(model, state.cache, tokens, positions, mask, read=plan.read())
     state.nfe += 1
     return out
+
+
+def causal_tokens(draft: Draft, plan: StepPlan) -> torch.Tensor:
+    """The tokens of the step's causal slots: the chain, then the branches the plan kept."""
+    return torch.cat([draft.tokens, draft.siblings[:, : len(plan.branches)]], 1) if plan.branches else draft.tokens
 
 
 def commit(run, state: DecodeState, new_tokens, scores=None) -> None:
@@ -646,8 +650,9 @@ def decode(model, run, drafter, planner: Planner, beta: float = 1.0, record=None
             scores = process(processors, state.seqs, draft.tokens[:, 1:], ar)  # row i: after seqs ++ drafts 1..i
             accepted = pick.verify(scores, draft)
             j = int(accepted[state.active].min())  # rows share one cache length: commit the least
+            tokens = causal_tokens(draft, plan)
             if plan.branches:  # a tree: follow the AR's tokens down it, off the chain where they lead
-                path, scored, raw = walk(plan, draft, out, state.seqs, processors, pick, scores, ar)
+                path, scored, raw = walk(plan, tokens, out, state.seqs, processors, pick, scores, ar)
                 y, j = pick.token(scored[-1]), len(path)
                 planner.timed(plan, time.perf_counter() - started, draft, torch.full_like(accepted, j), torch.full_like(accepted, path[-1] + 1))
                 g = plan.group_start(path[-1] + 1)
@@ -670,21 +675,20 @@ def decode(model, run, drafter, planner: Planner, beta: float = 1.0, record=None
             else:  # a branch off the chain is not a prefix, so `crop` cannot keep it
                 keep_slots(state.cache, state.cache_valid.shape[1], path)
                 state.sibling_steps += 1
-        slot_tokens = torch.cat([draft.tokens, draft.siblings[:, : len(plan.branches)]], 1) if plan.branches else draft.tokens
-        new_tokens = torch.cat([slot_tokens[:, path[1:]], y[:, None]], 1)
+        new_tokens = torch.cat([tokens[:, path[1:]], y[:, None]], 1)
         group = (lambda out=out, g=g: (out.rows(g + 1, g + k), None)) if g is not None else (lambda: (None, None))
         state.record(j, plan, draft, out)
     state.finish()
     return state
 
 
-def walk(plan: StepPlan, draft: Draft, out: Output, seqs, processors, pick, chain_scores, chain_ar):
+def walk(plan: StepPlan, tokens: torch.Tensor, out: Output, seqs, processors, pick, chain_scores, chain_ar):
     """Greedy verification of a tree (batch 1): from draft 0, the AR's token at each node picks the
     child that holds it, until none does. Returns the path (slots from draft 0), and the processed
     scores and raw logits of each node on it, which AR would have produced for the same tokens: each
-    node's row is processed with its own path as prefix. chain_scores, chain_ar: the chain's rows,
-    already processed with the chain as prefix (the path's nodes while it stays on the chain)."""
-    tokens = torch.cat([draft.tokens, draft.siblings[:, : len(plan.branches)]], 1)
+    node's row is processed with its own path as prefix. tokens: the causal slots' (causal_tokens).
+    chain_scores, chain_ar: the chain's rows, already processed with the chain as prefix (the path's
+    nodes while it stays on the chain)."""
     values = tokens[0].tolist()
     kids: dict[int, list[int]] = {}
     for child, parent in enumerate(plan.parents()[1:], 1):
