@@ -89,6 +89,12 @@ def test_gate_slice_and_rows_agree():
     none = Gate(9)
     none.set(torch.tensor([[1, 2, 3]]))
     assert not none.open and torch.equal(none.add(out.clone(), x, At, Bt), out)
+    # A bf16 model with fp32 deltas (attach on CPU): the product runs in fp32 and lands in bf16.
+    for gate, n in ((one, 1), (trailing, 2), (scattered, 2)):
+        got = gate.add(out[:n].bfloat16(), x[:n].bfloat16(), At, Bt)
+        want = out[:n].bfloat16() + (x[:n].bfloat16().float() @ At @ Bt).bfloat16() * gate.weights(out[:n])
+        assert got.dtype == torch.bfloat16
+        torch.testing.assert_close(got.float(), want.float(), atol=0.05, rtol=0.02)
 
 
 def ar_only(model, steps=120, lr=3e-3):
@@ -121,6 +127,20 @@ def scoped(tiny_dirs, tmp_path_factory):
     train_tiny(model, steps=120, lr=1e-2)
     out = export(model, tok, tmp_path_factory.mktemp("scoped") / "tidar", block_size=4, alpha=1.0)
     return base, model, out, prompt, before
+
+
+def test_a_half_precision_cpu_model_keeps_its_adapter_in_fp32(scoped):
+    from transformers import AutoModelForCausalLM
+
+    from tidar_convert.adapter import ensure
+
+    _, _, out, prompt, _ = scoped
+    lm = AutoModelForCausalLM.from_pretrained(out, dtype=torch.bfloat16).eval()
+    ensure(lm)
+    assert {m.tidar_lora_At.dtype for m in lm.modules() if hasattr(m, "tidar_lora_At")} == {torch.float32}
+    with torch.no_grad():
+        generate(prompt, model=lm, max_new_tokens=12, do_sample=False, eos_token_id=None, drafter="diffusion", plan="full")
+    assert lm.tidar_stats["tokens_per_nfe"] > 1.2  # the fp32 deltas still draft in a bf16 forward
 
 
 def test_drafts_learn_while_the_ar_model_stays_the_base(scoped):
