@@ -49,6 +49,12 @@ class Draft:
         if not self.sources:
             self.sources = ["none" if m == 1 else "?"] * B
 
+    def parents(self) -> tuple[int, ...]:
+        """Each sibling's parent slot: sibling_parents, or draft 0 for every one where it is None."""
+        if self.siblings is None:
+            return ()
+        return self.sibling_parents if self.sibling_parents is not None else (0,) * self.siblings.shape[1]
+
 
 @dataclass
 class DraftContext:
@@ -305,7 +311,7 @@ def besides(look: Draft, diff: Draft):
     """The diffusion draft's choices for the first proposal (its own, then its alternatives there)
     other than the lookup draft's, as alternatives to the lookup chain's first proposal: as many as
     diff has alternatives there."""
-    first = [i for i, p in enumerate(diff.sibling_parents) if p == 0] if diff.sibling_parents is not None else list(range(diff.siblings.shape[1]))
+    first = [i for i, p in enumerate(diff.parents()) if p == 0]
     tokens = torch.cat([diff.tokens[:, 1:2], diff.siblings[:, first]], 1)
     conf = torch.cat([diff.confidence[:, :1], diff.sibling_confidence[:, first]], 1)
     return without(tokens, conf, look.tokens[:, 1], len(first))

@@ -261,7 +261,7 @@ class Planner:
         are a tree. Exact for any choice: which nodes are kept reads their chances only."""
         k, m, cost = self.k, draft.tokens.shape[1], self.mode == "cost"
         chances = draft.sibling_confidence[0].float().clamp(0, 1).tolist()
-        parents = [-1, *range(m - 1), *(draft.sibling_parents if draft.sibling_parents is not None else (0,) * len(chances))]
+        parents = [-1, *range(m - 1), *draft.parents()]
         reach, depth = reach_chances(draft)[0].tolist() + [0.0] * len(chances), list(range(m)) + [0] * len(chances)
         for i, c in enumerate(chances):
             reach[m + i], depth[m + i] = reach[parents[m + i]] * c, depth[parents[m + i]] + 1
