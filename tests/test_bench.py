@@ -293,8 +293,10 @@ def test_a_new_decoder_is_one_table_entry(tiny_export, monkeypatch):
     assert row["tidar_k2"]["slots_per_step"] < row["tidar"]["slots_per_step"]  # it really ran with its own k (fewer slots a step)
 
 
-@pytest.mark.parametrize("decoder,packed", [("ar", True), ("ar_stock", False), ("tidar", True)])
-def test_each_row_runs_the_kernels_it_names(tiny_export, decoder, packed):
+@pytest.mark.parametrize("decoder,pays,packed", [("ar", True, True), ("ar", False, False), ("ar_stock", True, False), ("tidar", True, True), ("tidar", False, False)])
+def test_each_row_runs_the_kernels_it_names(tiny_export, decoder, pays, packed, monkeypatch):
+    """Default rows run what generate() chooses on this machine (packed where kernels.packing_pays,
+    here faked either way), ar_stock the stock product whatever packing would give."""
     from transformers import AutoTokenizer
 
     from tidar_convert import kernels
@@ -302,6 +304,7 @@ def test_each_row_runs_the_kernels_it_names(tiny_export, decoder, packed):
 
     if packed and not kernels.available():
         pytest.skip("this torch build has no oneDNN packed linear")
+    monkeypatch.setattr(kernels, "packing_pays", lambda model: pays)
     lm, tok = load(tiny_export), AutoTokenizer.from_pretrained(tiny_export)
     layer = lm.get_output_embeddings()
     seen = []
@@ -430,7 +433,10 @@ def test_slot_plot_marks_each_decoder_step(tmp_path, monkeypatch):
     stock = [{"slots": n, "ms": 2 * p["ms"]} for n, p in zip((1, 2, 4, 8, 16), points)]
     both = slots.decoder_steps({**summary, "ar_stock": {"slots_per_step": 1.0}}, points, stock)
     assert both["ar_stock"] == {"slots_per_step": 1.0, "ms": 20.0, "vs_one_slot": 1.0, "beyond_curve": False, "curve": "stock"}
-    assert both["tidar"] == {**at["tidar"], "curve": "packed"}
+    assert both["tidar"] == {**at["tidar"], "curve": "default"}
+    plots.plot_slots(points, tmp_path / "products.png", "t", stock=stock, packed=points)  # the two products the default chose between
+    labels = [line.get_label() for line in figures[-1].axes[0].get_lines()]
+    assert "one forward, stock PyTorch product" in labels and "one forward, packed weights" in labels
     assert "full TiDAR step: k + k*k = 20" in [t.get_text() for t in ax.get_legend().get_texts()]
 
 

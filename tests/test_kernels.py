@@ -1,6 +1,6 @@
 """Packed CPU linear layers (kernels.py): the same products as PyTorch's, rows independent of how many
-share a call, weights repacked when they change, stock product wherever gradients are needed, and
-generate() decoding the same tokens with them on every path."""
+share a call, weights repacked when they change, stock product wherever gradients are needed, packed
+by default only where timed faster, and generate() decoding the same tokens with them on every path."""
 
 from __future__ import annotations
 
@@ -91,6 +91,8 @@ def test_generate_gives_the_same_tokens_packed_or_not_and_restores_the_layers(un
     ids = torch.randint(3, 300, (2, 9), generator=torch.Generator().manual_seed(1))
     kw = dict(model=model, max_new_tokens=20, eos_token_id=None, pad_token_id=0, tidar=tidar)
     stock = generate(ids, pack_weights=False, **kw)
+    assert torch.equal(generate(ids, **kw), stock)  # the default: whichever product was timed faster here
+    kw["pack_weights"] = True
     assert torch.equal(generate(ids, **kw), stock)
     assert not swapped(model)
     def fail(input_ids, scores, **kwargs):
@@ -142,3 +144,52 @@ def test_grouped_attention_attends_in_place_to_the_same_values(untrained, family
     assert model.config._attn_implementation == "sdpa"
     with kernels.grouped_attention(model, enabled=False):
         assert model.config._attn_implementation == "sdpa"
+
+
+def fake_timings(monkeypatch, packed_ms: dict, stock_ms: dict) -> list:
+    """pass_seconds from a table of milliseconds by rows; returns the log of (rows, packed) timed."""
+    timed = []
+
+    def seconds(layers, rows, packed):
+        timed.append((rows, packed))
+        return (packed_ms if packed else stock_ms)[rows] / 1000
+
+    monkeypatch.setattr(kernels, "pass_seconds", seconds)
+    return timed
+
+
+@pytest.mark.parametrize("packed_ms,pays", [
+    ({1: 45, 8: 55}, False),  # an AMX Xeon in fp32: stock wins the AR step by more than it loses the TiDAR step
+    ({1: 44, 8: 54}, True),  # a Xeon without AMX, where the stock product of 2 to 13 rows is slow
+])
+def test_auto_packs_only_where_a_pass_is_timed_faster(monkeypatch, packed_ms, pays):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Linear(32, 16))
+    model.config = type("Config", (), {"_attn_implementation": "eager"})()
+    timed = fake_timings(monkeypatch, packed_ms, {1: 35, 8: 64})
+    with torch.no_grad():
+        with kernels.cpu_kernels(model, True):  # forced: packed whatever the timing
+            assert len(swapped(model)) == 2
+            model(torch.randn(1, 16))
+        assert not timed and all(layer in kernels._PACKED for layer in model)
+        with kernels.cpu_kernels(model):  # the default: "auto"
+            assert bool(swapped(model)) == pays
+            model(torch.randn(1, 16))
+        assert sorted(set(timed)) == [(1, False), (1, True), (8, False), (8, True)]  # both products, both row counts
+        assert timed[0] == (1, True) and len(timed) == 1 + 3 * 4  # one untimed pass packs, then three of each
+        # A model where packing does not pay keeps no packed copy (it would be one more copy of every weight).
+        assert all((layer in kernels._PACKED) == pays for layer in model)
+        with kernels.cpu_kernels(model, "auto"), kernels.cpu_kernels(model, "auto"):  # timed once per model
+            pass
+        assert len(timed) == 13
+        with kernels.cpu_kernels(model, False):
+            assert not swapped(model)
+        model.to(torch.bfloat16)  # another dtype: timed again
+        kernels.packing_pays(model)
+        assert len(timed) == 26
+
+
+def test_pack_weights_must_be_a_bool_or_auto(untrained):
+    ids = torch.randint(3, 300, (1, 5), generator=torch.Generator().manual_seed(0))
+    with pytest.raises(ValueError, match=r"pack_weights='yes'.*True, False or 'auto'"):
+        generate(ids, model=untrained["qwen2"], max_new_tokens=4, pack_weights="yes")

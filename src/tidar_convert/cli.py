@@ -368,7 +368,7 @@ def generate_cmd(
     no_chat_template: bool = False,
     block_size: int | None = None,
     dtype: str = "float32",
-    pack_weights: bool = True,
+    pack_weights: bool | str = "auto",
     json: bool = False,
 ) -> None:
     """Generate with an exported TiDAR model.
@@ -385,9 +385,10 @@ def generate_cmd(
         no_chat_template: feed the prompt as raw text even if the tokenizer has a chat template.
         block_size: drafts per step (default: the trained block size).
         dtype: float32 or bfloat16 (bf16 is faster; float32 keeps greedy TiDAR token-identical to AR).
-        pack_weights: on CPU, linear layers run on weights packed once for oneDNN and attention
-            attends grouped key/value heads in place (kernels.cpu_kernels): faster, at one more copy
-            of the weights in memory; false runs PyTorch's stock product and attention path.
+        pack_weights: on CPU, auto (default) runs linear layers on weights packed once for oneDNN where
+            that is measured faster on this machine, at one more copy of the weights in memory; true
+            always, false never (PyTorch's stock product and attention path). Attention attends grouped
+            key/value heads in place unless false (kernels.cpu_kernels).
         json: print one JSON object (text, new_tokens, nfe, tokens_per_nfe, seconds).
     """
     import torch

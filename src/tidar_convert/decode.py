@@ -31,7 +31,7 @@ from transformers.generation.utils import GenerateDecoderOnlyOutput
 from .adapter import ensure as ensure_adapter
 from .drafters import Draft, make_drafter  # noqa: F401  (Draft: for callers that build drafts by hand)
 from .engine import Planner, cache_kwargs, costs_of, decode  # noqa: F401  (cache_kwargs: used by the bench)
-from .kernels import cpu_kernels
+from .kernels import cpu_kernels, resolve as resolve_kernels
 from .layout import decode_mask_mod  # noqa: F401  (imported here so a missing layout.py is named as generate.py's import)
 from .verify import Greedy, Sampling
 
@@ -191,7 +191,7 @@ def generate(
     plan: str = "cost",
     slot_budget: int | None = None,
     siblings: int = 3,
-    pack_weights: bool = True,
+    pack_weights: bool | str = "auto",
     **kwargs,
 ):
     """TiDAR `generate()`. Same arguments as transformers' generate, plus:
@@ -221,12 +221,13 @@ def generate(
         reaches, and may pre-draft a group after any of them. Greedy, batch 1, beta = 1 only
         (elsewhere 0). Exact: the AR's token at each node picks the child holding it, and the step
         commits that path. Default 3; 0: chains only.
-    pack_weights: on CPU, linear layers run oneDNN's product on weights packed once (kernels.py), for
-        every path (tidar=False and prompt lookup too): extra query slots become nearly free and rows
-        do not depend on how many share a step. It keeps one packed copy of each weight for the model's
-        lifetime (kernels.release frees it). Attention under a mask attends grouped key/value heads in
-        place instead of copying the cache to every query head (kernels.grouped_attention). False:
-        PyTorch's stock product and transformers' own attention path, no copy.
+    pack_weights: on CPU, the linear layers' product, the same for every path (tidar=False and prompt
+        lookup too). "auto" (default): oneDNN's product on weights packed once (kernels.py) where a
+        pass through the model's layers at 1 and 8 rows is faster that way than with PyTorch's stock
+        product, timed once per model and dtype (about 0.5 s; kernels.packing_pays); packing keeps one
+        more copy of each weight (kernels.release frees it). True: always packed; False: stock, and
+        transformers' own attention path. Otherwise attention under a mask attends grouped key/value
+        heads in place instead of copying the cache to every query head (kernels.grouped_attention).
 
     generation_config and keyword arguments are merged with the model's defaults as transformers does.
     Logits processors (transformers' own, built from the config, plus `logits_processor`) apply to
@@ -242,7 +243,7 @@ def generate(
     chosen = make_drafter(drafter)
     ensure_adapter(model)  # an export trained with lora_scope='masks': its drafts' adapter, once
     run = prepare(model, input_ids, generation_config, block_size, beta, kwargs)
-    setting = (pack_weights, model.dtype, model.device.type, run.input_ids.shape[0])  # what a step's price depends on
+    setting = (resolve_kernels(model, pack_weights), model.dtype, model.device.type, run.input_ids.shape[0])  # what a step's price depends on
     tree = isinstance(run.pick, Greedy) and beta == 1.0 and run.input_ids.shape[0] == 1  # where siblings are exact
     # siblings < 0 goes through, for Planner to refuse by name
     planner = Planner(run.k, plan, slot_budget, costs=costs_of(model, setting), siblings=siblings if tree or siblings < 0 else 0)

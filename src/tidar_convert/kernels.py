@@ -1,27 +1,38 @@
-"""Linear layers on CPU with their weights packed once for oneDNN, so extra query slots are nearly free.
+"""Linear layers on CPU with their weights packed once for oneDNN, where that makes extra query slots nearly free.
 
 TiDAR rests on one fact about decoding: a forward of a few query slots costs about what a forward of
-one slot costs, because reading the weights dominates. PyTorch's stock CPU linear breaks that. Its
-MKL path runs 2 or 3 rows as 2 or 3 matrix-vector products and 4 to 13 rows through a GEMM that
-repacks the weights on every call. On SmolLM2-135M in fp32 (2 cores, a 256-token cache), one forward
-takes 59 ms for 1 slot, 96 ms for 2 and 93 ms for 8. With each weight reordered once into oneDNN's
-blocked layout (what torch.compile's CPU freezing does), it takes 44, 49 and 54 ms: the regime the
-paper assumes, and a faster AR step too (bench/results/masks-greedy-600-fp32-packed.json,
-slot_latency `points_stock` and `points`).
+one slot costs, because reading the weights dominates. PyTorch's stock CPU linear breaks that on some
+machines. On a 2-core Xeon without AMX, its MKL path runs 2 or 3 rows as 2 or 3 matrix-vector
+products and 4 to 13 rows through a GEMM that repacks the weights on every call: one forward of
+SmolLM2-135M in fp32 (a 256-token cache) takes 59 ms for 1 slot, 96 ms for 2 and 93 ms for 8. With
+each weight reordered once into oneDNN's blocked layout (what torch.compile's CPU freezing does), it
+takes 44, 49 and 54 ms (bench/results/masks-greedy-600-fp32-packed.json). On a 2-core Xeon with AMX
+and AVX-512 the stock product wins where it matters most: 35, 38 and 60 ms against 45, 44 and 55
+(bench/results/best-tree-600-fp32.json, `points_stock` and `points`), so AR ran 1.29x faster there
+without packing.
 
-The packed product is also row-invariant: a row's result does not depend on how many rows share the
-call (measured bitwise for 1 to 13 rows), so the rows TiDAR verifies compute what AR computes there.
+So which product runs is measured, not assumed: `packing_pays(model)` times one pass through the
+model's linear layers at 1 row (an AR step) and at 8 rows (a TiDAR step) with each, once per model and
+dtype, about half a second; `cpu_kernels(model, "auto")`, what generate() enters for every path
+(TiDAR, plain AR, prompt lookup), packs only where that pass is faster. One product for every row
+count, so every decoder on a model runs the same kernels.
+
+Neither product makes a row's result independent of how many rows share the call on every machine:
+packed, it is on the Xeon without AMX (measured bitwise for 1 to 13 rows) but not on the one with AMX
+(a 1536-input layer gives other low bits for 1 row than for 2 or more), and stock it is not on
+either. Attention with one query and with several differ in the low bits too. So greedy TiDAR equals
+greedy AR where the AR's best token leads by more than that noise, about 1e-4 in fp32 logits on
+SmolLM2-135M: on every bench prompt so far, and checked by the greedy identity tests.
 
 `packed_linears(model)` swaps every eligible `nn.Linear.forward` for the packed one while it is
-entered; `generate()` enters it for every path (TiDAR, plain AR, prompt lookup), so every decoder on a
-model uses the same kernels. A layer's packed weight is kept while the layer lives (one more copy of its
-weight) and made again when the weight changes (another tensor, or an in-place update). Training and
-anything that needs gradients run the stock product.
+entered. A layer's packed weight is kept while the layer lives (one more copy of its weight) and made
+again when the weight changes (another tensor, or an in-place update); a model where packing does not
+pay keeps none. Training and anything that needs gradients run the stock product.
 
 `grouped_attention(model)` does the same for attention: under a mask, transformers' SDPA path copies
 each layer's grouped key/value heads to every query head first (repeat_kv: the whole cache, every
 layer, every step), because CUDA's kernels need it; PyTorch's CPU kernel attends the groups in place
-(`enable_gqa`), to the same bits. Every TiDAR step and every prompt-lookup step has a mask and
+(`enable_gqa`), to the same values. Every TiDAR step and every prompt-lookup step has a mask and
 several queries.
 
 Shipped in every export's custom_generate/ folder: imports nothing but torch (transformers, for the
@@ -30,6 +41,7 @@ attention function, only when it is used).
 
 from __future__ import annotations
 
+import time
 import weakref
 from contextlib import contextmanager
 
@@ -41,6 +53,8 @@ PACK_ROWS = 8  # oneDNN's hint of the rows a call will have: a decoding step's s
 # layer -> (key, packed weight). Beside the layer, not on it: an opaque oneDNN tensor on a module
 # would break deepcopy, pickling and state_dict; it goes with the layer.
 _PACKED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+CHOICE_ROWS = (1, 8)  # the rows of an AR step and of a typical TiDAR step, timed with equal weight
+_PAYS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> (its linear layers' dtype and count, packing pays)
 
 
 def available() -> bool:
@@ -92,6 +106,58 @@ def packed_forward(layer):
 
     forward._tidar_packed = True
     return forward
+
+
+def pass_seconds(layers, rows: int, packed: bool) -> float:
+    """One pass of `rows` random rows through each layer, one product at a time, as a forward runs them."""
+    inputs = {(layer.in_features, layer.weight.dtype): None for layer in layers}
+    inputs = {key: torch.randn(rows, key[0], dtype=key[1]) for key in inputs}
+    start = time.perf_counter()
+    for layer in layers:
+        x = inputs[layer.in_features, layer.weight.dtype]
+        w = packed_weight(layer) if packed else None
+        if w is None:
+            F.linear(x, layer.weight)
+        else:
+            torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
+    return time.perf_counter() - start
+
+
+def packing_pays(model, repeats: int = 3) -> bool:
+    """Whether the packed product beats PyTorch's stock one on this model's CPU linear layers and this
+    machine: one pass through them at each of CHOICE_ROWS, the best of `repeats` runs of each product,
+    interleaved so the machine's load falls on both. Timed once per model and dtype (again after a
+    cast); a model where packing does not pay drops its packed copies. A sharded model (FSDP) is not
+    timed: stock."""
+    # Plain tensors only: a sharded weight (FSDP's DTensor) is whole only inside its forward.
+    layers = [layer for layer in model.modules() if eligible(layer) and type(layer.weight.data) is torch.Tensor]
+    if not layers or not available():
+        return False
+    key = (layers[0].weight.dtype, len(layers))
+    cached = _PAYS.get(model)
+    if cached is not None and cached[0] == key:
+        return cached[1]
+    best = {False: [float("inf")] * len(CHOICE_ROWS), True: [float("inf")] * len(CHOICE_ROWS)}
+    with torch.no_grad():
+        pass_seconds(layers, 1, True)  # packs every weight (or learns that oneDNN refuses it), untimed
+        for _ in range(repeats):
+            for i, rows in enumerate(CHOICE_ROWS):
+                for packed in (False, True):
+                    best[packed][i] = min(best[packed][i], pass_seconds(layers, rows, packed))
+    pays = sum(best[True]) < sum(best[False])
+    if not pays:
+        release(model)
+    _PAYS[model] = (key, pays)
+    return pays
+
+
+def resolve(model, enabled: bool | str) -> bool:
+    """True/False as given; "auto": packing_pays(model)."""
+    if enabled == "auto":
+        return packing_pays(model)
+    if not isinstance(enabled, bool):
+        raise ValueError(f"pack_weights={enabled!r}: use True, False or 'auto' (pack where it is measured faster).")
+    return enabled
 
 
 @contextmanager
@@ -164,7 +230,9 @@ def grouped_attention(model, enabled: bool = True):
 
 
 @contextmanager
-def cpu_kernels(model, enabled: bool = True):
-    """Packed linear layers and in-place grouped attention: the kernels every decoder on an export runs."""
-    with packed_linears(model, enabled), grouped_attention(model, enabled):
+def cpu_kernels(model, enabled: bool | str = "auto"):
+    """The kernels every decoder on an export runs: in-place grouped attention, and packed linear
+    layers where enabled (True, or "auto" where packing_pays). False: neither, PyTorch's and
+    transformers' own paths."""
+    with packed_linears(model, resolve(model, enabled)), grouped_attention(model, enabled is not False):
         yield

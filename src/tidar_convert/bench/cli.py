@@ -142,7 +142,9 @@ def bench_cmd(
         base_pair = None  # free its memory before the slot curve and perplexity
     breakdown = step_breakdown(lm, tokenizer, prompts[:PROFILE_PROMPTS], k, min(max_new_tokens, PROFILE_TOKENS))
     points = slot_latency(lm, slot_sizes(device, k))
+    # On a CPU also both products alone: what generate()'s default (kernels.packing_pays) chose between.
     points_stock = slot_latency(lm, slot_sizes(device, k), pack_weights=False) if device.type == "cpu" else None
+    points_packed = slot_latency(lm, slot_sizes(device, k), pack_weights=True) if device.type == "cpu" else None
     ms = {p["slots"]: p["ms"] for p in points}
     step_vs_ar = {str(kk): ms[kk + kk * kk] / ms[1] for kk in sorted(set(STEP_KS) | {k})}
     steps = decoder_steps(summary, points, points_stock)
@@ -161,7 +163,7 @@ def bench_cmd(
         "summary": summary,
         "summary_by_kind": by_kind,
         "accepted_histogram": accepted_histogram(rows, k),
-        "slot_latency": {"cache_len": SLOT_CACHE_LEN, "tidar_step_slots": k + k * k, "tidar_step_vs_ar_step": step_vs_ar, "decoder_steps": steps, "points": points, "points_stock": points_stock},
+        "slot_latency": {"cache_len": SLOT_CACHE_LEN, "tidar_step_slots": k + k * k, "tidar_step_vs_ar_step": step_vs_ar, "decoder_steps": steps, "points": points, "points_stock": points_stock, "points_packed": points_packed},
         "step_breakdown": breakdown,
         "perplexity": None,
         "quality": guard,
@@ -175,7 +177,7 @@ def bench_cmd(
     result["plots"] = {
         "tokens_per_s": str(plot_tokens_per_s(summary, out / f"{name}_tokens_per_s.png", title)),
         "accepted": str(plot_accepted(result["accepted_histogram"], out / f"{name}_accepted.png", title)),
-        "slots": str(plot_slots(points, out / f"{name}_slots.png", f"{name}: one forward after a {SLOT_CACHE_LEN}-token KV cache ({device.type})", full_step=k + k * k, steps=steps, stock=points_stock)),
+        "slots": str(plot_slots(points, out / f"{name}_slots.png", f"{name}: one forward after a {SLOT_CACHE_LEN}-token KV cache ({device.type})", full_step=k + k * k, steps=steps, stock=points_stock, packed=points_packed)),
     }
     json_path = out / f"{name}.json"
     json_path.write_text(json.dumps(result, indent=1))

@@ -28,9 +28,10 @@ class Decoder:
     drafter: the TiDAR drafter (None: the engine's default). lookup: transformers' prompt lookup.
     block_size: TiDAR's k for this decoder alone (None: the run's `--k`). plan: TiDAR's step plan
     (None: the engine's default, 'cost'). pack_weights: the CPU kernels of kernels.cpu_kernels
-    (linear layers on weights packed for oneDNN, grouped key/value heads attended in place; the
-    export's generate() runs them by default, the base's generate() does not): False runs PyTorch's
-    stock product and transformers' own attention path, what transformers alone gives. siblings:
+    ("auto": linear layers on weights packed for oneDNN where that is measured faster, grouped
+    key/value heads attended in place; the export's generate() runs them by default, the base's
+    generate() does not): False runs PyTorch's stock product and transformers' own attention path,
+    what transformers alone gives. siblings:
     TiDAR's alternatives to each drafted token verified beside the chain, a tree (None: the engine's
     default). slot_budget: TiDAR's most query slots a step (None: the engine's default, 20 at k = 4)."""
 
@@ -40,7 +41,7 @@ class Decoder:
     lookup: bool = False
     block_size: int | None = None
     plan: str | None = None
-    pack_weights: bool = True
+    pack_weights: bool | str = "auto"
     siblings: int | None = None
     slot_budget: int | None = None
 
@@ -60,13 +61,13 @@ class Decoder:
             kwargs["slot_budget"] = self.slot_budget
         if self.lookup:
             kwargs["prompt_lookup_num_tokens"] = prompt_lookup_tokens
-        if self.weights == "export" and not self.pack_weights:
-            kwargs["pack_weights"] = False
+        if self.weights == "export" and self.pack_weights != "auto":
+            kwargs["pack_weights"] = self.pack_weights
         return kwargs
 
     def packs_here(self) -> bool:
         """The bench enters the CPU kernels itself: the base runs transformers' own generate, which does not."""
-        return self.weights == "base" and self.pack_weights
+        return self.pack_weights if self.weights == "base" else False
 
 
 DECODERS = {

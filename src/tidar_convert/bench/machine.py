@@ -32,4 +32,8 @@ def machine_info(device: torch.device, model=None) -> dict:
         info["dtype"] = str(model.dtype)
         info["attn_implementation"] = model.config._attn_implementation
         info["parameters"] = sum(p.numel() for p in model.parameters())
+        if device.type == "cpu":  # generate()'s default product on this machine (kernels.packing_pays)
+            from ..kernels import packing_pays
+
+            info["packed_linears"] = packing_pays(model)
     return info

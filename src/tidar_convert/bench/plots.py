@@ -45,16 +45,19 @@ def plot_accepted(histogram: dict[str, int], path: Path, title: str) -> Path:
     return _save(fig, path)
 
 
-def plot_slots(points: list[dict], path: Path, title: str, full_step: int | None = None, steps: dict | None = None, stock: list[dict] | None = None) -> Path:
+def plot_slots(points: list[dict], path: Path, title: str, full_step: int | None = None, steps: dict | None = None, stock: list[dict] | None = None, packed: list[dict] | None = None) -> Path:
     """The latency curve; a dashed line at TiDAR's full step (k + k*k slots) and one labelled marker
     per decoder at its mean step (slots_per_step, latency on the curve: `slots.decoder_steps`).
-    stock: the same curve on PyTorch's stock CPU product, drawn faint beside it."""
+    points: generate()'s default kernels; stock, packed: the same curve on PyTorch's stock CPU product
+    and on packed weights alone (kernels.py), drawn faint beside it."""
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(5.5, 3.8))
     slots = [p["slots"] for p in points]
     ax.plot(slots, [p["ms"] for p in points], marker="o", color="#4c72b0", label="one forward")
     if stock:
         ax.plot([p["slots"] for p in stock], [p["ms"] for p in stock], marker=".", color="#999999", label="one forward, stock PyTorch product")
+    if packed:
+        ax.plot([p["slots"] for p in packed], [p["ms"] for p in packed], marker=".", linestyle=":", color="#999999", label="one forward, packed weights")
     ax.set_xscale("log", base=2)
     ticks = [n for n in slots if n & (n - 1) == 0 or n == full_step]  # powers of 2: labels of 64 and 72 would overlap
     ax.set_xticks(ticks, [str(n) for n in ticks])
@@ -67,7 +70,7 @@ def plot_slots(points: list[dict], path: Path, title: str, full_step: int | None
     for i, (decoder, at) in enumerate((steps or {}).items()):  # shapes differ too: decoders at one spot stay visible
         ax.plot([at["slots_per_step"]], [at["ms"]], marker=MARKERS[i % len(MARKERS)], markersize=8, fillstyle="none", mew=1.5, linestyle="none",
                 color=MARK_COLORS[i % len(MARK_COLORS)], label=f"{decoder}: {at['slots_per_step']:.1f} slots/step")
-    if full_step or steps or stock:
+    if full_step or steps or stock or packed:
         ax.legend(fontsize=7)
     ax.set_title(title, fontsize=9)
     return _save(fig, path)

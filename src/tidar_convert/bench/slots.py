@@ -29,7 +29,7 @@ def slot_sizes(device: torch.device, k: int) -> list[int]:
     return sorted(set(sizes) | {kk + kk * kk for kk in (*STEP_KS, k)})
 
 
-def slot_latency(model, slots: Iterable[int], cache_len: int = SLOT_CACHE_LEN, repeats: int = 7, pack_weights: bool = True) -> list[dict]:
+def slot_latency(model, slots: Iterable[int], cache_len: int = SLOT_CACHE_LEN, repeats: int = 7, pack_weights: bool | str = "auto") -> list[dict]:
     """Median latency of one forward of n new tokens after a KV cache of `cache_len` tokens, on the
     kernels generate() runs by default (pack_weights: kernels.cpu_kernels) or the stock ones.
 
@@ -86,8 +86,8 @@ def latency_at(points: list[dict], slots: float) -> float:
 
 
 def decoder_steps(summary: dict, points: list[dict], stock: list[dict] | None = None) -> dict:
-    """Where each decoder's mean step sits on the curve of the kernels it runs (`stock`: the curve on
-    PyTorch's stock product, for decoders with pack_weights=False): its mean query slots a step, the
+    """Where each decoder's mean step sits on the curve of the kernels it runs (`points`: generate()'s
+    default kernels; `stock`: PyTorch's stock product, for decoders with pack_weights=False): its mean query slots a step, the
     forward latency there, and that latency over one slot's on the same curve. Decoders with no
     steps are left out."""
     out = {}
@@ -98,5 +98,5 @@ def decoder_steps(summary: dict, points: list[dict], stock: list[dict] | None = 
         if slots is None or not curve:
             continue
         ms, one = latency_at(curve, slots), latency_at(curve, 1)
-        out[decoder] = {"slots_per_step": slots, "ms": ms, "vs_one_slot": ms / one if one > 0 else 0.0, "beyond_curve": slots > curve[-1]["slots"], "curve": "stock" if on_stock else "packed"}
+        out[decoder] = {"slots_per_step": slots, "ms": ms, "vs_one_slot": ms / one if one > 0 else 0.0, "beyond_curve": slots > curve[-1]["slots"], "curve": "stock" if on_stock else "default"}
     return out

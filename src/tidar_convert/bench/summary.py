@@ -10,7 +10,8 @@ from .decoders import DECODERS
 
 # Speed ratios: to AR on the export, to prompt lookup on the export, and to prompt lookup on the
 # base (what a user gets without converting at all).
-# Last, AR on PyTorch's stock CPU product (what transformers alone gives; ar runs the packed one).
+# Last, AR on PyTorch's stock CPU product (what transformers alone gives; ar runs generate()'s default,
+# packed weights where kernels.packing_pays measures them faster).
 REFERENCES = (
     ("ar", "tokens_per_s_vs_ar"),
     ("prompt_lookup", "tokens_per_s_vs_prompt_lookup"),
