@@ -87,9 +87,9 @@ def latency_at(points: list[dict], slots: float) -> float:
 
 def decoder_steps(summary: dict, points: list[dict], stock: list[dict] | None = None) -> dict:
     """Where each decoder's mean step sits on the curve of the kernels it runs (`points`: generate()'s
-    default kernels; `stock`: PyTorch's stock product, for decoders with pack_weights=False): its mean query slots a step, the
-    forward latency there, and that latency over one slot's on the same curve. Decoders with no
-    steps are left out."""
+    default kernels; `stock`: PyTorch's stock product, for decoders with pack_weights=False): its
+    mean query slots a step, the forward latency there, and that latency over one slot's on the same
+    curve. Decoders with no steps are left out."""
     out = {}
     for decoder, s in summary.items():
         on_stock = stock is not None and decoder in DECODERS and not DECODERS[decoder].pack_weights
