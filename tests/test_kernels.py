@@ -189,6 +189,19 @@ def test_auto_packs_only_where_a_pass_is_timed_faster(monkeypatch, packed_ms, pa
         assert len(timed) == 26
 
 
+def test_a_timed_pass_runs_each_layer_on_the_product_it_names():
+    torch.manual_seed(0)
+    layers = [torch.nn.Linear(16, 32), torch.nn.Linear(32, 16), torch.nn.Linear(16, 32).bfloat16()]  # each input made in its layer's dtype
+    with torch.no_grad():
+        assert kernels.pass_seconds(layers, 8, packed=False) > 0
+        assert not any(layer in kernels._PACKED for layer in layers)  # stock: nothing packed
+        kernels.pass_seconds(layers, 8, packed=True)
+        assert [layer in kernels._PACKED for layer in layers] == [True, True, True]
+        assert kernels._PACKED[layers[0]][1] is not None  # really packed (a weight oneDNN refuses would be None: stock)
+    for layer in layers:
+        kernels.release(layer)
+
+
 def test_pack_weights_must_be_a_bool_or_auto(untrained):
     ids = torch.randint(3, 300, (1, 5), generator=torch.Generator().manual_seed(0))
     with pytest.raises(ValueError, match=r"pack_weights='yes'.*True, False or 'auto'"):
