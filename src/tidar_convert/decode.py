@@ -224,7 +224,8 @@ def generate(
     pack_weights: on CPU, the linear layers' product, the same for every path (tidar=False and prompt
         lookup too). "auto" (default): oneDNN's product on weights packed once (kernels.py) where a
         pass through the model's layers at 1 and 8 rows is faster that way than with PyTorch's stock
-        product, timed once per model and dtype (about 0.5 s; kernels.packing_pays); packing keeps one
+        product, timed once per model and dtype (about 0.5 s for 135M parameters, more for larger
+        models: each of its 13 passes reads every weight; kernels.packing_pays); packing keeps one
         more copy of each weight (kernels.release frees it). True: always packed; False: stock, and
         transformers' own attention path. Otherwise attention under a mask attends grouped key/value
         heads in place instead of copying the cache to every query head (kernels.grouped_attention).
