@@ -172,9 +172,12 @@ def test_export_keeps_base_weights_and_ships_the_deltas(scoped):
     assert deltas and all(k.endswith((".lora_A", ".lora_B")) for k in deltas)
     ranks = [v.shape[0] for k, v in deltas.items() if k.endswith(".lora_A")]
     assert [min(ranks), max(ranks)] == spec["ranks"] and max(ranks) <= 8
+    adapted = sum(isinstance(m, torch.nn.Linear) for m in base.model.layers.modules())  # "all-linear": every decoder linear
+    assert spec["layers"] == [len(ranks), adapted] and len(ranks) == round(0.75 * adapted)  # lora.ADAPTER_LAYERS
     assert (out / "custom_generate" / "adapter.py").exists()
     card = (out / "README.md").read_text()
     assert "act on mask\nslots only" in card and f"99.0% of its squared norm (ranks {spec['ranks'][0]} to {spec['ranks'][1]})" in card
+    assert f"Of the {adapted} adapted layers, the {len(ranks)} whose delta moves their weight most are kept." in card
 
 
 def test_export_mask_rows_match_the_trained_model(tiny_dirs, tmp_path):
@@ -191,7 +194,7 @@ def test_export_mask_rows_match_the_trained_model(tiny_dirs, tmp_path):
               attention_mask=layout.to_dense(layout.train_mask_mod(S, 4), 2, 2 * S, 2 * S))
     with torch.no_grad():
         trained = model(**kw).logits
-    lm = load(export(model, tok, tmp_path / "tidar", block_size=4, alpha=1.0, adapter_energy=1.0)).eval()
+    lm = load(export(model, tok, tmp_path / "tidar", block_size=4, alpha=1.0, adapter_energy=1.0, adapter_layers=1.0)).eval()
     with torch.no_grad():
         shipped = lm(**kw).logits
         plain = base(**kw).logits
@@ -224,6 +227,33 @@ def test_compress_keeps_the_asked_share_of_each_delta():
     assert compress(A, B, 1.0) == (A, B)
     A0, B0 = compress(A, torch.zeros_like(B), 0.99)  # an untrained delta (B = 0) stores one zero rank
     assert A0.shape == (1, 20) and not (B0 @ A0).any()
+
+
+def test_strongest_keeps_the_layers_whose_delta_moves_their_weight_most():
+    from tidar_convert.lora import strongest
+
+    weights = {"a": 10 * torch.eye(4), "b": torch.eye(4), "c": torch.eye(4), "d": 100 * torch.eye(4)}  # ||W||: 20, 2, 2, 200
+    sizes = {"a": 4.0, "b": 0.3, "c": 1.0, "d": 20.0}  # ||B A||; against ||W||: 0.2, 0.15, 0.5, 0.1
+    tensors = {}
+    for n, s in sizes.items():
+        tensors[f"{n}.lora_A"], tensors[f"{n}.lora_B"] = torch.tensor([[1.0, 0, 0, 0]]), torch.tensor([[s], [0.0], [0.0], [0.0]])
+    kept = lambda share: sorted({k.rsplit(".", 1)[0] for k in strongest(tensors, weights, share)})
+    assert kept(0.5) == ["a", "c"]  # d has the largest delta, but the smallest against its weight
+    assert kept(0.75) == ["a", "b", "c"] and kept(1.0) == ["a", "b", "c", "d"]
+    assert kept(0.01) == ["c"]  # at least one
+    assert strongest(tensors, weights, 0.5)["a.lora_B"] is tensors["a.lora_B"]  # kept as they are
+
+
+@pytest.mark.parametrize("layers", [0.0, 1.5])
+def test_a_bad_adapter_layers_share_is_refused_before_anything_is_written(scoped, tmp_path, layers):
+    base, model, out, prompt, _ = scoped
+    from tidar_convert.cli import export_cmd
+
+    with pytest.raises(ValueError, match=rf"adapter_layers={layers}.*\(0, 1\]"):
+        export(model, None, tmp_path / "x", block_size=4, alpha=1.0, adapter_layers=layers)
+    with pytest.raises(ValueError, match=rf"adapter_layers={layers}"):
+        export_cmd("no-such.ckpt", str(tmp_path / "y"), adapter_layers=layers)
+    assert not (tmp_path / "x").exists() and not (tmp_path / "y").exists()
 
 
 @pytest.mark.parametrize("energy", [0.0, 1.5, -0.1])

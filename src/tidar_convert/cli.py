@@ -310,7 +310,7 @@ def training_card(hparams, steps: int | None, run_dir: Path) -> dict:
     return card
 
 
-def export_cmd(checkpoint: str, out: str, overwrite: bool = False, adapter_energy: float | None = None) -> str:
+def export_cmd(checkpoint: str, out: str, overwrite: bool = False, adapter_energy: float | None = None, adapter_layers: float | None = None) -> str:
     """Export a Lightning checkpoint (e.g. runs/.../checkpoints/last.ckpt) as a TiDAR HF folder.
 
     Args:
@@ -322,13 +322,18 @@ def export_cmd(checkpoint: str, out: str, overwrite: bool = False, adapter_energ
         adapter_energy: lora_scope='masks' only: each adapter delta is stored at the rank that keeps this
             share of its squared norm (truncated SVD; fewer bytes to read each decoding step). 1.0
             keeps the trained rank; none: lora.ADAPTER_ENERGY (0.99).
+        adapter_layers: lora_scope='masks' only: the share of adapted layers kept, those whose delta
+            moves their weight most (each adapted layer costs a decoding step with mask groups the
+            same small time, whatever its rank). 1.0 keeps all; none: lora.ADAPTER_LAYERS (0.75).
     """
     import torch
 
-    from .lora import check_energy
+    from .lora import check_energy, check_layers
 
     if adapter_energy is not None:
         check_energy(adapter_energy)
+    if adapter_layers is not None:
+        check_layers(adapter_layers)
 
     from .export import export
     from .module import TiDARModule
@@ -351,7 +356,7 @@ def export_cmd(checkpoint: str, out: str, overwrite: bool = False, adapter_energ
         m = TiDARModule.load_from_checkpoint(checkpoint, map_location="cpu")
         steps = torch.load(checkpoint, map_location="cpu", mmap=True, weights_only=False).get("global_step")
     card = training_card(m.hparams, steps, Path(checkpoint).resolve().parent.parent)  # <run>/checkpoints/x.ckpt
-    path = export(m.model, m.tokenizer, out, m.block_size, m.alpha, overwrite=overwrite, card=card, adapter_energy=adapter_energy)
+    path = export(m.model, m.tokenizer, out, m.block_size, m.alpha, overwrite=overwrite, card=card, adapter_energy=adapter_energy, adapter_layers=adapter_layers)
     print(f"exported TiDAR model to {path}", file=sys.stderr)
     return str(path)
 

@@ -33,24 +33,29 @@ def shipped_code() -> dict[str, Path]:
     return {"generate.py": Path(decode.__file__), **{Path(m.__file__).name: Path(m.__file__) for m in (engine, drafters, verify, layout, adapter, kernels)}}
 
 
-def export(model, tokenizer, out: str | os.PathLike, block_size: int, alpha: float, overwrite: bool = False, card: dict | None = None, adapter_energy: float | None = None) -> Path:
+def export(model, tokenizer, out: str | os.PathLike, block_size: int, alpha: float, overwrite: bool = False, card: dict | None = None, adapter_energy: float | None = None, adapter_layers: float | None = None) -> Path:
     """Save weights (safetensors), tokenizer and config with the TiDAR fields, the decode code, a
     README.md model card and the tidar_export.json marker listing every file written.
 
     LoRA adapters are merged first; adapters on mask slots only (lora_scope='masks') are saved apart
     instead (adapter.ADAPTER_FILE), so the weights stay the base model's, each delta compressed to the
-    rank that keeps `adapter_energy` of it (lora.compress; default lora.ADAPTER_ENERGY). `out` must be new, empty, or (with overwrite) an earlier export
+    rank that keeps `adapter_energy` of it (lora.compress; default lora.ADAPTER_ENERGY), for the
+    `adapter_layers` share of layers it moves most (lora.strongest; default lora.ADAPTER_LAYERS).
+    `out` must be new, empty, or (with overwrite) an earlier export
     and nothing else: anything else is refused before any work (outputs.check_export_target). The
     folder is written under a temporary name and swapped in whole (outputs.atomic_dir), so an
     interrupted export leaves the earlier one, never a half-written folder. `card`: facts for the
     model card (base_model, recipe, steps, data, ...; see `model_card`).
     """
-    from .lora import ADAPTER_ENERGY, check_energy, is_mask_scoped, split_mask_adapter
+    from .lora import ADAPTER_ENERGY, ADAPTER_LAYERS, check_energy, check_layers, is_mask_scoped, lora_layers, split_mask_adapter
 
     energy = ADAPTER_ENERGY if adapter_energy is None else adapter_energy
+    layers = ADAPTER_LAYERS if adapter_layers is None else adapter_layers
     check_energy(energy)
+    check_layers(layers)
     out = check_export_target(out, overwrite)
-    deltas = split_mask_adapter(model, energy) if is_mask_scoped(model) else None
+    adapted = sum(1 for _ in lora_layers(model))
+    deltas = split_mask_adapter(model, energy, layers) if is_mask_scoped(model) else None
     if hasattr(model, "merge_and_unload"):
         model = model.merge_and_unload()
     model.config.block_size = block_size
@@ -59,7 +64,7 @@ def export(model, tokenizer, out: str | os.PathLike, block_size: int, alpha: flo
     model.config.pad_token_id = tokenizer.pad_token_id
     if deltas:
         ranks = [t.shape[0] for name, t in deltas.items() if name.endswith(".lora_A")]
-        model.config.tidar_adapter = {"scope": "masks", "file": adapter.ADAPTER_FILE, "energy": energy, "ranks": [min(ranks), max(ranks)]}
+        model.config.tidar_adapter = {"scope": "masks", "file": adapter.ADAPTER_FILE, "energy": energy, "ranks": [min(ranks), max(ranks)], "layers": [len(ranks), adapted]}
     if card and "base_model" in card:  # bench and quality compare against it by default
         model.config.tidar_base_model = base_source(card["base_model"])
     with atomic_dir(out) as tmp:
@@ -136,6 +141,9 @@ def model_card(name: str, config, block_size: int, alpha: float, card: dict | No
         if "ranks" in spec:
             low, high = spec["ranks"]
             scoped_note += f" Each delta is stored at the rank that keeps {spec['energy']:.1%} of its squared norm (ranks {low} to {high})."
+        if "layers" in spec:
+            kept, adapted = spec["layers"]
+            scoped_note += f" Of the {adapted} adapted layers, the {kept} whose delta moves their weight most are kept."
     body = f"""
 # {name}
 

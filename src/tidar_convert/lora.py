@@ -66,9 +66,34 @@ def is_mask_scoped(model) -> bool:
 ADAPTER_ENERGY = 0.99
 
 
+# Share of the adapted layers an export keeps, the ones whose delta moves their weight most
+# (||B A|| / ||W||, Frobenius). Each adapted layer costs a decoding step with mask rows about the same
+# whatever its rank: ~40-55 us of small products between the big ones (SmolLM2-135M on a 2-core AMX
+# Xeon: a step of 5 slots with 4 mask slots took 33 ms without the adapter, 44-47 ms with all 210
+# layers, 41-42 ms with the 158 strongest). Dropping the weakest quarter left the diffusion drafts'
+# T/NFE on the bench prompts where it was (fp32 1.654 -> 1.654, bf16 1.740 -> 1.738; the weakest
+# 35 %: 1.637, half: bf16 1.667).
+ADAPTER_LAYERS = 0.75
+
+
 def check_energy(energy: float) -> None:
     if not 0 < energy <= 1:
         raise ValueError(f"adapter_energy={energy}: must be in (0, 1], the share of each adapter delta's squared norm the export keeps (1.0 = the trained rank, 0.99 the default).")
+
+
+def check_layers(share: float) -> None:
+    if not 0 < share <= 1:
+        raise ValueError(f"adapter_layers={share}: must be in (0, 1], the share of adapted layers the export keeps, strongest first (1.0 = all, {ADAPTER_LAYERS} the default).")
+
+
+def strongest(tensors: dict[str, torch.Tensor], weights: dict[str, torch.Tensor], share: float) -> dict[str, torch.Tensor]:
+    """The deltas (attach's '<layer>.lora_A' / '.lora_B') of the `share` of layers, at least one, whose
+    delta is largest against their weight: ||B A|| / ||W||."""
+    check_layers(share)
+    names = sorted({key.rsplit(".", 1)[0] for key in tensors})
+    strength = {n: float(torch.linalg.norm(tensors[f"{n}.lora_B"] @ tensors[f"{n}.lora_A"]) / torch.linalg.norm(weights[n].float())) for n in names}
+    keep = set(sorted(names, key=lambda n: -strength[n])[: max(1, round(share * len(names)))])
+    return {key: t for key, t in tensors.items() if key.rsplit(".", 1)[0] in keep}
 
 
 def compress(A: torch.Tensor, B: torch.Tensor, energy: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -85,19 +110,22 @@ def compress(A: torch.Tensor, B: torch.Tensor, energy: float) -> tuple[torch.Ten
     return (vh[:rank] @ qa.T).contiguous(), (qb @ u[:, :rank] * s[:rank]).contiguous()
 
 
-def split_mask_adapter(model, energy: float = ADAPTER_ENERGY) -> dict[str, torch.Tensor]:
+def split_mask_adapter(model, energy: float = ADAPTER_ENERGY, layers: float = ADAPTER_LAYERS) -> dict[str, torch.Tensor]:
     """For export under scope 'masks': the deltas as adapter.attach reads them (scaling folded into B,
-    float32, compressed to `energy`), and the model's LoRA B zeroed so that merging leaves the base
-    weights as they were (the mask token's trained embedding row still merges)."""
+    float32, compressed to `energy`) of the `layers` share of layers they move most (`strongest`), and
+    the model's LoRA B zeroed so that merging leaves the base weights as they were (the mask token's
+    trained embedding row still merges)."""
     check_energy(energy)
-    tensors = {}
+    check_layers(layers)
+    tensors, weights = {}, {}
     with torch.no_grad():
         for name, layer in lora_layers(model):
             A, B = layer.lora_A[ADAPTER].weight, layer.lora_B[ADAPTER].weight
             A_, B_ = compress(A.detach().float().cpu(), B.detach().float().cpu() * layer.scaling[ADAPTER], energy)
             tensors[f"{name}.lora_A"], tensors[f"{name}.lora_B"] = A_.contiguous(), B_.contiguous()
+            weights[name] = layer.get_base_layer().weight.detach().cpu()
             B.zero_()
-    return tensors
+    return strongest(tensors, weights, layers)
 
 
-__all__ = ["ADAPTER_ENERGY", "ADAPTER_FILE", "SCOPES", "add_lora", "check_energy", "check_scope", "compress", "gate_to_masks", "is_mask_scoped", "split_mask_adapter"]
+__all__ = ["ADAPTER_ENERGY", "ADAPTER_FILE", "ADAPTER_LAYERS", "SCOPES", "add_lora", "check_energy", "check_layers", "check_scope", "compress", "gate_to_masks", "is_mask_scoped", "split_mask_adapter", "strongest"]
