@@ -54,8 +54,10 @@ def export(model, tokenizer, out: str | os.PathLike, block_size: int, alpha: flo
     check_energy(energy)
     check_layers(layers)
     out = check_export_target(out, overwrite)
-    adapted = sum(1 for _ in lora_layers(model))
-    deltas = split_mask_adapter(model, energy, layers) if is_mask_scoped(model) else None
+    deltas, adapted = None, 0
+    if is_mask_scoped(model):
+        adapted = sum(1 for _ in lora_layers(model))  # before merge_and_unload removes them
+        deltas = split_mask_adapter(model, energy, layers)
     if hasattr(model, "merge_and_unload"):
         model = model.merge_and_unload()
     model.config.block_size = block_size

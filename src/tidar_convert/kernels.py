@@ -14,9 +14,10 @@ without packing.
 So which product runs is measured, not assumed: `packing_pays(model)` times one pass through the
 model's linear layers at 1 row (an AR step) and at 8 rows (a TiDAR step) with each, once per model and
 dtype: 13 passes that each read every weight once (about 0.5 s for SmolLM2-135M, in proportion to
-the weights' size for larger models), holding one more copy of the weights while it times; `cpu_kernels(model, "auto")`, what generate() enters for every path
-(TiDAR, plain AR, prompt lookup), packs only where that pass is faster. One product for every row
-count, so every decoder on a model runs the same kernels.
+the weights' size for larger models), holding one more copy of the weights while it times.
+`cpu_kernels(model, "auto")`, what generate() enters for every path (TiDAR, plain AR, prompt
+lookup), packs only where that pass is faster. One product for every row count, so every decoder
+on a model runs the same kernels.
 
 Neither product makes a row's result independent of how many rows share the call on every machine:
 packed, it is on the Xeon without AMX (measured bitwise for 1 to 13 rows) but not on the one with AMX
@@ -111,8 +112,7 @@ def packed_forward(layer):
 
 def pass_seconds(layers, rows: int, packed: bool) -> float:
     """One pass of `rows` random rows through each layer, one product at a time, as a forward runs them."""
-    inputs = {(layer.in_features, layer.weight.dtype): None for layer in layers}
-    inputs = {key: torch.randn(rows, key[0], dtype=key[1]) for key in inputs}
+    inputs = {(n, dtype): torch.randn(rows, n, dtype=dtype) for n, dtype in {(layer.in_features, layer.weight.dtype) for layer in layers}}
     start = time.perf_counter()
     for layer in layers:
         x = inputs[layer.in_features, layer.weight.dtype]
