@@ -217,15 +217,31 @@ def test_cost_plan_is_exact_for_every_drafter(trained):
         assert torch.equal(generate(ids[:1], model=model, drafter=name, plan="cost", **kw), ar(model, ids[:1], **kw)), name
 
 
-def test_lookup_rate_recovers_when_its_drafts_are_not_verified():
+def test_lookup_chances_by_match_length_and_depth_learn_and_recover():
+    """A proposal's chance reads the matched n-gram's length and its depth: from the priors, then what
+    this call's text shows; one kind of match failing does not move another's; and a chance pushed low
+    drifts back toward its prior while matches are found but not verified (else a plan that stopped
+    verifying them would never try again)."""
     lookup = LookupDrafter()
-    lookup.proposed, lookup.accepted = 20.0, 0.0
-    low = lookup.rate()
-    seqs = torch.tensor([[5, 6, 7, 5, 6]])
+    assert lookup.chance(1, 0) < lookup.chance(2, 0) < lookup.chance(3, 0) == lookup.chance(7, 0)  # longer matches are surer
+    assert lookup.chance(1, 0) < lookup.chance(1, 1) < lookup.chance(1, 9)  # acceptance comes in runs
+    seqs = torch.tensor([[5, 6, 7, 8, 9, 1, 7]])  # unigram match: 7 -> 8, 9, 1, 7
     ctx = DraftContext(seqs, torch.ones_like(seqs, dtype=torch.bool), 4, None, None)
-    for _ in range(30):  # matches found, never verified (a plan that keeps no proposal)
+    draft = lookup.propose(ctx)
+    assert lookup.ngram == [1] and draft.tokens.tolist() == [[7, 8, 9, 1, 7]]
+    assert draft.confidence[0].tolist() == pytest.approx([lookup.chance(1, d) for d in range(4)])
+    bigram_before = lookup.chance(2, 0)
+    for _ in range(20):  # verified up to 3 proposals, the first one rejected each time
         lookup.propose(ctx)
-    assert low < 0.1 and lookup.rate() > 0.3
+        lookup.observe(engine.cut(draft, 4), torch.tensor([1]))
+    assert lookup.chance(1, 0) < 0.1 and lookup.chance(2, 0) == bigram_before
+    assert lookup.chance(1, 1) == pytest.approx(LookupDrafter.PRIORS[1][1])  # never judged: the first miss ends the judging
+    lookup.observe(engine.cut(draft, 4), torch.tensor([4]))  # all 3 accepted: depths 0, 1, 2 judged, accepted
+    assert lookup.chance(1, 1) > LookupDrafter.PRIORS[1][1] and lookup.chance(1, 3) == pytest.approx(LookupDrafter.PRIORS[1][3])
+    low = lookup.chance(1, 0)
+    for _ in range(150):  # matches found, never verified
+        lookup.propose(ctx)
+    assert low < 0.15 and lookup.chance(1, 0) > 0.2
 
 
 def test_adaptive_draft_length_drafts_less_where_lookup_misses_and_stays_exact(untrained):
@@ -293,13 +309,15 @@ def test_hybrid_drafts_by_lookup_where_it_matches_until_diffusion_proves_better(
 
 
 def test_lookup_follows_transformers_prompt_lookup():
-    """Longest n-gram first (max 2), its first occurrence, up to num_tokens; the n-gram itself excluded."""
+    """Longest n-gram first (max 2), its first occurrence, up to num_tokens; the n-gram itself excluded.
+    The match's length comes with it (the proposals' chances read it)."""
     lk = LookupDrafter(num_tokens=3, max_ngram=2)
     t = torch.tensor
-    assert lk.match(t([5, 6, 7, 8, 9, 6, 7]), 10).tolist() == [8, 9, 6]  # bigram (6, 7) at 1
-    assert lk.match(t([5, 6, 7, 8, 9, 1, 7]), 10).tolist() == [8, 9, 1]  # no bigram: unigram 7 at 2
-    assert lk.match(t([1, 5, 1, 6, 1]), 10).tolist() == [5, 1, 6]  # first occurrence
-    assert lk.match(t([5, 6, 7, 8, 9, 6, 7]), 1).tolist() == [8]  # capped
+    found = lambda seq, limit: (lambda f: (f[0].tolist(), f[1]))(lk.match(t(seq), limit))
+    assert found([5, 6, 7, 8, 9, 6, 7], 10) == ([8, 9, 6], 2)  # bigram (6, 7) at 1
+    assert found([5, 6, 7, 8, 9, 1, 7], 10) == ([8, 9, 1], 1)  # no bigram: unigram 7 at 2
+    assert found([1, 5, 1, 6, 1], 10) == ([5, 1, 6], 1)  # first occurrence
+    assert found([5, 6, 7, 8, 9, 6, 7], 1) == ([8], 2)  # capped
     assert lk.match(t([1, 2, 3]), 10) is None
 
 

@@ -188,56 +188,86 @@ class LookupDrafter:
 
     The search is transformers' PromptLookupCandidateGenerator.get_candidates (first occurrence, longest
     n-gram first, up to num_tokens). One difference: a draft may contain EOS, since an accepted EOS
-    ends the row exactly where AR would (commit stops there) and saves a step."""
+    ends the row exactly where AR would (commit stops there) and saves a step.
+
+    Its confidence, what the plan reads to choose how much of a draft to verify, is the chance each
+    proposal is accepted where the ones before it were, by the length n of the n-gram that matched and
+    the proposal's depth: acceptance comes in runs, and a longer match is surer. Measured over 40
+    prompts of the bench set (SmolLM2-135M, greedy AR text, the search above): the first proposal of a
+    unigram match is accepted 26 % of the time, of a bigram match 68 % (of a trigram 85 %), and once
+    the first is in, later ones 50-90 %. A single rate for every proposal (what this drafter had
+    before) cannot tell a surely wasted step from a likely long one: with these chances in the plan,
+    a replay of that AR text at this repo's CPU step costs made 10 % more tokens per second than with
+    one rate, and 17 % more than transformers' full drafts. The measured chances are the priors
+    (PRIORS, worth PRIOR_WEIGHT judged proposals each); each call learns its own text's from there."""
 
     name = "lookup"
     uses_groups = False
 
-    # Each new match weighs what was seen before by this much: the rate follows the text (about the
-    # last 10 judged proposals), and when a plan stops verifying lookup drafts because the rate fell,
-    # unjudged matches pull it back toward the prior 1/2 until some are verified again (else one bad
-    # stretch would stop lookup for the rest of the call).
-    FORGET = 0.9
+    # P(proposal accepted | the ones before it were), by n-gram length (1, 2, 3+) and depth (0..3, 4+).
+    PRIORS = {1: (0.25, 0.5, 0.7, 0.7, 0.85), 2: (0.7, 0.8, 0.8, 0.9, 0.9), 3: (0.85, 0.9, 0.8, 0.9, 0.9)}
+    PRIOR_WEIGHT = 10.0
+    # Each new match weighs what was seen before by this much, so a stretch of text where the plan
+    # stops verifying some kind of match (its chances fell) drifts back toward the prior until some
+    # are verified again; else one bad stretch would stop those matches for the rest of the call.
+    FORGET = 0.98
 
     def __init__(self, num_tokens: int = 10, max_ngram: int = 2):
         self.num_tokens, self.max_ngram = num_tokens, max_ngram
-        self.proposed = self.accepted = 0.0  # decayed totals, for the chance a lookup token is accepted
+        self.seen: dict[tuple[int, int], list[float]] = {}  # (n, depth) -> decayed [accepted, judged]
+        self.ngram: list[int] = []  # per row of the last proposal: the matched n-gram's length (0: none)
 
-    def rate(self) -> float:
-        return (self.accepted + 1) / (self.proposed + 2)
+    @staticmethod
+    def key(n: int, depth: int) -> tuple[int, int]:
+        return min(n, 3), min(depth, 4)
+
+    def chance(self, n: int, depth: int) -> float:
+        """P(a proposal at this depth of an n-gram match is accepted | the ones before it were)."""
+        key = self.key(n, depth)
+        taken, judged = self.seen.get(key, (0.0, 0.0))
+        return (taken + self.PRIOR_WEIGHT * self.PRIORS[key[0]][key[1]]) / (judged + self.PRIOR_WEIGHT)
 
     def observe(self, draft: Draft, accepted: torch.Tensor) -> None:
-        proposed, taken, _ = observed(draft, accepted, "lookup")
-        self.proposed += proposed
-        self.accepted += taken
+        for b, source in enumerate(draft.sources):
+            if source == "lookup" and b < len(self.ngram) and self.ngram[b]:
+                taken = int(accepted[b]) - 1
+                for depth in range(min(taken + 1, int(draft.length[b]) - 1)):  # the accepted ones and the first miss
+                    seen = self.seen.setdefault(self.key(self.ngram[b], depth), [0.0, 0.0])
+                    seen[0] += depth < taken
+                    seen[1] += 1
 
-    def match(self, seq: torch.Tensor, limit: int) -> torch.Tensor | None:
+    def match(self, seq: torch.Tensor, limit: int) -> tuple[torch.Tensor, int] | None:
+        """The tokens after the matched n-gram's first earlier occurrence, and n."""
         L = seq.shape[0]
         for n in range(min(self.max_ngram, L - 1), 0, -1):
             hits = (seq.unfold(0, n, 1)[: L - n] == seq[L - n :]).all(1).nonzero()  # the n-gram itself excluded
             if hits.numel():
                 start = int(hits[0, 0]) + n
-                return seq[start : start + min(self.num_tokens, limit)]
+                return seq[start : start + min(self.num_tokens, limit)], n
         return None
 
     def propose(self, ctx: DraftContext) -> Draft | None:
+        self.ngram = []
         if ctx.max_proposals < 1:
             return None
         found = [self.match(ctx.seqs[b][ctx.kv_valid[b]], ctx.max_proposals) for b in range(ctx.seqs.shape[0])]
+        self.ngram = [f[1] if f is not None else 0 for f in found]
         if all(f is None for f in found):
             return None
-        self.proposed *= self.FORGET
-        self.accepted *= self.FORGET
-        B, m = len(found), 1 + max(f.shape[0] for f in found if f is not None)
+        for seen in self.seen.values():
+            seen[0] *= self.FORGET
+            seen[1] *= self.FORGET
+        B, m = len(found), 1 + max(f[0].shape[0] for f in found if f is not None)
         tokens = ctx.y[:, None].repeat(1, m)  # filler beyond a row's length is never accepted
         length = torch.ones(B, dtype=torch.long, device=tokens.device)
+        confidence = torch.zeros(B, m - 1)
         for b, f in enumerate(found):
             if f is not None:
-                tokens[b, 1 : 1 + f.shape[0]] = f
-                length[b] = 1 + f.shape[0]
-        confidence = torch.full((B, m - 1), self.rate(), device=tokens.device)
+                tokens[b, 1 : 1 + f[0].shape[0]] = f[0]
+                length[b] = 1 + f[0].shape[0]
+                confidence[b] = torch.tensor([self.chance(f[1], d) for d in range(m - 1)])
         sources = ["lookup" if f is not None else "none" for f in found]
-        return Draft(tokens, None, length, confidence, sources)
+        return Draft(tokens, None, length, confidence.to(tokens.device), sources)
 
 
 class HybridDrafter:

@@ -179,7 +179,7 @@ class Planner:
               timings, so acceptance (T/NFE) varies from run to run; the tokens never do.
     full      a group at every acceptance length 1..m, as the paper's step (k + k*k slots for m = k).
     adaptive  groups only at the acceptance lengths likely to occur, from the draft's own confidence
-              (diffusion: the draft head's probability; lookup: its running acceptance rate): the most
+              (diffusion: the draft head's probability; lookup: the chance by match length and depth): the most
               likely lengths first, each with chance >= min_chance (default 1 / slot budget: 5 % at
               the default 20 slots), within the slot budget.
     A length without a group is still decoded exactly: the next draft then comes from lookup or,
