@@ -8,6 +8,7 @@ import copy
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from tidar_convert import kernels
 from tidar_convert.decode import generate
@@ -19,10 +20,11 @@ def swapped(model) -> list:
     return [m for m in model.modules() if "forward" in m.__dict__]
 
 
-def test_packed_linear_matches_stock_and_is_row_invariant():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_packed_linear_matches_stock_and_is_row_invariant(dtype):
     torch.manual_seed(0)
-    layer = torch.nn.Linear(96, 200)
-    x = torch.randn(1, 13, 96)
+    layer = torch.nn.Linear(96, 200).to(dtype)
+    x = torch.randn(1, 13, 96, dtype=dtype)
     with torch.no_grad():
         stock = layer(x)
         with kernels.packed_linears(layer) as layers:
@@ -30,9 +32,14 @@ def test_packed_linear_matches_stock_and_is_row_invariant():
             packed = layer(x)
             # Each row's result is the same whether 1 or 13 rows share the call: bit for bit.
             rows = [layer(x[:, :j]) for j in range(1, 14)]
-    torch.testing.assert_close(packed, stock, rtol=1e-5, atol=1e-5)
+    kind = kernels._PACKED[layer][1][0]
+    assert kind == ("panels" if dtype == torch.float32 and kernels.panel_library() else "onednn")
+    torch.testing.assert_close(packed, stock, **({"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else {}))
+    if dtype == torch.bfloat16:
+        return  # oneDNN's bf16 product on AMX gives 1 row other low bits than 2 or more (the module's docstring)
     for j, part in enumerate(rows, start=1):
-        assert torch.equal(part, packed[:, :j]), j
+        if j > 1 or kind == "onednn":  # one row on panels is the stock product
+            assert torch.equal(part, packed[:, :j]), j
     assert not swapped(layer)  # the stock forward is back
 
 
@@ -56,6 +63,7 @@ def test_a_weight_onednn_refuses_keeps_the_stock_product(monkeypatch):
         raise RuntimeError("no packed layout for this CPU")
 
     monkeypatch.setattr(kernels, "_reorder", refuse)
+    monkeypatch.setattr(kernels, "_PANEL_LIB", [None])  # no panel kernel here: fp32 goes to oneDNN, which refuses
     layer = torch.nn.Linear(8, 4)
     x = torch.randn(3, 8)
     with torch.no_grad(), kernels.packed_linears(layer):
@@ -170,11 +178,11 @@ def test_auto_packs_only_where_a_pass_is_timed_faster(monkeypatch, packed_ms, pa
     with torch.no_grad():
         with kernels.cpu_kernels(model, True):  # forced: packed whatever the timing
             assert len(swapped(model)) == 2
-            model(torch.randn(1, 16))
+            model(torch.randn(2, 16))  # 2 rows: on panels 1 row is the stock product
         assert not timed and all(layer in kernels._PACKED for layer in model)
         with kernels.cpu_kernels(model):  # the default: "auto"
             assert bool(swapped(model)) == pays
-            model(torch.randn(1, 16))
+            model(torch.randn(2, 16))  # 2 rows: on panels 1 row is the stock product
         assert sorted(set(timed)) == [(1, False), (1, True), (8, False), (8, True)]  # both products, both row counts
         assert timed[0] == (1, True) and len(timed) == 1 + 3 * 4  # one untimed pass packs, then three of each
         # A model where packing does not pay keeps no packed copy (it would be one more copy of every weight).
@@ -206,3 +214,83 @@ def test_pack_weights_must_be_a_bool_or_auto(untrained):
     ids = torch.randint(3, 300, (1, 5), generator=torch.Generator().manual_seed(0))
     with pytest.raises(ValueError, match=r"pack_weights='yes'.*True, False or 'auto'"):
         generate(ids, model=untrained["qwen2"], max_new_tokens=4, pack_weights="yes")
+
+
+needs_panels = pytest.mark.skipif(kernels.panel_library() is None, reason="no C compiler with OpenMP: no panel kernel")
+
+
+@needs_panels
+@pytest.mark.parametrize("out_features,in_features", [(200, 96), (32, 8), (33, 7), (1, 5), (70, 1536)])
+def test_panel_product_matches_stock_and_each_row_is_the_same_among_2_or_64(out_features, in_features):
+    """Every row count a step can have, from 2 to PANEL_ROWS: the stock product's values, and each
+    row's result bit for bit the same whatever the count. One row (an AR step) and a prefill's many
+    rows: the stock product itself."""
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(in_features, out_features)
+    x = torch.randn(kernels.PANEL_ROWS + 3, in_features)
+    with torch.no_grad(), kernels.packed_linears(layer):
+        full = layer(x[: kernels.PANEL_ROWS])
+        for rows in (2, 3, 7, 8, 9, 16, 17):
+            together = layer(x[:rows])
+            assert torch.equal(together, full[:rows]), rows
+            torch.testing.assert_close(together, F.linear(x[:rows], layer.weight, layer.bias), rtol=1e-5, atol=1e-5)
+        assert torch.equal(layer(x[5:6]), F.linear(x[5:6], layer.weight, layer.bias))  # one row: stock
+        assert torch.equal(layer(x), F.linear(x, layer.weight, layer.bias))  # prefill-sized: the stock GEMM
+        assert layer(x[None, :5]).shape == (1, 5, out_features)  # leading dimensions kept
+        assert layer(x[::2][:4]).shape == (4, out_features)  # a strided input is made contiguous first
+        torch.testing.assert_close(layer(x[::2][:4]), F.linear(x[::2][:4], layer.weight, layer.bias), rtol=1e-5, atol=1e-5)
+    assert kernels._PACKED[layer][1][0] == "panels"
+
+
+@needs_panels
+def test_panels_hold_the_weight_by_32_outputs_zero_padded():
+    w = torch.arange(35 * 3, dtype=torch.float32).view(35, 3)
+    p = kernels.panel_pack(w)
+    assert p.shape == (2, 3, 32)
+    assert torch.equal(p[0, :, 5], w[5]) and torch.equal(p[1, :, 2], w[34])
+    assert not p[1, :, 3:].any()
+    with pytest.raises(ValueError, match="fp32 input of 3 features"):
+        kernels.panel_linear(torch.randn(2, 4), p, 35)
+
+
+def test_without_a_compiler_fp32_takes_onednn_and_says_how_to_fix_it(monkeypatch, tmp_path):
+    monkeypatch.setattr(kernels, "_PANEL_LIB", [])
+    monkeypatch.setenv("TIDAR_CACHE", str(tmp_path))
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+    with pytest.warns(UserWarning, match=r"could not be built.*Install a C compiler with OpenMP"):
+        assert kernels.panel_library() is None
+    assert kernels.panel_library() is None  # decided once: no second warning, no second attempt
+    layer = torch.nn.Linear(16, 8)
+    with torch.no_grad(), kernels.packed_linears(layer):
+        assert layer(torch.randn(3, 16)).shape == (3, 8)
+    assert kernels._PACKED[layer][1][0] == "onednn"
+    assert not list(tmp_path.rglob("*.so"))
+
+
+@needs_panels
+def test_the_kernel_is_built_once_per_cpu_and_compiler_then_loaded_from_the_cache(monkeypatch, tmp_path):
+    import subprocess
+
+    monkeypatch.setenv("TIDAR_CACHE", str(tmp_path))
+    monkeypatch.setenv("TIDAR_PANEL_KERNEL", "1")
+    monkeypatch.setattr(kernels, "_PANEL_LIB", [])
+    lib = kernels.panel_library()
+    built = list((tmp_path / "kernels").iterdir())
+    assert lib is not None and len(built) == 1 and built[0].suffix == ".so"  # no temporary folder left behind
+
+    def no_compiler(*args, **kwargs):
+        raise subprocess.SubprocessError("built again")
+
+    monkeypatch.setattr(subprocess, "run", no_compiler)
+    monkeypatch.setattr(kernels, "_PANEL_LIB", [])
+    assert kernels.panel_library() is not None
+    monkeypatch.setattr(kernels, "_cpu_signature", lambda: "another CPU")  # another machine sharing the cache: its own build
+    monkeypatch.setattr(kernels, "_PANEL_LIB", [])
+    with pytest.warns(UserWarning, match="built again"):
+        assert kernels.panel_library() is None
+
+
+def test_the_panel_kernel_can_be_turned_off(monkeypatch):
+    monkeypatch.setattr(kernels, "_PANEL_LIB", [])
+    monkeypatch.setenv("TIDAR_PANEL_KERNEL", "0")
+    assert kernels.panel_library() is None

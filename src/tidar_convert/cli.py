@@ -390,8 +390,8 @@ def generate_cmd(
         no_chat_template: feed the prompt as raw text even if the tokenizer has a chat template.
         block_size: drafts per step (default: the trained block size).
         dtype: float32 or bfloat16 (bf16 is faster; float32 keeps greedy TiDAR token-identical to AR).
-        pack_weights: on CPU, auto (default) runs linear layers on weights packed once for oneDNN where
-            that is measured faster on this machine, at one more copy of the weights in memory; true
+        pack_weights: on CPU, auto (default) runs linear layers on weights packed once (fp32: for a
+            small C kernel built on first use; bf16: for oneDNN) where that is measured faster on this machine, at one more copy of the weights in memory; true
             always, false never (PyTorch's stock product and attention path). Attention attends grouped
             key/value heads in place unless false (kernels.cpu_kernels).
         json: print one JSON object (text, new_tokens, nfe, tokens_per_nfe, seconds).

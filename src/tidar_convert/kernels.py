@@ -1,27 +1,37 @@
-"""Linear layers on CPU with their weights packed once for oneDNN, where that makes extra query slots nearly free.
+"""Linear layers on CPU with their weights packed once, so that extra query slots are nearly free.
 
 TiDAR rests on one fact about decoding: a forward of a few query slots costs about what a forward of
-one slot costs, because reading the weights dominates. PyTorch's stock CPU linear breaks that on some
-machines. On a 2-core Xeon without AMX, its MKL path runs 2 or 3 rows as 2 or 3 matrix-vector
-products and 4 to 13 rows through a GEMM that repacks the weights on every call: one forward of
-SmolLM2-135M in fp32 (a 256-token cache) takes 59 ms for 1 slot, 96 ms for 2 and 93 ms for 8. With
-each weight reordered once into oneDNN's blocked layout (what torch.compile's CPU freezing does), it
-takes 44, 49 and 54 ms (bench/results/masks-greedy-600-fp32-packed.json). On a 2-core Xeon with AMX
-and AVX-512 the stock product wins where it matters most: 35, 38 and 60 ms against 45, 44 and 55
-(bench/results/best-tree-600-fp32.json, `points_stock` and `points`), so AR ran 1.29x faster there
-without packing.
+one slot costs, because reading the weights dominates. PyTorch's stock CPU linear breaks that. Its
+MKL path runs 1 to 3 rows as matrix-vector products and 4 or more through a GEMM that is slow on so
+few rows. On a 2-core Xeon with AMX, one pass through SmolLM2-135M's 210 linear layers in fp32 takes
+19 ms for 1 row, 22 for 3, 30 for 4 and 36 for 8; without AMX, one forward took 59 ms for 1 slot and
+96 for 2 (bench/results/masks-greedy-600-fp32-packed.json).
 
-So which product runs is measured, not assumed: `packing_pays(model)` times one pass through the
-model's linear layers at 1 row (an AR step) and at 8 rows (a TiDAR step) with each, once per model and
-dtype: 13 passes that each read every weight once (about 0.5 s for SmolLM2-135M, in proportion to
-the weights' size for larger models), holding one more copy of the weights while it times.
-`cpu_kernels(model, "auto")`, what generate() enters for every path (TiDAR, plain AR, prompt
-lookup), packs only where that pass is faster. One product for every row count, so every decoder
-on a model runs the same kernels.
+Two packed products, each made from the weight once and kept:
+- **panels** (fp32): the weight in panels of 32 outputs by all inputs, streamed once per call by a
+  small C kernel (PANEL_SOURCE) that does every row's multiply-adds on each piece while it is in
+  cache and prefetches the next. The same pass takes 21 ms for 4 rows and 24 for 8. Each output is
+  one dot product summed over the inputs in order, whatever the row count, so a row's result is the
+  same bit for bit among 2 rows or among PANEL_ROWS. One row (an AR step) runs the stock
+  matrix-vector product, a little faster, and a prefill's many rows the stock GEMM, faster where
+  arithmetic bounds the product. Built with the machine's C compiler (`cc`, or $CC; -march=native,
+  OpenMP) into $TIDAR_CACHE/kernels on first use, in about a second, once per CPU and compiler;
+  where no compiler builds it, fp32 takes oneDNN's product, with a warning saying so.
+- **onednn** (bf16, and fp32 without the panel kernel): each weight reordered once into oneDNN's
+  blocked layout (what torch.compile's CPU freezing does). On AMX it makes bf16 flat: 17 ms for 1 or
+  8 rows against 23 stock. In fp32 on the AMX Xeon it is flat but slow (about 35 ms).
 
-Neither product makes a row's result independent of how many rows share the call on every machine:
-packed, it is on the Xeon without AMX (measured bitwise for 1 to 13 rows) but not on the one with AMX
-(a 1536-input layer gives other low bits for 1 row than for 2 or more), and stock it is not on
+Which product runs is measured, not assumed: `packing_pays(model)` times one pass through the
+model's linear layers at 1 row (an AR step) and at 8 rows (a TiDAR step) with the stock product and
+the packed one, once per model and dtype: 13 passes that each read every weight once (about 0.5 s
+for SmolLM2-135M, in proportion to the weights' size for larger models), holding one more copy of
+the weights while it times. `cpu_kernels(model, "auto")`, what generate() enters for every path
+(TiDAR, plain AR, prompt lookup), packs only where that pass is faster. One choice per model, so
+every decoder on a model runs the same kernels.
+
+The panel product makes a row's linear output independent of how many rows (2 to 64) share the
+call; oneDNN's is on the Xeon without AMX (measured bitwise for 1 to 13 rows) but not on the one with
+AMX (a 1536-input layer gives other low bits for 1 row than for 2 or more), and the stock product is not on
 either. Attention with one query and with several differ in the low bits too. So greedy TiDAR equals
 greedy AR where the AR's best token leads by more than that noise, about 1e-4 in fp32 logits on
 SmolLM2-135M: on every bench prompt so far, and checked by the greedy identity tests.
@@ -37,15 +47,24 @@ layer, every step), because CUDA's kernels need it; PyTorch's CPU kernel attends
 (`enable_gqa`), to the same values. Every TiDAR step and every prompt-lookup step has a mask and
 several queries.
 
-Shipped in every export's custom_generate/ folder: imports nothing but torch (transformers, for the
-attention function, only when it is used).
+Shipped in every export's custom_generate/ folder: imports nothing but torch and the standard library
+(transformers, for the attention function, only when it is used).
 """
 
 from __future__ import annotations
 
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
 import time
+import warnings
 import weakref
 from contextlib import contextmanager
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -71,6 +90,138 @@ def available() -> bool:
     return True
 
 
+# --------------------------------------------------------------------------------------------
+# The panel product: fp32 weights in panels of 32 outputs, streamed once for every row of a step.
+# --------------------------------------------------------------------------------------------
+
+PANEL = 32  # outputs per panel: two 16-float vectors, times up to 8 rows, fill 16 of AVX-512's 32 registers
+PANEL_ROWS = 64  # above this many rows (a prompt's prefill) compute, not reading weights, bounds a product: stock GEMM
+# Each output's dot product runs over k in order, one fused multiply-add at a time, whatever the row
+# count: a row's result is the same bit for bit among 2 or among 64. The prefetch keeps the weight
+# stream ahead of the arithmetic, so 8 rows cost little more than 2 (the weights are read once). One
+# row (an AR step) takes the stock product: MKL's matrix-vector product is a little faster there
+# (a SmolLM2-135M forward 37.5 ms against 40 on panels; the Python around each call is most of it).
+PANEL_SOURCE = r"""
+#include <string.h>
+#define NB 32
+#define PF 1024
+typedef float v16 __attribute__((vector_size(64), aligned(4)));
+#define PANEL(MM) \
+static void panel##MM(const float *x, long K, const float *w, float *out) { \
+  v16 a0[MM], a1[MM]; \
+  for (int i = 0; i < MM; i++) { a0[i] = (v16){0}; a1[i] = (v16){0}; } \
+  for (long k = 0; k < K; k++) { \
+    __builtin_prefetch(w + k * NB + PF, 0, 3); \
+    __builtin_prefetch(w + k * NB + PF + 16, 0, 3); \
+    v16 w0 = *(const v16 *)(w + k * NB), w1 = *(const v16 *)(w + k * NB + 16); \
+    _Pragma("GCC unroll 8") \
+    for (int i = 0; i < MM; i++) { float xv = x[i * K + k]; a0[i] += xv * w0; a1[i] += xv * w1; } \
+  } \
+  for (int i = 0; i < MM; i++) { memcpy(out + i * NB, &a0[i], 64); memcpy(out + i * NB + 16, &a1[i], 64); } \
+}
+PANEL(1) PANEL(2) PANEL(3) PANEL(4) PANEL(5) PANEL(6) PANEL(7) PANEL(8)
+typedef void (*panel_fn)(const float *, long, const float *, float *);
+static const panel_fn PANELS[9] = {0, panel1, panel2, panel3, panel4, panel5, panel6, panel7, panel8};
+
+/* y[M, N] = x[M, K] @ W.T (+ b); W packed as panels P[ceil(N / NB)][K][NB], zero-padded. */
+void tidar_panel_linear(const float *x, long M, long K, const float *p, long N, const float *b, float *y, int threads) {
+  long panels = (N + NB - 1) / NB;
+  #pragma omp parallel for num_threads(threads) schedule(static)
+  for (long q = 0; q < panels; q++) {
+    float out[8 * NB];
+    for (long m0 = 0; m0 < M; m0 += 8) {
+      long mm = M - m0 < 8 ? M - m0 : 8;
+      PANELS[mm](x + m0 * K, K, p + q * K * NB, out);
+      for (long i = 0; i < mm; i++)
+        for (long j = 0; j < NB && q * NB + j < N; j++)
+          y[(m0 + i) * N + q * NB + j] = b ? out[i * NB + j] + b[q * NB + j] : out[i * NB + j];
+    }
+  }
+}
+
+"""
+PANEL_FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")  # no -ffast-math: k stays in order
+_PANEL_LIB: list = []  # [the loaded library, or None where it cannot be built]
+
+
+def _cpu_signature() -> str:
+    """What a build with -march=native depends on: the machine's architecture and CPU flags."""
+    flags = ""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                flags = line
+                break
+    except OSError:
+        pass
+    return f"{platform.machine()} {platform.processor()} {flags}"
+
+
+def panel_library():
+    """The panel kernel built for this CPU, loaded; None where it cannot be (no C compiler with
+    OpenMP, say: fp32 then runs oneDNN's packed product, with a warning once). Built once per CPU
+    and compiler with `cc` (or $CC) into $TIDAR_CACHE/kernels (default ~/.cache/tidar_convert), in
+    about a second; TIDAR_PANEL_KERNEL=0 turns it off."""
+    if _PANEL_LIB:
+        return _PANEL_LIB[0]
+    lib = None
+    if os.environ.get("TIDAR_PANEL_KERNEL", "1") != "0":
+        try:
+            lib = _build_panel_library()
+        except (OSError, subprocess.SubprocessError) as err:
+            warnings.warn(f"TiDAR's fp32 panel kernel could not be built ({err}); fp32 linear layers take oneDNN's packed product "
+                          "or the stock one. Install a C compiler with OpenMP (gcc) or set CC to one; TIDAR_PANEL_KERNEL=0 silences this.", stacklevel=3)
+    _PANEL_LIB.append(lib)
+    return lib
+
+
+def _build_panel_library():
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        raise OSError("no C compiler on PATH")
+    key = hashlib.sha256("\0".join((PANEL_SOURCE, cc, *PANEL_FLAGS, _cpu_signature())).encode()).hexdigest()[:16]
+    folder = Path(os.environ.get("TIDAR_CACHE") or Path.home() / ".cache" / "tidar_convert") / "kernels"
+    path = folder / f"panels-{key}.so"
+    if not path.exists():
+        folder.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=folder) as tmp:  # built aside, then renamed: a concurrent build or a kill leaves no half file
+            src, out = Path(tmp) / "panels.c", Path(tmp) / "panels.so"
+            src.write_text(PANEL_SOURCE)
+            done = subprocess.run([cc, *PANEL_FLAGS, str(src), "-o", str(out)], capture_output=True, text=True, timeout=300)
+            if done.returncode != 0:
+                raise OSError(f"{cc} exited {done.returncode}: {done.stderr.strip()[-500:]}")
+            os.replace(out, path)
+    lib = ctypes.CDLL(str(path))
+    P, L = ctypes.c_void_p, ctypes.c_long
+    lib.tidar_panel_linear.argtypes = [P, L, L, P, L, P, P, ctypes.c_int]
+    lib.tidar_panel_linear.restype = None
+    return lib
+
+
+def panel_pack(weight: torch.Tensor) -> torch.Tensor:
+    """[N, K] -> panels [ceil(N / 32), K, 32], the outputs past N zero."""
+    n, k = weight.shape
+    padded = F.pad(weight.float(), (0, 0, 0, -n % PANEL))
+    return padded.view(-1, PANEL, k).transpose(1, 2).contiguous()
+
+
+def panel_linear(x: torch.Tensor, panels: torch.Tensor, out_features: int, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ W.T (+ bias) on W's panels (panel_pack), fp32, on this CPU's panel kernel. Lean: it runs
+    for every linear layer of every decoding step, where a microsecond a call is 1 % of a forward."""
+    k = x.shape[-1]
+    lib = panel_library()
+    if lib is None or x.dtype != torch.float32 or panels.shape[1] != k:
+        raise ValueError(f"panel_linear: fp32 input of {panels.shape[1]} features and a built kernel needed, got {x.dtype} x {k}")
+    if not x.is_contiguous():
+        x = x.contiguous()
+    if bias is not None and (bias.dtype != torch.float32 or not bias.is_contiguous()):
+        bias = bias.float().contiguous()
+    y = torch.empty(*x.shape[:-1], out_features, dtype=torch.float32)
+    lib.tidar_panel_linear(x.data_ptr(), x.numel() // k, k, panels.data_ptr(), out_features, None if bias is None else bias.data_ptr(),
+                           y.data_ptr(), torch.get_num_threads())
+    return y
+
+
 def eligible(layer) -> bool:
     w = getattr(layer, "weight", None)
     return isinstance(layer, torch.nn.Linear) and w is not None and w.ndim == 2 and w.device.type == "cpu" and w.dtype in DTYPES
@@ -80,31 +231,52 @@ def _reorder(weight: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._reorder_linear_weight(weight, PACK_ROWS)
 
 
-def packed_weight(layer) -> torch.Tensor | None:
-    """The layer's weight packed for oneDNN, or None where this machine's oneDNN refuses it (the
-    layer then keeps the stock product)."""
+def _pack(weight: torch.Tensor) -> tuple[str, torch.Tensor]:
+    """fp32: panels where the panel kernel builds; otherwise oneDNN's blocked layout."""
+    if weight.dtype == torch.float32 and panel_library() is not None:
+        return "panels", panel_pack(weight)
+    if not available():
+        raise RuntimeError("this torch build has no oneDNN packed linear")
+    return "onednn", _reorder(weight)
+
+
+def packed_weight(layer) -> tuple[str, torch.Tensor] | None:
+    """The layer's weight packed ("panels" or "onednn", and the packed tensor), or None where this
+    machine's oneDNN refuses it (the layer then keeps the stock product)."""
     w = layer.weight
     key = (w.data_ptr(), w._version, w.dtype, tuple(w.shape))
     cached = _PACKED.get(layer)
     if cached is None or cached[0] != key:
         try:
-            packed = _reorder(w.detach())
+            packed = _pack(w.detach())
         except RuntimeError:
             packed = None
         cached = _PACKED[layer] = (key, packed)
     return cached[1]
 
 
+def packed_product(layer, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """The layer's packed product on x (the stock one where its weight has none, or for a prefill's
+    many rows on panels)."""
+    packed = packed_weight(layer)
+    if packed is None:
+        return F.linear(x, layer.weight, bias)
+    kind, w = packed
+    if kind == "panels":
+        if not 1 < x.numel() // x.shape[-1] <= PANEL_ROWS:
+            return F.linear(x, layer.weight, bias)
+        return panel_linear(x, w, layer.out_features, bias)
+    return torch.ops.mkldnn._linear_pointwise(x, w, None if bias is None else bias.detach(), "none", [], "")
+
+
 def packed_forward(layer):
     def forward(x):
         w = layer.weight
         if x.dtype != w.dtype or x.device != w.device or (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad)):
-            return F.linear(x, w, layer.bias)  # the packed op has no backward and one dtype
-        packed = packed_weight(layer)
-        if packed is None:
-            return F.linear(x, w, layer.bias)
-        bias = layer.bias.detach() if layer.bias is not None else None
-        return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+            return F.linear(x, w, layer.bias)  # the packed products have no backward and one dtype
+        if x.numel() == x.shape[-1] and w.dtype == torch.float32 and _PANEL_LIB and _PANEL_LIB[0] is not None:
+            return F.linear(x, w, layer.bias)  # one row, an AR step: stock on panels (packed_product), said first as it is most steps
+        return packed_product(layer, x, layer.bias)
 
     forward._tidar_packed = True
     return forward
@@ -116,11 +288,10 @@ def pass_seconds(layers, rows: int, packed: bool) -> float:
     start = time.perf_counter()
     for layer in layers:
         x = inputs[layer.in_features, layer.weight.dtype]
-        w = packed_weight(layer) if packed else None
-        if w is None:
-            F.linear(x, layer.weight)
+        if packed:
+            packed_product(layer, x, None)
         else:
-            torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
+            F.linear(x, layer.weight)
     return time.perf_counter() - start
 
 
@@ -132,7 +303,7 @@ def packing_pays(model, repeats: int = 3) -> bool:
     timed: stock."""
     # Plain tensors only: a sharded weight (FSDP's DTensor) is whole only inside its forward.
     layers = [layer for layer in model.modules() if eligible(layer) and type(layer.weight.data) is torch.Tensor]
-    if not layers or not available():
+    if not layers or not (available() or panel_library() is not None):
         return False
     key = (layers[0].weight.dtype, len(layers))
     cached = _PAYS.get(model)
@@ -152,6 +323,15 @@ def packing_pays(model, repeats: int = 3) -> bool:
     return pays
 
 
+def linear_product(model) -> str:
+    """What generate()'s default runs on the model's CPU linear layers: "stock", or the packed kinds
+    ("panels", "onednn", or both joined by "+")."""
+    if not packing_pays(model):
+        return "stock"
+    kinds = {packed[0] for layer in model.modules() if eligible(layer) and (packed := packed_weight(layer)) is not None}
+    return "+".join(sorted(kinds)) or "stock"
+
+
 def resolve(model, enabled: bool | str) -> bool:
     """True/False as given; "auto": packing_pays(model)."""
     if enabled == "auto":
@@ -166,7 +346,7 @@ def packed_linears(model, enabled: bool = True):
     """Within it, the model's CPU linear layers (fp32 or bf16) run oneDNN's packed product. Nested
     or concurrent entries leave layers another entry swapped to it; what this one swapped it restores."""
     swapped = []
-    if enabled and available():
+    if enabled and (available() or panel_library() is not None):
         for layer in model.modules():
             if not eligible(layer):
                 _PACKED.pop(layer, None)  # moved to a GPU or another dtype: its CPU copy is dead weight

@@ -33,7 +33,8 @@ def machine_info(device: torch.device, model=None) -> dict:
         info["attn_implementation"] = model.config._attn_implementation
         info["parameters"] = sum(p.numel() for p in model.parameters())
         if device.type == "cpu":  # generate()'s default product on this machine (kernels.packing_pays)
-            from ..kernels import packing_pays
+            from ..kernels import linear_product, packing_pays
 
             info["packed_linears"] = packing_pays(model)
+            info["linear_product"] = linear_product(model)  # "panels" (fp32), "onednn" (bf16) or "stock"
     return info
