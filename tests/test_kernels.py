@@ -294,3 +294,19 @@ def test_the_panel_kernel_can_be_turned_off(monkeypatch):
     monkeypatch.setattr(kernels, "_PANEL_LIB", [])
     monkeypatch.setenv("TIDAR_PANEL_KERNEL", "0")
     assert kernels.panel_library() is None
+
+
+@needs_panels
+@pytest.mark.parametrize("in_features,out_features,rank", [(576, 1536, 3), (35, 17, 2), (16, 16, 1), (64, 40, 8)])
+def test_lora_add_is_the_low_rank_delta_on_the_rows_from_start(in_features, out_features, rank):
+    torch.manual_seed(0)
+    x, out = torch.randn(1, 7, in_features), torch.randn(1, 7, out_features)
+    A, B = torch.randn(rank, in_features), torch.randn(out_features, rank)
+    got = out.clone()
+    assert kernels.lora_add(got, x, 4, A, B.T.contiguous())
+    assert torch.equal(got[:, :4], out[:, :4])
+    torch.testing.assert_close(got[:, 4:], out[:, 4:] + x[:, 4:] @ A.T @ B.T, rtol=1e-5, atol=1e-4)
+    # What it does not take, it leaves to the caller: bf16, batches, strided views.
+    assert not kernels.lora_add(out.bfloat16(), x.bfloat16(), 4, A, B.T.contiguous())
+    assert not kernels.lora_add(torch.cat([out, out]), torch.cat([x, x]), 4, A, B.T.contiguous())
+    assert not kernels.lora_add(out.transpose(1, 2).contiguous().transpose(1, 2), x, 4, A, B.T.contiguous())

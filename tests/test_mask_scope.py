@@ -83,6 +83,11 @@ def test_gate_slice_and_rows_agree():
     one = Gate(9)  # batch 1: the in-place addmm path
     one.set(torch.tensor([[1, 2, 3, 9, 9, 9]]))
     torch.testing.assert_close(one.add(out[:1].clone(), x[:1], At, Bt), expect[:1])
+    # With A (the hook passes it): in fp32 on CPU, one C call (kernels.lora_add) where the kernel builds; the same values.
+    fused = one.add(out[:1].clone(), x[:1], At, Bt, A.contiguous())
+    torch.testing.assert_close(fused, expect[:1])
+    assert torch.equal(fused[:, :3], out[:1, :3])  # rows before the masks untouched, bit for bit
+    torch.testing.assert_close(trailing.add(out.clone(), x, At, Bt, A.contiguous()), expect)  # batch 2: torch's products
     torch.testing.assert_close(trailing.weights(out)[..., 0], rows.float())
     got = scattered.add(out.clone(), x, At, Bt)
     torch.testing.assert_close(got[0, 1], expect[0, 1] + delta(x)[0, 1])  # the lone mask in row 0 adapted too

@@ -14,13 +14,16 @@ In training the gate multiplies PEFT's LoRA branch (lora.gate_to_masks); in an e
 saved deltas (ADAPTER_FILE, attach). The engine lays out a step's mask groups after its drafts and a
 training sequence's masks after its clean half, so the rows are one trailing block: a slice, no gather.
 
-Shipped in every export's custom_generate/ folder (see export.shipped_code): imports nothing but torch
-and transformers (safetensors comes with transformers).
+Shipped in every export's custom_generate/ folder (see export.shipped_code): imports nothing but torch,
+transformers (safetensors comes with transformers) and kernels.py beside it (one C call for the
+deltas of a step's mask rows in fp32).
 """
 
 from __future__ import annotations
 
 import torch
+
+from .kernels import lora_add
 
 ADAPTER_FILE = "tidar_adapter.safetensors"
 GATE_ATTR = "_tidar_gate"
@@ -65,14 +68,17 @@ class Gate:
             self._weights[key] = w
         return self._weights[key]
 
-    def add(self, out: torch.Tensor, x: torch.Tensor, At: torch.Tensor, Bt: torch.Tensor) -> torch.Tensor:
+    def add(self, out: torch.Tensor, x: torch.Tensor, At: torch.Tensor, Bt: torch.Tensor, A: torch.Tensor | None = None) -> torch.Tensor:
         """out += x @ At @ Bt on the mask rows only (inference: the saved adapter's hook); At (in, r),
-        Bt (r, out), in their own dtype (attach: fp32 on CPU). A decoding step of one row has its
-        mask rows as one contiguous block: one mm and one in-place addmm there, as few dispatcher
-        calls as the product allows (the hook runs on every adapted layer, ~200 a forward, and its
-        overhead, not its FLOPs, is its cost)."""
+        Bt (r, out), in their own dtype (attach: fp32 on CPU), A = At.T contiguous. A decoding step
+        of one row has its mask rows as one contiguous block: in fp32 on CPU one C call there
+        (kernels.lora_add), else one mm and one in-place addmm; the hook runs on every adapted layer,
+        ~200 a forward, and its overhead, not its FLOPs, is its cost (two torch products and their
+        slicing took ~35 us a layer, the C call ~5)."""
         delta = lambda v: (v.to(At.dtype) @ At @ Bt).to(out.dtype)
         if self.start is not None:
+            if A is not None and out.device.type == "cpu" and lora_add(out, x, self.start, A, Bt):
+                return out
             if out.shape[0] == 1 and out.is_contiguous() and x.is_contiguous():
                 rows, xs = out.view(-1, out.shape[-1])[self.start :], x.view(-1, x.shape[-1])[self.start :]
                 if At.dtype == out.dtype:
@@ -115,10 +121,11 @@ def attach(model, tensors: dict[str, torch.Tensor], mask_id: int) -> Gate:
         dtype = torch.float32 if weight.device.type == "cpu" and weight.dtype in (torch.bfloat16, torch.float16) else weight.dtype
         layer.register_buffer("tidar_lora_At", tensors[f"{name}.lora_A"].t().to(weight.device, dtype).contiguous(), persistent=False)
         layer.register_buffer("tidar_lora_Bt", tensors[f"{name}.lora_B"].t().to(weight.device, dtype).contiguous(), persistent=False)
+        layer.register_buffer("tidar_lora_A", tensors[f"{name}.lora_A"].to(weight.device, dtype).contiguous(), persistent=False)
 
         def hook(module, args, out):
             if gate.open:
-                return gate.add(out, args[0], module.tidar_lora_At, module.tidar_lora_Bt)
+                return gate.add(out, args[0], module.tidar_lora_At, module.tidar_lora_Bt, module.tidar_lora_A)
 
         layer.register_forward_hook(hook)
     return gate

@@ -139,6 +139,29 @@ void tidar_panel_linear(const float *x, long M, long K, const float *p, long N, 
   }
 }
 
+/* y[M, N] += (x[M, K] @ A[R, K].T) @ Bt[R, N]: a mask-slot adapter's low-rank delta on a step's mask
+   rows (adapter.py), in one call: its two torch products and the slicing around them cost ~35 us a
+   layer, whatever the rank. */
+void tidar_lora_add(const float *x, long M, long K, const float *A, long R, const float *Bt, long N, float *y) {
+  for (long i = 0; i < M; i++) {
+    const float *xi = x + i * K;
+    float *yi = y + i * N;
+    for (long r = 0; r < R; r++) {
+      const float *a = A + r * K;
+      v16 acc = {0};
+      long k = 0;
+      for (; k + 16 <= K; k += 16) acc += *(const v16 *)(xi + k) * *(const v16 *)(a + k);
+      float t = 0.f;
+      for (int j = 0; j < 16; j++) t += acc[j];
+      for (; k < K; k++) t += xi[k] * a[k];
+      const float *b = Bt + r * N;
+      long n = 0;
+      for (; n + 16 <= N; n += 16) *(v16 *)(yi + n) += t * *(const v16 *)(b + n);
+      for (; n < N; n++) yi[n] += t * b[n];
+    }
+  }
+}
+
 """
 PANEL_FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")  # no -ffast-math: k stays in order
 _PANEL_LIB: list = []  # [the loaded library, or None where it cannot be built]
@@ -195,6 +218,8 @@ def _build_panel_library():
     P, L = ctypes.c_void_p, ctypes.c_long
     lib.tidar_panel_linear.argtypes = [P, L, L, P, L, P, P, ctypes.c_int]
     lib.tidar_panel_linear.restype = None
+    lib.tidar_lora_add.argtypes = [P, L, L, P, L, P, L, P]
+    lib.tidar_lora_add.restype = None
     return lib
 
 
@@ -220,6 +245,19 @@ def panel_linear(x: torch.Tensor, panels: torch.Tensor, out_features: int, bias:
     lib.tidar_panel_linear(x.data_ptr(), x.numel() // k, k, panels.data_ptr(), out_features, None if bias is None else bias.data_ptr(),
                            y.data_ptr(), torch.get_num_threads())
     return y
+
+
+def lora_add(out: torch.Tensor, x: torch.Tensor, start: int, A: torch.Tensor, Bt: torch.Tensor) -> bool:
+    """out[0, start:] += x[0, start:] @ A.T @ Bt in place, in one C call: a batch-1 step's trailing
+    mask rows (adapter.Gate). fp32, contiguous; False (nothing done) where that does not hold or the
+    kernel library is not built, and the caller runs torch's products."""
+    lib = _PANEL_LIB[0] if _PANEL_LIB else panel_library()
+    if lib is None or out.shape[0] != 1 or not all(t.dtype == torch.float32 and t.is_contiguous() for t in (out, x, A, Bt)):
+        return False
+    k, n = x.shape[-1], out.shape[-1]
+    rows = out.numel() // n - start
+    lib.tidar_lora_add(x.data_ptr() + 4 * start * k, rows, k, A.data_ptr(), A.shape[0], Bt.data_ptr(), n, out.data_ptr() + 4 * start * n)
+    return True
 
 
 def eligible(layer) -> bool:
