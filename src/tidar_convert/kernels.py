@@ -94,7 +94,7 @@ def available() -> bool:
 # The panel product: fp32 weights in panels of 32 outputs, streamed once for every row of a step.
 # --------------------------------------------------------------------------------------------
 
-PANEL = 32  # outputs per panel: two 16-float vectors, times up to 8 rows, fill 16 of AVX-512's 32 registers
+PANEL = 32  # outputs per panel: two 16-float vectors, times up to 16 rows (one pass over the panel) of accumulators
 PANEL_ROWS = 64  # above this many rows (a prompt's prefill) compute, not reading weights, bounds a product: stock GEMM
 # Each output's dot product runs over k in order, one fused multiply-add at a time, whatever the row
 # count: a row's result is the same bit for bit among 2 or among 64. The prefetch keeps the weight
@@ -114,23 +114,25 @@ static void panel##MM(const float *x, long K, const float *w, float *out) { \
     __builtin_prefetch(w + k * NB + PF, 0, 3); \
     __builtin_prefetch(w + k * NB + PF + 16, 0, 3); \
     v16 w0 = *(const v16 *)(w + k * NB), w1 = *(const v16 *)(w + k * NB + 16); \
-    _Pragma("GCC unroll 8") \
+    _Pragma("GCC unroll 16") \
     for (int i = 0; i < MM; i++) { float xv = x[i * K + k]; a0[i] += xv * w0; a1[i] += xv * w1; } \
   } \
   for (int i = 0; i < MM; i++) { memcpy(out + i * NB, &a0[i], 64); memcpy(out + i * NB + 16, &a1[i], 64); } \
 }
 PANEL(1) PANEL(2) PANEL(3) PANEL(4) PANEL(5) PANEL(6) PANEL(7) PANEL(8)
+PANEL(9) PANEL(10) PANEL(11) PANEL(12) PANEL(13) PANEL(14) PANEL(15) PANEL(16)
 typedef void (*panel_fn)(const float *, long, const float *, float *);
-static const panel_fn PANELS[9] = {0, panel1, panel2, panel3, panel4, panel5, panel6, panel7, panel8};
+static const panel_fn PANELS[17] = {0, panel1, panel2, panel3, panel4, panel5, panel6, panel7, panel8,
+                                    panel9, panel10, panel11, panel12, panel13, panel14, panel15, panel16};
 
 /* y[M, N] = x[M, K] @ W.T (+ b); W packed as panels P[ceil(N / NB)][K][NB], zero-padded. */
 void tidar_panel_linear(const float *x, long M, long K, const float *p, long N, const float *b, float *y, int threads) {
   long panels = (N + NB - 1) / NB;
   #pragma omp parallel for num_threads(threads) schedule(static)
   for (long q = 0; q < panels; q++) {
-    float out[8 * NB];
-    for (long m0 = 0; m0 < M; m0 += 8) {
-      long mm = M - m0 < 8 ? M - m0 : 8;
+    float out[16 * NB];
+    for (long m0 = 0; m0 < M; m0 += 16) {
+      long mm = M - m0 < 16 ? M - m0 : 16;
       PANELS[mm](x + m0 * K, K, p + q * K * NB, out);
       for (long i = 0; i < mm; i++)
         for (long j = 0; j < NB && q * NB + j < N; j++)
