@@ -253,13 +253,18 @@ def lora_add(out: torch.Tensor, x: torch.Tensor, start: int, A: torch.Tensor, Bt
     """out[0, start:] += x[0, start:] @ A.T @ Bt in place, in one C call: a batch-1 step's trailing
     mask rows (adapter.Gate). fp32, contiguous; False (nothing done) where that does not hold or the
     kernel library is not built, and the caller runs torch's products."""
-    lib = _PANEL_LIB[0] if _PANEL_LIB else panel_library()
+    lib = panel_library()
     if lib is None or out.shape[0] != 1 or not all(t.dtype == torch.float32 and t.is_contiguous() for t in (out, x, A, Bt)):
         return False
     k, n = x.shape[-1], out.shape[-1]
     rows = out.numel() // n - start
     lib.tidar_lora_add(x.data_ptr() + 4 * start * k, rows, k, A.data_ptr(), A.shape[0], Bt.data_ptr(), n, out.data_ptr() + 4 * start * n)
     return True
+
+
+def can_pack() -> bool:
+    """Some packed product is here: oneDNN's, or the panel kernel (built on this first call)."""
+    return available() or panel_library() is not None
 
 
 def eligible(layer) -> bool:
@@ -343,7 +348,7 @@ def packing_pays(model, repeats: int = 3) -> bool:
     timed: stock."""
     # Plain tensors only: a sharded weight (FSDP's DTensor) is whole only inside its forward.
     layers = [layer for layer in model.modules() if eligible(layer) and type(layer.weight.data) is torch.Tensor]
-    if not layers or not (available() or panel_library() is not None):
+    if not layers or not can_pack():
         return False
     key = (layers[0].weight.dtype, len(layers))
     cached = _PAYS.get(model)
@@ -383,10 +388,10 @@ def resolve(model, enabled: bool | str) -> bool:
 
 @contextmanager
 def packed_linears(model, enabled: bool = True):
-    """Within it, the model's CPU linear layers (fp32 or bf16) run oneDNN's packed product. Nested
+    """Within it, the model's CPU linear layers (fp32 or bf16) run their packed product. Nested
     or concurrent entries leave layers another entry swapped to it; what this one swapped it restores."""
     swapped = []
-    if enabled and (available() or panel_library() is not None):
+    if enabled and can_pack():
         for layer in model.modules():
             if not eligible(layer):
                 _PACKED.pop(layer, None)  # moved to a GPU or another dtype: its CPU copy is dead weight
