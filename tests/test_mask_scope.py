@@ -10,7 +10,7 @@ import textwrap
 import pytest
 import torch
 
-from tidar_convert import export, layout, load
+from tidar_convert import adapter, export, layout, load
 from tidar_convert.adapter import ADAPTER_FILE, Gate
 from tidar_convert.decode import generate
 from tidar_convert.lora import add_lora
@@ -67,37 +67,39 @@ def test_bad_scope_settings_are_refused_by_name(tiny_dirs, kwargs, message):
         TiDARModule(model=str(tiny_dirs["qwen2"]), block_size=4, **kwargs)
 
 
-def test_gate_slice_and_rows_agree():
+@pytest.mark.parametrize("c_call", [True, False])
+def test_gate_slice_and_rows_agree(c_call, monkeypatch):
+    """The same deltas whether batch 1 in fp32 on CPU takes one C call (kernels.lora_add, where the
+    kernel builds) or torch's in-place addmm."""
+    if not c_call:
+        monkeypatch.setattr(adapter, "lora_add", lambda *args: False)
     torch.manual_seed(0)
     x, out = torch.randn(2, 6, 5), torch.randn(2, 6, 3)
     A, B = torch.randn(2, 5), torch.randn(3, 2)
     delta = lambda v: v @ A.T @ B.T
-    At, Bt = A.T.contiguous(), B.T.contiguous()
+    Bt = B.T.contiguous()
     trailing, scattered = Gate(9), Gate(9)
     trailing.set(torch.tensor([[1, 2, 3, 9, 9, 9], [4, 5, 6, 9, 9, 9]]))
     scattered.set(torch.tensor([[1, 9, 3, 9, 9, 9], [4, 5, 6, 9, 9, 9]]))
     assert trailing.start == 3 and trailing.rows is None and scattered.rows is not None
     rows = torch.tensor([[0, 0, 0, 1, 1, 1], [0, 0, 0, 1, 1, 1]], dtype=torch.bool)
     expect = out + delta(x) * rows[..., None]
-    torch.testing.assert_close(trailing.add(out.clone(), x, At, Bt), expect)
-    one = Gate(9)  # batch 1: the in-place addmm path
+    torch.testing.assert_close(trailing.add(out.clone(), x, A, Bt), expect)  # batch 2: torch's products
+    one = Gate(9)  # batch 1: the C call, or the in-place addmm path
     one.set(torch.tensor([[1, 2, 3, 9, 9, 9]]))
-    torch.testing.assert_close(one.add(out[:1].clone(), x[:1], At, Bt), expect[:1])
-    # With A (the hook passes it): in fp32 on CPU, one C call (kernels.lora_add) where the kernel builds; the same values.
-    fused = one.add(out[:1].clone(), x[:1], At, Bt, A.contiguous())
-    torch.testing.assert_close(fused, expect[:1])
-    assert torch.equal(fused[:, :3], out[:1, :3])  # rows before the masks untouched, bit for bit
-    torch.testing.assert_close(trailing.add(out.clone(), x, At, Bt, A.contiguous()), expect)  # batch 2: torch's products
+    got = one.add(out[:1].clone(), x[:1], A, Bt)
+    torch.testing.assert_close(got, expect[:1])
+    assert torch.equal(got[:, :3], out[:1, :3])  # rows before the masks untouched, bit for bit
     torch.testing.assert_close(trailing.weights(out)[..., 0], rows.float())
-    got = scattered.add(out.clone(), x, At, Bt)
+    got = scattered.add(out.clone(), x, A, Bt)
     torch.testing.assert_close(got[0, 1], expect[0, 1] + delta(x)[0, 1])  # the lone mask in row 0 adapted too
     none = Gate(9)
     none.set(torch.tensor([[1, 2, 3]]))
-    assert not none.open and torch.equal(none.add(out.clone(), x, At, Bt), out)
+    assert not none.open and torch.equal(none.add(out.clone(), x, A, Bt), out)
     # A bf16 model with fp32 deltas (attach on CPU): the product runs in fp32 and lands in bf16.
     for gate, n in ((one, 1), (trailing, 2), (scattered, 2)):
-        got = gate.add(out[:n].bfloat16(), x[:n].bfloat16(), At, Bt)
-        want = out[:n].bfloat16() + (x[:n].bfloat16().float() @ At @ Bt).bfloat16() * gate.weights(out[:n])
+        got = gate.add(out[:n].bfloat16(), x[:n].bfloat16(), A, Bt)
+        want = out[:n].bfloat16() + (x[:n].bfloat16().float() @ A.T @ Bt).bfloat16() * gate.weights(out[:n])
         assert got.dtype == torch.bfloat16
         torch.testing.assert_close(got.float(), want.float(), atol=0.05, rtol=0.02)
 
@@ -142,7 +144,7 @@ def test_a_half_precision_cpu_model_keeps_its_adapter_in_fp32(scoped):
     _, _, out, prompt, _ = scoped
     lm = AutoModelForCausalLM.from_pretrained(out, dtype=torch.bfloat16).eval()
     ensure(lm)
-    assert {m.tidar_lora_At.dtype for m in lm.modules() if hasattr(m, "tidar_lora_At")} == {torch.float32}
+    assert {m.tidar_lora_A.dtype for m in lm.modules() if hasattr(m, "tidar_lora_A")} == {torch.float32}
     with torch.no_grad():
         generate(prompt, model=lm, max_new_tokens=12, do_sample=False, eos_token_id=None, drafter="diffusion", plan="full")
     assert lm.tidar_stats["tokens_per_nfe"] > 1.2  # the fp32 deltas still draft in a bf16 forward

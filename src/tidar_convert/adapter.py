@@ -68,16 +68,17 @@ class Gate:
             self._weights[key] = w
         return self._weights[key]
 
-    def add(self, out: torch.Tensor, x: torch.Tensor, At: torch.Tensor, Bt: torch.Tensor, A: torch.Tensor | None = None) -> torch.Tensor:
-        """out += x @ At @ Bt on the mask rows only (inference: the saved adapter's hook); At (in, r),
-        Bt (r, out), in their own dtype (attach: fp32 on CPU), A = At.T contiguous. A decoding step
-        of one row has its mask rows as one contiguous block: in fp32 on CPU one C call there
-        (kernels.lora_add), else one mm and one in-place addmm; the hook runs on every adapted layer,
-        ~200 a forward, and its overhead, not its FLOPs, is its cost (two torch products and their
-        slicing took ~35 us a layer, the C call ~5)."""
+    def add(self, out: torch.Tensor, x: torch.Tensor, A: torch.Tensor, Bt: torch.Tensor) -> torch.Tensor:
+        """out += x @ A.T @ Bt on the mask rows only (inference: the saved adapter's hook); A (r, in),
+        Bt (r, out), in their own dtype (attach: fp32 on CPU). A decoding step of one row has its
+        mask rows as one contiguous block: in fp32 on CPU one C call there (kernels.lora_add), else
+        one mm and one in-place addmm; the hook runs on every adapted layer, ~200 a forward, and its
+        overhead, not its FLOPs, is its cost (two torch products and their slicing took ~35 us a
+        layer, the C call ~5)."""
+        At = A.T
         delta = lambda v: (v.to(At.dtype) @ At @ Bt).to(out.dtype)
         if self.start is not None:
-            if A is not None and out.device.type == "cpu" and lora_add(out, x, self.start, A, Bt):
+            if out.device.type == "cpu" and lora_add(out, x, self.start, A, Bt):
                 return out
             if out.shape[0] == 1 and out.is_contiguous() and x.is_contiguous():
                 rows, xs = out.view(-1, out.shape[-1])[self.start :], x.view(-1, x.shape[-1])[self.start :]
@@ -114,18 +115,18 @@ def attach(model, tensors: dict[str, torch.Tensor], mask_id: int) -> Gate:
     for name in names:
         layer = modules[name]
         weight = layer.weight
-        # Stored transposed, so the hook's products need no transposes: (in, r) and (r, out). On CPU
+        # A as saved (r, in): the rows the C call (kernels.lora_add) takes dot products with; B
+        # transposed (r, out), so its rows are what each mask row adds a multiple of. On CPU
         # in fp32 whatever the model's dtype: a bf16 product of these thin matrices costs more there
         # than converting the mask rows (SmolLM2-135M in bf16 on a 2-core AMX Xeon: a step of 20
         # slots with 16 mask slots took 60 ms with bf16 deltas, 52 ms with fp32, 38 ms without).
         dtype = torch.float32 if weight.device.type == "cpu" and weight.dtype in (torch.bfloat16, torch.float16) else weight.dtype
-        layer.register_buffer("tidar_lora_At", tensors[f"{name}.lora_A"].t().to(weight.device, dtype).contiguous(), persistent=False)
-        layer.register_buffer("tidar_lora_Bt", tensors[f"{name}.lora_B"].t().to(weight.device, dtype).contiguous(), persistent=False)
         layer.register_buffer("tidar_lora_A", tensors[f"{name}.lora_A"].to(weight.device, dtype).contiguous(), persistent=False)
+        layer.register_buffer("tidar_lora_Bt", tensors[f"{name}.lora_B"].t().to(weight.device, dtype).contiguous(), persistent=False)
 
         def hook(module, args, out):
             if gate.open:
-                return gate.add(out, args[0], module.tidar_lora_At, module.tidar_lora_Bt, module.tidar_lora_A)
+                return gate.add(out, args[0], module.tidar_lora_A, module.tidar_lora_Bt)
 
         layer.register_forward_hook(hook)
     return gate
