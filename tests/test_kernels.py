@@ -297,6 +297,35 @@ def test_the_panel_kernel_can_be_turned_off(monkeypatch):
 
 
 @needs_panels
+@pytest.mark.parametrize("rows,start,in_features,out_features,rank", [(10, 6, 576, 1536, 5), (5, 0, 35, 17, 2), (40, 20, 64, 40, 8), (33, 31, 16, 70, 1)])
+def test_panel_linear_adds_an_adapters_delta_in_the_same_pass(rows, start, in_features, out_features, rank):
+    """An adapter's B packed beside W: rows start.. get x @ A.T @ B.T added, the rows before are the
+    plain product bit for bit (the extra terms are zeros), with and without a bias."""
+    torch.manual_seed(0)
+    x, w, bias = torch.randn(1, rows, in_features), torch.randn(out_features, in_features), torch.randn(out_features)
+    A, B = torch.randn(rank, in_features), torch.randn(out_features, rank)
+    panels, delta = kernels.panel_pack(w), kernels.panel_pack(B)
+    for b in (None, bias):
+        plain = kernels.panel_linear(x, panels, out_features, b)
+        got = kernels.panel_linear(x, panels, out_features, b, (A, delta, start))
+        assert torch.equal(got[:, :start], plain[:, :start])
+        want = F.linear(x, w, b) + x @ A.T @ B.T
+        torch.testing.assert_close(got[:, start:], want[:, start:], rtol=1e-4, atol=1e-4)
+    with pytest.raises(ValueError, match="adapter's A"):
+        kernels.panel_linear(x, panels, out_features, None, (A[:, :-1].contiguous(), delta, start))
+
+
+@needs_panels
+def test_lora_add_takes_many_rows_in_blocks():
+    torch.manual_seed(0)
+    x, out = torch.randn(1, 80, 32), torch.randn(1, 80, 24)
+    A, B = torch.randn(64, 32), torch.randn(24, 64)  # 78 rows x rank 64: more scores than one block holds
+    got = out.clone()
+    assert kernels.lora_add(got, x, 2, A, B.T.contiguous())
+    torch.testing.assert_close(got[:, 2:], out[:, 2:] + x[:, 2:] @ A.T @ B.T, rtol=1e-4, atol=1e-4)
+
+
+@needs_panels
 @pytest.mark.parametrize("in_features,out_features,rank", [(576, 1536, 3), (35, 17, 2), (16, 16, 1), (64, 40, 8)])
 def test_lora_add_is_the_low_rank_delta_on_the_rows_from_start(in_features, out_features, rank):
     torch.manual_seed(0)

@@ -208,6 +208,21 @@ def test_export_mask_rows_match_the_trained_model(tiny_dirs, tmp_path):
     assert torch.equal(shipped[:, :S], plain[:, :S])
     torch.testing.assert_close(shipped[:, S:], trained[:, S:], rtol=1e-4, atol=1e-4)
     assert (shipped[:, S:] - plain[:, S:]).abs().max() > 1e-2
+    # On packed products (generate()'s CPU kernels) the packed forward adds the deltas, the hooks set
+    # aside: batch 1 in the panel pass, batch 2 after the product. The AR half stays the base's, bit
+    # for bit on the same kernels.
+    from tidar_convert.kernels import DELTA_HOOK, packed_linears
+
+    adapted = {m: list(m._forward_hooks) for m in lm.modules() if hasattr(m, "tidar_lora_A")}
+    one = {k: v[:1] for k, v in kw.items()}
+    with torch.no_grad(), packed_linears(lm), packed_linears(base):
+        assert not any(getattr(h, DELTA_HOOK, False) for m in adapted for h in m._forward_hooks.values())
+        packed1, packed2 = lm(**one).logits, lm(**kw).logits
+        base1 = base(**one).logits
+    assert torch.equal(packed1[:, :S], base1[:, :S])
+    torch.testing.assert_close(packed1, trained[:1], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(packed2, trained, rtol=1e-4, atol=1e-4)
+    assert {m: list(m._forward_hooks) for m in adapted} == adapted  # the hooks back, in their order
 
 
 def test_compress_keeps_the_asked_share_of_each_delta():

@@ -14,16 +14,18 @@ In training the gate multiplies PEFT's LoRA branch (lora.gate_to_masks); in an e
 saved deltas (ADAPTER_FILE, attach). The engine lays out a step's mask groups after its drafts and a
 training sequence's masks after its clean half, so the rows are one trailing block: a slice, no gather.
 
+On generate()'s fp32 panel products the deltas of a step's mask rows run inside each weight's pass
+(kernels.packed_forward: B packed beside W, the hook set aside); elsewhere the hook adds them.
+
 Shipped in every export's custom_generate/ folder (see export.shipped_code): imports nothing but torch,
-transformers (safetensors comes with transformers) and kernels.py beside it (one C call for the
-deltas of a step's mask rows in fp32).
+transformers (safetensors comes with transformers) and kernels.py beside it.
 """
 
 from __future__ import annotations
 
 import torch
 
-from .kernels import lora_add
+from .kernels import DELTA_HOOK, LORA_A, LORA_BT, LORA_GATE, lora_add
 
 ADAPTER_FILE = "tidar_adapter.safetensors"
 GATE_ATTR = "_tidar_gate"
@@ -69,12 +71,12 @@ class Gate:
         return self._weights[key]
 
     def add(self, out: torch.Tensor, x: torch.Tensor, A: torch.Tensor, Bt: torch.Tensor) -> torch.Tensor:
-        """out += x @ A.T @ Bt on the mask rows only (inference: the saved adapter's hook); A (r, in),
-        Bt (r, out), in their own dtype (attach: fp32 on CPU). A decoding step of one row has its
-        mask rows as one contiguous block: in fp32 on CPU one C call there (kernels.lora_add), else
-        one mm and one in-place addmm; the hook runs on every adapted layer, ~200 a forward, and its
-        overhead, not its FLOPs, is its cost (two torch products and their slicing took ~35 us a
-        layer, the C call ~5)."""
+        """out += x @ A.T @ Bt on the mask rows only (inference: the saved adapter's hook, or the
+        packed forward where the panel pass did not add it); A (r, in), Bt (r, out), in their own
+        dtype (attach: fp32 on CPU). A decoding step of one row has its mask rows as one contiguous
+        block: in fp32 on CPU one C call there (kernels.lora_add), else one mm and one in-place
+        addmm; this runs on every adapted layer, ~150 a forward, and its overhead, not its FLOPs, is
+        its cost (two torch products and their slicing took ~35 us a layer)."""
         At = A.T
         delta = lambda v: (v.to(At.dtype) @ At @ Bt).to(out.dtype)
         if self.start is not None:
@@ -121,13 +123,15 @@ def attach(model, tensors: dict[str, torch.Tensor], mask_id: int) -> Gate:
         # than converting the mask rows (SmolLM2-135M in bf16 on a 2-core AMX Xeon: a step of 20
         # slots with 16 mask slots took 60 ms with bf16 deltas, 52 ms with fp32, 38 ms without).
         dtype = torch.float32 if weight.device.type == "cpu" and weight.dtype in (torch.bfloat16, torch.float16) else weight.dtype
-        layer.register_buffer("tidar_lora_A", tensors[f"{name}.lora_A"].to(weight.device, dtype).contiguous(), persistent=False)
-        layer.register_buffer("tidar_lora_Bt", tensors[f"{name}.lora_B"].t().to(weight.device, dtype).contiguous(), persistent=False)
+        layer.register_buffer(LORA_A, tensors[f"{name}.lora_A"].to(weight.device, dtype).contiguous(), persistent=False)
+        layer.register_buffer(LORA_BT, tensors[f"{name}.lora_B"].t().to(weight.device, dtype).contiguous(), persistent=False)
+        object.__setattr__(layer, LORA_GATE, gate)  # kernels.packed_forward adds the delta itself, the hook set aside
 
         def hook(module, args, out):
             if gate.open:
                 return gate.add(out, args[0], module.tidar_lora_A, module.tidar_lora_Bt)
 
+        setattr(hook, DELTA_HOOK, True)
         layer.register_forward_hook(hook)
     return gate
 

@@ -75,7 +75,15 @@ PACK_ROWS = 8  # oneDNN's hint of the rows a call will have: a decoding step's s
 # would break deepcopy, pickling and state_dict; it goes with the layer.
 _PACKED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 CHOICE_ROWS = (1, 8)  # the rows of an AR step and of a typical TiDAR step, timed with equal weight
+_DELTA_PANELS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # layer -> (its adapter's B, B's panels)
 _PAYS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> (its linear layers' dtype and count, packing pays)
+# A layer may carry a mask-slot adapter (adapter.attach): its down-projection A (r, in) and its
+# up-projection transposed (r, out) as buffers, and the model's gate, whose `start` is the first mask
+# row of a batch-1 forward (None: none, or not one trailing block), and whose `add` adds the delta
+# to a product's mask rows. The adapter's forward hook (marked DELTA_HOOK) adds it on the stock
+# product; packed_linears sets that hook aside and packed_forward adds it instead, within the panel
+# pass where it can (a hook costs ~7 us a layer, about 1 ms a forward on SmolLM2-135M).
+LORA_A, LORA_BT, LORA_GATE, DELTA_HOOK = "tidar_lora_A", "tidar_lora_Bt", "_tidar_lora_gate", "_tidar_delta_hook"
 
 
 def available() -> bool:
@@ -102,12 +110,13 @@ PANEL_ROWS = 64  # above this many rows (a prompt's prefill) compute, not readin
 # row (an AR step) takes the stock product: MKL's matrix-vector product is a little faster there
 # (a SmolLM2-135M forward 37.5 ms against 40 on panels; the Python around each call is most of it).
 PANEL_SOURCE = r"""
+#include <stdlib.h>
 #include <string.h>
 #define NB 32
 #define PF 1024
 typedef float v16 __attribute__((vector_size(64), aligned(4)));
 #define PANEL(MM) \
-static void panel##MM(const float *x, long K, const float *w, float *out) { \
+static void panel##MM(const float *x, long K, const float *w, const float *u, long R, const float *wb, float *out) { \
   v16 a0[MM], a1[MM]; \
   for (int i = 0; i < MM; i++) { a0[i] = (v16){0}; a1[i] = (v16){0}; } \
   for (long k = 0; k < K; k++) { \
@@ -117,49 +126,116 @@ static void panel##MM(const float *x, long K, const float *w, float *out) { \
     _Pragma("GCC unroll 16") \
     for (int i = 0; i < MM; i++) { float xv = x[i * K + k]; a0[i] += xv * w0; a1[i] += xv * w1; } \
   } \
+  for (long r = 0; r < R; r++) { \
+    v16 w0 = *(const v16 *)(wb + r * NB), w1 = *(const v16 *)(wb + r * NB + 16); \
+    _Pragma("GCC unroll 16") \
+    for (int i = 0; i < MM; i++) { float uv = u[i * R + r]; a0[i] += uv * w0; a1[i] += uv * w1; } \
+  } \
   for (int i = 0; i < MM; i++) { memcpy(out + i * NB, &a0[i], 64); memcpy(out + i * NB + 16, &a1[i], 64); } \
 }
 PANEL(1) PANEL(2) PANEL(3) PANEL(4) PANEL(5) PANEL(6) PANEL(7) PANEL(8)
 PANEL(9) PANEL(10) PANEL(11) PANEL(12) PANEL(13) PANEL(14) PANEL(15) PANEL(16)
-typedef void (*panel_fn)(const float *, long, const float *, float *);
+typedef void (*panel_fn)(const float *, long, const float *, const float *, long, const float *, float *);
 static const panel_fn PANELS[17] = {0, panel1, panel2, panel3, panel4, panel5, panel6, panel7, panel8,
                                     panel9, panel10, panel11, panel12, panel13, panel14, panel15, panel16};
 
-/* y[M, N] = x[M, K] @ W.T (+ b); W packed as panels P[ceil(N / NB)][K][NB], zero-padded. */
-void tidar_panel_linear(const float *x, long M, long K, const float *p, long N, const float *b, float *y, int threads) {
+/* y[M, N] = x[M, K] @ W.T (+ b); W packed as panels P[ceil(N / NB)][K][NB], zero-padded. Where A
+   is given, a mask-slot adapter's delta on rows start..M-1 (adapter.py) is in the same pass: B (the
+   up-projection, N x R) packed the same way as PB[ceil(N / NB)][R][NB], each row's scores u_i = x_i @ A.T
+   (A: R x K) computed first (each core a share of A's rows; zero for the rows before start), and
+   each output's sum running on over R more terms after W's K. A row before start so sums the same
+   products in the same order, then zeros: its output is the plain product's. */
+void tidar_panel_linear(const float *x, long M, long K, const float *p, long N, const float *b, float *y, int threads,
+                        const float *A, long R, const float *pb, long start) {
   long panels = (N + NB - 1) / NB;
-  #pragma omp parallel for num_threads(threads) schedule(static)
-  for (long q = 0; q < panels; q++) {
-    float out[16 * NB];
-    for (long m0 = 0; m0 < M; m0 += 16) {
-      long mm = M - m0 < 16 ? M - m0 : 16;
-      PANELS[mm](x + m0 * K, K, p + q * K * NB, out);
-      for (long i = 0; i < mm; i++)
-        for (long j = 0; j < NB && q * NB + j < N; j++)
-          y[(m0 + i) * N + q * NB + j] = b ? out[i * NB + j] + b[q * NB + j] : out[i * NB + j];
+  float *u = 0;
+  if (A && R > 0 && start < M) u = calloc(M * R, sizeof(float));  /* u[i * R + r] = x_i . A_r */
+  else R = 0;
+  #pragma omp parallel num_threads(threads)
+  {
+    if (u) {
+      #pragma omp for schedule(static)
+      for (long r = 0; r < R; r++) {
+        const float *a = A + r * K;
+        for (long i = start; i < M; i++) {
+          const float *xi = x + i * K;
+          v16 acc = {0};
+          long k = 0;
+          for (; k + 16 <= K; k += 16) {
+            if (i == start) __builtin_prefetch(a + k + 512, 0, 3);
+            acc += *(const v16 *)(xi + k) * *(const v16 *)(a + k);
+          }
+          float t = 0.f;
+          for (int j = 0; j < 16; j++) t += acc[j];
+          for (; k < K; k++) t += xi[k] * a[k];
+          u[i * R + r] = t;
+        }
+      }
+    }
+    #pragma omp for schedule(static)
+    for (long q = 0; q < panels; q++) {
+      float out[16 * NB];
+      for (long m0 = 0; m0 < M; m0 += 16) {
+        long mm = M - m0 < 16 ? M - m0 : 16;
+        long r = m0 + mm > start ? R : 0;  /* a block of rows before start skips the zero terms */
+        PANELS[mm](x + m0 * K, K, p + q * K * NB, u ? u + m0 * R : 0, r, r ? pb + q * R * NB : 0, out);
+        for (long i = 0; i < mm; i++)
+          for (long j = 0; j < NB && q * NB + j < N; j++)
+            y[(m0 + i) * N + q * NB + j] = b ? out[i * NB + j] + b[q * NB + j] : out[i * NB + j];
+      }
     }
   }
+  free(u);
 }
 
 /* y[M, N] += (x[M, K] @ A[R, K].T) @ Bt[R, N]: a mask-slot adapter's low-rank delta on a step's mask
-   rows (adapter.py), in one call: its two torch products and the slicing around them cost ~35 us a
-   layer, whatever the rank. */
-void tidar_lora_add(const float *x, long M, long K, const float *A, long R, const float *Bt, long N, float *y) {
-  for (long i = 0; i < M; i++) {
-    const float *xi = x + i * K;
-    float *yi = y + i * N;
+   rows (adapter.py) where the panel pass does not add it (stock products, a prefill's rows), in one
+   call: torch's two products and the slicing around them cost ~35 us a layer, whatever the rank.
+   The scores first, then each core adds its half of the outputs, reading A and Bt once for all rows. */
+#define LORA_MAX 4096  /* M * R of the scores kept on the stack; a larger call does blocks of rows */
+void tidar_lora_add(const float *x, long M, long K, const float *A, long R, const float *Bt, long N, float *y, int threads) {
+  if (M <= 0 || R <= 0) return;
+  long mb = LORA_MAX / R < 1 ? 1 : LORA_MAX / R;
+  if (mb < M) {  /* a block of rows at a time; R alone past LORA_MAX is no adapter this repo saves */
+    for (long m0 = 0; m0 < M; m0 += mb)
+      tidar_lora_add(x + m0 * K, M - m0 < mb ? M - m0 : mb, K, A, R, Bt, N, y + m0 * N, threads);
+    return;
+  }
+  float t[LORA_MAX];  /* t[i * R + r] = x_i . A_r */
+  int big = R * (K + N) >= 8192;  /* below it, waking the other core costs more than it saves */
+  #pragma omp parallel num_threads(threads) if(big)
+  {
+    #pragma omp for schedule(static)
     for (long r = 0; r < R; r++) {
       const float *a = A + r * K;
-      v16 acc = {0};
-      long k = 0;
-      for (; k + 16 <= K; k += 16) acc += *(const v16 *)(xi + k) * *(const v16 *)(a + k);
-      float t = 0.f;
-      for (int j = 0; j < 16; j++) t += acc[j];
-      for (; k < K; k++) t += xi[k] * a[k];
-      const float *b = Bt + r * N;
-      long n = 0;
-      for (; n + 16 <= N; n += 16) *(v16 *)(yi + n) += t * *(const v16 *)(b + n);
-      for (; n < N; n++) yi[n] += t * b[n];
+      for (long i = 0; i < M; i++) {
+        const float *xi = x + i * K;
+        v16 acc = {0};
+        long k = 0;
+        for (; k + 16 <= K; k += 16) {
+          if (i == 0) __builtin_prefetch(a + k + 512, 0, 3);
+          acc += *(const v16 *)(xi + k) * *(const v16 *)(a + k);
+        }
+        float s = 0.f;
+        for (int j = 0; j < 16; j++) s += acc[j];
+        for (; k < K; k++) s += xi[k] * a[k];
+        t[i * R + r] = s;
+      }
+    }
+    #pragma omp for schedule(static)
+    for (long part = 0; part < 2; part++) {  /* each core its half of the outputs, Bt's rows read in order */
+      long n0 = part * (N / 32) * 16, n1 = part ? N : (N / 32) * 16;
+      for (long r = 0; r < R; r++) {
+        const float *b = Bt + r * N;
+        long n = n0;
+        for (; n + 16 <= n1; n += 16) {
+          __builtin_prefetch(b + n + 512, 0, 3);
+          v16 bv = *(const v16 *)(b + n);
+          for (long i = 0; i < M; i++) *(v16 *)(y + i * N + n) += t[i * R + r] * bv;
+        }
+        for (; n < n1; n++)
+          for (long i = 0; i < M; i++) y[i * N + n] += t[i * R + r] * b[n];
+      }
     }
   }
 }
@@ -218,9 +294,9 @@ def _build_panel_library():
             os.replace(out, path)
     lib = ctypes.CDLL(str(path))
     P, L = ctypes.c_void_p, ctypes.c_long
-    lib.tidar_panel_linear.argtypes = [P, L, L, P, L, P, P, ctypes.c_int]
+    lib.tidar_panel_linear.argtypes = [P, L, L, P, L, P, P, ctypes.c_int, P, L, P, L]
     lib.tidar_panel_linear.restype = None
-    lib.tidar_lora_add.argtypes = [P, L, L, P, L, P, L, P]
+    lib.tidar_lora_add.argtypes = [P, L, L, P, L, P, L, P, ctypes.c_int]
     lib.tidar_lora_add.restype = None
     return lib
 
@@ -232,9 +308,12 @@ def panel_pack(weight: torch.Tensor) -> torch.Tensor:
     return padded.view(-1, PANEL, k).transpose(1, 2).contiguous()
 
 
-def panel_linear(x: torch.Tensor, panels: torch.Tensor, out_features: int, bias: torch.Tensor | None = None) -> torch.Tensor:
+def panel_linear(x: torch.Tensor, panels: torch.Tensor, out_features: int, bias: torch.Tensor | None = None,
+                 lora: tuple[torch.Tensor, torch.Tensor, int] | None = None) -> torch.Tensor:
     """x @ W.T (+ bias) on W's panels (panel_pack), fp32, on this CPU's panel kernel. Lean: it runs
-    for every linear layer of every decoding step, where a microsecond a call is 1 % of a forward."""
+    for every linear layer of every decoding step, where a microsecond a call is 1 % of a forward.
+    lora: (A (R, K), B's panels (panel_pack of B, N x R), start): rows start.. of x (its rows taken
+    as one (M, K) matrix) also get x @ A.T @ B.T, in the same pass."""
     k = x.shape[-1]
     lib = panel_library()
     if lib is None or x.dtype != torch.float32 or panels.shape[1] != k:
@@ -243,9 +322,14 @@ def panel_linear(x: torch.Tensor, panels: torch.Tensor, out_features: int, bias:
         x = x.contiguous()
     if bias is not None and (bias.dtype != torch.float32 or not bias.is_contiguous()):
         bias = bias.float().contiguous()
+    A, pb, start = (None, None, 0) if lora is None else lora
+    if A is not None and not (A.dtype == torch.float32 and A.is_contiguous() and A.shape == (pb.shape[1], k) and pb.shape[0] == panels.shape[0]):
+        raise ValueError(f"panel_linear: an adapter's A (R, {k}) in fp32, contiguous, and B's panels ({panels.shape[0]}, R, {PANEL}) needed, "
+                         f"got {A.dtype} {tuple(A.shape)} and {tuple(pb.shape)}")
     y = torch.empty(*x.shape[:-1], out_features, dtype=torch.float32)
     lib.tidar_panel_linear(x.data_ptr(), x.numel() // k, k, panels.data_ptr(), out_features, None if bias is None else bias.data_ptr(),
-                           y.data_ptr(), torch.get_num_threads())
+                           y.data_ptr(), torch.get_num_threads(), None if A is None else A.data_ptr(), 0 if A is None else A.shape[0],
+                           None if pb is None else pb.data_ptr(), start)
     return y
 
 
@@ -258,7 +342,8 @@ def lora_add(out: torch.Tensor, x: torch.Tensor, start: int, A: torch.Tensor, Bt
         return False
     k, n = x.shape[-1], out.shape[-1]
     rows = out.numel() // n - start
-    lib.tidar_lora_add(x.data_ptr() + 4 * start * k, rows, k, A.data_ptr(), A.shape[0], Bt.data_ptr(), n, out.data_ptr() + 4 * start * n)
+    lib.tidar_lora_add(x.data_ptr() + 4 * start * k, rows, k, A.data_ptr(), A.shape[0], Bt.data_ptr(), n, out.data_ptr() + 4 * start * n,
+                       torch.get_num_threads())
     return True
 
 
@@ -300,6 +385,16 @@ def packed_weight(layer) -> tuple[str, torch.Tensor] | None:
     return cached[1]
 
 
+def delta_panels(layer) -> torch.Tensor:
+    """The panels of the layer's adapter up-projection B (from its LORA_BT buffer), kept like its weight's."""
+    bt = layer._buffers[LORA_BT]
+    key = (bt.data_ptr(), bt._version)
+    cached = _DELTA_PANELS.get(layer)
+    if cached is None or cached[0] != key:
+        cached = _DELTA_PANELS[layer] = (key, panel_pack(bt.t()))
+    return cached[1]
+
+
 def packed_product(layer, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """The layer's packed product on x (the stock one where its weight has none, or for a prefill's
     many rows on panels)."""
@@ -315,13 +410,30 @@ def packed_product(layer, x: torch.Tensor, bias: torch.Tensor | None) -> torch.T
 
 
 def packed_forward(layer):
-    def forward(x):
+    """The layer's forward on its packed product. With a mask-slot adapter (LORA_GATE), the forward
+    adds the delta itself (packed_linears sets the adapter's hook aside): in the panel pass for a
+    batch-1 step's trailing mask rows, else with the gate's own `add` after the product."""
+    gate = layer.__dict__.get(LORA_GATE)
+
+    def product(x):
         w = layer.weight
         if x.dtype != w.dtype or x.device != w.device or (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad)):
             return F.linear(x, w, layer.bias)  # the packed products have no backward and one dtype
         if x.numel() == x.shape[-1] and w.dtype == torch.float32 and _PANEL_LIB and _PANEL_LIB[0] is not None:
             return F.linear(x, w, layer.bias)  # one row, an AR step: stock on panels (packed_product), said first as it is most steps
         return packed_product(layer, x, layer.bias)
+
+    if gate is None:
+        product._tidar_packed = True
+        return product
+
+    def forward(x):
+        if gate.start is not None and x.ndim == 3 and x.shape[0] == 1 and 1 < x.shape[1] <= PANEL_ROWS and x.dtype == torch.float32 and not torch.is_grad_enabled():
+            packed = packed_weight(layer)
+            if packed is not None and packed[0] == "panels":
+                return panel_linear(x, packed[1], layer.out_features, layer.bias, (layer._buffers[LORA_A], delta_panels(layer), gate.start))
+        y = product(x)
+        return gate.add(y, x, layer._buffers[LORA_A], layer._buffers[LORA_BT]) if gate.open else y
 
     forward._tidar_packed = True
     return forward
@@ -390,25 +502,35 @@ def resolve(model, enabled: bool | str) -> bool:
 def packed_linears(model, enabled: bool = True):
     """Within it, the model's CPU linear layers (fp32 or bf16) run their packed product. Nested
     or concurrent entries leave layers another entry swapped to it; what this one swapped it restores."""
-    swapped = []
+    swapped, aside = [], {}
     if enabled and can_pack():
         for layer in model.modules():
             if not eligible(layer):
-                _PACKED.pop(layer, None)  # moved to a GPU or another dtype: its CPU copy is dead weight
+                _PACKED.pop(layer, None)  # moved to a GPU or another dtype: its CPU copies are dead weight
+                _DELTA_PANELS.pop(layer, None)
             elif not getattr(layer.__dict__.get("forward"), "_tidar_packed", False):
                 layer.forward = packed_forward(layer)
                 swapped.append(layer)
+                if LORA_GATE in layer.__dict__:  # the packed forward adds the adapter's delta: its hook waits outside
+                    aside[layer] = {key: hook for key, hook in layer._forward_hooks.items() if getattr(hook, DELTA_HOOK, False)}
+                    for key in aside[layer]:
+                        del layer._forward_hooks[key]
     try:
         yield swapped
     finally:
         for layer in swapped:
             del layer.forward
+        for layer, hooks in aside.items():  # back in registration order (a hook's key is its handle's rising id)
+            merged = sorted({**layer._forward_hooks, **hooks}.items())
+            layer._forward_hooks.clear()
+            layer._forward_hooks.update(merged)
 
 
 def release(model) -> None:
     """Drop the packed copies kept on the model's layers (they are made again when next needed)."""
     for layer in model.modules():
         _PACKED.pop(layer, None)
+        _DELTA_PANELS.pop(layer, None)
 
 
 # --------------------------------------------------------------------------------------------
