@@ -335,7 +335,14 @@ def test_lora_add_is_the_low_rank_delta_on_the_rows_from_start(in_features, out_
     assert kernels.lora_add(got, x, 4, A, B.T.contiguous())
     assert torch.equal(got[:, :4], out[:, :4])
     torch.testing.assert_close(got[:, 4:], out[:, 4:] + x[:, 4:] @ A.T @ B.T, rtol=1e-5, atol=1e-4)
-    # What it does not take, it leaves to the caller: bf16, batches, strided views.
-    assert not kernels.lora_add(out.bfloat16(), x.bfloat16(), 4, A, B.T.contiguous())
+    # bf16 rows with the fp32 adapter (a bf16 model's, adapter.attach): the delta in fp32, each output
+    # rounded once, so within one bf16 rounding of torch's fp32 result.
+    got16, out16, x16 = out.bfloat16(), out.bfloat16(), x.bfloat16()
+    assert kernels.lora_add(got16, x16, 4, A, B.T.contiguous())
+    assert torch.equal(got16[:, :4], out16[:, :4])
+    torch.testing.assert_close(got16[:, 4:].float(), (out16[:, 4:].float() + x16[:, 4:].float() @ A.T @ B.T).bfloat16().float(), rtol=1e-2, atol=1e-2)
+    # What it does not take, it leaves to the caller: bf16 deltas, mixed dtypes, batches, strided views.
+    assert not kernels.lora_add(out.bfloat16(), x.bfloat16(), 4, A.bfloat16(), B.T.contiguous().bfloat16())
+    assert not kernels.lora_add(out.bfloat16(), x, 4, A, B.T.contiguous())
     assert not kernels.lora_add(torch.cat([out, out]), torch.cat([x, x]), 4, A, B.T.contiguous())
     assert not kernels.lora_add(out.transpose(1, 2).contiguous().transpose(1, 2), x, 4, A, B.T.contiguous())

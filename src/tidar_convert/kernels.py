@@ -240,6 +240,42 @@ void tidar_lora_add(const float *x, long M, long K, const float *A, long R, cons
   }
 }
 
+
+/* The same in bf16 (a bf16 model's mask rows, with its adapter kept in fp32 by adapter.attach): x and y
+   bf16, A and Bt fp32; each output gets its delta summed in fp32 and is rounded to bf16 once (nearest
+   even). torch's path converts the rows to fp32 and back around its two products: ~60 us a layer. */
+static inline float bf2f(unsigned short h) { union { unsigned u; float f; } v; v.u = (unsigned)h << 16; return v.f; }
+static inline unsigned short f2bf(float f) {
+  union { float f; unsigned u; } v; v.f = f;
+  if ((v.u & 0x7fffffffu) > 0x7f800000u) return (unsigned short)((v.u >> 16) | 0x40);  /* NaN stays NaN */
+  return (unsigned short)((v.u + 0x7fffu + ((v.u >> 16) & 1u)) >> 16);
+}
+typedef unsigned short v16h __attribute__((vector_size(32), aligned(2)));
+typedef unsigned v16u __attribute__((vector_size(64), aligned(4)));
+static void bf16_to_f32(const unsigned short *h, long n, float *f) {
+  long i = 0;
+  for (; i + 16 <= n; i += 16) *(v16 *)(f + i) = (v16)(__builtin_convertvector(*(const v16h *)(h + i), v16u) << 16);
+  for (; i < n; i++) f[i] = bf2f(h[i]);
+}
+static void f32_to_bf16(const float *f, long n, unsigned short *h) {
+  long i = 0;
+  for (; i + 16 <= n; i += 16) {
+    v16u u = (v16u)(*(const v16 *)(f + i));
+    v16u r = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+    v16u nan = (v16u)((u & 0x7fffffffu) > 0x7f800000u);
+    *(v16h *)(h + i) = __builtin_convertvector((nan & ((u >> 16) | 0x40u)) | (~nan & r), v16h);
+  }
+  for (; i < n; i++) h[i] = f2bf(f[i]);
+}
+void tidar_lora_add_bf16(const unsigned short *x, long M, long K, const float *A, long R, const float *Bt, long N, unsigned short *y, int threads) {
+  if (M <= 0 || R <= 0) return;
+  float *xf = malloc(sizeof(float) * M * (K + N)), *yf = xf + M * K;  /* the rows in fp32, then the fp32 call */
+  bf16_to_f32(x, M * K, xf);
+  bf16_to_f32(y, M * N, yf);
+  tidar_lora_add(xf, M, K, A, R, Bt, N, yf, threads);
+  f32_to_bf16(yf, M * N, y);
+  free(xf);
+}
 """
 PANEL_FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")  # no -ffast-math: k stays in order
 _PANEL_LIB: list = []  # [the loaded library, or None where it cannot be built]
@@ -298,6 +334,8 @@ def _build_panel_library():
     lib.tidar_panel_linear.restype = None
     lib.tidar_lora_add.argtypes = [P, L, L, P, L, P, L, P, ctypes.c_int]
     lib.tidar_lora_add.restype = None
+    lib.tidar_lora_add_bf16.argtypes = [P, L, L, P, L, P, L, P, ctypes.c_int]
+    lib.tidar_lora_add_bf16.restype = None
     return lib
 
 
@@ -335,15 +373,18 @@ def panel_linear(x: torch.Tensor, panels: torch.Tensor, out_features: int, bias:
 
 def lora_add(out: torch.Tensor, x: torch.Tensor, start: int, A: torch.Tensor, Bt: torch.Tensor) -> bool:
     """out[0, start:] += x[0, start:] @ A.T @ Bt in place, in one C call: a batch-1 step's trailing
-    mask rows (adapter.Gate). fp32, contiguous; False (nothing done) where that does not hold or the
-    kernel library is not built, and the caller runs torch's products."""
+    mask rows (adapter.Gate). out and x fp32, or both bf16 (the delta summed in fp32, each output
+    rounded once); A and Bt fp32; all contiguous. False (nothing done) where that does not hold or
+    the kernel library is not built, and the caller runs torch's products."""
     lib = panel_library()
-    if lib is None or out.shape[0] != 1 or not all(t.dtype == torch.float32 and t.is_contiguous() for t in (out, x, A, Bt)):
+    if lib is None or out.shape[0] != 1 or out.dtype != x.dtype or out.dtype not in (torch.float32, torch.bfloat16):
         return False
-    k, n = x.shape[-1], out.shape[-1]
+    if not (A.dtype == Bt.dtype == torch.float32 and all(t.is_contiguous() for t in (out, x, A, Bt))):
+        return False
+    k, n, size = x.shape[-1], out.shape[-1], out.element_size()
     rows = out.numel() // n - start
-    lib.tidar_lora_add(x.data_ptr() + 4 * start * k, rows, k, A.data_ptr(), A.shape[0], Bt.data_ptr(), n, out.data_ptr() + 4 * start * n,
-                       torch.get_num_threads())
+    call = lib.tidar_lora_add if out.dtype == torch.float32 else lib.tidar_lora_add_bf16
+    call(x.data_ptr() + size * start * k, rows, k, A.data_ptr(), A.shape[0], Bt.data_ptr(), n, out.data_ptr() + size * start * n, torch.get_num_threads())
     return True
 
 
