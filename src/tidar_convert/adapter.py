@@ -74,14 +74,14 @@ class Gate:
         """out += x @ A.T @ Bt on the mask rows only (inference: the saved adapter's hook, or the
         packed forward where the panel pass did not add it); A (r, in), Bt (r, out), in their own
         dtype (attach: fp32 on CPU). A decoding step of one row has its mask rows as one contiguous
-        block: in fp32 on CPU one C call there (kernels.lora_add), else one mm and one in-place
-        addmm; this runs on every adapted layer, ~150 a forward, and its overhead, not its FLOPs, is
-        its cost (two torch products and their slicing took ~35 us a layer)."""
+        block: on CPU, in fp32 or bf16, one C call there (kernels.lora_add), else one mm and one
+        in-place addmm; this runs on every adapted layer, ~150 a forward, and its overhead, not its
+        FLOPs, is its cost (torch's products and their slicing took 35-60 us a layer)."""
+        if self.start is not None and out.device.type == "cpu" and lora_add(out, x, self.start, A, Bt):
+            return out
         At = A.T
         delta = lambda v: (v.to(At.dtype) @ At @ Bt).to(out.dtype)
         if self.start is not None:
-            if out.device.type == "cpu" and lora_add(out, x, self.start, A, Bt):
-                return out
             if out.shape[0] == 1 and out.is_contiguous() and x.is_contiguous():
                 rows, xs = out.view(-1, out.shape[-1])[self.start :], x.view(-1, x.shape[-1])[self.start :]
                 if At.dtype == out.dtype:

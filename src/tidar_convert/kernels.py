@@ -376,10 +376,10 @@ def lora_add(out: torch.Tensor, x: torch.Tensor, start: int, A: torch.Tensor, Bt
     mask rows (adapter.Gate). out and x fp32, or both bf16 (the delta summed in fp32, each output
     rounded once); A and Bt fp32; all contiguous. False (nothing done) where that does not hold or
     the kernel library is not built, and the caller runs torch's products."""
-    lib = panel_library()
+    lib = _PANEL_LIB[0] if _PANEL_LIB else panel_library()
     if lib is None or out.shape[0] != 1 or out.dtype != x.dtype or out.dtype not in (torch.float32, torch.bfloat16):
         return False
-    if not (A.dtype == Bt.dtype == torch.float32 and all(t.is_contiguous() for t in (out, x, A, Bt))):
+    if not (A.dtype == Bt.dtype == torch.float32 and out.is_contiguous() and x.is_contiguous() and A.is_contiguous() and Bt.is_contiguous()):
         return False
     k, n, size = x.shape[-1], out.shape[-1], out.element_size()
     rows = out.numel() // n - start
