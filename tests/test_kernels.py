@@ -341,8 +341,18 @@ def test_lora_add_is_the_low_rank_delta_on_the_rows_from_start(in_features, out_
     assert kernels.lora_add(got16, x16, 4, A, B.T.contiguous())
     assert torch.equal(got16[:, :4], out16[:, :4])
     torch.testing.assert_close(got16[:, 4:].float(), (out16[:, 4:].float() + x16[:, 4:].float() @ A.T @ B.T).bfloat16().float(), rtol=1e-2, atol=1e-2)
-    # What it does not take, it leaves to the caller: bf16 deltas, mixed dtypes, batches, strided views.
-    assert not kernels.lora_add(out.bfloat16(), x.bfloat16(), 4, A.bfloat16(), B.T.contiguous().bfloat16())
+    # bf16 rows with a bf16 adapter (a bf16 model's own, adapter.attach): the weights widened exactly,
+    # the same fp32 sums, so bit for bit the call with those weights widened to fp32 first.
+    A16, Bt16 = A.bfloat16(), B.T.contiguous().bfloat16()
+    got16w, got16f = out16.clone(), out16.clone()
+    assert kernels.lora_add(got16w, x16, 4, A16, Bt16)
+    assert kernels.lora_add(got16f, x16, 4, A16.float(), Bt16.float())
+    assert torch.equal(got16w, got16f)
+    assert torch.equal(got16w[:, :4], out16[:, :4])
+    torch.testing.assert_close(got16w[:, 4:].float(), (out16[:, 4:].float() + x16[:, 4:].float() @ A16.float().T @ Bt16.float()).bfloat16().float(), rtol=1e-2, atol=1e-2)
+    # What it does not take, it leaves to the caller: bf16 deltas on fp32 rows, mixed dtypes, batches, strided views.
+    assert not kernels.lora_add(out.clone(), x, 4, A16, Bt16)
+    assert not kernels.lora_add(out16.clone(), x16, 4, A16, B.T.contiguous())
     assert not kernels.lora_add(out.bfloat16(), x, 4, A, B.T.contiguous())
     assert not kernels.lora_add(torch.cat([out, out]), torch.cat([x, x]), 4, A, B.T.contiguous())
     assert not kernels.lora_add(out.transpose(1, 2).contiguous().transpose(1, 2), x, 4, A, B.T.contiguous())

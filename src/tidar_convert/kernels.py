@@ -188,62 +188,7 @@ void tidar_panel_linear(const float *x, long M, long K, const float *p, long N, 
   free(u);
 }
 
-/* y[M, N] += (x[M, K] @ A[R, K].T) @ Bt[R, N]: a mask-slot adapter's low-rank delta on a step's mask
-   rows (adapter.py) where the panel pass does not add it (stock products, a prefill's rows), in one
-   call: torch's two products and the slicing around them cost ~35 us a layer, whatever the rank.
-   The scores first, then each core adds its half of the outputs, reading A and Bt once for all rows. */
-#define LORA_MAX 4096  /* M * R of the scores kept on the stack; a larger call does blocks of rows */
-void tidar_lora_add(const float *x, long M, long K, const float *A, long R, const float *Bt, long N, float *y, int threads) {
-  if (M <= 0 || R <= 0) return;
-  long mb = LORA_MAX / R < 1 ? 1 : LORA_MAX / R;
-  if (mb < M) {  /* a block of rows at a time; R alone past LORA_MAX is no adapter this repo saves */
-    for (long m0 = 0; m0 < M; m0 += mb)
-      tidar_lora_add(x + m0 * K, M - m0 < mb ? M - m0 : mb, K, A, R, Bt, N, y + m0 * N, threads);
-    return;
-  }
-  float t[LORA_MAX];  /* t[i * R + r] = x_i . A_r */
-  int big = R * (K + N) >= 8192;  /* below it, waking the other core costs more than it saves */
-  #pragma omp parallel num_threads(threads) if(big)
-  {
-    #pragma omp for schedule(static)
-    for (long r = 0; r < R; r++) {
-      const float *a = A + r * K;
-      for (long i = 0; i < M; i++) {
-        const float *xi = x + i * K;
-        v16 acc = {0};
-        long k = 0;
-        for (; k + 16 <= K; k += 16) {
-          if (i == 0) __builtin_prefetch(a + k + 512, 0, 3);
-          acc += *(const v16 *)(xi + k) * *(const v16 *)(a + k);
-        }
-        float s = 0.f;
-        for (int j = 0; j < 16; j++) s += acc[j];
-        for (; k < K; k++) s += xi[k] * a[k];
-        t[i * R + r] = s;
-      }
-    }
-    #pragma omp for schedule(static)
-    for (long part = 0; part < 2; part++) {  /* each core its half of the outputs, Bt's rows read in order */
-      long n0 = part * (N / 32) * 16, n1 = part ? N : (N / 32) * 16;
-      for (long r = 0; r < R; r++) {
-        const float *b = Bt + r * N;
-        long n = n0;
-        for (; n + 16 <= n1; n += 16) {
-          __builtin_prefetch(b + n + 512, 0, 3);
-          v16 bv = *(const v16 *)(b + n);
-          for (long i = 0; i < M; i++) *(v16 *)(y + i * N + n) += t[i * R + r] * bv;
-        }
-        for (; n < n1; n++)
-          for (long i = 0; i < M; i++) y[i * N + n] += t[i * R + r] * b[n];
-      }
-    }
-  }
-}
-
-
-/* The same in bf16 (a bf16 model's mask rows, with its adapter kept in fp32 by adapter.attach): x and y
-   bf16, A and Bt fp32; each output gets its delta summed in fp32 and is rounded to bf16 once (nearest
-   even). torch's path converts the rows to fp32 and back around its two products: ~60 us a layer. */
+/* bf16 <-> fp32: widening is exact; narrowing rounds to nearest even and keeps NaN a NaN. */
 static inline float bf2f(unsigned short h) { union { unsigned u; float f; } v; v.u = (unsigned)h << 16; return v.f; }
 static inline unsigned short f2bf(float f) {
   union { float f; unsigned u; } v; v.f = f;
@@ -252,9 +197,10 @@ static inline unsigned short f2bf(float f) {
 }
 typedef unsigned short v16h __attribute__((vector_size(32), aligned(2)));
 typedef unsigned v16u __attribute__((vector_size(64), aligned(4)));
+static inline v16 bf16x16(const unsigned short *h) { return (v16)(__builtin_convertvector(*(const v16h *)h, v16u) << 16); }
 static void bf16_to_f32(const unsigned short *h, long n, float *f) {
   long i = 0;
-  for (; i + 16 <= n; i += 16) *(v16 *)(f + i) = (v16)(__builtin_convertvector(*(const v16h *)(h + i), v16u) << 16);
+  for (; i + 16 <= n; i += 16) *(v16 *)(f + i) = bf16x16(h + i);
   for (; i < n; i++) f[i] = bf2f(h[i]);
 }
 static void f32_to_bf16(const float *f, long n, unsigned short *h) {
@@ -267,14 +213,86 @@ static void f32_to_bf16(const float *f, long n, unsigned short *h) {
   }
   for (; i < n; i++) h[i] = f2bf(f[i]);
 }
-void tidar_lora_add_bf16(const unsigned short *x, long M, long K, const float *A, long R, const float *Bt, long N, unsigned short *y, int threads) {
+
+/* y[M, N] += (x[M, K] @ A[R, K].T) @ Bt[R, N]: a mask-slot adapter's low-rank delta on a step's mask
+   rows (adapter.py) where the panel pass does not add it (stock products, a prefill's rows, a bf16
+   model), in one call: torch's two products and the slicing around them cost ~35 us a layer, whatever
+   the rank. The scores first, then each core adds its half of the outputs, reading A and Bt once for
+   all rows. A and Bt are fp32, or bf16 (wbf = 1: a model cast to bf16 after its adapter was attached,
+   where torch's bf16 products made a forward 1.3x slower), widened as they are read; the sums are fp32
+   either way, so bf16 weights give what the same weights widened to fp32 give, bit for bit. */
+#define LORA_MAX 4096  /* M * R of the scores kept on the stack; a larger call does blocks of rows */
+static inline __attribute__((always_inline)) v16 wvec(const void *w, long i, int wbf) {
+  return wbf ? bf16x16((const unsigned short *)w + i) : *(const v16 *)((const float *)w + i);
+}
+static inline __attribute__((always_inline)) float wone(const void *w, long i, int wbf) {
+  return wbf ? bf2f(((const unsigned short *)w)[i]) : ((const float *)w)[i];
+}
+static void lora_rows(const float *x, long M, long K, const void *A, long R, const void *Bt, long N, float *y, int threads, int wbf) {
+  float t[LORA_MAX];  /* t[i * R + r] = x_i . A_r */
+  int big = R * (K + N) >= 8192;  /* below it, waking the other core costs more than it saves */
+  #pragma omp parallel num_threads(threads) if(big)
+  {
+    #pragma omp for schedule(static)
+    for (long r = 0; r < R; r++) {
+      for (long i = 0; i < M; i++) {
+        const float *xi = x + i * K;
+        v16 acc = {0};
+        long k = 0;
+        for (; k + 16 <= K; k += 16) {
+          if (i == 0) __builtin_prefetch((const char *)A + (r * K + k + 512) * (wbf ? 2 : 4), 0, 3);
+          acc += *(const v16 *)(xi + k) * wvec(A, r * K + k, wbf);
+        }
+        float s = 0.f;
+        for (int j = 0; j < 16; j++) s += acc[j];
+        for (; k < K; k++) s += xi[k] * wone(A, r * K + k, wbf);
+        t[i * R + r] = s;
+      }
+    }
+    #pragma omp for schedule(static)
+    for (long part = 0; part < 2; part++) {  /* each core its half of the outputs, Bt's rows read in order */
+      long n0 = part * (N / 32) * 16, n1 = part ? N : (N / 32) * 16;
+      for (long r = 0; r < R; r++) {
+        long n = n0;
+        for (; n + 16 <= n1; n += 16) {
+          __builtin_prefetch((const char *)Bt + (r * N + n + 512) * (wbf ? 2 : 4), 0, 3);
+          v16 bv = wvec(Bt, r * N + n, wbf);
+          for (long i = 0; i < M; i++) *(v16 *)(y + i * N + n) += t[i * R + r] * bv;
+        }
+        for (; n < n1; n++)
+          for (long i = 0; i < M; i++) y[i * N + n] += t[i * R + r] * wone(Bt, r * N + n, wbf);
+      }
+    }
+  }
+}
+static void lora_blocks(const float *x, long M, long K, const void *A, long R, const void *Bt, long N, float *y, int threads, int wbf) {
   if (M <= 0 || R <= 0) return;
-  float *xf = malloc(sizeof(float) * M * (K + N)), *yf = xf + M * K;  /* the rows in fp32, then the fp32 call */
+  long mb = LORA_MAX / R < 1 ? 1 : LORA_MAX / R;  /* R alone past LORA_MAX is no adapter this repo saves */
+  for (long m0 = 0; m0 < M; m0 += mb) {
+    long m = M - m0 < mb ? M - m0 : mb;
+    lora_rows(x + m0 * K, m, K, A, R, Bt, N, y + m0 * N, threads, wbf);
+  }
+}
+void tidar_lora_add(const float *x, long M, long K, const float *A, long R, const float *Bt, long N, float *y, int threads) {
+  lora_blocks(x, M, K, A, R, Bt, N, y, threads, 0);
+}
+
+/* The same on bf16 rows (a bf16 model's mask rows): x and y bf16, the adapter fp32 or bf16 (wbf);
+   each output gets its delta summed in fp32 and is rounded to bf16 once. torch's path converts the rows
+   to fp32 and back around its two products: ~60 us a layer. */
+#define LORA_ROWS_MAX 16384  /* floats of the rows converted on the stack (64 KiB; a step's few mask rows): malloc costs ~2 us */
+int tidar_lora_add_bf16(const unsigned short *x, long M, long K, const void *A, long R, const void *Bt, long N, unsigned short *y, int threads, int wbf) {
+  if (M <= 0 || R <= 0) return 0;
+  float stack[LORA_ROWS_MAX];
+  long size = M * (K + N);
+  float *xf = size <= LORA_ROWS_MAX ? stack : malloc(sizeof(float) * size), *yf = xf + M * K;
+  if (!xf) return -1;
   bf16_to_f32(x, M * K, xf);
   bf16_to_f32(y, M * N, yf);
-  tidar_lora_add(xf, M, K, A, R, Bt, N, yf, threads);
+  lora_blocks(xf, M, K, A, R, Bt, N, yf, threads, wbf);
   f32_to_bf16(yf, M * N, y);
-  free(xf);
+  if (xf != stack) free(xf);
+  return 0;
 }
 """
 PANEL_FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")  # no -ffast-math: k stays in order
@@ -334,8 +352,8 @@ def _build_panel_library():
     lib.tidar_panel_linear.restype = None
     lib.tidar_lora_add.argtypes = [P, L, L, P, L, P, L, P, ctypes.c_int]
     lib.tidar_lora_add.restype = None
-    lib.tidar_lora_add_bf16.argtypes = [P, L, L, P, L, P, L, P, ctypes.c_int]
-    lib.tidar_lora_add_bf16.restype = None
+    lib.tidar_lora_add_bf16.argtypes = [P, L, L, P, L, P, L, P, ctypes.c_int, ctypes.c_int]
+    lib.tidar_lora_add_bf16.restype = ctypes.c_int
     return lib
 
 
@@ -373,18 +391,24 @@ def panel_linear(x: torch.Tensor, panels: torch.Tensor, out_features: int, bias:
 
 def lora_add(out: torch.Tensor, x: torch.Tensor, start: int, A: torch.Tensor, Bt: torch.Tensor) -> bool:
     """out[0, start:] += x[0, start:] @ A.T @ Bt in place, in one C call: a batch-1 step's trailing
-    mask rows (adapter.Gate). out and x fp32, or both bf16 (the delta summed in fp32, each output
-    rounded once); A and Bt fp32; all contiguous. False (nothing done) where that does not hold or
-    the kernel library is not built, and the caller runs torch's products."""
+    mask rows (adapter.Gate). out and x fp32 with A and Bt fp32; or out and x bf16 with A and Bt fp32
+    or bf16 (the delta summed in fp32, each output rounded once); all contiguous. False (nothing done)
+    where that does not hold or the kernel library is not built, and the caller runs torch's products."""
     lib = _PANEL_LIB[0] if _PANEL_LIB else panel_library()
-    if lib is None or out.shape[0] != 1 or out.dtype != x.dtype or out.dtype not in (torch.float32, torch.bfloat16):
+    if lib is None or out.shape[0] != 1 or out.dtype != x.dtype or A.dtype != Bt.dtype:
         return False
-    if not (A.dtype == Bt.dtype == torch.float32 and out.is_contiguous() and x.is_contiguous() and A.is_contiguous() and Bt.is_contiguous()):
+    if not (out.is_contiguous() and x.is_contiguous() and A.is_contiguous() and Bt.is_contiguous()):
         return False
     k, n, size = x.shape[-1], out.shape[-1], out.element_size()
     rows = out.numel() // n - start
-    call = lib.tidar_lora_add if out.dtype == torch.float32 else lib.tidar_lora_add_bf16
-    call(x.data_ptr() + size * start * k, rows, k, A.data_ptr(), A.shape[0], Bt.data_ptr(), n, out.data_ptr() + size * start * n, torch.get_num_threads())
+    args = (x.data_ptr() + size * start * k, rows, k, A.data_ptr(), A.shape[0], Bt.data_ptr(), n, out.data_ptr() + size * start * n, torch.get_num_threads())
+    if out.dtype == torch.float32 and A.dtype == torch.float32:
+        lib.tidar_lora_add(*args)
+    elif out.dtype == torch.bfloat16 and A.dtype in (torch.float32, torch.bfloat16):
+        if lib.tidar_lora_add_bf16(*args, A.dtype == torch.bfloat16):
+            raise MemoryError(f"lora_add: no memory for {rows} rows of {k} + {n} floats")
+    else:
+        return False
     return True
 
 
