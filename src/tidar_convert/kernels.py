@@ -250,18 +250,25 @@ static void lora_rows(const float *x, long M, long K, const void *A, long R, con
       }
     }
     #pragma omp for schedule(static)
-    for (long part = 0; part < 2; part++) {  /* each core its half of the outputs, Bt's rows read in order */
-      long n0 = part * (N / 32) * 16, n1 = part ? N : (N / 32) * 16;
-      for (long r = 0; r < R; r++) {
-        long n = n0;
-        for (; n + 16 <= n1; n += 16) {
-          __builtin_prefetch((const char *)Bt + (r * N + n + 512) * (wbf ? 2 : 4), 0, 3);
-          v16 bv = wvec(Bt, r * N + n, wbf);
-          for (long i = 0; i < M; i++) *(v16 *)(y + i * N + n) += t[i * R + r] * bv;
+    for (long part = 0; part < 2; part++) {  /* each core its half of the outputs */
+      long n0 = part * (N / 32) * 16, n1 = part ? N : (N / 32) * 16, n = n0;
+      /* 16 outputs of up to 8 rows held in registers while every r adds to them, in r's order (the
+         sum of each output as before); y is read and written once, not once per r */
+      for (; n + 16 <= n1; n += 16)
+        for (long i0 = 0; i0 < M; i0 += 8) {
+          int m = M - i0 < 8 ? (int)(M - i0) : 8;
+          v16 acc[8];
+          for (int i = 0; i < m; i++) acc[i] = *(v16 *)(y + (i0 + i) * N + n);
+          for (long r = 0; r < R; r++) {
+            v16 bv = wvec(Bt, r * N + n, wbf);
+            const float *ti = t + i0 * R + r;
+            for (int i = 0; i < m; i++) acc[i] += ti[i * R] * bv;
+          }
+          for (int i = 0; i < m; i++) *(v16 *)(y + (i0 + i) * N + n) = acc[i];
         }
-        for (; n < n1; n++)
-          for (long i = 0; i < M; i++) y[i * N + n] += t[i * R + r] * wone(Bt, r * N + n, wbf);
-      }
+      for (; n < n1; n++)
+        for (long i = 0; i < M; i++)
+          for (long r = 0; r < R; r++) y[i * N + n] += t[i * R + r] * wone(Bt, r * N + n, wbf);
     }
   }
 }
