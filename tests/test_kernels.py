@@ -341,8 +341,8 @@ def test_lora_add_is_the_low_rank_delta_on_the_rows_from_start(in_features, out_
     assert kernels.lora_add(got16, x16, 4, A, B.T.contiguous())
     assert torch.equal(got16[:, :4], out16[:, :4])
     torch.testing.assert_close(got16[:, 4:].float(), (out16[:, 4:].float() + x16[:, 4:].float() @ A.T @ B.T).bfloat16().float(), rtol=1e-2, atol=1e-2)
-    # bf16 rows with a bf16 adapter (a bf16 model's own, adapter.attach): the weights widened exactly,
-    # the same fp32 sums, so bit for bit the call with those weights widened to fp32 first.
+    # bf16 rows with bf16 deltas (a model cast to bf16 after its adapter was attached): the weights
+    # widened exactly, the same fp32 sums, so bit for bit the call with them widened to fp32 first.
     A16, Bt16 = A.bfloat16(), B.T.contiguous().bfloat16()
     got16w, got16f = out16.clone(), out16.clone()
     assert kernels.lora_add(got16w, x16, 4, A16, Bt16)

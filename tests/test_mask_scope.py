@@ -150,7 +150,6 @@ def test_a_half_precision_cpu_model_keeps_its_adapter_in_fp32(scoped):
     assert lm.tidar_stats["tokens_per_nfe"] > 1.2  # the fp32 deltas still draft in a bf16 forward
 
 
-
 def test_a_model_cast_to_bf16_after_its_adapter_is_attached_keeps_the_c_call(scoped, monkeypatch):
     """model.to(torch.bfloat16) after the adapter is attached casts its deltas too. The C call takes
     bf16 deltas (torch's bf16 products there made a SmolLM2-135M forward 1.3x slower), and the drafts
@@ -173,6 +172,7 @@ def test_a_model_cast_to_bf16_after_its_adapter_is_attached_keeps_the_c_call(sco
         generate(prompt, model=lm, max_new_tokens=12, do_sample=False, eos_token_id=None, drafter="diffusion", plan="full")
     assert taken and all(taken)
     assert lm.tidar_stats["tokens_per_nfe"] > 1.2
+
 
 def test_drafts_learn_while_the_ar_model_stays_the_base(scoped):
     base, model, out, prompt, before = scoped

@@ -217,8 +217,8 @@ static void f32_to_bf16(const float *f, long n, unsigned short *h) {
 /* y[M, N] += (x[M, K] @ A[R, K].T) @ Bt[R, N]: a mask-slot adapter's low-rank delta on a step's mask
    rows (adapter.py) where the panel pass does not add it (stock products, a prefill's rows, a bf16
    model), in one call: torch's two products and the slicing around them cost ~35 us a layer, whatever
-   the rank. The scores first, then each core adds its half of the outputs, reading A and Bt once for
-   all rows. A and Bt are fp32, or bf16 (wbf = 1: a model cast to bf16 after its adapter was attached,
+   the rank. The scores first, then each core adds its half of the outputs, A and Bt read from memory
+   once for all rows. A and Bt are fp32, or bf16 (wbf = 1: a model cast to bf16 after its adapter was attached,
    where torch's bf16 products made a forward 1.3x slower), widened as they are read; the sums are fp32
    either way, so bf16 weights give what the same weights widened to fp32 give, bit for bit. */
 #define LORA_MAX 4096  /* M * R of the scores kept on the stack; a larger call does blocks of rows */
