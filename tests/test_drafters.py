@@ -306,6 +306,11 @@ def test_hybrid_drafts_by_lookup_where_it_matches_until_diffusion_proves_better(
         hybrid.observe(Draft(torch.tensor([[1, 7, 8]]), confidence=torch.full((1, 2), 0.5), sources=["lookup"]), torch.tensor([1]))
     assert hybrid.gain("diffusion") > 1.5 > 0.5 > hybrid.gain("lookup")
     assert hybrid.choose(look, diff).tolist() == [False, False]
+    for _ in range(100):  # lookup's chain misses, but the step commits 4 drafts down one of its branches
+        hybrid.lookup.ngram = [1]  # as if its propose had matched a unigram
+        hybrid.observe(Draft(torch.tensor([[1, 7, 8]]), confidence=torch.full((1, 2), 0.5), sources=["lookup"]), torch.tensor([1]), torch.tensor([4]))
+    assert hybrid.gain("lookup") > hybrid.gain("diffusion") and hybrid.choose(look, diff).tolist() == [True, False]  # judged by what it brought
+    assert hybrid.lookup.chance(1, 0) < LookupDrafter().chance(1, 0)  # its chain's chances by the chain's own misses
 
 
 def test_lookup_follows_transformers_prompt_lookup():
@@ -319,6 +324,52 @@ def test_lookup_follows_transformers_prompt_lookup():
     assert found([1, 5, 1, 6, 1], 10) == ([5, 1, 6], 1)  # first occurrence
     assert found([5, 6, 7, 8, 9, 6, 7], 1) == ([8], 2)  # capped
     assert lk.match(t([1, 2, 3]), 10) is None
+
+
+def test_lookup_trees_hang_the_other_occurrences_where_they_leave_the_chain():
+    """Bigram (5, 6) occurs at 1, 5 and 9 before the end. Chain: after the first, [2, 8, 5]. The
+    latest, [3, 9, 5], leaves it at the first proposal (a branch under draft 0); the middle one,
+    [3, 4, 5], walks down that branch through 3 and leaves it at 4 (a branch off a branch)."""
+    seqs = torch.tensor([[1, 5, 6, 2, 8, 5, 6, 3, 4, 5, 6, 3, 9, 5, 6]])
+    ctx = lambda siblings: DraftContext(seqs, torch.ones_like(seqs, dtype=torch.bool), 3, None, None, siblings=siblings)
+    lookup = LookupDrafter(num_tokens=3)
+    draft = lookup.propose(ctx(3))
+    assert draft.tokens.tolist() == [[6, 2, 8, 5]]
+    assert draft.siblings.tolist() == [[3, 9, 5, 4, 5]] and draft.sibling_parents == (0, 4, 5, 4, 7)
+    first, deeper = LookupDrafter.BRANCH_PRIORS[2][0][0], LookupDrafter.BRANCH_PRIORS[2][1][0]
+    assert draft.sibling_confidence[0].tolist() == pytest.approx([first, lookup.chance(2, 1), lookup.chance(2, 2), deeper, lookup.chance(2, 2)])
+    assert lookup.propose(ctx(1)).siblings.tolist() == [[3, 9, 5]]  # one branch: the middle occurrence stops where it would branch
+    assert lookup.propose(ctx(0)).siblings is None  # no tree where the step verifies chains only (sampling, batches)
+    d, plan = Planner(4, "adaptive", slot_budget=40, siblings=3).step(draft, uses_groups=False)
+    assert plan.parents() == (-1, 0, 1, 2, 0, 4, 5, 4, 7) and plan.anchors == ()  # every node kept, as a tree
+
+    # hybrid: the diffusion draft's alternatives to the first proposal join under draft 0, but for
+    # tokens the lookup tree has there already (3, from the latest occurrence)
+    from tidar_convert.drafters import beside
+
+    tree = beside(draft, torch.tensor([[3, 7]]), torch.tensor([[0.2, 0.1]]))
+    assert tree.siblings.tolist() == [[3, 9, 5, 4, 5, 7]] and tree.sibling_parents == (0, 4, 5, 4, 7, 0)
+    assert tree.sibling_confidence[0, -1].item() == pytest.approx(0.1)
+
+
+def test_lookup_trees_commit_a_later_occurrence_where_the_first_misleads(trained):
+    """The trained tiny model continues the cycle 3..9. The prompt first shows (6, 7) followed by a
+    decoy (1, 2, 1, 2), then the cycle, and ends at 6: the first step's lookup chain (after the
+    first occurrence of (6, y = 7)) is wrong, the latest occurrence right. The tree takes the branch,
+    and the output is AR's."""
+    model, _ = trained["llama"]
+    ids = torch.tensor([[6, 7, 1, 2, 1, 2, 3, 4, 5, 6, 7, 8, 9, 3, 4, 5, 6]])
+    expected = ar(model, ids, max_new_tokens=24, eos_token_id=None)
+    assert expected[0, 17:20].tolist() == [7, 8, 9]  # the model follows the cycle
+    for name in ("lookup", "hybrid"):
+        model.__dict__.pop("_tidar_step_costs", None)
+        got = generate(ids, model=model, max_new_tokens=24, eos_token_id=None, drafter=name, plan="adaptive", slot_budget=40)
+        assert torch.equal(got, expected), name
+        if name == "lookup":
+            assert model.tidar_stats["sibling_steps"] > 0
+    model.__dict__.pop("_tidar_step_costs", None)
+    generate(ids, model=model, max_new_tokens=24, eos_token_id=None, drafter="lookup", plan="adaptive", slot_budget=40, siblings=0)
+    assert model.tidar_stats["sibling_steps"] == 0
 
 
 def test_a_new_drafter_is_one_class(untrained, monkeypatch):

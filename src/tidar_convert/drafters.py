@@ -14,7 +14,8 @@ whatever its source, so every drafter gives exactly the AR output (verify.py).
              drafts have been accepted further on average (the default).
 
 Adding a drafter: a class with `name`, `uses_groups` and `propose(ctx) -> Draft | None`, and an
-entry in DRAFTERS.
+entry in DRAFTERS. Optionally `observe(draft, accepted, committed)` after each step: the drafts the
+chain got accepted, and those the step committed (more, where it went down a branch of a tree).
 """
 
 from __future__ import annotations
@@ -200,7 +201,14 @@ class LookupDrafter:
     the engine on the 12 bench prompts, each step charged its shape's measured fp32 forward time, made
     5 % more tokens per second than with one rate (README, "Lookup drafts judged by match length and
     depth"). The measured chances are the priors (PRIORS, worth PRIOR_WEIGHT judged proposals each);
-    each call learns its own text's from there."""
+    each call learns its own text's from there.
+
+    Where the step may verify a tree (greedy, batch 1: ctx.siblings), the n-gram's other occurrences
+    add their continuations beside the chain, most recent first: each leaves the chain (or an earlier
+    branch) where its tokens first differ, and hangs there as a branch of its own tokens (`branches`).
+    Replayed on greedy text (10-token drafts, every node verified; bench/results/lookup-tree-offline.json):
+    T/NFE 1.97 with the chain alone, 2.08 with one branch, 2.16 with up to three on the 28 prompts
+    of the quality set the bench does not use; 2.11, 2.23, 2.29 on the bench's 12 (README, "Lookup trees")."""
 
     name = "lookup"
     uses_groups = False
@@ -208,6 +216,14 @@ class LookupDrafter:
     # P(proposal accepted | the ones before it were), by n-gram length (1, 2, 3+) and depth (0..3, 4+).
     PRIORS = {1: (0.25, 0.5, 0.7, 0.7, 0.85), 2: (0.7, 0.8, 0.8, 0.9, 0.9), 3: (0.85, 0.9, 0.8, 0.9, 0.9)}
     PRIOR_WEIGHT = 10.0
+    # P(a branch's first token is accepted | its parent was reached), by n-gram length (1, 2+), where
+    # it leaves the chain (at the first proposal, further down) and whether it is the first branch
+    # at that node or a later one. Measured by the replay above on the 28 prompts (first branch at
+    # the first proposal: unigram 16 % of 274, bigram 30 % of 54; further down 24 % of 67, 49 % of
+    # 53; later branches 9-26 %, but 1 % of 324 for unigrams further down, floored at 5 % here);
+    # a branch's later tokens then go as the chain's (`chance`: 78 % and 89 % there). Fixed: what a
+    # step verifies off the chain is not fed back (observe learns the chain's chances only).
+    BRANCH_PRIORS = {1: ((0.16, 0.09), (0.24, 0.05)), 2: ((0.30, 0.25), (0.49, 0.25))}
     # Each new match weighs what was seen before by this much, so a stretch of text where the plan
     # stops verifying some kind of match (its chances fell) drifts back toward the prior until some
     # are verified again; else one bad stretch would stop those matches for the rest of the call.
@@ -228,7 +244,7 @@ class LookupDrafter:
         taken, judged = self.seen.get(key, (0.0, 0.0))
         return (taken + self.PRIOR_WEIGHT * self.PRIORS[key[0]][key[1]]) / (judged + self.PRIOR_WEIGHT)
 
-    def observe(self, draft: Draft, accepted: torch.Tensor) -> None:
+    def observe(self, draft: Draft, accepted: torch.Tensor, committed: torch.Tensor | None = None) -> None:
         for b, source in enumerate(draft.sources):
             if source == "lookup" and b < len(self.ngram) and self.ngram[b]:
                 taken = int(accepted[b]) - 1
@@ -239,13 +255,47 @@ class LookupDrafter:
 
     def match(self, seq: torch.Tensor, limit: int) -> tuple[torch.Tensor, int] | None:
         """The tokens after the matched n-gram's first earlier occurrence, and n."""
-        L = seq.shape[0]
-        for n in range(min(self.max_ngram, L - 1), 0, -1):
-            hits = (seq.unfold(0, n, 1)[: L - n] == seq[L - n :]).all(1).nonzero()  # the n-gram itself excluded
-            if hits.numel():
-                start = int(hits[0, 0]) + n
-                return seq[start : start + min(self.num_tokens, limit)], n
+        for n in range(min(self.max_ngram, seq.shape[0] - 1), 0, -1):
+            starts = occurrences(seq, n)
+            if starts:
+                return seq[starts[0] : starts[0] + min(self.num_tokens, limit)], n
         return None
+
+    def branches(self, draft: Draft, seq: torch.Tensor, n: int, limit: int, width: int) -> Draft:
+        """The draft (batch 1) with the other occurrences' continuations as its tree: most recent
+        first, each walks down the tree while its tokens are there, and from its first new token on
+        hangs as a branch, up to `width` branches. A continuation that only runs on past a leaf
+        extends it (no branch). Its nodes' chances: BRANCH_PRIORS where it leaves, then `chance`."""
+        chain = draft.tokens[0].tolist()
+        m = len(chain)
+        child = {(d - 1, chain[d]): d for d in range(1, m)}  # (parent slot, token) -> slot
+        kids = [1] * (m - 1) + [0]
+        tokens, parents, chances = [], [], []
+        for start in reversed(occurrences(seq, n)[1:]):
+            slot, depth, off = 0, 0, False
+            for t in seq[start : start + min(self.num_tokens, limit)].tolist():
+                if (slot, t) in child:
+                    slot, depth = child[(slot, t)], depth + 1
+                    continue
+                if off or not kids[slot]:
+                    c = self.chance(n, depth)
+                elif width:
+                    c, off, width = self.BRANCH_PRIORS[min(n, 2)][depth > 0][min(kids[slot] - 1, 1)], True, width - 1
+                else:
+                    break
+                child[(slot, t)] = m + len(tokens)
+                kids[slot] += 1
+                kids.append(0)
+                tokens.append(t)
+                parents.append(slot)
+                chances.append(c)
+                slot, depth = m + len(tokens) - 1, depth + 1
+        if tokens:
+            device = draft.tokens.device
+            draft.siblings = torch.tensor([tokens], dtype=draft.tokens.dtype, device=device)
+            draft.sibling_confidence = torch.tensor([chances], device=device)
+            draft.sibling_parents = tuple(parents)
+        return draft
 
     def propose(self, ctx: DraftContext) -> Draft | None:
         self.ngram = []
@@ -268,7 +318,17 @@ class LookupDrafter:
                 length[b] = 1 + f[0].shape[0]
                 confidence[b] = torch.tensor([self.chance(f[1], d) for d in range(m - 1)])
         sources = ["lookup" if f is not None else "none" for f in found]
-        return Draft(tokens, None, length, confidence.to(tokens.device), sources)
+        draft = Draft(tokens, None, length, confidence.to(tokens.device), sources)
+        if ctx.siblings and B == 1:
+            self.branches(draft, ctx.seqs[0][ctx.kv_valid[0]], found[0][1], ctx.max_proposals, ctx.siblings)
+        return draft
+
+
+def occurrences(seq: torch.Tensor, n: int) -> list[int]:
+    """Where the tokens after each earlier occurrence of seq's last n-gram start, first first."""
+    L = seq.shape[0]
+    hits = (seq.unfold(0, n, 1)[: L - n] == seq[L - n :]).all(1).nonzero()  # the n-gram itself excluded
+    return (hits[:, 0] + n).tolist()
 
 
 class HybridDrafter:
@@ -303,15 +363,18 @@ class HybridDrafter:
         (total, count), (mean, worth) = self.gains[source], self.PRIORS[source]
         return (total + mean * worth) / (count + worth)
 
-    def observe(self, draft: Draft, accepted: torch.Tensor) -> None:
+    def observe(self, draft: Draft, accepted: torch.Tensor, committed: torch.Tensor | None = None) -> None:
+        """accepted: (B,) the chain's drafts each row accepted (what the chances predicted); committed:
+        what the step committed, down a branch of the tree where it took one (what the draft brought)."""
         self.lookup.observe(draft, accepted)
         _, taken, predicted = observed(draft, accepted, "diffusion")
         self.taken += taken
         self.predicted += predicted
+        brought = accepted if committed is None else committed
         for b, source in enumerate(draft.sources):
             if source in self.gains:
                 g = self.gains[source]
-                g[0] = self.FORGET * g[0] + int(accepted[b]) - 1
+                g[0] = self.FORGET * g[0] + int(brought[b]) - 1
                 g[1] = self.FORGET * g[1] + 1
 
     def choose(self, look: Draft, diff: Draft) -> torch.Tensor:
@@ -331,14 +394,14 @@ class HybridDrafter:
         use_look = self.choose(look, diff)
         if use_look.all():
             if diff.siblings is not None:  # the diffusion draft's first choices, beside the lookup chain
-                look.siblings, look.sibling_confidence = besides(look, diff)
+                look = beside(look, *first_alternatives(look, diff))
             return look
         if not use_look.any():
             return diff
         return merge(use_look, look, diff)
 
 
-def besides(look: Draft, diff: Draft):
+def first_alternatives(look: Draft, diff: Draft):
     """The diffusion draft's choices for the first proposal (its own, then its alternatives there)
     other than the lookup draft's, as alternatives to the lookup chain's first proposal: as many as
     diff has alternatives there."""
@@ -346,6 +409,21 @@ def besides(look: Draft, diff: Draft):
     tokens = torch.cat([diff.tokens[:, 1:2], diff.siblings[:, first]], 1)
     conf = torch.cat([diff.confidence[:, :1], diff.sibling_confidence[:, first]], 1)
     return without(tokens, conf, look.tokens[:, 1], len(first))
+
+
+def beside(draft: Draft, tokens: torch.Tensor, chances: torch.Tensor) -> Draft:
+    """The draft (batch 1) with `tokens` (1, s) added under draft 0, those it has there already left out."""
+    have = set() if draft.siblings is None else {t for t, p in zip(draft.siblings[0].tolist(), draft.parents()) if p == 0}
+    keep = [i for i, t in enumerate(tokens[0].tolist()) if t not in have]
+    if not keep:
+        return draft
+    if draft.siblings is None:
+        draft.siblings, draft.sibling_confidence, draft.sibling_parents = tokens[:, keep], chances[:, keep], None
+        return draft
+    draft.sibling_parents = (*draft.parents(), *(0,) * len(keep))
+    draft.siblings = torch.cat([draft.siblings, tokens[:, keep]], 1)
+    draft.sibling_confidence = torch.cat([draft.sibling_confidence, chances[:, keep].to(draft.sibling_confidence.dtype)], 1)
+    return draft
 
 
 def observed(draft: Draft, accepted: torch.Tensor, source: str) -> tuple[int, int, float]:
