@@ -339,6 +339,9 @@ def test_lookup_trees_hang_the_other_occurrences_where_they_leave_the_chain():
     first, deeper = LookupDrafter.BRANCH_PRIORS[2][0][0], LookupDrafter.BRANCH_PRIORS[2][1][0]
     assert draft.sibling_confidence[0].tolist() == pytest.approx([first, lookup.chance(2, 1), lookup.chance(2, 2), deeper, lookup.chance(2, 2)])
     assert lookup.propose(ctx(1)).siblings.tolist() == [[3, 9, 5]]  # one branch: the middle occurrence stops where it would branch
+    lookup.SCAN = 1  # a frequent n-gram's thousands of occurrences: only the latest few are read
+    assert lookup.propose(ctx(3)).siblings.tolist() == [[3, 9, 5]]
+    del lookup.SCAN
     assert lookup.propose(ctx(0)).siblings is None  # no tree where the step verifies chains only (sampling, batches)
     d, plan = Planner(4, "adaptive", slot_budget=40, siblings=3).step(draft, uses_groups=False)
     assert plan.parents() == (-1, 0, 1, 2, 0, 4, 5, 4, 7) and plan.anchors == ()  # every node kept, as a tree
