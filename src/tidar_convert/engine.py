@@ -665,7 +665,8 @@ def decode(model, run, drafter, planner: Planner, beta: float = 1.0, record=None
                 y = pick.next_token(target, draft, accepted, j, exact=beta == 1.0)
                 path, scored, raw = list(range(j)), scores[:, :j].unbind(1), ar[:, :j].unbind(1)
             if hasattr(drafter, "observe"):
-                drafter.observe(draft, accepted, torch.full_like(accepted, j))  # the chain's acceptance (what its confidence predicted), and what the step committed
+                # the chain's acceptance (what its confidence predicted), and what a tree's path committed
+                drafter.observe(draft, accepted, torch.full_like(accepted, j) if plan.branches else accepted)
         if record is not None:
             record[0].extend(scored)
             record[1].extend(a.float() for a in raw)
