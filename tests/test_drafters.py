@@ -322,6 +322,7 @@ def test_lookup_follows_transformers_prompt_lookup():
     assert found([5, 6, 7, 8, 9, 6, 7], 10) == ([8, 9, 6], 2)  # bigram (6, 7) at 1
     assert found([5, 6, 7, 8, 9, 1, 7], 10) == ([8, 9, 1], 1)  # no bigram: unigram 7 at 2
     assert found([1, 5, 1, 6, 1], 10) == ([5, 1, 6], 1)  # first occurrence
+    assert lk.match(t([1, 5, 1, 6, 1]), 10)[2] == [1, 3]  # and where each occurrence's continuation starts (a tree's branches)
     assert found([5, 6, 7, 8, 9, 6, 7], 1) == ([8], 2)  # capped
     assert lk.match(t([1, 2, 3]), 10) is None
 

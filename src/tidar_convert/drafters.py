@@ -256,15 +256,16 @@ class LookupDrafter:
                     seen[0] += depth < taken
                     seen[1] += 1
 
-    def match(self, seq: torch.Tensor, limit: int) -> tuple[torch.Tensor, int] | None:
-        """The tokens after the matched n-gram's first earlier occurrence, and n."""
+    def match(self, seq: torch.Tensor, limit: int) -> tuple[torch.Tensor, int, list[int]] | None:
+        """The tokens after the matched n-gram's first earlier occurrence, n, and where every
+        occurrence's continuation starts (`occurrences`)."""
         for n in range(min(self.max_ngram, seq.shape[0] - 1), 0, -1):
             starts = occurrences(seq, n)
             if starts:
-                return seq[starts[0] : starts[0] + min(self.num_tokens, limit)], n
+                return seq[starts[0] : starts[0] + min(self.num_tokens, limit)], n, starts
         return None
 
-    def branches(self, draft: Draft, seq: torch.Tensor, n: int, limit: int, width: int) -> Draft:
+    def branches(self, draft: Draft, seq: torch.Tensor, n: int, starts: list[int], limit: int, width: int) -> Draft:
         """The draft (batch 1) with the other occurrences' continuations as its tree: the SCAN most
         recent, latest first, each walks down the tree while its tokens are there, and from its first
         new token on hangs as a branch, up to `width` branches. A continuation that only runs on past
@@ -274,7 +275,7 @@ class LookupDrafter:
         child = {(d - 1, chain[d]): d for d in range(1, m)}  # (parent slot, token) -> slot
         kids = [1] * (m - 1) + [0]
         tokens, parents, chances = [], [], []
-        for start in reversed(occurrences(seq, n)[1:][-self.SCAN :]):
+        for start in reversed(starts[1:][-self.SCAN :]):
             if not width:
                 break
             slot, depth, off = 0, 0, False
@@ -282,12 +283,10 @@ class LookupDrafter:
                 if (slot, t) in child:
                     slot, depth = child[(slot, t)], depth + 1
                     continue
-                if off or not kids[slot]:
+                if off or not kids[slot]:  # on down its own branch, or past a leaf
                     c = self.chance(n, depth)
-                elif width:
+                else:  # leaves the tree here: a branch (at most one per continuation)
                     c, off, width = self.BRANCH_PRIORS[min(n, 2)][depth > 0][min(kids[slot] - 1, 1)], True, width - 1
-                else:
-                    break
                 child[(slot, t)] = m + len(tokens)
                 kids[slot] += 1
                 kids.append(0)
@@ -325,7 +324,7 @@ class LookupDrafter:
         sources = ["lookup" if f is not None else "none" for f in found]
         draft = Draft(tokens, None, length, confidence.to(tokens.device), sources)
         if ctx.siblings and B == 1:
-            self.branches(draft, ctx.seqs[0][ctx.kv_valid[0]], found[0][1], ctx.max_proposals, ctx.siblings)
+            self.branches(draft, ctx.seqs[0][ctx.kv_valid[0]], found[0][1], found[0][2], ctx.max_proposals, ctx.siblings)
         return draft
 
 
