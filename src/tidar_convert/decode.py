@@ -217,9 +217,9 @@ def generate(
         budget pays: plan="adaptive", slot_budget=96, siblings=7.
     siblings: up to this many alternatives to each drafted token (the diffusion group's next
         likeliest tokens at that offset; for a lookup draft, the continuations of the n-gram's other
-        occurrences, as branches where they leave the chain, and the group's at its first proposal) verified in the
-        same forward, one query slot each, as a tree: the plan keeps the nodes the step most likely
-        reaches, and may pre-draft a group after any of them. Greedy, batch 1, beta = 1 only
+        occurrences, as branches where they leave the chain, and the group's at its first proposal)
+        verified in the same forward, one query slot each, as a tree: the plan keeps the nodes the
+        step most likely reaches, and may pre-draft a group after any of them. Greedy, batch 1, beta = 1 only
         (elsewhere 0). Exact: the AR's token at each node picks the child holding it, and the step
         commits that path. Default 3; 0: chains only.
     pack_weights: on CPU, the linear layers' product, the same for every path (tidar=False and prompt
