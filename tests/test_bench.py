@@ -1,4 +1,4 @@
-"""The bench package and bench_gpu.py on tiny random models: the decoder table, counts, JSON fields,
+"""The bench package and bench/gpu.py on tiny random models: the decoder table, counts, JSON fields,
 exactness checks, the step breakdown, plots, perplexity."""
 
 from __future__ import annotations
@@ -13,7 +13,8 @@ import pytest
 
 import torch
 
-from tidar_convert import bench_gpu, decode
+from tidar_convert import decode
+from tidar_convert.bench import gpu as bench_gpu
 from tidar_convert.bench import cli as bench, decoders, perplexity, plots, prompts, slots, steps
 from tidar_convert.bench.decoders import DECODERS, Decoder
 

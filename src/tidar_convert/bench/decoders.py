@@ -83,7 +83,7 @@ DECODERS = {
     "tidar_diffusion": Decoder(tidar=True, drafter="diffusion", plan="adaptive", siblings=0),
     "tidar_diffusion_tree": Decoder(tidar=True, drafter="diffusion", plan="adaptive", siblings=3),
     # The same tree at a GPU's width: ~90 query slots a step, about the price of one slot on a GPU
-    # (bench_gpu's slot curve), many times that on a CPU. Its T/NFE is the GPU's speed-up to expect.
+    # (bench/gpu.py's slot curve), many times that on a CPU. Its T/NFE is the GPU's speed-up to expect.
     "tidar_diffusion_wide": Decoder(tidar=True, drafter="diffusion", plan="adaptive", siblings=7, slot_budget=96),
     "tidar_lookup": Decoder(tidar=True, drafter="lookup", plan="cost"),  # transformers' prompt lookup, verified where it pays
     "base_prompt_lookup": Decoder(weights="base", lookup=True, pack_weights=False),  # what a user gets without converting

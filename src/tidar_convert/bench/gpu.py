@@ -1,6 +1,6 @@
 """GPU latency and throughput of TiDAR on a Qwen2.5-1.5B-shaped model with random weights.
 
-    python -m tidar_convert.bench_gpu [--dry-run] [--out bench/results/gpu.json]
+    python -m tidar_convert.bench.gpu [--dry-run] [--out bench/results/gpu.json]
 
 Random weights are enough here: latency and throughput depend on shapes, not on what was learned,
 and nothing has to be downloaded. Sections (each timed as a median over repeats, CUDA-synchronized):
@@ -34,13 +34,13 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from . import layout
-from .bench.machine import machine_info
-from .bench.slots import slot_latency
-from .bench.timing import median_seconds, synchronize
-from .callbacks import matmul_params, peak_flops
-from .decode import cache_kwargs
-from .loss import hybrid_loss
+from .. import layout
+from .machine import machine_info
+from .slots import slot_latency
+from .timing import median_seconds, synchronize
+from ..callbacks import matmul_params, peak_flops
+from ..decode import cache_kwargs
+from ..loss import hybrid_loss
 
 # Qwen2.5-1.5B's dimensions (its config.json), so the numbers transfer to the paper's 1.5B model.
 QWEN25_15B = dict(
@@ -208,7 +208,7 @@ def fsdp_train_step(model, plan: Plan, step_fn) -> dict:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    from .sharding import shard
+    from ..sharding import shard
 
     device = torch.device(plan.device)
     own_group = not dist.is_initialized()
@@ -317,7 +317,7 @@ def print_report(result: dict) -> None:
 
 
 def main(argv: list[str] | None = None) -> Path:
-    parser = argparse.ArgumentParser(prog="python -m tidar_convert.bench_gpu", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m tidar_convert.bench.gpu", description=__doc__.split("\n\n")[0])
     parser.add_argument("--dry-run", action="store_true", help="CPU, tiny shapes, SDPA + dense masks: checks the script in seconds")
     parser.add_argument("--out", default=None, help="JSON to write (default: bench/results/gpu.json, or gpu_dry_run.json with --dry-run)")
     args = parser.parse_args(argv)
