@@ -160,6 +160,18 @@ def test_curve_merges_resumed_attempts_and_counts_every_token(tmp_path):
     assert n == 2 * 256 * 4 * 2 * 2 and used["block_size"] == 8 and used["decode_block_size"] == 4
 
 
+def test_an_attempts_clock_comes_from_its_metrics_not_its_log(tmp_path):
+    """Validation times and trained steps are read from the CSV rows callbacks.RunClock logs (a
+    validation at steps done s is logged at step s - 1), so a changed progress line cannot break them."""
+    from tidar_convert.sweep import read_clock
+
+    path = tmp_path / "metrics.csv"
+    path.write_text("epoch,step,time/steps_done,time/val_s,val/loss\n0,0,,,2.0\n0,0,,3.5,\n0,1,,7.25,\n0,1,2,,\n")
+    assert read_clock(path) == ({1: 3.5, 2: 7.25}, 2)
+    path.write_text("epoch,step,time/val_s\n0,4,11.0\n")  # killed before training ended: no steps_done
+    assert read_clock(path) == ({5: 11.0}, None)
+
+
 def test_dry_run_prints_each_arms_command_and_writes_nothing(tmp_path, capsys):
     import shlex
 

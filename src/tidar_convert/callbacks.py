@@ -14,6 +14,8 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from .progress import duration, is_tty
 
+STARTED = time.perf_counter()  # about when the process started: fit imports this module before any work
+
 
 class TrainProgress(ProgressBar):
     """Training progress by optimizer step, not by epoch: `step 40/100 (40%), loss 2.31, 812 tok/s, ETA 3m10s`.
@@ -123,6 +125,25 @@ class Preemption(Callback):
         trainer.save_checkpoint(path)  # every rank: sharded strategies save collectively
         if trainer.is_global_zero:
             print(f"received SIGTERM: saved {path} at step {trainer.global_step}; run the same command with --ckpt_path last to continue.", file=sys.stderr, flush=True)
+
+
+class RunClock(Callback):
+    """What a sweep reads back from the loggers' metrics rather than from log text: seconds since the
+    process started at each validation (`time/val_s`), and the optimizer steps trained once fit
+    succeeded (`time/steps_done`; also when a resumed run had no step left, where no training hook
+    runs). Both go in the row of the step they follow, as Lightning logs a step."""
+
+    def on_validation_end(self, trainer, pl_module) -> None:
+        if not trainer.sanity_checking:
+            self._log(trainer, {"time/val_s": time.perf_counter() - STARTED})
+
+    def on_fit_end(self, trainer, pl_module) -> None:
+        self._log(trainer, {"time/steps_done": trainer.global_step})
+
+    @staticmethod
+    def _log(trainer, metrics: dict) -> None:
+        for logger in trainer.loggers:  # they write on rank 0 only
+            logger.log_metrics(metrics, step=max(trainer.global_step - 1, 0))
 
 
 def hold_sigterm_until_step_end(trainer) -> None:

@@ -148,7 +148,7 @@ def _lightning_cli(args: list[str] | None):
     from .data import TiDARData
     from .export import export
     from .module import TiDARModule
-    from .callbacks import Preemption, Throughput, TrainProgress
+    from .callbacks import Preemption, RunClock, Throughput, TrainProgress
 
     class RunFolderConfig(SaveConfigCallback):
         """config.yaml goes into the run folder (trainer.default_root_dir), never into the working
@@ -240,7 +240,7 @@ def _lightning_cli(args: list[str] | None):
                     path = export(model, m.tokenizer, cfg.out, m.block_size, m.alpha, overwrite=bool(cfg.get("overwrite")), card=card)
                     print(f"exported TiDAR model to {path}", file=sys.stderr)
 
-    callbacks = [TrainProgress(), Preemption(), Throughput()]  # every recipe logs throughput and memory
+    callbacks = [TrainProgress(), Preemption(), Throughput(), RunClock()]  # every recipe logs throughput, memory and its clock
     return TiDARCLI(
         TiDARModule, TiDARData, args=args, save_config_callback=RunFolderConfig,
         save_config_kwargs={"overwrite": True}, trainer_defaults={"callbacks": callbacks},

@@ -31,8 +31,6 @@ from pathlib import Path
 # isolation (its folder, its metrics, resuming), so they are refused.
 MANAGED = ("--trainer.default_root_dir", "--trainer.logger", "--trainer.callbacks", "--out", "--overwrite", "--ckpt_path")
 ARM_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.+-]*$")
-VALIDATION_LINE = re.compile(r"^validation at step (\d+):")  # callbacks.TrainProgress.on_validation_end
-TRAINED_LINE = re.compile(r"^trained (\d+) steps; run folder")  # cli.TiDARCLI.after_fit
 EXAMPLE = "recipes/sweeps/smollm2-cpu-levers.yaml"
 
 
@@ -156,19 +154,24 @@ def _finite(value: str | None) -> float | None:
     return x if math.isfinite(x) else None
 
 
+def _version(path: Path) -> int:
+    """N of csv/version_N/metrics.csv: the attempts of an arm in the order they ran."""
+    n = path.parent.name.rsplit("_", 1)[-1]
+    return int(n) if n.isdigit() else -1
+
+
+def _metric_files(arm_dir: Path) -> list[Path]:
+    return sorted(arm_dir.glob("csv/version_*/metrics.csv"), key=_version)
+
+
 def read_curve(arm_dir: Path) -> dict[int, dict]:
     """{optimizer steps done: {metric: value}} of every `val/*` metric in the arm's CSV logs.
 
     Lightning logs a validation with step = steps done - 1. Several csv/version_* folders are the
     attempts of a resumed arm, read in order so the latest attempt's value for a step wins.
     """
-
-    def version(path: Path) -> int:
-        n = path.parent.name.rsplit("_", 1)[-1]
-        return int(n) if n.isdigit() else -1
-
     points: dict[int, dict] = {}
-    for path in sorted(arm_dir.glob("csv/version_*/metrics.csv"), key=version):
+    for path in _metric_files(arm_dir):
         with path.open(newline="") as f:
             for row in csv.DictReader(f):
                 values = {k[4:]: _finite(v) for k, v in row.items() if k and k.startswith("val/") and v not in (None, "")}
@@ -235,11 +238,27 @@ class _Forward:
             signal.signal(signal.SIGTERM, self.old)
 
 
+def read_clock(path: Path) -> tuple[dict[int, float], int | None]:
+    """One attempt's clock from its CSV metrics (callbacks.RunClock): {steps done: seconds since its
+    process started} at each validation, and the steps it trained (None: it did not finish)."""
+    times: dict[int, float] = {}
+    trained = None
+    with path.open(newline="") as f:
+        for row in csv.DictReader(f):
+            step = row.get("step") or ""
+            if not step.isdigit():
+                continue
+            if (seconds := _finite(row.get("time/val_s"))) is not None:
+                times[int(step) + 1] = seconds
+            if (steps := _finite(row.get("time/steps_done"))) is not None:
+                trained = int(steps)
+    return times, trained
+
+
 def run_arm(name: str, cmd: list[str], arm_dir: Path, wall_before: float, forward: _Forward) -> dict:
     """Run one arm, its output to `fit.log` and, prefixed with the arm's name, to stderr."""
     start = time.perf_counter()
-    times: dict[int, float] = {}
-    trained = None
+    earlier = set(_metric_files(arm_dir))
     with (arm_dir / "fit.log").open("a") as log:
         log.write(f"$ {shlex.join(cmd)}\n")
         log.flush()
@@ -249,12 +268,7 @@ def run_arm(name: str, cmd: list[str], arm_dir: Path, wall_before: float, forwar
             for line in proc.stdout:
                 log.write(line)
                 log.flush()
-                text = line.rstrip("\n")
-                if m := VALIDATION_LINE.match(text):
-                    times[int(m.group(1))] = wall_before + time.perf_counter() - start
-                if m := TRAINED_LINE.match(text):
-                    trained = int(m.group(1))
-                print(f"[{name}] {text}", file=sys.stderr, flush=True)
+                print(f"[{name}] {line.rstrip()}", file=sys.stderr, flush=True)
             rc = proc.wait()
         except KeyboardInterrupt:  # Ctrl-C on a terminal reaches the arm too (same process group): let it stop
             try:
@@ -269,6 +283,10 @@ def run_arm(name: str, cmd: list[str], arm_dir: Path, wall_before: float, forwar
             forward.received = signal.SIGINT
         finally:
             forward.proc = None
+    times, trained = {}, None
+    if new := [p for p in _metric_files(arm_dir) if p not in earlier]:  # this attempt's own metrics, if it got that far
+        clock, trained = read_clock(new[-1])
+        times = {step: wall_before + seconds for step, seconds in clock.items()}
     return {"rc": rc, "wall_s": wall_before + time.perf_counter() - start, "val_times": times, "trained_steps": trained, "last_lines": _tail(arm_dir / "fit.log")}
 
 
