@@ -8,10 +8,11 @@ from unittest.mock import patch
 import pytest
 import torch
 
-from tidar_convert import drafters, engine
+from tidar_convert import drafters, engine, forward
 from tidar_convert.decode import generate
 from tidar_convert.drafters import DRAFTERS, Draft, DraftContext, LookupDrafter
-from tidar_convert.engine import Planner, StepCosts, StepPlan
+from tidar_convert.costs import StepCosts
+from tidar_convert.plan import Planner, StepPlan, cut
 
 from conftest import FAMILIES, ar, cycle_batch
 
@@ -140,7 +141,7 @@ def test_step_costs_price_unmeasured_shapes_optimistically():
 
 
 def test_group_gain_forgets_back_to_its_prior():
-    from tidar_convert.engine import Mean
+    from tidar_convert.costs import Mean
 
     gain = Mean(1.0)
     for _ in range(20):
@@ -233,10 +234,10 @@ def test_lookup_chances_by_match_length_and_depth_learn_and_recover():
     bigram_before = lookup.chance(2, 0)
     for _ in range(20):  # verified up to 3 proposals, the first one rejected each time
         lookup.propose(ctx)
-        lookup.observe(engine.cut(draft, 4), torch.tensor([1]))
+        lookup.observe(cut(draft, 4), torch.tensor([1]))
     assert lookup.chance(1, 0) < 0.1 and lookup.chance(2, 0) == bigram_before
     assert lookup.chance(1, 1) == pytest.approx(LookupDrafter.PRIORS[1][1])  # never judged: the first miss ends the judging
-    lookup.observe(engine.cut(draft, 4), torch.tensor([4]))  # all 3 accepted: depths 0, 1, 2 judged, accepted
+    lookup.observe(cut(draft, 4), torch.tensor([4]))  # all 3 accepted: depths 0, 1, 2 judged, accepted
     assert lookup.chance(1, 1) > LookupDrafter.PRIORS[1][1] and lookup.chance(1, 3) == pytest.approx(LookupDrafter.PRIORS[1][3])
     low = lookup.chance(1, 0)
     for _ in range(150):  # matches found, never verified
@@ -266,9 +267,9 @@ def test_lm_head_on_read_rows_gives_the_tokens_of_full_logits(trained, monkeypat
     for name in DRAFTERS:
         read = generate(ids, model=model, drafter=name, **kw)
         rows, slots = model.tidar_stats["lm_head_rows_per_step"], model.tidar_stats["slots_per_step"]
-        monkeypatch.setattr(engine, "READ_ROWS_ONLY", False)
+        monkeypatch.setattr(forward, "READ_ROWS_ONLY", False)
         full = generate(ids, model=model, drafter=name, **kw)
-        monkeypatch.setattr(engine, "READ_ROWS_ONLY", True)
+        monkeypatch.setattr(forward, "READ_ROWS_ONLY", True)
         assert torch.equal(read, full), name
         assert model.tidar_stats["lm_head_rows_per_step"] == model.tidar_stats["slots_per_step"]
         if name != "lookup":  # lookup steps have no groups: every slot is an AR row, all read

@@ -119,7 +119,8 @@ def test_grouped_attention_attends_in_place_to_the_same_values(untrained, family
     SDPA's enable_gqa instead; the model's attention setting is back afterwards, even on an error."""
     from transformers import DynamicCache
 
-    from tidar_convert.engine import StepPlan, cache_kwargs
+    from tidar_convert.forward import cache_kwargs
+    from tidar_convert.plan import StepPlan
     from tidar_convert.layout import decode_step_mask
 
     model = untrained[family]

@@ -1,7 +1,7 @@
 """TiDAR decoding as a drop-in `generate()`: draft, verify autoregressively, one pass a step.
 
-Shipped in every export as `custom_generate/generate.py`, with its neighbours engine.py, drafters.py,
-verify.py, layout.py, adapter.py and kernels.py beside it (export.shipped_code), so
+Shipped in every export as `custom_generate/generate.py`, with its neighbours engine.py, forward.py,
+plan.py, costs.py, drafters.py, verify.py, layout.py, adapter.py and kernels.py beside it (export.shipped_code), so
 `AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True).generate(...)` runs it without
 tidar_convert installed. It imports nothing but torch, transformers and those files.
 
@@ -30,9 +30,11 @@ from transformers.generation.utils import GenerateDecoderOnlyOutput
 # Relative, so the same lines work in the package and in an export's custom_generate/ folder.
 from .adapter import ensure as ensure_adapter
 from .drafters import Draft, make_drafter  # noqa: F401  (Draft: for callers that build drafts by hand)
-from .engine import Planner, cache_kwargs, costs_of, decode  # noqa: F401  (cache_kwargs: used by the bench)
+from .costs import costs_of
+from .engine import decode
 from .kernels import cpu_kernels, resolve as resolve_kernels
 from .layout import decode_mask_mod  # noqa: F401  (imported here so a missing layout.py is named as generate.py's import)
+from .plan import Planner
 from .verify import Greedy, Sampling
 
 
@@ -288,7 +290,7 @@ def ar_generate(model, input_ids, generation_config, kwargs):
 
 def check_length(model, P, max_new, k) -> None:
     """Only what AR itself could not do is refused: near the position limit a step drafts less and
-    leaves out the mask groups that would not fit (engine.Planner), down to plain AR steps."""
+    leaves out the mask groups that would not fit (plan.Planner), down to plain AR steps."""
     if max_new <= 0:
         raise ValueError(f"max_length={P + max_new} leaves no room after the {P}-token prompt; raise it or pass max_new_tokens.")
     limit = getattr(model.config, "max_position_embeddings", None)

@@ -36,7 +36,7 @@ class Draft:
     sources: list = field(default_factory=list)  # per row: "lookup", "diffusion" or "none"
     raw_confidence: torch.Tensor | None = None  # the drafter's own confidence, before any calibration
     # Branches off the chain (greedy, batch 1): a step may verify them beside it, one query slot each,
-    # as a tree (engine.StepPlan.branches). Sibling i hangs under slot sibling_parents[i]: 0..m-1 the
+    # as a tree (plan.StepPlan.branches). Sibling i hangs under slot sibling_parents[i]: 0..m-1 the
     # chain (draft 0, the proposals), m + j an earlier sibling j; None: all under draft 0
     # (alternatives to tokens[:, 1]). Best first.
     siblings: torch.Tensor | None = None  # (B, s)

@@ -214,7 +214,7 @@ class TiDARModule(L.LightningModule):
         with the backward of the mask half only: about 2/3 of the compute of a training step."""
         from transformers import DynamicCache
 
-        from .engine import cache_kwargs
+        from .forward import cache_kwargs
 
         B, S2 = inputs.shape
         S = S2 // 2

@@ -39,7 +39,7 @@ from .machine import machine_info
 from .slots import slot_latency
 from .timing import median_seconds, synchronize
 from ..callbacks import matmul_params, peak_flops
-from ..decode import cache_kwargs
+from ..forward import cache_kwargs
 from ..loss import hybrid_loss
 
 # Qwen2.5-1.5B's dimensions (its config.json), so the numbers transfer to the paper's 1.5B model.

@@ -12,7 +12,7 @@ from collections.abc import Iterable
 import torch
 
 from .. import layout
-from ..decode import cache_kwargs
+from ..forward import cache_kwargs
 from ..kernels import cpu_kernels
 from ..progress import progress
 from .decoders import DECODERS

@@ -1,0 +1,100 @@
+"""What a decoding step costs, measured by its shape (`StepCosts`), and the decayed means the planner
+and drafters learn from (`Mean`). Shipped in every export's custom_generate/ folder: standard
+library only."""
+
+from __future__ import annotations
+
+
+class Mean:
+    """A mean over a prior worth one observation, that forgets: each step (`tick`) weighs what was seen
+    by `forget`, so with nothing new it drifts back to the prior. A plan that stops running groups
+    because they looked poor sees no more group drafts; without forgetting it would never try again."""
+
+    def __init__(self, prior: float, forget: float = 0.99):
+        self.prior, self.forget, self.total, self.count = prior, forget, 0.0, 0.0
+
+    def add(self, x: float) -> None:
+        self.total += x
+        self.count += 1
+
+    def tick(self) -> None:
+        self.total *= self.forget
+        self.count *= self.forget
+
+    @property
+    def value(self) -> float:
+        return (self.prior + self.total) / (1 + self.count)
+
+
+class StepCosts:
+    """Wall time of a decoding step by its shape: (query slots, whether it runs mask groups). Kept on
+    the model across generate() calls (`costs_of`), so it is learned once per model and machine.
+
+    Measured, not modelled, because the shape of the curve is the machine's and the kernels': on this
+    repo's 2-core CPU in fp32 with PyTorch's stock product a forward of 1 query slot took 68 ms, 2
+    slots 110 ms, 3 slots 133 ms, but 4 to 6 slots 97 to 99 ms; with packed weights (kernels.py)
+    1 to 5 slots cost about the same and 13 slots about 1.4x, since past ~8 rows the two cores'
+    compute sets the price; mask-slot adapters (lora_scope='masks') add their own cost; on a GPU the
+    curve is flat far beyond any step. A shape not yet measured twice is priced optimistically, so
+    that each is tried and then known: as if time grew in proportion to slots from the measured shapes with more
+    slots (the cheapest such line), or else at the dearest shape with fewer. Its first two times
+    count by their minimum (one stall, say a garbage collection, must not price a shape out for good),
+    then a moving average follows the cost as the context grows. A shape not run for `stale` steps is
+    priced optimistically again and its next time counts by the minimum with the old one: a price
+    that two stalls made too dear is retried, not kept for the model's lifetime."""
+
+    def __init__(self, decay: float = 0.3, stale: int = 200):
+        self.ms: dict[tuple[int, bool], float] = {}
+        self.seen: dict[tuple[int, bool], int] = {}
+        self.when: dict[tuple[int, bool], int] = {}  # step count at each shape's last time
+        self.steps, self.decay, self.stale = 0, decay, stale
+        # Proposals accepted when a step drafts from a mask group: what a group is worth, learned with
+        # the costs and kept as long (a plan that rarely runs groups sees few, and a fresh estimate
+        # every call would keep pricing them at the prior). And the chance a group computed at the
+        # accepted length is drafted from, by the source of the draft of the step that computed it.
+        self.group_gain = Mean(1.0)
+        self.group_use = {source: Mean(1.0) for source in SOURCES}
+
+    def add(self, slots: int, masked: bool, seconds: float) -> None:
+        key, ms = (slots, masked), 1000 * seconds
+        seen = 1 if self.is_stale(key) else self.seen.get(key, 0)
+        self.steps += 1
+        self.when[key] = self.steps
+        self.ms[key] = ms if seen == 0 else min(self.ms[key], ms) if seen == 1 else (1 - self.decay) * self.ms[key] + self.decay * ms
+        self.seen[key] = seen + 1
+
+    def is_stale(self, key) -> bool:
+        return key in self.when and self.steps - self.when[key] > self.stale
+
+    def price(self, slots: int, masked: bool) -> float:
+        key = (slots, masked)
+        if self.seen.get(key, 0) >= 2 and not self.is_stale(key):
+            return self.ms[key]
+        guess = self.guess(slots, masked)
+        return min(self.ms[key], guess) if key in self.ms else guess
+
+    def guess(self, slots: int, masked: bool) -> float:
+        """The optimistic price of a shape from the others."""
+        same = {s: v for (s, m), v in self.ms.items() if m == masked and (s, m) != (slots, masked)}
+        same = same or {s: v for (s, m), v in self.ms.items() if (s, m) != (slots, masked)}
+        if not same:
+            return 1.0
+        larger = [v * slots / s for s, v in same.items() if s >= slots]
+        return min(larger) if larger else max(same.values())
+
+
+SOURCES = ("lookup", "diffusion", "none")
+
+
+def source_key(source: str) -> str:
+    return source if source in SOURCES else "none"
+
+
+def costs_of(model, setting: tuple = ()) -> StepCosts:
+    """The model's step-cost table for one setting (kernels, dtype, batch size...: whatever changes
+    what a step shape costs), kept on the model across calls."""
+    tables = model.__dict__.get("_tidar_step_costs")
+    if tables is None:
+        tables = {}
+        object.__setattr__(model, "_tidar_step_costs", tables)
+    return tables.setdefault(setting, StepCosts())

@@ -1,0 +1,86 @@
+"""One decoding forward: the decoder body on every query slot, the vocabulary head on the rows the
+step may read (`Output`). Shipped in every export's custom_generate/ folder: imports nothing but
+torch and transformers."""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+from torch.profiler import record_function
+
+# False: the vocabulary head on every slot, as a plain model forward does. Only tests change it, to
+# show the read-rows-only head gives the same tokens.
+READ_ROWS_ONLY = True
+
+
+def cache_kwargs(model, cache) -> dict:
+    """transformers 5.24 renamed `past_key_values` to `cache` (the old name goes in 5.40)."""
+    name = "cache" if "cache" in inspect.signature(type(model).forward).parameters else "past_key_values"
+    return {name: cache, "use_cache": True}
+
+
+# Config fields through which a family's causal-LM head does more than `lm_head(hidden)`. Softcapping
+# is applied here; for the others the engine runs the model's own forward (all rows through the head).
+SOFTCAP = "final_logit_softcapping"
+OTHER_HEAD_TRANSFORMS = ("logit_scale", "logits_scaling", "output_multiplier_scale")
+
+
+def head_is_plain(model) -> bool:
+    return READ_ROWS_ONLY and not any(getattr(model.config, f, None) not in (None, 1, 1.0) for f in OTHER_HEAD_TRANSFORMS)
+
+
+class Output:
+    """One forward's result; `rows(i, j)` are the logits of query slots i..j-1.
+
+    The vocabulary head runs once, on the slots `read` that the step may read (its AR rows and the
+    draft slots of its groups), not on every slot: at batch 1 the head's weight (V x hidden) is read
+    from memory once per call whatever the row count, so one call on all candidate rows costs less
+    than a call for the AR rows and another for the group the next draft reads (measured on this
+    repo's CPU: two calls took 40 % of a step). A slot outside `read` is computed when asked."""
+
+    def __init__(self, model, hidden=None, logits=None, read: list[int] | None = None):
+        self.model, self.hidden, self.logits, self.head_rows = model, hidden, logits, 0
+        self.cached = self.where = None
+        if hidden is not None and read:
+            self.where = torch.full((hidden.shape[1],), -1, dtype=torch.long, device=hidden.device)
+            self.where[read] = torch.arange(len(read), device=hidden.device)  # slot -> row of `cached`
+            self.cached = self.head(hidden[:, read])
+            self.head_rows = len(read)
+
+    def rows(self, start: int, stop: int) -> torch.Tensor:
+        if self.logits is not None:
+            return self.logits[:, start:stop]
+        if self.where is not None and bool((self.where[start:stop] >= 0).all()):
+            return self.cached[:, self.where[start:stop]]
+        self.head_rows += stop - start
+        return self.head(self.hidden[:, start:stop])
+
+    def rows_at(self, starts: torch.Tensor, n: int) -> torch.Tensor:
+        """Slots starts[b] .. starts[b] + n - 1 of each row b (rows that read different groups)."""
+        index = starts[:, None] + torch.arange(n, device=starts.device)
+        if self.logits is not None:
+            return self.logits.gather(1, index[..., None].expand(-1, -1, self.logits.shape[-1]))
+        if self.where is not None and bool((self.where[index] >= 0).all()):
+            return self.cached.gather(1, self.where[index][..., None].expand(-1, -1, self.cached.shape[-1]))
+        self.head_rows += n
+        return self.head(self.hidden.gather(1, index[..., None].expand(-1, -1, self.hidden.shape[-1])))
+
+    def head(self, hidden):
+        with record_function("tidar.lm_head"):
+            logits = self.model.get_output_embeddings()(hidden)
+            cap = getattr(self.model.config, SOFTCAP, None)
+            return torch.tanh(logits / cap) * cap if cap else logits
+
+
+def forward(model, cache, tokens, positions, mask, read: list[int] | None = None) -> Output:
+    """read: the slots whose logits the step may read, computed in one vocabulary-head call."""
+    with record_function("tidar.forward"):
+        if head_is_plain(model):
+            body = model.get_decoder()  # final norm included: its last_hidden_state is what lm_head reads
+            out = body(input_ids=tokens, position_ids=positions, attention_mask=mask, **cache_kwargs(body, cache))
+            return Output(model, hidden=out.last_hidden_state, read=read)
+        out = model(input_ids=tokens, position_ids=positions, attention_mask=mask, **cache_kwargs(model, cache))
+        result = Output(model, logits=out.logits)
+        result.head_rows = tokens.shape[1]
+        return result

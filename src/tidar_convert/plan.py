@@ -1,0 +1,276 @@
+"""The step plan: which query slots one decoding forward runs (`StepPlan`), and how it is chosen
+(`Planner`: cost, adaptive, full). Shipped in every export's custom_generate/ folder: imports
+nothing but torch and its neighbours (drafters, layout, costs)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+
+from .costs import StepCosts, source_key
+from .drafters import Draft
+from .layout import decode_position_ids
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """Which query slots one forward runs: `n_drafts` causal drafts (a chain), then one causal slot per
+    branch (greedy, batch 1: `branches[i]` is the parent slot of slot n_drafts + i, an earlier slot;
+    each sees its ancestors and itself, a tree), then a group of `k` masks at each anchor. A group
+    anchored at j sees causal slot j - 1 and its ancestors and predicts the k positions after them:
+    on the chain, anchor j sees drafts[0..j)."""
+
+    n_drafts: int
+    anchors: tuple[int, ...]
+    k: int
+    branches: tuple[int, ...] = ()
+
+    @property
+    def siblings(self) -> int:
+        return len(self.branches)
+
+    @property
+    def causal(self) -> int:
+        return self.n_drafts + len(self.branches)
+
+    @property
+    def slots(self) -> int:
+        return self.causal + len(self.anchors) * self.k
+
+    def parents(self) -> tuple[int, ...] | None:
+        """The tree over the causal slots (layout.decode_mask_mod), None for a plain chain."""
+        if not self.branches:
+            return None
+        return (-1, *range(self.n_drafts - 1), *self.branches)
+
+    def group_start(self, j: int) -> int | None:
+        """Query index of the group anchored at j, None if the plan has none there."""
+        return self.causal + self.anchors.index(j) * self.k if j in self.anchors else None
+
+    def positions(self, start: torch.Tensor) -> torch.Tensor:
+        return decode_position_ids(start, self.causal, self.k, len(self.anchors), self.anchors, self.parents())
+
+    def read(self) -> list[int]:
+        """Slots whose logits a step may read: the AR rows, and each group's draft slots (1..k-1)."""
+        return list(range(self.causal)) + [self.causal + g * self.k + o for g in range(len(self.anchors)) for o in range(1, self.k)]
+
+
+class Planner:
+    """Chooses how much of a draft a step verifies, and the anchors of its mask groups.
+
+    cost      (default) the shape with the most expected tokens per measured second (`cheapest`,
+              StepCosts): on a machine where extra slots cost, short or no drafts where they are
+              unlikely to pay; where slots are free, everything likely. Which steps run depends on
+              timings, so acceptance (T/NFE) varies from run to run; the tokens never do.
+    full      a group at every acceptance length 1..m, as the paper's step (k + k*k slots for m = k).
+    adaptive  groups only at the acceptance lengths likely to occur, from the draft's own confidence
+              (diffusion: the draft head's probability; lookup: the chance by match length and depth): the most
+              likely lengths first, each with chance >= min_chance (default 1 / slot budget: 5 % at
+              the default 20 slots), within the slot budget.
+    A length without a group is still decoded exactly: the next draft then comes from lookup or,
+    with none, the next step drafts nothing and runs a fresh group.
+
+    adaptive also sets the draft length (trim): proposals the step reaches with chance < min_chance
+    are dropped before the forward. Any length >= 2 is exact; each dropped proposal is one query
+    slot less through every layer, and one group anchor fewer. On this repo's CPU in fp32, past the
+    first few slots one more costs 1/30 to 1/20 of an AR step (1 slot 60 ms, 4 slots 86 ms, 8 slots
+    96 ms), so a proposal pays for its slot from a chance of about that much; on a GPU slots are
+    nearly free, and a wide budget (say 96) with its lower min_chance keeps rarer nodes and groups."""
+
+    def __init__(self, k: int, mode: str = "cost", slot_budget: int | None = None, min_chance: float | None = None, costs: "StepCosts | None" = None, siblings: int = 0):
+        if mode not in PLANS:
+            raise ValueError(f"plan={mode!r}: choose 'cost', 'adaptive' or 'full'.")
+        if slot_budget is not None and slot_budget < 1 + k:
+            raise ValueError(f"slot_budget={slot_budget}: a step needs at least 1 + block_size = {1 + k} query slots.")
+        if siblings < 0:
+            raise ValueError(f"siblings={siblings}: the alternatives to each drafted token a step may verify; use 0 (chains only) or more.")
+        self.k, self.mode, self.siblings = k, mode, siblings
+        self.costs = costs if costs is not None else StepCosts()
+        self.group_gain = self.costs.group_gain
+        self.offered: list | None = None  # per row of the last step: its draft's source where a group was computed at the length it accepted
+        # Default: the paper's step (k + k*k), or room for a full lookup draft (10) + y + one group.
+        self.budget = slot_budget if slot_budget is not None else max(k + k * k, 11 + k)
+        # A slot's share of the budget: 5 % at the default 20 slots; a GPU's wide budget keeps rarer nodes.
+        self.min_chance = min_chance if min_chance is not None else 1 / self.budget
+
+    def step(self, draft: Draft, uses_groups: bool, room: int | None = None, per_row: bool = False) -> tuple[Draft, "StepPlan"]:
+        """The draft as the step will verify it, and the step's plan."""
+        if self.siblings and self.mode != "full" and not per_row and draft.siblings is not None and draft.tokens.shape[0] == 1 and draft.confidence is not None:
+            return self.tree(draft, uses_groups, room)
+        if self.mode == "cost" and (draft.confidence is not None or draft.tokens.shape[1] == 1):
+            return self.cheapest(draft, uses_groups, room, per_row)
+        draft = self.trim(draft, per_row)
+        return draft, self.plan(draft, uses_groups, room, per_row)
+
+    def cheapest(self, draft: Draft, uses_groups: bool, room: int | None, per_row: bool) -> tuple[Draft, "StepPlan"]:
+        """plan='cost': of every (proposals kept, groups) within the budget, the step with the most
+        expected tokens per measured second. Expected tokens: y, plus each kept proposal's chance of
+        being accepted, plus for each group its length's chance times what a group is worth
+        (`group_worth`). Groups go to the likeliest lengths first.
+        Exact for any choice: which proposals are kept reads their confidence only."""
+        k, m = self.k, draft.tokens.shape[1]
+        worth = self.group_worth(draft)
+        reach = reach_chances(draft)  # (B, m): P(row accepts >= j drafts), j = 1..m
+        best = None
+        for n in range(1, m + 1):  # drafts kept: draft 0 and n - 1 proposals
+            r = reach[:, :n] if per_row else reach[:, :n].prod(0, keepdim=True)
+            exact = r - torch.cat([r[:, 1:], r.new_zeros(r.shape[0], 1)], 1)  # P(accepts exactly j drafts), j = 1..n
+            tokens, lengths = 1 + float(r[:, 1:].sum(1).mean()), exact.mean(0).tolist()
+            fits = n if room is None else min(n, room - k + 1)
+            order = sorted(range(max(fits, 0)), key=lambda i: -lengths[i]) if uses_groups else []
+            most = min(len(order), max(0, (self.budget - n) // k))
+            for g in range(most + 1):
+                score = (tokens + worth * sum(lengths[i] for i in order[:g])) / self.costs.price(n + g * k, g > 0)
+                if best is None or score > best[0]:
+                    best = (score, n, tuple(sorted(i + 1 for i in order[:g])))
+        _, n, anchors = best
+        return cut(draft, n), StepPlan(n, anchors, k)
+
+    def group_worth(self, draft: Draft) -> float:
+        """What a group at the accepted length is worth, in tokens: the proposals a group draft gets
+        accepted on average (`group_gain`, learned with the costs) less what verifying them will cost
+        the next step (`verify_cost`), times the chance the next draft is taken from the group at all
+        (`group_use`: a hybrid takes lookup drafts where they look better, and then the group was
+        computed for nothing; learned per source of this step's draft, since lookup matches come in runs)."""
+        use = self.costs.group_use
+        share = sum(use[source_key(s)].value for s in draft.sources) / len(draft.sources)
+        return share * max(0.0, self.group_gain.value - self.verify_cost())
+
+    def tree(self, draft: Draft, uses_groups: bool, room: int | None) -> tuple[Draft, "StepPlan"]:
+        """A step over the draft's tree (greedy, batch 1): the likeliest nodes (chain proposals and
+        siblings, by the chance the step reaches them), then groups after the nodes where the step
+        most likely ends, within the budget. plan='cost': the most expected tokens per measured
+        second; 'adaptive': the most expected tokens, from nodes and ends with chance >= min_chance.
+        Expected tokens: y, plus each node's reach, plus each group's end chance times what a group
+        is worth. A parent is always reached at least as often as its child, so the likeliest nodes
+        are a tree. Exact for any choice: which nodes are kept reads their chances only."""
+        k, m, cost = self.k, draft.tokens.shape[1], self.mode == "cost"
+        chances = draft.sibling_confidence[0].float().clamp(0, 1).tolist()
+        parents = [-1, *range(m - 1), *draft.parents()]
+        reach, depth = reach_chances(draft)[0].tolist() + [0.0] * len(chances), list(range(m)) + [0] * len(chances)
+        for i, c in enumerate(chances):
+            reach[m + i], depth[m + i] = reach[parents[m + i]] * c, depth[parents[m + i]] + 1
+        order = sorted(range(1, len(reach)), key=lambda s: (-reach[s], depth[s], s))
+        if not cost:
+            order = [s for s in order if reach[s] >= self.min_chance]
+        worth = self.group_worth(draft) if cost else self.group_gain.value
+        deepest = None if room is None else room - k  # a group after a node at depth d uses offsets d + 1 .. d + k
+        ends, tokens, best = {0: 1.0}, 1.0, None
+        for t in range(min(len(order), self.budget - 1) + 1):  # the t likeliest nodes
+            if t:
+                s = order[t - 1]
+                ends[s], tokens = reach[s], tokens + reach[s]
+                ends[parents[s]] -= reach[s]
+            where = sorted((s for s in ends if uses_groups and (deepest is None or depth[s] <= deepest)), key=lambda s: -ends[s])
+            if not cost:
+                where = where[:1] + [s for s in where[1:] if ends[s] >= self.min_chance]
+            most = min(len(where), (self.budget - 1 - t) // k)
+            for g in range(most + 1) if cost else (most,):
+                value = tokens + worth * sum(max(0.0, ends[s]) for s in where[:g])
+                score = value / self.costs.price(1 + t + g * k, g > 0) if cost else value
+                if best is None or score > best[0]:
+                    best = (score, t, where[:g])
+        _, t, groups = best
+        kept = set(order[:t])
+        n = 1 + sum(1 for s in kept if s < m)  # chain nodes kept: a prefix of the chain
+        off = sorted(s for s in kept if s >= m)  # siblings kept, parents first
+        slot = {**{d: d for d in range(n)}, **{s: n + i for i, s in enumerate(off)}}
+        branches = tuple(slot[parents[s]] for s in off)
+        cut_draft = cut(draft, n)
+        index = [s - m for s in off]
+        cut_draft = replace(cut_draft, siblings=draft.siblings[:, index], sibling_confidence=draft.sibling_confidence[:, index], sibling_parents=branches)
+        return cut_draft, StepPlan(n, tuple(sorted(slot[s] + 1 for s in groups)), k, branches)
+
+    def verify_cost(self) -> float:
+        """What verifying a group's draft costs the next step, in tokens: the time a step with
+        proposals takes beyond a plain AR step's, over the AR step's (the tokens that time would have
+        made). A group's proposals are worth only what they bring beyond it: on this repo's CPU a
+        step of 2 to 4 slots costs 1.5x one of 1 slot, so a group must get more than half a proposal
+        accepted to pay; where slots are free (a GPU) it costs nothing."""
+        one = self.costs.price(1, False)
+        verify = min(self.costs.price(n, False) for n in range(2, self.k + 1))
+        return max(0.0, verify - one) / one
+
+    def timed(self, plan: "StepPlan", seconds: float, draft: Draft, accepted: torch.Tensor, committed: torch.Tensor | None = None) -> None:
+        """A step's time by its shape; the proposals accepted on rows drafted from a group; and whether
+        the rows offered a group by the last step drafted from it. committed: (B,) the drafts each row
+        commits, where the next draft reads its group (default: accepted)."""
+        self.costs.add(plan.slots, plan.slots > plan.causal, seconds)
+        self.group_gain.tick()
+        for mean in self.costs.group_use.values():
+            mean.tick()
+        for b, source in enumerate(draft.sources):
+            if source == "diffusion":
+                self.group_gain.add(float(accepted[b]) - 1)
+        if self.offered is not None and len(self.offered) == len(draft.sources):
+            for was, source in zip(self.offered, draft.sources):
+                if was is not None:
+                    self.costs.group_use[was].add(float(source == "diffusion"))
+        at = (accepted if committed is None else committed).tolist()
+        self.offered = [source_key(s) if plan.group_start(int(j)) is not None else None for s, j in zip(draft.sources, at)]
+
+    def max_proposals(self, uses_groups: bool) -> int:
+        """Most proposals a draft may hold, leaving room for one group when the drafter uses them."""
+        return self.budget - 1 - (self.k if uses_groups else 0)
+
+    def trim(self, draft: Draft, per_row: bool = False) -> Draft:
+        """The draft cut after its last proposal that the step reaches with chance >= min_chance
+        (with a shared commit: every row reaches it; per row: some row does), at least one kept.
+        Sampling stays exact: a slot's confidence reads its proposal distribution, never the token
+        drawn from it, so where a draft stops depends only on the proposals before (a stopping rule)."""
+        m = draft.tokens.shape[1]
+        if self.mode == "full" or draft.confidence is None or m <= 2:
+            return draft
+        reach = reach_chances(draft)[:, 1:]  # (B, m - 1): P(the row accepts proposal i)
+        reach = reach.max(0).values if per_row else reach.prod(0)
+        keep = max(1, int((reach >= self.min_chance).sum()))  # reach only falls with i: a prefix
+        return cut(draft, keep + 1)
+
+    def plan(self, draft: Draft, uses_groups: bool, room: int | None = None, per_row: bool = False) -> StepPlan:
+        """room: the largest position offset from draft 0 the model has (near max_position_embeddings
+        a group that would not fit is left out; the last tokens are then drafted by lookup or none)."""
+        m = draft.tokens.shape[1]
+        fits = m if room is None else min(m, room - self.k + 1)  # a group at j uses offsets j .. j + k - 1
+        if not uses_groups or fits < 1:
+            return StepPlan(m, (), self.k)
+        most = max(1, (self.budget - m) // self.k)
+        if self.mode == "full" or draft.confidence is None or m == 1:
+            return StepPlan(m, tuple(range(1, min(fits, most) + 1)), self.k)
+        chance = accepted_length_chances(draft, per_row)[:fits]
+        order = sorted(range(len(chance)), key=lambda i: -chance[i])
+        picked = [order[0]] + [i for i in order[1:most] if chance[i] >= self.min_chance]
+        return StepPlan(m, tuple(sorted(i + 1 for i in picked)), self.k)
+
+
+PLANS = ("cost", "adaptive", "full")
+
+
+def cut(draft: Draft, n: int) -> Draft:
+    """The draft's first n tokens (draft 0 and n - 1 proposals)."""
+    if n >= draft.tokens.shape[1]:
+        return draft
+    keep = lambda t: None if t is None else t[:, : n - 1]
+    return replace(draft, tokens=draft.tokens[:, :n], q=keep(draft.q), length=draft.length.clamp(max=n),
+                   confidence=keep(draft.confidence), raw_confidence=keep(draft.raw_confidence))
+
+
+def accepted_length_chances(draft: Draft, per_row: bool = False) -> list[float]:
+    """j = 1..m: with a shared commit, P(the batch commits j drafts) (the fewest any row accepted);
+    per row, the expected share of rows that accept exactly j (each reads the group at its own j)."""
+    reach = reach_chances(draft)
+    if per_row:
+        return (reach - torch.cat([reach[:, 1:], reach.new_zeros(reach.shape[0], 1)], 1)).mean(0).tolist()
+    reach = reach.prod(0)
+    return (reach - torch.cat([reach[1:], reach.new_zeros(1)])).tolist()
+
+
+def reach_chances(draft: Draft) -> torch.Tensor:
+    """(B, m): column j - 1 is P(the row accepts >= j drafts), draft 0 always; from draft.confidence,
+    a row's acceptance stopping at its first miss and at its length."""
+    m = draft.tokens.shape[1]
+    if m == 1:
+        return torch.ones(draft.tokens.shape[0], 1, device=draft.tokens.device)
+    real = torch.arange(1, m, device=draft.tokens.device) < draft.length[:, None]
+    c = (draft.confidence.float() * real).clamp(0, 1)
+    return torch.cat([torch.ones_like(c[:, :1]), c.cumprod(1)], 1)
