@@ -20,7 +20,7 @@ from pathlib import Path
 
 from . import adapter, decode, drafters, engine, kernels, layout, verify
 from .loading import EMBEDDED_NAME
-from .outputs import MARKER, atomic_dir, check_export_target, scratch_dir, write_marker
+from .outputs import atomic_dir, check_export_target, file_record, marker_files, record_file, scratch_dir, write_marker
 
 log = logging.getLogger(__name__)
 
@@ -238,15 +238,17 @@ def results_section(metrics: dict) -> str:
 
 def update_model_card(path: str | os.PathLike, metrics: dict) -> bool:
     """Rewrite the Results section of an export's README.md with a bench result (the dict `bench`
-    writes: summary, perplexity, block_size, prompts, max_new_tokens, machine). Atomic; the file
-    list of the marker is unchanged (README.md is in it). False (and a warning) if path is not an
-    export with a card, or cannot be written."""
+    writes: summary, perplexity, block_size, prompts, max_new_tokens, machine). Atomic; the marker
+    records the new card's size and hash if the old one was as the export wrote it. False (and a
+    warning) if path is not an export with a card, or cannot be written."""
     path = Path(path)
     readme = path / "README.md"
+    listed = marker_files(path)
     try:
-        listed = json.loads((path / MARKER).read_text())["files"]
         text = readme.read_text()
-    except (OSError, ValueError, KeyError):
+    except OSError:
+        listed = None
+    if listed is None:
         log.warning("%s has no tidar-convert model card to update (exported by an older version?)", path)
         return False
     if "README.md" not in listed or RESULTS_START not in text or RESULTS_END not in text:
@@ -255,11 +257,16 @@ def update_model_card(path: str | os.PathLike, metrics: dict) -> bool:
     head, rest = text.split(RESULTS_START, 1)
     tail = rest.split(RESULTS_END, 1)[1]
     new = f"{head}{RESULTS_START}\n{results_section(metrics)}\n{RESULTS_END}{tail}"
+    # The marker then records the new card, so the export stays replaceable; but a card the user
+    # had edited stays recorded as changed, or a later --overwrite would take their edits with it.
+    as_written = listed["README.md"] is not None and file_record(readme) == listed["README.md"]
     try:
         with scratch_dir(path) as tmp:  # `.<export>.tmp-*`: a leftover is cleaned like any other
             (tmp / "README.md").write_text(new)
             os.chmod(tmp / "README.md", readme.stat().st_mode & 0o777)
             os.replace(tmp / "README.md", readme)
+        if as_written:
+            record_file(path, "README.md")
     except OSError as e:
         log.warning("could not update the model card %s: %s", readme, e)
         return False
