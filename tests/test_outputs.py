@@ -154,6 +154,30 @@ def test_an_export_with_a_marker_of_names_only_is_refused_with_the_fix(tiny, tmp
     assert snapshot(out) == before
 
 
+def test_export_overwrite_onto_a_full_disk_keeps_the_earlier_export_and_says_what_is_needed(tiny, tmp_path, monkeypatch):
+    """Probe (issue 31): a SafetensorError traceback. Now one line naming the folder and the space, and the old export whole."""
+    from safetensors import SafetensorError
+
+    model, tok = tiny
+    out = export(model, tok, tmp_path / "tidar", block_size=4, alpha=1.0)
+    before = snapshot(out)
+    weights = (out / "model.safetensors").stat().st_size
+
+    def full(tensors, filename, metadata=None):  # as safetensors fails on a full disk, once part of the file is written
+        Path(filename).write_bytes(b"\0" * (weights // 2))
+        raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+
+    monkeypatch.setattr("transformers.modeling_utils.safe_save_file", full)
+    with pytest.raises(outputs.DiskFull) as info:
+        export(model, tok, out, block_size=8, alpha=1.0, overwrite=True)
+    message = str(info.value)
+    assert "\n" not in message and message.startswith(f"no space left in {tmp_path} for the export tidar: it needs about ")
+    needed = float(message.split("it needs about ")[1].split()[0])
+    assert 0.8 * weights / 1024 < needed < 1.2 * weights / 1024 and "KiB" in message  # the weights' size, near enough
+    assert "(tidar there is the earlier one, whole)" in message and message.endswith("choose an --out on a disk with room.")
+    assert snapshot(out) == before and not leftovers(out)
+
+
 def test_an_empty_folder_is_fine_and_an_unlisted_empty_folder_is_not(tmp_path):
     empty = tmp_path / "empty"
     empty.mkdir()

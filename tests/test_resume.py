@@ -1,7 +1,11 @@
 """Issue 7: a killed run resumes the data stream where it stopped, not from its beginning."""
 
+import errno
 import hashlib
 import json
+import os
+import re
+import shutil
 from pathlib import Path
 
 import pytest
@@ -226,3 +230,94 @@ def test_sigterm_during_gradient_accumulation_resumes_on_the_same_chunks(tmp_pat
     after = dict(steps)
     assert sorted(after) == list(range(6, total))
     assert_same_steps("resumed after SIGTERM", after, whole, range(6, total))
+
+
+# --------------------------------------------------------------------------------------------
+# Issue 31: a checkpoint is written whole or not at all, and a resumed run writes the last.ckpt
+# that `export` and the next `--ckpt_path last` take.
+# --------------------------------------------------------------------------------------------
+
+
+def every(tmp_path, n: int) -> list[str]:
+    """A --config replacing tiny.yaml's checkpoints with one ModelCheckpoint saving last.ckpt every n steps."""
+    path = tmp_path / f"every{n}.yaml"
+    path.write_text(
+        "trainer:\n  callbacks:\n    - class_path: lightning.pytorch.callbacks.ModelCheckpoint\n"
+        f"      init_args: {{save_last: true, save_top_k: 0, every_n_train_steps: {n}}}\n"
+    )
+    return ["--config", str(path)]
+
+
+def last_step(run: Path) -> int:
+    return torch.load(run / "checkpoints" / "last.ckpt", weights_only=False)["global_step"]
+
+
+class FillsUp:
+    """A file that takes `room` bytes, writes them, then fails as a full disk does (ENOSPC)."""
+
+    def __init__(self, f, room: int):
+        self.f, self.room, self.written = f, room, 0
+
+    def write(self, data) -> int:
+        n = len(memoryview(data).cast("B"))
+        if self.written + n > self.room:
+            self.f.write(bytes(memoryview(data).cast("B")[: self.room - self.written]))
+            self.written = self.room
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        self.written += n
+        return self.f.write(data)
+
+    def __getattr__(self, name):
+        return getattr(self.f, name)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.f.close()
+
+
+def test_a_full_disk_while_saving_leaves_the_previous_last_ckpt_whole_and_ends_in_one_line(tmp_path, tiny_dirs, small_corpus, monkeypatch, capsys):
+    """Probe (issue 31): a full disk during fit left a truncated last.ckpt, and resume and export then failed."""
+    from tidar_convert import outputs
+
+    run, model = tmp_path / "run", tiny_dirs["qwen2"]
+    fit(run, model, small_corpus, 0, 2, *every(tmp_path, 2))
+    before = (run / "checkpoints" / "last.ckpt").read_bytes()
+    files = []
+
+    def full_disk(path, mode="r", *args, **kwargs):  # every checkpoint write finds room for half the checkpoint
+        f = open(path, mode, *args, **kwargs)
+        if "w" in mode and str(path).endswith(".ckpt"):
+            files.append(FillsUp(f, len(before) // 2))
+            return files[-1]
+        return f
+
+    monkeypatch.setattr(outputs, "open", full_disk, raising=False)
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exit:
+        fit(run, model, small_corpus, 0, 4, *every(tmp_path, 2), "--ckpt_path", "last")
+    assert exit.value.code == 2
+    err = capsys.readouterr().err
+    assert files and files[0].written == len(before) // 2  # the write got partway
+    assert "Traceback" not in err and sum(line.startswith("error: ") for line in err.splitlines()) == 1, err
+    folder = re.escape(str(run.resolve() / "checkpoints"))
+    assert re.search(rf"error: no space left in {folder} for the checkpoint last.ckpt: it needs about \d.* and the disk has \d.* free "
+                     r"\(last.ckpt there is the earlier one, whole\)\. .*--trainer.default_root_dir.*--ckpt_path last", err), err
+    assert (run / "checkpoints" / "last.ckpt").read_bytes() == before
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["last.ckpt"]  # no partial file left
+    monkeypatch.undo()
+    assert last_step(run) == 2
+    fit(run, model, small_corpus, 0, 4, *every(tmp_path, 2), "--ckpt_path", "last")
+    assert last_step(run) == 4
+
+
+def test_resuming_in_a_copied_run_folder_writes_its_last_ckpt(tmp_path, tiny_dirs, small_corpus):
+    """Probe (issue 31): `--ckpt_path last` in a copied run folder wrote last-v1.ckpt, and
+    `export .../last.ckpt` then took the old one."""
+    model = tiny_dirs["qwen2"]
+    fit(tmp_path / "a", model, small_corpus, 0, 2, *every(tmp_path, 2))
+    shutil.copytree(tmp_path / "a", tmp_path / "b")
+    fit(tmp_path / "b", model, small_corpus, 0, 4, *every(tmp_path, 2), "--ckpt_path", "last")
+    assert sorted(p.name for p in (tmp_path / "b" / "checkpoints").iterdir()) == ["last.ckpt"]
+    assert last_step(tmp_path / "b") == 4 and last_step(tmp_path / "a") == 2

@@ -148,7 +148,7 @@ def _lightning_cli(args: list[str] | None):
     from .data import TiDARData
     from .export import export
     from .module import TiDARModule
-    from .callbacks import Preemption, Throughput, TrainProgress
+    from .callbacks import Preemption, Throughput, TrainProgress, atomic_checkpoints
 
     class RunFolderConfig(SaveConfigCallback):
         """config.yaml goes into the run folder (trainer.default_root_dir), never into the working
@@ -196,6 +196,7 @@ def _lightning_cli(args: list[str] | None):
         def after_instantiate_classes(self):
             trainer = self.trainer
             root = Path(trainer.default_root_dir)
+            atomic_checkpoints(trainer.strategy)  # a full disk or a kill while saving leaves the previous checkpoint whole
             for cb in trainer.checkpoint_callbacks:
                 # Without a dirpath, Lightning puts checkpoints under the logger's per-run folder, which a
                 # new run cannot find again: --ckpt_path last would then start from scratch.
@@ -204,8 +205,9 @@ def _lightning_cli(args: list[str] | None):
             for logger in trainer.loggers:
                 # Lightning always passes `anonymous`, and W&B warns on every run that it has no effect.
                 getattr(logger, "_wandb_init", {}).pop("anonymous", None)
+            if self.subcommand in ("fit", "validate"):
+                check_resume(trainer, self.config[self.subcommand].get("ckpt_path"), self.subcommand)
             if self.subcommand == "fit":
-                check_resume(trainer, self.config[self.subcommand].get("ckpt_path"))
                 self.set_accumulation()
 
         def set_accumulation(self):
@@ -256,9 +258,10 @@ def _run_lightning(argv: list[str] | None) -> None:
         sys.exit(143)  # 128 + SIGTERM: "killed", so a scheduler requeues instead of marking it done
 
 
-def check_resume(trainer, ckpt_path) -> None:
+def check_resume(trainer, ckpt_path, command: str = "fit") -> None:
     """`--ckpt_path last` with nothing to resume is an error: Lightning would warn and silently start
-    from scratch, and a requeued job would then redo (and overwrite) the work it was meant to continue."""
+    from scratch (fit: a requeued job would then redo, and overwrite, the work it was meant to
+    continue; validate: it would validate the untrained base model as if it were the trained one)."""
     if ckpt_path is None:
         return
     from lightning.pytorch.callbacks import ModelCheckpoint
@@ -269,8 +272,9 @@ def check_resume(trainer, ckpt_path) -> None:
         found = [p for cb in trainer.checkpoint_callbacks if isinstance(cb, ModelCheckpoint) for p in cb._find_last_checkpoints(trainer)]
         if not found:
             where = ", ".join(map(str, dirs)) or "nowhere: no ModelCheckpoint callback is configured"
+            instead = "train from scratch" if command == "fit" else "validate the base model as it is"
             raise FileNotFoundError(
-                f"--ckpt_path last: no last checkpoint in {where}. Leave out --ckpt_path to train from scratch, "
+                f"--ckpt_path last: no last checkpoint in {where}. Leave out --ckpt_path to {instead}, "
                 "or pass a checkpoint file (--ckpt_path runs/.../checkpoints/last.ckpt)."
             )
     elif ckpt_path not in ("best", "hpc") and not Path(ckpt_path).exists():
@@ -460,6 +464,8 @@ def _finish_wandb() -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
+    from .outputs import DiskFull
+
     args = list(sys.argv[1:] if argv is None else argv)
     _configure_wandb()
     try:
@@ -479,7 +485,7 @@ def main(argv: list[str] | None = None) -> None:
 
         commands = {"export": export_cmd, "generate": generate_cmd, "bench": bench_cmd, "eval-ppl": eval_ppl_cmd, "quality": quality_cmd, "sweep": sweep_cmd, "distill": distill_cmd}
         auto_cli(commands, args=_unix_flags(args, commands.values()), as_positional=False)  # --model X, as the README says
-    except (ValueError, FileNotFoundError, PermissionError, FloatingPointError, ConnectionError) as e:  # bad input, or no hub: the message says the fix
+    except (ValueError, FileNotFoundError, PermissionError, FloatingPointError, ConnectionError, DiskFull) as e:  # bad input, no hub, a full disk: the message says the fix
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
 

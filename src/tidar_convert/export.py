@@ -20,7 +20,7 @@ from pathlib import Path
 
 from . import adapter, decode, drafters, engine, kernels, layout, verify
 from .loading import EMBEDDED_NAME
-from .outputs import atomic_dir, check_export_target, file_record, marker_files, record_file, scratch_dir, write_marker
+from .outputs import atomic_dir, check_export_target, disk_full, file_record, marker_files, no_space, record_file, scratch_dir, tensor_bytes, write_marker
 
 log = logging.getLogger(__name__)
 
@@ -69,19 +69,25 @@ def export(model, tokenizer, out: str | os.PathLike, block_size: int, alpha: flo
         model.config.tidar_adapter = {"scope": "masks", "file": adapter.ADAPTER_FILE, "energy": energy, "ranks": [min(ranks), max(ranks)], "layers": [len(ranks), adapted]}
     if card and "base_model" in card:  # bench and quality compare against it by default
         model.config.tidar_base_model = base_source(card["base_model"])
-    with atomic_dir(out) as tmp:
-        model.save_pretrained(tmp, safe_serialization=True)
-        tokenizer.save_pretrained(tmp)
-        if deltas:
-            from safetensors.torch import save_file
+    needed = tensor_bytes(model.state_dict()) + tensor_bytes(deltas or {})
+    try:
+        with atomic_dir(out) as tmp:
+            model.save_pretrained(tmp, safe_serialization=True)
+            tokenizer.save_pretrained(tmp)
+            if deltas:
+                from safetensors.torch import save_file
 
-            save_file(deltas, tmp / adapter.ADAPTER_FILE)
-        (tmp / "custom_generate").mkdir()
-        for name, src in shipped_code().items():
-            shutil.copyfile(src, tmp / "custom_generate" / name)
-        (tmp / "README.md").write_text(model_card(out.name, model.config, block_size, alpha, card))
-        write_marker(tmp)
-        check_export_target(out, overwrite, cleanup=False)  # nothing new appeared at out while we were writing
+                save_file(deltas, tmp / adapter.ADAPTER_FILE)
+            (tmp / "custom_generate").mkdir()
+            for name, src in shipped_code().items():
+                shutil.copyfile(src, tmp / "custom_generate" / name)
+            (tmp / "README.md").write_text(model_card(out.name, model.config, block_size, alpha, card))
+            write_marker(tmp)
+            check_export_target(out, overwrite, cleanup=False)  # nothing new appeared at out while we were writing
+    except Exception as e:
+        if no_space(e):  # safetensors says so in its own error type, under a traceback: one line instead
+            raise disk_full(out, needed, "the export", "choose an --out on a disk with room.") from e
+        raise
     return out
 
 
