@@ -6,6 +6,7 @@ import json
 import os
 import re
 import shutil
+import signal
 from pathlib import Path
 
 import pytest
@@ -97,13 +98,14 @@ def steps(monkeypatch):
     """Records what each optimizer step trained on: {global_step: [(epoch, chunk fingerprints, loss)
     per micro-batch]}. `steps.kill_at = n` ends the run (Killed) when step n is about to train;
     `steps.sigterm_at = (n, m)` delivers a SIGTERM, as Lightning's handler records it, while
-    micro-batch m of step n trains."""
+    micro-batch m of step n trains; `steps.signal_at = (n, signum, times)` sends the process a real
+    signal, `times` times, as step n starts."""
     from tidar_convert.module import TiDARModule
 
     original = TiDARModule.training_step
 
     class Steps(dict):
-        kill_at = sigterm_at = None
+        kill_at = sigterm_at = signal_at = None
 
     seen = Steps()
 
@@ -113,6 +115,9 @@ def steps(monkeypatch):
             raise Killed(f"killed before step {step}")
         if (step, len(seen.get(step, []))) == seen.sigterm_at:
             module.trainer._signal_connector.received_sigterm = True
+        if seen.signal_at and seen.signal_at[0] == step and step not in seen:
+            for _ in range(seen.signal_at[2]):
+                os.kill(os.getpid(), seen.signal_at[1])
         loss = original(module, batch, batch_idx)
         seen.setdefault(step, []).append((module.current_epoch, [fingerprint(row) for row in batch["input_ids"]], loss.item()))
         return loss
@@ -321,3 +326,67 @@ def test_resuming_in_a_copied_run_folder_writes_its_last_ckpt(tmp_path, tiny_dir
     fit(tmp_path / "b", model, small_corpus, 0, 4, *every(tmp_path, 2), "--ckpt_path", "last")
     assert sorted(p.name for p in (tmp_path / "b" / "checkpoints").iterdir()) == ["last.ckpt"]
     assert last_step(tmp_path / "b") == 4 and last_step(tmp_path / "a") == 2
+
+
+# --------------------------------------------------------------------------------------------
+# Issue 31: interruptions say what they did. Ctrl-C saves as SIGTERM does; before the first step
+# there is nothing to save, and a requeue with --ckpt_path last then starts from scratch.
+# --------------------------------------------------------------------------------------------
+
+
+def test_ctrl_c_saves_a_checkpoint_says_so_and_resumes(tmp_path, tiny_dirs, small_corpus, steps, capsys):
+    """Probe (issue 31): SIGINT at step 23 exited 1, without a word, and saved nothing."""
+    run, model = tmp_path / "run", tiny_dirs["qwen2"]
+    steps.signal_at = (3, signal.SIGINT, 1)
+    with pytest.raises(SystemExit) as exit:
+        fit(run, model, small_corpus, 0, 10)
+    assert exit.value.code == 130
+    err = capsys.readouterr().err
+    last = (run / "checkpoints" / "last.ckpt").resolve()
+    assert "received SIGINT (Ctrl-C): stopping after this step to save a checkpoint; press Ctrl-C again to stop at once without saving." in err
+    assert f"received SIGINT: saved {last} at step 4; run the same command with --ckpt_path last to continue." in err, err
+    assert saved_step(run, 0) == 4 and sorted(steps) == [0, 1, 2, 3]
+    steps.clear()
+    steps.signal_at = None
+    fit(run, model, small_corpus, 0, 6, "--ckpt_path", "last")
+    assert sorted(steps) == [4, 5] and saved_step(run, 0) == 6
+
+
+def test_a_second_ctrl_c_stops_at_once_and_says_nothing_was_saved(tmp_path, tiny_dirs, small_corpus, steps, capsys):
+    run = tmp_path / "run"
+    steps.signal_at = (3, signal.SIGINT, 2)
+    with pytest.raises(SystemExit) as exit:
+        fit(run, tiny_dirs["qwen2"], small_corpus, 0, 10)
+    assert exit.value.code == 130
+    assert "received SIGINT again: stopped at once at step 3; nothing was saved at the interrupt (no checkpoint was written)." in capsys.readouterr().err
+    assert not (run / "checkpoints" / "last.ckpt").exists()
+
+
+@pytest.mark.parametrize("when, signum", [("loading", signal.SIGTERM), ("loading", signal.SIGINT), ("sanity check", signal.SIGTERM)])
+def test_a_signal_before_the_first_step_says_nothing_was_saved_and_the_requeue_starts_cleanly(tmp_path, tiny_dirs, small_corpus, steps, monkeypatch, capsys, when, signum):
+    """Probe (issue 31): SIGTERM before step 1 exited 143 without a word, and the documented requeue
+    with --ckpt_path last then failed on the missing checkpoint."""
+    from tidar_convert.callbacks import NOTHING_SAVED
+    from tidar_convert.module import TiDARModule
+
+    run, model = tmp_path / "run", tiny_dirs["qwen2"]
+    hook = "configure_model" if when == "loading" else "validation_step"  # before Lightning listens for SIGTERM, and after
+    original = getattr(TiDARModule, hook)
+
+    def interrupted(module, *args):
+        os.kill(os.getpid(), signum)
+        return original(module, *args)
+
+    monkeypatch.setattr(TiDARModule, hook, interrupted)
+    with pytest.raises(SystemExit) as exit:
+        fit(run, model, small_corpus, 0, 3, "--trainer.num_sanity_val_steps", "2")
+    assert exit.value.code == 128 + signum
+    name = signal.Signals(signum).name
+    err = capsys.readouterr().err
+    assert f"received {name} before the first training step: nothing was saved (no step was taken). Run the same command again; with --ckpt_path last it starts from scratch." in err, err
+    assert not steps and not list(run.glob("checkpoints/*.ckpt")) and (run / NOTHING_SAVED).is_file()
+    monkeypatch.setattr(TiDARModule, hook, original)
+    fit(run, model, small_corpus, 0, 3, "--ckpt_path", "last")
+    assert f"--ckpt_path last: the run in {run} was stopped by {name} before its first step and saved nothing: starting from scratch." in capsys.readouterr().err
+    assert sorted(steps) == [0, 1, 2] and saved_step(run, 0) == 3
+    assert not (run / NOTHING_SAVED).exists()  # it took a step: a later --ckpt_path last without a checkpoint is refused again
