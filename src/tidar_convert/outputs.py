@@ -395,8 +395,11 @@ def file_sha256(path: str | os.PathLike) -> str:
     if key not in _digests:
         import hashlib
 
+        digest = hashlib.sha256()
         with open(path, "rb") as f:
-            _digests[key] = hashlib.file_digest(f, "sha256").hexdigest()
+            while chunk := f.read(1 << 20):  # hashlib.file_digest is Python 3.11+
+                digest.update(chunk)
+        _digests[key] = digest.hexdigest()
     return _digests[key]
 
 
