@@ -35,16 +35,18 @@ def shipped_code() -> dict[str, Path]:
 
 def export(model, tokenizer, out: str | os.PathLike, block_size: int, alpha: float, overwrite: bool = False, card: dict | None = None, adapter_energy: float | None = None, adapter_layers: float | None = None) -> Path:
     """Save weights (safetensors), tokenizer and config with the TiDAR fields, the decode code, a
-    README.md model card and the tidar_export.json marker listing every file written.
+    README.md model card and the tidar_export.json marker listing every file written, with its
+    size and sha256.
 
     LoRA adapters are merged first; adapters on mask slots only (lora_scope='masks') are saved apart
     instead (adapter.ADAPTER_FILE), so the weights stay the base model's, each delta compressed to the
     rank that keeps `adapter_energy` of it (lora.compress; default lora.ADAPTER_ENERGY), for the
     `adapter_layers` share of layers it moves most (lora.strongest; default lora.ADAPTER_LAYERS).
-    `out` must be new, empty, or (with overwrite) an earlier export
+    `out` must be new, empty, or (with overwrite) an earlier export, every file as it wrote it,
     and nothing else: anything else is refused before any work (outputs.check_export_target). The
     folder is written under a temporary name and swapped in whole (outputs.atomic_dir), so an
-    interrupted export leaves the earlier one, never a half-written folder. `card`: facts for the
+    interrupted export leaves the earlier one, never a half-written folder; a full disk is
+    outputs.DiskFull, naming the folder and the space needed. `card`: facts for the
     model card (base_model, recipe, steps, data, ...; see `model_card`).
     """
     from .lora import ADAPTER_ENERGY, ADAPTER_LAYERS, check_energy, check_layers, is_mask_scoped, lora_layers, split_mask_adapter

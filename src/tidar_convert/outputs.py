@@ -1,7 +1,7 @@
 """Writing output folders safely: never over someone's files, never half-written, readable by others.
 
 Every folder or file this package writes (exports, the embedded model, the prose corpus, greedy
-corpora, files fetched from wheels) goes through `atomic_dir` / `atomic_file`:
+corpora, files fetched from wheels, fit's checkpoints) goes through `atomic_dir` / `atomic_file`:
 
   - the content is written into a temporary sibling `.<name>.tmp-<hex>` (same filesystem), and
     swapped in only once complete. On Linux the swap is renameat2(RENAME_EXCHANGE): `dest` is at
