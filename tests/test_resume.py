@@ -390,3 +390,22 @@ def test_a_signal_before_the_first_step_says_nothing_was_saved_and_the_requeue_s
     assert f"--ckpt_path last: the run in {run} was stopped by {name} before its first step and saved nothing: starting from scratch." in capsys.readouterr().err
     assert sorted(steps) == [0, 1, 2] and saved_step(run, 0) == 3
     assert not (run / NOTHING_SAVED).exists()  # it took a step: a later --ckpt_path last without a checkpoint is refused again
+
+
+def test_ctrl_c_once_training_ended_is_a_keyboard_interrupt_as_ever(tmp_path, tiny_dirs, small_corpus, monkeypatch, capsys):
+    """While `fit --out` exports, training is over: Ctrl-C is Python's own KeyboardInterrupt, not a
+    "stopped before the first step" (the export is atomic, and last.ckpt is already written)."""
+    import sys
+
+    from tidar_convert.callbacks import NOTHING_SAVED
+
+    def interrupted(*args, **kwargs):
+        os.kill(os.getpid(), signal.SIGINT)
+
+    monkeypatch.setattr(sys.modules["tidar_convert.export"], "export", interrupted)  # the package's `export` is the function
+    run = tmp_path / "run"
+    with pytest.raises(KeyboardInterrupt):
+        fit(run, tiny_dirs["qwen2"], small_corpus, 0, 2, *every(tmp_path, 2), "--out", str(tmp_path / "out"))
+    assert "before the first training step" not in capsys.readouterr().err
+    assert saved_step(run, 0) == 2 and not (run / NOTHING_SAVED).exists()
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # put back as it was

@@ -153,9 +153,13 @@ class Signals:
         if os.getpid() != self.pid:
             return
         lightning_listens = self.trainer is not None and signal.getsignal(signal.SIGTERM) is not self.handler
-        if self.done:
-            self.__exit__()
-            signal.raise_signal(signum)  # as if this handler had never been installed
+        if self.done:  # as if this handler had never been installed
+            old = self.old.get(signum, signal.SIG_DFL)
+            if callable(old):
+                return old(signum, frame)  # Python's own for SIGINT: KeyboardInterrupt
+            if old != signal.SIG_IGN:
+                signal.signal(signum, signal.SIG_DFL)
+                signal.raise_signal(signum)
             return
         if lightning_listens:
             self.signum = self.signum or signum
@@ -165,7 +169,12 @@ class Signals:
                     raise KeyboardInterrupt
                 self.trainer._signal_connector.received_sigterm = True  # stop as SIGTERM stops: at the next step boundary
                 if self.trainer.is_global_zero:
-                    print("received SIGINT (Ctrl-C): stopping after this step to save a checkpoint; press Ctrl-C again to stop at once without saving.", file=sys.stderr, flush=True)
+                    text = "received SIGINT (Ctrl-C): stopping after this step to save a checkpoint; press Ctrl-C again to stop at once without saving.\n"
+                    try:
+                        sys.stderr.write(text)
+                        sys.stderr.flush()
+                    except RuntimeError:  # the signal landed inside another write to stderr ("reentrant call")
+                        os.write(2, text.encode())
             return  # SIGTERM: Lightning's own handler, called just before this one, has set its flag
         self.signum = signum
         raise Interrupted(signum)
