@@ -89,6 +89,31 @@ def test_distill_never_replaces_a_file_it_did_not_write(tiny_dirs, tmp_path, cap
     assert ours.read_text() != first and len(ours.read_text().splitlines()) == 3
 
 
+def test_distill_overwrite_never_replaces_a_corpus_changed_since_it_was_written(tiny_dirs, tmp_path, capsys):
+    """Probe (issue 31): a row appended to a corpus was lost to `distill --overwrite`."""
+    code_docs(tmp_path / "docs.jsonl")
+    ours = tmp_path / "ours.jsonl"
+    main(distill_args(tiny_dirs["llama"], tmp_path / "docs.jsonl", ours))
+    assert (tmp_path / "ours.jsonl.sha256").read_text().endswith("  ours.jsonl\n")
+    written = ours.read_text()
+    with ours.open("a") as f:
+        f.write(json.dumps({"text": "a row I added", "made_by": MADE_BY, "val_every": 4, "model": "m"}) + "\n")
+    changed = ours.read_text()
+    with pytest.raises(SystemExit):
+        main(distill_args(tiny_dirs["llama"], tmp_path / "docs.jsonl", ours, "--overwrite"))
+    err = capsys.readouterr().err
+    assert "was changed after `tidar-convert distill` wrote it (its sha256 differs from ours.jsonl.sha256); nothing was written" in err, err
+    assert ours.read_text() == changed
+    ours.write_text(written)  # as written again: replaceable
+    main(distill_args(tiny_dirs["llama"], tmp_path / "docs.jsonl", ours, "--new_tokens", "3", "--overwrite"))
+    assert ours.read_text() != written
+    (tmp_path / "ours.jsonl.sha256").unlink()  # as a corpus from before checksums were kept
+    kept = ours.read_text()
+    with pytest.raises(SystemExit):
+        main(distill_args(tiny_dirs["llama"], tmp_path / "docs.jsonl", ours, "--overwrite"))
+    assert "without its checksum file ours.jsonl.sha256" in capsys.readouterr().err and ours.read_text() == kept
+
+
 @pytest.mark.parametrize(
     "extra,message",
     [

@@ -101,6 +101,83 @@ def test_an_export_with_anything_else_inside_is_refused(tiny, tmp_path, extra, n
     assert snapshot(out) == before
 
 
+@pytest.mark.parametrize("edited", ["README.md", "chat_template.jinja", "custom_generate/generate.py"])
+def test_overwrite_refuses_an_export_whose_files_were_edited_and_names_them(tiny, tmp_path, edited):
+    """Probe (issue 31): hand edits to an export's card or chat template were lost to --overwrite."""
+    import copy
+
+    model, tok = tiny
+    tok = copy.deepcopy(tok)
+    tok.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    out = export(model, tok, tmp_path / "tidar", block_size=4, alpha=1.0)
+    path = out / edited
+    path.write_text(path.read_text() + "\n{# my own change #}\n")
+    before = snapshot(out)
+    with pytest.raises(ValueError, match=rf"holds an earlier export, but {edited} was changed after the export wrote it.*Nothing was written or deleted"):
+        export(model, tok, out, block_size=8, alpha=1.0, overwrite=True)
+    assert snapshot(out) == before and not leftovers(out)
+    assert not is_export(out)
+
+
+def test_overwrite_replaces_an_export_as_written_even_with_files_of_it_removed(tiny, tmp_path):
+    model, tok = tiny
+    out = export(model, tok, tmp_path / "tidar", block_size=4, alpha=1.0)
+    (out / "README.md").unlink()  # nothing of anyone's is lost by replacing a file that is gone
+    assert is_export(out)
+    export(model, tok, out, block_size=8, alpha=1.0, overwrite=True)
+    assert json.loads((out / "config.json").read_text())["block_size"] == 8 and (out / "README.md").is_file()
+
+
+def test_a_marker_listing_a_file_the_user_wrote_deletes_nothing(tiny, tmp_path):
+    """Probe (issue 31): a tidar_export.json listing the user's own file let --overwrite delete it."""
+    model, tok = tiny
+    out = export(model, tok, tmp_path / "tidar", block_size=4, alpha=1.0)
+    (out / "notes.txt").write_text("mine")
+    marker = json.loads((out / outputs.MARKER).read_text())
+    marker["files"]["notes.txt"] = {"size": 4, "sha256": "0" * 64}  # what any other file of that size would be recorded as
+    (out / outputs.MARKER).write_text(json.dumps(marker))
+    with pytest.raises(ValueError, match="but notes.txt was changed after the export wrote it"):
+        check_export_target(out, overwrite=True)
+    assert (out / "notes.txt").read_text() == "mine"
+
+
+def test_an_export_with_a_marker_of_names_only_is_refused_with_the_fix(tiny, tmp_path):
+    """A marker from before sizes and hashes were recorded cannot tell an edited file: refused, never guessed."""
+    model, tok = tiny
+    out = export(model, tok, tmp_path / "tidar", block_size=4, alpha=1.0)
+    marker = json.loads((out / outputs.MARKER).read_text())
+    (out / outputs.MARKER).write_text(json.dumps({**marker, "files": sorted(marker["files"])}))
+    before = snapshot(out)
+    for overwrite in (False, True):
+        with pytest.raises(ValueError, match=r"export by an older tidar-convert.*records no sizes or hashes.*Check the folder and delete it yourself, or choose a new folder"):
+            export(model, tok, out, block_size=8, alpha=1.0, overwrite=overwrite)
+    assert snapshot(out) == before
+
+
+def test_export_overwrite_onto_a_full_disk_keeps_the_earlier_export_and_says_what_is_needed(tiny, tmp_path, monkeypatch):
+    """Probe (issue 31): a SafetensorError traceback. Now one line naming the folder and the space, and the old export whole."""
+    from safetensors import SafetensorError
+
+    model, tok = tiny
+    out = export(model, tok, tmp_path / "tidar", block_size=4, alpha=1.0)
+    before = snapshot(out)
+    weights = (out / "model.safetensors").stat().st_size
+
+    def full(tensors, filename, metadata=None):  # as safetensors fails on a full disk, once part of the file is written
+        Path(filename).write_bytes(b"\0" * (weights // 2))
+        raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+
+    monkeypatch.setattr("transformers.modeling_utils.safe_save_file", full)
+    with pytest.raises(outputs.DiskFull) as info:
+        export(model, tok, out, block_size=8, alpha=1.0, overwrite=True)
+    message = str(info.value)
+    assert "\n" not in message and message.startswith(f"no space left in {tmp_path} for the export tidar: it needs about ")
+    needed = float(message.split("it needs about ")[1].split()[0])
+    assert 0.8 * weights / 1024 < needed < 1.2 * weights / 1024 and "KiB" in message  # the weights' size, near enough
+    assert "(tidar there is the earlier one, whole)" in message and message.endswith("choose an --out on a disk with room.")
+    assert snapshot(out) == before and not leftovers(out)
+
+
 def test_an_empty_folder_is_fine_and_an_unlisted_empty_folder_is_not(tmp_path):
     empty = tmp_path / "empty"
     empty.mkdir()
@@ -414,6 +491,18 @@ def test_bench_results_go_into_the_card(tiny, tmp_path):
     assert "| tidar | 2.37 | 12.3 | 6.5 | 23.7 | 2.37x | 1.32x | 1.50x | 3.10x | 169/169 |" in text
     assert text.count("| tidar |") == 1 and "converted 10.500" not in text and text.rstrip().endswith("-->")
     assert is_export(out) and not leftovers(out)  # still an export and nothing else: replaceable
+
+
+def test_bench_results_in_an_edited_card_keep_it_recorded_as_changed(tiny, tmp_path):
+    """bench rewrites the card's Results section; the user's own edits elsewhere in it must still stop --overwrite."""
+    model, tok = tiny
+    out = export(model, tok, tmp_path / "tidar", block_size=4, alpha=1.0)
+    readme = out / "README.md"
+    readme.write_text(readme.read_text().replace("## Usage", "My notes on this model.\n\n## Usage"))
+    assert update_model_card(out, BENCH)
+    assert "My notes on this model." in readme.read_text() and "| tidar | 2.37 |" in readme.read_text()
+    with pytest.raises(ValueError, match="but README.md was changed after the export wrote it"):
+        check_export_target(out, overwrite=True)
 
 
 def test_the_card_of_a_folder_without_marker_is_left_alone(tmp_path):

@@ -17,10 +17,11 @@ from typing import Callable
 import pytest
 
 from tidar_convert.cli import main
+from tidar_convert.outputs import DiskFull
 
 RECIPE = str(Path(__file__).parents[1] / "recipes" / "tiny.yaml")
 # What cli.main turns into `error: ...` (exit 2): an API row must raise one of these.
-USER_ERRORS = (ValueError, FileNotFoundError, PermissionError, FloatingPointError, ConnectionError)
+USER_ERRORS = (ValueError, FileNotFoundError, PermissionError, FloatingPointError, ConnectionError, DiskFull)
 
 
 @dataclass
@@ -52,7 +53,93 @@ FIT_CASES: list = []
 # checkpoints, exports and other outputs
 # --------------------------------------------------------------------------------------------
 
-OUTPUT_CASES: list = []
+def copied_export(env: Env) -> Path:
+    """A copy of env.export under env.tmp, to change."""
+    import shutil
+
+    return Path(shutil.copytree(env.export, env.tmp / "e"))
+
+
+def export_over(env: Env, out: Path) -> list[str]:
+    """`export --overwrite` into out; the checkpoint is never read (out is checked first)."""
+    (env.tmp / "last.ckpt").write_bytes(b"not read: --out is refused before")
+    return ["export", "--checkpoint", str(env.tmp / "last.ckpt"), "--out", str(out), "--overwrite"]
+
+
+def edited_export(env: Env) -> list[str]:
+    out = copied_export(env)
+    (out / "README.md").write_text((out / "README.md").read_text() + "\nMy notes.\n")
+    return export_over(env, out)
+
+
+def export_listing_a_user_file(env: Env) -> list[str]:
+    import json
+
+    from tidar_convert.outputs import MARKER
+
+    out = copied_export(env)
+    (out / "notes.txt").write_text("mine")
+    marker = json.loads((out / MARKER).read_text())
+    marker["files"]["notes.txt"] = {"size": 4, "sha256": "0" * 64}
+    (out / MARKER).write_text(json.dumps(marker))
+    return export_over(env, out)
+
+
+def export_with_old_marker(env: Env) -> list[str]:
+    import json
+
+    from tidar_convert.outputs import MARKER
+
+    out = copied_export(env)
+    marker = json.loads((out / MARKER).read_text())
+    (out / MARKER).write_text(json.dumps({**marker, "files": sorted(marker["files"])}))
+    return export_over(env, out)
+
+
+def export_onto_a_full_disk(env: Env):
+    """export --overwrite where the weights do not fit: safetensors' own error, as it raises it on a full disk."""
+    from unittest import mock
+
+    from safetensors import SafetensorError
+
+    from tidar_convert.export import export
+    from tidar_convert.loading import load_base
+
+    def full(tensors, filename, metadata=None):
+        Path(filename).write_bytes(b"\0" * 1000)
+        raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+
+    model, tok = load_base(str(env.model))
+    out = copied_export(env)
+    with mock.patch("transformers.modeling_utils.safe_save_file", full):
+        export(model, tok, out, block_size=4, alpha=1.0, overwrite=True)
+
+
+def appended_corpus(env: Env) -> list[str]:
+    import json
+
+    from tidar_convert.distill import MADE_BY, record_corpus
+
+    corpus = env.tmp / "greedy.jsonl"
+    corpus.write_text(json.dumps({"text": "def f(): pass", "made_by": MADE_BY, "val_every": 50, "model": "m"}) + "\n")
+    record_corpus(corpus)
+    with corpus.open("a") as f:
+        f.write(json.dumps({"text": "a row of mine", "made_by": MADE_BY, "val_every": 50, "model": "m"}) + "\n")
+    return ["distill", "--model", str(env.model), "--out", str(corpus), "--overwrite"]
+
+
+def validate(env: Env, *extra: str) -> list[str]:
+    return ["validate", "--config", RECIPE, "--model.model", str(env.model), "--trainer.default_root_dir", str(env.tmp / "run"), "--trainer.logger", "false", *extra]
+
+
+OUTPUT_CASES: list = [
+    pytest.param(edited_export, r"holds an earlier export, but README\.md was changed after the export wrote it.*Nothing was written or deleted.*choose a new folder", id="export-overwrite-edited-card"),
+    pytest.param(export_listing_a_user_file, r"but notes\.txt was changed after the export wrote it.*Nothing was written or deleted", id="export-overwrite-marker-lists-user-file"),
+    pytest.param(export_with_old_marker, r"older tidar-convert, whose tidar_export\.json records no sizes or hashes.*delete it yourself, or choose a new folder", id="export-overwrite-old-marker"),
+    pytest.param(api(export_onto_a_full_disk), r"^no space left in \S+ for the export e: it needs about [\d.]+ \w+ and the disk has [\d.]+ \w+ free \(e there is the earlier one, whole\)\. .*choose an --out on a disk with room", id="export-full-disk"),
+    pytest.param(appended_corpus, r"--out '\S+greedy\.jsonl' was changed after `tidar-convert distill` wrote it.*nothing was written.*choose a new file name", id="distill-overwrite-appended-row"),
+    pytest.param(lambda env: validate(env, "--ckpt_path", "last"), r"--ckpt_path last: no last checkpoint in \S+run/checkpoints\. Leave out --ckpt_path to validate the base model as it is, or pass a checkpoint file", id="validate-last-without-checkpoint"),
+]
 
 # --------------------------------------------------------------------------------------------
 # generate: the Python API and the CLI

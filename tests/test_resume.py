@@ -1,7 +1,12 @@
 """Issue 7: a killed run resumes the data stream where it stopped, not from its beginning."""
 
+import errno
 import hashlib
 import json
+import os
+import re
+import shutil
+import signal
 from pathlib import Path
 
 import pytest
@@ -93,13 +98,14 @@ def steps(monkeypatch):
     """Records what each optimizer step trained on: {global_step: [(epoch, chunk fingerprints, loss)
     per micro-batch]}. `steps.kill_at = n` ends the run (Killed) when step n is about to train;
     `steps.sigterm_at = (n, m)` delivers a SIGTERM, as Lightning's handler records it, while
-    micro-batch m of step n trains."""
+    micro-batch m of step n trains; `steps.signal_at = (n, signum, times)` sends the process a real
+    signal, `times` times, as step n starts."""
     from tidar_convert.module import TiDARModule
 
     original = TiDARModule.training_step
 
     class Steps(dict):
-        kill_at = sigterm_at = None
+        kill_at = sigterm_at = signal_at = None
 
     seen = Steps()
 
@@ -109,6 +115,9 @@ def steps(monkeypatch):
             raise Killed(f"killed before step {step}")
         if (step, len(seen.get(step, []))) == seen.sigterm_at:
             module.trainer._signal_connector.received_sigterm = True
+        if seen.signal_at and seen.signal_at[0] == step and step not in seen:
+            for _ in range(seen.signal_at[2]):
+                os.kill(os.getpid(), seen.signal_at[1])
         loss = original(module, batch, batch_idx)
         seen.setdefault(step, []).append((module.current_epoch, [fingerprint(row) for row in batch["input_ids"]], loss.item()))
         return loss
@@ -226,3 +235,177 @@ def test_sigterm_during_gradient_accumulation_resumes_on_the_same_chunks(tmp_pat
     after = dict(steps)
     assert sorted(after) == list(range(6, total))
     assert_same_steps("resumed after SIGTERM", after, whole, range(6, total))
+
+
+# --------------------------------------------------------------------------------------------
+# Issue 31: a checkpoint is written whole or not at all, and a resumed run writes the last.ckpt
+# that `export` and the next `--ckpt_path last` take.
+# --------------------------------------------------------------------------------------------
+
+
+def every(tmp_path, n: int) -> list[str]:
+    """A --config replacing tiny.yaml's checkpoints with one ModelCheckpoint saving last.ckpt every n steps."""
+    path = tmp_path / f"every{n}.yaml"
+    path.write_text(
+        "trainer:\n  callbacks:\n    - class_path: lightning.pytorch.callbacks.ModelCheckpoint\n"
+        f"      init_args: {{save_last: true, save_top_k: 0, every_n_train_steps: {n}}}\n"
+    )
+    return ["--config", str(path)]
+
+
+def last_step(run: Path) -> int:
+    return torch.load(run / "checkpoints" / "last.ckpt", weights_only=False)["global_step"]
+
+
+class FillsUp:
+    """A file that takes `room` bytes, writes them, then fails as a full disk does (ENOSPC)."""
+
+    def __init__(self, f, room: int):
+        self.f, self.room, self.written = f, room, 0
+
+    def write(self, data) -> int:
+        n = len(memoryview(data).cast("B"))
+        if self.written + n > self.room:
+            self.f.write(bytes(memoryview(data).cast("B")[: self.room - self.written]))
+            self.written = self.room
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        self.written += n
+        return self.f.write(data)
+
+    def __getattr__(self, name):
+        return getattr(self.f, name)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.f.close()
+
+
+def test_a_full_disk_while_saving_leaves_the_previous_last_ckpt_whole_and_ends_in_one_line(tmp_path, tiny_dirs, small_corpus, monkeypatch, capsys):
+    """Probe (issue 31): a full disk during fit left a truncated last.ckpt, and resume and export then failed."""
+    from tidar_convert import outputs
+
+    run, model = tmp_path / "run", tiny_dirs["qwen2"]
+    fit(run, model, small_corpus, 0, 2, *every(tmp_path, 2))
+    before = (run / "checkpoints" / "last.ckpt").read_bytes()
+    files = []
+
+    def full_disk(path, mode="r", *args, **kwargs):  # every checkpoint write finds room for half the checkpoint
+        f = open(path, mode, *args, **kwargs)
+        if "w" in mode and str(path).endswith(".ckpt"):
+            files.append(FillsUp(f, len(before) // 2))
+            return files[-1]
+        return f
+
+    monkeypatch.setattr(outputs, "open", full_disk, raising=False)
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exit:
+        fit(run, model, small_corpus, 0, 4, *every(tmp_path, 2), "--ckpt_path", "last")
+    assert exit.value.code == 2
+    err = capsys.readouterr().err
+    assert files and files[0].written == len(before) // 2  # the write got partway
+    assert "Traceback" not in err and sum(line.startswith("error: ") for line in err.splitlines()) == 1, err
+    folder = re.escape(str(run.resolve() / "checkpoints"))
+    assert re.search(rf"error: no space left in {folder} for the checkpoint last.ckpt: it needs about \d.* and the disk has \d.* free "
+                     r"\(last.ckpt there is the earlier one, whole\)\. .*--trainer.default_root_dir.*--ckpt_path last", err), err
+    assert (run / "checkpoints" / "last.ckpt").read_bytes() == before
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["last.ckpt"]  # no partial file left
+    monkeypatch.undo()
+    assert last_step(run) == 2
+    fit(run, model, small_corpus, 0, 4, *every(tmp_path, 2), "--ckpt_path", "last")
+    assert last_step(run) == 4
+
+
+def test_resuming_in_a_copied_run_folder_writes_its_last_ckpt(tmp_path, tiny_dirs, small_corpus):
+    """Probe (issue 31): `--ckpt_path last` in a copied run folder wrote last-v1.ckpt, and
+    `export .../last.ckpt` then took the old one."""
+    model = tiny_dirs["qwen2"]
+    fit(tmp_path / "a", model, small_corpus, 0, 2, *every(tmp_path, 2))
+    shutil.copytree(tmp_path / "a", tmp_path / "b")
+    fit(tmp_path / "b", model, small_corpus, 0, 4, *every(tmp_path, 2), "--ckpt_path", "last")
+    assert sorted(p.name for p in (tmp_path / "b" / "checkpoints").iterdir()) == ["last.ckpt"]
+    assert last_step(tmp_path / "b") == 4 and last_step(tmp_path / "a") == 2
+
+
+# --------------------------------------------------------------------------------------------
+# Issue 31: interruptions say what they did. Ctrl-C saves as SIGTERM does; before the first step
+# there is nothing to save, and a requeue with --ckpt_path last then starts from scratch.
+# --------------------------------------------------------------------------------------------
+
+
+def test_ctrl_c_saves_a_checkpoint_says_so_and_resumes(tmp_path, tiny_dirs, small_corpus, steps, capsys):
+    """Probe (issue 31): SIGINT at step 23 exited 1, without a word, and saved nothing."""
+    run, model = tmp_path / "run", tiny_dirs["qwen2"]
+    steps.signal_at = (3, signal.SIGINT, 1)
+    with pytest.raises(SystemExit) as exit:
+        fit(run, model, small_corpus, 0, 10)
+    assert exit.value.code == 130
+    err = capsys.readouterr().err
+    last = (run / "checkpoints" / "last.ckpt").resolve()
+    assert "received SIGINT (Ctrl-C): stopping after this step to save a checkpoint; press Ctrl-C again to stop at once without saving." in err
+    assert f"received SIGINT: saved {last} at step 4; run the same command with --ckpt_path last to continue." in err, err
+    assert saved_step(run, 0) == 4 and sorted(steps) == [0, 1, 2, 3]
+    steps.clear()
+    steps.signal_at = None
+    fit(run, model, small_corpus, 0, 6, "--ckpt_path", "last")
+    assert sorted(steps) == [4, 5] and saved_step(run, 0) == 6
+
+
+def test_a_second_ctrl_c_stops_at_once_and_says_nothing_was_saved(tmp_path, tiny_dirs, small_corpus, steps, capsys):
+    run = tmp_path / "run"
+    steps.signal_at = (3, signal.SIGINT, 2)
+    with pytest.raises(SystemExit) as exit:
+        fit(run, tiny_dirs["qwen2"], small_corpus, 0, 10)
+    assert exit.value.code == 130
+    assert "received SIGINT again: stopped at once at step 3; nothing was saved at the interrupt (no checkpoint was written)." in capsys.readouterr().err
+    assert not (run / "checkpoints" / "last.ckpt").exists()
+
+
+@pytest.mark.parametrize("when, signum", [("loading", signal.SIGTERM), ("loading", signal.SIGINT), ("sanity check", signal.SIGTERM)])
+def test_a_signal_before_the_first_step_says_nothing_was_saved_and_the_requeue_starts_cleanly(tmp_path, tiny_dirs, small_corpus, steps, monkeypatch, capsys, when, signum):
+    """Probe (issue 31): SIGTERM before step 1 exited 143 without a word, and the documented requeue
+    with --ckpt_path last then failed on the missing checkpoint."""
+    from tidar_convert.callbacks import NOTHING_SAVED
+    from tidar_convert.module import TiDARModule
+
+    run, model = tmp_path / "run", tiny_dirs["qwen2"]
+    hook = "configure_model" if when == "loading" else "validation_step"  # before Lightning listens for SIGTERM, and after
+    original = getattr(TiDARModule, hook)
+
+    def interrupted(module, *args):
+        os.kill(os.getpid(), signum)
+        return original(module, *args)
+
+    monkeypatch.setattr(TiDARModule, hook, interrupted)
+    with pytest.raises(SystemExit) as exit:
+        fit(run, model, small_corpus, 0, 3, "--trainer.num_sanity_val_steps", "2")
+    assert exit.value.code == 128 + signum
+    name = signal.Signals(signum).name
+    err = capsys.readouterr().err
+    assert f"received {name} before the first training step: nothing was saved (no step was taken). Run the same command again; with --ckpt_path last it starts from scratch." in err, err
+    assert not steps and not list(run.glob("checkpoints/*.ckpt")) and (run / NOTHING_SAVED).is_file()
+    monkeypatch.setattr(TiDARModule, hook, original)
+    fit(run, model, small_corpus, 0, 3, "--ckpt_path", "last")
+    assert f"--ckpt_path last: the run in {run} was stopped by {name} before its first step and saved nothing: starting from scratch." in capsys.readouterr().err
+    assert sorted(steps) == [0, 1, 2] and saved_step(run, 0) == 3
+    assert not (run / NOTHING_SAVED).exists()  # it took a step: a later --ckpt_path last without a checkpoint is refused again
+
+
+def test_ctrl_c_once_training_ended_is_a_keyboard_interrupt_as_ever(tmp_path, tiny_dirs, small_corpus, monkeypatch, capsys):
+    """While `fit --out` exports, training is over: Ctrl-C is Python's own KeyboardInterrupt, not a
+    "stopped before the first step" (the export is atomic, and last.ckpt is already written)."""
+    import sys
+
+    from tidar_convert.callbacks import NOTHING_SAVED
+
+    def interrupted(*args, **kwargs):
+        os.kill(os.getpid(), signal.SIGINT)
+
+    monkeypatch.setattr(sys.modules["tidar_convert.export"], "export", interrupted)  # the package's `export` is the function
+    run = tmp_path / "run"
+    with pytest.raises(KeyboardInterrupt):
+        fit(run, tiny_dirs["qwen2"], small_corpus, 0, 2, *every(tmp_path, 2), "--out", str(tmp_path / "out"))
+    assert "before the first training step" not in capsys.readouterr().err
+    assert saved_step(run, 0) == 2 and not (run / NOTHING_SAVED).exists()
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # put back as it was

@@ -3,12 +3,17 @@
 from __future__ import annotations
 
 import copy
+import json
+import os
 import resource
+import signal
 import sys
+import threading
 import time
 from pathlib import Path
 
 import torch
+from lightning.fabric.plugins import TorchCheckpointIO
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint, ProgressBar
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
@@ -98,21 +103,156 @@ class TrainProgress(ProgressBar):
             (self.bar.write if self.bar is not None else lambda s: print(s, file=sys.stderr, flush=True))(text)
 
 
+NOTHING_SAVED = "interrupted_before_first_step.json"  # in the run folder: `--ckpt_path last` may then start from scratch
+
+
+class Interrupted(BaseException):
+    """SIGTERM or SIGINT while `fit` loads and sets up, before Lightning listens for signals: there is
+    no training state to save. A BaseException, like KeyboardInterrupt, so no `except Exception` in
+    loading code takes it for an error of its own."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+class Signals:
+    """What SIGTERM and SIGINT (Ctrl-C) do during `tidar-convert fit`, from its start to its end.
+
+    - before training runs (loading the model, building data, setting up): stop at once, say that
+      nothing was saved, and leave NOTHING_SAVED in the run folder, so a requeue with
+      `--ckpt_path last` starts from scratch instead of failing on the missing checkpoint
+      (`cli.check_resume`); a run folder that never ran has no such file and is still refused;
+    - while training: SIGTERM is Lightning's (it stops at the next step boundary, and `Preemption`
+      saves last.ckpt); a first SIGINT does the same, a second stops at once without saving;
+    - once training ended (exporting, say), and in any other process (DataLoader workers inherit the
+      handler: they leave the decision to the main process), as without this.
+    Used as a context manager; `trainer`, `run_dir` and `resume_from` are filled in as they become known.
+    """
+
+    def __init__(self, active: bool = True):
+        self.active = active
+        self.signum = None  # the first signal received
+        self.count = 0  # SIGINTs received while training
+        self.trainer = self.run_dir = self.resume_from = None
+        self.done = False
+        self.old: dict = {}
+        self.pid = os.getpid()
+        self.handler = self.handle  # one bound method: Lightning's composed handler is told apart from it by identity
+
+    def __enter__(self):
+        if self.active and threading.current_thread() is threading.main_thread():
+            for signum in (signal.SIGTERM, signal.SIGINT):
+                self.old[signum] = signal.signal(signum, self.handler)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for signum, old in self.old.items():
+            signal.signal(signum, old)
+        self.old = {}
+
+    def handle(self, signum, frame) -> None:
+        if os.getpid() != self.pid:
+            return
+        lightning_listens = self.trainer is not None and signal.getsignal(signal.SIGTERM) is not self.handler
+        if self.done:  # as if this handler had never been installed
+            old = self.old.get(signum, signal.SIG_DFL)
+            if callable(old):
+                return old(signum, frame)  # Python's own for SIGINT: KeyboardInterrupt
+            if old != signal.SIG_IGN:
+                signal.signal(signum, signal.SIG_DFL)
+                signal.raise_signal(signum)
+            return
+        if lightning_listens:
+            self.signum = self.signum or signum
+            if signum == signal.SIGINT:
+                self.count += 1
+                if self.count > 1:
+                    raise KeyboardInterrupt
+                self.trainer._signal_connector.received_sigterm = True  # stop as SIGTERM stops: at the next step boundary
+                if self.trainer.is_global_zero:
+                    text = "received SIGINT (Ctrl-C): stopping after this step to save a checkpoint; press Ctrl-C again to stop at once without saving.\n"
+                    try:
+                        sys.stderr.write(text)
+                        sys.stderr.flush()
+                    except RuntimeError:  # the signal landed inside another write to stderr ("reentrant call")
+                        os.write(2, text.encode())
+            return  # SIGTERM: Lightning's own handler, called just before this one, has set its flag
+        self.signum = signum
+        raise Interrupted(signum)
+
+    @property
+    def name(self) -> str:
+        return signal.Signals(self.signum or signal.SIGTERM).name
+
+    def nothing_saved(self) -> None:
+        """Say that the run stopped before its first step with nothing to save; without a checkpoint
+        to continue from, leave NOTHING_SAVED for `--ckpt_path last`."""
+        from lightning.fabric.utilities.rank_zero import rank_zero_only
+
+        if rank_zero_only.rank != 0:
+            return
+        # Interrupted while the model loads, a run resuming is not yet told from a new one: its checkpoints say it.
+        earlier = self.run_dir is not None and any((Path(self.run_dir) / "checkpoints").glob("last*.ckpt"))
+        if self.resume_from or earlier:
+            print(
+                f"received {self.name} before this run's first training step: nothing was saved, and the checkpoints it "
+                "would continue from are unchanged. Run the same command again.", file=sys.stderr, flush=True,
+            )
+            return
+        if self.run_dir is not None:
+            from .outputs import atomic_file
+
+            with atomic_file(Path(self.run_dir) / NOTHING_SAVED) as tmp:
+                tmp.write_text(json.dumps({"signal": self.name, "time": time.strftime("%Y-%m-%dT%H:%M:%S%z")}) + "\n")
+        print(
+            f"received {self.name} before the first training step: nothing was saved (no step was taken). Run the same "
+            "command again; with --ckpt_path last it starts from scratch.", file=sys.stderr, flush=True,
+        )
+
+
 class Preemption(Callback):
-    """SIGTERM (what SLURM and Kubernetes send) saves last.ckpt, so a requeued job resumes.
+    """SIGTERM (what SLURM and Kubernetes send), or SIGINT (Ctrl-C), saves last.ckpt, so a requeued job resumes.
 
     Lightning turns SIGTERM into a SIGTERMException at the next step boundary, after the optimizer
     step, so what is saved is a consistent state (with gradient accumulation, only once the step's
-    last micro-batch is trained: see `hold_sigterm_until_step_end`). Lightning then exits 0, which a
-    scheduler reads as "finished": `cli.main` exits 143 (128 + SIGTERM) instead.
+    last micro-batch is trained: see `hold_sigterm_until_step_end`); `Signals` makes a first SIGINT
+    do the same. Lightning then exits 0, which a scheduler reads as "finished": `cli.main` exits 143
+    (128 + SIGTERM) or 130 (SIGINT) instead. Before the first step there is nothing to save, and it says so.
     """
+
+    def __init__(self, signals: Signals | None = None):
+        self.signals = signals if signals is not None else Signals(active=False)
+        self.stepped = False
+
+    def setup(self, trainer, pl_module, stage) -> None:
+        self.signals.trainer = trainer
 
     def on_train_start(self, trainer, pl_module) -> None:
         if trainer.accumulate_grad_batches > 1:
             hold_sigterm_until_step_end(trainer)
+        one_last_checkpoint(trainer)
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if not self.stepped and trainer.global_step >= 1:
+            self.stepped = True  # a step was taken: "stopped before its first step" is no longer true of this run folder
+            if trainer.is_global_zero:
+                (Path(trainer.default_root_dir) / NOTHING_SAVED).unlink(missing_ok=True)
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        self.signals.done = True
 
     def on_exception(self, trainer, pl_module, exception) -> None:
+        if isinstance(exception, KeyboardInterrupt):  # a second Ctrl-C
+            if trainer.is_global_zero:
+                last = [cb.last_model_path for cb in trainer.checkpoint_callbacks if getattr(cb, "last_model_path", "")]
+                kept = f"the last checkpoint written is {last[0]}" if last else "no checkpoint was written"
+                print(f"received SIGINT again: stopped at once at step {trainer.global_step}; nothing was saved at the interrupt ({kept}).", file=sys.stderr, flush=True)
+            return
         if not isinstance(exception, SIGTERMException):
+            return
+        if trainer.global_step == 0:
+            self.signals.nothing_saved()
             return
         savers = [cb for cb in trainer.checkpoint_callbacks if isinstance(cb, ModelCheckpoint) and cb.dirpath]
         if savers:
@@ -124,7 +264,23 @@ class Preemption(Callback):
             path = str(Path(trainer.default_root_dir) / "checkpoints" / "last.ckpt")
         trainer.save_checkpoint(path)  # every rank: sharded strategies save collectively
         if trainer.is_global_zero:
-            print(f"received SIGTERM: saved {path} at step {trainer.global_step}; run the same command with --ckpt_path last to continue.", file=sys.stderr, flush=True)
+            print(f"received {self.signals.name}: saved {path} at step {trainer.global_step}; run the same command with --ckpt_path last to continue.", file=sys.stderr, flush=True)
+
+
+def one_last_checkpoint(trainer) -> None:
+    """A run resumed from its own checkpoint folder writes its last checkpoint over last.ckpt, the one
+    `export .../last.ckpt` and the next `--ckpt_path last` take.
+
+    Lightning writes last-v1.ckpt beside a last.ckpt that its callback did not write itself, and it
+    tells "itself" by the folder path saved in the checkpoint: in a copied or moved run folder, the
+    resumed run then wrote last-v1.ckpt and exports kept taking the old last.ckpt. Called once the
+    checkpoint's state is restored (it would set the path back)."""
+    resumed = trainer.ckpt_path
+    if not resumed or "://" in str(resumed):
+        return
+    for cb in trainer.checkpoint_callbacks:
+        if isinstance(cb, ModelCheckpoint) and cb.save_last and cb.dirpath and Path(resumed).resolve().parent == Path(cb.dirpath).resolve():
+            cb.last_model_path = cb.format_checkpoint_name({}, cb.CHECKPOINT_NAME_LAST)
 
 
 class RunClock(Callback):
@@ -176,6 +332,72 @@ class _HeldSigterm:
     @received_sigterm.setter
     def received_sigterm(self, value: bool) -> None:
         self._sigterm = value
+
+
+CHECKPOINT_FIX = "move the run folder to a disk with room (pass its new place as --trainer.default_root_dir); then run the same command with --ckpt_path last to continue."
+
+
+class AtomicCheckpointIO(TorchCheckpointIO):
+    """Checkpoints written whole or not at all: torch.save into a temporary file beside the checkpoint,
+    flushed to disk, then renamed over it (outputs.save_file_atomically). A full disk or a kill leaves
+    the previous last.ckpt loadable. Lightning's own writes a temporary in the system's temp folder and
+    moves it: across filesystems that is a copy into the checkpoint itself, which a full disk cuts
+    short. A full disk ends the run with one line (outputs.DiskFull). Remote paths (s3://...) go
+    through Lightning's."""
+
+    def save_checkpoint(self, checkpoint, path, storage_options=None) -> None:
+        if storage_options is not None or "://" in str(path):
+            return super().save_checkpoint(checkpoint, path, storage_options)
+        from .outputs import save_file_atomically, tensor_bytes
+
+        save_file_atomically(path, lambda f: torch.save(checkpoint, f), tensor_bytes(checkpoint), "the checkpoint", CHECKPOINT_FIX)
+
+
+def atomic_checkpoints(strategy) -> None:
+    """Make the strategy write checkpoints atomically: single files through AtomicCheckpointIO (unless
+    the user configured a CheckpointIO of their own); a sharded checkpoint (a folder of one file per
+    rank, ModelParallelStrategy) is written under a temporary name and swapped in whole."""
+    if type(strategy.checkpoint_io) is TorchCheckpointIO:
+        strategy.checkpoint_io = AtomicCheckpointIO()
+    if hasattr(strategy, "_save_distributed_checkpoint"):
+        strategy.save_checkpoint = _atomic_sharded_save(strategy, strategy.save_checkpoint)
+
+
+def _atomic_sharded_save(strategy, save):
+    """`save` (ModelParallelStrategy.save_checkpoint) into a fresh folder beside the checkpoint, which
+    rank 0 swaps in (outputs: renameat2 exchange where available) once every rank wrote its shard."""
+    from .outputs import _swap_in, disk_full, no_space, recover, tensor_bytes
+
+    def atomic_save(checkpoint, filepath, storage_options=None):
+        if not strategy._save_distributed_checkpoint or storage_options is not None:
+            return save(checkpoint, filepath, storage_options)
+        import secrets
+
+        dest = Path(strategy.broadcast(str(Path(filepath).absolute())))
+        tmp = dest.parent / strategy.broadcast(f".{dest.name}.tmp-{secrets.token_hex(4)}")  # one name, chosen by rank 0
+        if strategy.is_global_zero:
+            recover(dest)
+        strategy.barrier("checkpoint-tmp")
+        needed = tensor_bytes(checkpoint) * strategy.world_size  # about: every rank holds a shard of the same size
+        failed = None
+        try:
+            save(checkpoint, tmp)
+        except Exception as e:  # still reach the barrier below, so no rank waits there for one that failed
+            failed = e
+        failures = strategy.all_gather(torch.tensor([int(failed is not None)], device=strategy.root_device)).sum().item()
+        if failures:
+            if strategy.is_global_zero:
+                from .outputs import _rmtree
+
+                _rmtree(tmp)
+            if failed is not None and no_space(failed):
+                raise disk_full(dest, needed, "the sharded checkpoint", CHECKPOINT_FIX) from failed
+            raise failed or RuntimeError(f"another rank failed to write its shard of {dest}; its error says why")
+        if strategy.is_global_zero:
+            _swap_in(tmp, dest)  # over a folder of shards, or a single-file checkpoint of the same name
+        strategy.barrier("checkpoint-swap")
+
+    return atomic_save
 
 
 def matmul_params(model) -> int:

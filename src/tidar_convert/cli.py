@@ -141,14 +141,14 @@ def global_batch_line(batch_size: int, seq_len: int, devices: int, nodes: int, a
     return f"global batch {total} tokens = micro-batch {batch_size} x seq_len {seq_len} x devices {devices} x nodes {nodes} x accumulation {accumulate}"
 
 
-def _lightning_cli(args: list[str] | None):
+def _lightning_cli(args: list[str] | None, signals=None):
     from lightning.pytorch.callbacks import ModelCheckpoint
     from lightning.pytorch.cli import LightningCLI, SaveConfigCallback
 
     from .data import TiDARData
     from .export import export
     from .module import TiDARModule
-    from .callbacks import Preemption, RunClock, Throughput, TrainProgress
+    from .callbacks import Preemption, RunClock, Throughput, TrainProgress, atomic_checkpoints
 
     class RunFolderConfig(SaveConfigCallback):
         """config.yaml goes into the run folder (trainer.default_root_dir), never into the working
@@ -185,6 +185,8 @@ def _lightning_cli(args: list[str] | None):
             cfg = self.config[self.subcommand]
             self.accumulate = cfg.trainer.get("accumulate_grad_batches")  # as the user set it, or None
             if self.subcommand == "fit":
+                if signals is not None:
+                    signals.run_dir = cfg.trainer.get("default_root_dir")  # where to say that a run stopped before its first step
                 check_fit_config(cfg)
                 devices = device_count(cfg.trainer.get("devices", "auto"))
                 if devices is not None:  # refuse before the model loads; auto is checked once the Trainer resolved it
@@ -196,6 +198,7 @@ def _lightning_cli(args: list[str] | None):
         def after_instantiate_classes(self):
             trainer = self.trainer
             root = Path(trainer.default_root_dir)
+            atomic_checkpoints(trainer.strategy)  # a full disk or a kill while saving leaves the previous checkpoint whole
             for cb in trainer.checkpoint_callbacks:
                 # Without a dirpath, Lightning puts checkpoints under the logger's per-run folder, which a
                 # new run cannot find again: --ckpt_path last would then start from scratch.
@@ -204,8 +207,14 @@ def _lightning_cli(args: list[str] | None):
             for logger in trainer.loggers:
                 # Lightning always passes `anonymous`, and W&B warns on every run that it has no effect.
                 getattr(logger, "_wandb_init", {}).pop("anonymous", None)
+            if self.subcommand in ("fit", "validate"):
+                given = self.config[self.subcommand].get("ckpt_path")
+                resume = check_resume(trainer, given, self.subcommand)
+                if resume != given:  # the earlier run stopped before its first step: start from scratch
+                    self.config_init[self.subcommand]["ckpt_path"] = resume
+                if signals is not None:
+                    signals.resume_from = resume
             if self.subcommand == "fit":
-                check_resume(trainer, self.config[self.subcommand].get("ckpt_path"))
                 self.set_accumulation()
 
         def set_accumulation(self):
@@ -240,7 +249,7 @@ def _lightning_cli(args: list[str] | None):
                     path = export(model, m.tokenizer, cfg.out, m.block_size, m.alpha, overwrite=bool(cfg.get("overwrite")), card=card)
                     print(f"exported TiDAR model to {path}", file=sys.stderr)
 
-    callbacks = [TrainProgress(), Preemption(), Throughput(), RunClock()]  # every recipe logs throughput, memory and its clock
+    callbacks = [TrainProgress(), Preemption(signals), Throughput(), RunClock()]  # every recipe logs throughput, memory and its clock
     return TiDARCLI(
         TiDARModule, TiDARData, args=args, save_config_callback=RunFolderConfig,
         save_config_kwargs={"overwrite": True}, trainer_defaults={"callbacks": callbacks},
@@ -248,19 +257,38 @@ def _lightning_cli(args: list[str] | None):
 
 
 def _run_lightning(argv: list[str] | None) -> None:
+    import signal
+
     from lightning.pytorch.utilities.exceptions import SIGTERMException
 
-    try:
-        _lightning_cli(argv)  # None: LightningCLI reads sys.argv itself
-    except SIGTERMException:  # the Preemption callback saved last.ckpt and said so
-        sys.exit(143)  # 128 + SIGTERM: "killed", so a scheduler requeues instead of marking it done
+    from .callbacks import Interrupted, Signals
+
+    command = (sys.argv[1:] if argv is None else argv)[:1]
+    with Signals(active=command == ["fit"]) as signals:
+        try:
+            _lightning_cli(argv, signals)  # None: LightningCLI reads sys.argv itself
+        except SIGTERMException:  # the Preemption callback saved last.ckpt (or found nothing to save) and said so
+            # 128 + the signal: "killed", so a scheduler requeues instead of marking it done
+            sys.exit(128 + (signals.signum or signal.SIGTERM))
+        except Interrupted as e:  # before training ran: nothing to save
+            signals.nothing_saved()
+            sys.exit(128 + e.signum)
+        except SystemExit:
+            if signals.count > 1:  # a second Ctrl-C: Lightning stopped at once (Preemption said so) and exits 1
+                sys.exit(128 + signal.SIGINT)
+            raise
 
 
-def check_resume(trainer, ckpt_path) -> None:
-    """`--ckpt_path last` with nothing to resume is an error: Lightning would warn and silently start
-    from scratch, and a requeued job would then redo (and overwrite) the work it was meant to continue."""
+def check_resume(trainer, ckpt_path, command: str = "fit"):
+    """The checkpoint to start from, `ckpt_path` as given once checked (None: from scratch).
+
+    `--ckpt_path last` with nothing to resume is an error: Lightning would warn and silently start
+    from scratch (fit: a requeued job would then redo, and overwrite, the work it was meant to
+    continue; validate: it would validate the untrained base model as if it were the trained one).
+    Except after a fit stopped by a signal before its first step (callbacks.NOTHING_SAVED in the
+    run folder): there is nothing to redo, so it starts from scratch, and says so."""
     if ckpt_path is None:
-        return
+        return None
     from lightning.pytorch.callbacks import ModelCheckpoint
 
     found = [ckpt_path]
@@ -268,14 +296,27 @@ def check_resume(trainer, ckpt_path) -> None:
         dirs = [cb.dirpath for cb in trainer.checkpoint_callbacks if isinstance(cb, ModelCheckpoint)]
         found = [p for cb in trainer.checkpoint_callbacks if isinstance(cb, ModelCheckpoint) for p in cb._find_last_checkpoints(trainer)]
         if not found:
+            from .callbacks import NOTHING_SAVED
+
+            stopped = Path(trainer.default_root_dir) / NOTHING_SAVED
+            if command == "fit" and stopped.is_file():
+                try:
+                    how = jsonlib.loads(stopped.read_text())["signal"]
+                except (OSError, ValueError, KeyError, TypeError):
+                    how = "a signal"
+                if trainer.is_global_zero:
+                    print(f"--ckpt_path last: the run in {trainer.default_root_dir} was stopped by {how} before its first step and saved nothing: starting from scratch.", file=sys.stderr, flush=True)
+                return None
             where = ", ".join(map(str, dirs)) or "nowhere: no ModelCheckpoint callback is configured"
+            instead = "train from scratch" if command == "fit" else "validate the base model as it is"
             raise FileNotFoundError(
-                f"--ckpt_path last: no last checkpoint in {where}. Leave out --ckpt_path to train from scratch, "
+                f"--ckpt_path last: no last checkpoint in {where}. Leave out --ckpt_path to {instead}, "
                 "or pass a checkpoint file (--ckpt_path runs/.../checkpoints/last.ckpt)."
             )
     elif ckpt_path not in ("best", "hpc") and not Path(ckpt_path).exists():
         raise FileNotFoundError(f"--ckpt_path {ckpt_path}: no such checkpoint; `fit` writes them under <default_root_dir>/checkpoints/.")
     check_checkpoint_format([p for p in found if p not in ("best", "hpc")], trainer.strategy)
+    return ckpt_path
 
 
 def check_checkpoint_format(paths, strategy) -> None:
@@ -460,6 +501,8 @@ def _finish_wandb() -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
+    from .outputs import DiskFull
+
     args = list(sys.argv[1:] if argv is None else argv)
     _configure_wandb()
     try:
@@ -479,7 +522,7 @@ def main(argv: list[str] | None = None) -> None:
 
         commands = {"export": export_cmd, "generate": generate_cmd, "bench": bench_cmd, "eval-ppl": eval_ppl_cmd, "quality": quality_cmd, "sweep": sweep_cmd, "distill": distill_cmd}
         auto_cli(commands, args=_unix_flags(args, commands.values()), as_positional=False)  # --model X, as the README says
-    except (ValueError, FileNotFoundError, PermissionError, FloatingPointError, ConnectionError) as e:  # bad input, or no hub: the message says the fix
+    except (ValueError, FileNotFoundError, PermissionError, FloatingPointError, ConnectionError, DiskFull) as e:  # bad input, no hub, a full disk: the message says the fix
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
 

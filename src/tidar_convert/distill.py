@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from .outputs import atomic_file
+from .outputs import atomic_file, file_sha256
 
 MADE_BY = "tidar-convert distill"  # in every row: what marks a file as a corpus this tool may replace
 DTYPES = ("float32", "bfloat16", "float16")
@@ -50,7 +50,8 @@ def training_prompts(tokenizer, sources: list[str], n_docs: int, prompt_tokens: 
 
 @torch.no_grad()
 def write_corpus(model, tokenizer, prompts: list[list[int]], out: str | Path, new_tokens: int, batch_size: int, meta: dict) -> Path:
-    """Write one row per prompt, `{"text": prompt + greedy continuation, **meta}`, atomically."""
+    """Write one row per prompt, `{"text": prompt + greedy continuation, **meta}`, atomically, and
+    its checksum beside it (`record_corpus`)."""
     from .kernels import cpu_kernels
     from .progress import progress
 
@@ -71,7 +72,33 @@ def write_corpus(model, tokenizer, prompts: list[list[int]], out: str | Path, ne
                     f.write(json.dumps({"text": tokenizer.decode(row, skip_special_tokens=True), **meta}) + "\n")
     finally:
         model.train(was_training)
-    return Path(out).expanduser().absolute()
+    out = Path(out).expanduser().absolute()
+    record_corpus(out)
+    return out
+
+
+def checksum_path(corpus: str | Path) -> Path:
+    """`<corpus>.sha256`, in `sha256sum` format: what `distill --overwrite` checks the corpus against."""
+    corpus = Path(corpus)
+    return corpus.with_name(corpus.name + ".sha256")
+
+
+def record_corpus(corpus: str | Path) -> Path:
+    """Write the corpus's sha256 beside it (`sha256sum -c` reads it too), so that `--overwrite` can
+    tell a corpus still as written from one someone added to or edited since."""
+    with atomic_file(checksum_path(corpus)) as tmp:
+        tmp.write_text(f"{file_sha256(corpus)}  {Path(corpus).name}\n")
+    return checksum_path(corpus)
+
+
+def corpus_as_written(corpus: str | Path) -> bool | None:
+    """Whether the corpus still holds what `distill` wrote; None if its checksum file is missing
+    or unreadable (written before checksums were kept, or removed): then it cannot be told."""
+    try:
+        recorded = checksum_path(corpus).read_text().split()[0]
+    except (OSError, IndexError, UnicodeDecodeError):
+        return None
+    return recorded == file_sha256(corpus)
 
 
 def make_corpus(model: str | None, sources: list[str], out: str | Path, n_docs: int, val_every: int, prompt_tokens: int, new_tokens: int, batch_size: int, text_field: str, name: str | None, split: str, seed: int, dtype: str, device: str | torch.device) -> Path:
@@ -97,7 +124,7 @@ def first_row(path: str | Path) -> dict | None:
 
 def check_out(out: str, overwrite: bool) -> None:
     """Refuse, before any model loads, an --out that is not ours to write: only a new path, or (with
-    overwrite) a corpus written by this command, may be written."""
+    overwrite) a corpus written by this command and unchanged since (its `.sha256` file says), may be written."""
     path = Path(out).expanduser()
     if path.is_dir():
         raise ValueError(f"--out {out!r} is a folder; name a .jsonl file to write, e.g. --out {Path(out) / 'greedy.jsonl'}.")
@@ -107,6 +134,17 @@ def check_out(out: str, overwrite: bool) -> None:
         raise ValueError(f"--out {out!r} exists and is not a corpus written by `tidar-convert distill`; nothing was written. Choose a new file name.")
     if not overwrite:
         raise ValueError(f"--out {out!r} holds an earlier corpus of `tidar-convert distill`; pass --overwrite to replace it, or choose a new file name.")
+    same = corpus_as_written(path)
+    if same is None:
+        raise ValueError(
+            f"--out {out!r} holds a corpus of `tidar-convert distill` without its checksum file {checksum_path(path).name}, so whether "
+            "rows were added or edited since it was written cannot be told; nothing was written. Check it and delete it yourself, or choose a new file name."
+        )
+    if not same:
+        raise ValueError(
+            f"--out {out!r} was changed after `tidar-convert distill` wrote it (its sha256 differs from {checksum_path(path).name}); "
+            "nothing was written. Move what you want to keep elsewhere, or choose a new file name; --overwrite only replaces a corpus as it was written."
+        )
 
 
 def check_corpus(path: str, val_every: int, n_docs: int) -> int:
@@ -213,7 +251,7 @@ def distill_cmd(
         seed: the training run's --data.seed (it orders the stdlib files, so it decides which documents come first).
         dtype: float32, bfloat16 or float16 weights for generation.
         device: auto (cuda if available), cpu, cuda, cuda:1, ...
-        overwrite: replace an earlier corpus of this command at `out` (never any other file).
+        overwrite: replace an earlier corpus of this command at `out`, if unchanged since (never any other file).
     """
     sources = [sources] if isinstance(sources, str) else list(sources)
     if not sources:

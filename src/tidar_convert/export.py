@@ -20,7 +20,7 @@ from pathlib import Path
 
 from . import adapter, costs, decode, drafters, engine, forward, kernels, layout, plan, verify
 from .loading import EMBEDDED_NAME
-from .outputs import MARKER, atomic_dir, check_export_target, scratch_dir, write_marker
+from .outputs import atomic_dir, check_export_target, disk_full, file_record, marker_files, no_space, record_file, scratch_dir, tensor_bytes, write_marker
 
 log = logging.getLogger(__name__)
 
@@ -35,16 +35,18 @@ def shipped_code() -> dict[str, Path]:
 
 def export(model, tokenizer, out: str | os.PathLike, block_size: int, alpha: float, overwrite: bool = False, card: dict | None = None, adapter_energy: float | None = None, adapter_layers: float | None = None) -> Path:
     """Save weights (safetensors), tokenizer and config with the TiDAR fields, the decode code, a
-    README.md model card and the tidar_export.json marker listing every file written.
+    README.md model card and the tidar_export.json marker listing every file written, with its
+    size and sha256.
 
     LoRA adapters are merged first; adapters on mask slots only (lora_scope='masks') are saved apart
     instead (adapter.ADAPTER_FILE), so the weights stay the base model's, each delta compressed to the
     rank that keeps `adapter_energy` of it (lora.compress; default lora.ADAPTER_ENERGY), for the
     `adapter_layers` share of layers it moves most (lora.strongest; default lora.ADAPTER_LAYERS).
-    `out` must be new, empty, or (with overwrite) an earlier export
+    `out` must be new, empty, or (with overwrite) an earlier export, every file as it wrote it,
     and nothing else: anything else is refused before any work (outputs.check_export_target). The
     folder is written under a temporary name and swapped in whole (outputs.atomic_dir), so an
-    interrupted export leaves the earlier one, never a half-written folder. `card`: facts for the
+    interrupted export leaves the earlier one, never a half-written folder; a full disk is
+    outputs.DiskFull, naming the folder and the space needed. `card`: facts for the
     model card (base_model, recipe, steps, data, ...; see `model_card`).
     """
     from .lora import ADAPTER_ENERGY, ADAPTER_LAYERS, check_energy, check_layers, is_mask_scoped, lora_layers, split_mask_adapter
@@ -69,19 +71,25 @@ def export(model, tokenizer, out: str | os.PathLike, block_size: int, alpha: flo
         model.config.tidar_adapter = {"scope": "masks", "file": adapter.ADAPTER_FILE, "energy": energy, "ranks": [min(ranks), max(ranks)], "layers": [len(ranks), adapted]}
     if card and "base_model" in card:  # bench and quality compare against it by default
         model.config.tidar_base_model = base_source(card["base_model"])
-    with atomic_dir(out) as tmp:
-        model.save_pretrained(tmp, safe_serialization=True)
-        tokenizer.save_pretrained(tmp)
-        if deltas:
-            from safetensors.torch import save_file
+    needed = tensor_bytes(model.state_dict()) + tensor_bytes(deltas or {})
+    try:
+        with atomic_dir(out) as tmp:
+            model.save_pretrained(tmp, safe_serialization=True)
+            tokenizer.save_pretrained(tmp)
+            if deltas:
+                from safetensors.torch import save_file
 
-            save_file(deltas, tmp / adapter.ADAPTER_FILE)
-        (tmp / "custom_generate").mkdir()
-        for name, src in shipped_code().items():
-            shutil.copyfile(src, tmp / "custom_generate" / name)
-        (tmp / "README.md").write_text(model_card(out.name, model.config, block_size, alpha, card))
-        write_marker(tmp)
-        check_export_target(out, overwrite, cleanup=False)  # nothing new appeared at out while we were writing
+                save_file(deltas, tmp / adapter.ADAPTER_FILE)
+            (tmp / "custom_generate").mkdir()
+            for name, src in shipped_code().items():
+                shutil.copyfile(src, tmp / "custom_generate" / name)
+            (tmp / "README.md").write_text(model_card(out.name, model.config, block_size, alpha, card))
+            write_marker(tmp)
+            check_export_target(out, overwrite, cleanup=False)  # nothing new appeared at out while we were writing
+    except Exception as e:
+        if no_space(e):  # safetensors says so in its own error type, under a traceback: one line instead
+            raise disk_full(out, needed, "the export", "choose an --out on a disk with room.") from e
+        raise
     return out
 
 
@@ -238,15 +246,17 @@ def results_section(metrics: dict) -> str:
 
 def update_model_card(path: str | os.PathLike, metrics: dict) -> bool:
     """Rewrite the Results section of an export's README.md with a bench result (the dict `bench`
-    writes: summary, perplexity, block_size, prompts, max_new_tokens, machine). Atomic; the file
-    list of the marker is unchanged (README.md is in it). False (and a warning) if path is not an
-    export with a card, or cannot be written."""
+    writes: summary, perplexity, block_size, prompts, max_new_tokens, machine). Atomic; the marker
+    records the new card's size and hash if the old one was as the export wrote it. False (and a
+    warning) if path is not an export with a card, or cannot be written."""
     path = Path(path)
     readme = path / "README.md"
+    listed = marker_files(path)
     try:
-        listed = json.loads((path / MARKER).read_text())["files"]
         text = readme.read_text()
-    except (OSError, ValueError, KeyError):
+    except OSError:
+        listed = None
+    if listed is None:
         log.warning("%s has no tidar-convert model card to update (exported by an older version?)", path)
         return False
     if "README.md" not in listed or RESULTS_START not in text or RESULTS_END not in text:
@@ -255,11 +265,16 @@ def update_model_card(path: str | os.PathLike, metrics: dict) -> bool:
     head, rest = text.split(RESULTS_START, 1)
     tail = rest.split(RESULTS_END, 1)[1]
     new = f"{head}{RESULTS_START}\n{results_section(metrics)}\n{RESULTS_END}{tail}"
+    # The marker then records the new card, so the export stays replaceable; but a card the user
+    # had edited stays recorded as changed, or a later --overwrite would take their edits with it.
+    as_written = listed["README.md"] is not None and file_record(readme) == listed["README.md"]
     try:
         with scratch_dir(path) as tmp:  # `.<export>.tmp-*`: a leftover is cleaned like any other
             (tmp / "README.md").write_text(new)
             os.chmod(tmp / "README.md", readme.stat().st_mode & 0o777)
             os.replace(tmp / "README.md", readme)
+        if as_written:
+            record_file(path, "README.md")
     except OSError as e:
         log.warning("could not update the model card %s: %s", readme, e)
         return False

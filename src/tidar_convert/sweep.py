@@ -498,7 +498,7 @@ def sweep_cmd(
             _, used = tokens_per_step(arm_dir / "config.yaml")
             target = used.get("max_steps")
             finished = ran["rc"] == 0 and ran["trained_steps"] is not None and (not isinstance(target, int) or target < 0 or ran["trained_steps"] >= target)
-            status = "done" if finished else "interrupted" if forward.received or ran["rc"] == 143 else "failed"
+            status = "done" if finished else "interrupted" if forward.received or ran["rc"] in (130, 143) else "failed"  # 143: SIGTERM, 130: Ctrl-C; each saved last.ckpt
             new_state = {
                 "status": status, "settings": settings[name], "command": cmd, "rc": ran["rc"], "wall_s": ran["wall_s"],
                 "trained_steps": ran["trained_steps"], "val_times": {**times, **{str(k): v for k, v in ran["val_times"].items()}},
