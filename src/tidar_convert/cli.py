@@ -283,7 +283,14 @@ def check_resumed_settings(ckpt_path, given: dict, saved: dict) -> None:
     Lightning put in their place); a run continues the model it resumes."""
     from .loading import same_model
 
-    changed = [k for k in given if k in saved and given[k] != saved[k] and not (k == "model" and same_model(given[k], saved[k]))]
+    def differs(a, b) -> bool:  # on keys both have: a newer torch adds optimizer arguments an older checkpoint lacks
+        if isinstance(a, dict) and isinstance(b, dict):
+            return any(differs(a[k], b[k]) for k in a.keys() & b.keys())
+        if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+            return len(a) != len(b) or any(map(differs, a, b))
+        return a != b
+
+    changed = [k for k in given if k in saved and differs(given[k], saved[k]) and not (k == "model" and same_model(given[k], saved[k]))]
     if changed:
         pairs = ", ".join(f"{k}={saved[k]!r}" for k in changed)
         asked = " ".join(f"--model.{k} {given[k]}" for k in changed)
