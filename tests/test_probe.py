@@ -91,6 +91,14 @@ def full_ft_checkpoint(env: Env) -> Path:
     return _FULL_FT[env.model]
 
 
+def relative_model_checkpoint(env: Env) -> Path:
+    """The full fine-tune's checkpoint as an older version wrote it: the base model path as given, relative."""
+    saved = torch.load(full_ft_checkpoint(env), weights_only=False)
+    saved["hyper_parameters"]["model"] = "./tiny-moved-away"
+    torch.save(saved, env.tmp / "old.ckpt")
+    return env.tmp / "old.ckpt"
+
+
 def lora_module_resuming_full_ft(env: Env):
     from tidar_convert.module import TiDARModule
 
@@ -172,6 +180,11 @@ FIT_CASES: list = [
         id="export-adapter-energy-full-ft",
     ),
     pytest.param(lambda env: ["export", "--checkpoint", str(full_ft_checkpoint(env)), "--out", str(env.tmp / "out"), "--adapter_layers", "0.5"], r"adapter_layers=0.5: checkpoint .* has no mask-slot adapter", id="export-adapter-layers-full-ft"),
+    pytest.param(
+        lambda env: ["export", "--checkpoint", str(relative_model_checkpoint(env)), "--out", str(env.tmp / "out")],
+        r"checkpoint '.*old.ckpt' was trained from the base model './tiny-moved-away', which is not there from here \(.*\); pass --model with that base model's folder",
+        id="export-relative-model-path",
+    ),
     pytest.param(api(lambda env: export_full_ft(env, adapter_energy=0.9)), r"adapter_energy=0.9: this model has no mask-slot adapter to compress", id="export-api-adapter-energy-no-adapter"),
     pytest.param(lambda env: ["generate", "--model", str(export_copy(env, drop=("model.safetensors",))), "--prompt", "x"], r"'.*export' has a config.json but no weights \(no model.safetensors or pytorch_model.bin\); export it again", id="export-without-weights-generate"),
     pytest.param(lambda env: ["eval-ppl", "--model", str(export_copy(env, drop=("model.safetensors",))), "--data", "stdlib"], r"'.*export' has a config.json but no weights", id="export-without-weights-eval-ppl"),

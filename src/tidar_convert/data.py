@@ -104,6 +104,8 @@ def _bad_rows(source: str, field: str, row: dict, n: int, local: tuple[str, list
         builder, files = local
         total = bad = null = 0
         for f in files:
+            if builder == "json" and _blank(f):  # (one file alone: _rows refuses an empty one)
+                continue
             for i, r in enumerate(_rows(builder, [f]), 1):
                 total += 1
                 keys.update(dict.fromkeys(r))
