@@ -49,11 +49,11 @@ def export(model, tokenizer, out: str | os.PathLike, block_size: int, alpha: flo
     """
     from .lora import ADAPTER_ENERGY, ADAPTER_LAYERS, check_adapter_options, check_energy, check_layers, is_mask_scoped, lora_layers, split_mask_adapter
 
-    check_adapter_options(adapter_energy, adapter_layers, is_mask_scoped(model), "this model")
     energy = ADAPTER_ENERGY if adapter_energy is None else adapter_energy
     layers = ADAPTER_LAYERS if adapter_layers is None else adapter_layers
     check_energy(energy)
     check_layers(layers)
+    check_adapter_options(adapter_energy, adapter_layers, is_mask_scoped(model), "this model")
     out = check_export_target(out, overwrite)
     deltas, adapted = None, 0
     if is_mask_scoped(model):

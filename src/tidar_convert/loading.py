@@ -104,7 +104,7 @@ def resolve(model: str | None) -> str:
         out = embedded_default()
         try:
             check_model_files(out)
-        except ValueError as e:  # the cached conversion was damaged after it was made: make it again
+        except (ValueError, FileNotFoundError) as e:  # the cached conversion was damaged after it was made: make it again
             log.warning("%s. Rebuilding the embedded default model...", e)
             shutil.rmtree(out)
             out = embedded_default()
@@ -244,11 +244,12 @@ def _missing_weights(folder: Path) -> str | None:
 
 def _config_problem(folder: Path) -> str | None:
     """Why transformers refuses a folder's config.json (say, a hidden size that its heads do not divide), or None."""
-    from huggingface_hub.errors import StrictDataclassError
+    from huggingface_hub import errors
 
+    strict = getattr(errors, "StrictDataclassError", ValueError)  # (how transformers 5 validates configs)
     try:
         AutoConfig.from_pretrained(folder)
-    except (ValueError, KeyError, TypeError, StrictDataclassError) as e:
+    except (ValueError, KeyError, TypeError, strict) as e:
         return " ".join(str(e.__cause__ or e).split())
     return None
 
