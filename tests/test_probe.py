@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from tidar_convert.cli import main
+from tidar_convert.module import TiDARModule
 
 RECIPE = str(Path(__file__).parents[1] / "recipes" / "tiny.yaml")
 # What cli.main turns into `error: ...` (exit 2): an API row must raise one of these.
@@ -100,9 +101,9 @@ def relative_model_checkpoint(env: Env) -> Path:
 
 
 def lora_module_resuming_full_ft(env: Env):
-    from tidar_convert.module import TiDARModule
-
-    TiDARModule(model=str(env.model), lora_r=8).on_load_checkpoint({"hyper_parameters": {"lora_r": 0}})
+    module = TiDARModule(model=str(env.model), lora_r=8)
+    module.on_load_checkpoint({"hyper_parameters": {"lora_r": 8, "lora_scope": "all"}})  # the same adapters: resumed
+    module.on_load_checkpoint({"hyper_parameters": {"lora_r": 0}})
 
 
 def export_full_ft(env: Env, **kw):
@@ -159,7 +160,12 @@ FIT_CASES: list = [
         r"--ckpt_path .*last.ckpt was trained with lora_r=0, and this run asks for --model.lora_r 8: a resumed run keeps the model settings of its checkpoint",
         id="resume-full-ft-with-lora",
     ),
-    pytest.param(api(lora_module_resuming_full_ft), r"checkpoint was trained with lora_r=0 \(a full fine-tune\) and this run has lora_r=8 \(LoRA\): its weights do not fit; resume with --model.lora_r 0", id="resume-last-full-ft-with-lora"),
+    pytest.param(
+        api(lambda env: TiDARModule(model=str(env.model), lora_r=16, lora_scope="masks").on_load_checkpoint({"hyper_parameters": {"lora_r": 8, "lora_scope": "all"}})),
+        r"trained with lora_r=8, lora_scope='all' and this run has lora_r=16, lora_scope='masks': its weights do not fit; resume with --model.lora_r 8 --model.lora_scope all",
+        id="resume-last-other-adapters",
+    ),
+    pytest.param(api(lora_module_resuming_full_ft), r"checkpoint was trained with lora_r=0 \(a full fine-tune\) and this run has lora_r=8, lora_scope='all': its weights do not fit; resume with --model.lora_r 0", id="resume-last-full-ft-with-lora"),
     # model folders
     pytest.param(lambda env: fit(env, "--model.model", str(model_copy(env, drop=("tokenizer*",)))), r"model folder '.*model' has no tokenizer that loads \(it holds none of tokenizer.json.*\); save the tokenizer", id="model-without-tokenizer"),
     pytest.param(

@@ -202,16 +202,21 @@ class TiDARModule(L.LightningModule):
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
         """Refuse, before its weights are read, a checkpoint whose parameters this module does not
-        have: LoRA where it was a full fine-tune, or the other way round (a key mismatch deep in torch)."""
+        have: LoRA where it was a full fine-tune (or the other way round), another rank or scope (a
+        key or shape mismatch deep in torch)."""
         saved = checkpoint.get("hyper_parameters") or {}
-        if "lora_r" in saved and (saved["lora_r"] > 0) != (self.hparams.lora_r > 0):
-            where = getattr(self._trainer, "ckpt_path", None) if self._trainer is not None else None
-            kind = lambda r: f"lora_r={r} ({'LoRA' if r > 0 else 'a full fine-tune'})"  # noqa: E731
-            raise ValueError(
-                f"{f'checkpoint {str(where)!r}' if where else 'the checkpoint'} was trained with {kind(saved['lora_r'])} and this run has {kind(self.hparams.lora_r)}: its weights "
-                f"do not fit; resume with --model.lora_r {saved['lora_r']}, or start a new run from its export "
-                "(`tidar-convert export --checkpoint CKPT --out DIR`, then --model.model DIR without --ckpt_path)."
-            )
+        ours = {"lora_r": self.hparams.lora_r, "lora_scope": self.hparams.get("lora_scope", "all")}
+        theirs = {"lora_r": saved.get("lora_r", ours["lora_r"]), "lora_scope": saved.get("lora_scope", "all")}
+        if ours["lora_r"] == theirs["lora_r"] == 0 or ours == theirs:  # (a full fine-tune has no scope)
+            return
+        where = getattr(self._trainer, "ckpt_path", None) if self._trainer is not None else None
+        kind = lambda s: f"lora_r={s['lora_r']}, lora_scope={s['lora_scope']!r}" if s["lora_r"] > 0 else "lora_r=0 (a full fine-tune)"  # noqa: E731
+        flags = " ".join(f"--model.{k} {v}" for k, v in theirs.items() if v != ours[k])
+        raise ValueError(
+            f"{f'checkpoint {str(where)!r}' if where else 'the checkpoint'} was trained with {kind(theirs)} and this run has {kind(ours)}: "
+            f"its weights do not fit; resume with {flags}, or start a new run from its export "
+            "(`tidar-convert export --checkpoint CKPT --out DIR`, then --model.model DIR without --ckpt_path)."
+        )
 
     def forward_tidar(self, input_ids: torch.Tensor, doc_ids: torch.Tensor | None = None, no_ar_target: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
         """The hybrid loss and metrics of a batch; `no_ar_target` (B, S) marks tokens the AR loss does not
