@@ -1,6 +1,7 @@
 """The command line as a user types it: generate (text and --json), export, and its errors."""
 
 import json
+import shutil
 
 import pytest
 import torch
@@ -90,3 +91,37 @@ def test_export_missing_checkpoint(tmp_path, capsys):
     with pytest.raises(SystemExit):
         main(["export", "--checkpoint", str(tmp_path / "nope.ckpt"), "--out", str(tmp_path / "o")])
     assert "does not exist" in capsys.readouterr().err
+
+
+def test_help_names_every_command(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--help"])
+    assert exit_info.value.code == 0
+    out = capsys.readouterr().out
+    assert out.startswith("usage: tidar-convert {fit,validate,export,generate,bench,eval-ppl,quality,sweep,distill} ...")
+    assert "`tidar-convert fit --help` lists them" in out
+
+
+def test_a_checkpoint_records_its_base_model_absolute(tmp_path, tiny_dirs, monkeypatch, capsys):
+    """fit from the model's parent folder with `./name`: the checkpoint records the folder absolute, so a
+    resume there with the same spelling is the same model, and export runs from any folder; --model
+    replaces what a checkpoint records."""
+    from pathlib import Path
+
+    recipe = str(Path(__file__).parents[1] / "recipes" / "tiny.yaml")
+    folder, run = tiny_dirs["llama"], tmp_path / "run"
+    monkeypatch.chdir(folder.parent)
+    args = ["fit", "--config", recipe, "--model.model", f"./{folder.name}", "--trainer.logger", "false", "--trainer.default_root_dir", str(run),
+            "--model.val_decode_prompts", "0", "--trainer.num_sanity_val_steps", "0"]
+    main([*args, "--trainer.max_steps", "1"])
+    ckpt = run / "checkpoints" / "last.ckpt"
+    assert torch.load(ckpt, weights_only=False)["hyper_parameters"]["model"] == str(folder)
+    main([*args, "--trainer.max_steps", "2", "--ckpt_path", str(ckpt)])  # the same model, spelt as at first: resumed
+    assert torch.load(ckpt, weights_only=False)["global_step"] == 2
+    monkeypatch.chdir(tmp_path)
+    main(["export", "--checkpoint", str(ckpt), "--out", str(tmp_path / "out")])
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["tidar_base_model"] == str(folder)
+    copy = tmp_path / "base"
+    shutil.copytree(folder, copy)
+    main(["export", "--checkpoint", str(ckpt), "--out", str(tmp_path / "out2"), "--model", "base"])
+    assert json.loads((tmp_path / "out2" / "config.json").read_text())["tidar_base_model"] == str(copy)

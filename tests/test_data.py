@@ -204,3 +204,30 @@ def test_greedy_ar_loss_false_marks_exactly_the_greedy_tokens(tokenizer, tmp_pat
     marks = torch.cat([item["no_ar_target"] for item in items]).tolist()
     assert marks == expected[: len(marks)] and any(marks) and not all(marks)
     assert all("no_ar_target" not in item for item in dm._dataset("val")._chunks(0, 0))  # validation: no greedy text
+
+
+def test_text_field_applies_to_rows_only_and_a_greedy_corpus_is_read_as_text(tokenizer, tmp_path):
+    """--data.text_field names the field of json rows; one-document files (stdlib) have none, and a
+    `distill` corpus keeps its text under "text" whatever the data's field is."""
+    from tidar_convert.distill import MADE_BY
+
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text("".join(json.dumps({"text": f"title {i}", "content": f"body {i} " * 4}) + "\n" for i in range(30)))
+    assert list(iter_documents(str(rows), text_field="content")) == [f"body {i} " * 4 for i in range(30)]  # as given, not "text"
+    assert next(iter_documents("stdlib", text_field="content"))  # a file is its own text
+    greedy = tmp_path / "greedy.jsonl"
+    greedy.write_text("".join(json.dumps({"text": f"greedy {i} " * 4, "made_by": MADE_BY, "val_every": 10, "model": "m"}) + "\n" for i in range(5)))
+    dm = TiDARData(source=str(rows), seq_len=8, val_every=10, text_field="content", greedy_corpus=str(greedy), greedy_docs=5, shuffle_buffer=0)
+    dm.tokenizer = tokenizer
+    train = list(dm._dataset("train").documents())
+    assert sum(d.startswith("greedy") for d in train) == 5 and not any(d.startswith("title") for d in train)
+
+
+def test_rows_without_text_are_counted_in_every_file_of_a_folder(tmp_path):
+    folder = tmp_path / "rows"
+    folder.mkdir()
+    (folder / "a.jsonl").write_text("".join(json.dumps({"text": f"doc {i}"}) + "\n" for i in range(5)))
+    (folder / "b.jsonl").write_text("".join(json.dumps({"text": None if i % 2 else f"doc {i}"}) + "\n" for i in range(4)))
+    (folder / "c.jsonl").write_text("")  # an empty file among others holds no row to lose
+    with pytest.raises(ValueError, match=rf"2 of its 9 rows have no text in field 'text' \(the first, row 2 of {folder}/b.jsonl, has null or no such field"):
+        list(iter_documents(str(folder)))

@@ -287,7 +287,7 @@ def test_jsonl_without_the_text_field_names_the_field_and_the_flag(tmp_path, tin
 
     rows = tmp_path / "rows.jsonl"
     rows.write_text("\n".join(json.dumps({"id": i, "body": f"def f_{i}(x):\n    return x + {i}\n" * 8}) for i in range(40)))
-    message = f"data source '{rows}' has no field 'text' holding the text (its rows have: id, body); set the one that does: --data.text_field body (TiDARData(text_field='body') in Python)."
+    message = f"data source '{rows}' has no field 'text' holding the text in any of its 40 rows (its rows have: id, body); set the one that does: --data.text_field body (TiDARData(text_field='body') in Python)."
     with pytest.raises(ValueError) as info:
         list(iter_documents(str(rows)))
     assert str(info.value) == message

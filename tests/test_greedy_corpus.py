@@ -258,3 +258,18 @@ def test_a_failing_rank_0_still_releases_the_other_ranks(tiny_dirs, tmp_path, mo
     with pytest.raises(FileNotFoundError, match="rank 1: the greedy corpus .* is not here after rank 0's turn: either rank 0 failed"):
         corpus_for_fit(trainer(1), *args)
     assert barriers == [(0, "greedy_corpus"), (1, "greedy_corpus")]
+
+
+def test_a_corpus_records_its_model_so_that_fit_can_tell_it_from_another(tiny_dirs, tmp_path, monkeypatch):
+    """distill records a local model folder absolute; fit takes the corpus with that folder however it is
+    spelt, and refuses it with another base model."""
+    from tidar_convert.distill import check_corpus
+
+    code_docs(tmp_path / "docs.jsonl")
+    folder = tiny_dirs["llama"]
+    monkeypatch.chdir(folder.parent)
+    main(distill_args(f"./{folder.name}", tmp_path / "docs.jsonl", tmp_path / "c.jsonl"))
+    assert json.loads((tmp_path / "c.jsonl").read_text().splitlines()[0])["model"] == str(folder)
+    assert check_corpus(str(tmp_path / "c.jsonl"), 4, 3, f"./{folder.name}") == 3
+    with pytest.raises(ValueError, match=rf"holds the greedy text of the base model '{folder}', and this run trains '{tiny_dirs['qwen2']}'"):
+        check_corpus(str(tmp_path / "c.jsonl"), 4, 3, str(tiny_dirs["qwen2"]))

@@ -81,3 +81,15 @@ def test_config_and_tokenizer_alone_agree_with_the_loaded_model(tiny_dirs, famil
     assert config.model_type == model.config.model_type == family
     assert (tok.mask_token_id, tok.pad_token_id, len(tok)) == (model.config.mask_token_id, model.config.pad_token_id, len(tok_loaded))
     assert len(tok) == model.get_input_embeddings().num_embeddings
+
+
+def test_same_model_reads_each_spelling_of_a_base_model(tiny_dirs, tmp_path, monkeypatch):
+    from tidar_convert.loading import absolute_model, same_model
+
+    folder = tiny_dirs["llama"]
+    monkeypatch.chdir(folder.parent)
+    assert absolute_model(f"./{folder.name}") == str(folder) and absolute_model("Org/model") == "Org/model" and absolute_model(None) is None
+    assert same_model(f"./{folder.name}", str(folder)) and same_model(None, "default") and same_model("embedded", "")
+    (tmp_path / "link").symlink_to(folder)
+    assert same_model(str(tmp_path / "link"), str(folder))
+    assert not same_model(str(folder), str(tiny_dirs["qwen2"])) and not same_model(str(folder), None) and not same_model("Org/a", "Org/b")

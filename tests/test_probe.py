@@ -9,14 +9,18 @@ refused (a seed that reproduces, a checkpoint kept whole) is tested where that b
 
 from __future__ import annotations
 
+import json
 import re
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
 import pytest
+import torch
 
 from tidar_convert.cli import main
+from tidar_convert.module import TiDARModule
 from tidar_convert.outputs import DiskFull
 
 RECIPE = str(Path(__file__).parents[1] / "recipes" / "tiny.yaml")
@@ -47,7 +51,151 @@ def fit(env: Env, *extra: str) -> list[str]:
 # fit: settings and data
 # --------------------------------------------------------------------------------------------
 
-FIT_CASES: list = []
+def rows_file(env: Env, rows: list, name: str = "rows.jsonl") -> Path:
+    path = env.tmp / name
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return path
+
+
+def code(i: int) -> str:
+    return f"def function_{i}(x):\n    return x * {i}\n" * 8
+
+
+def corpus(env: Env, model: str, rows: int = 3) -> Path:
+    """A greedy corpus as `distill` writes its rows, split with tiny.yaml's val_every (20)."""
+    return rows_file(env, [{"text": code(i), "made_by": "tidar-convert distill", "val_every": 20, "model": model} for i in range(rows)], "greedy.jsonl")
+
+
+def model_copy(env: Env, drop: tuple[str, ...] = (), **config) -> Path:
+    """A copy of the tiny base model with files left out and config.json fields changed."""
+    out = env.tmp / "model"
+    shutil.copytree(env.model, out, ignore=shutil.ignore_patterns(*drop))
+    cfg = json.loads((out / "config.json").read_text())
+    (out / "config.json").write_text(json.dumps({**cfg, **config}))
+    return out
+
+
+def export_copy(env: Env, drop: tuple[str, ...] = ()) -> Path:
+    out = env.tmp / "export"
+    shutil.copytree(env.export, out, ignore=shutil.ignore_patterns(*drop))
+    return out
+
+
+_FULL_FT: dict = {}
+
+
+def full_ft_checkpoint(env: Env) -> Path:
+    """last.ckpt of a one-step full fine-tune (lora_r 0) of the tiny model, made once per session."""
+    if env.model not in _FULL_FT:
+        run = env.tmp / "full-ft"
+        main(fit(env, "--trainer.max_steps", "1", "--trainer.default_root_dir", str(run), "--trainer.num_sanity_val_steps", "0"))
+        _FULL_FT[env.model] = run / "checkpoints" / "last.ckpt"
+    return _FULL_FT[env.model]
+
+
+def relative_model_checkpoint(env: Env) -> Path:
+    """The full fine-tune's checkpoint as an older version wrote it: the base model path as given, relative."""
+    saved = torch.load(full_ft_checkpoint(env), weights_only=False)
+    saved["hyper_parameters"]["model"] = "./tiny-moved-away"
+    torch.save(saved, env.tmp / "old.ckpt")
+    return env.tmp / "old.ckpt"
+
+
+def lora_module_resuming_full_ft(env: Env):
+    module = TiDARModule(model=str(env.model), lora_r=8)
+    module.on_load_checkpoint({"hyper_parameters": {"lora_r": 8, "lora_scope": "all"}})  # the same adapters: resumed
+    module.on_load_checkpoint({"hyper_parameters": {"lora_r": 0}})
+
+
+def export_full_ft(env: Env, **kw):
+    from tidar_convert.export import export
+    from tidar_convert.loading import load_base
+
+    model, tok = load_base(str(env.model))
+    export(model, tok, env.tmp / "out", block_size=4, alpha=1.0, **kw)
+
+
+NO_GPU = pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is of a GPU this machine lacks")
+TEXT_AND_CONTENT = [{"text": code(i), "content": f"other {i}"} for i in range(12)]
+HOLES = [{"id": i, **({} if i % 4 == 1 else {"text": None} if i % 4 == 2 else {"text": code(i)})} for i in range(12)]
+
+FIT_CASES: list = [
+    # a greedy corpus is read and checked whenever it is given
+    pytest.param(lambda env: fit(env, "--data.greedy_corpus", str(env.tmp / "nosuch.jsonl")), r"--data.greedy_corpus '.*nosuch.jsonl' does not exist; make one with `tidar-convert distill", id="greedy-corpus-missing"),
+    pytest.param(lambda env: fit(env, "--data.greedy_corpus", str(corpus(env, str(env.model)))), r"with --data.greedy_docs 0: none of its 3 documents would be trained on; set --data.greedy_docs", id="greedy-corpus-unused"),
+    pytest.param(
+        lambda env: fit(env, "--data.greedy_corpus", str(corpus(env, "/elsewhere/other-model")), "--data.greedy_docs", "2"),
+        r"holds the greedy text of the base model '/elsewhere/other-model', and this run trains '.*'.*pass --model.model /elsewhere/other-model, or make one with `tidar-convert distill --model ",
+        id="greedy-corpus-other-model",
+    ),
+    # the text field: as given, and every row has it
+    pytest.param(
+        lambda env: fit(env, "--data.source", str(rows_file(env, TEXT_AND_CONTENT)), "--data.text_field", "contnet"),
+        r"has no field 'contnet' holding the text in any of its 12 rows \(its rows have: text, content\); set the one that does: --data.text_field text",
+        id="text-field-misspelt",
+    ),
+    pytest.param(lambda env: fit(env, "--data.source", str(rows_file(env, TEXT_AND_CONTENT)), "--data.text_field", ""), r"text_field='': name the field .* e.g. --data.text_field text", id="text-field-empty"),
+    pytest.param(
+        lambda env: fit(env, "--data.source", str(rows_file(env, HOLES))),
+        r"6 of its 12 rows have no text in field 'text' \(the first, row 2, has null or no such field; its rows have: id, text\); give each row its text",
+        id="rows-without-text",
+    ),
+    pytest.param(lambda env: fit(env, "--data.source", str(rows_file(env, [{"text": 12345}]))), r"1 of its 1 rows have no text in field 'text' \(the first, row 1, has 12345 \(int\), not a string", id="row-text-not-a-string"),
+    pytest.param(lambda env: fit(env, "--data.source", str(rows_file(env, []))), r"data file '.*rows.jsonl' is empty: there are no rows to read", id="empty-jsonl-fit"),
+    pytest.param(lambda env: ["eval-ppl", "--model", str(env.model), "--data", str(rows_file(env, []))], r"data file '.*rows.jsonl' is empty", id="empty-jsonl-eval-ppl"),
+    # model settings
+    pytest.param(lambda env: fit(env, "--model.lora_r", "-1"), r"lora_r=-1: must be >= 0; 0 = full fine-tune", id="lora-r-negative"),
+    pytest.param(
+        lambda env: fit(env, "--model.model", str(model_copy(env, max_position_embeddings=256)), "--data.seq_len", "300"),
+        r"--data.seq_len 300 is longer than the base model's 256 positions .*; pass --data.seq_len 256 or less",
+        id="seq-len-past-positions-fit",
+    ),
+    pytest.param(
+        lambda env: ["eval-ppl", "--model", str(model_copy(env, max_position_embeddings=256)), "--data", "stdlib", "--seq_len", "1000"],
+        r"seq_len=1000 is longer than the model's 256 positions .*; pass --seq_len 256 or less",
+        id="seq-len-past-positions-eval-ppl",
+    ),
+    pytest.param(lambda env: fit(env, "--trainer.accelerator", "gpu"), r"--trainer.accelerator gpu: no CUDA GPU is visible on this machine.*pass --trainer.accelerator cpu", id="accelerator-gpu-on-cpu", marks=NO_GPU),
+    pytest.param(
+        lambda env: fit(env, "--model.lora_r", "8", "--ckpt_path", str(full_ft_checkpoint(env))),
+        r"--ckpt_path .*last.ckpt was trained with lora_r=0, and this run asks for --model.lora_r 8: a resumed run keeps the model settings of its checkpoint",
+        id="resume-full-ft-with-lora",
+    ),
+    pytest.param(
+        api(lambda env: TiDARModule(model=str(env.model), lora_r=16, lora_scope="masks").on_load_checkpoint({"hyper_parameters": {"lora_r": 8, "lora_scope": "all"}})),
+        r"trained with lora_r=8, lora_scope='all' and this run has lora_r=16, lora_scope='masks': its weights do not fit; resume with --model.lora_r 8 --model.lora_scope all",
+        id="resume-last-other-adapters",
+    ),
+    pytest.param(api(lora_module_resuming_full_ft), r"checkpoint was trained with lora_r=0 \(a full fine-tune\) and this run has lora_r=8, lora_scope='all': its weights do not fit; resume with --model.lora_r 0", id="resume-last-full-ft-with-lora"),
+    # model folders
+    pytest.param(lambda env: fit(env, "--model.model", str(model_copy(env, drop=("tokenizer*",)))), r"model folder '.*model' has no tokenizer that loads \(it holds none of tokenizer.json.*\); save the tokenizer", id="model-without-tokenizer"),
+    pytest.param(
+        lambda env: fit(env, "--model.model", str(model_copy(env, hidden_size=96))),
+        r"the weights of '.*model' do not fit its config.json \(.* is \[\d+, 64\] in model.safetensors, and config.json makes it \[\d+, 96\]\); restore the config.json",
+        id="config-hidden-size-wrong",
+    ),
+    pytest.param(
+        lambda env: fit(env, "--model.model", str(model_copy(env, num_attention_heads=5))),
+        r"config.json' is not a config transformers accepts \(The hidden size \(64\) is not a multiple of the number of attention heads \(5\).\); restore",
+        id="config-heads-do-not-divide",
+    ),
+    # export, and loading what it wrote
+    pytest.param(lambda env: ["export", "--checkpoint", str(env.model / "model.safetensors"), "--out", str(env.tmp / "out")], r"is a safetensors weights file, not a Lightning checkpoint.*e.g. runs/.../checkpoints/last.ckpt", id="export-a-safetensors-file"),
+    pytest.param(
+        lambda env: ["export", "--checkpoint", str(full_ft_checkpoint(env)), "--out", str(env.tmp / "out"), "--adapter_energy", "0.5"],
+        r"adapter_energy=0.5: checkpoint '.*last.ckpt' \(lora_r=0, lora_scope='all'\) has no mask-slot adapter to compress.*leave out --adapter_energy",
+        id="export-adapter-energy-full-ft",
+    ),
+    pytest.param(lambda env: ["export", "--checkpoint", str(full_ft_checkpoint(env)), "--out", str(env.tmp / "out"), "--adapter_layers", "0.5"], r"adapter_layers=0.5: checkpoint .* has no mask-slot adapter", id="export-adapter-layers-full-ft"),
+    pytest.param(
+        lambda env: ["export", "--checkpoint", str(relative_model_checkpoint(env)), "--out", str(env.tmp / "out")],
+        r"checkpoint '.*old.ckpt' was trained from the base model './tiny-moved-away', which is not there from here \(.*\); pass --model with that base model's folder",
+        id="export-relative-model-path",
+    ),
+    pytest.param(api(lambda env: export_full_ft(env, adapter_energy=0.9)), r"adapter_energy=0.9: this model has no mask-slot adapter to compress", id="export-api-adapter-energy-no-adapter"),
+    pytest.param(lambda env: ["generate", "--model", str(export_copy(env, drop=("model.safetensors",))), "--prompt", "x"], r"'.*export' has a config.json but no weights \(no model.safetensors or pytorch_model.bin\); export it again", id="export-without-weights-generate"),
+    pytest.param(lambda env: ["eval-ppl", "--model", str(export_copy(env, drop=("model.safetensors",))), "--data", "stdlib"], r"'.*export' has a config.json but no weights", id="export-without-weights-eval-ppl"),
+]
 
 # --------------------------------------------------------------------------------------------
 # checkpoints, exports and other outputs

@@ -79,6 +79,18 @@ def check_fit_config(cfg) -> None:
         )
 
 
+def check_accelerator(accelerator) -> None:
+    """Refuse an accelerator this machine does not have, before any model loads (Lightning's own error
+    is a traceback from deep in the Trainer)."""
+    import torch
+
+    name = str(accelerator)
+    if name in ("gpu", "cuda") and not torch.cuda.is_available():
+        raise ValueError(f"--trainer.accelerator {name}: no CUDA GPU is visible on this machine (torch.cuda.is_available() is False); pass --trainer.accelerator cpu, or auto to take a GPU where there is one.")
+    if name == "mps" and not torch.backends.mps.is_available():
+        raise ValueError("--trainer.accelerator mps: this machine has no Apple GPU (torch.backends.mps.is_available() is False); pass --trainer.accelerator cpu, or auto.")
+
+
 def training_on_cpu(accelerator) -> bool:
     if str(accelerator) == "cpu":
         return True
@@ -181,9 +193,19 @@ def _lightning_cli(args: list[str] | None, signals=None):
             # set can be checked against it (a default of 1 could not be told apart from an explicit 1).
             parser.set_defaults({"trainer.default_root_dir": "runs/tidar", "trainer.accumulate_grad_batches": None})
 
+        def _parse_ckpt_path(self):
+            # Lightning replaces the model settings with those a --ckpt_path file was trained with;
+            # any the user set otherwise would be dropped without a word.
+            sub = self.config.get("subcommand")
+            given = self.config[sub].model.clone().as_dict() if sub and self.config[sub].get("model") is not None else None
+            super()._parse_ckpt_path()
+            if given is not None:
+                check_resumed_settings(self.config[sub].get("ckpt_path"), given, self.config[sub].model.as_dict())
+
         def before_instantiate_classes(self):
             cfg = self.config[self.subcommand]
             self.accumulate = cfg.trainer.get("accumulate_grad_batches")  # as the user set it, or None
+            check_accelerator(cfg.trainer.get("accelerator"))
             if self.subcommand == "fit":
                 if signals is not None:
                     signals.run_dir = cfg.trainer.get("default_root_dir")  # where to say that a run stopped before its first step
@@ -279,6 +301,29 @@ def _run_lightning(argv: list[str] | None) -> None:
             raise
 
 
+def check_resumed_settings(ckpt_path, given: dict, saved: dict) -> None:
+    """Refuse model settings that differ from those of the checkpoint a run resumes (`saved`: what
+    Lightning put in their place); a run continues the model it resumes."""
+    from .loading import same_model
+
+    def differs(a, b) -> bool:  # on keys both have: a newer torch adds optimizer arguments an older checkpoint lacks
+        if isinstance(a, dict) and isinstance(b, dict):
+            return any(differs(a[k], b[k]) for k in a.keys() & b.keys())
+        if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+            return len(a) != len(b) or any(map(differs, a, b))
+        return a != b
+
+    changed = [k for k in given if k in saved and differs(given[k], saved[k]) and not (k == "model" and same_model(given[k], saved[k]))]
+    if changed:
+        pairs = ", ".join(f"{k}={saved[k]!r}" for k in changed)
+        asked = " ".join(f"--model.{k} {given[k]}" for k in changed)
+        raise ValueError(
+            f"--ckpt_path {ckpt_path} was trained with {pairs}, and this run asks for {asked}: a resumed run keeps the model settings of its "
+            f"checkpoint; leave those out to resume it, or start a new run from its export (`tidar-convert export --checkpoint {ckpt_path} --out DIR`, "
+            "then --model.model DIR without --ckpt_path)."
+        )
+
+
 def check_resume(trainer, ckpt_path, command: str = "fit"):
     """The checkpoint to start from, `ckpt_path` as given once checked (None: from scratch).
 
@@ -351,7 +396,7 @@ def training_card(hparams, steps: int | None, run_dir: Path) -> dict:
     return card
 
 
-def export_cmd(checkpoint: str, out: str, overwrite: bool = False, adapter_energy: float | None = None, adapter_layers: float | None = None) -> str:
+def export_cmd(checkpoint: str, out: str, overwrite: bool = False, adapter_energy: float | None = None, adapter_layers: float | None = None, model: str | None = None) -> str:
     """Export a Lightning checkpoint (e.g. runs/.../checkpoints/last.ckpt) as a TiDAR HF folder.
 
     Args:
@@ -366,10 +411,13 @@ def export_cmd(checkpoint: str, out: str, overwrite: bool = False, adapter_energ
         adapter_layers: lora_scope='masks' only: the share of adapted layers kept, those whose delta
             moves their weight most (each adapted layer costs a decoding step with mask groups the
             same small time, whatever its rank). 1.0 keeps all; none: lora.ADAPTER_LAYERS (0.75).
+        model: the base model the checkpoint was trained from, where the one it records no longer
+            resolves (a folder since moved, or a relative path recorded by an older version); none:
+            the one it records.
     """
     import torch
 
-    from .lora import check_energy, check_layers
+    from .lora import check_adapter_options, check_energy, check_layers
 
     if adapter_energy is not None:
         check_energy(adapter_energy)
@@ -377,6 +425,7 @@ def export_cmd(checkpoint: str, out: str, overwrite: bool = False, adapter_energ
         check_layers(adapter_layers)
 
     from .export import export
+    from .loading import absolute_model
     from .module import TiDARModule
     from .outputs import check_export_target
 
@@ -390,16 +439,57 @@ def export_cmd(checkpoint: str, out: str, overwrite: bool = False, adapter_energ
                 "checkpoint file or folder from <default_root_dir>/checkpoints/, e.g. last.ckpt."
             )
         raise FileNotFoundError(f"checkpoint {checkpoint!r} does not exist; `fit` writes them under <default_root_dir>/checkpoints/.")
+    if not sharded:
+        check_checkpoint_file(checkpoint)
     check_export_target(out, overwrite)  # before loading anything: a refused --out costs nothing
+    from lightning.fabric.utilities.load import _METADATA_FILENAME
+
+    saved = torch.load(Path(checkpoint) / _METADATA_FILENAME if sharded else checkpoint, map_location="cpu", mmap=not sharded, weights_only=False)
+    hparams, steps = saved.get("hyper_parameters") or {}, saved.get("global_step")
+    mask_scoped = hparams.get("lora_scope") == "masks" and hparams.get("lora_r", 0) > 0
+    check_adapter_options(adapter_energy, adapter_layers, mask_scoped, f"checkpoint {checkpoint!r} (lora_r={hparams.get('lora_r')}, lora_scope={hparams.get('lora_scope', 'all')!r})")
+    overrides = {"model": absolute_model(model)} if model is not None else {}
+    if model is None:
+        check_recorded_model(checkpoint, hparams.get("model"))
     if sharded:
-        m, steps = load_sharded_module(TiDARModule, checkpoint)
+        m, _ = load_sharded_module(TiDARModule, checkpoint, **overrides)
     else:
-        m = TiDARModule.load_from_checkpoint(checkpoint, map_location="cpu")
-        steps = torch.load(checkpoint, map_location="cpu", mmap=True, weights_only=False).get("global_step")
+        m = TiDARModule.load_from_checkpoint(checkpoint, map_location="cpu", **overrides)
     card = training_card(m.hparams, steps, Path(checkpoint).resolve().parent.parent)  # <run>/checkpoints/x.ckpt
     path = export(m.model, m.tokenizer, out, m.block_size, m.alpha, overwrite=overwrite, card=card, adapter_energy=adapter_energy, adapter_layers=adapter_layers)
     print(f"exported TiDAR model to {path}", file=sys.stderr)
     return str(path)
+
+
+def check_checkpoint_file(checkpoint: str) -> None:
+    """Refuse a file that is not a Lightning checkpoint before torch.load reads it as a pickle (which
+    says "Unsupported operand 96" of a safetensors file, and worse of others)."""
+    import zipfile
+
+    if zipfile.is_zipfile(checkpoint):  # torch.save writes a zip archive
+        return
+    if Path(checkpoint).suffix == ".safetensors":
+        raise ValueError(
+            f"--checkpoint {checkpoint!r} is a safetensors weights file, not a Lightning checkpoint: the folder it is in is already a model "
+            "(pass that folder as --model to generate or eval-ppl, or as --model.model to fit); export takes a .ckpt that fit wrote, "
+            "e.g. runs/.../checkpoints/last.ckpt."
+        )
+    raise ValueError(
+        f"--checkpoint {checkpoint!r} is not a Lightning checkpoint that loads (not a whole torch zip archive: cut short, or another kind "
+        "of file); pass a .ckpt that fit wrote, e.g. runs/.../checkpoints/last.ckpt."
+    )
+
+
+def check_recorded_model(checkpoint: str, recorded: str | None) -> None:
+    """Refuse, naming --model, a base model path recorded in a checkpoint that does not resolve here:
+    checkpoints of older versions kept the path as given, relative to the folder fit ran in."""
+    if not recorded or recorded in ("default", "embedded") or Path(recorded).expanduser().exists():
+        return
+    if recorded.startswith((".", "/", "~")) or recorded.count("/") > 1:
+        raise FileNotFoundError(
+            f"checkpoint {checkpoint!r} was trained from the base model {recorded!r}, which is not there from here ({os.getcwd()}); "
+            "pass --model with that base model's folder, or run export in the folder fit ran in."
+        )
 
 
 def generate_cmd(
@@ -438,9 +528,9 @@ def generate_cmd(
         json: print one JSON object (text, new_tokens, nfe, tokens_per_nfe, seconds).
     """
     import torch
-    from transformers import AutoTokenizer
 
     from .export import load
+    from .loading import load_tokenizer
 
     if mode not in ("tidar", "ar"):
         raise ValueError(f"mode={mode!r}: use 'tidar' or 'ar'.")
@@ -455,7 +545,7 @@ def generate_cmd(
     if dtype not in ("float32", "bfloat16"):
         raise ValueError(f"dtype={dtype!r}: use float32 or bfloat16.")
     lm = load(model, dtype=getattr(torch, dtype))
-    tok = AutoTokenizer.from_pretrained(model)
+    tok = load_tokenizer(model)
     if tok.chat_template and not no_chat_template:
         ids = tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True, return_tensors="pt", return_dict=True)["input_ids"]
     else:
@@ -521,7 +611,15 @@ def main(argv: list[str] | None = None) -> None:
         from .sweep import sweep_cmd
 
         commands = {"export": export_cmd, "generate": generate_cmd, "bench": bench_cmd, "eval-ppl": eval_ppl_cmd, "quality": quality_cmd, "sweep": sweep_cmd, "distill": distill_cmd}
-        auto_cli(commands, args=_unix_flags(args, commands.values()), as_positional=False)  # --model X, as the README says
+        top = {}
+        if not args or args[0] in ("-h", "--help"):  # (a command's own usage line would start with this one)
+            # fit and validate are LightningCLI's, dispatched above: the usage line names them with the others
+            top["usage"] = f"tidar-convert {{{','.join(['fit', 'validate', *commands])}}} ..."
+            top["description"] = (
+                "fit trains a TiDAR conversion and validate evaluates one (LightningCLI: every key of a recipe is a flag; "
+                "`tidar-convert fit --help` lists them); the other commands follow."
+            )
+        auto_cli(commands, args=_unix_flags(args, commands.values()), as_positional=False, **top)  # --model X, as the README says
     except (ValueError, FileNotFoundError, PermissionError, FloatingPointError, ConnectionError, DiskFull) as e:  # bad input, no hub, a full disk: the message says the fix
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)

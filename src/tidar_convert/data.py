@@ -25,6 +25,7 @@ import logging
 import os
 import random
 import re
+import reprlib
 import sys
 import sysconfig
 from collections import Counter
@@ -61,7 +62,13 @@ def _files_by_builder(path: Path) -> dict[str, list[str]]:
 
 
 def iter_documents(source: str, text_field: str = "text", name: str | None = None, split: str = "train", seed: int = 0) -> Iterator[str]:
-    """Yield the text of each document of one source, in a fixed (seeded) order."""
+    """Yield the text of each document of one source, in a fixed (seeded) order.
+
+    Rows of json/parquet/hub sources hold their text in `text_field`; a row without it (absent or
+    null) or with a value that is not a string is refused, counted over the whole source where it is
+    local: dropping it would train on less than the user gave, and a misspelt field on nothing.
+    One-document-per-file sources have no fields: `text_field` does not apply to them.
+    """
     from datasets import load_dataset
 
     if source in ("prose-train", "prose-heldout", "prose-book"):
@@ -69,28 +76,59 @@ def iter_documents(source: str, text_field: str = "text", name: str | None = Non
     if source in ("stdlib", "stdlib-heldout"):
         files = stdlib_files()
         random.Random(seed).shuffle(files)  # mix modules instead of reading the stdlib alphabetically
-        streams = [_text_rows(files)]
+        streams = [(_text_rows(files), "text", None)]
         if source == "stdlib-heldout":
-            streams = [(row for row in streams[0] if is_validation(row["text"], STDLIB_HELDOUT_EVERY))]
+            streams = [((row for row in streams[0][0] if is_validation(row["text"], STDLIB_HELDOUT_EVERY)), "text", None)]
     elif Path(source).expanduser().exists():
         streams = []
         for builder, files in _files_by_builder(Path(source).expanduser()).items():
-            streams.append(_text_rows(files) if builder == "text" else _rows(builder, files))
+            streams.append((_text_rows(files), "text", None) if builder == "text" else (_rows(builder, files), text_field, (builder, files)))
     else:
         _check_hub_dataset(source)
-        streams = [whole(load_dataset(source, name, split=split, streaming=True))]
-    for stream in streams:
-        for row in stream:
-            field = "text" if "text" in row and text_field not in row else text_field
-            if field not in row:
-                strings = [k for k, v in row.items() if isinstance(v, str)]
-                hint = strings[0] if len(strings) == 1 else "NAME"
-                raise ValueError(
-                    f"data source {source!r} has no field {text_field!r} holding the text (its rows have: {', '.join(row)}); "
-                    f"set the one that does: --data.text_field {hint} (TiDARData(text_field={hint!r}) in Python)."
-                )
-            if row[field]:
-                yield row[field]
+        streams = [(whole(load_dataset(source, name, split=split, streaming=True)), text_field, None)]
+    for stream, field, local in streams:
+        for n, row in enumerate(stream, 1):
+            text = row.get(field)
+            if not isinstance(text, str):
+                raise ValueError(_bad_rows(source, field, row, n, local))
+            if text:
+                yield text
+
+
+def _bad_rows(source: str, field: str, row: dict, n: int, local: tuple[str, list[str]] | None) -> str:
+    """The one-line refusal of a source whose row `n` (1-based) has no string in `field`: how many
+    rows are like it (local files are read again to count them), the fields rows do have, the fix."""
+    keys, strings = dict.fromkeys(row), dict.fromkeys(k for k, v in row.items() if isinstance(v, str))
+    where, value, counts = f"row {n}", row.get(field), None
+    if local is not None:
+        builder, files = local
+        total = bad = null = 0
+        for f in files:
+            if builder == "json" and _blank(f):  # (one file alone: _rows refuses an empty one)
+                continue
+            for i, r in enumerate(_rows(builder, [f]), 1):
+                total += 1
+                keys.update(dict.fromkeys(r))
+                strings.update(dict.fromkeys(k for k, v in r.items() if isinstance(v, str)))
+                if not isinstance(r.get(field), str):
+                    if not bad:
+                        where, value = f"row {i}" + (f" of {f}" if len(files) > 1 else ""), r.get(field)
+                    bad += 1
+                    null += r.get(field) is None
+        counts = (bad, total, null)
+    others = [k for k in strings if k != field]
+    hint = "text" if "text" in others else (others[0] if len(others) == 1 else None)
+    fix = f"--data.text_field {hint} (TiDARData(text_field={hint!r}) in Python)" if hint else "--data.text_field NAME (TiDARData(text_field=NAME) in Python)"
+    have = ", ".join(keys)
+    if counts is not None and counts[0] == counts[1] == counts[2]:  # no row has it: the wrong field
+        return f"data source {source!r} has no field {field!r} holding the text in any of its {counts[1]} rows (its rows have: {have}); set the one that does: {fix}."
+    what = "null or no such field" if value is None else f"{reprlib.repr(value)} ({type(value).__name__}), not a string"
+    share = f"{counts[0]} of its {counts[1]} rows have" if counts is not None else "a row has"
+    other = f", or set the field that holds it: {fix}" if hint else ""
+    return (
+        f"data source {source!r}: {share} no text in field {field!r} (the first, {where}, has {what}; its rows have: {have}); "
+        f"give each row its text as a string in {field!r} (or remove those rows){other}."
+    )
 
 
 def whole(stream, batch: int = 256) -> Iterator[dict]:
@@ -142,6 +180,12 @@ def _rows(builder: str, files: list[str]) -> Iterator[dict]:
     otherwise end the stream in a pyarrow error naming no file)."""
     from datasets import load_dataset
 
+    if builder == "json":  # datasets cannot read an empty one ("generator raised StopIteration"); it holds no row to lose
+        empty = [f for f in files if _blank(f)]
+        files = [f for f in files if f not in empty]
+        if not files:
+            what = f"data file {empty[0]!r} is empty" if len(empty) == 1 else f"the {len(empty)} data files ({', '.join(map(repr, empty))}) are all empty"
+            raise ValueError(f"{what}: there are no rows to read; write one JSON object a line with the text in it ({{\"text\": \"...\"}}), or pass another data source.")
     try:
         yield from whole(load_dataset(builder, data_files=files, split="train", streaming=True))
     except Exception as e:
@@ -150,6 +194,15 @@ def _rows(builder: str, files: list[str]) -> Iterator[dict]:
             if why:
                 raise ValueError(f"data file {f!r} is {why}; {'write it again' if builder == 'parquet' else 'convert it to UTF-8'}, or remove it from the data.") from e
         raise
+
+
+def _blank(path: str) -> bool:
+    """Whether a file holds nothing but whitespace (read until the first other byte)."""
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 16):
+            if chunk.strip():
+                return False
+    return True
 
 
 def _parquet_problem(path: str) -> str | None:
@@ -288,7 +341,8 @@ class PackedDocuments(IterableDataset):
         index, workers = shard()
         worker = index if worker is None else worker
         readers, me = self.world_size * workers, self.rank * workers + worker
-        streams = {j: iter_documents(s, self.text_field, self.name, self.split, self.seed) for j, s in enumerate(self.sources)}
+        # train_only sources are self-distilled corpora: `distill` writes their text under "text", whatever the data's field
+        streams = {j: iter_documents(s, "text" if j in self.train_only else self.text_field, self.name, self.split, self.seed) for j, s in enumerate(self.sources)}
         for j, n_max in self.max_docs.items():
             streams[j] = itertools.islice(streams[j], n_max)
         chars = dict.fromkeys(streams, 0)
@@ -427,6 +481,8 @@ class TiDARData(L.LightningDataModule):
         self.sources = [source] if isinstance(source, str) else list(source)
         if not self.sources:
             raise ValueError("source=[]: name at least one data source, e.g. 'stdlib'.")
+        if not text_field:
+            raise ValueError(f"text_field={text_field!r}: name the field of each json/parquet/hub row that holds its text (the default is text), e.g. --data.text_field text.")
         self.seq_len, self.batch_size, self.val_every, self.val_batches = seq_len, batch_size, val_every, val_batches
         self.text_field, self.name, self.split, self.seed, self.num_workers = text_field, name, split, seed, num_workers
         self.shuffle_buffer, self.greedy_docs, self.greedy_new_tokens = shuffle_buffer, greedy_docs, greedy_new_tokens
@@ -434,6 +490,22 @@ class TiDARData(L.LightningDataModule):
         self.greedy_corpus, self.greedy_share, self.greedy_ar_loss, self.greedy_dtype = greedy_corpus, greedy_share, greedy_ar_loss, greedy_dtype
         self.base_model = None  # the base model's name, set by the module: it writes the greedy documents
         self.tokenizer = None  # set by the module (it owns the tokenizer with the mask token)
+        if greedy_corpus and greedy_docs == 0:  # the corpus would never be read: refuse, after checking it
+            from .distill import check_corpus
+
+            rows = check_corpus(greedy_corpus, val_every, 0)  # a missing or foreign file is named first
+            raise ValueError(
+                f"--data.greedy_corpus {greedy_corpus!r} with --data.greedy_docs 0: none of its {rows} documents would be trained on; "
+                f"set --data.greedy_docs to how many to mix in (at most {rows}), or leave out --data.greedy_corpus."
+            )
+
+    def check_greedy_corpus(self) -> None:
+        """Refuse a --data.greedy_corpus this run cannot train on (see distill.check_corpus), once the
+        base model is known: the module calls this in setup, before any weight is loaded."""
+        if self.greedy_corpus and self.greedy_docs > 0:
+            from .distill import check_corpus
+
+            check_corpus(self.greedy_corpus, self.val_every, self.greedy_docs, self.base_model)
 
     def _dataset(self, part: str) -> PackedDocuments:
         if self.tokenizer is None:
@@ -454,7 +526,7 @@ class TiDARData(L.LightningDataModule):
         from . import distill
 
         if self.greedy_corpus:
-            distill.check_corpus(self.greedy_corpus, self.val_every, self.greedy_docs)
+            distill.check_corpus(self.greedy_corpus, self.val_every, self.greedy_docs, self.base_model)
             return str(Path(self.greedy_corpus).expanduser().absolute())
         path = distill.corpus_for_fit(
             self.trainer, self.base_model, self.sources, self.greedy_docs, self.val_every, 32, self.greedy_new_tokens, distill.BATCH,

@@ -103,12 +103,12 @@ def corpus_as_written(corpus: str | Path) -> bool | None:
 
 def make_corpus(model: str | None, sources: list[str], out: str | Path, n_docs: int, val_every: int, prompt_tokens: int, new_tokens: int, batch_size: int, text_field: str, name: str | None, split: str, seed: int, dtype: str, device: str | torch.device) -> Path:
     """Load the base model (its own full copy, in `dtype` on `device`), write the corpus, free the model."""
-    from .loading import load_base
+    from .loading import absolute_model, load_base
 
     base, tokenizer = load_base(model, dtype=getattr(torch, dtype))
     base.to(device)
     prompts = training_prompts(tokenizer, sources, n_docs, prompt_tokens, val_every, text_field, name, split, seed)
-    meta = {"made_by": MADE_BY, "val_every": val_every, "model": model or "default"}
+    meta = {"made_by": MADE_BY, "val_every": val_every, "model": absolute_model(model) or "default"}
     return write_corpus(base, tokenizer, prompts, out, new_tokens, batch_size, meta)
 
 
@@ -147,10 +147,14 @@ def check_out(out: str, overwrite: bool) -> None:
         )
 
 
-def check_corpus(path: str, val_every: int, n_docs: int) -> int:
+def check_corpus(path: str, val_every: int, n_docs: int, model: str | None = None) -> int:
     """The number of rows of a corpus `fit` may train on (`--data.greedy_corpus`); refuses one that
-    is missing, was not written by `distill`, was split with another val_every, or is too short."""
-    fix = f"make one with `tidar-convert distill --model M --sources ... --val_every {val_every} --out {path}`"
+    is missing, was not written by `distill`, was split with another val_every, is too short, or
+    (given the run's base `model`; None = not known) was written by another base model, whose greedy
+    text is not what this model's drafts are verified against."""
+    from .loading import same_model
+
+    fix = f"make one with `tidar-convert distill --model {model or 'M'} --sources ... --val_every {val_every} --out {path}`"
     if not Path(path).is_file():
         raise FileNotFoundError(f"--data.greedy_corpus {path!r} does not exist; {fix}.")
     first = first_row(path)
@@ -161,6 +165,12 @@ def check_corpus(path: str, val_every: int, n_docs: int) -> int:
             f"--data.greedy_corpus {path!r} took its prompts from a split with val_every={first.get('val_every')}, and this run holds out "
             f"documents with val_every={val_every}: some prompts could be this run's validation documents. Pass --data.val_every "
             f"{first.get('val_every')}, or {fix}."
+        )
+    made_by = first.get("model")
+    if model is not None and made_by is not None and not same_model(made_by, model):
+        raise ValueError(
+            f"--data.greedy_corpus {path!r} holds the greedy text of the base model {made_by!r}, and this run trains {model!r}: "
+            f"its drafts would learn another model's text, which verification then rejects; pass --model.model {made_by}, or {fix}."
         )
     with open(path, encoding="utf-8") as f:
         rows = sum(1 for line in f if line.strip())
@@ -190,7 +200,7 @@ def corpus_for_fit(trainer, model: str | None, sources: list[str], n_docs: int, 
     failed = None
     if rank == 0 and not path.is_file():
         device = trainer.strategy.root_device if trainer is not None else "cpu"
-        print(f"self-distillation: generating {n_docs} greedy documents with {model or 'the default model'} ({dtype}) into {path}", file=sys.stderr, flush=True)
+        print(f"self-distillation: generating {n_docs} greedy documents with {model if model not in (None, 'default') else 'the default model'} ({dtype}) into {path}", file=sys.stderr, flush=True)
         try:
             make_corpus(model, sources, path, n_docs, val_every, prompt_tokens, new_tokens, batch_size, text_field, name, split, seed, dtype, device)
         except Exception as e:  # still reach the barrier: the other ranks would otherwise wait there until the timeout

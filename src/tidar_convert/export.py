@@ -49,12 +49,13 @@ def export(model, tokenizer, out: str | os.PathLike, block_size: int, alpha: flo
     outputs.DiskFull, naming the folder and the space needed. `card`: facts for the
     model card (base_model, recipe, steps, data, ...; see `model_card`).
     """
-    from .lora import ADAPTER_ENERGY, ADAPTER_LAYERS, check_energy, check_layers, is_mask_scoped, lora_layers, split_mask_adapter
+    from .lora import ADAPTER_ENERGY, ADAPTER_LAYERS, check_adapter_options, check_energy, check_layers, is_mask_scoped, lora_layers, split_mask_adapter
 
     energy = ADAPTER_ENERGY if adapter_energy is None else adapter_energy
     layers = ADAPTER_LAYERS if adapter_layers is None else adapter_layers
     check_energy(energy)
     check_layers(layers)
+    check_adapter_options(adapter_energy, adapter_layers, is_mask_scoped(model), "this model")
     out = check_export_target(out, overwrite)
     deltas, adapted = None, 0
     if is_mask_scoped(model):
@@ -313,7 +314,7 @@ def load(path: str | os.PathLike, **kwargs):
     """
     import functools
 
-    from transformers import AutoModelForCausalLM
+    from .loading import load_model
 
     check_export(path)
     problem = custom_generate_problem(path)
@@ -326,7 +327,7 @@ def load(path: str | os.PathLike, **kwargs):
             TiDARFallbackWarning,
             stacklevel=2,
         )
-    model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
+    model = load_model(str(path), **kwargs)
     adapter.ensure(model)
     model.generate = functools.partial(decode.generate, model=model)
     require_tidar(model, path)

@@ -104,7 +104,7 @@ def resolve(model: str | None) -> str:
         out = embedded_default()
         try:
             check_model_files(out)
-        except ValueError as e:  # the cached conversion was damaged after it was made: make it again
+        except (ValueError, FileNotFoundError) as e:  # the cached conversion was damaged after it was made: make it again
             log.warning("%s. Rebuilding the embedded default model...", e)
             shutil.rmtree(out)
             out = embedded_default()
@@ -119,6 +119,29 @@ def resolve(model: str | None) -> str:
     if model.startswith((".", "/", "~")) or model.count("/") > 1:
         raise FileNotFoundError(f"model={model!r} is neither an existing path nor a hub id like 'Qwen/Qwen2.5-1.5B'.")
     return _hub_model(model)
+
+
+def absolute_model(model: str | None) -> str | None:
+    """`model` as a record of it should keep it: an existing local path made absolute (a relative one
+    names another folder, or none, from another working directory), anything else as it is."""
+    if model in (None, "", "default", "embedded"):
+        return model
+    path = Path(model).expanduser()
+    return os.path.abspath(path) if path.exists() else model
+
+
+def same_model(a: str | None, b: str | None) -> bool:
+    """Whether two ways of naming a base model name the same one (the default, a folder, a hub id)."""
+    default = (None, "", "default", "embedded")
+    if a in default or b in default:
+        return a in default and b in default
+    a, b = absolute_model(a), absolute_model(b)
+    if a == b:
+        return True
+    try:
+        return os.path.samefile(a, b)
+    except OSError:
+        return False
 
 
 HF_OFFLINE = "HF_HUB_OFFLINE is set"
@@ -195,6 +218,87 @@ def check_model_files(folder: str | os.PathLike) -> None:
         problem = _safetensors_problem(f)
         if problem:
             raise ValueError(f"{str(f)!r} is truncated or corrupt ({problem}); {fix}")
+    if (folder / "config.json").is_file():
+        missing = _missing_weights(folder)
+        if missing:
+            raise FileNotFoundError(f"{str(folder)!r} has a config.json but {missing}; {fix}")
+        problem = _config_problem(folder)
+        if problem:
+            raise ValueError(f"{str(folder / 'config.json')!r} is not a config transformers accepts ({problem}); restore the config.json saved with these weights, or {fix}")
+
+
+def _missing_weights(folder: Path) -> str | None:
+    """What is missing of a model folder's weights (transformers would raise an OSError naming no fix), or None."""
+    for index in ("model.safetensors.index.json", "pytorch_model.bin.index.json"):
+        if (folder / index).is_file():
+            try:
+                shards = sorted(set(json.loads((folder / index).read_bytes())["weight_map"].values()))
+            except (ValueError, KeyError, TypeError, AttributeError):
+                return f"its {index} lists no weight files"
+            gone = [name for name in shards if not (folder / name).is_file()]
+            return f"not {', '.join(gone)}, listed in its {index}" if gone else None
+    if any(folder.glob("*.safetensors")) or any(folder.glob("*.bin")):
+        return None
+    return "no weights (no model.safetensors or pytorch_model.bin)"
+
+
+def _config_problem(folder: Path) -> str | None:
+    """Why transformers refuses a folder's config.json (say, a hidden size that its heads do not divide), or None."""
+    from huggingface_hub import errors
+
+    strict = getattr(errors, "StrictDataclassError", ValueError)  # (how transformers 5 validates configs)
+    try:
+        AutoConfig.from_pretrained(folder)
+    except (ValueError, KeyError, TypeError, strict) as e:
+        return " ".join(str(e.__cause__ or e).split())
+    return None
+
+
+def load_tokenizer(source: str, **kwargs) -> PreTrainedTokenizerBase:
+    """AutoTokenizer.from_pretrained, with a one-line error naming a local folder that has no tokenizer
+    that loads (transformers' own lists what it tried, over several lines, and no fix)."""
+    try:
+        return AutoTokenizer.from_pretrained(source, **kwargs)
+    except (ValueError, OSError, TypeError) as e:
+        folder = Path(source)
+        if not folder.is_dir():
+            raise
+        names = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "spiece.model")
+        why = "it holds none of " + ", ".join(names) if not any((folder / n).exists() for n in names) else " ".join(str(e).split())
+        raise ValueError(
+            f"model folder {source!r} has no tokenizer that loads ({why}); save the tokenizer of the model it was made from "
+            f"into it: AutoTokenizer.from_pretrained(BASE).save_pretrained({source!r})."
+        ) from None
+
+
+def load_model(source: str, **kwargs) -> PreTrainedModel:
+    """AutoModelForCausalLM.from_pretrained, with a one-line error where the weights do not fit
+    config.json (transformers says only "see the report above", which it logs at a level we hide)."""
+    try:
+        return AutoModelForCausalLM.from_pretrained(source, **kwargs)
+    except RuntimeError as e:
+        if "mismatched_sizes" not in str(e) and "size mismatch" not in str(e):
+            raise
+        raise ValueError(
+            f"the weights of {source!r} do not fit its config.json ({_first_mismatch(source)}); restore the config.json saved with "
+            "these weights (or the weights saved with this config)."
+        ) from None
+
+
+def _first_mismatch(source: str) -> str:
+    """The first tensor whose shape in the weight files differs from the one config.json makes."""
+    folder = Path(source)
+    if not folder.is_dir():
+        return "tensor shapes differ"
+    with torch.device("meta"):
+        expected = {k: list(v.shape) for k, v in AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(folder)).state_dict().items()}
+    for f in sorted(folder.glob("*.safetensors")):
+        with f.open("rb") as fh:
+            header = json.loads(fh.read(int.from_bytes(fh.read(8), "little")))
+        for key, t in header.items():
+            if key in expected and t["shape"] != expected[key]:
+                return f"{key} is {t['shape']} in {f.name}, and config.json makes it {expected[key]}"
+    return "tensor shapes differ"
 
 
 def _safetensors_problem(path: Path) -> str | None:
@@ -266,8 +370,8 @@ def load_pretrained(source: str, dtype: torch.dtype | str = torch.float32, attn_
         if attn_implementation is not None:
             hf_model.set_attn_implementation(attn_implementation)
         return (hf_model if dtype == "auto" else hf_model.to(dtype)), tokenizer
-    tokenizer = AutoTokenizer.from_pretrained(source)
-    hf_model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, attn_implementation=attn_implementation)
+    tokenizer = load_tokenizer(source)
+    hf_model = load_model(source, dtype=dtype, attn_implementation=attn_implementation)
     return hf_model, tokenizer
 
 
@@ -281,7 +385,7 @@ def load_config_and_tokenizer(model: str | None = None) -> tuple[object, PreTrai
         tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
     else:
         config = AutoConfig.from_pretrained(source)
-        tokenizer = AutoTokenizer.from_pretrained(source)
+        tokenizer = load_tokenizer(source)
     check_architecture(config)
     add_tidar_token_names(tokenizer)
     return config, tokenizer

@@ -86,6 +86,17 @@ def check_layers(share: float) -> None:
         raise ValueError(f"adapter_layers={share}: must be in (0, 1], the share of adapted layers the export keeps, strongest first (1.0 = all, {ADAPTER_LAYERS} the default).")
 
 
+def check_adapter_options(adapter_energy: float | None, adapter_layers: float | None, mask_scoped: bool, what: str) -> None:
+    """Refuse adapter_energy / adapter_layers for a model with no mask-slot adapter to compress: they
+    would be ignored (`what`: the model's training, as the user knows it)."""
+    given = [f"adapter_{name}={value}" for name, value in (("energy", adapter_energy), ("layers", adapter_layers)) if value is not None]
+    if given and not mask_scoped:
+        raise ValueError(
+            f"{' and '.join(given)}: {what} has no mask-slot adapter to compress (only lora_scope='masks' keeps one apart; "
+            "any other LoRA is merged into the weights, and a full fine-tune has none); leave out --adapter_energy and --adapter_layers."
+        )
+
+
 def strongest(tensors: dict[str, torch.Tensor], weights: dict[str, torch.Tensor], share: float) -> dict[str, torch.Tensor]:
     """The deltas (attach's '<layer>.lora_A' / '.lora_B') of the `share` of layers, at least one, whose
     delta is largest against their weight: ||B A|| / ||W||."""
@@ -128,4 +139,4 @@ def split_mask_adapter(model, energy: float = ADAPTER_ENERGY, layers: float = AD
     return strongest(tensors, weights, layers)
 
 
-__all__ = ["ADAPTER_ENERGY", "ADAPTER_FILE", "ADAPTER_LAYERS", "SCOPES", "add_lora", "check_energy", "check_layers", "check_scope", "compress", "gate_to_masks", "is_mask_scoped", "split_mask_adapter", "strongest"]
+__all__ = ["ADAPTER_ENERGY", "ADAPTER_FILE", "ADAPTER_LAYERS", "SCOPES", "add_lora", "check_adapter_options", "check_energy", "check_layers", "check_scope", "compress", "gate_to_masks", "is_mask_scoped", "split_mask_adapter", "strongest"]

@@ -20,6 +20,18 @@ def _adamw(params):
     return torch.optim.AdamW(params, lr=1e-5, weight_decay=0.0)
 
 
+def check_positions(seq_len: int, block_size: int, config) -> None:
+    """Refuse training chunks longer than the base model's positions: the clean half takes positions
+    0..seq_len-1 and the mask half repeats them, so seq_len itself is the limit."""
+    positions = getattr(config, "max_position_embeddings", None)
+    if positions and seq_len > positions:
+        fits = positions - positions % block_size
+        raise ValueError(
+            f"--data.seq_len {seq_len} is longer than the base model's {positions} positions (max_position_embeddings in its config.json): "
+            f"tokens past them have positions the model never learned; pass --data.seq_len {fits} or less (a multiple of block_size {block_size})."
+        )
+
+
 class TiDARModule(L.LightningModule):
     def __init__(
         self,
@@ -79,6 +91,8 @@ class TiDARModule(L.LightningModule):
                 nothing to anchor. The export keeps the deltas apart (tidar_adapter.safetensors).
         """
         super().__init__()
+        if lora_r < 0:
+            raise ValueError(f"lora_r={lora_r}: must be >= 0; 0 = full fine-tune (every weight trained, the AR half included), > 0 = LoRA of that rank (e.g. 64).")
         if alpha < 0:
             raise ValueError(f"alpha={alpha}: the AR weight must be >= 0 (the paper uses 1.0).")
         if block_size < 2:
@@ -101,8 +115,12 @@ class TiDARModule(L.LightningModule):
             raise ValueError(f"anchor_weight={anchor_weight} with lora_scope='masks': the AR half is the base model exactly, there is nothing to anchor; set anchor_weight 0.")
         if lora_scope == "masks" and teacher == "base":
             raise ValueError("teacher='base' with lora_scope='masks': the AR half is the frozen base already; use teacher='self' (the same distribution, no extra forward).")
+        from .loading import absolute_model, load_config_and_tokenizer
+
         self.save_hyperparameters()
-        from .loading import load_config_and_tokenizer
+        # What checkpoints record: `export` may run in another directory. Set here, not by rebinding the
+        # argument: under LightningCLI the hyper-parameters are the config's, as the user gave them.
+        model = self.hparams["model"] = absolute_model(model)
 
         self.attn_implementation = attn_implementation or ("flex_attention" if torch.cuda.is_available() else "sdpa")
         # The config and tokenizer only: the weights are loaded in configure_model(), where the strategy
@@ -177,7 +195,28 @@ class TiDARModule(L.LightningModule):
         dm = getattr(self.trainer, "datamodule", None) if self._trainer is not None else None
         if dm is not None:
             layout.check_train_shape(dm.seq_len, self.block_size)
-            dm.tokenizer, dm.base_model = self.tokenizer, self.hparams.model  # the base model writes the greedy documents
+            check_positions(dm.seq_len, self.block_size, self.config)
+            dm.tokenizer, dm.base_model = self.tokenizer, self.hparams.model or "default"  # the base model writes the greedy documents
+            if hasattr(dm, "check_greedy_corpus"):
+                dm.check_greedy_corpus()
+
+    def on_load_checkpoint(self, checkpoint: dict) -> None:
+        """Refuse, before its weights are read, a checkpoint whose parameters this module does not
+        have: LoRA where it was a full fine-tune (or the other way round), another rank or scope (a
+        key or shape mismatch deep in torch)."""
+        saved = checkpoint.get("hyper_parameters") or {}
+        ours = {"lora_r": self.hparams.lora_r, "lora_scope": self.hparams.get("lora_scope", "all")}
+        theirs = {"lora_r": saved.get("lora_r", ours["lora_r"]), "lora_scope": saved.get("lora_scope", "all")}
+        if ours["lora_r"] == theirs["lora_r"] == 0 or ours == theirs:  # (a full fine-tune has no scope)
+            return
+        where = getattr(self._trainer, "ckpt_path", None) if self._trainer is not None else None
+        kind = lambda s: f"lora_r={s['lora_r']}, lora_scope={s['lora_scope']!r}" if s["lora_r"] > 0 else "lora_r=0 (a full fine-tune)"  # noqa: E731
+        flags = " ".join(f"--model.{k} {v}" for k, v in theirs.items() if v != ours[k])
+        raise ValueError(
+            f"{f'checkpoint {str(where)!r}' if where else 'the checkpoint'} was trained with {kind(theirs)} and this run has {kind(ours)}: "
+            f"its weights do not fit; resume with {flags}, or start a new run from its export "
+            "(`tidar-convert export --checkpoint CKPT --out DIR`, then --model.model DIR without --ckpt_path)."
+        )
 
     def forward_tidar(self, input_ids: torch.Tensor, doc_ids: torch.Tensor | None = None, no_ar_target: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
         """The hybrid loss and metrics of a batch; `no_ar_target` (B, S) marks tokens the AR loss does not

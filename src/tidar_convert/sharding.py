@@ -82,13 +82,13 @@ def is_sharded_checkpoint(path: str | Path) -> bool:
     return Path(path).is_dir() and (Path(path) / ".metadata").is_file()
 
 
-def load_sharded_module(cls, path: str | Path):
+def load_sharded_module(cls, path: str | Path, **overrides):
     """(module, global_step) from a sharded checkpoint folder, in one process and without a process group.
 
     The module is made from the checkpoint's hyper_parameters the way `load_from_checkpoint` makes it
     (Lightning's own `_load_state`, which also calls configure_model), then only its own weights are
     read from the shards, in place (not the optimizer's): the memory of the model once, whatever the
-    number of ranks that wrote it.
+    number of ranks that wrote it. `overrides`: hyper_parameters to replace, as load_from_checkpoint takes them.
     """
     import torch.distributed.checkpoint as dcp
     from lightning.fabric.utilities.load import _METADATA_FILENAME
@@ -100,7 +100,7 @@ def load_sharded_module(cls, path: str | Path):
         # Lightning: "keys in the model but not in the checkpoint" (all of them: they are read next);
         # torch: "torch.distributed is ... uninitialized, assuming ... a single process" (it is).
         warnings.filterwarnings("ignore", message=r".*(not in the checkpoint|assuming the intent is to load in a single process).*")
-        module = _load_state(cls, {**meta, "state_dict": {}}, strict=False)
+        module = _load_state(cls, {**meta, "state_dict": {}}, strict=False, **overrides)
         state = {"state_dict": module.state_dict()}
         dcp.load(state, checkpoint_id=path)  # fills the module's own tensors
     module.load_state_dict(state["state_dict"])

@@ -40,6 +40,12 @@ def perplexity(model, tokenizer, texts: Iterable[str], seq_len: int = 512, max_t
         raise ValueError(f"seq_len={seq_len}: need at least 2 tokens per chunk (one to predict from, one to predict).")
     if max_tokens < 2:
         raise ValueError(f"max_tokens={max_tokens}: need at least 2 tokens.")
+    positions = getattr(model.config, "max_position_embeddings", None)
+    if positions and seq_len > positions:
+        raise ValueError(
+            f"seq_len={seq_len} is longer than the model's {positions} positions (max_position_embeddings in its config.json): tokens past "
+            f"them have positions it never learned, and their perplexity measures that; pass --seq_len {positions} or less."
+        )
     device = next(model.parameters()).device
     nll, count = 0.0, 0
     with torch.no_grad():
