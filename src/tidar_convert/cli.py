@@ -439,9 +439,9 @@ def export_cmd(checkpoint: str, out: str, overwrite: bool = False, adapter_energ
                 "checkpoint file or folder from <default_root_dir>/checkpoints/, e.g. last.ckpt."
             )
         raise FileNotFoundError(f"checkpoint {checkpoint!r} does not exist; `fit` writes them under <default_root_dir>/checkpoints/.")
+    check_export_target(out, overwrite)  # before reading anything: a refused --out costs nothing
     if not sharded:
         check_checkpoint_file(checkpoint)
-    check_export_target(out, overwrite)  # before loading anything: a refused --out costs nothing
     from lightning.fabric.utilities.load import _METADATA_FILENAME
 
     saved = torch.load(Path(checkpoint) / _METADATA_FILENAME if sharded else checkpoint, map_location="cpu", mmap=not sharded, weights_only=False)
