@@ -9,7 +9,8 @@ This file is the argument side: generate() arguments mean what they mean in tran
 is merged, the logits processors and stopping criteria are built by transformers' own GenerationMixin
 helpers, `prepare`); what cannot be verified exactly is refused by name. The loop itself is
 engine.decode: a Drafter (drafters.py: diffusion, lookup, hybrid) proposes, a step plan says which
-query slots one forward runs, a Verifier (verify.py: greedy, rejection sampling) accepts.
+query slots one forward runs, a Verifier (verify.py: greedy, or sampling with draws keyed by
+position) accepts.
 
 After each call, `model.tidar_stats` holds nfe (forward passes), new_tokens, tokens_per_nfe,
 accepted (drafts committed at each step), slots_per_step (mean query slots of a decoding forward),
@@ -33,7 +34,7 @@ from .drafters import Draft, make_drafter  # noqa: F401  (Draft: for callers tha
 from .engine import Planner, cache_kwargs, costs_of, decode  # noqa: F401  (cache_kwargs: used by the bench)
 from .kernels import cpu_kernels, resolve as resolve_kernels
 from .layout import decode_mask_mod  # noqa: F401  (imported here so a missing layout.py is named as generate.py's import)
-from .verify import Greedy, Sampling
+from .verify import Greedy, Sampling, draw_seed
 
 
 # --------------------------------------------------------------------------------------------
@@ -171,7 +172,7 @@ def prepare(model, input_ids, generation_config, block_size, beta, kwargs) -> Ru
         gc=gc,
         processors=processors,
         criteria=criteria,
-        pick=Sampling(generator) if gc.do_sample else Greedy(),
+        pick=Sampling(draw_seed(generator)) if gc.do_sample else Greedy(),
         k=k,
         mask_id=mask_id,
         pad=gc._pad_token_tensor.item() if gc._pad_token_tensor is not None else 0,
@@ -211,7 +212,8 @@ def generate(
         faster where extra query slots cost, as on CPUs, but its T/NFE depends on timings);
         "adaptive" keeps the proposals and groups with a chance >= 1 / slot_budget (5 % at the
         default budget) of being used, whatever they cost (T/NFE reproducible); "full" a group at
-        every length (the paper's k + k*k slots). Every plan gives the same output. slot_budget: most
+        every length (the paper's k + k*k slots). Every plan gives the same output, sampled ones too
+        (for one torch seed: see below). slot_budget: most
         query slots per step (default max(k + k*k, 11 + k): the paper's step, or a full lookup draft
         and one group). On a GPU, where a step of ~100 slots costs about what one slot does, a wide
         budget pays: plan="adaptive", slot_budget=96, siblings=7.
@@ -230,6 +232,11 @@ def generate(
         more copy of each weight (kernels.release frees it). True: always packed; False: stock, and
         transformers' own attention path. Otherwise attention under a mask attends grouped key/value
         heads in place instead of copying the cache to every query head (kernels.grouped_attention).
+
+    do_sample: each row's token at its t-th new position is drawn from AR's distribution with noise
+        keyed by (seed, row, t) (verify.Sampling), the seed drawn once per call from `generator=` (a
+        torch.Generator) or torch's global generator: torch.manual_seed(s) before generate() gives the
+        same tokens on every run, whatever plan, drafter or timings.
 
     generation_config and keyword arguments are merged with the model's defaults as transformers does.
     Logits processors (transformers' own, built from the config, plus `logits_processor`) apply to

@@ -331,8 +331,8 @@ class Planner:
     def trim(self, draft: Draft, per_row: bool = False) -> Draft:
         """The draft cut after its last proposal that the step reaches with chance >= min_chance
         (with a shared commit: every row reaches it; per row: some row does), at least one kept.
-        Sampling stays exact: a slot's confidence reads its proposal distribution, never the token
-        drawn from it, so where a draft stops depends only on the proposals before (a stopping rule)."""
+        Sampling stays exact for any cut: a draft decides how many tokens a step commits, never which
+        (verify.Sampling)."""
         m = draft.tokens.shape[1]
         if self.mode == "full" or draft.confidence is None or m <= 2:
             return draft
@@ -365,7 +365,7 @@ def cut(draft: Draft, n: int) -> Draft:
     if n >= draft.tokens.shape[1]:
         return draft
     keep = lambda t: None if t is None else t[:, : n - 1]
-    return replace(draft, tokens=draft.tokens[:, :n], q=keep(draft.q), length=draft.length.clamp(max=n),
+    return replace(draft, tokens=draft.tokens[:, :n], length=draft.length.clamp(max=n),
                    confidence=keep(draft.confidence), raw_confidence=keep(draft.raw_confidence))
 
 
@@ -624,6 +624,7 @@ def decode(model, run, drafter, planner: Planner, beta: float = 1.0, record=None
     limit = position_limit(model)
     with record_function("tidar.verify"):
         scores0 = process(processors, state.seqs, state.seqs[:, :0], ar0[:, None])[:, 0]
+        pick.seek(0)  # sampling draws by position: the first new token is index 0
         y = pick.token(scores0)
     if record is not None:
         record[0].append(scores0)
@@ -634,6 +635,7 @@ def decode(model, run, drafter, planner: Planner, beta: float = 1.0, record=None
             commit(run, state, new_tokens, record[0] if record is not None and run.gc.output_scores else None)
         if not state.active.any():
             break
+        pick.seek(state.seqs.shape[1] - P)
         state.cache_valid = state.kv_valid[:, :-1]
         with record_function("tidar.draft"):
             remaining = run.max_new - (state.seqs.shape[1] - P)  # y of the next step is one of them
@@ -797,6 +799,7 @@ def decode_rows(model, run, drafter, planner: Planner) -> DecodeState:
     state.cache_valid = run.kv_valid
     limit = position_limit(model)
     with record_function("tidar.verify"):
+        pick.seek(0)
         y = pick.token(process(processors, state.seqs, state.seqs[:, :0], ar0[:, None])[:, 0])
     tokens, counts = y[:, None], torch.ones(B, dtype=torch.long, device=device)
     while True:
@@ -804,6 +807,7 @@ def decode_rows(model, run, drafter, planner: Planner) -> DecodeState:
             commit_rows(run, criteria, state, tokens, counts, new, n_new)
         if not state.active.any():
             break
+        pick.seek(n_new)  # each row's own count: sampling draws by each row's position
         with record_function("tidar.draft"):
             remaining = run.max_new - int(n_new[state.active].min())
             room = None if limit is None else limit - 1 - int(state.start.max())
