@@ -64,9 +64,9 @@ class Sampling:
     commits, never which. So the output is AR sampling with that noise, whatever the plan (its
     choices follow measured timings), the drafter or the batch's commit lengths (Daliri et al. 2024,
     "drafter-invariant speculative decoding"). Rejection sampling (accept with min(1, p/q), else the
-    residual) accepts a little more often, but its token at a position depends on the draft there,
-    and whether a position is drafted at all follows the timings: no seed could repeat it. A
-    deterministic draft (lookup) is accepted with chance p(d) either way.
+    residual) accepts diffusion drafts more often where q and p differ, but its token at a position
+    depends on the draft there, and whether a position is drafted at all follows the timings: no
+    seed could repeat it. A deterministic draft (lookup) is accepted with chance p(d) either way.
 
     The engine calls `seek` after each commit with each row's count of new tokens: the index of what
     a row's first AR row (and a draft's first proposal) predicts; `offset` counts on from there."""
@@ -120,8 +120,9 @@ class Sampling:
         return 1 + match.long().cumprod(1).sum(1)
 
     def next_token(self, target, draft, accepted, j, exact=True):
-        """The token at draft position j, drawn from `target` (the processed AR scores there). A row
-        that accepted draft j draws it again (the batch commits the fewest drafts any row accepted)."""
+        """The token at draft position j, drawn from `target` (the processed AR scores there, or beta's
+        mix: exact or not, the draw is the same rule). A row that accepted draft j draws it again (the
+        batch commits the fewest drafts any row accepted)."""
         return self.token(target, j - 1)
 
     def next_token_rows(self, scores, draft, accepted):
