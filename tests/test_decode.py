@@ -368,11 +368,17 @@ def test_seeded_sampling_repeats_under_every_plan_and_drafter(trained, rows, mon
     assert not torch.equal(generate(ids, model=model, **kw), expected)
 
 
-def test_seeded_ar_mode_repeats(trained):
-    """tidar=False is transformers' own sampling, from torch's global generator: a seed repeats it too."""
+@pytest.mark.parametrize("tidar", [False, True])
+def test_seeded_sampling_repeats_on_a_fresh_model_too(trained, tidar):
+    """The first generate() on a model times its packed product (kernels.packing_pays) before it
+    decodes; that timing must not take from torch's global generator, or the first seeded call
+    samples other tokens than the next ones. tidar=False is transformers' own sampling."""
+    from tidar_convert import kernels
+
     model, _ = trained["llama"]
     ids = cycle_batch(1, 6, seed=2)
-    kw = dict(do_sample=True, max_new_tokens=20, eos_token_id=None, temperature=1.5, top_k=0, tidar=False)
+    kw = dict(do_sample=True, max_new_tokens=20, eos_token_id=None, temperature=1.5, top_k=0, tidar=tidar)
+    kernels._PAYS.pop(model, None)  # as just loaded: the first call times, the next ones do not
     outs = []
     for _ in range(3):
         torch.manual_seed(5)

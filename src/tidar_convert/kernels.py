@@ -529,7 +529,8 @@ def packed_forward(layer):
 
 def pass_seconds(layers, rows: int, packed: bool) -> float:
     """One pass of `rows` random rows through each layer, one product at a time, as a forward runs them."""
-    inputs = {(n, dtype): torch.randn(rows, n, dtype=dtype) for n, dtype in {(layer.in_features, layer.weight.dtype) for layer in layers}}
+    g = torch.Generator().manual_seed(0)  # not torch's global one: a seeded generate() after this timing must sample as one without
+    inputs = {(n, dtype): torch.randn(rows, n, dtype=dtype, generator=g) for n, dtype in {(layer.in_features, layer.weight.dtype) for layer in layers}}
     start = time.perf_counter()
     for layer in layers:
         x = inputs[layer.in_features, layer.weight.dtype]
