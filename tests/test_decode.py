@@ -226,13 +226,12 @@ def test_sampling_matches_ar_distribution(small_vocab_model, settings, monkeypat
     assert chi_square_p(hf, probs, n) > 1e-3  # the exact distribution is what HF samples
     assert chi_square_p(tidar, probs, n) > 1e-3
 
-    # The test has teeth: accepting with probability p (not min(1, p/q)) is detectably wrong.
+    # The test has teeth: accepting every proposal AR could draw (p(d) > 0), not only where it is AR's
+    # own draw there, is detectably wrong.
     def wrong_verify(self, ar_logits, draft):
         p = self.probs(ar_logits[:, :-1])
-        d = draft.tokens[:, 1:, None]
-        u = torch.rand(d.shape[:2])
-        self._p = p
-        return 1 + (u < p.gather(-1, d).squeeze(-1)).long().cumprod(1).sum(1)
+        possible = p.gather(-1, draft.tokens[:, 1:, None]).squeeze(-1) > 0
+        return 1 + possible.long().cumprod(1).sum(1)
 
     monkeypatch.setattr(Sampling, "verify", wrong_verify)
     gen_kw["plan"] = "full"  # every draft verified: the cost plan may run plain AR steps where drafts do not pay
@@ -242,8 +241,8 @@ def test_sampling_matches_ar_distribution(small_vocab_model, settings, monkeypat
 
 @pytest.mark.parametrize("drafter", ["lookup", "hybrid"])
 def test_sampling_with_deterministic_drafts_matches_ar_distribution(small_vocab_model, drafter, monkeypatch):
-    """Lookup drafts are deterministic (q = one-hot): accept d with probability p(d), else sample from
-    p with d removed. Every token occurs in the prompt, so lookup drafts at every step."""
+    """Lookup drafts are deterministic: d is accepted where AR's draw there is d (chance p(d)). Every
+    token occurs in the prompt, so lookup drafts at every step."""
     from tidar_convert import drafters
 
     model = small_vocab_model
@@ -271,8 +270,9 @@ def test_sampling_with_deterministic_drafts_matches_ar_distribution(small_vocab_
     assert drafter == "lookup" or sources["diffusion"] >= n // 4, sources
     if drafter == "hybrid":  # same verify code as lookup; at this n the teeth bite only when every step is lookup
         return
-    # Teeth: resampling from p itself after a rejected lookup draft (d not removed) is detectably wrong.
-    monkeypatch.setattr(Sampling, "residual", lambda self, draft, j: self._p[:, j - 1])
+    # Teeth: the token after the accepted drafts drawn with the draws of the step's first position
+    # (those that judged draft 1) instead of its own is detectably wrong.
+    monkeypatch.setattr(Sampling, "next_token", lambda self, target, draft, accepted, j, exact=True: self.token(target))
     assert chi_square_p(sample_counts(lambda: generate(prompt, model=model, **{**gen_kw, "plan": "full"}), n), probs, n) < 1e-3
 
 
@@ -297,9 +297,93 @@ def test_sampling_with_per_row_acceptance_matches_ar_distribution(small_vocab_mo
         run = lambda: generate(prompt, model=model, drafter=drafter, **gen_kw)[:1]  # noqa: E731
         assert chi_square_p(sample_counts(run, n), probs, n) > 1e-3, drafter
         assert "tokens_per_nfe_per_row" in model.tidar_stats  # it ran with per-row acceptance
-    # Teeth: a row's next token drawn from p, without the residual after its rejected proposal.
+    # Teeth: a row's next token drawn with the draws of its step's first position, not its own.
     monkeypatch.setattr(Sampling, "next_token_rows", lambda self, scores, draft, accepted: self.token(scores[torch.arange(2), accepted - 1]))
     assert chi_square_p(sample_counts(lambda: generate(prompt, model=model, drafter="lookup", plan="full", **gen_kw)[:1], n), probs, n) < 1e-3
+
+
+# ---- sampling: a seed repeats it, whatever the steps were ------------------------------------------
+
+
+def ar_sample(model, ids, seed, max_new_tokens, **settings):
+    """AR sampling, one forward per token over the whole sequence, each token drawn by
+    verify.Sampling with `seed` at its own index: what TiDAR's sampled output must equal."""
+    gc = copy.deepcopy(model.generation_config)
+    gc.update(do_sample=True, **settings)
+    processors = model._get_logits_processor(gc, input_ids_seq_length=ids.shape[1], device="cpu")
+    pick, seq = Sampling(seed), ids
+    for t in range(max_new_tokens):
+        pick.seek(t)
+        with torch.no_grad():
+            logits = model(input_ids=seq).logits[:, -1].float()
+        seq = torch.cat([seq, pick.token(processors(seq, logits))[:, None]], 1)
+    return seq
+
+
+def jittery_clock(seed):
+    """A clock whose every step seems to take a random time: the cost plan prices step shapes from
+    it, so each run chooses other shapes."""
+    import random
+
+    rng, now = random.Random(seed), [0.0]
+
+    def perf_counter():
+        now[0] += rng.uniform(0.001, 0.2)
+        return now[0]
+
+    return perf_counter
+
+
+@pytest.mark.parametrize("rows", [1, 2])
+def test_seeded_sampling_repeats_under_every_plan_and_drafter(trained, rows, monkeypatch):
+    """torch.manual_seed before generate() gives the same tokens on every run, under every plan and
+    drafter, one row or a batch (per-row acceptance), even while the cost plan's timings (here a
+    jittery clock, new each run) change which steps run: they are AR sampling's tokens with the
+    same draws. Another seed gives other tokens."""
+    from types import SimpleNamespace
+
+    from tidar_convert import engine
+    from tidar_convert.drafters import DRAFTERS
+    from tidar_convert.plan import PLANS
+    from tidar_convert.verify import draw_seed
+
+    model, _ = trained["llama"]
+    ids = torch.cat([cycle_batch(1, 6, seed=1), torch.tensor([[40, 41, 3, 4, 40, 41]])])[:rows]
+    settings = dict(temperature=1.5, top_k=0)
+    kw = dict(do_sample=True, max_new_tokens=30, eos_token_id=None, **settings)
+    torch.manual_seed(11)
+    expected = ar_sample(model, ids, draw_seed(), 30, **settings)
+    steps, run = {}, 0
+    for plan in PLANS:
+        for drafter in DRAFTERS:
+            for _ in range(3):
+                run += 1
+                monkeypatch.setattr(engine, "time", SimpleNamespace(perf_counter=jittery_clock(run)))
+                model.__dict__.pop("_tidar_step_costs", None)  # what the last run measured
+                torch.manual_seed(11)
+                assert torch.equal(generate(ids, model=model, plan=plan, drafter=drafter, **kw), expected), (plan, drafter)
+                steps.setdefault((plan, drafter), set()).add((model.tidar_stats["slots_per_step"], tuple(model.tidar_stats["accepted"])))
+    assert any(len(seen) > 1 for (plan, _), seen in steps.items() if plan == "cost"), steps  # the clock did change the steps
+    torch.manual_seed(12)
+    assert not torch.equal(generate(ids, model=model, **kw), expected)
+
+
+@pytest.mark.parametrize("tidar", [False, True])
+def test_seeded_sampling_repeats_on_a_fresh_model_too(trained, tidar):
+    """The first generate() on a model times its packed product (kernels.packing_pays) before it
+    decodes; that timing must not take from torch's global generator, or the first seeded call
+    samples other tokens than the next ones. tidar=False is transformers' own sampling."""
+    from tidar_convert import kernels
+
+    model, _ = trained["llama"]
+    ids = cycle_batch(1, 6, seed=2)
+    kw = dict(do_sample=True, max_new_tokens=20, eos_token_id=None, temperature=1.5, top_k=0, tidar=tidar)
+    kernels._PAYS.pop(model, None)  # as just loaded: the first call times, the next ones do not
+    outs = []
+    for _ in range(3):
+        torch.manual_seed(5)
+        outs.append(generate(ids, model=model, **kw))
+    assert all(torch.equal(o, outs[0]) for o in outs)
 
 
 # ---- bad input ---------------------------------------------------------------------------------
@@ -338,25 +422,28 @@ def test_bad_inputs(trained, untrained):
 
 def test_sampling_is_exact_for_a_row_that_accepted_more_than_the_batch_commits():
     """Rows share one cache length, so a step commits the fewest drafts any row accepted (j). A row
-    that accepted its draft j must commit that draft: a fresh sample from p there would make its
-    token a*p + max(0, p - q) (a = acceptance rate), not p. Row 0 always rejects; row 1 has
-    p = (.5, .5) and proposal q = (.9, .1): wrong rule -> (.3, .7), right rule -> (.5, .5)."""
+    that accepted its draft j commits that very draft (its own draw at that position, so the same
+    token a step of its own would commit), distributed as p. Row 0 always rejects; row 1 has
+    p = (.5, .5) and drafts from q = (.9, .1) with the same draws."""
     from scipy.stats import binomtest
 
     from tidar_convert.decode import Draft
 
     n = 4000
-    gen = torch.Generator().manual_seed(0)
-    pick = Sampling(gen)
     p = torch.tensor([[[1.0, 0.0], [0.5, 0.5]], [[0.5, 0.5], [0.5, 0.5]]]).log()  # (B, k=2, V): AR rows
-    q = torch.tensor([[[0.0, 1.0]], [[0.9, 0.1]]])  # (B, k-1, V): proposal of draft 1
-    ones = 0
-    for _ in range(n):
-        d1 = torch.stack([torch.tensor(1), torch.multinomial(q[1, 0], 1, generator=gen)[0]])
-        draft = Draft(torch.stack([torch.zeros(2, dtype=torch.long), d1], 1), q)
+    q = torch.tensor([[0.0, 1.0], [0.9, 0.1]]).log()  # (B, V): the drafter's scores for draft 1
+    ones = accepted_more = 0
+    for seed in range(n):
+        pick = Sampling(seed)
+        pick.seek(0)
+        draft = Draft(torch.stack([torch.zeros(2, dtype=torch.long), pick.token(q)], 1))
         accepted = pick.verify(p, draft)
         j = int(accepted.min())
         assert j == 1 and accepted[0] == 1
         y = pick.next_token(p[:, j - 1], draft, accepted, j)
+        if accepted[1] > 1:
+            accepted_more += 1
+            assert y[1] == draft.tokens[1, 1]
         ones += int(y[1])
+    assert accepted_more > n // 3
     assert binomtest(ones, n, 0.5).pvalue > 1e-3, ones / n

@@ -268,6 +268,24 @@ def test_without_a_compiler_fp32_takes_onednn_and_says_how_to_fix_it(monkeypatch
     assert not list(tmp_path.rglob("*.so"))
 
 
+def test_an_unwritable_cache_is_named_with_its_fix_not_blamed_on_the_compiler(untrained, monkeypatch, tmp_path):
+    """TIDAR_CACHE where no folder can be made (a file, so even root cannot write there), then an fp32
+    generate: the warning names the kernel folder and TIDAR_CACHE, and decoding still runs."""
+    import re
+
+    blocker = tmp_path / "not-a-folder"
+    blocker.write_text("")
+    monkeypatch.setattr(kernels, "_PANEL_LIB", [])
+    monkeypatch.setenv("TIDAR_PANEL_KERNEL", "1")
+    monkeypatch.setenv("TIDAR_CACHE", str(blocker))
+    monkeypatch.setenv("CC", "cc")  # any compiler name: the folder is refused before it runs
+    folder = re.escape(str(blocker / "kernels"))
+    with pytest.warns(UserWarning, match=rf"cache folder {folder} is not writable .*Set TIDAR_CACHE to a writable folder") as seen:
+        out = generate(torch.tensor([[5, 6, 7]]), model=untrained["llama"], max_new_tokens=3, eos_token_id=None, pack_weights=True)
+    assert out.shape == (1, 6)
+    assert not any("C compiler" in str(w.message) for w in seen)
+
+
 @needs_panels
 def test_the_kernel_is_built_once_per_cpu_and_compiler_then_loaded_from_the_cache(monkeypatch, tmp_path):
     import subprocess

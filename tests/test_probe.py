@@ -293,7 +293,51 @@ OUTPUT_CASES: list = [
 # generate: the Python API and the CLI
 # --------------------------------------------------------------------------------------------
 
-GENERATE_CASES: list = []
+import torch  # noqa: E402  (kept in this section: its rows build tensors)
+
+_LOADED: dict = {}
+
+
+def tidar_lm(env: Env):
+    """The export, loaded once per module (read-only: rows only call generate on it)."""
+    from tidar_convert.export import load
+
+    if str(env.export) not in _LOADED:
+        _LOADED[str(env.export)] = load(env.export)
+    return _LOADED[str(env.export)]
+
+
+def cli_generate(env: Env, *extra: str) -> list[str]:
+    return ["generate", "--model", str(env.export), "--prompt", "def f(x):", "--max_new_tokens", "4", *extra]
+
+
+def lm_generate(ids, **kw):
+    """A Python row: the export's generate() on `ids`, with kw."""
+    return api(lambda env: tidar_lm(env).generate(ids, **{"max_new_tokens": 4, **kw}))
+
+
+def long_prompt(extra: int):
+    """A prompt `extra` tokens past the model's positions (1024 in the tiny models)."""
+
+    def call(env: Env):
+        lm = tidar_lm(env)
+        limit = lm.config.max_position_embeddings
+        return lm.generate(torch.full((1, limit + extra), 5), max_new_tokens=4)
+
+    return api(call)
+
+
+PROMPT = torch.tensor([[5, 6, 7, 8]])
+
+GENERATE_CASES: list = [
+    pytest.param(lambda env: cli_generate(env, "--block_size", "0"), r"block_size=0: .*use 2 or more", id="cli-block-size-0"),
+    pytest.param(lm_generate(PROMPT, block_size=0), r"block_size=0: .*use 2 or more", id="api-block-size-0"),
+    pytest.param(long_prompt(3), r"prompt \(1027 tokens\).*1024 positions; shorten the prompt to at most 1020 tokens \(1023 with max_new_tokens=1\)", id="prompt-past-the-context"),
+    pytest.param(lm_generate(PROMPT, attention_mask=torch.zeros_like(PROMPT)), r"attention_mask row 0 attends to no token.*pass 1 at each real prompt token", id="mask-all-zeros"),
+    pytest.param(lm_generate([[5, 6, 7, 8]]), r"input_ids is a list: pass a LongTensor of shape \(batch, length\), e\.g\. torch\.tensor\(\[ids\]\)", id="ids-as-list"),
+    pytest.param(lm_generate(torch.tensor([5, 6, 7, 8])), r"input_ids has shape \(4,\): pass shape \(batch, length\), e\.g\. ids\[None\]", id="ids-1d"),
+    pytest.param(lm_generate(PROMPT, attention_mask=[[1, 1, 1, 1]]), r"attention_mask is a list: pass a LongTensor", id="mask-as-list"),
+]
 
 # --------------------------------------------------------------------------------------------
 

@@ -9,7 +9,8 @@ This file is the argument side: generate() arguments mean what they mean in tran
 is merged, the logits processors and stopping criteria are built by transformers' own GenerationMixin
 helpers, `prepare`); what cannot be verified exactly is refused by name. The loop itself is
 engine.decode: a Drafter (drafters.py: diffusion, lookup, hybrid) proposes, a step plan says which
-query slots one forward runs, a Verifier (verify.py: greedy, rejection sampling) accepts.
+query slots one forward runs, a Verifier (verify.py: greedy, or sampling with draws keyed by
+position) accepts.
 
 After each call, `model.tidar_stats` holds nfe (forward passes), new_tokens, tokens_per_nfe,
 accepted (drafts committed at each step), slots_per_step (mean query slots of a decoding forward),
@@ -35,7 +36,7 @@ from .engine import decode
 from .kernels import cpu_kernels, resolve as resolve_kernels
 from .layout import decode_mask_mod  # noqa: F401  (imported here so a missing layout.py is named as generate.py's import)
 from .plan import Planner
-from .verify import Greedy, Sampling
+from .verify import Greedy, Sampling, draw_seed
 
 
 # --------------------------------------------------------------------------------------------
@@ -141,7 +142,7 @@ def prepare(model, input_ids, generation_config, block_size, beta, kwargs) -> Ru
         raise TypeError(f"TiDAR generate() got unsupported arguments: {', '.join(sorted(unused))}.")
     if input_ids is None and gc.bos_token_id is not None:  # as transformers: no prompt -> one BOS token
         input_ids = torch.full((1, 1), gc.bos_token_id, dtype=torch.long, device=model.device)
-    k = block_size or getattr(model.config, "block_size", None)
+    k = block_size if block_size is not None else getattr(model.config, "block_size", None)  # 0 is refused, not the default
     mask_id = getattr(model.config, "mask_token_id", None)
     check_inputs(model, gc, input_ids, attention_mask, k, mask_id, beta)
 
@@ -173,7 +174,7 @@ def prepare(model, input_ids, generation_config, block_size, beta, kwargs) -> Ru
         gc=gc,
         processors=processors,
         criteria=criteria,
-        pick=Sampling(generator) if gc.do_sample else Greedy(),
+        pick=Sampling(draw_seed(generator)) if gc.do_sample else Greedy(),
         k=k,
         mask_id=mask_id,
         pad=gc._pad_token_tensor.item() if gc._pad_token_tensor is not None else 0,
@@ -213,7 +214,8 @@ def generate(
         faster where extra query slots cost, as on CPUs, but its T/NFE depends on timings);
         "adaptive" keeps the proposals and groups with a chance >= 1 / slot_budget (5 % at the
         default budget) of being used, whatever they cost (T/NFE reproducible); "full" a group at
-        every length (the paper's k + k*k slots). Every plan gives the same output. slot_budget: most
+        every length (the paper's k + k*k slots). Every plan gives the same output, sampled ones too
+        (for one torch seed: see below). slot_budget: most
         query slots per step (default max(k + k*k, 11 + k): the paper's step, or a full lookup draft
         and one group). On a GPU, where a step of ~100 slots costs about what one slot does, a wide
         budget pays: plan="adaptive", slot_budget=96, siblings=7.
@@ -232,6 +234,11 @@ def generate(
         more copy of each weight (kernels.release frees it). True: always packed; False: stock, and
         transformers' own attention path. Otherwise attention under a mask attends grouped key/value
         heads in place instead of copying the cache to every query head (kernels.grouped_attention).
+
+    do_sample: each row's token at its t-th new position is drawn from AR's distribution with noise
+        keyed by (seed, row, t) (verify.Sampling), the seed drawn once per call from `generator=` (a
+        torch.Generator) or torch's global generator: torch.manual_seed(s) before generate() gives the
+        same tokens on every run, whatever plan, drafter or timings.
 
     generation_config and keyword arguments are merged with the model's defaults as transformers does.
     Logits processors (transformers' own, built from the config, plus `logits_processor`) apply to
@@ -295,10 +302,13 @@ def check_length(model, P, max_new, k) -> None:
         raise ValueError(f"max_length={P + max_new} leaves no room after the {P}-token prompt; raise it or pass max_new_tokens.")
     limit = getattr(model.config, "max_position_embeddings", None)
     if limit and P + max_new > limit:
-        raise ValueError(
-            f"prompt ({P} tokens) + max_new_tokens ({max_new}) exceeds the model's {limit} positions; "
-            f"shorten the prompt or lower max_new_tokens to {max(limit - P, 0)}."
-        )
+        if P < limit:
+            fix = f"shorten the prompt or lower max_new_tokens to {limit - P}"
+        elif max_new < limit:  # no max_new_tokens fits: only a shorter prompt does
+            fix = f"shorten the prompt to at most {limit - max_new} tokens ({limit - 1} with max_new_tokens=1)"
+        else:
+            fix = f"lower max_new_tokens below {limit} and shorten the prompt to at most {limit} - max_new_tokens tokens"
+        raise ValueError(f"prompt ({P} tokens) + max_new_tokens ({max_new}) exceeds the model's {limit} positions; {fix}.")
     window = getattr(model.config, "sliding_window", None) if getattr(model.config, "use_sliding_window", True) else None
     if window and P + max_new > window:
         raise ValueError(f"prompt + max_new_tokens exceeds the sliding window ({window}), which TiDAR decoding does not implement.")
@@ -312,11 +322,26 @@ def check_inputs(model, gc, input_ids, attention_mask, k, mask_id, beta) -> None
         )
     if k < 2:
         raise ValueError(f"block_size={k}: TiDAR drafts at least 2 tokens per step; use 2 or more (trained: {model.config.block_size}).")
-    if input_ids is None or input_ids.ndim != 2 or input_ids.shape[1] == 0:
+    for name, value in (("input_ids", input_ids), ("attention_mask", attention_mask)):
+        if value is not None and not isinstance(value, torch.Tensor):
+            raise ValueError(f"{name} is a {type(value).__name__}: pass a LongTensor of shape (batch, length), e.g. torch.tensor([ids]).")
+    if input_ids is not None and input_ids.ndim != 2:
+        raise ValueError(f"input_ids has shape {tuple(input_ids.shape)}: pass shape (batch, length), e.g. ids[None] for one prompt.")
+    if input_ids is not None and input_ids.is_floating_point():
+        raise ValueError(f"input_ids are {input_ids.dtype}: token ids must be integers; pass input_ids.long().")
+    if input_ids is None or input_ids.shape[1] == 0:
         raise ValueError("the prompt is empty: TiDAR generate() needs input_ids of shape (batch, length >= 1).")
     if not 0.0 <= beta <= 1.0:
         raise ValueError(f"beta={beta}: must be in [0, 1] (1 = trust AR, exact).")
     if attention_mask is None and input_ids.shape[0] > 1 and gc.pad_token_id is not None and (input_ids == gc.pad_token_id).any():
         raise ValueError("the batch contains pad tokens but no attention_mask was given; pass the tokenizer's attention_mask (left padding).")
+    if attention_mask is not None and attention_mask.shape != input_ids.shape:
+        raise ValueError(f"attention_mask has shape {tuple(attention_mask.shape)} but input_ids {tuple(input_ids.shape)}; pass the mask the tokenizer returned with these ids.")
+    empty = [] if attention_mask is None else (~attention_mask.bool().any(1)).nonzero()[:, 0].tolist()
+    if empty:
+        raise ValueError(
+            f"attention_mask row {empty[0]} attends to no token (all zeros); pass 1 at each real prompt token "
+            "(the tokenizer's attention_mask), or no attention_mask for unpadded prompts."
+        )
     if attention_mask is not None and not attention_mask[:, -1].bool().all():
         raise ValueError("the attention_mask has right padding; TiDAR batches need left padding (tokenizer.padding_side = 'left').")

@@ -3,8 +3,7 @@
 Shipped in every export's custom_generate/ folder (see export.shipped_code): imports nothing but torch.
 
 A drafter proposes, after each step, the next draft: `tokens[:, 0]` is the token just committed,
-`tokens[:, 1:length]` the proposals, with their proposal distributions q (sampled drafts) or none
-(deterministic drafts). Every draft is verified by the AR head in the next step's single forward,
+`tokens[:, 1:length]` the proposals. Every draft is verified by the AR head in the next step's single forward,
 whatever its source, so every drafter gives exactly the AR output (verify.py).
 
   diffusion  TiDAR's own: the mask group the last step computed at the accepted length.
@@ -30,7 +29,6 @@ import torch
 @dataclass
 class Draft:
     tokens: torch.Tensor  # (B, m); tokens[:, 0] is already committed
-    q: torch.Tensor | None = None  # (B, m - 1, V) proposal probabilities of tokens[:, 1:] (sampled drafts only)
     length: torch.Tensor | None = None  # (B,) real tokens per row (rows may draft fewer; the rest is filler)
     confidence: torch.Tensor | None = None  # (B, m - 1) estimated chance each proposal is accepted (the plan reads it)
     sources: list = field(default_factory=list)  # per row: "lookup", "diffusion" or "none"
@@ -64,7 +62,7 @@ class DraftContext:
     seqs: torch.Tensor  # (B, L) committed tokens, the last one (y) included
     kv_valid: torch.Tensor  # (B, L) False at left padding
     max_proposals: int  # proposals beyond this are never used (max_new_tokens)
-    pick: object  # the verifier: proposes a token (and q) from scores
+    pick: object  # the verifier: proposes a token from scores (verify.Greedy.token, verify.Sampling.token)
     processors: object  # logits processors; drafted slots are processed with their own prefix
     # Diffusion logits (B, k - 1, V) of the group at each row's accepted length, computed on first
     # call, and (B,) which rows have one (None: all); (None, None) when no row has one.
@@ -149,20 +147,16 @@ def make_draft(pick, processors, seqs, y, diff_slots) -> Draft:
     sources = ["diffusion"] * y.shape[0]
     if not processors:  # no prefix to thread through: all slots at once
         scores = diff_slots.float()
-        t, q = pick.propose(scores)
-        return Draft(torch.cat([y[:, None], t], 1), q, confidence=pick.confidence(scores), sources=sources)
-    tokens, qs, conf = [y], [], []
+        return Draft(torch.cat([y[:, None], pick.token(scores)], 1), confidence=pick.confidence(scores), sources=sources)
+    tokens, conf = [y], []
     for i in range(diff_slots.shape[1]):
         scores = diff_slots[:, i].to(torch.float32, copy=True)
         if processors:
             scores = processors(torch.cat([seqs] + [t[:, None] for t in tokens[1:]], 1), scores)
-        t, q = pick.propose(scores)
-        tokens.append(t)
-        qs.append(q)
+        tokens.append(pick.token(scores, i))  # slot i: the i-th position after y
         conf.append(pick.confidence(scores))
-    q = torch.stack(qs, 1) if qs and qs[0] is not None else None
     confidence = torch.stack(conf, 1) if conf else None
-    return Draft(torch.stack(tokens, 1), q, confidence=confidence, sources=sources)
+    return Draft(torch.stack(tokens, 1), confidence=confidence, sources=sources)
 
 
 class DiffusionDrafter:
@@ -322,7 +316,7 @@ class LookupDrafter:
                 length[b] = 1 + f[0].shape[0]
                 confidence[b] = torch.tensor([self.chance(f[1], d) for d in range(m - 1)])
         sources = ["lookup" if f is not None else "none" for f in found]
-        draft = Draft(tokens, None, length, confidence.to(tokens.device), sources)
+        draft = Draft(tokens, length, confidence.to(tokens.device), sources)
         if ctx.siblings and B == 1:
             self.branches(draft, ctx.seqs[0][ctx.kv_valid[0]], found[0][1], found[0][2], ctx.max_proposals, ctx.siblings)
         return draft
@@ -448,29 +442,19 @@ def observed(draft: Draft, accepted: torch.Tensor, source: str) -> tuple[int, in
 
 
 def merge(use_a: torch.Tensor, a: Draft, b: Draft) -> Draft:
-    """Row b of the result is a's where use_a[b], else b's; padded to the longer draft. A sampled
-    draft keeps its q; a deterministic row gets q = one-hot(token), which is what it is."""
+    """Row b of the result is a's where use_a[b], else b's; padded to the longer draft."""
     m = max(a.tokens.shape[1], b.tokens.shape[1])
 
     def pad(d: Draft):
         extra = m - d.tokens.shape[1]
         tokens = torch.cat([d.tokens, d.tokens[:, :1].repeat(1, extra)], 1)
         conf = torch.cat([d.confidence, d.confidence.new_zeros(d.confidence.shape[0], extra)], 1)
-        q = None
-        if d.q is not None:
-            q = torch.cat([d.q, d.q.new_zeros(d.q.shape[0], extra, d.q.shape[2])], 1)
-        return tokens, q, conf
+        return tokens, conf
 
-    (ta, qa, ca), (tb, qb, cb) = pad(a), pad(b)
+    (ta, ca), (tb, cb) = pad(a), pad(b)
     pick = use_a[:, None]
-    q = None
-    if qa is not None or qb is not None:
-        V = (qa if qa is not None else qb).shape[-1]
-        qa = qa if qa is not None else one_hot(ta, a.length, V)
-        qb = qb if qb is not None else one_hot(tb, b.length, V)
-        q = torch.where(pick[..., None], qa, qb)
     sources = [sa if u else sb for u, sa, sb in zip(use_a.tolist(), a.sources, b.sources)]
-    return Draft(torch.where(pick, ta, tb), q, torch.where(use_a, a.length, b.length), torch.where(pick, ca, cb), sources, raw_confidence=_raw(a, b, use_a, m))
+    return Draft(torch.where(pick, ta, tb), torch.where(use_a, a.length, b.length), torch.where(pick, ca, cb), sources, raw_confidence=_raw(a, b, use_a, m))
 
 
 def _raw(a: Draft, b: Draft, use_a: torch.Tensor, m: int):
@@ -480,13 +464,6 @@ def _raw(a: Draft, b: Draft, use_a: torch.Tensor, m: int):
         return torch.cat([c, c.new_zeros(c.shape[0], m - c.shape[1])], 1)
 
     return torch.where(use_a[:, None], padded(a), padded(b))
-
-
-def one_hot(tokens: torch.Tensor, length: torch.Tensor, V: int) -> torch.Tensor:
-    """q of a deterministic draft (B, m - 1, V); zero where a row has no proposal."""
-    q = torch.nn.functional.one_hot(tokens[:, 1:], V).float()
-    real = torch.arange(1, tokens.shape[1], device=tokens.device) < length[:, None]
-    return q * real[..., None]
 
 
 DRAFTERS = {"hybrid": HybridDrafter, "diffusion": DiffusionDrafter, "lookup": LookupDrafter}

@@ -177,6 +177,7 @@ def decode(model, run, drafter, planner: Planner, beta: float = 1.0, record=None
     limit = position_limit(model)
     with record_function("tidar.verify"):
         scores0 = process(processors, state.seqs, state.seqs[:, :0], ar0[:, None])[:, 0]
+        pick.seek(0)  # sampling draws by position: the first new token is index 0
         y = pick.token(scores0)
     if record is not None:
         record[0].append(scores0)
@@ -187,6 +188,7 @@ def decode(model, run, drafter, planner: Planner, beta: float = 1.0, record=None
             commit(run, state, new_tokens, record[0] if record is not None and run.gc.output_scores else None)
         if not state.active.any():
             break
+        pick.seek(state.seqs.shape[1] - P)
         state.cache_valid = state.kv_valid[:, :-1]
         with record_function("tidar.draft"):
             remaining = run.max_new - (state.seqs.shape[1] - P)  # y of the next step is one of them
@@ -350,6 +352,7 @@ def decode_rows(model, run, drafter, planner: Planner) -> DecodeState:
     state.cache_valid = run.kv_valid
     limit = position_limit(model)
     with record_function("tidar.verify"):
+        pick.seek(0)
         y = pick.token(process(processors, state.seqs, state.seqs[:, :0], ar0[:, None])[:, 0])
     tokens, counts = y[:, None], torch.ones(B, dtype=torch.long, device=device)
     while True:
@@ -357,6 +360,7 @@ def decode_rows(model, run, drafter, planner: Planner) -> DecodeState:
             commit_rows(run, criteria, state, tokens, counts, new, n_new)
         if not state.active.any():
             break
+        pick.seek(n_new)  # each row's own count: sampling draws by each row's position
         with record_function("tidar.draft"):
             remaining = run.max_new - int(n_new[state.active].min())
             room = None if limit is None else limit - 1 - int(state.start.max())

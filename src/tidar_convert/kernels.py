@@ -330,11 +330,23 @@ def panel_library():
     if os.environ.get("TIDAR_PANEL_KERNEL", "1") != "0":
         try:
             lib = _build_panel_library()
+        except CacheUnwritable as err:
+            warnings.warn(f"TiDAR's fp32 panel kernel could not be built: its cache folder {err.folder} is not writable ({err.__cause__}); "
+                          "fp32 linear layers take oneDNN's packed product or the stock one. Set TIDAR_CACHE to a writable folder "
+                          "(default ~/.cache/tidar_convert); TIDAR_PANEL_KERNEL=0 silences this.", stacklevel=3)
         except (OSError, subprocess.SubprocessError) as err:
             warnings.warn(f"TiDAR's fp32 panel kernel could not be built ({err}); fp32 linear layers take oneDNN's packed product "
                           "or the stock one. Install a C compiler with OpenMP (gcc) or set CC to one; TIDAR_PANEL_KERNEL=0 silences this.", stacklevel=3)
     _PANEL_LIB.append(lib)
     return lib
+
+
+class CacheUnwritable(OSError):
+    """The kernel cache folder cannot be written: the fix is TIDAR_CACHE, not a compiler."""
+
+    def __init__(self, folder: Path):
+        super().__init__(f"{folder} is not writable")
+        self.folder = folder
 
 
 def _build_panel_library():
@@ -345,8 +357,12 @@ def _build_panel_library():
     folder = Path(os.environ.get("TIDAR_CACHE") or Path.home() / ".cache" / "tidar_convert") / "kernels"
     path = folder / f"panels-{key}.so"
     if not path.exists():
-        folder.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=folder) as tmp:  # built aside, then renamed: a concurrent build or a kill leaves no half file
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            build = tempfile.TemporaryDirectory(dir=folder)
+        except OSError as err:
+            raise CacheUnwritable(folder) from err
+        with build as tmp:  # built aside, then renamed: a concurrent build or a kill leaves no half file
             src, out = Path(tmp) / "panels.c", Path(tmp) / "panels.so"
             src.write_text(PANEL_SOURCE)
             done = subprocess.run([cc, *PANEL_FLAGS, str(src), "-o", str(out)], capture_output=True, text=True, timeout=300)
@@ -513,7 +529,8 @@ def packed_forward(layer):
 
 def pass_seconds(layers, rows: int, packed: bool) -> float:
     """One pass of `rows` random rows through each layer, one product at a time, as a forward runs them."""
-    inputs = {(n, dtype): torch.randn(rows, n, dtype=dtype) for n, dtype in {(layer.in_features, layer.weight.dtype) for layer in layers}}
+    g = torch.Generator().manual_seed(0)  # not torch's global one: a seeded generate() after this timing must sample as one without
+    inputs = {(n, dtype): torch.randn(rows, n, dtype=dtype, generator=g) for n, dtype in {(layer.in_features, layer.weight.dtype) for layer in layers}}
     start = time.perf_counter()
     for layer in layers:
         x = inputs[layer.in_features, layer.weight.dtype]

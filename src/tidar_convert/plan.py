@@ -217,8 +217,8 @@ class Planner:
     def trim(self, draft: Draft, per_row: bool = False) -> Draft:
         """The draft cut after its last proposal that the step reaches with chance >= min_chance
         (with a shared commit: every row reaches it; per row: some row does), at least one kept.
-        Sampling stays exact: a slot's confidence reads its proposal distribution, never the token
-        drawn from it, so where a draft stops depends only on the proposals before (a stopping rule)."""
+        Sampling stays exact for any cut: a draft decides how many tokens a step commits, never which
+        (verify.Sampling)."""
         m = draft.tokens.shape[1]
         if self.mode == "full" or draft.confidence is None or m <= 2:
             return draft
@@ -251,7 +251,7 @@ def cut(draft: Draft, n: int) -> Draft:
     if n >= draft.tokens.shape[1]:
         return draft
     keep = lambda t: None if t is None else t[:, : n - 1]
-    return replace(draft, tokens=draft.tokens[:, :n], q=keep(draft.q), length=draft.length.clamp(max=n),
+    return replace(draft, tokens=draft.tokens[:, :n], length=draft.length.clamp(max=n),
                    confidence=keep(draft.confidence), raw_confidence=keep(draft.raw_confidence))
 
 

@@ -2,14 +2,13 @@
 
 Shipped in every export's custom_generate/ folder (see export.shipped_code): imports nothing but torch.
 
-A draft is `tokens[:, 0]` (already committed) followed by proposals `tokens[:, 1:length]`, each with a
-proposal distribution q (diffusion drafts) or none (deterministic drafts, e.g. lookup: q is then the
-one-hot of the drafted token). AR scores row i is p(. | prefix, tokens[1..i]).
+A draft is `tokens[:, 0]` (already committed) followed by proposals `tokens[:, 1:length]`. AR scores
+row i is p(. | prefix, tokens[1..i]).
 
   Greedy    accept while the proposal is the argmax of p: the output is exactly AR greedy.
-  Sampling  accept proposal d with probability min(1, p(d) / q(d)); on a rejection sample from
-            norm(max(0, p - q)) (for a deterministic draft: p with d removed, renormalised). The
-            committed tokens are then distributed exactly as AR sampling (Leviathan et al. 2023).
+  Sampling  accept while the proposal is the token AR sampling draws there, by the Gumbel-max trick
+            with noise keyed by (seed, row, position): the output is exactly AR sampling with that
+            noise, so a seed repeats it whatever the steps were (Sampling).
 """
 
 from __future__ import annotations
@@ -26,11 +25,11 @@ def real_slots(draft) -> torch.Tensor:
 class Greedy:
     """Accept a draft while it equals the argmax of the processed AR scores; the output is exactly AR greedy."""
 
-    def token(self, scores):
-        return scores.argmax(-1)
+    def seek(self, committed) -> None:  # greedy draws nothing
+        pass
 
-    def propose(self, scores):  # one draft slot: (token, proposal distribution or None)
-        return scores.argmax(-1), None
+    def token(self, scores, offset=0):
+        return scores.argmax(-1)
 
     def confidence(self, scores):
         """How likely a drafted slot is to be accepted, from the drafter's own scores (for the plan)."""
@@ -55,10 +54,43 @@ def at_rows(x, index):
 
 
 class Sampling:
-    """Rejection sampling against the proposal: the output is distributed as AR sampling."""
+    """Sampling by the Gumbel-max trick with noise keyed by position, so a seed gives the same tokens
+    whatever the steps were.
 
-    def __init__(self, generator=None):
-        self.generator = generator
+    The token a row commits at its t-th new position is argmax_v p(v) / E(v), E the row's own
+    exponential draws for index t (one vocabulary's worth, from a generator seeded by (seed, row, t)):
+    an exact sample of p. A draft slot for index t proposes argmax q(v) / E(v) with the same draws
+    and is accepted where it equals the AR token there; it can only change how many tokens a step
+    commits, never which. So the output is AR sampling with that noise, whatever the plan (its
+    choices follow measured timings), the drafter or the batch's commit lengths (Daliri et al. 2024,
+    "drafter-invariant speculative decoding"). Rejection sampling (accept with min(1, p/q), else the
+    residual) accepts diffusion drafts more often where q and p differ, but its token at a position
+    depends on the draft there, and whether a position is drafted at all follows the timings: no
+    seed could repeat it. A deterministic draft (lookup) is accepted with chance p(d) either way.
+
+    The engine calls `seek` after each commit with each row's count of new tokens: the index of what
+    a row's first AR row (and a draft's first proposal) predicts; `offset` counts on from there."""
+
+    def __init__(self, seed: int):
+        self.seed = seed
+        self.at = torch.zeros(1, dtype=torch.long)
+        self._draws: dict[tuple[int, int], torch.Tensor] = {}
+
+    def seek(self, committed) -> None:
+        """committed: (B,) or an int, the new tokens each row has committed."""
+        self.at = torch.as_tensor(committed, dtype=torch.long).cpu().reshape(-1)
+        at = self.at.tolist()
+        # a row's committed indices are never drawn again (per row: a finished row stops advancing)
+        self._draws = {(b, t): e for (b, t), e in self._draws.items() if t >= at[b if len(at) > 1 else 0]}
+
+    def draws(self, b: int, t: int, V: int, device) -> torch.Tensor:
+        """Row b's exponential draws (V,) for its new-token index t."""
+        e = self._draws.get((b, t))
+        if e is None:
+            g = torch.Generator(device=device).manual_seed(stream_seed(self.seed, b, t))
+            e = torch.rand(V, generator=g, device=device).log_().neg_()  # u = 0 gives inf: that token never wins
+            self._draws[(b, t)] = e
+        return e
 
     @staticmethod
     def probs(scores):
@@ -66,78 +98,58 @@ class Sampling:
         dead = ~torch.isfinite(scores).any(-1, keepdim=True)  # a processor removed every token (only in a draft)
         return scores.masked_fill(dead, 0.0).softmax(-1)
 
-    def sample(self, probs):
-        shape = probs.shape
-        return torch.multinomial(probs.reshape(-1, shape[-1]), 1, generator=self.generator).reshape(shape[:-1])
-
-    def token(self, scores):
-        return self.sample(self.probs(scores))
-
-    def propose(self, scores):
-        q = self.probs(scores)
-        return self.sample(q), q
+    def token(self, scores, offset=0):
+        """The sampled token of scores (B, V), or (B, n, V) for n consecutive indices, at new-token
+        index seek + offset (offset: an int or (B,))."""
+        one = scores.dim() == 2
+        probs = self.probs(scores[:, None] if one else scores)
+        B, n, V = probs.shape
+        if n == 0:
+            return probs.new_zeros((B, 0), dtype=torch.long)
+        index = self.at.expand(B) + torch.as_tensor(offset, dtype=torch.long).cpu()
+        noise = torch.stack([torch.stack([self.draws(b, t + i, V, probs.device) for i in range(n)]) for b, t in enumerate(index.tolist())])
+        y = (probs / noise).argmax(-1)
+        return y[:, 0] if one else y
 
     def confidence(self, scores):
         return self.probs(scores).amax(-1)
 
     def verify(self, scores, draft):
-        p = self.probs(scores[:, :-1])  # p[:, i-1] is the AR distribution for draft i
-        d = draft.tokens[:, 1:, None]
-        p_d = p.gather(-1, d).squeeze(-1)
-        q_d = draft.q.gather(-1, d).squeeze(-1) if draft.q is not None else torch.ones_like(p_d)
-        u = torch.rand(p_d.shape, generator=self.generator, device=p_d.device)
-        self._p = p
-        ok = (u * q_d < p_d) & real_slots(draft)  # u < p/q, without dividing by a q of 0
-        return 1 + ok.long().cumprod(1).sum(1)
-
-    def residual(self, draft, j):
-        """norm(max(0, p - q)) at draft position j, (B, V) unnormalised. A deterministic proposal has
-        q = one-hot(d): the residual is p without d. Where position j holds no proposal (a row that
-        drafted fewer), q = 0 and the residual is p itself."""
-        p = self._p[:, j - 1]
-        if draft.q is not None:
-            residual = (p - draft.q[:, j - 1]).clamp(min=0)
-        else:
-            residual = p.scatter(-1, draft.tokens[:, j, None], 0.0)
-        real = j < draft.length
-        return torch.where(real[:, None], residual, p)
+        """Drafts accepted per row: while each proposal is the token AR sampling draws there."""
+        match = (self.token(scores[:, :-1]) == draft.tokens[:, 1:]) & real_slots(draft)
+        return 1 + match.long().cumprod(1).sum(1)
 
     def next_token(self, target, draft, accepted, j, exact=True):
-        """The token at draft position j, drawn from `target` (the processed AR scores there). Rows that
-        rejected draft j resample from the residual; rows that accepted it (the batch commits the fewest
-        any row accepted) commit draft j itself: "draft if accepted, else residual" is what makes the
-        token distributed as p. After all drafts, a fresh sample from p (the bonus token).
-        exact=False (beta < 1): `target` is not p, so a plain draw from it."""
-        m = draft.tokens.shape[1]
-        y = self.token(target)
-        if j < m and exact:
-            y = torch.where(accepted > j, draft.tokens[:, j], y)
-            residual = self.residual(draft, j)
-            rejected = (accepted == j) & (residual.sum(-1) > 0)
-            if rejected.any():
-                y = torch.where(rejected, self.sample(residual / residual.sum(-1, keepdim=True).clamp(min=1e-30)), y)
-        return y
-
+        """The token at draft position j, drawn from `target` (the processed AR scores there, or beta's
+        mix: exact or not, the draw is the same rule). A row that accepted draft j draws it again (the
+        batch commits the fewest drafts any row accepted)."""
+        return self.token(target, j - 1)
 
     def next_token_rows(self, scores, draft, accepted):
-        """Each row's own next token: the residual at its first rejected proposal, else (all
-        accepted, or no proposal there) a fresh sample from p after its accepted drafts."""
-        m = draft.tokens.shape[1]
-        y = self.token(at_rows(scores, accepted - 1))
-        rejected = accepted < draft.length
-        if m == 1 or not rejected.any():
-            return y
-        at = (accepted - 1).clamp(max=m - 2)  # the rejected proposal's index among proposals
-        p = at_rows(self._p, at)
-        d = at_rows(draft.tokens[:, 1:], at)
-        if draft.q is not None:
-            residual = (p - at_rows(draft.q, at)).clamp(min=0)
-        else:
-            residual = p.scatter(-1, d[:, None], 0.0)
-        rejected = rejected & (residual.sum(-1) > 0)
-        if rejected.any():
-            y = torch.where(rejected, self.sample(residual / residual.sum(-1, keepdim=True).clamp(min=1e-30)), y)
-        return y
+        """Each row's own next token, after its own accepted drafts."""
+        return self.token(at_rows(scores, accepted - 1), accepted - 1)
+
+
+def stream_seed(seed: int, row: int, index: int) -> int:
+    """A generator seed for (seed, row, index): splitmix64 over the three, so nearby keys share nothing."""
+    h = 0
+    for x in (seed, row, index):
+        h = (h ^ x) & MASK64
+        h = (h + 0x9E3779B97F4A7C15) & MASK64
+        h = ((h ^ (h >> 30)) * 0xBF58476D1CE4E5B9) & MASK64
+        h = ((h ^ (h >> 27)) * 0x94D049BB133111EB) & MASK64
+        h ^= h >> 31
+    return h >> 1  # 63 bits: what every device's manual_seed takes
+
+
+MASK64 = (1 << 64) - 1
+
+
+def draw_seed(generator=None) -> int:
+    """The base seed of one generate() call, from `generator` or torch's default one: torch.manual_seed
+    before generate() repeats the call, and successive calls differ."""
+    device = generator.device if generator is not None else "cpu"
+    return int(torch.randint(0, 2**62, (), generator=generator, device=device))
 
 
 def mix(ar_logits, diff_logits, beta):
