@@ -39,7 +39,7 @@ DTYPE ?= float32
 $(BIN)/.installed: pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv --system-site-packages $(VENV)
 	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/python -m pip install "$(TORCH)"
-	$(BIN)/python -m pip install -e ".[dev,eval]"
+	$(BIN)/python -m pip install -e ".[dev,eval,serve]"
 	touch $@
 
 convert: $(BIN)/.installed

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import torch
 from transformers import GenerationConfig, GenerationMixin, LogitsProcessorList, StoppingCriteriaList
 from transformers.generation.utils import GenerateDecoderOnlyOutput
+from transformers.utils import logging
 
 # Relative, so the same lines work in the package and in an export's custom_generate/ folder.
 from .adapter import ensure as ensure_adapter
@@ -37,6 +38,9 @@ from .kernels import cpu_kernels, resolve as resolve_kernels
 from .layout import decode_mask_mod  # noqa: F401  (imported here so a missing layout.py is named as generate.py's import)
 from .plan import Planner
 from .verify import Greedy, Sampling, draw_seed
+
+# Under transformers' logger, so that `transformers serve --log-level info` shows it with its own lines.
+log = logging.get_logger("transformers.tidar")
 
 
 # --------------------------------------------------------------------------------------------
@@ -267,7 +271,12 @@ def generate(
     if run.streamer is not None:
         run.streamer.end()
     P = run.input_ids.shape[1]
-    model.tidar_stats = state.stats(P)
+    model.tidar_stats = stats = state.stats(P)
+    # An operator serving the export (`transformers serve --log-level info`) sees that TiDAR ran.
+    log.info(
+        "TiDAR generate: %d new tokens in %d forward passes (%.2f tokens per forward; drafts by source %s)",
+        stats["new_tokens"], stats["nfe"], stats["tokens_per_nfe"], stats["draft_sources"],
+    )
     if gc.return_dict_in_generate:
         n_new = state.seqs.shape[1] - P
         return GenerateDecoderOnlyOutput(
