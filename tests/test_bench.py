@@ -13,7 +13,7 @@ import pytest
 
 import torch
 
-from tidar_convert import decode
+from tidar_convert import decode, forward
 from tidar_convert.bench import gpu as bench_gpu
 from tidar_convert.bench import cli as bench, decoders, perplexity, plots, prompts, slots, steps
 from tidar_convert.bench.decoders import DECODERS, Decoder
@@ -324,7 +324,7 @@ def test_forward_counter_counts_slots_and_lm_head_rows(tiny_export):
     cache = DynamicCache()
     with torch.no_grad(), decoders.ForwardCounter(lm) as count:
         for n, keep in ((7, 1), (5, 0), (3, 2)):  # prefill 7 slots, then steps of 5 and 3 slots
-            lm(input_ids=torch.randint(0, 100, (1, n)), logits_to_keep=keep, **decode.cache_kwargs(lm, cache))
+            lm(input_ids=torch.randint(0, 100, (1, n)), logits_to_keep=keep, **forward.cache_kwargs(lm, cache))
     assert count.slots == [7, 5, 3] and count.head_rows == [1, 5, 2]
     assert count.forwards == 3 and count.steps == 2
     assert count.per_step(count.slots) == 4.0 and count.per_step(count.head_rows) == 3.5
