@@ -24,7 +24,7 @@ from pathlib import Path
 import lightning as L
 from torch.utils.data import DataLoader
 
-from .greedy import check_greedy
+from .greedy import PROMPT_TOKENS, cache_path, check_corpus, check_greedy
 from .packing import STDLIB_HELDOUT_EVERY, is_validation, pack, pack_marked, shuffled, tokenize_document
 from .sources import (
     PROSE_DOC_CHARS, PROSE_HELDOUT_BOOK, PROSE_HELDOUT_EVERY, PROSE_MEMBER, PROSE_PARTS, PROSE_WHEEL, TEXT_SUFFIXES,
@@ -105,8 +105,6 @@ class TiDARData(L.LightningDataModule):
         self.base_model = None  # the base model's name, set by the module: it writes the greedy documents
         self.tokenizer = None  # set by the module (it owns the tokenizer with the mask token)
         if greedy_corpus and greedy_docs == 0:  # the corpus would never be read: refuse, after checking it
-            from ..distill import check_corpus
-
             rows = check_corpus(greedy_corpus, val_every, 0)  # a missing or foreign file is named first
             raise ValueError(
                 f"--data.greedy_corpus {greedy_corpus!r} with --data.greedy_docs 0: none of its {rows} documents would be trained on; "
@@ -114,11 +112,9 @@ class TiDARData(L.LightningDataModule):
             )
 
     def check_greedy_corpus(self) -> None:
-        """Refuse a --data.greedy_corpus this run cannot train on (see distill.check_corpus), once the
+        """Refuse a --data.greedy_corpus this run cannot train on (see greedy.check_corpus), once the
         base model is known: the module calls this in setup, before any weight is loaded."""
         if self.greedy_corpus and self.greedy_docs > 0:
-            from ..distill import check_corpus
-
             check_corpus(self.greedy_corpus, self.val_every, self.greedy_docs, self.base_model)
 
     def _dataset(self, part: str) -> PackedDocuments:
@@ -137,15 +133,20 @@ class TiDARData(L.LightningDataModule):
         return PackedDocuments(self.tokenizer, sources, self.seq_len, part, self.val_every, self.text_field, self.name, self.split, self.seed, rank, world, buffer, **greedy)
 
     def _greedy_path(self) -> str:
-        from .. import distill
-
+        """The greedy corpus to read: the given --data.greedy_corpus, or fit's cached one, which
+        `distill.corpus_for_data` has made before training starts (this class never loads a model)."""
         if self.greedy_corpus:
-            distill.check_corpus(self.greedy_corpus, self.val_every, self.greedy_docs, self.base_model)
+            check_corpus(self.greedy_corpus, self.val_every, self.greedy_docs, self.base_model)
             return str(Path(self.greedy_corpus).expanduser().absolute())
-        path = distill.corpus_for_fit(
-            self.trainer, self.base_model, self.sources, self.greedy_docs, self.val_every, 32, self.greedy_new_tokens, distill.BATCH,
+        path = cache_path(
+            self.base_model, self.sources, self.greedy_docs, self.val_every, PROMPT_TOKENS, self.greedy_new_tokens,
             self.text_field, self.name, self.split, self.seed, self.greedy_dtype,
         )
+        if not path.is_file():
+            raise FileNotFoundError(
+                f"--data.greedy_docs {self.greedy_docs}: the greedy corpus {path} has not been made; `fit` makes it before training "
+                "(tidar_convert.distill.corpus_for_data(trainer, datamodule)), or make one with `tidar-convert distill` and pass --data.greedy_corpus."
+            )
         return str(path)
 
     def train_dataloader(self):
