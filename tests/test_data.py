@@ -231,3 +231,20 @@ def test_rows_without_text_are_counted_in_every_file_of_a_folder(tmp_path):
     (folder / "c.jsonl").write_text("")  # an empty file among others holds no row to lose
     with pytest.raises(ValueError, match=rf"2 of its 9 rows have no text in field 'text' \(the first, row 2 of {folder}/b.jsonl, has null or no such field"):
         list(iter_documents(str(folder)))
+
+
+def test_the_data_package_never_imports_distill():
+    """The data <-> distill cycle stays gone: distill generates from the data, never the other way
+    round, at module level or inside a function."""
+    import ast
+    from pathlib import Path
+
+    import tidar_convert.data as data
+
+    for path in Path(data.__file__).parent.glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom):
+                names = [node.module or ""] + [a.name for a in node.names if not node.module]
+                assert not any("distill" in n for n in names), f"{path.name}:{node.lineno} imports distill"
+            elif isinstance(node, ast.Import):
+                assert not any("distill" in a.name for a in node.names), f"{path.name}:{node.lineno} imports distill"

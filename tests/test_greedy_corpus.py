@@ -13,7 +13,7 @@ import torch
 
 from tidar_convert.cli import main
 from tidar_convert.data import TiDARData, is_validation
-from tidar_convert.distill import MADE_BY
+from tidar_convert.distill import MADE_BY, corpus_for_data
 
 TINY = str(Path(__file__).parents[1] / "recipes" / "tiny.yaml")
 
@@ -170,6 +170,7 @@ def test_no_validation_document_reaches_training_with_greedy_docs(tiny_dirs, tmp
     def data(**kw):
         dm = TiDARData(source=str(tmp_path / "docs.jsonl"), seq_len=8, val_every=4, **kw)
         dm.tokenizer, dm.base_model = tok, str(tiny_dirs["llama"])
+        corpus_for_data(None, dm)  # what the module's setup does in fit, before the DataModule reads anything
         return dm
 
     dm = data(greedy_docs=6, greedy_new_tokens=4)
@@ -187,6 +188,22 @@ def test_no_validation_document_reaches_training_with_greedy_docs(tiny_dirs, tmp
     mtime = path.stat().st_mtime_ns
     assert [d for d in data(greedy_docs=6, greedy_new_tokens=4)._dataset("train").documents() if d not in docs] == greedy
     assert path.stat().st_mtime_ns == mtime
+
+
+def test_the_datamodule_reads_a_ready_greedy_corpus_and_never_loads_a_model(tiny_dirs, tmp_path, monkeypatch):
+    """greedy_docs > 0 without a made corpus: the DataModule names the missing file and how it is made,
+    and loads no model to make it (fit's module makes it in setup, see distill.corpus_for_data)."""
+    from tidar_convert import loading
+
+    monkeypatch.setenv("TIDAR_CACHE", str(tmp_path / "cache"))
+    code_docs(tmp_path / "docs.jsonl", 30)
+    _, tok = loading.load_base(str(tiny_dirs["llama"]))
+    monkeypatch.setattr(loading, "load_base", lambda *a, **kw: pytest.fail("the DataModule loaded a model"))
+    dm = TiDARData(source=str(tmp_path / "docs.jsonl"), seq_len=8, val_every=4, greedy_docs=6, greedy_new_tokens=4)
+    dm.tokenizer, dm.base_model = tok, str(tiny_dirs["llama"])
+    with pytest.raises(FileNotFoundError, match=r"--data.greedy_docs 6: the greedy corpus .*cache/greedy/\w+\.jsonl has not been made; .*pass --data.greedy_corpus"):
+        dm._dataset("train")
+    assert not (tmp_path / "cache" / "greedy").exists() and list(dm._dataset("val").documents())  # validation never reads greedy text
 
 
 def test_two_process_fit_generates_the_corpus_once_and_both_ranks_read_it(tmp_path, tiny_dirs):

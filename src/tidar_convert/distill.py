@@ -10,31 +10,28 @@ model's own greedy text is what the diffusion half should learn to draft. Three 
     greedy documents and the generation runs on one full (never sharded) copy of the base model;
   - `fit --data.greedy_corpus corpus.jsonl` trains on a corpus made earlier by `distill`.
 
-Prompts are the first `prompt_tokens` tokens of *training* documents only (`data.is_validation`
+Prompts are the first `prompt_tokens` tokens of *training* documents only (`data.packing.is_validation`
 decides by a hash of each document's text). Every row records the `val_every` it was split with, and
 `fit` refuses a corpus split with another one: a prompt could then be a validation document.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import sys
 from pathlib import Path
 
 import torch
 
+from .data.greedy import DTYPES, MADE_BY, PROMPT_TOKENS, cache_path, check_corpus, first_row  # noqa: F401 (check_corpus: the reading side, kept importable from here)
+from .data.stream import PackedDocuments
 from .outputs import atomic_file, file_sha256
 
-MADE_BY = "tidar-convert distill"  # in every row: what marks a file as a corpus this tool may replace
-DTYPES = ("float32", "bfloat16", "float16")
 BATCH = 64  # prompts generated together (equal lengths, no padding): 1.4x the tokens/s of 32 on 2 CPU cores
 
 
 def training_prompts(tokenizer, sources: list[str], n_docs: int, prompt_tokens: int, val_every: int, text_field: str = "text", name: str | None = None, split: str = "train", seed: int = 0) -> list[list[int]]:
     """The first `prompt_tokens` tokens of the first `n_docs` training documents longer than that."""
-    from .data import PackedDocuments
-
     prompts = []
     docs = PackedDocuments(tokenizer, sources, prompt_tokens, "train", val_every, text_field, name, split, seed)
     for doc in docs.tokenized():  # the training part only: never a validation document
@@ -112,16 +109,6 @@ def make_corpus(model: str | None, sources: list[str], out: str | Path, n_docs: 
     return write_corpus(base, tokenizer, prompts, out, new_tokens, batch_size, meta)
 
 
-def first_row(path: str | Path) -> dict | None:
-    """The first row of a jsonl file, or None if it has none that parses as a JSON object."""
-    try:
-        with open(path, encoding="utf-8") as f:
-            row = json.loads(f.readline())
-    except (OSError, UnicodeDecodeError, ValueError):
-        return None
-    return row if isinstance(row, dict) else None
-
-
 def check_out(out: str, overwrite: bool) -> None:
     """Refuse, before any model loads, an --out that is not ours to write: only a new path, or (with
     overwrite) a corpus written by this command and unchanged since (its `.sha256` file says), may be written."""
@@ -145,46 +132,6 @@ def check_out(out: str, overwrite: bool) -> None:
             f"--out {out!r} was changed after `tidar-convert distill` wrote it (its sha256 differs from {checksum_path(path).name}); "
             "nothing was written. Move what you want to keep elsewhere, or choose a new file name; --overwrite only replaces a corpus as it was written."
         )
-
-
-def check_corpus(path: str, val_every: int, n_docs: int, model: str | None = None) -> int:
-    """The number of rows of a corpus `fit` may train on (`--data.greedy_corpus`); refuses one that
-    is missing, was not written by `distill`, was split with another val_every, is too short, or
-    (given the run's base `model`; None = not known) was written by another base model, whose greedy
-    text is not what this model's drafts are verified against."""
-    from .loading import same_model
-
-    fix = f"make one with `tidar-convert distill --model {model or 'M'} --sources ... --val_every {val_every} --out {path}`"
-    if not Path(path).is_file():
-        raise FileNotFoundError(f"--data.greedy_corpus {path!r} does not exist; {fix}.")
-    first = first_row(path)
-    if first is None or first.get("made_by") != MADE_BY:
-        raise ValueError(f"--data.greedy_corpus {path!r} was not written by `tidar-convert distill`, so nothing says its prompts are training documents; {fix}.")
-    if first.get("val_every") != val_every:
-        raise ValueError(
-            f"--data.greedy_corpus {path!r} took its prompts from a split with val_every={first.get('val_every')}, and this run holds out "
-            f"documents with val_every={val_every}: some prompts could be this run's validation documents. Pass --data.val_every "
-            f"{first.get('val_every')}, or {fix}."
-        )
-    made_by = first.get("model")
-    if model is not None and made_by is not None and not same_model(made_by, model):
-        raise ValueError(
-            f"--data.greedy_corpus {path!r} holds the greedy text of the base model {made_by!r}, and this run trains {model!r}: "
-            f"its drafts would learn another model's text, which verification then rejects; pass --model.model {made_by}, or {fix}."
-        )
-    with open(path, encoding="utf-8") as f:
-        rows = sum(1 for line in f if line.strip())
-    if rows < n_docs:
-        raise ValueError(f"--data.greedy_corpus {path!r} holds {rows} documents and --data.greedy_docs asks for {n_docs}; lower --data.greedy_docs to {rows}, or make a larger corpus.")
-    return rows
-
-
-def cache_path(model: str | None, sources: list[str], n_docs: int, val_every: int, prompt_tokens: int, new_tokens: int, text_field: str, name: str | None, split: str, seed: int, dtype: str) -> Path:
-    """Where `fit` keeps the corpus of these settings: computed alike on every rank, without the model."""
-    from .loading import cache_dir
-
-    key = json.dumps([model or "default", sources, n_docs, val_every, prompt_tokens, new_tokens, text_field, name, split, seed, dtype])
-    return cache_dir() / "greedy" / f"{hashlib.sha1(key.encode()).hexdigest()[:16]}.jsonl"
 
 
 def corpus_for_fit(trainer, model: str | None, sources: list[str], n_docs: int, val_every: int, prompt_tokens: int, new_tokens: int, batch_size: int, text_field: str, name: str | None, split: str, seed: int, dtype: str) -> Path:
@@ -222,6 +169,19 @@ def corpus_for_fit(trainer, model: str | None, sources: list[str], n_docs: int, 
         sys.stderr.write(f"rank {rank}: greedy documents from {path}\n")
         sys.stderr.flush()
     return path
+
+
+def corpus_for_data(trainer, dm) -> Path | None:
+    """Make the greedy corpus a TiDARData will read in this fit, before it reads any (the module calls
+    this in setup, before its own weights load): the DataModule only reads a ready file, never a model.
+    None when the run trains on no generated greedy documents (none asked for, a share of 0, or a
+    --data.greedy_corpus made by `distill`)."""
+    if dm.greedy_docs == 0 or dm.greedy_share == 0 or dm.greedy_corpus:
+        return None
+    return corpus_for_fit(
+        trainer, dm.base_model, dm.sources, dm.greedy_docs, dm.val_every, PROMPT_TOKENS, dm.greedy_new_tokens, BATCH,
+        dm.text_field, dm.name, dm.split, dm.seed, dm.greedy_dtype,
+    )
 
 
 def distill_cmd(

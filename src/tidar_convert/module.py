@@ -199,6 +199,10 @@ class TiDARModule(L.LightningModule):
             dm.tokenizer, dm.base_model = self.tokenizer, self.hparams.model or "default"  # the base model writes the greedy documents
             if hasattr(dm, "check_greedy_corpus"):
                 dm.check_greedy_corpus()
+                if stage == "fit":  # generated here, before configure_model loads this module's own weights
+                    from .distill import corpus_for_data
+
+                    corpus_for_data(self.trainer, dm)
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
         """Refuse, before its weights are read, a checkpoint whose parameters this module does not
