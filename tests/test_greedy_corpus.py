@@ -219,7 +219,7 @@ def test_two_process_fit_generates_the_corpus_once_and_both_ranks_read_it(tmp_pa
 def test_fit_trains_on_a_distill_corpus_with_every_greedy_lever(tiny_dirs, tmp_path, capsys):
     """The recipe surface of issue 9's levers, end to end: a corpus from `distill`, a greedy share, greedy
     text in the diffusion loss only, per-offset diffusion weights."""
-    from tidar_convert.cli import _lightning_cli
+    from tidar_convert.train import _lightning_cli
 
     corpus = tmp_path / "greedy.jsonl"
     main(["distill", "--model", str(tiny_dirs["llama"]), "--sources", "stdlib", "--out", str(corpus), "--n_docs", "8",

@@ -7,7 +7,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tidar_convert.cli import _lightning_cli, accumulation, device_count, global_batch_line, main
+from tidar_convert.cli import main
+from tidar_convert.train import _lightning_cli, accumulation, device_count, global_batch_line
 
 RECIPES = sorted((Path(__file__).parents[1] / "recipes").glob("*.yaml"))
 TINY = str(Path(__file__).parents[1] / "recipes" / "tiny.yaml")
