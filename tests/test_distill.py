@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from tidar_convert import layout
 from tidar_convert.loss import hybrid_loss
 
-from conftest import cycle_batch, train_tiny
+from helpers import cycle_batch, train_tiny
 
 
 def test_distill_loss_matches_hand_computation():
@@ -193,6 +193,7 @@ def test_base_teacher_is_the_base_model_with_adapters_off(tiny_dirs):
     assert any(p.grad is not None and p.grad.abs().sum() > 0 for n, p in m.model.named_parameters() if "lora_" in n)
 
 
+@pytest.mark.fit
 @pytest.mark.parametrize(
     "extra",
     [
