@@ -49,10 +49,10 @@ convert: $(BIN)/.installed
 		--out $(OUT) --overwrite  # replaces only an earlier export of this tool, never other files
 
 test: $(BIN)/.installed
-	$(BIN)/python -m pytest -q tests
+	$(BIN)/python -m pytest -q --durations=15 tests
 
 test-fast: $(BIN)/.installed
-	$(BIN)/python -m pytest -q -m "not slow" tests
+	$(BIN)/python -m pytest -q -m "not slow and not fit and not subprocess" tests
 
 bench: $(BIN)/.installed
 	$(BIN)/tidar-convert bench --model $(or $(MODEL),$(OUT)) $(if $(K),--k $(K)) $(if $(LIMIT),--limit $(LIMIT)) $(if $(BASE),--base $(BASE)) $(if $(DTYPE),--dtype $(DTYPE))

@@ -9,7 +9,7 @@ import torch
 from tidar_convert import export
 from tidar_convert.cli import main
 
-from conftest import cycle_batch
+from helpers import cycle_batch
 
 
 @pytest.fixture(scope="module")
@@ -45,6 +45,7 @@ def test_generate_plain_text_output(exported, capsys):
     assert "tokens/NFE" in captured.err and captured.out.strip()
 
 
+@pytest.mark.fit
 def test_export_from_checkpoint(tmp_path, tiny_dirs, capsys):
     from pathlib import Path
 
@@ -102,6 +103,7 @@ def test_help_names_every_command(capsys):
     assert "`tidar-convert fit --help` lists them" in out
 
 
+@pytest.mark.fit
 def test_a_checkpoint_records_its_base_model_absolute(tmp_path, tiny_dirs, monkeypatch, capsys):
     """fit from the model's parent folder with `./name`: the checkpoint records the folder absolute, so a
     resume there with the same spelling is the same model, and export runs from any folder; --model

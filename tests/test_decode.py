@@ -9,7 +9,7 @@ from transformers import StoppingCriteria, StoppingCriteriaList
 
 from tidar_convert.decode import Sampling, generate
 
-from conftest import FAMILIES, ar, cycle_batch, tiny_config
+from helpers import FAMILIES, ar, cycle_batch, tiny_config
 
 
 @pytest.mark.parametrize("family", FAMILIES)

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from tidar_convert import layout
 from tidar_convert.loss import hybrid_loss
 
-from conftest import cycle_batch, train_tiny
+from helpers import cycle_batch, train_tiny
 
 
 def test_distill_loss_matches_hand_computation():
@@ -193,6 +193,7 @@ def test_base_teacher_is_the_base_model_with_adapters_off(tiny_dirs):
     assert any(p.grad is not None and p.grad.abs().sum() > 0 for n, p in m.model.named_parameters() if "lora_" in n)
 
 
+@pytest.mark.fit
 @pytest.mark.parametrize(
     "extra",
     [
@@ -205,7 +206,7 @@ def test_base_teacher_is_the_base_model_with_adapters_off(tiny_dirs):
 def test_short_fit_with_distillation(tmp_path, tiny_dirs, extra):
     from test_fit import RECIPE
 
-    from tidar_convert.cli import _lightning_cli
+    from tidar_convert.train import _lightning_cli
 
     args = ["fit", "--config", RECIPE, "--model.model", str(tiny_dirs["llama"]), "--trainer.max_steps", "4", "--trainer.val_check_interval", "4"]
     args += ["--trainer.logger", "false", "--trainer.default_root_dir", str(tmp_path), "--model.val_decode_prompts", "0", *extra]
@@ -219,7 +220,7 @@ def test_short_fit_with_distillation(tmp_path, tiny_dirs, extra):
 
 
 def test_model_card_lists_distillation_only_when_used(tmp_path):
-    from tidar_convert.cli import training_card
+    from tidar_convert.train import training_card
 
     hp = {"lora_r": 0, "distill_weight": 0.5, "distill_temperature": 2.0, "teacher": "self"}
     assert {"distill_weight": 0.5, "distill_temperature": 2.0, "teacher": "self"}.items() <= training_card(hp, 3, tmp_path).items()

@@ -14,7 +14,7 @@ from tidar_convert.drafters import DRAFTERS, Draft, DraftContext, LookupDrafter
 from tidar_convert.costs import StepCosts
 from tidar_convert.plan import Planner, StepPlan, cut
 
-from conftest import FAMILIES, ar, cycle_batch
+from helpers import FAMILIES, ar, cycle_batch
 
 
 def padded_batch():

@@ -35,6 +35,7 @@ def fit_args(tmp_path, model, *extra) -> list[str]:
 # --------------------------------------------------------------------------------------------
 
 
+@pytest.mark.fit
 def test_tidar_cache_that_cannot_be_made_is_named(tmp_path, monkeypatch, capsys):
     from tidar_convert.loading import cache_dir
 
@@ -95,6 +96,7 @@ def damaged_copy(src, dest, what: str) -> Path:
     return dest
 
 
+@pytest.mark.fit
 def test_corrupt_config_json_of_a_base_model_is_named(tiny_dirs, tmp_path, capsys):
     from tidar_convert.loading import load_base
 
@@ -186,6 +188,7 @@ def hub_cache_entry(hub_cache: Path, repo_id: str, folder) -> Path:
     return repo / "snapshots" / commit
 
 
+@pytest.mark.fit
 def test_hub_id_without_network_fails_fast_and_says_pass_a_folder(no_hub, tmp_path, capsys):
     import time
 
@@ -254,6 +257,7 @@ def test_undecodable_text_files_in_a_folder_are_skipped_with_a_warning_naming_ea
     assert "perplexity" in capsys.readouterr().out
 
 
+@pytest.mark.fit
 def test_undecodable_single_data_files_are_refused_by_name(tmp_path, tiny_dirs, capsys):
     from tidar_convert.data import iter_documents
 
@@ -280,6 +284,7 @@ def test_undecodable_single_data_files_are_refused_by_name(tmp_path, tiny_dirs, 
     assert f"data file '{rows}' is not UTF-8 text" in cli_error(capsys, *fit_args(tmp_path, tiny_dirs["llama"], "--data.source", str(rows)))
 
 
+@pytest.mark.fit
 def test_jsonl_without_the_text_field_names_the_field_and_the_flag(tmp_path, tiny_dirs, capsys):
     import json
 

@@ -161,6 +161,7 @@ def runs(trained, tiny_dirs, tmp_path_factory):
 MODELS = ["trained", "random"]
 
 
+@pytest.mark.subprocess
 @pytest.mark.parametrize("batch", [1, 4])
 @pytest.mark.parametrize("model", MODELS)
 def test_loglikelihood_identical(runs, model, batch):
@@ -170,6 +171,7 @@ def test_loglikelihood_identical(runs, model, batch):
         assert all(max(range(3), key=lambda i: doc[i][0][0]) == 0 for doc in tidar["resps"]["tidar_tiny_mc"])
 
 
+@pytest.mark.subprocess
 @pytest.mark.parametrize("batch", [1, 4])
 @pytest.mark.parametrize("model", MODELS)
 def test_generate_until_identical(runs, model, batch):
@@ -185,6 +187,7 @@ def test_generate_until_identical(runs, model, batch):
         assert len({len(s) for s in stops}) > 1 and all("&'(" not in s for s in stops), stops  # cut where each row met the stop
 
 
+@pytest.mark.subprocess
 @pytest.mark.parametrize("batch", [1, 4])
 @pytest.mark.parametrize("model", MODELS)
 def test_trust_remote_code_is_what_switches_tidar_on(runs, model, batch):

@@ -13,7 +13,7 @@ from tidar_convert import export, load
 from tidar_convert.export import check_export
 from tidar_convert.outputs import MARKER, is_export
 
-from conftest import cycle_batch
+from helpers import cycle_batch
 
 
 @pytest.fixture(scope="module")
@@ -38,6 +38,7 @@ def test_model_card_loads_as_a_hub_card(exported):
     assert "trust_remote_code=True" in card.text and "block size (tokens drafted per step): 4" in card.text
 
 
+@pytest.mark.subprocess
 def test_runs_without_tidar_convert_installed(exported):
     """The acceptance test: tidar_convert blocked from import, TiDAR greedy == AR greedy, drafts accepted."""
     script = textwrap.dedent(

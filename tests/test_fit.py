@@ -12,7 +12,7 @@ from tidar_convert.cli import main
 from tidar_convert.data import PackedDocuments
 from tidar_convert.loss import hybrid_loss
 
-from conftest import FAMILIES
+from helpers import FAMILIES
 
 RECIPE = str(Path(__file__).parents[1] / "recipes" / "tiny.yaml")
 
@@ -56,6 +56,7 @@ def held_out_loss(model, tokenizer, source, block_size=4, seq_len=64):
     return hybrid_loss(logits, *layout.train_labels(ids, docs), 1.0, block_size)["loss"].item()
 
 
+@pytest.mark.fit
 @pytest.mark.parametrize("family", FAMILIES)
 def test_short_fit_lowers_loss_and_writes_a_loadable_folder(tmp_path, tiny_dirs, corpus, family, monkeypatch):
     from tidar_convert.loading import load_base
@@ -76,6 +77,7 @@ def test_short_fit_lowers_loss_and_writes_a_loadable_folder(tmp_path, tiny_dirs,
         assert list((tmp_path / "runs" / "tiny" / "wandb").glob("offline-run-*/*.wandb")), "no offline W&B run written"
 
 
+@pytest.mark.fit
 def test_resume_from_last_checkpoint(tmp_path, tiny_dirs):
     fit(tmp_path, tiny_dirs["qwen2"], "--trainer.max_steps", "10")
     last = tmp_path / "run" / "checkpoints" / "last.ckpt"
@@ -84,6 +86,7 @@ def test_resume_from_last_checkpoint(tmp_path, tiny_dirs):
     assert torch.load(last, weights_only=False)["global_step"] == 20
 
 
+@pytest.mark.fit
 def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path, tiny_dirs, monkeypatch, capsys):
     import tidar_convert.module as module
 
@@ -107,6 +110,7 @@ def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path, tiny
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.fit
 @pytest.mark.parametrize(
     "extra,message",
     [
@@ -122,6 +126,7 @@ def test_bad_training_settings_are_refused(tmp_path, tiny_dirs, extra, message, 
     assert message in capsys.readouterr().err
 
 
+@pytest.mark.fit
 def test_empty_or_too_short_data_is_refused(tmp_path, tiny_dirs, capsys):
     empty = tmp_path / "empty"
     empty.mkdir()
@@ -137,8 +142,9 @@ def test_empty_or_too_short_data_is_refused(tmp_path, tiny_dirs, capsys):
     assert "fewer than seq_len=64 tokens" in capsys.readouterr().err
 
 
+@pytest.mark.fit
 def test_validation_logs_real_decoding_acceptance(tmp_path, tiny_dirs):
-    from tidar_convert.cli import _lightning_cli
+    from tidar_convert.train import _lightning_cli
 
     cli = _lightning_cli(["fit", "--config", RECIPE, "--model.model", str(tiny_dirs["llama"]), "--trainer.max_steps", "15", "--trainer.logger", "false", "--trainer.default_root_dir", str(tmp_path)])
     metrics = cli.trainer.callback_metrics
@@ -160,6 +166,8 @@ def cli_process(tmp_path, model_dir, *extra):
     return subprocess.Popen(cmd, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
+@pytest.mark.fit
+@pytest.mark.subprocess
 def test_fit_output_is_quiet_and_informative_and_config_stays_in_the_run_folder(tmp_path, tiny_dirs):
     (tmp_path / "config.yaml").write_text("mine: true\n")  # the user's own file in the working directory
     proc = cli_process(tmp_path, tiny_dirs["llama"], "--trainer.max_steps", "3", "--out", str(tmp_path / "out"))
@@ -177,6 +185,8 @@ def test_fit_output_is_quiet_and_informative_and_config_stays_in_the_run_folder(
     assert len(lines) <= 8, lines
 
 
+@pytest.mark.fit
+@pytest.mark.subprocess
 def test_sigterm_saves_a_checkpoint_exits_nonzero_and_resumes(tmp_path, tiny_dirs):
     """What SLURM/Kubernetes send before killing a job: save, exit 143, and --ckpt_path last continues."""
     import signal
@@ -196,6 +206,7 @@ def test_sigterm_saves_a_checkpoint_exits_nonzero_and_resumes(tmp_path, tiny_dir
     assert torch.load(last, weights_only=False)["global_step"] == step + 2
 
 
+@pytest.mark.fit
 def test_resume_last_without_a_checkpoint_is_an_error(tmp_path, tiny_dirs, capsys):
     with pytest.raises(SystemExit):
         fit(tmp_path, tiny_dirs["llama"], "--ckpt_path", "last")
@@ -204,6 +215,7 @@ def test_resume_last_without_a_checkpoint_is_an_error(tmp_path, tiny_dirs, capsy
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.fit
 @pytest.mark.parametrize("steps", ["0", "-5"])
 def test_max_steps_that_train_nothing_are_refused(tmp_path, tiny_dirs, capsys, steps):
     with pytest.raises(SystemExit):
@@ -212,6 +224,7 @@ def test_max_steps_that_train_nothing_are_refused(tmp_path, tiny_dirs, capsys, s
     assert not (tmp_path / "run").exists() and not (tmp_path / "out").exists()
 
 
+@pytest.mark.fit
 def test_fit_out_is_checked_before_training(tmp_path, tiny_dirs, capsys):
     """A bad --out fails in seconds, not after the whole run, and is never deleted."""
     thesis = tmp_path / "thesis"
@@ -228,6 +241,8 @@ def test_fit_out_is_checked_before_training(tmp_path, tiny_dirs, capsys):
     assert (thesis / "thesis.tex").read_text() == "years of work" and a_file.read_text() == "mine"
 
 
+@pytest.mark.fit
+@pytest.mark.subprocess
 def test_make_convert_runs_the_fit_command_it_prints(tmp_path, tiny_dirs):
     """`make convert` is the README's first command: its fit line parses, trains, exports, and run
     again replaces its own export (a bare `--overwrite` the parser refused once broke it)."""
@@ -247,6 +262,7 @@ def test_make_convert_runs_the_fit_command_it_prints(tmp_path, tiny_dirs):
         assert f"steps: {steps}" in (out / "README.md").read_text()
 
 
+@pytest.mark.fit
 def test_fit_replaces_an_earlier_export_only_with_overwrite(tmp_path, tiny_dirs, capsys):
     out = fit(tmp_path, tiny_dirs["llama"], "--trainer.max_steps", "2")
     card = (out / "README.md").read_text()
@@ -258,25 +274,27 @@ def test_fit_replaces_an_earlier_export_only_with_overwrite(tmp_path, tiny_dirs,
     assert "steps: 3" in (out / "README.md").read_text()
 
 
+@pytest.mark.fit
 def test_bf16_on_a_cpu_without_native_bf16_is_flagged(tmp_path, tiny_dirs, capsys, monkeypatch):
     """bf16 emulated on a CPU without AMX/AVX512-BF16 trains many times slower: say so, with the fix."""
-    from tidar_convert import cli
+    from tidar_convert import train
 
     info = tmp_path / "cpuinfo"
     info.write_text("flags\t\t: fpu sse avx2 avx512f avx512bw\n")
-    assert cli.cpu_has_native_bf16(str(info)) is False
+    assert train.cpu_has_native_bf16(str(info)) is False
     info.write_text("flags\t\t: fpu avx512f avx512_bf16 amx_tile amx_bf16\n")
-    assert cli.cpu_has_native_bf16(str(info)) is True
-    assert cli.cpu_has_native_bf16(str(tmp_path / "missing")) is None  # not Linux: no claim either way
+    assert train.cpu_has_native_bf16(str(info)) is True
+    assert train.cpu_has_native_bf16(str(tmp_path / "missing")) is None  # not Linux: no claim either way
 
-    monkeypatch.setattr(cli, "cpu_has_native_bf16", lambda: False)
+    monkeypatch.setattr(train, "cpu_has_native_bf16", lambda: False)
     fit(tmp_path, tiny_dirs["llama"], "--trainer.max_steps", "1", "--trainer.precision", "bf16-mixed", "--trainer.accelerator", "cpu")
     assert "warning: --trainer.precision bf16-mixed on a CPU without native bf16" in capsys.readouterr().err
-    monkeypatch.setattr(cli, "cpu_has_native_bf16", lambda: True)
+    monkeypatch.setattr(train, "cpu_has_native_bf16", lambda: True)
     fit(tmp_path / "again", tiny_dirs["llama"], "--trainer.max_steps", "1", "--trainer.precision", "bf16-mixed", "--trainer.accelerator", "cpu")
     assert "without native bf16" not in capsys.readouterr().err
 
 
+@pytest.mark.fit
 def test_each_fit_in_one_process_gets_its_own_wandb_run(tmp_path, tiny_dirs, monkeypatch):
     """Lightning leaves the W&B run open after fit; the next WandbLogger in the same process (a
     notebook, a test, a sweep) would log into it, in the first run's folder. fit closes it."""

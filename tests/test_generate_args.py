@@ -16,7 +16,7 @@ from tidar_convert import decode
 from tidar_convert.decode import generate
 from tidar_convert.loading import load_base
 
-from conftest import cycle_batch, train_tiny
+from helpers import cycle_batch, train_tiny
 from test_decode import N_NEW, SAMPLING_SETTINGS, chi_square_p, exact_distribution, sample_counts
 from test_decode import small_vocab_model  # noqa: F401  (a fixture)
 

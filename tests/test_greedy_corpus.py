@@ -206,6 +206,8 @@ def test_the_datamodule_reads_a_ready_greedy_corpus_and_never_loads_a_model(tiny
     assert not (tmp_path / "cache" / "greedy").exists() and list(dm._dataset("val").documents())  # validation never reads greedy text
 
 
+@pytest.mark.fit
+@pytest.mark.subprocess
 def test_two_process_fit_generates_the_corpus_once_and_both_ranks_read_it(tmp_path, tiny_dirs):
     """2 processes (gloo DDP under torchrun): rank 0 generates, rank 1 waits at the barrier and reads the same file."""
     with socket.socket() as s:
@@ -233,10 +235,11 @@ def test_two_process_fit_generates_the_corpus_once_and_both_ranks_read_it(tmp_pa
     assert read == [f"rank 0: greedy documents from {files[0]}", f"rank 1: greedy documents from {files[0]}"], proc.stderr[-3000:]
 
 
+@pytest.mark.fit
 def test_fit_trains_on_a_distill_corpus_with_every_greedy_lever(tiny_dirs, tmp_path, capsys):
     """The recipe surface of issue 9's levers, end to end: a corpus from `distill`, a greedy share, greedy
     text in the diffusion loss only, per-offset diffusion weights."""
-    from tidar_convert.cli import _lightning_cli
+    from tidar_convert.train import _lightning_cli
 
     corpus = tmp_path / "greedy.jsonl"
     main(["distill", "--model", str(tiny_dirs["llama"]), "--sources", "stdlib", "--out", str(corpus), "--n_docs", "8",

@@ -7,7 +7,7 @@ from torch.nn.attention.flex_attention import create_mask
 from tidar_convert import layout
 from tidar_convert.loading import load_base, model_from_config
 
-from conftest import FAMILIES, tiny_config
+from helpers import FAMILIES, tiny_config
 
 S, K = 16, 4
 

@@ -4,7 +4,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from tidar_convert.loading import MASK_TOKEN, PAD_TOKEN, add_tidar_tokens, check_architecture, load_base, resolve
 
-from conftest import FAMILIES
+from helpers import FAMILIES
 
 
 @pytest.mark.parametrize("family", FAMILIES)

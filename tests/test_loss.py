@@ -103,7 +103,7 @@ def test_greedy_tokens_are_no_ar_targets_and_send_no_ar_gradient():
 
 
 def test_module_trains_greedy_tokens_in_the_diffusion_loss_only(tiny_dirs):
-    from conftest import cycle_batch
+    from helpers import cycle_batch
 
     from tidar_convert import layout
     from tidar_convert.module import TiDARModule

@@ -15,7 +15,7 @@ from tidar_convert.adapter import ADAPTER_FILE, Gate
 from tidar_convert.decode import generate
 from tidar_convert.lora import add_lora
 
-from conftest import ar, cycle_batch, train_tiny
+from helpers import ar, cycle_batch, train_tiny
 
 
 def randomize_adapters(model, seed=0, std=0.3):
@@ -302,6 +302,7 @@ def test_a_bad_adapter_setting_is_refused_before_anything_is_written(scoped, tmp
     assert not (tmp_path / "x").exists() and not (tmp_path / "y").exists()
 
 
+@pytest.mark.subprocess
 def test_scoped_export_runs_without_tidar_convert_installed(scoped):
     _, _, out, prompt, _ = scoped
     script = textwrap.dedent(
@@ -336,6 +337,7 @@ def test_a_scoped_export_missing_its_adapter_is_named(scoped, tmp_path):
         check_export(copy_dir)
 
 
+@pytest.mark.fit
 def test_fit_with_mask_scope_exports_the_base_weights_and_the_adapter(tmp_path, tiny_dirs):
     """Through the CLI: the flag reaches the module, training moves only the adapters, the export
     ships them apart and decodes exactly as the base."""
@@ -396,6 +398,7 @@ def test_split_halves_give_the_one_forward_loss_and_gradients(tiny_dirs, monkeyp
     assert sum(g.abs().sum() for g in split_grads) > 0
 
 
+@pytest.mark.fit
 def test_the_default_recipe_keeps_what_the_base_writes(tmp_path, tiny_dirs, monkeypatch):
     """`make convert`'s recipe, as shipped (but a tiny model, its stdlib data alone and a few steps):
     the export's weights are the base's and TiDAR decoding writes what the base writes. A default

@@ -87,6 +87,8 @@ def runs(tmp_path_factory, tiny_dirs):
     return get
 
 
+@pytest.mark.fit
+@pytest.mark.subprocess
 @pytest.mark.parametrize("strategy", ["ddp", "sharded"])
 def test_two_processes_follow_the_one_process_loss_trajectory(runs, strategy):
     one, two = losses(runs("one").with_suffix(".json")), losses(runs(strategy).with_suffix(".json"))
@@ -95,6 +97,8 @@ def test_two_processes_follow_the_one_process_loss_trajectory(runs, strategy):
     assert two == pytest.approx(one, abs=LOSS_TOL), [b - a for a, b in zip(one, two)]
 
 
+@pytest.mark.fit
+@pytest.mark.subprocess
 def test_a_sharded_checkpoint_is_a_folder_of_shards_and_resumes_step_for_step(runs, tiny_dirs):
     sharded = runs("sharded")
     ckpts = sharded / "checkpoints"
@@ -115,6 +119,8 @@ def greedy(folder: Path, prompts: torch.Tensor) -> torch.Tensor:
     return model.generate(prompts, max_new_tokens=24, do_sample=False, eos_token_id=None)
 
 
+@pytest.mark.fit
+@pytest.mark.subprocess
 def test_a_sharded_checkpoint_exports_what_one_process_trained(runs, tmp_path):
     from safetensors.torch import load_file
 
@@ -127,6 +133,8 @@ def test_a_sharded_checkpoint_exports_what_one_process_trained(runs, tmp_path):
     assert torch.equal(greedy(tmp_path / "sharded", prompts), greedy(tmp_path / "one", prompts))
 
 
+@pytest.mark.fit
+@pytest.mark.subprocess
 def test_lora_trains_and_exports_under_the_sharded_strategy(tmp_path, tiny_dirs):
     from safetensors.torch import load_file
 
@@ -148,6 +156,8 @@ def test_lora_trains_and_exports_under_the_sharded_strategy(tmp_path, tiny_dirs)
     assert torch.equal(greedy(out, prompts), greedy(tmp_path / "from_ckpt", prompts))
 
 
+@pytest.mark.fit
+@pytest.mark.subprocess
 def test_a_sharded_checkpoint_given_to_another_strategy_says_how_to_use_it(runs, tiny_dirs, tmp_path, capsys):
     ckpt = runs("sharded") / "checkpoints" / "last.ckpt"
     with pytest.raises(SystemExit):
@@ -174,6 +184,7 @@ def test_the_decoder_layer_class_comes_from_the_model_or_a_clear_error(tiny_dirs
         decoder_layer_class(model)
 
 
+@pytest.mark.subprocess
 @pytest.mark.slow
 def test_a_rank_never_holds_the_whole_model_in_float32(tmp_path, tokenizer):
     """A ~1 GB (float32) llama saved in bf16, as real checkpoints are: setting it up sharded over 2

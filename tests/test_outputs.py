@@ -285,6 +285,7 @@ def run_child(dest: Path, kill_at: int, mode: str) -> subprocess.CompletedProces
     return subprocess.run([sys.executable, "-c", CHILD, str(OUTPUTS_PY), str(dest), str(kill_at), mode], capture_output=True, text=True, timeout=60)
 
 
+@pytest.mark.subprocess
 @pytest.mark.parametrize("mode", ["exchange", "fallback"])
 @pytest.mark.parametrize("existing", [True, False])
 def test_a_kill_at_every_step_leaves_the_old_or_the_new_version(tmp_path, mode, existing):

@@ -341,7 +341,8 @@ GENERATE_CASES: list = [
 
 # --------------------------------------------------------------------------------------------
 
-CASES = FIT_CASES + OUTPUT_CASES + GENERATE_CASES
+# FIT_CASES go through LightningCLI (`tidar-convert fit`), some past loading the model: `make test-fast` leaves them out
+CASES = [pytest.param(*c.values, marks=[*c.marks, pytest.mark.fit], id=c.id) for c in FIT_CASES] + OUTPUT_CASES + GENERATE_CASES
 
 
 @pytest.fixture(scope="module")

@@ -160,6 +160,7 @@ def fit(run, model_dir, corpus, workers, max_steps, *extra):
     ])  # fmt: skip
 
 
+@pytest.mark.fit
 @pytest.mark.parametrize("workers", [0, 2])
 def test_a_resumed_fit_sees_exactly_the_chunks_of_an_uninterrupted_one(tmp_path, tiny_dirs, small_corpus, steps, workers, capsys):
     total = 20
@@ -212,6 +213,7 @@ def test_a_resumed_fit_sees_exactly_the_chunks_of_an_uninterrupted_one(tmp_path,
         assert_same_steps(name + ", resumed", after, whole, range(saved, total))
 
 
+@pytest.mark.fit
 def test_sigterm_during_gradient_accumulation_resumes_on_the_same_chunks(tmp_path, tiny_dirs, small_corpus, steps):
     """The paper recipes accumulate gradients: a SIGTERM while a micro-batch trains saves at the end
     of that optimizer step, and the resumed run goes on from the next one."""
@@ -282,6 +284,7 @@ class FillsUp:
         self.f.close()
 
 
+@pytest.mark.fit
 def test_a_full_disk_while_saving_leaves_the_previous_last_ckpt_whole_and_ends_in_one_line(tmp_path, tiny_dirs, small_corpus, monkeypatch, capsys):
     """Probe (issue 31): a full disk during fit left a truncated last.ckpt, and resume and export then failed."""
     from tidar_convert import outputs
@@ -317,6 +320,7 @@ def test_a_full_disk_while_saving_leaves_the_previous_last_ckpt_whole_and_ends_i
     assert last_step(run) == 4
 
 
+@pytest.mark.fit
 def test_resuming_in_a_copied_run_folder_writes_its_last_ckpt(tmp_path, tiny_dirs, small_corpus):
     """Probe (issue 31): `--ckpt_path last` in a copied run folder wrote last-v1.ckpt, and
     `export .../last.ckpt` then took the old one."""
@@ -334,6 +338,7 @@ def test_resuming_in_a_copied_run_folder_writes_its_last_ckpt(tmp_path, tiny_dir
 # --------------------------------------------------------------------------------------------
 
 
+@pytest.mark.fit
 def test_ctrl_c_saves_a_checkpoint_says_so_and_resumes(tmp_path, tiny_dirs, small_corpus, steps, capsys):
     """Probe (issue 31): SIGINT at step 23 exited 1, without a word, and saved nothing."""
     run, model = tmp_path / "run", tiny_dirs["qwen2"]
@@ -352,6 +357,7 @@ def test_ctrl_c_saves_a_checkpoint_says_so_and_resumes(tmp_path, tiny_dirs, smal
     assert sorted(steps) == [4, 5] and saved_step(run, 0) == 6
 
 
+@pytest.mark.fit
 def test_a_second_ctrl_c_stops_at_once_and_says_nothing_was_saved(tmp_path, tiny_dirs, small_corpus, steps, capsys):
     run = tmp_path / "run"
     steps.signal_at = (3, signal.SIGINT, 2)
@@ -362,6 +368,7 @@ def test_a_second_ctrl_c_stops_at_once_and_says_nothing_was_saved(tmp_path, tiny
     assert not (run / "checkpoints" / "last.ckpt").exists()
 
 
+@pytest.mark.fit
 @pytest.mark.parametrize("when, signum", [("loading", signal.SIGTERM), ("loading", signal.SIGINT), ("sanity check", signal.SIGTERM)])
 def test_a_signal_before_the_first_step_says_nothing_was_saved_and_the_requeue_starts_cleanly(tmp_path, tiny_dirs, small_corpus, steps, monkeypatch, capsys, when, signum):
     """Probe (issue 31): SIGTERM before step 1 exited 143 without a word, and the documented requeue
@@ -392,6 +399,7 @@ def test_a_signal_before_the_first_step_says_nothing_was_saved_and_the_requeue_s
     assert not (run / NOTHING_SAVED).exists()  # it took a step: a later --ckpt_path last without a checkpoint is refused again
 
 
+@pytest.mark.fit
 def test_ctrl_c_once_training_ended_is_a_keyboard_interrupt_as_ever(tmp_path, tiny_dirs, small_corpus, monkeypatch, capsys):
     """While `fit --out` exports, training is over: Ctrl-C is Python's own KeyboardInterrupt, not a
     "stopped before the first step" (the export is atomic, and last.ckpt is already written)."""

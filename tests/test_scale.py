@@ -7,7 +7,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tidar_convert.cli import _lightning_cli, accumulation, device_count, global_batch_line, main
+from tidar_convert.cli import main
+from tidar_convert.train import _lightning_cli, accumulation, device_count, global_batch_line
 
 RECIPES = sorted((Path(__file__).parents[1] / "recipes").glob("*.yaml"))
 TINY = str(Path(__file__).parents[1] / "recipes" / "tiny.yaml")
@@ -45,6 +46,7 @@ def test_device_count():
     assert [device_count(d) for d in (8, "8", [0, 1], "0,1,3", "auto", -1, 0)] == [8, 8, 2, 3, None, None, None]
 
 
+@pytest.mark.fit
 @pytest.mark.parametrize("recipe", RECIPES, ids=[r.stem for r in RECIPES])
 def test_every_recipe_parses_and_reaches_its_global_batch(recipe, capsys):
     with pytest.raises(SystemExit) as e:
@@ -66,6 +68,7 @@ def test_every_recipe_parses_and_reaches_its_global_batch(recipe, capsys):
         assert cfg["model"]["block_size"] == blocks[recipe.stem]
 
 
+@pytest.mark.fit
 def test_fit_derives_accumulation_prints_it_and_records_it(tmp_path, tiny_dirs, capsys):
     cli = _lightning_cli([
         "fit", "--config", TINY, "--model.model", str(tiny_dirs["llama"]), "--trainer.max_steps", "2",
@@ -77,6 +80,7 @@ def test_fit_derives_accumulation_prints_it_and_records_it(tmp_path, tiny_dirs, 
     assert saved["global_batch_tokens"] == 384 and saved["trainer"]["accumulate_grad_batches"] is None  # derived again on a rerun
 
 
+@pytest.mark.fit
 @pytest.mark.parametrize(
     "extra,message",
     [
@@ -91,6 +95,7 @@ def test_fit_refuses_an_unreachable_global_batch_before_loading_the_model(tmp_pa
     assert message in capsys.readouterr().err
 
 
+@pytest.mark.fit
 def test_fit_logs_throughput_and_memory_to_csv_and_wandb(tmp_path, tiny_dirs, monkeypatch):
     from tidar_convert.loading import load_base
 
@@ -120,6 +125,8 @@ def test_fit_logs_throughput_and_memory_to_csv_and_wandb(tmp_path, tiny_dirs, mo
     assert list((tmp_path / "wandb").glob("offline-run-*/*.wandb")), "no offline W&B run written"
 
 
+@pytest.mark.fit
+@pytest.mark.subprocess
 def test_two_nodes_under_torchrun_reach_the_global_batch_and_log_each_rank(tmp_path, tiny_dirs):
     """What the README's torchrun command does, with 2 one-process "nodes" on this machine (gloo)."""
     import os

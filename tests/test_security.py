@@ -29,7 +29,7 @@ from transformers import AutoModelForCausalLM
 from tidar_convert import bench, export, load
 from tidar_convert.export import TiDARFallbackWarning, custom_generate_problem, fallback_reason, require_tidar, tidar_active
 
-from conftest import cycle_batch
+from helpers import cycle_batch
 
 
 @pytest.fixture(scope="module")
@@ -78,6 +78,7 @@ def load_in_subprocess(folder: Path, tmp_path: Path, trust: str) -> dict:
     return json.loads(res.stdout.rsplit("RESULT ", 1)[-1])  # after the [y/N] prompt transformers prints (stdin is empty)
 
 
+@pytest.mark.subprocess
 @pytest.mark.parametrize("trust", ["omitted", "False"])
 def test_without_trust_remote_code_the_shipped_code_never_runs(spiked, tmp_path, trust):
     folder, sentinel = spiked
@@ -92,6 +93,7 @@ def test_without_trust_remote_code_the_shipped_code_never_runs(spiked, tmp_path,
     assert "contains custom generation code" in out["custom_generate_call"]
 
 
+@pytest.mark.subprocess
 def test_with_trust_remote_code_the_shipped_code_runs(spiked, tmp_path):
     """Positive control: the same spiked copy, opted in. Without it the absent sentinel proves nothing."""
     folder, sentinel = spiked

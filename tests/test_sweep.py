@@ -22,6 +22,7 @@ def sweep(tmp_path, model_dir, spec: dict | str, *extra):
     return tmp_path / "sweep"
 
 
+@pytest.mark.subprocess
 def test_sweep_end_to_end_a_failing_arm_does_not_stop_the_others_and_a_rerun_skips_finished_arms(tmp_path, tiny_dirs, capsys, monkeypatch):
     arms = {"typo": ["--model.no_such_flag", "1"], "hard": [], "soft": ["--model.distill_weight", 0.5]}
     with pytest.raises(SystemExit) as e:  # one arm failed: reported, and the sweep says so in its exit status

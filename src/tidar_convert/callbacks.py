@@ -122,7 +122,7 @@ class Signals:
     - before training runs (loading the model, building data, setting up): stop at once, say that
       nothing was saved, and leave NOTHING_SAVED in the run folder, so a requeue with
       `--ckpt_path last` starts from scratch instead of failing on the missing checkpoint
-      (`cli.check_resume`); a run folder that never ran has no such file and is still refused;
+      (`train.check_resume`); a run folder that never ran has no such file and is still refused;
     - while training: SIGTERM is Lightning's (it stops at the next step boundary, and `Preemption`
       saves last.ckpt); a first SIGINT does the same, a second stops at once without saving;
     - once training ended (exporting, say), and in any other process (DataLoader workers inherit the

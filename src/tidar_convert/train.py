@@ -1,0 +1,410 @@
+"""`tidar-convert fit | validate`: the LightningCLI, its checks before a model loads (settings,
+accelerator, global batch, resume), and what a run says and exports when it ends.
+
+cli.main imports this module only for fit/validate: it imports Lightning at once, which the
+typed commands (export, generate, ...) need not pay for.
+"""
+
+from __future__ import annotations
+
+import json as jsonlib
+import os
+import sys
+from pathlib import Path
+
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.cli import LightningCLI, SaveConfigCallback
+
+from .callbacks import Preemption, RunClock, Throughput, TrainProgress, atomic_checkpoints
+
+
+def check_fit_config(cfg) -> None:
+    """Refuse, before any model is loaded, settings that would train nothing or lose the result."""
+    steps = cfg.trainer.get("max_steps")
+    if steps == 0 or (steps is not None and steps < -1):
+        raise ValueError(
+            f"--trainer.max_steps {steps}: trains nothing{'' if steps == 0 else ' (negative)'}; "
+            "pass the number of optimizer steps to train (>= 1), or -1 to stop after --trainer.max_epochs."
+        )
+    tokens = cfg.get("global_batch_tokens")
+    if tokens is not None and tokens <= 0:
+        raise ValueError(f"--global_batch_tokens {tokens}: must be > 0 (the paper's recipes use 2097152, 2M tokens).")
+    if cfg.get("out"):
+        from .outputs import check_export_target
+
+        check_export_target(cfg.out, overwrite=bool(cfg.get("overwrite")))
+    precision = str(cfg.trainer.get("precision") or "")
+    if precision.startswith("bf16") and training_on_cpu(cfg.trainer.get("accelerator")) and cpu_has_native_bf16() is False:
+        print(
+            f"warning: --trainer.precision {precision} on a CPU without native bf16 (no amx_bf16 or avx512_bf16 in "
+            "/proc/cpuinfo): bf16 matmuls are emulated, and training runs many times slower than in float32. "
+            "Pass --trainer.precision 32-true on this machine.",
+            file=sys.stderr,
+        )
+
+
+def check_accelerator(accelerator) -> None:
+    """Refuse an accelerator this machine does not have, before any model loads (Lightning's own error
+    is a traceback from deep in the Trainer)."""
+    import torch
+
+    name = str(accelerator)
+    if name in ("gpu", "cuda") and not torch.cuda.is_available():
+        raise ValueError(f"--trainer.accelerator {name}: no CUDA GPU is visible on this machine (torch.cuda.is_available() is False); pass --trainer.accelerator cpu, or auto to take a GPU where there is one.")
+    if name == "mps" and not torch.backends.mps.is_available():
+        raise ValueError("--trainer.accelerator mps: this machine has no Apple GPU (torch.backends.mps.is_available() is False); pass --trainer.accelerator cpu, or auto.")
+
+
+def training_on_cpu(accelerator) -> bool:
+    if str(accelerator) == "cpu":
+        return True
+    import torch
+
+    return str(accelerator) in ("auto", "None") and not torch.cuda.is_available()
+
+
+def cpu_has_native_bf16(cpuinfo: str = "/proc/cpuinfo") -> bool | None:
+    """Whether this CPU computes bf16 natively (AMX or AVX512-BF16); None where it cannot be told."""
+    try:
+        flags = set(Path(cpuinfo).read_text().split())
+    except OSError:
+        return None
+    return bool(flags & {"amx_bf16", "avx512_bf16"})
+
+
+def device_count(devices) -> int | None:
+    """Processes per node as a recipe states `trainer.devices`; None for auto / -1, which only the
+    Trainer resolves (it depends on the machine)."""
+    if isinstance(devices, (list, tuple)):
+        return len(devices)
+    text = str(devices).strip()
+    if text in ("auto", "-1"):
+        return None
+    if "," in text:  # "0,1,3": those GPU indices
+        return len([x for x in text.split(",") if x.strip()])
+    return int(text) if int(text) > 0 else None  # 0: the Trainer's own error says it
+
+
+def accumulation(global_batch_tokens: int | None, batch_size: int, seq_len: int, devices: int, nodes: int, accumulate: int | None) -> int:
+    """Gradient accumulation a with micro-batch x seq_len x devices x nodes x a = the global batch.
+
+    `accumulate` is `trainer.accumulate_grad_batches` when the user set it (None = derive it). Without a
+    global batch, the run takes what it was given. A global batch that the micro-steps cannot reach
+    exactly, or a stated accumulation that disagrees with it, is refused: training would silently run at
+    another batch size than the recipe says, and the learning rate was tuned for that one.
+    """
+    if global_batch_tokens is None:
+        return accumulate or 1
+    per_step = batch_size * seq_len * devices * nodes
+    shape = f"micro-batch {batch_size} x seq_len {seq_len} x devices {devices} x nodes {nodes} = {per_step} tokens"
+    if global_batch_tokens % per_step:
+        raise ValueError(
+            f"--global_batch_tokens {global_batch_tokens} is not a whole number of micro-steps of {shape}; "
+            f"set --global_batch_tokens to a multiple of {per_step}, or change --data.batch_size, --trainer.devices or --trainer.num_nodes."
+        )
+    needed = global_batch_tokens // per_step
+    if accumulate is not None and accumulate != needed:
+        raise ValueError(
+            f"--trainer.accumulate_grad_batches {accumulate} gives {accumulate * per_step} tokens per step with {shape}, "
+            f"but --global_batch_tokens is {global_batch_tokens} (accumulation {needed}); leave out accumulate_grad_batches "
+            f"(it is derived), or set --global_batch_tokens {accumulate * per_step}."
+        )
+    return needed
+
+
+def global_batch_line(batch_size: int, seq_len: int, devices: int, nodes: int, accumulate: int) -> str:
+    total = batch_size * seq_len * devices * nodes * accumulate
+    return f"global batch {total} tokens = micro-batch {batch_size} x seq_len {seq_len} x devices {devices} x nodes {nodes} x accumulation {accumulate}"
+
+
+class RunFolderConfig(SaveConfigCallback):
+    """config.yaml goes into the run folder (trainer.default_root_dir), never into the working
+    directory, where a logger without save_dir would put it and overwrite the user's own file."""
+
+    def setup(self, trainer, pl_module, stage):
+        if self.already_saved:
+            return
+        if trainer.is_global_zero:
+            path = Path(trainer.default_root_dir) / self.config_filename
+            path.parent.mkdir(parents=True, exist_ok=True)
+            self.parser.save(self.config, str(path), skip_none=False, overwrite=True, multifile=self.multifile)
+        self.already_saved = True
+
+class TiDARCLI(LightningCLI):
+    def __init__(self, *args, signals=None, **kwargs):
+        self.signals = signals  # callbacks.Signals of this fit; set first: LightningCLI.__init__ parses, instantiates and runs
+        super().__init__(*args, **kwargs)
+
+    def add_arguments_to_parser(self, parser):
+        parser.add_argument("--out", type=str | None, default=None, help="export the trained model to this folder after fit")
+        parser.add_argument(
+            # A bare `--overwrite` (as `export` and `distill` take it, and `make convert` passes it) or a value.
+            "--overwrite", type=bool, nargs="?", const=True, default=False,
+            help="let --out replace an earlier export of this tool (anything else in that folder is never replaced)",
+        )
+        # Top level, not under data: it ties the data (micro-batch, seq_len) to the trainer (devices,
+        # nodes, accumulation), and belongs to neither.
+        parser.add_argument(
+            "--global_batch_tokens", type=int | None, default=None,
+            help="tokens per optimizer step over all devices and nodes; trainer.accumulate_grad_batches is derived from it",
+        )
+        # None = "not set": then it is derived from global_batch_tokens, and a value the user did
+        # set can be checked against it (a default of 1 could not be told apart from an explicit 1).
+        parser.set_defaults({"trainer.default_root_dir": "runs/tidar", "trainer.accumulate_grad_batches": None})
+
+    def _parse_ckpt_path(self):
+        # Lightning replaces the model settings with those a --ckpt_path file was trained with;
+        # any the user set otherwise would be dropped without a word.
+        sub = self.config.get("subcommand")
+        given = self.config[sub].model.clone().as_dict() if sub and self.config[sub].get("model") is not None else None
+        super()._parse_ckpt_path()
+        if given is not None:
+            check_resumed_settings(self.config[sub].get("ckpt_path"), given, self.config[sub].model.as_dict())
+
+    def before_instantiate_classes(self):
+        cfg = self.config[self.subcommand]
+        self.accumulate = cfg.trainer.get("accumulate_grad_batches")  # as the user set it, or None
+        check_accelerator(cfg.trainer.get("accelerator"))
+        if self.subcommand == "fit":
+            if self.signals is not None:
+                self.signals.run_dir = cfg.trainer.get("default_root_dir")  # where to say that a run stopped before its first step
+            check_fit_config(cfg)
+            devices = device_count(cfg.trainer.get("devices", "auto"))
+            if devices is not None:  # refuse before the model loads; auto is checked once the Trainer resolved it
+                accumulation(cfg.get("global_batch_tokens"), cfg.data.batch_size, cfg.data.seq_len, devices, cfg.trainer.get("num_nodes") or 1, self.accumulate)
+        cfg.trainer.accumulate_grad_batches = self.accumulate or 1  # placeholder for the Trainer; set in after_instantiate
+        if cfg.trainer.get("enable_progress_bar") is False:  # Lightning refuses a bar callback then
+            self.trainer_defaults["callbacks"] = [cb for cb in self.trainer_defaults["callbacks"] if not isinstance(cb, TrainProgress)]
+
+    def after_instantiate_classes(self):
+        trainer = self.trainer
+        root = Path(trainer.default_root_dir)
+        atomic_checkpoints(trainer.strategy)  # a full disk or a kill while saving leaves the previous checkpoint whole
+        for cb in trainer.checkpoint_callbacks:
+            # Without a dirpath, Lightning puts checkpoints under the logger's per-run folder, which a
+            # new run cannot find again: --ckpt_path last would then start from scratch.
+            if isinstance(cb, ModelCheckpoint) and cb.dirpath is None:
+                cb.dirpath = str((root / "checkpoints").resolve())
+        for logger in trainer.loggers:
+            # Lightning always passes `anonymous`, and W&B warns on every run that it has no effect.
+            getattr(logger, "_wandb_init", {}).pop("anonymous", None)
+        if self.subcommand in ("fit", "validate"):
+            given = self.config[self.subcommand].get("ckpt_path")
+            resume = check_resume(trainer, given, self.subcommand)
+            if resume != given:  # the earlier run stopped before its first step: start from scratch
+                self.config_init[self.subcommand]["ckpt_path"] = resume
+            if self.signals is not None:
+                self.signals.resume_from = resume
+        if self.subcommand == "fit":
+            self.set_accumulation()
+
+    def set_accumulation(self):
+        """Derive accumulation from the global batch with the devices the Trainer resolved, and say it."""
+        cfg, trainer, data = self.config[self.subcommand], self.trainer, self.datamodule
+        shape = (data.batch_size, data.seq_len, trainer.num_devices, trainer.num_nodes)
+        trainer.accumulate_grad_batches = accumulation(cfg.get("global_batch_tokens"), *shape, self.accumulate)
+        # config.yaml keeps a derived accumulation unset (null): rerun on other devices, it is derived again
+        cfg.trainer.accumulate_grad_batches = self.accumulate if cfg.get("global_batch_tokens") else trainer.accumulate_grad_batches
+        if trainer.is_global_zero:
+            print(global_batch_line(*shape, trainer.accumulate_grad_batches), file=sys.stderr, flush=True)
+
+    def after_fit(self):
+        trainer = self.trainer
+        saved = [cb.last_model_path for cb in trainer.checkpoint_callbacks if getattr(cb, "last_model_path", "")]
+        if trainer.is_global_zero:
+            print(f"trained {trainer.global_step} steps; run folder {Path(trainer.default_root_dir).resolve()}", file=sys.stderr)
+            for path in saved:
+                print(f"checkpoint: {path}", file=sys.stderr)
+            for logger in trainer.loggers:
+                run = getattr(logger, "_experiment", None)  # only a run that was started
+                if run is not None and getattr(run, "dir", None):
+                    offline = getattr(run.settings, "_offline", False) or os.environ.get("WANDB_MODE") == "offline"
+                    where = Path(run.dir).parent
+                    print(f"W&B run: {where}" + (f" (offline; upload with `wandb sync {where}`)" if offline else f" ({run.url})"), file=sys.stderr)
+        cfg = self.config[self.subcommand]
+        if cfg.get("out"):
+            m = self.model
+            model = m.unsharded_model()  # sharded: every rank takes part in gathering it onto rank 0
+            if trainer.is_global_zero:
+                from .export import export
+
+                card = training_card(m.hparams, trainer.global_step, Path(trainer.default_root_dir))
+                path = export(model, m.tokenizer, cfg.out, m.block_size, m.alpha, overwrite=bool(cfg.get("overwrite")), card=card)
+                print(f"exported TiDAR model to {path}", file=sys.stderr)
+
+def _lightning_cli(args: list[str] | None, signals=None) -> TiDARCLI:
+    # imported here, after run() quieted the libraries: their import-time warnings stay silenced
+    from .data import TiDARData
+    from .module import TiDARModule
+
+    callbacks = [TrainProgress(), Preemption(signals), Throughput(), RunClock()]  # every recipe logs throughput, memory and its clock
+    return TiDARCLI(
+        TiDARModule, TiDARData, args=args, save_config_callback=RunFolderConfig,
+        save_config_kwargs={"overwrite": True}, trainer_defaults={"callbacks": callbacks}, signals=signals,
+    )
+
+
+def _run_lightning(argv: list[str] | None) -> None:
+    import signal
+
+    from lightning.pytorch.utilities.exceptions import SIGTERMException
+
+    from .callbacks import Interrupted, Signals
+
+    command = (sys.argv[1:] if argv is None else argv)[:1]
+    with Signals(active=command == ["fit"]) as signals:
+        try:
+            _lightning_cli(argv, signals)  # None: LightningCLI reads sys.argv itself
+        except SIGTERMException:  # the Preemption callback saved last.ckpt (or found nothing to save) and said so
+            # 128 + the signal: "killed", so a scheduler requeues instead of marking it done
+            sys.exit(128 + (signals.signum or signal.SIGTERM))
+        except Interrupted as e:  # before training ran: nothing to save
+            signals.nothing_saved()
+            sys.exit(128 + e.signum)
+        except SystemExit:
+            if signals.count > 1:  # a second Ctrl-C: Lightning stopped at once (Preemption said so) and exits 1
+                sys.exit(128 + signal.SIGINT)
+            raise
+
+
+def check_resumed_settings(ckpt_path, given: dict, saved: dict) -> None:
+    """Refuse model settings that differ from those of the checkpoint a run resumes (`saved`: what
+    Lightning put in their place); a run continues the model it resumes."""
+    from .loading import same_model
+
+    def differs(a, b) -> bool:  # on keys both have: a newer torch adds optimizer arguments an older checkpoint lacks
+        if isinstance(a, dict) and isinstance(b, dict):
+            return any(differs(a[k], b[k]) for k in a.keys() & b.keys())
+        if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+            return len(a) != len(b) or any(map(differs, a, b))
+        return a != b
+
+    changed = [k for k in given if k in saved and differs(given[k], saved[k]) and not (k == "model" and same_model(given[k], saved[k]))]
+    if changed:
+        pairs = ", ".join(f"{k}={saved[k]!r}" for k in changed)
+        asked = " ".join(f"--model.{k} {given[k]}" for k in changed)
+        raise ValueError(
+            f"--ckpt_path {ckpt_path} was trained with {pairs}, and this run asks for {asked}: a resumed run keeps the model settings of its "
+            f"checkpoint; leave those out to resume it, or start a new run from its export (`tidar-convert export --checkpoint {ckpt_path} --out DIR`, "
+            "then --model.model DIR without --ckpt_path)."
+        )
+
+
+def check_resume(trainer, ckpt_path, command: str = "fit"):
+    """The checkpoint to start from, `ckpt_path` as given once checked (None: from scratch).
+
+    `--ckpt_path last` with nothing to resume is an error: Lightning would warn and silently start
+    from scratch (fit: a requeued job would then redo, and overwrite, the work it was meant to
+    continue; validate: it would validate the untrained base model as if it were the trained one).
+    Except after a fit stopped by a signal before its first step (callbacks.NOTHING_SAVED in the
+    run folder): there is nothing to redo, so it starts from scratch, and says so."""
+    if ckpt_path is None:
+        return None
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    found = [ckpt_path]
+    if ckpt_path == "last":
+        dirs = [cb.dirpath for cb in trainer.checkpoint_callbacks if isinstance(cb, ModelCheckpoint)]
+        found = [p for cb in trainer.checkpoint_callbacks if isinstance(cb, ModelCheckpoint) for p in cb._find_last_checkpoints(trainer)]
+        if not found:
+            from .callbacks import NOTHING_SAVED
+
+            stopped = Path(trainer.default_root_dir) / NOTHING_SAVED
+            if command == "fit" and stopped.is_file():
+                try:
+                    how = jsonlib.loads(stopped.read_text())["signal"]
+                except (OSError, ValueError, KeyError, TypeError):
+                    how = "a signal"
+                if trainer.is_global_zero:
+                    print(f"--ckpt_path last: the run in {trainer.default_root_dir} was stopped by {how} before its first step and saved nothing: starting from scratch.", file=sys.stderr, flush=True)
+                return None
+            where = ", ".join(map(str, dirs)) or "nowhere: no ModelCheckpoint callback is configured"
+            instead = "train from scratch" if command == "fit" else "validate the base model as it is"
+            raise FileNotFoundError(
+                f"--ckpt_path last: no last checkpoint in {where}. Leave out --ckpt_path to {instead}, "
+                "or pass a checkpoint file (--ckpt_path runs/.../checkpoints/last.ckpt)."
+            )
+    elif ckpt_path not in ("best", "hpc") and not Path(ckpt_path).exists():
+        raise FileNotFoundError(f"--ckpt_path {ckpt_path}: no such checkpoint; `fit` writes them under <default_root_dir>/checkpoints/.")
+    check_checkpoint_format([p for p in found if p not in ("best", "hpc")], trainer.strategy)
+    return ckpt_path
+
+
+def check_checkpoint_format(paths, strategy) -> None:
+    """A folder of shards resumes only under the strategy that reads them; any other would fail deep in
+    torch.load (a directory) or load nothing."""
+    from lightning.pytorch.strategies import ModelParallelStrategy
+
+    from .sharding import is_sharded_checkpoint
+
+    for path in paths:
+        if is_sharded_checkpoint(path) and not isinstance(strategy, ModelParallelStrategy):
+            raise ValueError(
+                f"--ckpt_path {path} is a sharded checkpoint (a folder of one file per rank, written by ModelParallelStrategy), "
+                f"and this run's strategy is {type(strategy).__name__}; resume it with the strategy that wrote it "
+                "(--trainer.strategy lightning.pytorch.strategies.ModelParallelStrategy, as the paper recipes set it), "
+                "or turn it into a model folder with `tidar-convert export --checkpoint PATH --out DIR` and train from that."
+            )
+
+
+def training_card(hparams, steps: int | None, run_dir: Path) -> dict:
+    """What an export's model card says about its training: base model, steps, LoRA and schedule
+    settings, and the full config (`fit` saves it as <run folder>/config.yaml)."""
+    card = {k: hparams[k] for k in ("lora_r", "lora_alpha", "warmup_ratio", "min_lr_ratio") if k in hparams}
+    if hparams.get("distill_weight", 0) > 0:
+        card.update({k: hparams[k] for k in ("distill_weight", "distill_temperature", "teacher") if k in hparams})
+    if hparams.get("anchor_weight", 0) > 0:
+        card["anchor_weight"] = hparams["anchor_weight"]
+    card["base_model"] = hparams.get("model")
+    card["steps"] = steps
+    if (run_dir / "config.yaml").is_file():
+        card["recipe"] = (run_dir / "config.yaml").read_text()
+    return card
+
+
+def _quiet_libraries() -> None:
+    """Keep fit's output to what a user acts on: our progress lines, errors, and where files went.
+
+    W&B's banners, Lightning's device table and advertisements, and third-party deprecation
+    warnings (which the user cannot act on) are silenced; `TIDAR_VERBOSE=1` brings them back.
+    """
+    import logging
+    import warnings
+
+    if os.environ.get("TIDAR_VERBOSE"):
+        return
+    os.environ.setdefault("WANDB_SILENT", "true")
+    import lightning.pytorch  # noqa: F401  (its import sets its loggers to INFO: lower them after)
+    import transformers
+
+    for name in ("lightning.pytorch", "lightning.fabric"):
+        logging.getLogger(name).setLevel(logging.WARNING)
+    transformers.logging.set_verbosity_error()  # "new embeddings will be initialized ..." on every run
+    transformers.logging.disable_progress_bar()  # weight loading/saving bars of a few ms each
+    for category in (DeprecationWarning, FutureWarning, PendingDeprecationWarning):
+        warnings.filterwarnings("ignore", category=category)
+    for pattern in (
+        r".*does not have many workers.*",  # streaming data: extra workers would read the same stream
+        r".*`IterableDataset` has `__len__`.*",
+        r".*Total length of `DataLoader` across ranks is zero.*",
+        r".*The number of training batches .* is smaller than the logging interval.*",
+    ):
+        warnings.filterwarnings("ignore", message=pattern)
+
+
+def _finish_wandb() -> None:
+    """Close the W&B run of this fit, however it ended. Lightning leaves it open, and the next
+    WandbLogger in the same process (a notebook, a test, a sweep in-process) would silently log into
+    it, in the old run's folder."""
+    wandb = sys.modules.get("wandb")
+    if wandb is not None and getattr(wandb, "run", None) is not None:
+        wandb.finish()
+
+
+def run(argv: list[str] | None) -> None:
+    """`tidar-convert fit | validate ...` (argv None: sys.argv[1:])."""
+    _quiet_libraries()
+    try:
+        _run_lightning(argv)
+    finally:
+        _finish_wandb()

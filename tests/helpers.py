@@ -1,0 +1,83 @@
+"""Plain helpers the tests import (`from helpers import ...`): tiny models, data and reference decoding.
+conftest.py keeps the fixtures built from them."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+
+
+def tiny_tokenizer():
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    from tidar_convert.data import stdlib_files
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=320, special_tokens=["<|endoftext|>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    texts = [Path(f).read_text() for f in stdlib_files()[:20]]
+    tok.train_from_iterator(texts, trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>", bos_token="<|endoftext|>")
+
+
+def tiny_config(family: str, vocab_size: int):
+    from transformers import AutoConfig
+
+    common = dict(
+        vocab_size=vocab_size,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+        tie_word_embeddings=family in ("qwen2", "qwen3"),
+        eos_token_id=0,
+        bos_token_id=0,
+    )
+    if family == "mistral":
+        common["sliding_window"] = None
+    if family == "qwen3":
+        common["head_dim"] = 16
+    return AutoConfig.for_model(family, **common)
+
+
+def cycle_batch(batch: int, seq_len: int, period: int = 7, offset: int = 3, seed=None):
+    """Token streams repeating a fixed cycle from a random phase: learnable in seconds, so drafts get accepted."""
+    g = torch.Generator().manual_seed(seed) if seed is not None else None
+    phase = torch.randint(0, period, (batch, 1), generator=g)
+    return offset + (phase + torch.arange(seq_len)) % period
+
+
+def train_tiny(model, steps: int = 150, block_size: int = 4, seq_len: int = 32, lr: float = 3e-3):
+    """A plain TiDAR training loop (no Lightning) on cycle data: layout + loss, nothing else."""
+    from tidar_convert import layout
+    from tidar_convert.loss import hybrid_loss
+
+    torch.manual_seed(0)
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    mask = layout.to_dense(layout.train_mask_mod(seq_len, block_size), 1, 2 * seq_len, 2 * seq_len)
+    for _ in range(steps):
+        ids = cycle_batch(8, seq_len)
+        logits = model(
+            input_ids=layout.train_inputs(ids, model.config.mask_token_id),
+            position_ids=layout.train_position_ids(ids),
+            attention_mask=mask.expand(8, -1, -1, -1),
+        ).logits
+        loss = hybrid_loss(logits, *layout.train_labels(ids), alpha=1.0, block_size=block_size)["loss"]
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    model.config.block_size = block_size
+    return model.eval()
+
+
+def ar(model, ids, **kw):
+    """Plain AR greedy decoding (transformers' own generate) on the same weights: the reference."""
+    return model.generate(ids, do_sample=False, **kw)
