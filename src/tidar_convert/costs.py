@@ -6,12 +6,12 @@ from __future__ import annotations
 
 
 class Mean:
-    """A mean over a prior worth one observation, that forgets: each step (`tick`) weighs what was seen
-    by `forget`, so with nothing new it drifts back to the prior. A plan that stops running groups
+    """A mean over a prior worth `weight` observations, that forgets: each step (`tick`) weighs what was
+    seen by `forget`, so with nothing new it drifts back to the prior. A plan that stops running groups
     because they looked poor sees no more group drafts; without forgetting it would never try again."""
 
-    def __init__(self, prior: float, forget: float = 0.99):
-        self.prior, self.forget, self.total, self.count = prior, forget, 0.0, 0.0
+    def __init__(self, prior: float, forget: float = 0.99, weight: float = 1.0):
+        self.prior, self.forget, self.weight, self.total, self.count = prior, forget, weight, 0.0, 0.0
 
     def add(self, x: float) -> None:
         self.total += x
@@ -23,7 +23,7 @@ class Mean:
 
     @property
     def value(self) -> float:
-        return (self.prior + self.total) / (1 + self.count)
+        return (self.prior * self.weight + self.total) / (self.weight + self.count)
 
 
 class StepCosts:

@@ -1,6 +1,6 @@
 """Drafters: where the tokens a TiDAR step verifies come from.
 
-Shipped in every export's custom_generate/ folder (see export.shipped_code): imports nothing but torch.
+Shipped in every export's custom_generate/ folder (see export.shipped_code): imports nothing but torch and its sibling costs.py.
 
 A drafter proposes, after each step, the next draft: `tokens[:, 0]` is the token just committed,
 `tokens[:, 1:length]` the proposals. Every draft is verified by the AR head in the next step's single forward,
@@ -24,6 +24,8 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
+
+from .costs import Mean
 
 
 @dataclass
@@ -228,7 +230,7 @@ class LookupDrafter:
 
     def __init__(self, num_tokens: int = 10, max_ngram: int = 2):
         self.num_tokens, self.max_ngram = num_tokens, max_ngram
-        self.seen: dict[tuple[int, int], list[float]] = {}  # (n, depth) -> decayed [accepted, judged]
+        self.seen: dict[tuple[int, int], Mean] = {}  # (n, depth) -> decayed share of proposals accepted
         self.ngram: list[int] = []  # per row of the last proposal: the matched n-gram's length (0: none)
 
     @staticmethod
@@ -238,17 +240,18 @@ class LookupDrafter:
     def chance(self, n: int, depth: int) -> float:
         """P(a proposal at this depth of an n-gram match is accepted | the ones before it were)."""
         key = self.key(n, depth)
-        taken, judged = self.seen.get(key, (0.0, 0.0))
-        return (taken + self.PRIOR_WEIGHT * self.PRIORS[key[0]][key[1]]) / (judged + self.PRIOR_WEIGHT)
+        return (self.seen[key] if key in self.seen else self.prior(key)).value
+
+    def prior(self, key: tuple[int, int]) -> Mean:
+        return Mean(self.PRIORS[key[0]][key[1]], self.FORGET, self.PRIOR_WEIGHT)
 
     def observe(self, draft: Draft, accepted: torch.Tensor, committed: torch.Tensor | None = None) -> None:
         for b, source in enumerate(draft.sources):
             if source == "lookup" and b < len(self.ngram) and self.ngram[b]:
                 taken = int(accepted[b]) - 1
                 for depth in range(min(taken + 1, int(draft.length[b]) - 1)):  # the accepted ones and the first miss
-                    seen = self.seen.setdefault(self.key(self.ngram[b], depth), [0.0, 0.0])
-                    seen[0] += depth < taken
-                    seen[1] += 1
+                    key = self.key(self.ngram[b], depth)
+                    self.seen.setdefault(key, self.prior(key)).add(float(depth < taken))
 
     def match(self, seq: torch.Tensor, limit: int) -> tuple[torch.Tensor, int, list[int]] | None:
         """The tokens after the matched n-gram's first earlier occurrence, n, and where every
@@ -304,8 +307,7 @@ class LookupDrafter:
         if all(f is None for f in found):
             return None
         for seen in self.seen.values():
-            seen[0] *= self.FORGET
-            seen[1] *= self.FORGET
+            seen.tick()
         B, m = len(found), 1 + max(f[0].shape[0] for f in found if f is not None)
         tokens = ctx.y[:, None].repeat(1, m)  # filler beyond a row's length is never accepted
         length = torch.ones(B, dtype=torch.long, device=tokens.device)
@@ -354,12 +356,12 @@ class HybridDrafter:
     def __init__(self, num_tokens: int = 10, max_ngram: int = 2):
         self.lookup, self.diffusion = LookupDrafter(num_tokens, max_ngram), DiffusionDrafter()
         self.predicted = self.taken = 0.0  # diffusion: summed confidence vs accepted (calibrates the plan's chances)
-        self.gains = {"lookup": [0.0, 0.0], "diffusion": [0.0, 0.0]}  # decayed (proposals accepted, drafts) per source
+        # Decayed proposals accepted per draft, by source.
+        self.gains = {source: Mean(mean, self.FORGET, worth) for source, (mean, worth) in self.PRIORS.items()}
 
     def gain(self, source: str) -> float:
         """Mean proposals accepted per draft of this source so far, from its prior."""
-        (total, count), (mean, worth) = self.gains[source], self.PRIORS[source]
-        return (total + mean * worth) / (count + worth)
+        return self.gains[source].value
 
     def observe(self, draft: Draft, accepted: torch.Tensor, committed: torch.Tensor | None = None) -> None:
         """accepted: (B,) the chain's drafts each row accepted (what the chances predicted); committed:
@@ -371,9 +373,8 @@ class HybridDrafter:
         brought = accepted if committed is None else committed
         for b, source in enumerate(draft.sources):
             if source in self.gains:
-                g = self.gains[source]
-                g[0] = self.FORGET * g[0] + int(brought[b]) - 1
-                g[1] = self.FORGET * g[1] + 1
+                self.gains[source].tick()
+                self.gains[source].add(int(brought[b]) - 1)
 
     def choose(self, look: Draft, diff: Draft) -> torch.Tensor:
         """(B,) True where the row drafts by lookup."""
