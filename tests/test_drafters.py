@@ -8,7 +8,7 @@ from unittest.mock import patch
 import pytest
 import torch
 
-from tidar_convert import drafters, engine, forward
+from tidar_convert import drafters, engine, forward, tree
 from tidar_convert.decode import generate
 from tidar_convert.drafters import DRAFTERS, Draft, DraftContext, LookupDrafter
 from tidar_convert.costs import StepCosts
@@ -350,7 +350,7 @@ def test_lookup_trees_hang_the_other_occurrences_where_they_leave_the_chain():
 
     # hybrid: the diffusion draft's alternatives to the first proposal join under draft 0, but for
     # tokens the lookup tree has there already (3, from the latest occurrence)
-    from tidar_convert.drafters import beside
+    from tidar_convert.tree import beside
 
     tree = beside(draft, torch.tensor([[3, 7]]), torch.tensor([[0.2, 0.1]]))
     assert tree.siblings.tolist() == [[3, 9, 5, 4, 5, 7]] and tree.sibling_parents == (0, 4, 5, 4, 7, 0)
@@ -520,7 +520,7 @@ def test_keep_slots_keeps_the_cache_and_a_branch_that_is_not_a_suffix():
     for layer in range(2):
         x = torch.arange(7.0).view(1, 1, 7, 1) + 10 * layer
         cache.update(x, -x, layer)
-    engine.keep_slots(cache, 3, [0, 2])  # 3 cached, then a step of 4 slots: keep slots 0 and 2
+    tree.keep_slots(cache, 3, [0, 2])  # 3 cached, then a step of 4 slots: keep slots 0 and 2
     assert cache.layers[1].keys.flatten().tolist() == [10, 11, 12, 13, 15]
     assert cache.layers[0].values.flatten().tolist() == [0, -1, -2, -3, -5] and cache.get_seq_length() == 5
 
@@ -535,7 +535,7 @@ def test_tree_plans_keep_the_likeliest_nodes_and_group_after_the_likely_ends():
     dear = costs({**{(s, False): 60 + 50 * s for s in range(1, 41)}, **{(s, True): 60 + 50 * s for s in range(1, 41)}})
     d, plan = Planner(4, "cost", slot_budget=40, costs=flat, siblings=3).step(draft, uses_groups=True)
     assert plan.n_drafts == 4 and plan.parents() == (-1, 0, 1, 2, 0, 0, 0, 4)  # slots are free: every node
-    assert d.siblings.tolist() == [[9, 8, 7, 6]] and d.sibling_parents == plan.branches
+    assert d.siblings.tolist() == [[9, 8, 7, 6]] and d.sibling_parents == plan.sibling_parents
     assert len(plan.anchors) == 8  # and a group after each
     d, plan = Planner(4, "adaptive", siblings=3).step(draft, uses_groups=True)  # budget 20, chances >= 5 %
     assert plan.parents() == (-1, 0, 1, 2, 0, 0, 4) and d.siblings.tolist() == [[9, 8, 6]]  # 7 (1 %) left out; 6 now under slot 4
@@ -551,7 +551,7 @@ def test_tree_plans_keep_the_likeliest_nodes_and_group_after_the_likely_ends():
 def test_grow_finds_the_likeliest_nodes_of_the_group_best_first():
     """Two offsets: the chain (5: 0.5, then 6: 0.8) and alternatives (7: 0.3, 8: 0.1; then 9: 0.1).
     Best first by reach: 5 (0.5), 5-6 (0.4), 7 (0.3), 7-6 (0.24), 8 (0.1)."""
-    from tidar_convert.drafters import grow
+    from tidar_convert.tree import grow
 
     draft = Draft(torch.tensor([[1, 5, 6]]), confidence=torch.tensor([[0.5, 0.8]]))
     grow(draft, torch.tensor([[[7, 8], [9, 10]]]), torch.tensor([[[0.3, 0.1], [0.1, 0.05]]]), most=5)
@@ -559,3 +559,21 @@ def test_grow_finds_the_likeliest_nodes_of_the_group_best_first():
     assert torch.allclose(draft.sibling_confidence, torch.tensor([[0.3, 0.8, 0.1]]))
     grow(draft, torch.tensor([[[7, 8], [9, 10]]]), torch.tensor([[[0.3, 0.1], [0.1, 0.05]]]), most=2)
     assert draft.siblings.shape == (1, 0)  # the two chain nodes are the likeliest
+
+
+def test_development_example_drafter(trained, monkeypatch):
+    """docs/development.md's worked example (a drafter in one class and one test) runs as written: its
+    class goes into drafters' namespace and DRAFTERS, then its test runs."""
+    import re
+    from collections import Counter
+    from pathlib import Path
+
+    text = (Path(__file__).parents[1] / "docs" / "development.md").read_text()
+    cls, test = re.findall(r"```python\n(.*?)```", text[text.index("## Adding a drafter") :], re.S)[:2]
+    namespace = {**vars(drafters), "Counter": Counter}
+    exec(cls.replace("DRAFTERS = {", "NEW = {"), namespace)
+    monkeypatch.setattr(drafters, "DRAFTERS", namespace["NEW"])
+    assert issubclass(namespace["SuccessorDrafter"], drafters.Drafter)
+    scope = {"torch": torch, "cycle_batch": cycle_batch, "ar": ar, "generate": generate}
+    exec(test, scope)
+    scope["test_successor_drafts_are_exact_and_accepted"](trained)

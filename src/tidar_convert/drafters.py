@@ -1,6 +1,6 @@
 """Drafters: where the tokens a TiDAR step verifies come from.
 
-Shipped in every export's custom_generate/ folder (see export.shipped_code): imports nothing but torch and its sibling costs.py.
+Shipped in every export's custom_generate/ folder (see export.shipped_code): imports nothing but torch and its siblings costs.py, tree.py and verify.py.
 
 A drafter proposes, after each step, the next draft: `tokens[:, 0]` is the token just committed,
 `tokens[:, 1:length]` the proposals. Every draft is verified by the AR head in the next step's single forward,
@@ -12,20 +12,20 @@ whatever its source, so every drafter gives exactly the AR output (verify.py).
   hybrid     per row, lookup where the text has a match, else diffusion; diffusion first once its
              drafts have been accepted further on average (the default).
 
-Adding a drafter: a class with `name`, `uses_groups` and `propose(ctx) -> Draft | None`, and an
-entry in DRAFTERS. Optionally `observe(draft, accepted, committed)` after each step: the drafts the
-chain got accepted, and those the step committed (more, where it went down a branch of a tree).
+Adding a drafter: a class that follows `Drafter` (subclass it for the no-op `observe`), and an
+entry in DRAFTERS (docs/development.md has a worked example).
 """
 
 from __future__ import annotations
 
-import heapq
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Protocol
 
 import torch
 
 from .costs import Mean
+from .tree import beside, first_siblings, grow, group_siblings
+from .verify import process_one
 
 
 @dataclass
@@ -36,7 +36,7 @@ class Draft:
     sources: list = field(default_factory=list)  # per row: "lookup", "diffusion" or "none"
     raw_confidence: torch.Tensor | None = None  # the drafter's own confidence, before any calibration
     # Branches off the chain (greedy, batch 1): a step may verify them beside it, one query slot each,
-    # as a tree (plan.StepPlan.branches). Sibling i hangs under slot sibling_parents[i]: 0..m-1 the
+    # as a tree (plan.StepPlan.sibling_parents). Sibling i hangs under slot sibling_parents[i]: 0..m-1 the
     # chain (draft 0, the proposals), m + j an earlier sibling j; None: all under draft 0
     # (alternatives to tokens[:, 1]). Best first.
     siblings: torch.Tensor | None = None  # (B, s)
@@ -77,70 +77,24 @@ class DraftContext:
         return self.seqs[:, -1]
 
 
+class Drafter(Protocol):
+    """What the engine asks of a drafter. Subclass it to inherit the optional hook's no-op."""
+
+    name: str
+    uses_groups: bool  # whether the steps should compute mask groups for it (DraftContext.group)
+
+    def propose(self, ctx: DraftContext) -> Draft | None:
+        """The next draft after a step, or None to draft nothing (the step runs y and its groups)."""
+        ...
+
+    def observe(self, draft: Draft, accepted: torch.Tensor, committed: torch.Tensor) -> None:
+        """Optional, after each step: (B,) the drafts each row's chain got accepted (what its
+        confidence predicted), and the drafts its draft got committed (more, down a tree's branch)."""
+
+
 def fresh(y: torch.Tensor) -> Draft:
     """No proposals: the step verifies nothing and drafts for the next one (one AR row + mask groups)."""
     return Draft(y[:, None], sources=["none"] * y.shape[0])
-
-
-def alternatives(ctx: DraftContext, slots: torch.Tensor, chain: torch.Tensor, n: int):
-    """The group's next n likeliest tokens at each drafted offset, other than the chain's (B, D) there,
-    and their probabilities: (B, D, n) each. Slot i is processed with the chain's prefix, as
-    make_draft does. The AR token is the group's first choice at offset 1 at 44 % of steps and among
-    its first 4 at 69 % (README, bench/results/wide-draft-offline.json)."""
-    scores = slots[:, : chain.shape[1]].to(torch.float32, copy=True)
-    if ctx.processors:
-        for i in range(scores.shape[1]):
-            scores[:, i] = ctx.processors(torch.cat([ctx.seqs, chain[:, :i]], 1), scores[:, i])
-    top = scores.softmax(-1).topk(n + 1, -1)
-    tokens, chances = zip(*(without(top.indices[:, i], top.values[:, i], chain[:, i], n) for i in range(scores.shape[1])))
-    return torch.stack(tokens, 1), torch.stack(chances, 1)
-
-
-def grow(draft: Draft, alt_tokens: torch.Tensor, alt_chances: torch.Tensor, most: int, floor: float = 1e-3) -> Draft:
-    """The draft's tree (batch 1): the chain's proposals and, at every node, the alternatives at the
-    next offset, best first by the chance the step reaches them (the product of the chances along
-    the path; a group's offsets are drafted in parallel, so a branch's later tokens are the same
-    offsets' choices as the chain's), until `most` nodes (chain nodes count). The nodes off the chain
-    become draft.siblings, in the order found (a parent before its children)."""
-    m = draft.tokens.shape[1]
-    conf = draft.confidence[0, : m - 1].float().clamp(0, 1).tolist()
-    chain, alts, chances = draft.tokens[0, 1:].tolist(), alt_tokens[0].tolist(), alt_chances[0].float().clamp(0, 1).tolist()
-    tokens, parents, conditional = [], [], []
-    heap, count, found = [], 0, 0
-
-    def push(reach, depth, slot, on_chain):  # the children of a node at `depth` in slot `slot`
-        nonlocal count
-        if depth >= m - 1:
-            return
-        options = [(chain[depth], conf[depth], on_chain)] + [(t, c, False) for t, c in zip(alts[depth], chances[depth])]
-        for token, c, chained in options:
-            if reach * c >= floor:
-                count += 1
-                heapq.heappush(heap, (-reach * c, depth + 1, count, slot, token, c, chained))
-
-    push(1.0, 0, 0, True)
-    while heap and found < most:
-        neg, depth, _, parent, token, c, chained = heapq.heappop(heap)
-        found += 1
-        if chained:
-            slot = depth  # the chain's own proposal
-        else:
-            slot = m + len(tokens)
-            tokens.append(token)
-            parents.append(parent)
-            conditional.append(c)
-        push(-neg, depth, slot, chained)
-    device = draft.tokens.device
-    draft.siblings = torch.tensor([tokens], dtype=draft.tokens.dtype, device=device).view(1, -1)
-    draft.sibling_confidence = torch.tensor([conditional], device=device).view(1, -1)
-    draft.sibling_parents = tuple(parents)
-    return draft
-
-
-def without(tokens: torch.Tensor, chances: torch.Tensor, taken: torch.Tensor, n: int):
-    """The first n of `tokens` (B, n + 1) other than `taken` (B,), in their order, with their chances."""
-    keep = (tokens != taken[:, None]).float().argsort(dim=1, descending=True, stable=True)[:, :n]
-    return tokens.gather(1, keep), chances.gather(1, keep)
 
 
 def make_draft(pick, processors, seqs, y, diff_slots) -> Draft:
@@ -151,17 +105,15 @@ def make_draft(pick, processors, seqs, y, diff_slots) -> Draft:
         scores = diff_slots.float()
         return Draft(torch.cat([y[:, None], pick.token(scores)], 1), confidence=pick.confidence(scores), sources=sources)
     tokens, conf = [y], []
-    for i in range(diff_slots.shape[1]):
-        scores = diff_slots[:, i].to(torch.float32, copy=True)
-        if processors:
-            scores = processors(torch.cat([seqs] + [t[:, None] for t in tokens[1:]], 1), scores)
+    for i in range(diff_slots.shape[1]):  # slot i's guess is in slot i + 1's prefix
+        scores = process_one(processors, torch.cat([seqs] + [t[:, None] for t in tokens[1:]], 1), diff_slots[:, i])
         tokens.append(pick.token(scores, i))  # slot i: the i-th position after y
         conf.append(pick.confidence(scores))
     confidence = torch.stack(conf, 1) if conf else None
     return Draft(torch.stack(tokens, 1), confidence=confidence, sources=sources)
 
 
-class DiffusionDrafter:
+class DiffusionDrafter(Drafter):
     """TiDAR: the next draft is the mask group computed at the accepted length (None if the plan had none)."""
 
     name = "diffusion"
@@ -173,14 +125,14 @@ class DiffusionDrafter:
             return None
         draft = make_draft(ctx.pick, ctx.processors, ctx.seqs, ctx.y, group[:, : ctx.max_proposals])
         if ctx.siblings and draft.tokens.shape[0] == 1 and draft.tokens.shape[1] > 1:
-            grow(draft, *alternatives(ctx, group, draft.tokens[:, 1:], ctx.siblings), ctx.nodes or draft.tokens.shape[1] - 1)
+            grow(draft, *group_siblings(ctx, group, draft.tokens[:, 1:], ctx.siblings), ctx.nodes or draft.tokens.shape[1] - 1)
         if have is not None and not have.all():  # rows whose accepted length had no group draft nothing
             draft.length = torch.where(have, draft.length, torch.ones_like(draft.length))
             draft.sources = [s if h else "none" for s, h in zip(draft.sources, have.tolist())]
         return draft
 
 
-class LookupDrafter:
+class LookupDrafter(Drafter):
     """Prompt lookup: the tokens that followed the latest n-gram's earlier occurrence (n = max_ngram..1).
 
     The search is transformers' PromptLookupCandidateGenerator.get_candidates (first occurrence, longest
@@ -201,7 +153,7 @@ class LookupDrafter:
 
     Where the step may verify a tree (greedy, batch 1: ctx.siblings), the n-gram's other occurrences
     add their continuations beside the chain, most recent first: each leaves the chain (or an earlier
-    branch) where its tokens first differ, and hangs there as a branch of its own tokens (`branches`).
+    branch) where its tokens first differ, and hangs there as a branch of its own tokens (`add_siblings`).
     Replayed on greedy text (10-token drafts, every node verified; bench/results/lookup-tree-offline.json):
     T/NFE 1.97 with the chain alone, 2.08 with one branch, 2.16 with up to three on the 28 prompts
     of the quality set the bench does not use; 2.11, 2.23, 2.29 on the bench's 12 (README, "Lookup trees")."""
@@ -246,6 +198,7 @@ class LookupDrafter:
         return Mean(self.PRIORS[key[0]][key[1]], self.FORGET, self.PRIOR_WEIGHT)
 
     def observe(self, draft: Draft, accepted: torch.Tensor, committed: torch.Tensor | None = None) -> None:
+        """Learns the chain's chances only: what a step verifies off the chain is not fed back."""
         for b, source in enumerate(draft.sources):
             if source == "lookup" and b < len(self.ngram) and self.ngram[b]:
                 taken = int(accepted[b]) - 1
@@ -262,7 +215,7 @@ class LookupDrafter:
                 return seq[starts[0] : starts[0] + min(self.num_tokens, limit)], n, starts
         return None
 
-    def branches(self, draft: Draft, seq: torch.Tensor, n: int, starts: list[int], limit: int, width: int) -> Draft:
+    def add_siblings(self, draft: Draft, seq: torch.Tensor, n: int, starts: list[int], limit: int, width: int) -> Draft:
         """The draft (batch 1) with the other occurrences' continuations as its tree: the SCAN most
         recent, latest first, each walks down the tree while its tokens are there, and from its first
         new token on hangs as a branch, up to `width` branches. A continuation that only runs on past
@@ -320,7 +273,7 @@ class LookupDrafter:
         sources = ["lookup" if f is not None else "none" for f in found]
         draft = Draft(tokens, length, confidence.to(tokens.device), sources)
         if ctx.siblings and B == 1:
-            self.branches(draft, ctx.seqs[0][ctx.kv_valid[0]], found[0][1], found[0][2], ctx.max_proposals, ctx.siblings)
+            self.add_siblings(draft, ctx.seqs[0][ctx.kv_valid[0]], found[0][1], found[0][2], ctx.max_proposals, ctx.siblings)
         return draft
 
 
@@ -331,7 +284,7 @@ def occurrences(seq: torch.Tensor, n: int) -> list[int]:
     return (hits[:, 0] + n).tolist()
 
 
-class HybridDrafter:
+class HybridDrafter(Drafter):
     """Per row, the lookup draft where the text has a match, else the diffusion draft; diffusion first
     instead once, in this call, its drafts have been accepted further on average than lookup's.
 
@@ -393,36 +346,11 @@ class HybridDrafter:
         use_look = self.choose(look, diff)
         if use_look.all():
             if diff.siblings is not None:  # the diffusion draft's first choices, beside the lookup chain
-                look = beside(look, *first_alternatives(look, diff))
+                look = beside(look, *first_siblings(look, diff))
             return look
         if not use_look.any():
             return diff
         return merge(use_look, look, diff)
-
-
-def first_alternatives(look: Draft, diff: Draft):
-    """The diffusion draft's choices for the first proposal (its own, then its alternatives there)
-    other than the lookup draft's, as alternatives to the lookup chain's first proposal: as many as
-    diff has alternatives there."""
-    first = [i for i, p in enumerate(diff.parents()) if p == 0]
-    tokens = torch.cat([diff.tokens[:, 1:2], diff.siblings[:, first]], 1)
-    conf = torch.cat([diff.confidence[:, :1], diff.sibling_confidence[:, first]], 1)
-    return without(tokens, conf, look.tokens[:, 1], len(first))
-
-
-def beside(draft: Draft, tokens: torch.Tensor, chances: torch.Tensor) -> Draft:
-    """The draft (batch 1) with `tokens` (1, s) added under draft 0, those it has there already left out."""
-    have = set() if draft.siblings is None else {t for t, p in zip(draft.siblings[0].tolist(), draft.parents()) if p == 0}
-    keep = [i for i, t in enumerate(tokens[0].tolist()) if t not in have]
-    if not keep:
-        return draft
-    if draft.siblings is None:
-        draft.siblings, draft.sibling_confidence, draft.sibling_parents = tokens[:, keep], chances[:, keep], None
-        return draft
-    draft.sibling_parents = (*draft.parents(), *(0,) * len(keep))
-    draft.siblings = torch.cat([draft.siblings, tokens[:, keep]], 1)
-    draft.sibling_confidence = torch.cat([draft.sibling_confidence, chances[:, keep].to(draft.sibling_confidence.dtype)], 1)
-    return draft
 
 
 def observed(draft: Draft, accepted: torch.Tensor, source: str) -> tuple[int, int, float]:

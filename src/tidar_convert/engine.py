@@ -2,26 +2,26 @@
 
 Shipped in every export's custom_generate/ folder (see export.shipped_code): imports nothing but
 torch, transformers and its neighbours: forward.py (one forward), plan.py (the step plan),
-costs.py (step costs), drafters.py, verify.py, layout.py.
+costs.py (step costs), drafters.py, verify.py, tree.py, layout.py.
 
 One step (docs/method.md §3), for a draft of m tokens (draft 0 = the last committed token):
+  draft    the Drafter (drafters.py) proposes the next draft; with none, the step drafts nothing
+           and only runs y and a fresh group
   plan     which query slots the forward runs: the m drafts (causal), plus mask groups of k at
            chosen anchors; a group anchored at j sees drafts[0..j) and pre-drafts the step after
            j drafts are accepted (plan.StepPlan, plan.Planner)
   forward  the decoder body once; the vocabulary head once, on the rows the step may read: the m
-           AR rows and the draft slots of its groups (never the groups' first slots)
-  verify   the Verifier (verify.py) accepts j >= 1 drafts and picks the next token y
-  commit   accepted drafts + y, one at a time through the stopping criteria
-  crop     the KV cache keeps the j accepted drafts and drops every other slot of the step
-  draft    the Drafter (drafters.py) proposes the next draft; with none, the next step drafts nothing
-           and only runs y and a fresh group
+           AR rows and the draft slots of its groups (never the groups' first slots) (run_step)
+  verify   the Verifier (verify.py) says how many drafts each row accepted; the commit policy
+           says what each row keeps (accept_together: the fewest any row accepted, trees
+           included; accept_each: each row its own, holes in the cache) and picks the next token y
+  commit   the kept drafts + y, one at a time through the stopping criteria (commit)
+  crop     the KV cache keeps the kept slots and drops every other slot of the step (crop)
 
-Trees (greedy, batch 1): a step may also verify alternatives to the chain's tokens (the group's
-next likeliest tokens at each offset, and the chain's own choices after them), one query slot each,
-plus groups after them: the likeliest nodes of the group's tree (drafters.grow, plan.Planner.tree,
-StepPlan.branches). The AR's token at each node picks the child that holds it (walk); the step
-commits the path and the token after it, and the cache keeps the path (keep_slots) where it is not
-a prefix of the step.
+Trees (greedy, batch 1): a step may also verify siblings, other tokens beside the chain's, one
+query slot each, plus groups after them (tree.py, plan.Planner.tree, StepPlan.sibling_parents). The
+AR's token at each node picks the child that holds it (tree.walk); the step commits the path and
+the token after it, and the cache keeps the path (tree.keep_slots) where it is not a prefix.
 
 Each phase runs under torch.profiler.record_function("tidar.<phase>") for a step breakdown.
 """
@@ -31,15 +31,17 @@ from __future__ import annotations
 import time
 from collections import Counter
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 from torch.profiler import record_function
-from transformers import DynamicCache
+from transformers import DynamicCache, StoppingCriteriaList
 
-from .drafters import Draft, DraftContext, fresh
+from .drafters import Draft, DraftContext, Drafter, fresh
 from .forward import Output, forward
 from .layout import build_mask, decode_mask_mod, decode_position_ids, decode_step_mask
 from .plan import Planner, StepPlan
+from .tree import keep_slots, walk
 from .verify import mix, process
 
 
@@ -51,6 +53,8 @@ class DecodeState:
     cache_valid: torch.Tensor | None = None  # (B, C) False at the cache's left padding and holes (rows that accepted less)
     cache: DynamicCache = field(default_factory=DynamicCache)
     nfe: int = 0
+    new: torch.Tensor | None = None  # (B, max_new) each row's new tokens (pad after a row stops)
+    n_new: torch.Tensor | None = None  # (B,) how many each row has
     row_nfe: torch.Tensor | None = None  # (B,) forwards while each row was active (per-row acceptance)
     accepted: list = field(default_factory=list)  # drafts committed at each step
     slots: list = field(default_factory=list)  # query slots of each decoding forward
@@ -83,7 +87,7 @@ class DecodeState:
         steps = max(1, len(self.slots))
         extra = {}
         if self.row_nfe is not None:
-            extra["tokens_per_nfe_per_row"] = (self.row_new.float() / self.row_nfe.clamp(min=1)).tolist()
+            extra["tokens_per_nfe_per_row"] = (self.n_new.float() / self.row_nfe.clamp(min=1)).tolist()
         return {**extra,
             "nfe": self.nfe,
             "new_tokens": n_new,
@@ -120,7 +124,7 @@ def prefill(model, state: DecodeState, k: int, mask_id: int, groups: bool) -> tu
         with record_function("tidar.crop"):
             state.cache.crop(-g)
     ar = out.rows(P - 1, P)[:, 0]
-    return ar, (lambda: (out.rows(P + 1, P + k), None)) if g else (lambda: (None, None))
+    return ar, (lambda: (out.rows(P + 1, P + k), None)) if g else no_group
 
 
 def run_step(model, state: DecodeState, draft: Draft, plan: StepPlan, mask_id: int) -> Output:
@@ -137,43 +141,30 @@ def run_step(model, state: DecodeState, draft: Draft, plan: StepPlan, mask_id: i
 
 
 def causal_tokens(draft: Draft, plan: StepPlan) -> torch.Tensor:
-    """The tokens of the step's causal slots: the chain, then the branches the plan kept."""
-    return torch.cat([draft.tokens, draft.siblings[:, : len(plan.branches)]], 1) if plan.branches else draft.tokens
+    """The tokens of the step's causal slots: the chain, then the siblings the plan kept."""
+    return torch.cat([draft.tokens, draft.siblings[:, : plan.siblings]], 1) if plan.siblings else draft.tokens
 
 
-def commit(run, state: DecodeState, new_tokens, scores=None) -> None:
-    """Append tokens one at a time so EOS, max_length and stopping criteria stop exactly where AR would.
-    A finished row gets `pad`, as in transformers. `scores` (the processed scores so far) go to the
-    stopping criteria when output_scores is on, as transformers passes them."""
-    P = run.input_ids.shape[1]
-    seqs, kv_valid, active = state.seqs, state.kv_valid, state.active
-    for t in range(new_tokens.shape[1]):
-        token = torch.where(active, new_tokens[:, t], torch.full_like(new_tokens[:, t], run.pad))
-        seqs = torch.cat([seqs, token[:, None]], 1)
-        kv_valid = torch.cat([kv_valid, torch.ones_like(kv_valid[:, :1])], 1)
-        if run.streamer is not None:
-            run.streamer.put(token.cpu())
-        done = run.criteria(seqs, tuple(scores[: seqs.shape[1] - P]) if scores is not None else None).to(active.device)
-        active = active & ~done
-        if seqs.shape[1] - P >= run.max_new:
-            active = torch.zeros_like(active)
-        if not active.any():
-            break
-    state.seqs, state.kv_valid, state.active = seqs, kv_valid, active
+def decode(model, run, drafter: Drafter, planner: Planner, beta: float = 1.0, record=None) -> DecodeState:
+    """Prefill, then steps until every row stops. run: decode.Run (the merged arguments). record:
+    None, or (scores, logits) lists that receive one (B, V) tensor per new token.
 
-
-def decode(model, run, drafter, planner: Planner, beta: float = 1.0, record=None) -> DecodeState:
-    """Prefill and steps until every row stops. run: decode.Run (the merged arguments). record: None,
-    or (scores, logits) lists that receive one (B, V) tensor per new token.
-
-    A batch whose processors and stopping criteria look at each row alone decodes with per-row
-    acceptance (decode_rows); otherwise each step commits the fewest drafts any row accepted."""
-    if rowwise(run, beta, record):
-        return decode_rows(model, run, drafter, planner)
+    The commit policy: a batch whose processors and stopping criteria look at each row alone commits
+    per row (each row what it accepted: `accept_each`); otherwise every row commits the fewest drafts
+    any row accepted (`accept_together`), which trees, beta < 1, streamers and recorded scores need."""
+    per_row = rowwise(run, beta, record)
     pick, processors, k = run.pick, run.processors, run.k
     B, P = run.input_ids.shape
-    state = DecodeState(run.input_ids, run.kv_valid, torch.ones(B, dtype=torch.bool, device=run.input_ids.device))
+    device = run.input_ids.device
+    # Per row, max_new_tokens is counted per row (a row's seqs length is not its own): the length criterion goes.
+    criteria = StoppingCriteriaList([c for c in run.criteria if type(c).__name__ != "MaxLengthCriteria"]) if per_row else run.criteria
+    state = DecodeState(run.input_ids, run.kv_valid, torch.ones(B, dtype=torch.bool, device=device))
+    state.new = torch.full((B, run.max_new), run.pad, dtype=run.input_ids.dtype, device=device)
+    state.n_new = torch.zeros(B, dtype=torch.long, device=device)
+    if per_row:
+        state.row_nfe = torch.ones(B, dtype=torch.long, device=device)
     ar0, group = prefill(model, state, k, run.mask_id, drafter.uses_groups)
+    state.cache_valid = run.kv_valid
     limit = position_limit(model)
     with record_function("tidar.verify"):
         scores0 = process(processors, state.seqs, state.seqs[:, :0], ar0[:, None])[:, 0]
@@ -182,98 +173,140 @@ def decode(model, run, drafter, planner: Planner, beta: float = 1.0, record=None
     if record is not None:
         record[0].append(scores0)
         record[1].append(ar0.float())
-    new_tokens = y[:, None]
+    kept = Kept(y[:, None], torch.ones(B, dtype=torch.long, device=device), [], group)
     while True:
         with record_function("tidar.commit"):
-            commit(run, state, new_tokens, record[0] if record is not None and run.gc.output_scores else None)
+            commit(run, criteria, state, kept.tokens, kept.counts, record[0] if record is not None and run.gc.output_scores else None)
         if not state.active.any():
             break
-        pick.seek(state.seqs.shape[1] - P)
-        state.cache_valid = state.kv_valid[:, :-1]
+        pick.seek(state.n_new)  # each row's own count: sampling draws by each row's position
         with record_function("tidar.draft"):
-            remaining = run.max_new - (state.seqs.shape[1] - P)  # y of the next step is one of them
+            remaining = run.max_new - int(state.n_new[state.active].min())  # y of the next step is one of them
             room = None if limit is None else limit - 1 - int(state.start.max())  # positions left after draft 0
             most = min(remaining - 1, planner.max_proposals(drafter.uses_groups), room if room is not None else remaining)
-            ctx = DraftContext(state.seqs, state.kv_valid, most, pick, processors, memo(group), planner.siblings if B == 1 else 0, planner.budget - 1)
-            draft, plan = planner.step(drafter.propose(ctx) or fresh(state.seqs[:, -1]), drafter.uses_groups, room)
+            ctx = DraftContext(state.seqs, state.kv_valid, most, pick, processors, memo(kept.group), planner.siblings if B == 1 else 0, planner.budget - 1)
+            draft, plan = planner.step(drafter.propose(ctx) or fresh(state.seqs[:, -1]), drafter.uses_groups, room, per_row=per_row)
         state.finish()
         started = time.perf_counter()
         out = run_step(model, state, draft, plan, run.mask_id)
-        m = plan.n_drafts
+        if per_row:
+            state.row_nfe += state.active.long()
         with record_function("tidar.verify"):
-            ar = out.rows(0, m)
+            ar = out.rows(0, plan.n_drafts)
             scores = process(processors, state.seqs, draft.tokens[:, 1:], ar)  # row i: after seqs ++ drafts 1..i
             accepted = pick.verify(scores, draft)
-            j = int(accepted[state.active].min())  # rows share one cache length: commit the least
-            tokens = causal_tokens(draft, plan)
-            if plan.branches:  # a tree: follow the AR's tokens down it, off the chain where they lead
-                path, scored, raw = walk(plan, tokens, out, state.seqs, processors, pick, scores, ar)
-                y, j = pick.token(scored[-1]), len(path)
-                planner.timed(plan, time.perf_counter() - started, draft, torch.full_like(accepted, j), torch.full_like(accepted, path[-1] + 1))
-                g = plan.group_start(path[-1] + 1)
-            else:
-                planner.timed(plan, time.perf_counter() - started, draft, accepted, torch.full_like(accepted, j))  # int() above waited for the device
-                g = plan.group_start(j)
-                target = scores[:, j - 1]
-                if beta != 1.0 and g is not None:
-                    target = process(processors, state.seqs, draft.tokens[:, 1:j], mix(ar[:, j - 1], out.rows(g, g + 1)[:, 0], beta)[:, None])[:, 0]
-                y = pick.next_token(target, draft, accepted, j, exact=beta == 1.0)
-                path, scored, raw = list(range(j)), scores[:, :j].unbind(1), ar[:, :j].unbind(1)
-            if hasattr(drafter, "observe"):
-                # the chain's acceptance (what its confidence predicted), and what a tree's path committed
-                drafter.observe(draft, accepted, torch.full_like(accepted, j) if plan.branches else accepted)
+            accept = accept_each if per_row else accept_together
+            kept = accept(state, draft, plan, out, scores, ar, accepted, pick, processors, beta, k)
+            planner.timed(plan, time.perf_counter() - started, draft, kept.brought, kept.ends)  # accept() waited for the device
+            drafter.observe(draft, accepted, kept.brought)
         if record is not None:
-            record[0].extend(scored)
-            record[1].extend(a.float() for a in raw)
+            record[0].extend(kept.scores)
+            record[1].extend(a.float() for a in kept.raw)
         with record_function("tidar.crop"):
-            if path[-1] == j - 1:  # the chain's first j slots: a prefix of the step
-                state.cache.crop(-(plan.slots - j))
-            else:  # a branch off the chain is not a prefix, so `crop` cannot keep it
-                keep_slots(state.cache, state.cache_valid.shape[1], path)
-                state.sibling_steps += 1
-        new_tokens = torch.cat([tokens[:, path[1:]], y[:, None]], 1)
-        group = (lambda out=out, g=g: (out.rows(g + 1, g + k), None)) if g is not None else (lambda: (None, None))
-        state.record(j, plan, draft, out)
+            crop(state, plan, kept)
+        state.record(len(kept.slots), plan, draft, out)
     state.finish()
+    state.seqs = torch.cat([run.input_ids, state.new[:, : int(state.n_new.max())]], 1)
     return state
 
 
-def walk(plan: StepPlan, tokens: torch.Tensor, out: Output, seqs, processors, pick, chain_scores, chain_ar):
-    """Greedy verification of a tree (batch 1): from draft 0, the AR's token at each node picks the
-    child that holds it, until none does. Returns the path (slots from draft 0), and the processed
-    scores and raw logits of each node on it, which AR would have produced for the same tokens: each
-    node's row is processed with its own path as prefix. tokens: the causal slots' (causal_tokens).
-    chain_scores, chain_ar: the chain's rows, already processed with the chain as prefix (the path's
-    nodes while it stays on the chain)."""
-    values = tokens[0].tolist()
-    kids: dict[int, list[int]] = {}
-    for child, parent in enumerate(plan.parents()[1:], 1):
-        kids.setdefault(parent, []).append(child)
-    path, scored, raw = [0], [], []
-    while True:
-        s = path[-1]
-        if s == len(path) - 1 and s < plan.n_drafts:  # still on the chain
-            scores, ar = chain_scores[:, s], chain_ar[:, s]
-        else:
-            ar = out.rows(s, s + 1)[:, 0]
-            scores = process(processors, torch.cat([seqs, tokens[:, path[1:]]], 1), seqs[:, :0], ar[:, None])[:, 0]
-        scored.append(scores)
-        raw.append(ar)
-        y = int(pick.token(scores)[0])
-        nxt = [c for c in kids.get(s, ()) if values[c] == y]
-        if not nxt:
-            return path, scored, raw
-        path.append(nxt[0])
+@dataclass
+class Kept:
+    """What a step keeps, by the commit policy (accept_together, accept_each)."""
+
+    tokens: torch.Tensor  # (B, n) each row's new tokens: its accepted proposals, then the token after them
+    counts: torch.Tensor  # (B,) how many of them row b commits
+    slots: list  # the step's slots the cache keeps, from draft 0 (a prefix, or a tree's path)
+    group: Callable  # the next draft's group logits (DraftContext.group)
+    brought: torch.Tensor | None = None  # (B,) drafts each row's draft got committed (a tree: its path): what drafters and the plan learn
+    ends: torch.Tensor | None = None  # (B,) the slot each row's next group is read after (StepPlan.group_start)
+    scores: tuple = ()  # the processed scores of each committed position (recorded for output_scores)
+    raw: tuple = ()  # and the raw logits
 
 
-def keep_slots(cache, cache_len: int, slots: list[int]) -> None:
-    """Keep the cache's first cache_len entries and, of the step's slots after them, `slots`: a branch
-    of a tree is not a suffix of the step, so `crop` cannot keep it."""
-    index = torch.tensor([*range(cache_len), *(cache_len + s for s in slots)])
-    for layer in cache.layers:
-        if getattr(layer, "keys", None) is not None and layer.keys.numel():
-            i = index.to(layer.keys.device)
-            layer.keys, layer.values = layer.keys.index_select(-2, i), layer.values.index_select(-2, i)
+def no_group():
+    return None, None
+
+
+def accept_together(state: DecodeState, draft: Draft, plan: StepPlan, out: Output, scores, ar, accepted, pick, processors, beta: float, k: int) -> Kept:
+    """Every row commits the fewest drafts any active row accepted, so the rows share one cache length.
+    A tree (batch 1) commits the path the AR's tokens take down it (walk)."""
+    B = accepted.shape[0]
+    j = int(accepted[state.active].min())
+    tokens = causal_tokens(draft, plan)
+    if plan.siblings:
+        path, scored, raw = walk(plan, tokens, out, state.seqs, processors, pick, scores, ar)
+        y, j = pick.token(scored[-1]), len(path)
+        brought, ends = torch.full_like(accepted, j), torch.full_like(accepted, path[-1] + 1)
+    else:
+        path, scored, raw = list(range(j)), scores[:, :j].unbind(1), ar[:, :j].unbind(1)
+        brought, ends = accepted, torch.full_like(accepted, j)
+        g = plan.group_start(j)
+        target = scores[:, j - 1]
+        if beta != 1.0 and g is not None:
+            target = process(processors, state.seqs, draft.tokens[:, 1:j], mix(ar[:, j - 1], out.rows(g, g + 1)[:, 0], beta)[:, None])[:, 0]
+        y = pick.next_token(target, draft, accepted, j, exact=beta == 1.0)
+    g = plan.group_start(path[-1] + 1)
+    group = (lambda: (out.rows(g + 1, g + k), None)) if g is not None else no_group
+    new = torch.cat([tokens[:, path[1:]], y[:, None]], 1)
+    return Kept(new, torch.full((B,), j, dtype=torch.long, device=accepted.device), path, group, brought, ends, tuple(scored), tuple(raw))
+
+
+def accept_each(state: DecodeState, draft: Draft, plan: StepPlan, out: Output, scores, ar, accepted, pick, processors, beta: float, k: int) -> Kept:
+    """Each row commits what it accepted. The cache keeps the most drafts any row accepted; a row's
+    drafts beyond its own count stay in the cache as holes (cache_valid False), which its later
+    queries never attend to, and its positions count only what it committed."""
+    y = pick.next_token_rows(scores, draft, accepted)
+    counts = torch.where(state.active, accepted, torch.ones_like(accepted))  # finished rows commit nothing
+    J = int(counts.max())
+    filler = torch.cat([draft.tokens[:, 1:], draft.tokens[:, :1]], 1)[:, :J]
+    tokens = filler.scatter(1, (counts - 1)[:, None], y[:, None])  # row b: its accepted proposals, then y
+    starts = [plan.group_start(a) for a in counts.tolist()]
+    have = torch.tensor([s is not None for s in starts], device=accepted.device)
+    at = torch.tensor([s if s is not None else 0 for s in starts], device=accepted.device)
+    group = (lambda: (out.rows_at(at + 1, k - 1), have)) if have.any() else no_group
+    return Kept(tokens, counts, list(range(J)), group, accepted, accepted)
+
+
+def commit(run, criteria, state: DecodeState, tokens, counts, scores=None) -> None:
+    """Row b appends tokens[b, :counts[b]], one round at a time through the stopping criteria, so EOS,
+    max_new_tokens and stopping criteria stop a row exactly where AR would. state.seqs stays
+    right-aligned: a row that does not advance in a round (it committed fewer, or it stopped) gets a
+    pad on the left, invalid in kv_valid, so criteria reading the last tokens see each row's own
+    sequence. state.new collects each row's new tokens (a stopped row's stay `pad`, as in
+    transformers). `scores` (the processed scores so far) go to the criteria when output_scores is
+    on, as transformers passes them."""
+    seqs, valid, active, n_new = state.seqs, state.kv_valid, state.active, state.n_new
+    B = seqs.shape[0]
+    pad = torch.full((B, 1), run.pad, dtype=seqs.dtype, device=seqs.device)
+    yes = torch.ones((B, 1), dtype=torch.bool, device=seqs.device)
+    rows = torch.arange(B, device=seqs.device)
+    for r in range(tokens.shape[1]):
+        adv = active & (counts > r)
+        if not adv.any():
+            break
+        token = tokens[:, r]
+        seqs = torch.where(adv[:, None], torch.cat([seqs, token[:, None]], 1), torch.cat([pad, seqs], 1))
+        valid = torch.where(adv[:, None], torch.cat([valid, yes], 1), torch.cat([~yes, valid], 1))
+        if run.streamer is not None:
+            run.streamer.put(torch.where(adv, token, pad[:, 0]).cpu())
+        state.new[rows[adv], n_new[adv]] = token[adv]
+        n_new += adv.long()
+        done = criteria(seqs, tuple(scores[: int(n_new.max())]) if scores is not None else None).to(active.device) if len(criteria) else torch.zeros_like(active)
+        active = active & ~(done & adv) & (n_new < run.max_new)
+    state.seqs, state.kv_valid, state.active = seqs, valid, active
+
+
+def crop(state: DecodeState, plan: StepPlan, kept: Kept) -> None:
+    """The cache keeps the step's kept slots and drops every other; a row's holes are marked invalid."""
+    slots = kept.slots
+    if slots == list(range(len(slots))):  # a prefix of the step
+        state.cache.crop(-(plan.slots - len(slots)))
+    else:  # a branch off the chain is not a prefix, so `crop` cannot keep it
+        keep_slots(state.cache, state.cache_valid.shape[1], slots)
+        state.sibling_steps += 1
+    hole = torch.arange(len(slots), device=kept.counts.device) >= kept.counts[:, None]
+    state.cache_valid = torch.cat([state.cache_valid, ~hole], 1)
 
 
 def memo(fn):
@@ -287,10 +320,6 @@ def memo(fn):
 
     return once
 
-
-# --------------------------------------------------------------------------------------------
-# Per-row acceptance: each row of a batch keeps what it accepted (issue 8, item 5).
-# --------------------------------------------------------------------------------------------
 
 # Processors that act on each row's scores alone, whatever its prefix or batch index; and stopping
 # criteria that read each row's own last tokens (max_length is applied per row here). With anything
@@ -308,91 +337,3 @@ def rowwise(run, beta: float, record) -> bool:
         and all(type(p).__name__ in ROWWISE_PROCESSORS for p in run.processors)
         and all(type(c).__name__ in ROWWISE_CRITERIA for c in run.criteria)
     )
-
-
-def commit_rows(run, criteria, state: DecodeState, tokens, counts, new, n_new) -> None:
-    """Row b appends tokens[b, :counts[b]], one round at a time through the stopping criteria.
-    state.seqs stays right-aligned (each row's last token in the last column; rows that did not
-    advance in a round get a pad on the left, invalid in kv_valid), so criteria reading the last
-    tokens see each row's own sequence. `new` (B, max_new) collects each row's new tokens."""
-    seqs, valid, active = state.seqs, state.kv_valid, state.active
-    B = seqs.shape[0]
-    pad = torch.full((B, 1), run.pad, dtype=seqs.dtype, device=seqs.device)
-    yes = torch.ones((B, 1), dtype=torch.bool, device=seqs.device)
-    rows = torch.arange(B, device=seqs.device)
-    for r in range(tokens.shape[1]):
-        adv = active & (counts > r)
-        if not adv.any():
-            break
-        token = tokens[:, r]
-        seqs = torch.where(adv[:, None], torch.cat([seqs, token[:, None]], 1), torch.cat([pad, seqs], 1))
-        valid = torch.where(adv[:, None], torch.cat([valid, yes], 1), torch.cat([~yes, valid], 1))
-        new[rows[adv], n_new[adv]] = token[adv]
-        n_new += adv.long()
-        done = criteria(seqs, None).to(active.device) if len(criteria) else torch.zeros_like(active)
-        active = active & ~(done & adv) & (n_new < run.max_new)
-    state.seqs, state.kv_valid, state.active = seqs, valid, active
-
-
-def decode_rows(model, run, drafter, planner: Planner) -> DecodeState:
-    """The loop with per-row acceptance. The cache keeps, each step, the most drafts any row accepted;
-    a row's drafts beyond its own accepted count stay in the cache as holes (cache_valid False),
-    which its later queries never attend to, and its positions count only what it committed."""
-    from transformers import StoppingCriteriaList
-
-    pick, processors, k = run.pick, run.processors, run.k
-    B, P = run.input_ids.shape
-    device = run.input_ids.device
-    criteria = StoppingCriteriaList([c for c in run.criteria if type(c).__name__ != "MaxLengthCriteria"])
-    state = DecodeState(run.input_ids, run.kv_valid, torch.ones(B, dtype=torch.bool, device=device))
-    state.row_nfe = torch.ones(B, dtype=torch.long, device=device)
-    new = torch.full((B, run.max_new), run.pad, dtype=run.input_ids.dtype, device=device)
-    n_new = torch.zeros(B, dtype=torch.long, device=device)
-    ar0, group = prefill(model, state, k, run.mask_id, drafter.uses_groups)
-    state.cache_valid = run.kv_valid
-    limit = position_limit(model)
-    with record_function("tidar.verify"):
-        pick.seek(0)
-        y = pick.token(process(processors, state.seqs, state.seqs[:, :0], ar0[:, None])[:, 0])
-    tokens, counts = y[:, None], torch.ones(B, dtype=torch.long, device=device)
-    while True:
-        with record_function("tidar.commit"):
-            commit_rows(run, criteria, state, tokens, counts, new, n_new)
-        if not state.active.any():
-            break
-        pick.seek(n_new)  # each row's own count: sampling draws by each row's position
-        with record_function("tidar.draft"):
-            remaining = run.max_new - int(n_new[state.active].min())
-            room = None if limit is None else limit - 1 - int(state.start.max())
-            most = min(remaining - 1, planner.max_proposals(drafter.uses_groups), room if room is not None else remaining)
-            ctx = DraftContext(state.seqs, state.kv_valid, most, pick, processors, memo(group))
-            draft, plan = planner.step(drafter.propose(ctx) or fresh(state.seqs[:, -1]), drafter.uses_groups, room, per_row=True)
-        state.finish()
-        started = time.perf_counter()
-        out = run_step(model, state, draft, plan, run.mask_id)
-        state.row_nfe += state.active.long()
-        m = plan.n_drafts
-        with record_function("tidar.verify"):
-            scores = process(processors, state.seqs, draft.tokens[:, 1:], out.rows(0, m))
-            accepted = pick.verify(scores, draft)
-            planner.timed(plan, time.perf_counter() - started, draft, accepted.cpu())  # .cpu() waits for the device
-            y = pick.next_token_rows(scores, draft, accepted)
-            if hasattr(drafter, "observe"):
-                drafter.observe(draft, accepted)
-        accepted = torch.where(state.active, accepted, torch.ones_like(accepted))  # finished rows commit nothing
-        J = int(accepted.max())
-        with record_function("tidar.crop"):
-            state.cache.crop(-(plan.slots - J))  # the most any row accepted; the rest of each row: holes
-            state.cache_valid = torch.cat([state.cache_valid, torch.arange(J, device=device) < accepted[:, None]], 1)
-        # Row b commits its accepted proposals, then its y.
-        filler = torch.cat([draft.tokens[:, 1:], draft.tokens[:, :1]], 1)[:, :J]
-        tokens, counts = filler.scatter(1, (accepted - 1)[:, None], y[:, None]), accepted
-        starts = [plan.group_start(a) for a in accepted.tolist()]
-        have = torch.tensor([s is not None for s in starts], device=device)
-        at = torch.tensor([s if s is not None else 0 for s in starts], device=device)
-        group = (lambda out=out, at=at, have=have: (out.rows_at(at + 1, k - 1), have)) if have.any() else (lambda: (None, None))
-        state.record(J, plan, draft, out)
-    state.finish()
-    state.seqs = torch.cat([run.input_ids, new[:, : int(n_new.max())]], 1)
-    state.row_new = n_new
-    return state

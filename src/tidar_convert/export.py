@@ -18,7 +18,7 @@ import shutil
 import warnings
 from pathlib import Path
 
-from . import adapter, costs, decode, drafters, engine, forward, kernels, layout, plan, verify
+from . import adapter, costs, decode, drafters, engine, forward, kernels, layout, plan, tree, verify
 from .loading import EMBEDDED_NAME
 from .outputs import atomic_dir, check_export_target, disk_full, file_record, marker_files, no_space, record_file, scratch_dir, tensor_bytes, write_marker
 
@@ -30,7 +30,7 @@ TIDAR_FIELDS = ("block_size", "mask_token_id", "alpha")
 def shipped_code() -> dict[str, Path]:
     """Files an export ships, by their name inside custom_generate/ (single source: the package's own).
     generate.py imports the others relatively, so they keep their package names."""
-    return {"generate.py": Path(decode.__file__), **{Path(m.__file__).name: Path(m.__file__) for m in (engine, forward, plan, costs, drafters, verify, layout, adapter, kernels)}}
+    return {"generate.py": Path(decode.__file__), **{Path(m.__file__).name: Path(m.__file__) for m in (engine, forward, plan, costs, drafters, tree, verify, layout, adapter, kernels)}}
 
 
 def export(model, tokenizer, out: str | os.PathLike, block_size: int, alpha: float, overwrite: bool = False, card: dict | None = None, adapter_energy: float | None = None, adapter_layers: float | None = None) -> Path:

@@ -16,7 +16,7 @@ from .layout import decode_position_ids
 @dataclass(frozen=True)
 class StepPlan:
     """Which query slots one forward runs: `n_drafts` causal drafts (a chain), then one causal slot per
-    branch (greedy, batch 1: `branches[i]` is the parent slot of slot n_drafts + i, an earlier slot;
+    sibling (greedy, batch 1: `sibling_parents[i]` is the parent slot of slot n_drafts + i, an earlier slot;
     each sees its ancestors and itself, a tree), then a group of `k` masks at each anchor. A group
     anchored at j sees causal slot j - 1 and its ancestors and predicts the k positions after them:
     on the chain, anchor j sees drafts[0..j)."""
@@ -24,15 +24,15 @@ class StepPlan:
     n_drafts: int
     anchors: tuple[int, ...]
     k: int
-    branches: tuple[int, ...] = ()
+    sibling_parents: tuple[int, ...] = ()
 
     @property
     def siblings(self) -> int:
-        return len(self.branches)
+        return len(self.sibling_parents)
 
     @property
     def causal(self) -> int:
-        return self.n_drafts + len(self.branches)
+        return self.n_drafts + len(self.sibling_parents)
 
     @property
     def slots(self) -> int:
@@ -40,9 +40,9 @@ class StepPlan:
 
     def parents(self) -> tuple[int, ...] | None:
         """The tree over the causal slots (layout.decode_mask_mod), None for a plain chain."""
-        if not self.branches:
+        if not self.sibling_parents:
             return None
-        return (-1, *range(self.n_drafts - 1), *self.branches)
+        return (-1, *range(self.n_drafts - 1), *self.sibling_parents)
 
     def group_start(self, j: int) -> int | None:
         """Query index of the group anchored at j, None if the plan has none there."""
@@ -176,11 +176,11 @@ class Planner:
         n = 1 + sum(1 for s in kept if s < m)  # chain nodes kept: a prefix of the chain
         off = sorted(s for s in kept if s >= m)  # siblings kept, parents first
         slot = {**{d: d for d in range(n)}, **{s: n + i for i, s in enumerate(off)}}
-        branches = tuple(slot[parents[s]] for s in off)
+        sibling_parents = tuple(slot[parents[s]] for s in off)
         cut_draft = cut(draft, n)
         index = [s - m for s in off]
-        cut_draft = replace(cut_draft, siblings=draft.siblings[:, index], sibling_confidence=draft.sibling_confidence[:, index], sibling_parents=branches)
-        return cut_draft, StepPlan(n, tuple(sorted(slot[s] + 1 for s in groups)), k, branches)
+        cut_draft = replace(cut_draft, siblings=draft.siblings[:, index], sibling_confidence=draft.sibling_confidence[:, index], sibling_parents=sibling_parents)
+        return cut_draft, StepPlan(n, tuple(sorted(slot[s] + 1 for s in groups)), k, sibling_parents)
 
     def verify_cost(self) -> float:
         """What verifying a group's draft costs the next step, in tokens: the time a step with

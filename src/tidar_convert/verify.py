@@ -13,6 +13,8 @@ row i is p(. | prefix, tokens[1..i]).
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import torch
 
 
@@ -22,21 +24,45 @@ def real_slots(draft) -> torch.Tensor:
     return torch.arange(1, m, device=draft.tokens.device) < draft.length[:, None]
 
 
-class Greedy:
-    """Accept a draft while it equals the argmax of the processed AR scores; the output is exactly AR greedy."""
+class Verifier(Protocol):
+    """What the engine and the drafters ask of a verifier (`run.pick`). Scores are processed AR (or
+    draft) scores, (B, V) or (B, n, V); a draft is verify.py's module docstring's."""
 
-    def seek(self, committed) -> None:  # greedy draws nothing
-        pass
+    def seek(self, committed) -> None:
+        """After each commit: (B,) or an int, the new tokens each row has committed (the index of what
+        its next AR row predicts). Optional: only sampling, whose draws are keyed by position, needs it."""
+
+    def token(self, scores, offset=0) -> torch.Tensor:
+        """The token AR decoding takes from scores, at new-token index seek + offset."""
+        ...
+
+    def confidence(self, scores) -> torch.Tensor:
+        """How likely a drafted slot is to be accepted, from the drafter's own scores (for the plan)."""
+        ...
+
+    def verify(self, scores, draft) -> torch.Tensor:
+        """(B,) drafts accepted per row (>= 1: draft 0 is committed already). scores (B, m, V)."""
+        ...
+
+    def next_token(self, target, draft, accepted, j: int, exact: bool = True) -> torch.Tensor:
+        """(B,) the token after j accepted drafts, every row at the same j, from target (B, V)."""
+        ...
+
+    def next_token_rows(self, scores, draft, accepted) -> torch.Tensor:
+        """(B,) each row's own next token, after its own accepted drafts (rows commit what they accepted)."""
+        ...
+
+
+class Greedy(Verifier):
+    """Accept a draft while it equals the argmax of the processed AR scores; the output is exactly AR greedy."""
 
     def token(self, scores, offset=0):
         return scores.argmax(-1)
 
     def confidence(self, scores):
-        """How likely a drafted slot is to be accepted, from the drafter's own scores (for the plan)."""
         return scores.softmax(-1).amax(-1)
 
     def verify(self, scores, draft):
-        """Drafts accepted per row (>= 1: draft 0 is committed already). scores (B, m, V): processed AR."""
         match = (scores[:, :-1].argmax(-1) == draft.tokens[:, 1:]) & real_slots(draft)
         return 1 + match.long().cumprod(1).sum(1)
 
@@ -44,7 +70,6 @@ class Greedy:
         return self.token(target)
 
     def next_token_rows(self, scores, draft, accepted):
-        """Each row's own next token, after its own accepted drafts (rows commit what they accepted)."""
         return self.token(at_rows(scores, accepted - 1))
 
 
@@ -53,7 +78,7 @@ def at_rows(x, index):
     return x[torch.arange(x.shape[0], device=x.device), index]
 
 
-class Sampling:
+class Sampling(Verifier):
     """Sampling by the Gumbel-max trick with noise keyed by position, so a seed gives the same tokens
     whatever the steps were.
 
@@ -126,7 +151,6 @@ class Sampling:
         return self.token(target, j - 1)
 
     def next_token_rows(self, scores, draft, accepted):
-        """Each row's own next token, after its own accepted drafts."""
         return self.token(at_rows(scores, accepted - 1), accepted - 1)
 
 
@@ -167,8 +191,10 @@ def process(processors, seqs, extra, logits):
     see exactly the sequence AR would have had at that position."""
     if not processors:
         return logits.float()
-    rows = []
-    for i in range(logits.shape[1]):
-        scores = logits[:, i].to(torch.float32, copy=True)
-        rows.append(processors(torch.cat([seqs, extra[:, :i]], 1), scores))
-    return torch.stack(rows, 1)
+    return torch.stack([process_one(processors, torch.cat([seqs, extra[:, :i]], 1), logits[:, i]) for i in range(logits.shape[1])], 1)
+
+
+def process_one(processors, prefix, logits):
+    """The processed float32 scores (B, V) of one position's logits after `prefix` (B, L); the
+    processors act in place, so on a copy."""
+    return processors(prefix, logits.to(torch.float32, copy=True))

@@ -1,0 +1,146 @@
+"""Trees: siblings verified beside a draft's chain (greedy, batch 1; generate(siblings=...)).
+
+Shipped in every export's custom_generate/ folder (see export.shipped_code): imports nothing but torch and verify.py.
+
+A sibling is an off-chain node: another token at a drafted offset, hung under a chain slot or an
+earlier sibling (Draft.siblings, Draft.sibling_parents). Drafting side: the diffusion group's next
+likeliest tokens (group_siblings, grow), the diffusion draft's first choices beside a lookup chain
+(first_siblings, beside); the lookup drafter adds other occurrences' continuations itself
+(LookupDrafter.add_siblings). Verifying side: the AR's token at each node picks the child that
+holds it (walk), and the cache keeps that path (keep_slots).
+"""
+
+from __future__ import annotations
+
+import heapq
+from typing import TYPE_CHECKING
+
+import torch
+
+from .verify import process
+
+if TYPE_CHECKING:  # types only: drafters.py imports this module
+    from .drafters import Draft, DraftContext
+    from .forward import Output
+    from .plan import StepPlan
+
+
+def group_siblings(ctx: DraftContext, slots: torch.Tensor, chain: torch.Tensor, n: int):
+    """The group's next n likeliest tokens at each drafted offset, other than the chain's (B, D) there,
+    and their probabilities: (B, D, n) each. Slot i is processed with the chain's prefix, as
+    make_draft does. The AR token is the group's first choice at offset 1 at 44 % of steps and among
+    its first 4 at 69 % (README, bench/results/wide-draft-offline.json)."""
+    scores = process(ctx.processors, ctx.seqs, chain, slots[:, : chain.shape[1]])
+    top = scores.softmax(-1).topk(n + 1, -1)
+    tokens, chances = zip(*(without(top.indices[:, i], top.values[:, i], chain[:, i], n) for i in range(scores.shape[1])))
+    return torch.stack(tokens, 1), torch.stack(chances, 1)
+
+
+def grow(draft: Draft, alt_tokens: torch.Tensor, alt_chances: torch.Tensor, most: int, floor: float = 1e-3) -> Draft:
+    """The draft's tree (batch 1): the chain's proposals and, at every node, the alternatives at the
+    next offset, best first by the chance the step reaches them (the product of the chances along
+    the path; a group's offsets are drafted in parallel, so a branch's later tokens are the same
+    offsets' choices as the chain's), until `most` nodes (chain nodes count). The nodes off the chain
+    become draft.siblings, in the order found (a parent before its children)."""
+    m = draft.tokens.shape[1]
+    conf = draft.confidence[0, : m - 1].float().clamp(0, 1).tolist()
+    chain, alts, chances = draft.tokens[0, 1:].tolist(), alt_tokens[0].tolist(), alt_chances[0].float().clamp(0, 1).tolist()
+    tokens, parents, conditional = [], [], []
+    heap, count, found = [], 0, 0
+
+    def push(reach, depth, slot, on_chain):  # the children of a node at `depth` in slot `slot`
+        nonlocal count
+        if depth >= m - 1:
+            return
+        options = [(chain[depth], conf[depth], on_chain)] + [(t, c, False) for t, c in zip(alts[depth], chances[depth])]
+        for token, c, chained in options:
+            if reach * c >= floor:
+                count += 1
+                heapq.heappush(heap, (-reach * c, depth + 1, count, slot, token, c, chained))
+
+    push(1.0, 0, 0, True)
+    while heap and found < most:
+        neg, depth, _, parent, token, c, chained = heapq.heappop(heap)
+        found += 1
+        if chained:
+            slot = depth  # the chain's own proposal
+        else:
+            slot = m + len(tokens)
+            tokens.append(token)
+            parents.append(parent)
+            conditional.append(c)
+        push(-neg, depth, slot, chained)
+    device = draft.tokens.device
+    draft.siblings = torch.tensor([tokens], dtype=draft.tokens.dtype, device=device).view(1, -1)
+    draft.sibling_confidence = torch.tensor([conditional], device=device).view(1, -1)
+    draft.sibling_parents = tuple(parents)
+    return draft
+
+
+def without(tokens: torch.Tensor, chances: torch.Tensor, taken: torch.Tensor, n: int):
+    """The first n of `tokens` (B, n + 1) other than `taken` (B,), in their order, with their chances."""
+    keep = (tokens != taken[:, None]).float().argsort(dim=1, descending=True, stable=True)[:, :n]
+    return tokens.gather(1, keep), chances.gather(1, keep)
+
+
+def first_siblings(look: Draft, diff: Draft):
+    """The diffusion draft's choices for the first proposal (its own, then its alternatives there)
+    other than the lookup draft's, as alternatives to the lookup chain's first proposal: as many as
+    diff has alternatives there."""
+    first = [i for i, p in enumerate(diff.parents()) if p == 0]
+    tokens = torch.cat([diff.tokens[:, 1:2], diff.siblings[:, first]], 1)
+    conf = torch.cat([diff.confidence[:, :1], diff.sibling_confidence[:, first]], 1)
+    return without(tokens, conf, look.tokens[:, 1], len(first))
+
+
+def beside(draft: Draft, tokens: torch.Tensor, chances: torch.Tensor) -> Draft:
+    """The draft (batch 1) with `tokens` (1, s) added under draft 0, those it has there already left out."""
+    have = set() if draft.siblings is None else {t for t, p in zip(draft.siblings[0].tolist(), draft.parents()) if p == 0}
+    keep = [i for i, t in enumerate(tokens[0].tolist()) if t not in have]
+    if not keep:
+        return draft
+    if draft.siblings is None:
+        draft.siblings, draft.sibling_confidence, draft.sibling_parents = tokens[:, keep], chances[:, keep], None
+        return draft
+    draft.sibling_parents = (*draft.parents(), *(0,) * len(keep))
+    draft.siblings = torch.cat([draft.siblings, tokens[:, keep]], 1)
+    draft.sibling_confidence = torch.cat([draft.sibling_confidence, chances[:, keep].to(draft.sibling_confidence.dtype)], 1)
+    return draft
+
+
+def walk(plan: StepPlan, tokens: torch.Tensor, out: Output, seqs, processors, pick, chain_scores, chain_ar):
+    """Greedy verification of a tree (batch 1): from draft 0, the AR's token at each node picks the
+    child that holds it, until none does. Returns the path (slots from draft 0), and the processed
+    scores and raw logits of each node on it, which AR would have produced for the same tokens: each
+    node's row is processed with its own path as prefix. tokens: the causal slots' (causal_tokens).
+    chain_scores, chain_ar: the chain's rows, already processed with the chain as prefix (the path's
+    nodes while it stays on the chain)."""
+    values = tokens[0].tolist()
+    kids: dict[int, list[int]] = {}
+    for child, parent in enumerate(plan.parents()[1:], 1):
+        kids.setdefault(parent, []).append(child)
+    path, scored, raw = [0], [], []
+    while True:
+        s = path[-1]
+        if s == len(path) - 1 and s < plan.n_drafts:  # still on the chain
+            scores, ar = chain_scores[:, s], chain_ar[:, s]
+        else:
+            ar = out.rows(s, s + 1)[:, 0]
+            scores = process(processors, torch.cat([seqs, tokens[:, path[1:]]], 1), seqs[:, :0], ar[:, None])[:, 0]
+        scored.append(scores)
+        raw.append(ar)
+        y = int(pick.token(scores)[0])
+        nxt = [c for c in kids.get(s, ()) if values[c] == y]
+        if not nxt:
+            return path, scored, raw
+        path.append(nxt[0])
+
+
+def keep_slots(cache, cache_len: int, slots: list[int]) -> None:
+    """Keep the cache's first cache_len entries and, of the step's slots after them, `slots`: a branch
+    of a tree is not a suffix of the step, so `crop` cannot keep it."""
+    index = torch.tensor([*range(cache_len), *(cache_len + s for s in slots)])
+    for layer in cache.layers:
+        if getattr(layer, "keys", None) is not None and layer.keys.numel():
+            i = index.to(layer.keys.device)
+            layer.keys, layer.values = layer.keys.index_select(-2, i), layer.values.index_select(-2, i)

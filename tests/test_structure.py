@@ -1,0 +1,141 @@
+"""The package's shape, as docs/development.md promises it: small modules, no import cycle, and
+shipped files that import only each other (an export decodes with nothing but transformers)."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+PACKAGE = Path(__file__).parents[1] / "src" / "tidar_convert"
+MAX_LINES = 450
+
+
+def modules() -> dict[str, Path]:
+    out = {}
+    for f in PACKAGE.rglob("*.py"):
+        parts = f.relative_to(PACKAGE.parent).with_suffix("").parts
+        out[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = f
+    return out
+
+
+def imports(name: str, path: Path, known: dict[str, Path]) -> set[str]:
+    """The package modules `name` imports, at any depth of its code (function-local imports count),
+    leaving out `if TYPE_CHECKING:` blocks (types only, never run)."""
+    tree = ast.parse(path.read_text())
+    typing_only = {id(n) for block in ast.walk(tree) if isinstance(block, ast.If) and getattr(block.test, "id", "") == "TYPE_CHECKING" for n in ast.walk(block)}
+    package = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
+    found = set()
+    for node in ast.walk(tree):
+        if id(node) in typing_only:
+            continue
+        if isinstance(node, ast.ImportFrom):
+            base = package[: len(package) - node.level + 1] if node.level else []
+            target = ".".join(base + ([node.module] if node.module else []))
+            for alias in node.names:
+                full = f"{target}.{alias.name}"
+                found.add(full if full in known else target)
+        elif isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+    return {m for m in found if m in known and m != name}
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan)."""
+    index, low, stack, on, out = {}, {}, [], set(), []
+
+    def visit(v):
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                out.append(sorted(component))
+
+    for v in graph:
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_no_module_is_over_450_lines():
+    long = {name: n for name, path in modules().items() if (n := len(path.read_text().splitlines())) > MAX_LINES}
+    assert not long, f"split these by concept (docs/development.md): {long}"
+
+
+def test_no_import_cycle():
+    known = modules()
+    graph = {name: imports(name, path, known) for name, path in known.items()}
+    assert "tidar_convert.engine" in graph["tidar_convert.decode"]  # the graph does see relative imports
+    assert cycles(graph) == []
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]  # and would see one
+
+
+def test_shipped_files_import_only_each_other():
+    from tidar_convert.export import shipped_code
+
+    known = modules()
+    shipped = {f"tidar_convert.{Path(p).stem}" for p in shipped_code().values()}
+    for name in shipped:
+        outside = imports(name, known[name], known) - shipped
+        assert not outside, f"{name} is shipped in exports but imports {outside}, which exports do not have"
+
+
+DOCS = [Path(__file__).parents[1] / p for p in ("README.md", "CHANGELOG.md")] + sorted((Path(__file__).parents[1] / "docs").glob("*.md"))
+
+
+# Cited like code in the docs, but fields of the bench's JSON record, not attributes.
+RECORD_FIELDS = {"machine.packed_linears", "machine.linear_product"}
+FILE_SUFFIXES = {"png", "json", "jsonl", "yaml", "md", "log", "py", "c", "ckpt"}
+
+
+def defines(module, attr: str) -> bool:
+    """`attr` is a name of `module`, of one of its classes, or a parameter of one of their __init__s
+    (a recipe's `data.greedy_docs` is a TiDARData argument)."""
+    import inspect
+
+    if hasattr(module, attr):
+        return True
+    for cls in vars(module).values():
+        if inspect.isclass(cls) and cls.__module__ == module.__name__:
+            if hasattr(cls, attr) or attr in inspect.signature(cls.__init__).parameters:
+                return True
+    return False
+
+
+def test_docs_name_only_what_exists():
+    """Every `module.name` the docs cite (the package's own modules) exists, and every relative link
+    points at a file: docs drift when code is renamed, and this is where it shows. CHANGELOG.md names
+    old names on purpose, so only its links are checked."""
+    import importlib
+    import re
+
+    by_last = {}
+    for name in modules():
+        by_last.setdefault(name.rsplit(".", 1)[-1], []).append(name)
+    missing = []
+    for doc in DOCS:
+        text = doc.read_text()
+        for target in re.findall(r"\]\(([^)#:]+)(?:#[^)]*)?\)", text):
+            if not (doc.parent / target).exists():
+                missing.append(f"{doc.name}: link {target}")
+        if doc.name == "CHANGELOG.md":
+            continue
+        for module, attr in set(re.findall(r"`([a-z_]+)\.([A-Za-z_]+)[`(\[]", text)):
+            if module not in by_last or attr in FILE_SUFFIXES or f"{module}.{attr}" in RECORD_FIELDS:
+                continue
+            if not any(f"{m}.{attr}" in by_last.get(attr, ()) or defines(importlib.import_module(m), attr) for m in by_last[module]):
+                missing.append(f"{doc.name}: {module}.{attr}")
+    assert not missing, missing
