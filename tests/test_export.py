@@ -61,6 +61,26 @@ def test_runs_without_tidar_convert_installed(exported):
     assert out["mod"].startswith("transformers.models.qwen3")
 
 
+def test_the_exports_code_builds_the_packages_panel_kernel(exported):
+    """custom_generate/ carries the kernel's C source (csrc/panel.c) as panel_source.py, since
+    transformers' module cache copies only .py files: loaded as transformers loads it, the export's
+    panel.py reads that copy and builds the same library file as the package's."""
+    from pathlib import Path
+
+    from transformers.dynamic_module_utils import HF_MODULES_CACHE, get_cached_module_file, get_class_in_module
+
+    from tidar_convert import panel
+
+    module = Path(get_cached_module_file(str(exported), "custom_generate/generate.py"))
+    cached = Path(HF_MODULES_CACHE) / module.parent
+    assert {"panel.py", "panel_source.py"} <= {p.name for p in cached.iterdir()} and not (cached / "csrc").exists()
+    shipped = module.parent / "panel.py"
+    assert get_class_in_module("panel_source", shipped)() == panel.SOURCE_FILE.read_text()
+    if panel.panel_library() is None:
+        pytest.skip("no C compiler with OpenMP: no panel kernel to compare")
+    assert get_class_in_module("panel_library", shipped)()._name == panel.panel_library()._name
+
+
 def test_without_remote_code_it_is_the_plain_base_model(exported, trained):
     model, _ = trained["qwen3"]
     plain = AutoModelForCausalLM.from_pretrained(exported)
