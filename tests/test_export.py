@@ -11,7 +11,7 @@ from transformers import AutoModelForCausalLM
 
 from tidar_convert import export, load
 from tidar_convert.export import check_export
-from tidar_convert.outputs import MARKER, is_export
+from tidar_convert.marker import MARKER, is_export
 
 from helpers import cycle_batch
 

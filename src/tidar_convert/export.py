@@ -20,7 +20,9 @@ from pathlib import Path
 
 from . import adapter, costs, decode, drafters, engine, forward, kernels, layout, panel, plan, verify
 from .loading import EMBEDDED_NAME
-from .outputs import atomic_dir, check_export_target, disk_full, file_record, marker_files, no_space, record_file, scratch_dir, tensor_bytes, write_marker
+from .disk import disk_full, no_space, tensor_bytes
+from .marker import check_export_target, file_record, marker_files, record_file, write_marker
+from .outputs import atomic_dir, scratch_dir
 
 log = logging.getLogger(__name__)
 
@@ -55,10 +57,10 @@ def export(model, tokenizer, out: str | os.PathLike, block_size: int, alpha: flo
     rank that keeps `adapter_energy` of it (lora.compress; default lora.ADAPTER_ENERGY), for the
     `adapter_layers` share of layers it moves most (lora.strongest; default lora.ADAPTER_LAYERS).
     `out` must be new, empty, or (with overwrite) an earlier export, every file as it wrote it,
-    and nothing else: anything else is refused before any work (outputs.check_export_target). The
+    and nothing else: anything else is refused before any work (marker.check_export_target). The
     folder is written under a temporary name and swapped in whole (outputs.atomic_dir), so an
     interrupted export leaves the earlier one, never a half-written folder; a full disk is
-    outputs.DiskFull, naming the folder and the space needed. `card`: facts for the
+    disk.DiskFull, naming the folder and the space needed. `card`: facts for the
     model card (base_model, recipe, steps, data, ...; see `model_card`).
     """
     from .lora import ADAPTER_ENERGY, ADAPTER_LAYERS, check_adapter_options, check_energy, check_layers, is_mask_scoped, lora_layers, split_mask_adapter
