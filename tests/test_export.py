@@ -51,7 +51,8 @@ def test_runs_without_tidar_convert_installed(exported):
         td = m.generate(ids, max_new_tokens=40, do_sample=False, eos_token_id=None)
         stats = dict(m.tidar_stats)
         ar = m.generate(ids, max_new_tokens=40, do_sample=False, eos_token_id=None, tidar=False)
-        print(json.dumps({{"same": torch.equal(td, ar), "tpn": stats["tokens_per_nfe"], "mod": type(m).__module__}}))
+        linears = sum(isinstance(x, torch.nn.Linear) for x in m.modules())
+        print(json.dumps({{"same": torch.equal(td, ar), "tpn": stats["tokens_per_nfe"], "mod": type(m).__module__, "products": m.tidar_products, "linears": linears}}))
         """
     )
     res = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
@@ -59,6 +60,7 @@ def test_runs_without_tidar_convert_installed(exported):
     out = json.loads(res.stdout.strip().splitlines()[-1])
     assert out["same"] and out["tpn"] > 1.5
     assert out["mod"].startswith("transformers.models.qwen3")
+    assert set(out["products"]) <= {"panels", "onednn", "stock"} and sum(out["products"].values()) == out["linears"]  # which product each layer took
 
 
 def test_the_exports_code_builds_the_packages_panel_kernel(exported):
@@ -98,6 +100,7 @@ def test_library_load_needs_no_remote_code(exported):
     ids = cycle_batch(1, 5, seed=4)
     td = m.generate(ids, max_new_tokens=20, do_sample=False, eos_token_id=None)
     assert m.tidar_stats["tokens_per_nfe"] > 1.5
+    assert sum(m.tidar_products.values()) == sum(isinstance(x, torch.nn.Linear) for x in m.modules())  # which product each layer took
     assert torch.equal(td, m.generate(ids, max_new_tokens=20, do_sample=False, eos_token_id=None, tidar=False))
 
 

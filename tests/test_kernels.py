@@ -214,3 +214,33 @@ def test_pack_weights_must_be_a_bool_or_auto(untrained):
     ids = torch.randint(3, 300, (1, 5), generator=torch.Generator().manual_seed(0))
     with pytest.raises(ValueError, match=r"pack_weights='yes'.*True, False or 'auto'"):
         generate(ids, model=untrained["qwen2"], max_new_tokens=4, pack_weights="yes")
+
+
+def test_generate_reports_the_product_each_linear_layer_took(untrained):
+    """model.tidar_products: how many linear layers take each product, set by generate() on every
+    path, and logged in one line (transformers' logger, at info) when it changes."""
+    import logging
+
+    model = copy.deepcopy(untrained["llama"])  # its own log history
+    n = sum(isinstance(m, torch.nn.Linear) for m in model.modules())
+    seen, handler, log = [], logging.Handler(), logging.getLogger("transformers.tidar")
+    handler.emit = lambda record: seen.append(record.getMessage())
+    level = log.level
+    log.addHandler(handler)
+    log.setLevel(logging.INFO)
+    try:
+        ids, kw = torch.tensor([[5, 6, 7]]), dict(model=model, max_new_tokens=3, eos_token_id=None)
+        generate(ids, pack_weights=False, **kw)
+        assert model.tidar_products == {"stock": n}
+        generate(ids, pack_weights=False, **kw)  # the same products: not logged again
+        generate(ids, pack_weights=True, tidar=False, **kw)
+        packed = "panels" if panel.panel_library() else "onednn"
+        assert model.tidar_products == {packed: n}
+    finally:
+        log.removeHandler(handler)
+        log.setLevel(level)
+        kernels.release(model)
+    assert [s for s in seen if s.startswith("TiDAR linear products")] == [
+        f"TiDAR linear products (float32 on cpu): {n} layers stock",
+        f"TiDAR linear products (float32 on cpu): {n} layers {packed}",
+    ]

@@ -327,6 +327,9 @@ def load(path: str | os.PathLike, **kwargs):
     environment, and warns (TiDARFallbackWarning, naming the file and the error) if not: that is the
     code `from_pretrained(path, trust_remote_code=True)` uses, and transformers falls back to plain
     AR generate without a word when it fails to load.
+
+    Which product each linear layer takes on this machine (panels, oneDNN, stock) is measured at the
+    first generate(), not here: it is `model.tidar_products` from then on, logged once at info.
     """
     import functools
 

@@ -27,7 +27,9 @@ the packed one, once per model and dtype: 13 passes that each read every weight 
 for SmolLM2-135M, in proportion to the weights' size for larger models), holding one more copy of
 the weights while it times. `cpu_kernels(model, "auto")`, what generate() enters for every path
 (TiDAR, plain AR, prompt lookup), packs only where that pass is faster. One choice per model, so
-every decoder on a model runs the same kernels.
+every decoder on a model runs the same kernels. What each linear layer took is counted on the model
+after every generate(), `model.tidar_products` ({"panels": 211}, say; `linear_products`), and logged
+once at info when it changes.
 
 The panel product makes a row's linear output independent of how many rows (2 to 64) share the
 call; oneDNN's is on the Xeon without AMX (measured bitwise for 1 to 13 rows) but not on the one with
@@ -53,6 +55,7 @@ Shipped in every export's custom_generate/ folder: imports nothing but torch and
 
 from __future__ import annotations
 
+import logging
 import time
 import weakref
 from contextlib import contextmanager
@@ -62,7 +65,9 @@ import torch.nn.functional as F
 
 from .panel import PANEL_ROWS, panel_built, panel_library, panel_linear, panel_pack
 
+log = logging.getLogger("transformers.tidar")  # transformers' logger, as decode.py's: `transformers serve --log-level info` shows it
 DTYPES = (torch.float32, torch.bfloat16)
+PRODUCTS = ("panels", "onednn", "stock")  # the products a linear layer can take, packed first
 PACK_ROWS = 8  # oneDNN's hint of the rows a call will have: a decoding step's slots
 # layer -> (key, packed weight). Beside the layer, not on it: an opaque oneDNN tensor on a module
 # would break deepcopy, pickling and state_dict; it goes with the layer.
@@ -114,11 +119,16 @@ def _pack(weight: torch.Tensor) -> tuple[str, torch.Tensor]:
     return "onednn", _reorder(weight)
 
 
+def _weight_key(w: torch.Tensor) -> tuple:
+    """What a packed copy was made from: another tensor, an in-place update or a cast makes it stale."""
+    return (w.data_ptr(), w._version, w.dtype, tuple(w.shape))
+
+
 def packed_weight(layer) -> tuple[str, torch.Tensor] | None:
     """The layer's weight packed ("panels" or "onednn", and the packed tensor), or None where this
     machine's oneDNN refuses it (the layer then keeps the stock product)."""
     w = layer.weight
-    key = (w.data_ptr(), w._version, w.dtype, tuple(w.shape))
+    key = _weight_key(w)
     cached = _PACKED.get(layer)
     if cached is None or cached[0] != key:
         try:
@@ -234,6 +244,40 @@ def linear_product(model) -> str:
     return "+".join(sorted(kinds)) or "stock"
 
 
+def linear_products(model, packed: bool) -> dict[str, int]:
+    """How many of the model's linear layers take each product on a decoding step's rows, with packing
+    on (`packed`) or off: {"panels": n, "onednn": n, "stock": n}, kinds no layer takes left out. A
+    layer oneDNN refused, on a GPU or of another dtype counts as stock; one not packed yet (weights
+    are packed at their first product) as what it will be packed as. (Panels still leave an AR step's
+    single row and a prefill's many rows to the stock product.)"""
+    counts = dict.fromkeys(PRODUCTS, 0)
+    for layer in model.modules():
+        if isinstance(layer, torch.nn.Linear):
+            counts[product_kind(layer) if packed and eligible(layer) else "stock"] += 1
+    return {kind: n for kind, n in counts.items() if n}
+
+
+def product_kind(layer) -> str:
+    """The product an eligible layer takes when packed: its packed weight's kind, without packing it."""
+    w = layer.weight
+    cached = _PACKED.get(layer)
+    if cached is not None and cached[0] == _weight_key(w):
+        return "stock" if cached[1] is None else cached[1][0]
+    return "panels" if w.dtype == torch.float32 and panel_library() is not None else "onednn" if available() else "stock"
+
+
+def report_products(model, packed: bool) -> dict[str, int]:
+    """Set `model.tidar_products` (linear_products), and log it in one line when it changes: on a
+    model's first generate(), and after a cast or a move that changes its products."""
+    products = linear_products(model, packed)
+    if getattr(model, "tidar_products", None) != products:
+        weight = next((layer.weight for layer in model.modules() if isinstance(layer, torch.nn.Linear)), None)
+        where = "" if weight is None else f" ({str(weight.dtype).removeprefix('torch.')} on {weight.device.type})"
+        log.info("TiDAR linear products%s: %s", where, ", ".join(f"{n} layers {kind}" for kind, n in products.items()) or "no linear layers")
+    model.tidar_products = products
+    return products
+
+
 def resolve(model, enabled: bool | str) -> bool:
     """True/False as given; "auto": packing_pays(model)."""
     if enabled == "auto":
@@ -327,5 +371,7 @@ def cpu_kernels(model, enabled: bool | str = "auto"):
     """The kernels every decoder on an export runs: in-place grouped attention, and packed linear
     layers where enabled (True, or "auto" where packing_pays). False: neither, PyTorch's and
     transformers' own paths."""
-    with packed_linears(model, resolve(model, enabled)), grouped_attention(model, enabled is not False):
+    packed = resolve(model, enabled)
+    with packed_linears(model, packed), grouped_attention(model, enabled is not False):
+        report_products(model, packed and can_pack())
         yield
