@@ -11,7 +11,7 @@ from transformers import AutoModelForCausalLM
 
 from tidar_convert import export, load
 from tidar_convert.export import check_export
-from tidar_convert.outputs import MARKER, is_export
+from tidar_convert.marker import MARKER, is_export
 
 from helpers import cycle_batch
 
@@ -51,7 +51,8 @@ def test_runs_without_tidar_convert_installed(exported):
         td = m.generate(ids, max_new_tokens=40, do_sample=False, eos_token_id=None)
         stats = dict(m.tidar_stats)
         ar = m.generate(ids, max_new_tokens=40, do_sample=False, eos_token_id=None, tidar=False)
-        print(json.dumps({{"same": torch.equal(td, ar), "tpn": stats["tokens_per_nfe"], "mod": type(m).__module__}}))
+        linears = sum(isinstance(x, torch.nn.Linear) for x in m.modules())
+        print(json.dumps({{"same": torch.equal(td, ar), "tpn": stats["tokens_per_nfe"], "mod": type(m).__module__, "products": m.tidar_products, "linears": linears}}))
         """
     )
     res = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
@@ -59,6 +60,27 @@ def test_runs_without_tidar_convert_installed(exported):
     out = json.loads(res.stdout.strip().splitlines()[-1])
     assert out["same"] and out["tpn"] > 1.5
     assert out["mod"].startswith("transformers.models.qwen3")
+    assert set(out["products"]) <= {"panels", "onednn", "stock"} and sum(out["products"].values()) == out["linears"]  # which product each layer took
+
+
+def test_the_exports_code_builds_the_packages_panel_kernel(exported):
+    """custom_generate/ carries the kernel's C source (csrc/panel.c) as panel_source.py, since
+    transformers' module cache copies only .py files: loaded as transformers loads it, the export's
+    panel.py reads that copy and builds the same library file as the package's."""
+    from pathlib import Path
+
+    from transformers.dynamic_module_utils import HF_MODULES_CACHE, get_cached_module_file, get_class_in_module
+
+    from tidar_convert import panel
+
+    module = Path(get_cached_module_file(str(exported), "custom_generate/generate.py"))
+    cached = Path(HF_MODULES_CACHE) / module.parent
+    assert {"panel.py", "panel_source.py"} <= {p.name for p in cached.iterdir()} and not (cached / "csrc").exists()
+    shipped = module.parent / "panel.py"
+    assert get_class_in_module("panel_source", shipped)() == panel.SOURCE_FILE.read_text()
+    if panel.panel_library() is None:
+        pytest.skip("no C compiler with OpenMP: no panel kernel to compare")
+    assert get_class_in_module("panel_library", shipped)()._name == panel.panel_library()._name
 
 
 def test_without_remote_code_it_is_the_plain_base_model(exported, trained):
@@ -78,6 +100,7 @@ def test_library_load_needs_no_remote_code(exported):
     ids = cycle_batch(1, 5, seed=4)
     td = m.generate(ids, max_new_tokens=20, do_sample=False, eos_token_id=None)
     assert m.tidar_stats["tokens_per_nfe"] > 1.5
+    assert sum(m.tidar_products.values()) == sum(isinstance(x, torch.nn.Linear) for x in m.modules())  # which product each layer took
     assert torch.equal(td, m.generate(ids, max_new_tokens=20, do_sample=False, eos_token_id=None, tidar=False))
 
 

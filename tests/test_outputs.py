@@ -13,10 +13,11 @@ from pathlib import Path
 
 import pytest
 
-from tidar_convert import outputs
+from tidar_convert import disk, outputs
 from tidar_convert.cli import main
 from tidar_convert.export import base_model_id, export, update_model_card
-from tidar_convert.outputs import atomic_dir, atomic_file, check_export_target, is_export, leftovers, recover
+from tidar_convert.marker import MARKER, check_export_target, is_export, write_marker
+from tidar_convert.outputs import atomic_dir, atomic_file, leftovers, recover
 
 OUTPUTS_PY = Path(outputs.__file__)
 
@@ -133,9 +134,9 @@ def test_a_marker_listing_a_file_the_user_wrote_deletes_nothing(tiny, tmp_path):
     model, tok = tiny
     out = export(model, tok, tmp_path / "tidar", block_size=4, alpha=1.0)
     (out / "notes.txt").write_text("mine")
-    marker = json.loads((out / outputs.MARKER).read_text())
+    marker = json.loads((out / MARKER).read_text())
     marker["files"]["notes.txt"] = {"size": 4, "sha256": "0" * 64}  # what any other file of that size would be recorded as
-    (out / outputs.MARKER).write_text(json.dumps(marker))
+    (out / MARKER).write_text(json.dumps(marker))
     with pytest.raises(ValueError, match="but notes.txt was changed after the export wrote it"):
         check_export_target(out, overwrite=True)
     assert (out / "notes.txt").read_text() == "mine"
@@ -145,8 +146,8 @@ def test_an_export_with_a_marker_of_names_only_is_refused_with_the_fix(tiny, tmp
     """A marker from before sizes and hashes were recorded cannot tell an edited file: refused, never guessed."""
     model, tok = tiny
     out = export(model, tok, tmp_path / "tidar", block_size=4, alpha=1.0)
-    marker = json.loads((out / outputs.MARKER).read_text())
-    (out / outputs.MARKER).write_text(json.dumps({**marker, "files": sorted(marker["files"])}))
+    marker = json.loads((out / MARKER).read_text())
+    (out / MARKER).write_text(json.dumps({**marker, "files": sorted(marker["files"])}))
     before = snapshot(out)
     for overwrite in (False, True):
         with pytest.raises(ValueError, match=r"export by an older tidar-convert.*records no sizes or hashes.*Check the folder and delete it yourself, or choose a new folder"):
@@ -168,7 +169,7 @@ def test_export_overwrite_onto_a_full_disk_keeps_the_earlier_export_and_says_wha
         raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
 
     monkeypatch.setattr("transformers.modeling_utils.safe_save_file", full)
-    with pytest.raises(outputs.DiskFull) as info:
+    with pytest.raises(disk.DiskFull) as info:
         export(model, tok, out, block_size=8, alpha=1.0, overwrite=True)
     message = str(info.value)
     assert "\n" not in message and message.startswith(f"no space left in {tmp_path} for the export tidar: it needs about ")
@@ -185,7 +186,7 @@ def test_an_empty_folder_is_fine_and_an_unlisted_empty_folder_is_not(tmp_path):
     export_like = tmp_path / "e"
     export_like.mkdir()
     (export_like / "a.txt").write_text("x")
-    outputs.write_marker(export_like)
+    write_marker(export_like)
     assert is_export(export_like)
     (export_like / "mine").mkdir()  # a folder the user made: not the export's
     assert not is_export(export_like)
@@ -208,7 +209,7 @@ def test_an_unwritable_parent_is_refused(tmp_path, monkeypatch, capsys):
     # Tests run as root, which chmod does not stop: ask os.access what a normal user would hear.
     ro = tmp_path / "readonly"
     ro.mkdir()
-    monkeypatch.setattr(outputs.os, "access", lambda path, mode: Path(path) != ro)
+    monkeypatch.setattr(os, "access", lambda path, mode: Path(path) != ro)
     with pytest.raises(PermissionError, match="not writable"):
         check_export_target(ro / "out")
     (tmp_path / "x.ckpt").write_bytes(b"")
@@ -220,7 +221,7 @@ def test_an_unwritable_parent_is_refused(tmp_path, monkeypatch, capsys):
 def test_a_mount_point_is_refused(tmp_path, monkeypatch):
     out = tmp_path / "mnt"
     out.mkdir()
-    monkeypatch.setattr(outputs.os.path, "ismount", lambda p: Path(p) == out)
+    monkeypatch.setattr(os.path, "ismount", lambda p: Path(p) == out)
     with pytest.raises(ValueError, match="mount point"):
         check_export_target(out)
 

@@ -21,7 +21,7 @@ import torch
 
 from tidar_convert.cli import main
 from tidar_convert.module import TiDARModule
-from tidar_convert.outputs import DiskFull
+from tidar_convert.disk import DiskFull
 
 RECIPE = str(Path(__file__).parents[1] / "recipes" / "tiny.yaml")
 # What cli.main turns into `error: ...` (exit 2): an API row must raise one of these.
@@ -223,7 +223,7 @@ def edited_export(env: Env) -> list[str]:
 def export_listing_a_user_file(env: Env) -> list[str]:
     import json
 
-    from tidar_convert.outputs import MARKER
+    from tidar_convert.marker import MARKER
 
     out = copied_export(env)
     (out / "notes.txt").write_text("mine")
@@ -236,7 +236,7 @@ def export_listing_a_user_file(env: Env) -> list[str]:
 def export_with_old_marker(env: Env) -> list[str]:
     import json
 
-    from tidar_convert.outputs import MARKER
+    from tidar_convert.marker import MARKER
 
     out = copied_export(env)
     marker = json.loads((out / MARKER).read_text())

@@ -287,7 +287,7 @@ class FillsUp:
 @pytest.mark.fit
 def test_a_full_disk_while_saving_leaves_the_previous_last_ckpt_whole_and_ends_in_one_line(tmp_path, tiny_dirs, small_corpus, monkeypatch, capsys):
     """Probe (issue 31): a full disk during fit left a truncated last.ckpt, and resume and export then failed."""
-    from tidar_convert import outputs
+    from tidar_convert import disk
 
     run, model = tmp_path / "run", tiny_dirs["qwen2"]
     fit(run, model, small_corpus, 0, 2, *every(tmp_path, 2))
@@ -301,7 +301,7 @@ def test_a_full_disk_while_saving_leaves_the_previous_last_ckpt_whole_and_ends_i
             return files[-1]
         return f
 
-    monkeypatch.setattr(outputs, "open", full_disk, raising=False)
+    monkeypatch.setattr(disk, "open", full_disk, raising=False)
     capsys.readouterr()
     with pytest.raises(SystemExit) as exit:
         fit(run, model, small_corpus, 0, 4, *every(tmp_path, 2), "--ckpt_path", "last")
@@ -373,7 +373,7 @@ def test_a_second_ctrl_c_stops_at_once_and_says_nothing_was_saved(tmp_path, tiny
 def test_a_signal_before_the_first_step_says_nothing_was_saved_and_the_requeue_starts_cleanly(tmp_path, tiny_dirs, small_corpus, steps, monkeypatch, capsys, when, signum):
     """Probe (issue 31): SIGTERM before step 1 exited 143 without a word, and the documented requeue
     with --ckpt_path last then failed on the missing checkpoint."""
-    from tidar_convert.callbacks import NOTHING_SAVED
+    from tidar_convert.preemption import NOTHING_SAVED
     from tidar_convert.module import TiDARModule
 
     run, model = tmp_path / "run", tiny_dirs["qwen2"]
@@ -405,7 +405,7 @@ def test_ctrl_c_once_training_ended_is_a_keyboard_interrupt_as_ever(tmp_path, ti
     "stopped before the first step" (the export is atomic, and last.ckpt is already written)."""
     import sys
 
-    from tidar_convert.callbacks import NOTHING_SAVED
+    from tidar_convert.preemption import NOTHING_SAVED
 
     def interrupted(*args, **kwargs):
         os.kill(os.getpid(), signal.SIGINT)

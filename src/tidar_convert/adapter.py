@@ -18,14 +18,15 @@ On generate()'s fp32 panel products the deltas of a step's mask rows run inside 
 (kernels.packed_forward: B packed beside W, the hook set aside); elsewhere the hook adds them.
 
 Shipped in every export's custom_generate/ folder (see export.shipped_code): imports nothing but torch,
-transformers (safetensors comes with transformers) and kernels.py beside it.
+transformers (safetensors comes with transformers) and kernels.py and panel.py beside it.
 """
 
 from __future__ import annotations
 
 import torch
 
-from .kernels import DELTA_HOOK, LORA_A, LORA_BT, LORA_GATE, lora_add
+from .kernels import DELTA_HOOK, LORA_A, LORA_BT, LORA_GATE
+from .panel import lora_add
 
 ADAPTER_FILE = "tidar_adapter.safetensors"
 GATE_ATTR = "_tidar_gate"
@@ -74,7 +75,7 @@ class Gate:
         """out += x @ A.T @ Bt on the mask rows only (inference: the saved adapter's hook, or the
         packed forward where the panel pass did not add it); A (r, in), Bt (r, out), in their own
         dtype (attach: fp32 on CPU). A decoding step of one row has its mask rows as one contiguous
-        block: on CPU, in fp32 or bf16, one C call there (kernels.lora_add), else one mm and one
+        block: on CPU, in fp32 or bf16, one C call there (panel.lora_add), else one mm and one
         in-place addmm; this runs on every adapted layer, ~150 a forward, and its overhead, not its
         FLOPs, is its cost (torch's products and their slicing took 35-60 us a layer)."""
         if self.start is not None and out.device.type == "cpu" and lora_add(out, x, self.start, A, Bt):
@@ -117,7 +118,7 @@ def attach(model, tensors: dict[str, torch.Tensor], mask_id: int) -> Gate:
     for name in names:
         layer = modules[name]
         weight = layer.weight
-        # A as saved (r, in): the rows the C call (kernels.lora_add) takes dot products with; B
+        # A as saved (r, in): the rows the C call (panel.lora_add) takes dot products with; B
         # transposed (r, out), so its rows are what each mask row adds a multiple of. On CPU
         # in fp32 whatever the model's dtype: a bf16 product of these thin matrices costs more there
         # than converting the mask rows (SmolLM2-135M in bf16 on a 2-core AMX Xeon: a step of 20

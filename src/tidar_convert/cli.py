@@ -55,7 +55,7 @@ def export_cmd(checkpoint: str, out: str, overwrite: bool = False, adapter_energ
     from .export import export
     from .loading import absolute_model
     from .module import TiDARModule
-    from .outputs import check_export_target
+    from .marker import check_export_target
 
     from .sharding import is_sharded_checkpoint, load_sharded_module
 
@@ -212,7 +212,7 @@ def _unix_flags(args: list[str], functions) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    from .outputs import DiskFull
+    from .disk import DiskFull
 
     args = list(sys.argv[1:] if argv is None else argv)
     _configure_wandb()

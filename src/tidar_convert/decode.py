@@ -1,7 +1,7 @@
 """TiDAR decoding as a drop-in `generate()`: draft, verify autoregressively, one pass a step.
 
 Shipped in every export as `custom_generate/generate.py`, with its neighbours engine.py, forward.py,
-plan.py, costs.py, drafters.py, verify.py, layout.py, adapter.py and kernels.py beside it (export.shipped_code), so
+plan.py, costs.py, drafters.py, verify.py, layout.py, adapter.py, kernels.py and panel.py beside it (export.shipped_code), so
 `AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True).generate(...)` runs it without
 tidar_convert installed. It imports nothing but torch, transformers and those files.
 
@@ -238,6 +238,8 @@ def generate(
         more copy of each weight (kernels.release frees it). True: always packed; False: stock, and
         transformers' own attention path. Otherwise attention under a mask attends grouped key/value
         heads in place instead of copying the cache to every query head (kernels.grouped_attention).
+        What each linear layer took is then `model.tidar_products` ({"panels": 211}, say), logged
+        once at info when it changes.
 
     do_sample: each row's token at its t-th new position is drawn from AR's distribution with noise
         keyed by (seed, row, t) (verify.Sampling), the seed drawn once per call from `generator=` (a

@@ -25,7 +25,8 @@ import torch
 
 from .data.greedy import DTYPES, MADE_BY, PROMPT_TOKENS, cache_path, check_corpus, first_row  # noqa: F401 (check_corpus: the reading side, kept importable from here)
 from .data.stream import PackedDocuments
-from .outputs import atomic_file, file_sha256
+from .marker import file_sha256
+from .outputs import atomic_file
 
 BATCH = 64  # prompts generated together (equal lengths, no padding): 1.4x the tokens/s of 32 on 2 CPU cores
 

@@ -9,7 +9,7 @@ few rows. On a 2-core Xeon with AMX, one pass through SmolLM2-135M's 210 linear 
 
 Two packed products, each made from the weight once and kept:
 - **panels** (fp32): the weight in panels of 32 outputs by all inputs, streamed once per call by a
-  small C kernel (PANEL_SOURCE) that does every row's multiply-adds on each piece while it is in
+  small C kernel (panel.py, csrc/panel.c) that does every row's multiply-adds on each piece while it is in
   cache and prefetches the next. The same pass takes 21 ms for 4 rows and 24 for 8. Each output is
   one dot product summed over the inputs in order, whatever the row count, so a row's result is the
   same bit for bit among 2 rows or among PANEL_ROWS. One row (an AR step) runs the stock
@@ -27,7 +27,9 @@ the packed one, once per model and dtype: 13 passes that each read every weight 
 for SmolLM2-135M, in proportion to the weights' size for larger models), holding one more copy of
 the weights while it times. `cpu_kernels(model, "auto")`, what generate() enters for every path
 (TiDAR, plain AR, prompt lookup), packs only where that pass is faster. One choice per model, so
-every decoder on a model runs the same kernels.
+every decoder on a model runs the same kernels. What each linear layer took is counted on the model
+after every generate(), `model.tidar_products` ({"panels": 211}, say; `linear_products`), and logged
+once at info when it changes.
 
 The panel product makes a row's linear output independent of how many rows (2 to 64) share the
 call; oneDNN's is on the Xeon without AMX (measured bitwise for 1 to 13 rows) but not on the one with
@@ -53,23 +55,19 @@ Shipped in every export's custom_generate/ folder: imports nothing but torch and
 
 from __future__ import annotations
 
-import ctypes
-import hashlib
-import os
-import platform
-import shutil
-import subprocess
-import tempfile
+import logging
 import time
-import warnings
 import weakref
 from contextlib import contextmanager
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
+from .panel import PANEL_ROWS, panel_built, panel_library, panel_linear, panel_pack
+
+log = logging.getLogger("transformers.tidar")  # transformers' logger, as decode.py's: `transformers serve --log-level info` shows it
 DTYPES = (torch.float32, torch.bfloat16)
+PRODUCTS = ("panels", "onednn", "stock")  # the products a linear layer can take, packed first
 PACK_ROWS = 8  # oneDNN's hint of the rows a call will have: a decoding step's slots
 # layer -> (key, packed weight). Beside the layer, not on it: an opaque oneDNN tensor on a module
 # would break deepcopy, pickling and state_dict; it goes with the layer.
@@ -98,343 +96,6 @@ def available() -> bool:
     return True
 
 
-# --------------------------------------------------------------------------------------------
-# The panel product: fp32 weights in panels of 32 outputs, streamed once for every row of a step.
-# --------------------------------------------------------------------------------------------
-
-PANEL = 32  # outputs per panel: two 16-float vectors, times up to 16 rows (one pass over the panel) of accumulators
-PANEL_ROWS = 64  # above this many rows (a prompt's prefill) compute, not reading weights, bounds a product: stock GEMM
-# Each output's dot product runs over k in order, one fused multiply-add at a time, whatever the row
-# count: a row's result is the same bit for bit among 2 or among 64. The prefetch keeps the weight
-# stream ahead of the arithmetic, so 8 rows cost little more than 2 (the weights are read once). One
-# row (an AR step) takes the stock product: MKL's matrix-vector product is a little faster there
-# (a SmolLM2-135M forward 37.5 ms against 40 on panels; the Python around each call is most of it).
-PANEL_SOURCE = r"""
-#include <stdlib.h>
-#include <string.h>
-#define NB 32
-#define PF 1024
-typedef float v16 __attribute__((vector_size(64), aligned(4)));
-#define PANEL(MM) \
-static void panel##MM(const float *x, long K, const float *w, const float *u, long R, const float *wb, float *out) { \
-  v16 a0[MM], a1[MM]; \
-  for (int i = 0; i < MM; i++) { a0[i] = (v16){0}; a1[i] = (v16){0}; } \
-  for (long k = 0; k < K; k++) { \
-    __builtin_prefetch(w + k * NB + PF, 0, 3); \
-    __builtin_prefetch(w + k * NB + PF + 16, 0, 3); \
-    v16 w0 = *(const v16 *)(w + k * NB), w1 = *(const v16 *)(w + k * NB + 16); \
-    _Pragma("GCC unroll 16") \
-    for (int i = 0; i < MM; i++) { float xv = x[i * K + k]; a0[i] += xv * w0; a1[i] += xv * w1; } \
-  } \
-  for (long r = 0; r < R; r++) { \
-    v16 w0 = *(const v16 *)(wb + r * NB), w1 = *(const v16 *)(wb + r * NB + 16); \
-    _Pragma("GCC unroll 16") \
-    for (int i = 0; i < MM; i++) { float uv = u[i * R + r]; a0[i] += uv * w0; a1[i] += uv * w1; } \
-  } \
-  for (int i = 0; i < MM; i++) { memcpy(out + i * NB, &a0[i], 64); memcpy(out + i * NB + 16, &a1[i], 64); } \
-}
-PANEL(1) PANEL(2) PANEL(3) PANEL(4) PANEL(5) PANEL(6) PANEL(7) PANEL(8)
-PANEL(9) PANEL(10) PANEL(11) PANEL(12) PANEL(13) PANEL(14) PANEL(15) PANEL(16)
-typedef void (*panel_fn)(const float *, long, const float *, const float *, long, const float *, float *);
-static const panel_fn PANELS[17] = {0, panel1, panel2, panel3, panel4, panel5, panel6, panel7, panel8,
-                                    panel9, panel10, panel11, panel12, panel13, panel14, panel15, panel16};
-
-/* y[M, N] = x[M, K] @ W.T (+ b); W packed as panels P[ceil(N / NB)][K][NB], zero-padded. Where A
-   is given, a mask-slot adapter's delta on rows start..M-1 (adapter.py) is in the same pass: B (the
-   up-projection, N x R) packed the same way as PB[ceil(N / NB)][R][NB], each row's scores u_i = x_i @ A.T
-   (A: R x K) computed first (each core a share of A's rows; zero for the rows before start), and
-   each output's sum running on over R more terms after W's K. A row before start so sums the same
-   products in the same order, then zeros: its output is the plain product's. */
-void tidar_panel_linear(const float *x, long M, long K, const float *p, long N, const float *b, float *y, int threads,
-                        const float *A, long R, const float *pb, long start) {
-  long panels = (N + NB - 1) / NB;
-  float *u = 0;
-  if (A && R > 0 && start < M) u = calloc(M * R, sizeof(float));  /* u[i * R + r] = x_i . A_r */
-  else R = 0;
-  #pragma omp parallel num_threads(threads)
-  {
-    if (u) {
-      #pragma omp for schedule(static)
-      for (long r = 0; r < R; r++) {
-        const float *a = A + r * K;
-        for (long i = start; i < M; i++) {
-          const float *xi = x + i * K;
-          v16 acc = {0};
-          long k = 0;
-          for (; k + 16 <= K; k += 16) {
-            if (i == start) __builtin_prefetch(a + k + 512, 0, 3);
-            acc += *(const v16 *)(xi + k) * *(const v16 *)(a + k);
-          }
-          float t = 0.f;
-          for (int j = 0; j < 16; j++) t += acc[j];
-          for (; k < K; k++) t += xi[k] * a[k];
-          u[i * R + r] = t;
-        }
-      }
-    }
-    #pragma omp for schedule(static)
-    for (long q = 0; q < panels; q++) {
-      float out[16 * NB];
-      for (long m0 = 0; m0 < M; m0 += 16) {
-        long mm = M - m0 < 16 ? M - m0 : 16;
-        long r = m0 + mm > start ? R : 0;  /* a block of rows before start skips the zero terms */
-        PANELS[mm](x + m0 * K, K, p + q * K * NB, u ? u + m0 * R : 0, r, r ? pb + q * R * NB : 0, out);
-        for (long i = 0; i < mm; i++)
-          for (long j = 0; j < NB && q * NB + j < N; j++)
-            y[(m0 + i) * N + q * NB + j] = b ? out[i * NB + j] + b[q * NB + j] : out[i * NB + j];
-      }
-    }
-  }
-  free(u);
-}
-
-/* bf16 <-> fp32: widening is exact; narrowing rounds to nearest even and keeps NaN a NaN. */
-static inline float bf2f(unsigned short h) { union { unsigned u; float f; } v; v.u = (unsigned)h << 16; return v.f; }
-static inline unsigned short f2bf(float f) {
-  union { float f; unsigned u; } v; v.f = f;
-  if ((v.u & 0x7fffffffu) > 0x7f800000u) return (unsigned short)((v.u >> 16) | 0x40);  /* NaN stays NaN */
-  return (unsigned short)((v.u + 0x7fffu + ((v.u >> 16) & 1u)) >> 16);
-}
-typedef unsigned short v16h __attribute__((vector_size(32), aligned(2)));
-typedef unsigned v16u __attribute__((vector_size(64), aligned(4)));
-static inline v16 bf16x16(const unsigned short *h) { return (v16)(__builtin_convertvector(*(const v16h *)h, v16u) << 16); }
-static void bf16_to_f32(const unsigned short *h, long n, float *f) {
-  long i = 0;
-  for (; i + 16 <= n; i += 16) *(v16 *)(f + i) = bf16x16(h + i);
-  for (; i < n; i++) f[i] = bf2f(h[i]);
-}
-static void f32_to_bf16(const float *f, long n, unsigned short *h) {
-  long i = 0;
-  for (; i + 16 <= n; i += 16) {
-    v16u u = (v16u)(*(const v16 *)(f + i));
-    v16u r = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
-    v16u nan = (v16u)((u & 0x7fffffffu) > 0x7f800000u);
-    *(v16h *)(h + i) = __builtin_convertvector((nan & ((u >> 16) | 0x40u)) | (~nan & r), v16h);
-  }
-  for (; i < n; i++) h[i] = f2bf(f[i]);
-}
-
-/* y[M, N] += (x[M, K] @ A[R, K].T) @ Bt[R, N]: a mask-slot adapter's low-rank delta on a step's mask
-   rows (adapter.py) where the panel pass does not add it (stock products, a prefill's rows, a bf16
-   model), in one call: torch's two products and the slicing around them cost ~35 us a layer, whatever
-   the rank. The scores first, then each core adds its half of the outputs, A and Bt read from memory
-   once for all rows. A and Bt are fp32, or bf16 (wbf = 1: a model cast to bf16 after its adapter was attached,
-   where torch's bf16 products made a forward 1.3x slower), widened as they are read; the sums are fp32
-   either way, so bf16 weights give what the same weights widened to fp32 give, bit for bit. */
-#define LORA_MAX 4096  /* M * R of the scores kept on the stack; a larger call does blocks of rows */
-static inline __attribute__((always_inline)) v16 wvec(const void *w, long i, int wbf) {
-  return wbf ? bf16x16((const unsigned short *)w + i) : *(const v16 *)((const float *)w + i);
-}
-static inline __attribute__((always_inline)) float wone(const void *w, long i, int wbf) {
-  return wbf ? bf2f(((const unsigned short *)w)[i]) : ((const float *)w)[i];
-}
-static void lora_rows(const float *x, long M, long K, const void *A, long R, const void *Bt, long N, float *y, int threads, int wbf) {
-  float t[LORA_MAX];  /* t[i * R + r] = x_i . A_r */
-  int big = R * (K + N) >= 8192;  /* below it, waking the other core costs more than it saves */
-  #pragma omp parallel num_threads(threads) if(big)
-  {
-    #pragma omp for schedule(static)
-    for (long r = 0; r < R; r++) {
-      for (long i = 0; i < M; i++) {
-        const float *xi = x + i * K;
-        v16 acc = {0};
-        long k = 0;
-        for (; k + 16 <= K; k += 16) {
-          if (i == 0) __builtin_prefetch((const char *)A + (r * K + k + 512) * (wbf ? 2 : 4), 0, 3);
-          acc += *(const v16 *)(xi + k) * wvec(A, r * K + k, wbf);
-        }
-        float s = 0.f;
-        for (int j = 0; j < 16; j++) s += acc[j];
-        for (; k < K; k++) s += xi[k] * wone(A, r * K + k, wbf);
-        t[i * R + r] = s;
-      }
-    }
-    #pragma omp for schedule(static)
-    for (long part = 0; part < 2; part++) {  /* each core its half of the outputs */
-      long n0 = part * (N / 32) * 16, n1 = part ? N : (N / 32) * 16, n = n0;
-      /* 16 outputs of up to 8 rows held in registers while every r adds to them, in r's order (the
-         sum of each output as before); y is read and written once, not once per r */
-      for (; n + 16 <= n1; n += 16)
-        for (long i0 = 0; i0 < M; i0 += 8) {
-          int m = M - i0 < 8 ? (int)(M - i0) : 8;
-          v16 acc[8];
-          for (int i = 0; i < m; i++) acc[i] = *(v16 *)(y + (i0 + i) * N + n);
-          for (long r = 0; r < R; r++) {
-            v16 bv = wvec(Bt, r * N + n, wbf);
-            const float *ti = t + i0 * R + r;
-            for (int i = 0; i < m; i++) acc[i] += ti[i * R] * bv;
-          }
-          for (int i = 0; i < m; i++) *(v16 *)(y + (i0 + i) * N + n) = acc[i];
-        }
-      for (; n < n1; n++)
-        for (long i = 0; i < M; i++)
-          for (long r = 0; r < R; r++) y[i * N + n] += t[i * R + r] * wone(Bt, r * N + n, wbf);
-    }
-  }
-}
-static void lora_blocks(const float *x, long M, long K, const void *A, long R, const void *Bt, long N, float *y, int threads, int wbf) {
-  if (M <= 0 || R <= 0) return;
-  long mb = LORA_MAX / R < 1 ? 1 : LORA_MAX / R;  /* R alone past LORA_MAX is no adapter this repo saves */
-  for (long m0 = 0; m0 < M; m0 += mb) {
-    long m = M - m0 < mb ? M - m0 : mb;
-    lora_rows(x + m0 * K, m, K, A, R, Bt, N, y + m0 * N, threads, wbf);
-  }
-}
-void tidar_lora_add(const float *x, long M, long K, const float *A, long R, const float *Bt, long N, float *y, int threads) {
-  lora_blocks(x, M, K, A, R, Bt, N, y, threads, 0);
-}
-
-/* The same on bf16 rows (a bf16 model's mask rows): x and y bf16, the adapter fp32 or bf16 (wbf);
-   each output gets its delta summed in fp32 and is rounded to bf16 once. torch's path converts the rows
-   to fp32 and back around its two products: ~60 us a layer. */
-#define LORA_ROWS_MAX 16384  /* floats of the rows converted on the stack (64 KiB; a step's few mask rows): malloc costs ~2 us */
-int tidar_lora_add_bf16(const unsigned short *x, long M, long K, const void *A, long R, const void *Bt, long N, unsigned short *y, int threads, int wbf) {
-  if (M <= 0 || R <= 0) return 0;
-  float stack[LORA_ROWS_MAX];
-  long size = M * (K + N);
-  float *xf = size <= LORA_ROWS_MAX ? stack : malloc(sizeof(float) * size), *yf = xf + M * K;
-  if (!xf) return -1;
-  bf16_to_f32(x, M * K, xf);
-  bf16_to_f32(y, M * N, yf);
-  lora_blocks(xf, M, K, A, R, Bt, N, yf, threads, wbf);
-  f32_to_bf16(yf, M * N, y);
-  if (xf != stack) free(xf);
-  return 0;
-}
-"""
-PANEL_FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")  # no -ffast-math: k stays in order
-_PANEL_LIB: list = []  # [the loaded library, or None where it cannot be built]
-
-
-def _cpu_signature() -> str:
-    """What a build with -march=native depends on: the machine's architecture and CPU flags."""
-    flags = ""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(("flags", "Features")):
-                flags = line
-                break
-    except OSError:
-        pass
-    return f"{platform.machine()} {platform.processor()} {flags}"
-
-
-def panel_library():
-    """The panel kernel built for this CPU, loaded; None where it cannot be (no C compiler with
-    OpenMP, say: fp32 then runs oneDNN's packed product, with a warning once). Built once per CPU
-    and compiler with `cc` (or $CC) into $TIDAR_CACHE/kernels (default ~/.cache/tidar_convert), in
-    about a second; TIDAR_PANEL_KERNEL=0 turns it off."""
-    if _PANEL_LIB:
-        return _PANEL_LIB[0]
-    lib = None
-    if os.environ.get("TIDAR_PANEL_KERNEL", "1") != "0":
-        try:
-            lib = _build_panel_library()
-        except CacheUnwritable as err:
-            warnings.warn(f"TiDAR's fp32 panel kernel could not be built: its cache folder {err.folder} is not writable ({err.__cause__}); "
-                          "fp32 linear layers take oneDNN's packed product or the stock one. Set TIDAR_CACHE to a writable folder "
-                          "(default ~/.cache/tidar_convert); TIDAR_PANEL_KERNEL=0 silences this.", stacklevel=3)
-        except (OSError, subprocess.SubprocessError) as err:
-            warnings.warn(f"TiDAR's fp32 panel kernel could not be built ({err}); fp32 linear layers take oneDNN's packed product "
-                          "or the stock one. Install a C compiler with OpenMP (gcc) or set CC to one; TIDAR_PANEL_KERNEL=0 silences this.", stacklevel=3)
-    _PANEL_LIB.append(lib)
-    return lib
-
-
-class CacheUnwritable(OSError):
-    """The kernel cache folder cannot be written: the fix is TIDAR_CACHE, not a compiler."""
-
-    def __init__(self, folder: Path):
-        super().__init__(f"{folder} is not writable")
-        self.folder = folder
-
-
-def _build_panel_library():
-    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if cc is None:
-        raise OSError("no C compiler on PATH")
-    key = hashlib.sha256("\0".join((PANEL_SOURCE, cc, *PANEL_FLAGS, _cpu_signature())).encode()).hexdigest()[:16]
-    folder = Path(os.environ.get("TIDAR_CACHE") or Path.home() / ".cache" / "tidar_convert") / "kernels"
-    path = folder / f"panels-{key}.so"
-    if not path.exists():
-        try:
-            folder.mkdir(parents=True, exist_ok=True)
-            build = tempfile.TemporaryDirectory(dir=folder)
-        except OSError as err:
-            raise CacheUnwritable(folder) from err
-        with build as tmp:  # built aside, then renamed: a concurrent build or a kill leaves no half file
-            src, out = Path(tmp) / "panels.c", Path(tmp) / "panels.so"
-            src.write_text(PANEL_SOURCE)
-            done = subprocess.run([cc, *PANEL_FLAGS, str(src), "-o", str(out)], capture_output=True, text=True, timeout=300)
-            if done.returncode != 0:
-                raise OSError(f"{cc} exited {done.returncode}: {done.stderr.strip()[-500:]}")
-            os.replace(out, path)
-    lib = ctypes.CDLL(str(path))
-    P, L = ctypes.c_void_p, ctypes.c_long
-    lib.tidar_panel_linear.argtypes = [P, L, L, P, L, P, P, ctypes.c_int, P, L, P, L]
-    lib.tidar_panel_linear.restype = None
-    lib.tidar_lora_add.argtypes = [P, L, L, P, L, P, L, P, ctypes.c_int]
-    lib.tidar_lora_add.restype = None
-    lib.tidar_lora_add_bf16.argtypes = [P, L, L, P, L, P, L, P, ctypes.c_int, ctypes.c_int]
-    lib.tidar_lora_add_bf16.restype = ctypes.c_int
-    return lib
-
-
-def panel_pack(weight: torch.Tensor) -> torch.Tensor:
-    """[N, K] -> panels [ceil(N / 32), K, 32], the outputs past N zero."""
-    n, k = weight.shape
-    padded = F.pad(weight.float(), (0, 0, 0, -n % PANEL))
-    return padded.view(-1, PANEL, k).transpose(1, 2).contiguous()
-
-
-def panel_linear(x: torch.Tensor, panels: torch.Tensor, out_features: int, bias: torch.Tensor | None = None,
-                 lora: tuple[torch.Tensor, torch.Tensor, int] | None = None) -> torch.Tensor:
-    """x @ W.T (+ bias) on W's panels (panel_pack), fp32, on this CPU's panel kernel. Lean: it runs
-    for every linear layer of every decoding step, where a microsecond a call is 1 % of a forward.
-    lora: (A (R, K), B's panels (panel_pack of B, N x R), start): rows start.. of x (its rows taken
-    as one (M, K) matrix) also get x @ A.T @ B.T, in the same pass."""
-    k = x.shape[-1]
-    lib = panel_library()
-    if lib is None or x.dtype != torch.float32 or panels.shape[1] != k:
-        raise ValueError(f"panel_linear: fp32 input of {panels.shape[1]} features and a built kernel needed, got {x.dtype} x {k}")
-    if not x.is_contiguous():
-        x = x.contiguous()
-    if bias is not None and (bias.dtype != torch.float32 or not bias.is_contiguous()):
-        bias = bias.float().contiguous()
-    A, pb, start = (None, None, 0) if lora is None else lora
-    if A is not None and not (A.dtype == torch.float32 and A.is_contiguous() and A.shape == (pb.shape[1], k) and pb.shape[0] == panels.shape[0]):
-        raise ValueError(f"panel_linear: an adapter's A (R, {k}) in fp32, contiguous, and B's panels ({panels.shape[0]}, R, {PANEL}) needed, "
-                         f"got {A.dtype} {tuple(A.shape)} and {tuple(pb.shape)}")
-    y = torch.empty(*x.shape[:-1], out_features, dtype=torch.float32)
-    lib.tidar_panel_linear(x.data_ptr(), x.numel() // k, k, panels.data_ptr(), out_features, None if bias is None else bias.data_ptr(),
-                           y.data_ptr(), torch.get_num_threads(), None if A is None else A.data_ptr(), 0 if A is None else A.shape[0],
-                           None if pb is None else pb.data_ptr(), start)
-    return y
-
-
-def lora_add(out: torch.Tensor, x: torch.Tensor, start: int, A: torch.Tensor, Bt: torch.Tensor) -> bool:
-    """out[0, start:] += x[0, start:] @ A.T @ Bt in place, in one C call: a batch-1 step's trailing
-    mask rows (adapter.Gate). out and x fp32 with A and Bt fp32; or out and x bf16 with A and Bt fp32
-    or bf16 (the delta summed in fp32, each output rounded once); all contiguous. False (nothing done)
-    where that does not hold or the kernel library is not built, and the caller runs torch's products."""
-    lib = _PANEL_LIB[0] if _PANEL_LIB else panel_library()
-    if lib is None or out.shape[0] != 1 or out.dtype != x.dtype or A.dtype != Bt.dtype:
-        return False
-    if not (out.is_contiguous() and x.is_contiguous() and A.is_contiguous() and Bt.is_contiguous()):
-        return False
-    k, n, size = x.shape[-1], out.shape[-1], out.element_size()
-    rows = out.numel() // n - start
-    args = (x.data_ptr() + size * start * k, rows, k, A.data_ptr(), A.shape[0], Bt.data_ptr(), n, out.data_ptr() + size * start * n, torch.get_num_threads())
-    if out.dtype == torch.float32 and A.dtype == torch.float32:
-        lib.tidar_lora_add(*args)
-    elif out.dtype == torch.bfloat16 and A.dtype in (torch.float32, torch.bfloat16):
-        if lib.tidar_lora_add_bf16(*args, A.dtype == torch.bfloat16):
-            raise MemoryError(f"lora_add: no memory for {rows} rows of {k} + {n} floats")
-    else:
-        return False
-    return True
-
-
 def can_pack() -> bool:
     """Some packed product is here: oneDNN's, or the panel kernel (built on this first call)."""
     return available() or panel_library() is not None
@@ -458,11 +119,16 @@ def _pack(weight: torch.Tensor) -> tuple[str, torch.Tensor]:
     return "onednn", _reorder(weight)
 
 
+def _weight_key(w: torch.Tensor) -> tuple:
+    """What a packed copy was made from: another tensor, an in-place update or a cast makes it stale."""
+    return (w.data_ptr(), w._version, w.dtype, tuple(w.shape))
+
+
 def packed_weight(layer) -> tuple[str, torch.Tensor] | None:
     """The layer's weight packed ("panels" or "onednn", and the packed tensor), or None where this
     machine's oneDNN refuses it (the layer then keeps the stock product)."""
     w = layer.weight
-    key = (w.data_ptr(), w._version, w.dtype, tuple(w.shape))
+    key = _weight_key(w)
     cached = _PACKED.get(layer)
     if cached is None or cached[0] != key:
         try:
@@ -507,7 +173,7 @@ def packed_forward(layer):
         w = layer.weight
         if x.dtype != w.dtype or x.device != w.device or (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad)):
             return F.linear(x, w, layer.bias)  # the packed products have no backward and one dtype
-        if x.numel() == x.shape[-1] and w.dtype == torch.float32 and _PANEL_LIB and _PANEL_LIB[0] is not None:
+        if x.numel() == x.shape[-1] and w.dtype == torch.float32 and panel_built():
             return F.linear(x, w, layer.bias)  # one row, an AR step: stock on panels (packed_product), said first as it is most steps
         return packed_product(layer, x, layer.bias)
 
@@ -576,6 +242,40 @@ def linear_product(model) -> str:
         return "stock"
     kinds = {packed[0] for layer in model.modules() if eligible(layer) and (packed := packed_weight(layer)) is not None}
     return "+".join(sorted(kinds)) or "stock"
+
+
+def linear_products(model, packed: bool) -> dict[str, int]:
+    """How many of the model's linear layers take each product on a decoding step's rows, with packing
+    on (`packed`) or off: {"panels": n, "onednn": n, "stock": n}, kinds no layer takes left out. A
+    layer oneDNN refused, on a GPU or of another dtype counts as stock; one not packed yet (weights
+    are packed at their first product) as what it will be packed as. (Panels still leave an AR step's
+    single row and a prefill's many rows to the stock product.)"""
+    counts = dict.fromkeys(PRODUCTS, 0)
+    for layer in model.modules():
+        if isinstance(layer, torch.nn.Linear):
+            counts[product_kind(layer) if packed and eligible(layer) else "stock"] += 1
+    return {kind: n for kind, n in counts.items() if n}
+
+
+def product_kind(layer) -> str:
+    """The product an eligible layer takes when packed: its packed weight's kind, without packing it."""
+    w = layer.weight
+    cached = _PACKED.get(layer)
+    if cached is not None and cached[0] == _weight_key(w):
+        return "stock" if cached[1] is None else cached[1][0]
+    return "panels" if w.dtype == torch.float32 and panel_library() is not None else "onednn" if available() else "stock"
+
+
+def report_products(model, packed: bool) -> dict[str, int]:
+    """Set `model.tidar_products` (linear_products), and log it in one line when it changes: on a
+    model's first generate(), and after a cast or a move that changes its products."""
+    products = linear_products(model, packed)
+    if getattr(model, "tidar_products", None) != products:
+        weight = next((layer.weight for layer in model.modules() if isinstance(layer, torch.nn.Linear)), None)
+        where = "" if weight is None else f" ({str(weight.dtype).removeprefix('torch.')} on {weight.device.type})"
+        log.info("TiDAR linear products%s: %s", where, ", ".join(f"{n} layers {kind}" for kind, n in products.items()) or "no linear layers")
+    model.tidar_products = products
+    return products
 
 
 def resolve(model, enabled: bool | str) -> bool:
@@ -671,5 +371,7 @@ def cpu_kernels(model, enabled: bool | str = "auto"):
     """The kernels every decoder on an export runs: in-place grouped attention, and packed linear
     layers where enabled (True, or "auto" where packing_pays). False: neither, PyTorch's and
     transformers' own paths."""
-    with packed_linears(model, resolve(model, enabled)), grouped_attention(model, enabled is not False):
+    packed = resolve(model, enabled)
+    with packed_linears(model, packed), grouped_attention(model, enabled is not False):
+        report_products(model, packed and can_pack())
         yield

@@ -15,17 +15,16 @@ failed one; an arm whose settings changed since it ran is refused rather than si
 
 from __future__ import annotations
 
-import csv
 import hashlib
 import json
-import math
 import re
 import shlex
 import signal
-import subprocess
 import sys
-import time
 from pathlib import Path
+
+from .sweep_arm import Forward, arm_command, error_line, run_arm
+from .sweep_curves import collect, plot, tokens_per_step
 
 # Flags the sweep sets for every arm: an arm or --fit_args setting them would break the arm's
 # isolation (its folder, its metrics, resuming), so they are refused.
@@ -113,260 +112,6 @@ def _write_json(path: Path, data) -> None:
     tmp.replace(path)
 
 
-def tokens_per_step(config_path: Path) -> tuple[int | None, dict]:
-    """Clean training tokens per optimizer step from an arm's saved config.yaml, and the values used."""
-    import yaml
-
-    try:
-        cfg = yaml.safe_load(config_path.read_text()) or {}
-    except (OSError, yaml.YAMLError):
-        return None, {}
-    data, trainer, model = cfg.get("data") or {}, cfg.get("trainer") or {}, cfg.get("model") or {}
-    devices, notes = trainer.get("devices", 1), []
-    if isinstance(devices, list):
-        devices = len(devices)
-    elif isinstance(devices, str) and devices.strip().isdigit():
-        devices = int(devices)
-    if not isinstance(devices, int) or devices < 1:
-        notes.append(f"trainer.devices={trainer.get('devices')!r} counted as 1 device")
-        devices = 1
-    used = {
-        "batch_size": int(data.get("batch_size") or 1),
-        "seq_len": int(data.get("seq_len") or 0),
-        "accumulate_grad_batches": int(trainer.get("accumulate_grad_batches") or 1),
-        "devices": devices,
-        "num_nodes": int(trainer.get("num_nodes") or 1),
-        "max_steps": trainer.get("max_steps"),
-        "block_size": model.get("block_size"),
-        "decode_block_size": model.get("val_decode_block_size") or model.get("block_size"),
-    }
-    if notes:
-        used["notes"] = notes
-    n = used["batch_size"] * used["seq_len"] * used["accumulate_grad_batches"] * used["devices"] * used["num_nodes"]
-    return n or None, used
-
-
-def _finite(value: str | None) -> float | None:
-    try:
-        x = float(value)
-    except (TypeError, ValueError):
-        return None
-    return x if math.isfinite(x) else None
-
-
-def _version(path: Path) -> int:
-    """N of csv/version_N/metrics.csv: the attempts of an arm in the order they ran."""
-    n = path.parent.name.rsplit("_", 1)[-1]
-    return int(n) if n.isdigit() else -1
-
-
-def _metric_files(arm_dir: Path) -> list[Path]:
-    return sorted(arm_dir.glob("csv/version_*/metrics.csv"), key=_version)
-
-
-def read_curve(arm_dir: Path) -> dict[int, dict]:
-    """{optimizer steps done: {metric: value}} of every `val/*` metric in the arm's CSV logs.
-
-    Lightning logs a validation with step = steps done - 1. Several csv/version_* folders are the
-    attempts of a resumed arm, read in order so the latest attempt's value for a step wins.
-    """
-    points: dict[int, dict] = {}
-    for path in _metric_files(arm_dir):
-        with path.open(newline="") as f:
-            for row in csv.DictReader(f):
-                values = {k[4:]: _finite(v) for k, v in row.items() if k and k.startswith("val/") and v not in (None, "")}
-                if not values or not (row.get("step") or "").isdigit():
-                    continue
-                points.setdefault(int(row["step"]) + 1, {}).update(values)
-    return dict(sorted(points.items()))
-
-
-def _arm_command(recipe: str, flags: list[str], arm_dir: Path, name: str, sweep_name: str, keep_loggers: bool, recipe_cfg: dict, resume: bool) -> list[str]:
-    """`python -m tidar_convert.cli fit --config RECIPE <flags> <this arm's folders>`: the folder flags
-    come last, so they win over anything the recipe sets."""
-    csv_logger = {"class_path": "lightning.pytorch.loggers.CSVLogger", "init_args": {"save_dir": str(arm_dir), "name": "csv", "flush_logs_every_n_steps": 1}}
-    loggers = [csv_logger]
-    trainer = recipe_cfg.get("trainer") or {}
-    if keep_loggers:
-        recipe_loggers = trainer.get("logger")
-        recipe_loggers = recipe_loggers if isinstance(recipe_loggers, list) else [recipe_loggers] if isinstance(recipe_loggers, dict) else []
-        for lg in recipe_loggers:
-            path = str(lg.get("class_path", ""))
-            if path.endswith("CSVLogger"):
-                continue
-            args = dict(lg.get("init_args") or {})
-            args["save_dir"] = str(arm_dir)  # W&B, TensorBoard...: into the arm's folder, named after the arm
-            if path.endswith("WandbLogger"):
-                args["name"] = f"{sweep_name}-{name}"
-            loggers.append({"class_path": path, "init_args": args})
-    # The recipe's callbacks stay, except checkpoints: one last.ckpt in the arm's folder, saved right
-    # after each validation (so a resumed arm never skips the measurement of the step it resumes from).
-    callbacks = trainer.get("callbacks") or []
-    callbacks = [c for c in (callbacks if isinstance(callbacks, list) else [callbacks]) if isinstance(c, dict) and not str(c.get("class_path", "")).endswith("ModelCheckpoint")]
-    callbacks.append({
-        "class_path": "lightning.pytorch.callbacks.ModelCheckpoint",
-        "init_args": {"dirpath": str(arm_dir / "checkpoints"), "save_last": True, "save_top_k": 0, "save_on_train_epoch_end": False},
-    })
-    cmd = [sys.executable, "-m", "tidar_convert.cli", "fit", "--config", recipe, *flags]
-    cmd += ["--trainer.default_root_dir", str(arm_dir), "--trainer.logger", json.dumps(loggers), "--trainer.callbacks", json.dumps(callbacks)]
-    if resume:
-        cmd += ["--ckpt_path", "last"]
-    return cmd
-
-
-class _Forward:
-    """While an arm runs, SIGTERM to the sweep goes to the arm too (it saves last.ckpt and exits 143)."""
-
-    def __init__(self):
-        self.proc, self.received = None, None
-
-    def __enter__(self):
-        self.old = signal.getsignal(signal.SIGTERM)
-        try:
-            signal.signal(signal.SIGTERM, self._handle)
-        except ValueError:  # not the main thread: leave signals alone
-            self.old = None
-        return self
-
-    def _handle(self, signum, frame):
-        self.received = signum
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(signum)
-
-    def __exit__(self, *exc):
-        if self.old is not None:
-            signal.signal(signal.SIGTERM, self.old)
-
-
-def read_clock(path: Path) -> tuple[dict[int, float], int | None]:
-    """One attempt's clock from its CSV metrics (callbacks.RunClock): {steps done: seconds since its
-    process started} at each validation, and the steps it trained (None: it did not finish)."""
-    times: dict[int, float] = {}
-    trained = None
-    with path.open(newline="") as f:
-        for row in csv.DictReader(f):
-            step = row.get("step") or ""
-            if not step.isdigit():
-                continue
-            if (seconds := _finite(row.get("time/val_s"))) is not None:
-                times[int(step) + 1] = seconds
-            if (steps := _finite(row.get("time/steps_done"))) is not None:
-                trained = int(steps)
-    return times, trained
-
-
-def run_arm(name: str, cmd: list[str], arm_dir: Path, wall_before: float, forward: _Forward) -> dict:
-    """Run one arm, its output to `fit.log` and, prefixed with the arm's name, to stderr."""
-    start = time.perf_counter()
-    earlier = set(_metric_files(arm_dir))
-    with (arm_dir / "fit.log").open("a") as log:
-        log.write(f"$ {shlex.join(cmd)}\n")
-        log.flush()
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
-        forward.proc = proc
-        try:
-            for line in proc.stdout:
-                log.write(line)
-                log.flush()
-                print(f"[{name}] {line.rstrip()}", file=sys.stderr, flush=True)
-            rc = proc.wait()
-        except KeyboardInterrupt:  # Ctrl-C on a terminal reaches the arm too (same process group): let it stop
-            try:
-                try:
-                    rc = proc.wait(timeout=5)
-                except subprocess.TimeoutExpired:  # only the sweep got it (kill -INT): pass it on
-                    proc.send_signal(signal.SIGINT)
-                    rc = proc.wait(timeout=120)
-            except (subprocess.TimeoutExpired, KeyboardInterrupt):
-                proc.kill()
-                rc = proc.wait()
-            forward.received = signal.SIGINT
-        finally:
-            forward.proc = None
-    times, trained = {}, None
-    if new := [p for p in _metric_files(arm_dir) if p not in earlier]:  # this attempt's own metrics, if it got that far
-        clock, trained = read_clock(new[-1])
-        times = {step: wall_before + seconds for step, seconds in clock.items()}
-    return {"rc": rc, "wall_s": wall_before + time.perf_counter() - start, "val_times": times, "trained_steps": trained, "last_lines": _tail(arm_dir / "fit.log")}
-
-
-def _tail(path: Path, n: int = 5) -> list[str]:
-    try:
-        lines = [line for line in path.read_text(errors="replace").splitlines() if line.strip()]
-    except OSError:
-        return []
-    return lines[-n:]
-
-
-def _error_line(lines: list[str]) -> str | None:
-    for line in reversed(lines):
-        if line.startswith("error:") or "Error" in line or "error" in line:
-            return line.strip()
-    return lines[-1].strip() if lines else None
-
-
-def collect(name: str, flags: list[str], arm_dir: Path, state: dict | None) -> dict:
-    """Everything the sweep knows about one arm: status, settings, curve."""
-    state = state or {}
-    per_step, used = tokens_per_step(arm_dir / "config.yaml")
-    times = {int(k): v for k, v in (state.get("val_times") or {}).items()}
-    curve = []
-    for step, point in read_curve(arm_dir).items():
-        first = {"step": step, "tokens": step * per_step if per_step else None, "wall_s": round(times[step], 1) if step in times else None}
-        curve.append({**first, "tokens_per_nfe": point.pop("tokens_per_nfe", None), **point})
-    result = {
-        "arm": name,
-        "status": state.get("status", "not run"),
-        "flags": flags,
-        "run_dir": str(arm_dir),
-        "log": str(arm_dir / "fit.log"),
-        "wall_s": round(state["wall_s"], 1) if state.get("wall_s") is not None else None,
-        "steps": state.get("trained_steps"),
-        "tokens_per_step": per_step,
-        "config": used,
-        "curve": curve,
-    }
-    if state.get("error"):
-        result["error"] = state["error"]
-    return result
-
-
-def plot(results: list[dict], path: Path, title: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(2, 2, figsize=(13, 9))
-    axes = axes.ravel()
-    panels = [
-        (axes[0], "tokens", "tokens_per_nfe", "training tokens", "val T/NFE (TiDAR decoding of held-out prompts)"),
-        (axes[1], "wall_s", "tokens_per_nfe", "wall-clock minutes since the arm started", "val T/NFE"),
-        (axes[2], "tokens", "loss_ar", "training tokens", "val AR loss (held-out documents)"),
-        (axes[3], "tokens", "loss_diff", "training tokens", "val diffusion loss, hard labels"),
-    ]
-    for ax, xkey, ykey, xlabel, ylabel in panels:
-        for r in results:
-            pts = [(p[xkey], p[ykey]) for p in r["curve"] if p.get(xkey) is not None and p.get(ykey) is not None]
-            if not pts:
-                continue
-            xs, ys = zip(*pts)
-            if xkey == "wall_s":
-                xs = [x / 60 for x in xs]
-            done = r["status"] == "done"
-            ax.plot(xs, ys, "o-" if done else "o--", label=r["arm"] + ("" if done else f" ({r['status']})"))
-        ax.set_xlabel(xlabel)
-        ax.set_ylabel(ylabel)
-        ax.grid(alpha=0.3)
-    axes[0].legend(fontsize=8)
-    fig.suptitle(title)
-    fig.tight_layout()
-    tmp = path.with_name(path.stem + ".tmp.png")
-    fig.savefig(tmp, dpi=110)
-    plt.close(fig)
-    tmp.replace(path)
-
-
 def sweep_cmd(
     spec: str,
     recipe: str = "recipes/smollm2-135m-cpu-lora.yaml",
@@ -434,7 +179,7 @@ def sweep_cmd(
     if dry_run:
         for name in selected:
             arm_dir = (out_dir / "arms" / name).resolve()
-            print(shlex.join(_arm_command(recipe, settings[name]["flags"], arm_dir, name, sweep_name, keep_loggers, recipe_cfg, resume=False)))
+            print(shlex.join(arm_command(recipe, settings[name]["flags"], arm_dir, name, sweep_name, keep_loggers, recipe_cfg, resume=False)))
         return str(out_dir)
 
     # Settings of finished or resumable arms must match this run's: refuse before training anything.
@@ -477,7 +222,7 @@ def sweep_cmd(
         write_summary()  # marks the folder as a sweep's from the start
     print(f"sweep {spec}: {len(selected)} arm(s) of {recipe} -> {out_dir}", file=sys.stderr)
     interrupted = None
-    with _Forward() as forward:
+    with Forward() as forward:
         for i, name in enumerate(selected, 1):
             arm_dir = out_dir / "arms" / name
             state = _read_json(arm_dir / "arm.json") or {}
@@ -491,7 +236,7 @@ def sweep_cmd(
             if not resume:  # a fresh start: what an earlier attempt that saved no checkpoint left is stale
                 for old in [*arm_dir.glob("csv/version_*/metrics.csv"), arm_dir / "config.yaml"]:
                     old.unlink(missing_ok=True)
-            cmd = _arm_command(recipe, settings[name]["flags"], arm_dir.resolve(), name, sweep_name, keep_loggers, recipe_cfg, resume)
+            cmd = arm_command(recipe, settings[name]["flags"], arm_dir.resolve(), name, sweep_name, keep_loggers, recipe_cfg, resume)
             how = f"resuming from {arm_dir / 'checkpoints' / 'last.ckpt'}" if resume else "starting"
             print(f"[{i}/{len(selected)}] {name}: {how}, log {arm_dir / 'fit.log'}", file=sys.stderr)
             ran = run_arm(name, cmd, arm_dir, wall_before, forward)
@@ -504,7 +249,7 @@ def sweep_cmd(
                 "trained_steps": ran["trained_steps"], "val_times": {**times, **{str(k): v for k, v in ran["val_times"].items()}},
             }
             if status != "done":
-                new_state["error"] = _error_line(ran["last_lines"]) or f"exit status {ran['rc']}"
+                new_state["error"] = error_line(ran["last_lines"]) or f"exit status {ran['rc']}"
             _write_json(arm_dir / "arm.json", new_state)
             if status == "done" and not keep_checkpoints:
                 for ckpt in (arm_dir / "checkpoints").glob("*.ckpt"):

@@ -15,7 +15,9 @@ from pathlib import Path
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.cli import LightningCLI, SaveConfigCallback
 
-from .callbacks import Preemption, RunClock, Throughput, TrainProgress, atomic_checkpoints
+from .callbacks import RunClock, Throughput, TrainProgress
+from .checkpoints import atomic_checkpoints
+from .preemption import Preemption
 
 
 def check_fit_config(cfg) -> None:
@@ -30,7 +32,7 @@ def check_fit_config(cfg) -> None:
     if tokens is not None and tokens <= 0:
         raise ValueError(f"--global_batch_tokens {tokens}: must be > 0 (the paper's recipes use 2097152, 2M tokens).")
     if cfg.get("out"):
-        from .outputs import check_export_target
+        from .marker import check_export_target
 
         check_export_target(cfg.out, overwrite=bool(cfg.get("overwrite")))
     precision = str(cfg.trainer.get("precision") or "")
@@ -132,7 +134,7 @@ class RunFolderConfig(SaveConfigCallback):
 
 class TiDARCLI(LightningCLI):
     def __init__(self, *args, signals=None, **kwargs):
-        self.signals = signals  # callbacks.Signals of this fit; set first: LightningCLI.__init__ parses, instantiates and runs
+        self.signals = signals  # preemption.Signals of this fit; set first: LightningCLI.__init__ parses, instantiates and runs
         super().__init__(*args, **kwargs)
 
     def add_arguments_to_parser(self, parser):
@@ -249,7 +251,7 @@ def _run_lightning(argv: list[str] | None) -> None:
 
     from lightning.pytorch.utilities.exceptions import SIGTERMException
 
-    from .callbacks import Interrupted, Signals
+    from .preemption import Interrupted, Signals
 
     command = (sys.argv[1:] if argv is None else argv)[:1]
     with Signals(active=command == ["fit"]) as signals:
@@ -296,7 +298,7 @@ def check_resume(trainer, ckpt_path, command: str = "fit"):
     `--ckpt_path last` with nothing to resume is an error: Lightning would warn and silently start
     from scratch (fit: a requeued job would then redo, and overwrite, the work it was meant to
     continue; validate: it would validate the untrained base model as if it were the trained one).
-    Except after a fit stopped by a signal before its first step (callbacks.NOTHING_SAVED in the
+    Except after a fit stopped by a signal before its first step (preemption.NOTHING_SAVED in the
     run folder): there is nothing to redo, so it starts from scratch, and says so."""
     if ckpt_path is None:
         return None
@@ -307,7 +309,7 @@ def check_resume(trainer, ckpt_path, command: str = "fit"):
         dirs = [cb.dirpath for cb in trainer.checkpoint_callbacks if isinstance(cb, ModelCheckpoint)]
         found = [p for cb in trainer.checkpoint_callbacks if isinstance(cb, ModelCheckpoint) for p in cb._find_last_checkpoints(trainer)]
         if not found:
-            from .callbacks import NOTHING_SAVED
+            from .preemption import NOTHING_SAVED
 
             stopped = Path(trainer.default_root_dir) / NOTHING_SAVED
             if command == "fit" and stopped.is_file():

@@ -1,0 +1,76 @@
+"""Checkpoints written whole or not at all, single-file and sharded: a full disk or a kill leaves the
+previous one loadable, and a full disk ends the run in one line."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from lightning.fabric.plugins import TorchCheckpointIO
+
+
+CHECKPOINT_FIX = "move the run folder to a disk with room (pass its new place as --trainer.default_root_dir); then run the same command with --ckpt_path last to continue."
+
+
+class AtomicCheckpointIO(TorchCheckpointIO):
+    """Checkpoints written whole or not at all: torch.save into a temporary file beside the checkpoint,
+    flushed to disk, then renamed over it (disk.save_file_atomically). A full disk or a kill leaves
+    the previous last.ckpt loadable. Lightning's own writes a temporary in the system's temp folder and
+    moves it: across filesystems that is a copy into the checkpoint itself, which a full disk cuts
+    short. A full disk ends the run with one line (disk.DiskFull). Remote paths (s3://...) go
+    through Lightning's."""
+
+    def save_checkpoint(self, checkpoint, path, storage_options=None) -> None:
+        if storage_options is not None or "://" in str(path):
+            return super().save_checkpoint(checkpoint, path, storage_options)
+        from .disk import save_file_atomically, tensor_bytes
+
+        save_file_atomically(path, lambda f: torch.save(checkpoint, f), tensor_bytes(checkpoint), "the checkpoint", CHECKPOINT_FIX)
+
+
+def atomic_checkpoints(strategy) -> None:
+    """Make the strategy write checkpoints atomically: single files through AtomicCheckpointIO (unless
+    the user configured a CheckpointIO of their own); a sharded checkpoint (a folder of one file per
+    rank, ModelParallelStrategy) is written under a temporary name and swapped in whole."""
+    if type(strategy.checkpoint_io) is TorchCheckpointIO:
+        strategy.checkpoint_io = AtomicCheckpointIO()
+    if hasattr(strategy, "_save_distributed_checkpoint"):
+        strategy.save_checkpoint = _atomic_sharded_save(strategy, strategy.save_checkpoint)
+
+
+def _atomic_sharded_save(strategy, save):
+    """`save` (ModelParallelStrategy.save_checkpoint) into a fresh folder beside the checkpoint, which
+    rank 0 swaps in (outputs: renameat2 exchange where available) once every rank wrote its shard."""
+    from .disk import disk_full, no_space, tensor_bytes
+    from .outputs import _swap_in, recover
+
+    def atomic_save(checkpoint, filepath, storage_options=None):
+        if not strategy._save_distributed_checkpoint or storage_options is not None:
+            return save(checkpoint, filepath, storage_options)
+        import secrets
+
+        dest = Path(strategy.broadcast(str(Path(filepath).absolute())))
+        tmp = dest.parent / strategy.broadcast(f".{dest.name}.tmp-{secrets.token_hex(4)}")  # one name, chosen by rank 0
+        if strategy.is_global_zero:
+            recover(dest)
+        strategy.barrier("checkpoint-tmp")
+        needed = tensor_bytes(checkpoint) * strategy.world_size  # about: every rank holds a shard of the same size
+        failed = None
+        try:
+            save(checkpoint, tmp)
+        except Exception as e:  # still reach the barrier below, so no rank waits there for one that failed
+            failed = e
+        failures = strategy.all_gather(torch.tensor([int(failed is not None)], device=strategy.root_device)).sum().item()
+        if failures:
+            if strategy.is_global_zero:
+                from .outputs import _rmtree
+
+                _rmtree(tmp)
+            if failed is not None and no_space(failed):
+                raise disk_full(dest, needed, "the sharded checkpoint", CHECKPOINT_FIX) from failed
+            raise failed or RuntimeError(f"another rank failed to write its shard of {dest}; its error says why")
+        if strategy.is_global_zero:
+            _swap_in(tmp, dest)  # over a folder of shards, or a single-file checkpoint of the same name
+        strategy.barrier("checkpoint-swap")
+
+    return atomic_save

@@ -1,0 +1,192 @@
+"""The fp32 panel product: a small C kernel (csrc/panel.c), built on first use, that streams each
+weight once per call for every row of a decoding step.
+
+Each weight is packed once in panels of 32 outputs by all inputs (`panel_pack`); `panel_linear` runs
+up to 16 rows' multiply-adds on each piece while it is in cache and prefetches the next, so 8 rows
+cost little more than 2. Each output is one dot product summed over the inputs in order, whatever
+the row count, so a row's result is the same bit for bit among 2 rows or among PANEL_ROWS. The same
+library adds a mask-slot adapter's low-rank delta to a step's mask rows (`lora_add`).
+
+Built with the machine's C compiler (`cc`, or $CC; -march=native, OpenMP) into $TIDAR_CACHE/kernels
+on first use (`panel_library`), once per CPU and compiler; TIDAR_PANEL_KERNEL=0 turns it off, and
+where no compiler builds it a warning says so once and fp32 takes another product (kernels.py).
+
+Shipped in every export's custom_generate/ folder: imports nothing but torch and the standard
+library. The C source is csrc/panel.c beside this file in the package; an export carries it as
+panel_source.py (written by export.py from csrc/panel.c), because transformers' module cache copies
+only the .py files a module imports.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import warnings
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+PANEL = 32  # outputs per panel: two 16-float vectors, times up to 16 rows (one pass over the panel) of accumulators
+PANEL_ROWS = 64  # above this many rows (a prompt's prefill) compute, not reading weights, bounds a product: stock GEMM
+# Each output's dot product runs over k in order, one fused multiply-add at a time, whatever the row
+# count: a row's result is the same bit for bit among 2 or among 64. The prefetch keeps the weight
+# stream ahead of the arithmetic, so 8 rows cost little more than 2 (the weights are read once). One
+# row (an AR step) takes the stock product: MKL's matrix-vector product is a little faster there
+# (a SmolLM2-135M forward 37.5 ms against 40 on panels; the Python around each call is most of it).
+PANEL_FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")  # no -ffast-math: k stays in order
+_PANEL_LIB: list = []  # [the loaded library, or None where it cannot be built]
+SOURCE_FILE = Path(__file__).parent / "csrc" / "panel.c"  # in the package; an export has panel_source.py instead
+
+
+def panel_source() -> str:
+    """The kernel's C source: csrc/panel.c beside this file, else the copy an export ships."""
+    if SOURCE_FILE.is_file():
+        return SOURCE_FILE.read_text()
+    try:
+        from .panel_source import SOURCE
+    except ImportError as err:
+        raise OSError(f"no kernel source: neither {SOURCE_FILE} nor panel_source.py beside {Path(__file__).name}") from err
+    return SOURCE
+
+
+def panel_built() -> bool:
+    """The kernel was asked for and is loaded (checked without building it: a test on every AR step)."""
+    return bool(_PANEL_LIB) and _PANEL_LIB[0] is not None
+
+
+def _cpu_signature() -> str:
+    """What a build with -march=native depends on: the machine's architecture and CPU flags."""
+    flags = ""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                flags = line
+                break
+    except OSError:
+        pass
+    return f"{platform.machine()} {platform.processor()} {flags}"
+
+
+def panel_library():
+    """The panel kernel built for this CPU, loaded; None where it cannot be (no C compiler with
+    OpenMP, say: fp32 then runs oneDNN's packed product, with a warning once). Built once per CPU
+    and compiler with `cc` (or $CC) into $TIDAR_CACHE/kernels (default ~/.cache/tidar_convert), in
+    about a second; TIDAR_PANEL_KERNEL=0 turns it off."""
+    if _PANEL_LIB:
+        return _PANEL_LIB[0]
+    lib = None
+    if os.environ.get("TIDAR_PANEL_KERNEL", "1") != "0":
+        try:
+            lib = _build_panel_library()
+        except CacheUnwritable as err:
+            warnings.warn(f"TiDAR's fp32 panel kernel could not be built: its cache folder {err.folder} is not writable ({err.__cause__}); "
+                          "fp32 linear layers take oneDNN's packed product or the stock one. Set TIDAR_CACHE to a writable folder "
+                          "(default ~/.cache/tidar_convert); TIDAR_PANEL_KERNEL=0 silences this.", stacklevel=3)
+        except (OSError, subprocess.SubprocessError) as err:
+            warnings.warn(f"TiDAR's fp32 panel kernel could not be built ({err}); fp32 linear layers take oneDNN's packed product "
+                          "or the stock one. Install a C compiler with OpenMP (gcc) or set CC to one; TIDAR_PANEL_KERNEL=0 silences this.", stacklevel=3)
+    _PANEL_LIB.append(lib)
+    return lib
+
+
+class CacheUnwritable(OSError):
+    """The kernel cache folder cannot be written: the fix is TIDAR_CACHE, not a compiler."""
+
+    def __init__(self, folder: Path):
+        super().__init__(f"{folder} is not writable")
+        self.folder = folder
+
+
+def _build_panel_library():
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        raise OSError("no C compiler on PATH")
+    source = panel_source()
+    key = hashlib.sha256("\0".join((source, cc, *PANEL_FLAGS, _cpu_signature())).encode()).hexdigest()[:16]
+    folder = Path(os.environ.get("TIDAR_CACHE") or Path.home() / ".cache" / "tidar_convert") / "kernels"
+    path = folder / f"panels-{key}.so"
+    if not path.exists():
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            build = tempfile.TemporaryDirectory(dir=folder)
+        except OSError as err:
+            raise CacheUnwritable(folder) from err
+        with build as tmp:  # built aside, then renamed: a concurrent build or a kill leaves no half file
+            src, out = Path(tmp) / "panels.c", Path(tmp) / "panels.so"
+            src.write_text(source)
+            done = subprocess.run([cc, *PANEL_FLAGS, str(src), "-o", str(out)], capture_output=True, text=True, timeout=300)
+            if done.returncode != 0:
+                raise OSError(f"{cc} exited {done.returncode}: {done.stderr.strip()[-500:]}")
+            os.replace(out, path)
+    lib = ctypes.CDLL(str(path))
+    P, L = ctypes.c_void_p, ctypes.c_long
+    lib.tidar_panel_linear.argtypes = [P, L, L, P, L, P, P, ctypes.c_int, P, L, P, L]
+    lib.tidar_panel_linear.restype = None
+    lib.tidar_lora_add.argtypes = [P, L, L, P, L, P, L, P, ctypes.c_int]
+    lib.tidar_lora_add.restype = None
+    lib.tidar_lora_add_bf16.argtypes = [P, L, L, P, L, P, L, P, ctypes.c_int, ctypes.c_int]
+    lib.tidar_lora_add_bf16.restype = ctypes.c_int
+    return lib
+
+
+def panel_pack(weight: torch.Tensor) -> torch.Tensor:
+    """[N, K] -> panels [ceil(N / 32), K, 32], the outputs past N zero."""
+    n, k = weight.shape
+    padded = F.pad(weight.float(), (0, 0, 0, -n % PANEL))
+    return padded.view(-1, PANEL, k).transpose(1, 2).contiguous()
+
+
+def panel_linear(x: torch.Tensor, panels: torch.Tensor, out_features: int, bias: torch.Tensor | None = None,
+                 lora: tuple[torch.Tensor, torch.Tensor, int] | None = None) -> torch.Tensor:
+    """x @ W.T (+ bias) on W's panels (panel_pack), fp32, on this CPU's panel kernel. Lean: it runs
+    for every linear layer of every decoding step, where a microsecond a call is 1 % of a forward.
+    lora: (A (R, K), B's panels (panel_pack of B, N x R), start): rows start.. of x (its rows taken
+    as one (M, K) matrix) also get x @ A.T @ B.T, in the same pass."""
+    k = x.shape[-1]
+    lib = panel_library()
+    if lib is None or x.dtype != torch.float32 or panels.shape[1] != k:
+        raise ValueError(f"panel_linear: fp32 input of {panels.shape[1]} features and a built kernel needed, got {x.dtype} x {k}")
+    if not x.is_contiguous():
+        x = x.contiguous()
+    if bias is not None and (bias.dtype != torch.float32 or not bias.is_contiguous()):
+        bias = bias.float().contiguous()
+    A, pb, start = (None, None, 0) if lora is None else lora
+    if A is not None and not (A.dtype == torch.float32 and A.is_contiguous() and A.shape == (pb.shape[1], k) and pb.shape[0] == panels.shape[0]):
+        raise ValueError(f"panel_linear: an adapter's A (R, {k}) in fp32, contiguous, and B's panels ({panels.shape[0]}, R, {PANEL}) needed, "
+                         f"got {A.dtype} {tuple(A.shape)} and {tuple(pb.shape)}")
+    y = torch.empty(*x.shape[:-1], out_features, dtype=torch.float32)
+    lib.tidar_panel_linear(x.data_ptr(), x.numel() // k, k, panels.data_ptr(), out_features, None if bias is None else bias.data_ptr(),
+                           y.data_ptr(), torch.get_num_threads(), None if A is None else A.data_ptr(), 0 if A is None else A.shape[0],
+                           None if pb is None else pb.data_ptr(), start)
+    return y
+
+
+def lora_add(out: torch.Tensor, x: torch.Tensor, start: int, A: torch.Tensor, Bt: torch.Tensor) -> bool:
+    """out[0, start:] += x[0, start:] @ A.T @ Bt in place, in one C call: a batch-1 step's trailing
+    mask rows (adapter.Gate). out and x fp32 with A and Bt fp32; or out and x bf16 with A and Bt fp32
+    or bf16 (the delta summed in fp32, each output rounded once); all contiguous. False (nothing done)
+    where that does not hold or the kernel library is not built, and the caller runs torch's products."""
+    lib = _PANEL_LIB[0] if _PANEL_LIB else panel_library()
+    if lib is None or out.shape[0] != 1 or out.dtype != x.dtype or A.dtype != Bt.dtype:
+        return False
+    if not (out.is_contiguous() and x.is_contiguous() and A.is_contiguous() and Bt.is_contiguous()):
+        return False
+    k, n, size = x.shape[-1], out.shape[-1], out.element_size()
+    rows = out.numel() // n - start
+    args = (x.data_ptr() + size * start * k, rows, k, A.data_ptr(), A.shape[0], Bt.data_ptr(), n, out.data_ptr() + size * start * n, torch.get_num_threads())
+    if out.dtype == torch.float32 and A.dtype == torch.float32:
+        lib.tidar_lora_add(*args)
+    elif out.dtype == torch.bfloat16 and A.dtype in (torch.float32, torch.bfloat16):
+        if lib.tidar_lora_add_bf16(*args, A.dtype == torch.bfloat16):
+            raise MemoryError(f"lora_add: no memory for {rows} rows of {k} + {n} floats")
+    else:
+        return False
+    return True
+
+
