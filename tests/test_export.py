@@ -167,3 +167,30 @@ def test_continuous_batching_warns_that_tidar_does_not_run(untrained_export):
         assert said == [CONTINUOUS_BATCHING_WARNING] * 2
     finally:
         tidar_log.removeHandler(handler)
+
+
+def test_tidar_off_through_a_generation_config(untrained_export):
+    """A server passes a request's generation config, not keyword arguments (`transformers serve`:
+    the request's `generation_config` JSON): its `tidar` field turns TiDAR off; the keyword wins over
+    it, and the model's generation_config.json is read last."""
+    from transformers import GenerationConfig
+
+    model = load(untrained_export)
+    ids = torch.tensor([[5, 6, 7, 8]])
+    ar = model.generate(ids, max_new_tokens=6, do_sample=False, tidar=False)
+
+    def ran_tidar(**kw) -> bool:
+        out = model.generate(ids, max_new_tokens=6, do_sample=False, **kw)
+        assert torch.equal(out, ar)  # greedy: the same tokens either way
+        return "draft_sources" in model.tidar_stats  # only TiDAR's stats name draft sources
+
+    off = GenerationConfig(**json.loads('{"tidar": false, "do_sample": false}'))  # as the server builds it
+    assert ran_tidar() and not ran_tidar(generation_config=off)
+    assert ran_tidar(generation_config=off, tidar=True)
+    model.generation_config.tidar = False  # as a generation_config.json with "tidar": false loads
+    try:
+        assert not ran_tidar() and ran_tidar(generation_config=GenerationConfig(tidar=True, do_sample=False))
+    finally:
+        del model.generation_config.tidar
+    with pytest.raises(ValueError, match="tidar='false'.*JSON boolean"):
+        model.generate(ids, max_new_tokens=2, generation_config=GenerationConfig(tidar="false"))

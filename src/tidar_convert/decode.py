@@ -244,7 +244,7 @@ def generate(
     generation_config=None,
     *,
     model,
-    tidar: bool = True,
+    tidar: bool | None = None,
     block_size: int | None = None,
     beta: float = 1.0,
     drafter: str = "hybrid",
@@ -256,7 +256,10 @@ def generate(
 ):
     """TiDAR `generate()`. Same arguments as transformers' generate, plus:
 
-    tidar: False runs plain AR decoding (transformers' own generate) on the same weights.
+    tidar: False runs plain AR decoding (transformers' own generate) on the same weights. None (the
+        default): a `tidar` field of `generation_config`, else of the model's generation_config
+        (generation_config.json), else True. So a server that passes a request's generation config
+        (`transformers serve`: the request's `generation_config` JSON) can turn TiDAR off per request.
     block_size: tokens per mask group (diffusion drafts); defaults to the trained `config.block_size`.
         Any value >= 2 keeps the output exact (only acceptance changes); the diffusion head is only
         trained for the trained one.
@@ -305,6 +308,10 @@ def generate(
     fit the verify rule is refused by name (REFUSED, REFUSED_ARGS).
     """
     input_ids = inputs if inputs is not None else kwargs.pop("input_ids", None)
+    if tidar is None:
+        tidar = next((t for t in (getattr(generation_config, "tidar", None), getattr(model.generation_config, "tidar", None)) if t is not None), True)
+    if not isinstance(tidar, bool):  # "false" from a JSON string would read as true
+        raise ValueError(f"tidar={tidar!r}: pass true or false (a JSON boolean in a generation config).")
     if not tidar:
         with cpu_kernels(model, enabled=pack_weights):
             return ar_generate(model, input_ids, generation_config, kwargs)
