@@ -246,6 +246,14 @@ def test_bench_rejects_bad_input(tiny_dirs, tiny_export):
         bench.bench_cmd(str(tiny_export), prompts="humaneval")
     with pytest.raises(ValueError, match="has no chat template.*--prompts raw"):
         bench.bench_cmd(str(tiny_export), prompts="chat")
+    from tidar_convert.bench.serve import bench_serve_cmd
+
+    with pytest.raises(ValueError, match="has no chat template"):  # refused before any server starts
+        bench_serve_cmd(str(tiny_export))
+    with pytest.raises(ValueError, match=r"clients=\[1, 0\].*>= 1"):
+        bench_serve_cmd(str(tiny_export), clients=[1, 0])
+    with pytest.raises(ValueError, match="requests=0"):
+        bench_serve_cmd(str(tiny_export), requests=0)
 
 
 def hand_perplexity(model, tokenizer, texts, seq_len, max_tokens):

@@ -1,4 +1,4 @@
-"""`tidar-convert fit | validate | export | generate | bench | eval-ppl | quality | sweep | distill`.
+"""`tidar-convert fit | validate | export | generate | bench | bench-serve | eval-ppl | quality | sweep | distill`.
 
 fit/validate are LightningCLI (train.py: every key of a recipe is a flag: --model.block_size 8,
 --trainer.max_steps 20, --ckpt_path last); the others are typed functions whose signatures are
@@ -240,11 +240,12 @@ def main(argv: list[str] | None = None) -> None:
         from jsonargparse import auto_cli
 
         from .bench import bench_cmd, eval_ppl_cmd
+        from .bench.serve import bench_serve_cmd
         from .distill import distill_cmd
         from .quality import quality_cmd
         from .sweep import sweep_cmd
 
-        commands = {"export": export_cmd, "generate": generate_cmd, "bench": bench_cmd, "eval-ppl": eval_ppl_cmd, "quality": quality_cmd, "sweep": sweep_cmd, "distill": distill_cmd}
+        commands = {"export": export_cmd, "generate": generate_cmd, "bench": bench_cmd, "bench-serve": bench_serve_cmd, "eval-ppl": eval_ppl_cmd, "quality": quality_cmd, "sweep": sweep_cmd, "distill": distill_cmd}
         top = {}
         if not args or args[0] in ("-h", "--help"):  # (a command's own usage line would start with this one)
             # fit and validate are LightningCLI's, dispatched above: the usage line names them with the others
