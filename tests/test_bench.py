@@ -193,6 +193,8 @@ def test_bench_chat_prompts_sampled(chat_export, tmp_path, capsys):
     assert sampled != [row["ar"]["tokens"] for row in r["rows"]]  # temperature 0.7 on a random model: other tokens
     err = capsys.readouterr().err
     assert "sampled (temperature 0.7, top_p 0.9, seed 5):" in err and "passage prompts (1)" in err
+    md = (tmp_path / "chat.md").read_text()  # the README-ready table, and the model card: both modes
+    assert "chat prompts through the chat template" in md and "Sampled (temperature 0.7, top_p 0.9, seed 5" in md and "| (sampled) |" in md
     # seeded: a prompt's sampled tokens are the same on every run, for TiDAR and AR alike
     from tidar_convert.export import load
 
