@@ -1,6 +1,6 @@
 # tidar-convert. `make convert` and `make test` each set up .venv on first use.
 #   make convert [MODEL=hub-id|folder|file.gguf] [RECIPE=recipes/x.yaml] [OUT=folder] [MAX_STEPS=n]
-#   make test | make test-fast | make bench MODEL=out/... [K=4] [DTYPE=bfloat16] | make bench-gpu
+#   make test | make test-fast | make bench MODEL=out/... [K=4] [DTYPE=bfloat16] [PROMPTS=chat] [SAMPLING=1] | make bench-serve MODEL=out/... [CLIENTS=[1,4]] | make bench-gpu
 #   make sweep SWEEP=recipes/sweeps/x.yaml RECIPE=recipes/y.yaml [MAX_STEPS=n] [VAL=n] [ARMS='[a, b]'] [SWEEP_OUT=folder]
 #   make distill [MODEL=...] [DISTILL_OUT=runs/greedy.jsonl] [N_DOCS=n] [DTYPE=bfloat16]
 
@@ -34,7 +34,7 @@ NEW_TOKENS ?= 160
 VAL_EVERY ?= 50
 DTYPE ?= float32
 
-.PHONY: convert test test-fast bench ppl bench-gpu sweep distill clean
+.PHONY: convert test test-fast bench bench-serve ppl bench-gpu sweep distill clean
 
 $(BIN)/.installed: pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv --system-site-packages $(VENV)
@@ -55,7 +55,10 @@ test-fast: $(BIN)/.installed
 	$(BIN)/python -m pytest -q -m "not slow and not fit and not subprocess" tests
 
 bench: $(BIN)/.installed
-	$(BIN)/tidar-convert bench --model $(or $(MODEL),$(OUT)) $(if $(K),--k $(K)) $(if $(LIMIT),--limit $(LIMIT)) $(if $(BASE),--base $(BASE)) $(if $(DTYPE),--dtype $(DTYPE))
+	$(BIN)/tidar-convert bench --model $(or $(MODEL),$(OUT)) $(if $(K),--k $(K)) $(if $(LIMIT),--limit $(LIMIT)) $(if $(BASE),--base $(BASE)) $(if $(DTYPE),--dtype $(DTYPE)) $(if $(PROMPTS),--prompts $(PROMPTS)) $(if $(SAMPLING),--sampling)
+
+bench-serve: $(BIN)/.installed
+	$(BIN)/tidar-convert bench-serve --model $(or $(MODEL),$(OUT)) $(if $(CLIENTS),--clients '$(CLIENTS)') $(if $(REQUESTS),--requests $(REQUESTS))
 
 ppl: $(BIN)/.installed
 	$(BIN)/tidar-convert eval-ppl --model $(or $(MODEL),$(OUT)) --data $(or $(DATA),prose)

@@ -140,6 +140,70 @@ def test_export_records_its_base_and_bench_says_when_it_cannot(tiny_dirs, tiny_e
     assert r["quality"] is None and "base_prompt_lookup" not in r["summary"]
 
 
+CHAT_TEMPLATE = "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}"
+
+
+@pytest.fixture(scope="module")
+def chat_export(tiny_dirs, tmp_path_factory):
+    """The tiny export with a chat template, and its base with the same one (base prompt lookup
+    renders the chat prompts through the base's own template)."""
+    from tidar_convert.export import export
+    from tidar_convert.loading import load_base
+
+    base = shutil.copytree(tiny_dirs["llama"], tmp_path_factory.mktemp("chat-base") / "base")
+    (base / "chat_template.jinja").write_text(CHAT_TEMPLATE)
+    m, tok = load_base(str(base))
+    assert tok.chat_template == CHAT_TEMPLATE
+    return export(m, tok, tmp_path_factory.mktemp("bench-chat") / "chat", block_size=4, alpha=1.0, card={"base_model": str(base)})
+
+
+def test_chat_prompts_mix_every_kind():
+    chat = prompts.chat_prompts()
+    assert len(chat) == len(prompts.CHAT_PROMPTS) >= 24
+    assert [p["kind"] for p in chat[:6]] == list(prompts.CHAT_KINDS)  # any limit >= 6 has every kind
+    assert {p["kind"] for p in chat} == set(prompts.CHAT_KINDS) and all(p["chat"] for p in chat)
+    assert len({p["id"] for p in chat}) == len(chat) and len({p["text"] for p in chat}) == len(chat)
+    assert "code" not in prompts.CHAT_KINDS  # the guard runs HumanEval's tests on kind "code"
+
+
+def test_bench_chat_prompts_sampled(chat_export, tmp_path, capsys):
+    """--prompts chat --sampling: the prompts rendered through the chat template, every decoder also
+    sampled (0.7, 0.9, seeded) under summary_sampling with the fields of summary, per kind too."""
+    from transformers import AutoTokenizer
+
+    path = Path(bench.bench_cmd(str(chat_export), max_new_tokens=6, limit=6, out_dir=str(tmp_path), prompts="chat", sampling=True, seed=5))
+    r = json.loads(path.read_text())
+    assert r["prompt_set"] == "chat" and r["sampling"] == {"temperature": 0.7, "top_p": 0.9, "seed": 5}
+    tok = AutoTokenizer.from_pretrained(chat_export)
+    for row, p in zip(r["rows"], prompts.chat_prompts(6)):
+        ids = tok.apply_chat_template([{"role": "user", "content": p["text"]}], add_generation_prompt=True, return_dict=True)["input_ids"]
+        assert row["id"] == p["id"] and row["prompt_tokens"] == len(ids) > len(tok(p["text"]).input_ids)
+        assert set(row["sampling"]) == set(r["summary"])  # every decoder sampled too, base prompt lookup included
+        assert all(run["new_tokens"] == 6 and run["identical_to_ar"] is None for run in row["sampling"].values())
+    assert set(r["summary_sampling"]) == set(r["summary"])
+    for decoder, s in r["summary"].items():
+        assert set(r["summary_sampling"][decoder]) == set(s), decoder  # the same fields
+    export_rows = [d for d in r["summary"] if DECODERS[d].weights == "export"]
+    assert all(r["summary"][d]["all_identical"] for d in export_rows)  # greedy stays exact on chat prompts
+    assert all(r["summary_sampling"][d]["identical"] is None for d in r["summary_sampling"])  # other draws: not compared
+    assert set(r["summary_by_kind"]) == set(r["summary_sampling_by_kind"]) == set(prompts.CHAT_KINDS)
+    assert all(part["tidar"]["prompts"] == 1 for part in r["summary_sampling_by_kind"].values())
+    assert sum(r["accepted_histogram_sampling"].values()) == r["summary_sampling"]["tidar"]["nfe"] - r["prompts"]
+    sampled = [row["sampling"]["ar"]["tokens"] for row in r["rows"]]
+    assert sampled != [row["ar"]["tokens"] for row in r["rows"]]  # temperature 0.7 on a random model: other tokens
+    err = capsys.readouterr().err
+    assert "sampled (temperature 0.7, top_p 0.9, seed 5):" in err and "passage prompts (1)" in err
+    md = (tmp_path / "chat.md").read_text()  # the README-ready table, and the model card: both modes
+    assert "chat prompts through the chat template" in md and "Sampled (temperature 0.7, top_p 0.9, seed 5" in md and "| (sampled) |" in md
+    # seeded: a prompt's sampled tokens are the same on every run, for TiDAR and AR alike
+    from tidar_convert.export import load
+
+    lm = load(chat_export)
+    again = decoders.bench_prompt(lm, tok, prompts.chat_prompts(1)[0], 6, 4, 4, ("ar", "tidar"), sampling=r["sampling"])
+    assert again["sampling"]["ar"]["tokens"] == r["rows"][0]["sampling"]["ar"]["tokens"]
+    assert again["sampling"]["tidar"]["tokens"] == r["rows"][0]["sampling"]["tidar"]["tokens"]
+
+
 def test_bench_eos_at_once(tiny_export, tmp_path):
     """EOS as the very first token: every decoder stops after the prefill, nothing divides by zero."""
     from transformers import AutoTokenizer
@@ -180,6 +244,18 @@ def test_bench_rejects_bad_input(tiny_dirs, tiny_export):
         bench.bench_cmd(str(tiny_export), humaneval_timeout=0)
     with pytest.raises(ValueError, match="dtype='float16'.*float32 or bfloat16"):
         bench.bench_cmd(str(tiny_export), dtype="float16")
+    with pytest.raises(ValueError, match="prompts='humaneval'.*'raw'.*'chat'"):
+        bench.bench_cmd(str(tiny_export), prompts="humaneval")
+    with pytest.raises(ValueError, match="has no chat template.*--prompts raw"):
+        bench.bench_cmd(str(tiny_export), prompts="chat")
+    from tidar_convert.bench.serve import bench_serve_cmd
+
+    with pytest.raises(ValueError, match="has no chat template"):  # refused before any server starts
+        bench_serve_cmd(str(tiny_export))
+    with pytest.raises(ValueError, match=r"clients=\[1, 0\].*>= 1"):
+        bench_serve_cmd(str(tiny_export), clients=[1, 0])
+    with pytest.raises(ValueError, match="requests=0"):
+        bench_serve_cmd(str(tiny_export), requests=0)
 
 
 def hand_perplexity(model, tokenizer, texts, seq_len, max_tokens):

@@ -1,6 +1,7 @@
 """The command line as a user types it: generate (text and --json), export, and its errors."""
 
 import json
+import re
 import shutil
 
 import pytest
@@ -37,6 +38,46 @@ def test_generate_json_same_text_in_tidar_and_ar_mode(exported, trained, capsys)
     assert len(set(sampled[:3])) == 1 and len(set(sampled[3:])) == 1  # seeded: the same text every run, under the default (cost) plan too
     stock = run_json(capsys, *common, "--mode", "tidar", "--pack-weights", "false")
     assert stock["text"] == td["text"]  # PyTorch's stock product: the same greedy tokens
+
+
+CHAT_TEMPLATE = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}{% if add_generation_prompt %}assistant:{% endif %}"
+
+
+@pytest.fixture(scope="module")
+def chat_export(trained, tmp_path_factory):
+    model, tok = trained["llama"]
+    tok.chat_template = CHAT_TEMPLATE  # the tiny tokenizer has none
+    try:
+        return export(model, tok, tmp_path_factory.mktemp("cli-chat") / "tidar", block_size=4, alpha=1.0)
+    finally:
+        tok.chat_template = None
+
+
+def test_generate_chat_renders_the_prompt_as_the_server_does(chat_export, capsys):
+    """--chat: one user message through the chat template with the assistant's turn opened, the ids
+    `transformers serve` decodes for /v1/chat/completions: the text equals plain AR's on the template
+    applied by hand, in both modes, and differs from the raw prompt's."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    prompt = "def f(x):\n    return x"
+    tok = AutoTokenizer.from_pretrained(chat_export)
+    model = AutoModelForCausalLM.from_pretrained(chat_export)  # no remote code: transformers' AR
+    ids = tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True, return_tensors="pt", return_dict=True)["input_ids"]
+    assert tok.decode(ids[0]).endswith("assistant:")
+    with torch.no_grad():
+        expected = tok.decode(model.generate(ids, max_new_tokens=16, do_sample=False)[0, ids.shape[1] :], skip_special_tokens=True)
+    common = ["--model", str(chat_export), "--prompt", prompt, "--max-new-tokens", "16"]
+    assert run_json(capsys, *common, "--chat", "--mode", "ar")["text"] == expected
+    assert run_json(capsys, *common, "--chat")["text"] == expected  # TiDAR: the same greedy text
+    assert run_json(capsys, *common)["text"] == expected  # the default applies the template where there is one
+    assert run_json(capsys, *common, "--no-chat-template")["text"] != expected
+
+
+@pytest.mark.parametrize("flags,message", [(["--chat"], "has no chat template.*drop --chat"), (["--chat", "--no-chat-template"], "contradict each other")])
+def test_generate_chat_refusals(exported, capsys, flags, message):
+    with pytest.raises(SystemExit):
+        main(["generate", "--model", str(exported), "--prompt", "x", *flags])
+    assert re.search(message, capsys.readouterr().err)
 
 
 def test_generate_plain_text_output(exported, capsys):
@@ -99,7 +140,7 @@ def test_help_names_every_command(capsys):
         main(["--help"])
     assert exit_info.value.code == 0
     out = capsys.readouterr().out
-    assert out.startswith("usage: tidar-convert {fit,validate,export,generate,bench,eval-ppl,quality,sweep,distill} ...")
+    assert out.startswith("usage: tidar-convert {fit,validate,export,generate,bench,bench-serve,eval-ppl,quality,sweep,distill} ...")
     assert "`tidar-convert fit --help` lists them" in out
 
 

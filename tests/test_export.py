@@ -154,3 +154,66 @@ def test_lora_with_trained_mask_row_is_merged_on_export(tiny_dirs, tmp_path, fam
     torch.testing.assert_close(after[:mask_id], before[:mask_id])
     with torch.no_grad():
         torch.testing.assert_close(reloaded(input_ids=ids).logits, expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.fixture(scope="module")
+def untrained_export(tiny_dirs, tmp_path_factory):
+    from tidar_convert.loading import load_base
+
+    m, tok = load_base(str(tiny_dirs["llama"]))
+    return export(m, tok, tmp_path_factory.mktemp("cb") / "tidar", block_size=4, alpha=1.0)
+
+
+def test_continuous_batching_warns_that_tidar_does_not_run(untrained_export):
+    """transformers' continuous batching (serve --continuous-batching, generate_batch) never calls
+    model.generate: a TiDAR model says so, naming the fix, the first time it enters that loop; a
+    model without TiDAR's generate says nothing."""
+    import logging
+
+    from tidar_convert.decode import CONTINUOUS_BATCHING_WARNING
+
+    said = []
+    handler = logging.Handler()
+    handler.emit = lambda record: said.append(record.getMessage())
+    tidar_log = logging.getLogger("transformers.tidar")  # decode.py's logger: what serve prints
+    tidar_log.addHandler(handler)
+    try:
+        logging.Logger.warning_once.cache_clear()  # another test may have warned already (once per process)
+        AutoModelForCausalLM.from_pretrained(untrained_export).init_continuous_batching()  # transformers' generate: no word
+        assert said == []
+        remote = AutoModelForCausalLM.from_pretrained(untrained_export, trust_remote_code=True)  # the export's own generate.py
+        manager = remote.init_continuous_batching()
+        assert said == [CONTINUOUS_BATCHING_WARNING] and "without --continuous-batching" in said[0]
+        assert type(manager).__name__ == "ContinuousBatchingManager"  # the loop still runs, as AR: the server keeps answering
+        logging.Logger.warning_once.cache_clear()
+        load(untrained_export).init_continuous_batching()  # tidar_convert.load binds the package's generate
+        assert said == [CONTINUOUS_BATCHING_WARNING] * 2
+    finally:
+        tidar_log.removeHandler(handler)
+
+
+def test_tidar_off_through_a_generation_config(untrained_export):
+    """A server passes a request's generation config, not keyword arguments (`transformers serve`:
+    the request's `generation_config` JSON): its `tidar` field turns TiDAR off; the keyword wins over
+    it, and the model's generation_config.json is read last."""
+    from transformers import GenerationConfig
+
+    model = load(untrained_export)
+    ids = torch.tensor([[5, 6, 7, 8]])
+    ar = model.generate(ids, max_new_tokens=6, do_sample=False, tidar=False)
+
+    def ran_tidar(**kw) -> bool:
+        out = model.generate(ids, max_new_tokens=6, do_sample=False, **kw)
+        assert torch.equal(out, ar)  # greedy: the same tokens either way
+        return "draft_sources" in model.tidar_stats  # only TiDAR's stats name draft sources
+
+    off = GenerationConfig(**json.loads('{"tidar": false, "do_sample": false}'))  # as the server builds it
+    assert ran_tidar() and not ran_tidar(generation_config=off)
+    assert ran_tidar(generation_config=off, tidar=True)
+    model.generation_config.tidar = False  # as a generation_config.json with "tidar": false loads
+    try:
+        assert not ran_tidar() and ran_tidar(generation_config=GenerationConfig(tidar=True, do_sample=False))
+    finally:
+        del model.generation_config.tidar
+    with pytest.raises(ValueError, match="tidar='false'.*JSON boolean"):
+        model.generate(ids, max_new_tokens=2, generation_config=GenerationConfig(tidar="false"))

@@ -111,6 +111,31 @@ def test_chat_completions_are_tidar_and_write_what_ar_writes(server, served_expo
     assert len(ran) >= 3 and max(ran) > 1.0, log.read_text()
 
 
+def test_bench_serve_measures_tidar_against_ar_on_one_server(served_export, tmp_path, capsys):
+    """`tidar-convert bench-serve` with tiny counts: one server answers both modes, TiDAR turned off
+    per request through its generation config; the JSON holds tokens/s per mode and client count."""
+    import json
+
+    from tidar_convert.cli import main
+
+    out = tmp_path / "serve.json"
+    main(["bench-serve", "--model", str(served_export), "--clients", "[1,2]", "--requests", "2", "--max-tokens", "8", "--out", str(out)])
+    r = json.loads(out.read_text())
+    assert r["clients"] == [1, 2] and r["requests"] == 2 and r["max_tokens"] == 8 and r["prompt_set"] == "chat"
+    assert set(r["results"]) == {"1", "2"} and not r["cut_by_time_limit"]
+    for n, part in r["results"].items():
+        for mode in ("tidar", "ar"):
+            m = part[mode]
+            assert m["requests"] == 2 and m["completion_tokens"] == 16 and m["tokens_per_s"] > 0 and m["seconds"] > 0, (n, mode)
+            assert [run["prompt"] for run in m["runs"]] == [0, 1]
+        assert part["tidar_vs_ar"] > 0 and part["identical"] == 2  # greedy: the served texts are AR's
+    # TiDAR answered exactly the TiDAR requests: its log line for each, none for the requests sent with tidar false
+    assert r["served_tidar"]["calls"] == 4 and r["served_tidar"]["new_tokens"] == 32
+    assert Path(r["log"]).exists() and "Application shutdown complete" in Path(r["log"]).read_text()
+    err = capsys.readouterr().err
+    assert "1 client(s): TiDAR" in err and f"wrote {out}" in err
+
+
 def test_the_server_stops_cleanly(server):
     proc, port, log = server
     proc.send_signal(signal.SIGTERM)  # what a service manager sends

@@ -1,4 +1,4 @@
-"""`tidar-convert fit | validate | export | generate | bench | eval-ppl | quality | sweep | distill`.
+"""`tidar-convert fit | validate | export | generate | bench | bench-serve | eval-ppl | quality | sweep | distill`.
 
 fit/validate are LightningCLI (train.py: every key of a recipe is a flag: --model.block_size 8,
 --trainer.max_steps 20, --ckpt_path last); the others are typed functions whose signatures are
@@ -131,6 +131,7 @@ def generate_cmd(
     top_p: float = 1.0,
     top_k: int = 0,
     seed: int = 0,
+    chat: bool = False,
     no_chat_template: bool = False,
     block_size: int | None = None,
     dtype: str = "float32",
@@ -148,6 +149,10 @@ def generate_cmd(
         top_p: nucleus sampling threshold (sampling only).
         top_k: top-k sampling (0 = off; sampling only).
         seed: random seed for sampling.
+        chat: the prompt is one user message through the tokenizer's chat template, with the
+            assistant's turn opened (add_generation_prompt), as `transformers serve` renders a
+            /v1/chat/completions request; refused for a tokenizer without a chat template. Without
+            --chat or --no-chat-template the template is applied where the tokenizer has one.
         no_chat_template: feed the prompt as raw text even if the tokenizer has a chat template.
         block_size: drafts per step (default: the trained block size).
         dtype: float32 or bfloat16 (bf16 is faster; float32 keeps greedy TiDAR token-identical to AR).
@@ -174,12 +179,16 @@ def generate_cmd(
         raise ValueError(f"top_k={top_k}: must be >= 0 (0 = off).")
     if dtype not in ("float32", "bfloat16"):
         raise ValueError(f"dtype={dtype!r}: use float32 or bfloat16.")
+    if chat and no_chat_template:
+        raise ValueError("--chat and --no-chat-template contradict each other: pass --chat for the chat template, --no-chat-template for raw text.")
     lm = load(model, dtype=getattr(torch, dtype))
     tok = load_tokenizer(model)
-    if tok.chat_template and not no_chat_template:
-        ids = tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True, return_tensors="pt", return_dict=True)["input_ids"]
-    else:
-        ids = tok(prompt, return_tensors="pt").input_ids
+    if chat and not tok.chat_template:
+        raise ValueError(
+            f"--chat: the tokenizer of {model!r} has no chat template (no chat_template.jinja, none in tokenizer_config.json); "
+            "drop --chat to feed the prompt as raw text, or export from an Instruct base that has one."
+        )
+    ids = chat_ids(tok, prompt) if tok.chat_template and not no_chat_template else tok(prompt, return_tensors="pt").input_ids
     sampling = {"do_sample": True, "temperature": temperature, "top_p": top_p, "top_k": top_k} if temperature > 0 else {"do_sample": False}
     torch.manual_seed(seed)
     t0 = time.perf_counter()
@@ -193,6 +202,12 @@ def generate_cmd(
         print(text)
         print(f"\n[{mode}] {stats['new_tokens']} tokens, {stats['nfe']} forward passes, {stats['tokens_per_nfe']:.2f} tokens/NFE, {seconds:.2f} s", file=sys.stderr)
 
+
+def chat_ids(tokenizer, prompt: str):
+    """The prompt as one user message, rendered as `transformers serve` renders a chat completion
+    request (cli/serving/chat_completion.py: apply_chat_template with add_generation_prompt, tokenized
+    there), so the CLI and the server decode the same ids."""
+    return tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True, return_tensors="pt", return_dict=True)["input_ids"]
 
 
 def _unix_flags(args: list[str], functions) -> list[str]:
@@ -225,11 +240,12 @@ def main(argv: list[str] | None = None) -> None:
         from jsonargparse import auto_cli
 
         from .bench import bench_cmd, eval_ppl_cmd
+        from .bench.serve import bench_serve_cmd
         from .distill import distill_cmd
         from .quality import quality_cmd
         from .sweep import sweep_cmd
 
-        commands = {"export": export_cmd, "generate": generate_cmd, "bench": bench_cmd, "eval-ppl": eval_ppl_cmd, "quality": quality_cmd, "sweep": sweep_cmd, "distill": distill_cmd}
+        commands = {"export": export_cmd, "generate": generate_cmd, "bench": bench_cmd, "bench-serve": bench_serve_cmd, "eval-ppl": eval_ppl_cmd, "quality": quality_cmd, "sweep": sweep_cmd, "distill": distill_cmd}
         top = {}
         if not args or args[0] in ("-h", "--help"):  # (a command's own usage line would start with this one)
             # fit and validate are LightningCLI's, dispatched above: the usage line names them with the others

@@ -22,6 +22,8 @@ batch also tokens_per_nfe_per_row (each row's new tokens over the forwards it wa
 
 from __future__ import annotations
 
+import functools
+import inspect
 from dataclasses import dataclass
 
 import torch
@@ -41,6 +43,57 @@ from .verify import Greedy, Sampling, draw_seed
 
 # Under transformers' logger, so that `transformers serve --log-level info` shows it with its own lines.
 log = logging.get_logger("transformers.tidar")
+
+
+# --------------------------------------------------------------------------------------------
+# Continuous batching: `transformers serve --continuous-batching`, `generate_batch` and
+# `init_continuous_batching` run transformers' own paged loop on the model's forward and never call
+# model.generate, so an export decodes plain AR there without a word. All three entry points go
+# through ContinuousMixin.init_continuous_batching: it is wrapped once per process (the export carries
+# no model class of its own to hook), and the wrapper speaks only for models whose generate is TiDAR's.
+# --------------------------------------------------------------------------------------------
+
+CONTINUOUS_BATCHING_WARNING = (
+    "TiDAR decoding does not run under continuous batching: transformers' paged loop "
+    "(init_continuous_batching, `transformers serve --continuous-batching`, generate_batch) decodes this "
+    "TiDAR export as plain AR, one token per forward. Serve it without --continuous-batching "
+    "(`transformers serve --trust-remote-code EXPORT`), or call model.generate, to decode with TiDAR."
+)
+
+
+def binds_tidar(model) -> bool:
+    """Whether model.generate is a TiDAR generate() bound to this model (this file, in the package or
+    an export of any version: the same test as tidar_convert.export.tidar_active)."""
+    gen = model.__dict__.get("generate")
+    fn = getattr(gen, "func", None)
+    if fn is None or getattr(fn, "__name__", None) != "generate" or gen.keywords.get("model") is not model:
+        return False
+    try:
+        return {"tidar", "block_size", "beta"} <= set(inspect.signature(fn).parameters)
+    except (TypeError, ValueError):
+        return False
+
+
+def warn_under_continuous_batching() -> None:
+    try:
+        from transformers.generation.continuous_batching import ContinuousMixin
+    except ImportError:  # a transformers without continuous batching: nothing bypasses generate()
+        return
+    original = ContinuousMixin.init_continuous_batching
+    if getattr(original, "tidar_warns", False):  # the package's decode.py and an export's both import this
+        return
+
+    @functools.wraps(original)
+    def init_continuous_batching(self, *args, **kwargs):
+        if binds_tidar(self):
+            log.warning_once(CONTINUOUS_BATCHING_WARNING)
+        return original(self, *args, **kwargs)
+
+    init_continuous_batching.tidar_warns = True
+    ContinuousMixin.init_continuous_batching = init_continuous_batching
+
+
+warn_under_continuous_batching()
 
 
 # --------------------------------------------------------------------------------------------
@@ -191,7 +244,7 @@ def generate(
     generation_config=None,
     *,
     model,
-    tidar: bool = True,
+    tidar: bool | None = None,
     block_size: int | None = None,
     beta: float = 1.0,
     drafter: str = "hybrid",
@@ -203,7 +256,10 @@ def generate(
 ):
     """TiDAR `generate()`. Same arguments as transformers' generate, plus:
 
-    tidar: False runs plain AR decoding (transformers' own generate) on the same weights.
+    tidar: False runs plain AR decoding (transformers' own generate) on the same weights. None (the
+        default): a `tidar` field of `generation_config`, else of the model's generation_config
+        (generation_config.json), else True. So a server that passes a request's generation config
+        (`transformers serve`: the request's `generation_config` JSON) can turn TiDAR off per request.
     block_size: tokens per mask group (diffusion drafts); defaults to the trained `config.block_size`.
         Any value >= 2 keeps the output exact (only acceptance changes); the diffusion head is only
         trained for the trained one.
@@ -254,6 +310,10 @@ def generate(
     fit the verify rule is refused by name (REFUSED, REFUSED_ARGS).
     """
     input_ids = inputs if inputs is not None else kwargs.pop("input_ids", None)
+    if tidar is None:
+        tidar = next((t for t in (getattr(generation_config, "tidar", None), getattr(model.generation_config, "tidar", None)) if t is not None), True)
+    if not isinstance(tidar, bool):  # "false" from a JSON string would read as true
+        raise ValueError(f"tidar={tidar!r}: pass true or false (a JSON boolean in a generation config).")
     if not tidar:
         with cpu_kernels(model, enabled=pack_weights):
             return ar_generate(model, input_ids, generation_config, kwargs)

@@ -224,24 +224,32 @@ def results_section(metrics: dict) -> str:
             f"k={metrics['block_size']}" if "block_size" in metrics else "",
             f"{metrics['prompts']} prompts" if "prompts" in metrics else "",
             f"{metrics['max_new_tokens']} new tokens each" if "max_new_tokens" in metrics else "",
+            "chat prompts through the chat template" if metrics.get("prompt_set") == "chat" else "",
             "greedy, batch 1",
             " ".join(str(machine[k]) for k in ("dtype", "device", "device_name") if machine.get(k)),
         ) if s
     )
     lines.append(f"Measured by `tidar-convert bench` ({setting}):")
-    summary = metrics.get("summary") or {}
-    if summary:
-        # Older bench results lack the per-step and lookup columns: "-" there.
-        def num(x, fmt):
-            return "-" if x is None else format(x, fmt)
+    # Older bench results lack the per-step and lookup columns: "-" there.
+    def num(x, fmt):
+        return "-" if x is None else format(x, fmt)
 
+    sampling = metrics.get("sampling")
+    tables = [(metrics.get("summary") or {}, None)]
+    if metrics.get("summary_sampling"):
+        tables.append((metrics["summary_sampling"], f"Sampled (temperature {sampling['temperature']}, top_p {sampling['top_p']}, seed {sampling['seed']}; the same prompts):"))
+    for summary, heading in tables:
+        if not summary:
+            continue
+        if heading:
+            lines += ["", heading]
         lines += [
             "",
             "| decoder | tokens per forward (T/NFE) | query slots per step | LM-head rows per step | tokens/s | vs AR | vs prompt lookup | vs base prompt lookup | vs stock AR | identical to AR greedy |",
             "|---|---|---|---|---|---|---|---|---|---|",
         ]
         for decoder, s in summary.items():
-            same = "(base model)" if s["identical"] is None else f"{s['identical']}/{s['prompts']}"
+            same = ("(base model)" if heading is None else "(sampled)") if s["identical"] is None else f"{s['identical']}/{s['prompts']}"
             ratios = " | ".join(num(s.get(key), ".2f") + ("x" if s.get(key) is not None else "") for key in ("tokens_per_s_vs_ar", "tokens_per_s_vs_prompt_lookup", "tokens_per_s_vs_base_prompt_lookup", "tokens_per_s_vs_ar_stock"))
             lines.append(
                 f"| {decoder} | {s['tokens_per_nfe']:.2f} | {num(s.get('slots_per_step'), '.1f')} | {num(s.get('lm_head_rows_per_step'), '.1f')} "

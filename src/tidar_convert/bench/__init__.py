@@ -1,7 +1,8 @@
 """Measurements: TiDAR against AR and prompt-lookup decoding, forward latency vs query slots, perplexity.
 
 `tidar-convert bench --model OUT` decodes a fixed held-out prompt set (prompts.py: HumanEval prompts
-interleaved with a few plain-text ones) with every decoder of the table in decoders.py, batch 1,
+interleaved with a few plain-text ones, or with --prompts chat 24 chat instructions through the
+model's chat template; --sampling also samples) with every decoder of the table in decoders.py, batch 1,
 greedy, on the same weights:
 
   ar                  transformers' own generate (tidar=False)
@@ -24,6 +25,7 @@ The modules, one concern each:
   timing.py      wall-clock timing, synchronized on a GPU
   perplexity.py  `tidar-convert eval-ppl`: AR perplexity (a TiDAR model must keep its base's)
   cli.py         `tidar-convert bench`, and the generation-quality guard on its outputs (quality.py)
+  serve.py       `tidar-convert bench-serve`: tokens/s as served by `transformers serve`, TiDAR vs TiDAR off
 """
 
 from .cli import bench_cmd

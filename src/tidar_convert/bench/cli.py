@@ -10,11 +10,11 @@ from pathlib import Path
 import torch
 
 from ..progress import progress
-from .decoders import DECODERS, accepted_histogram, bench_prompt, decoder_names, runnable
+from .decoders import DECODERS, SAMPLING, accepted_histogram, bench_prompt, decoder_names, runnable
 from .machine import default_device, machine_info
 from .perplexity import compare_perplexity
 from .plots import plot_accepted, plot_slots, plot_tokens_per_s
-from .prompts import HUMANEVAL_PROBLEMS, TEXT_PROMPTS, bench_prompts, default_limit
+from .prompts import CHAT_PROMPTS, HUMANEVAL_PROBLEMS, PROMPT_SETS, TEXT_PROMPTS, check_chat_template, default_limit, prompt_set
 from .slots import SLOT_CACHE_LEN, STEP_KS, decoder_steps, slot_latency, slot_sizes
 from .steps import PROFILE_PROMPTS, PROFILE_TOKENS, step_breakdown
 from .summary import print_summary, summarize
@@ -22,13 +22,15 @@ from .summary import print_summary, summarize
 DTYPES = ("float32", "bfloat16")
 
 
-def check_bench_args(k, max_new_tokens, limit, prompt_lookup_tokens, ppl_base, ppl_data, dtype="float32", humaneval_timeout=3.0) -> None:
+def check_bench_args(k, max_new_tokens, limit, prompt_lookup_tokens, ppl_base, ppl_data, dtype="float32", humaneval_timeout=3.0, prompts="raw") -> None:
+    if prompts not in PROMPT_SETS:
+        raise ValueError(f"prompts={prompts!r}: use 'raw' (HumanEval and plain text, no chat template) or 'chat' (instructions through the model's chat template).")
     if k is not None and k < 2:
         raise ValueError(f"k={k}: TiDAR drafts at least 2 tokens per step; use 2 or more, or leave it out for the trained block size.")
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens={max_new_tokens}: must be >= 1.")
     if limit is not None and limit < 1:
-        raise ValueError(f"limit={limit}: must be >= 1 (or leave it out for all {len(TEXT_PROMPTS) + HUMANEVAL_PROBLEMS} prompts).")
+        raise ValueError(f"limit={limit}: must be >= 1 (or leave it out for every prompt: {len(TEXT_PROMPTS) + HUMANEVAL_PROBLEMS} raw, {len(CHAT_PROMPTS)} chat).")
     if prompt_lookup_tokens < 1:
         raise ValueError(f"prompt_lookup_tokens={prompt_lookup_tokens}: must be >= 1 (transformers' default is 10; 4 suits short drafts).")
     if (ppl_base is None) != (ppl_data is None):
@@ -53,10 +55,14 @@ def bench_cmd(
     base: str | None = None,
     quality: bool = True,
     humaneval_timeout: float = 3.0,
+    prompts: str = "raw",
+    sampling: bool = False,
+    seed: int = 0,
 ) -> str:
     """Benchmark a TiDAR export against AR and prompt-lookup decoding on the same weights.
 
-    Batch 1, greedy, raw prompts (HumanEval + plain text). Every decoder of the table
+    Batch 1, greedy, raw prompts (HumanEval + plain text) or chat instructions (--prompts chat);
+    with --sampling every decoder also samples (temperature 0.7, top_p 0.9, seeded). Every decoder of the table
     (bench.decoders.DECODERS) runs, prompt by prompt, so machine noise hits them alike; TiDAR
     drafters this export's engine lacks are left out, with the reason. Writes <out_dir>/<name>.json
     (summary per decoder, rows, slot curve, step breakdown, machine), <name>.md (the README table)
@@ -81,6 +87,12 @@ def bench_cmd(
             default: the one the export records (exports made by `fit`/`export` record it).
         quality: time prompt lookup on the base and run the quality guard (needs the base model).
         humaneval_timeout: seconds per HumanEval program of the guard's pass@1.
+        prompts: the prompt set: raw (HumanEval prompts and plain text, as text to continue) or chat
+            (24 instructions of 6 kinds, each one user message through the model's chat template, as
+            `transformers serve` renders them; bench.prompts.CHAT_PROMPTS).
+        sampling: also decode every prompt with every decoder sampled (temperature 0.7, top_p 0.9),
+            right after its greedy runs: `summary_sampling` beside `summary`.
+        seed: the sampling seed (mixed with each prompt's id; the same for every decoder).
 
     Returns:
         Path of the JSON written.
@@ -89,7 +101,7 @@ def bench_cmd(
 
     from ..export import check_export, load, require_tidar, results_section, update_model_card
 
-    check_bench_args(k, max_new_tokens, limit, prompt_lookup_tokens, ppl_base, ppl_data, dtype, humaneval_timeout)
+    check_bench_args(k, max_new_tokens, limit, prompt_lookup_tokens, ppl_base, ppl_data, dtype, humaneval_timeout, prompts)
     path = Path(model).expanduser()
     if not path.is_dir():
         raise FileNotFoundError(f"model={model!r} is not a folder; pass a TiDAR export folder (the OUT of `make convert`).")
@@ -105,6 +117,8 @@ def bench_cmd(
     lm = load(path, dtype=getattr(torch, dtype)).to(device).eval()
     require_tidar(lm, path)  # never time transformers' AR generate and call it TiDAR
     tokenizer = AutoTokenizer.from_pretrained(path)
+    if prompts == "chat":
+        check_chat_template(tokenizer, str(path))
     base_pair = None
     if quality:
         from ..loading import load_base
@@ -113,11 +127,14 @@ def bench_cmd(
         # with the others, prompt by prompt, so machine noise hits every decoder alike. It is freed
         # right after the guard, before the slot curve and perplexity.
         base_lm, base_tokenizer = load_base(base, dtype=getattr(torch, dtype))
+        if prompts == "chat":
+            check_chat_template(base_tokenizer, base)
         base_pair = (base_lm.to(device).eval(), base_tokenizer)
         del base_lm  # base_pair holds the only reference: dropping it frees the model
-    prompts = bench_prompts(limit if limit is not None else default_limit(device))
-    if limit is None and device.type != "cuda":
-        print(f"bench: {len(prompts)} of {len(bench_prompts())} prompts (the CPU default; --limit {len(bench_prompts())} for all)", file=sys.stderr)
+    set_name, prompts = prompts, prompt_set(prompts, limit if limit is not None else default_limit(device))
+    if limit is None and device.type != "cuda" and len(prompts) < len(prompt_set(set_name)):
+        print(f"bench: {len(prompts)} of {len(prompt_set(set_name))} prompts (the CPU default; --limit {len(prompt_set(set_name))} for all)", file=sys.stderr)
+    sampled = {**SAMPLING, "seed": seed} if sampling else None
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
 
@@ -127,14 +144,19 @@ def bench_cmd(
     if base_pair is not None:
         decoders += decoder_names("base")
     # Warm-up (allocator, kernels, the one-time weight packing, lazy imports) so the first timed prompt is not an outlier.
-    bench_prompt(lm, tokenizer, prompts[0], min(max_new_tokens, 8), k, prompt_lookup_tokens, decoders, base_pair)
+    bench_prompt(lm, tokenizer, prompts[0], min(max_new_tokens, 8), k, prompt_lookup_tokens, decoders, base_pair, sampled)
     rows = []
     for prompt in progress(prompts, f"bench {name}", unit="prompt"):  # with an ETA, on a terminal or in a log
-        rows.append(bench_prompt(lm, tokenizer, prompt, max_new_tokens, k, prompt_lookup_tokens, decoders, base_pair))
+        rows.append(bench_prompt(lm, tokenizer, prompt, max_new_tokens, k, prompt_lookup_tokens, decoders, base_pair, sampled))
     summary = summarize(rows)
-    # Per kind of prompt: lookup drafts well on code (HumanEval bodies repeat the prompt's names),
-    # rarely on prose, where drafts must come from the diffusion head.
-    by_kind = {kind: summarize([r for r in rows if r["kind"] == kind]) for kind in sorted({r["kind"] for r in rows})}
+    # Per kind of prompt: lookup drafts well on code (HumanEval bodies repeat the prompt's names) and
+    # on chat answers that reuse a given text (rewrite, summarise, passage), rarely on prose or new
+    # answers, where drafts must come from the diffusion head.
+    kinds = sorted({r["kind"] for r in rows})
+    by_kind = {kind: summarize([r for r in rows if r["kind"] == kind]) for kind in kinds}
+    sampled_rows = [{**r["sampling"], "kind": r["kind"]} for r in rows] if sampled else None
+    summary_sampling = summarize(sampled_rows) if sampled else None
+    sampling_by_kind = {kind: summarize([r for r in sampled_rows if r["kind"] == kind]) for kind in kinds} if sampled else None
     guard = None
     if base_pair is not None:
         guard = quality_guard(prompts, rows, lm, tokenizer, base_pair, max_new_tokens, humaneval_timeout)
@@ -157,12 +179,17 @@ def bench_cmd(
         "max_new_tokens": max_new_tokens,
         "prompt_lookup_tokens": prompt_lookup_tokens,
         "prompts": len(prompts),
+        "prompt_set": set_name,
+        "sampling": sampled,
         "machine": machine_info(device, lm),
         "decoders": {d: DECODERS[d].generate_kwargs(k, prompt_lookup_tokens) | {"weights": DECODERS[d].weights} for d in decoders},
         "skipped_decoders": skipped,
         "summary": summary,
         "summary_by_kind": by_kind,
+        "summary_sampling": summary_sampling,
+        "summary_sampling_by_kind": sampling_by_kind,
         "accepted_histogram": accepted_histogram(rows, k),
+        "accepted_histogram_sampling": accepted_histogram(sampled_rows, k) if sampled else None,
         "slot_latency": {"cache_len": SLOT_CACHE_LEN, "tidar_step_slots": k + k * k, "tidar_step_vs_ar_step": step_vs_ar, "decoder_steps": steps, "points": points, "points_stock": points_stock, "points_packed": points_packed},
         "step_breakdown": breakdown,
         "perplexity": None,
@@ -184,8 +211,11 @@ def bench_cmd(
     md_path = out / f"{name}.md"
     md_path.write_text(results_section(result) + "\n")
     print_summary(summary, result["perplexity"], skipped)
-    for kind, part in by_kind.items():
-        print(f"    {kind} prompts ({next(iter(part.values()))['prompts']}): " + ", ".join(f"{d} {s['tokens_per_s_vs_ar']:.2f}x AR" for d, s in part.items() if d != "ar" and "tokens_per_s_vs_ar" in s), file=sys.stderr)
+    print_kinds(by_kind)
+    if sampled:
+        print(f"  sampled (temperature {sampled['temperature']}, top_p {sampled['top_p']}, seed {seed}):", file=sys.stderr)
+        print_summary(summary_sampling, None)
+        print_kinds(sampling_by_kind)
     print_breakdown(breakdown)
     if guard is not None:
         from ..quality import print_verdict
@@ -196,6 +226,11 @@ def bench_cmd(
     if update_model_card(path, result):  # the export's README.md shows what was measured
         print(f"updated {path / 'README.md'} (results section)", file=sys.stderr)
     return str(json_path)
+
+
+def print_kinds(by_kind: dict) -> None:
+    for kind, part in by_kind.items():
+        print(f"    {kind} prompts ({next(iter(part.values()))['prompts']}): " + ", ".join(f"{d} {s['tokens_per_s_vs_ar']:.2f}x AR" for d, s in part.items() if d != "ar" and "tokens_per_s_vs_ar" in s), file=sys.stderr)
 
 
 def print_breakdown(breakdown: dict) -> None:

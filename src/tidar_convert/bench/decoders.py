@@ -13,13 +13,18 @@ from __future__ import annotations
 
 import statistics
 import time
+import zlib
 from collections import Counter
 from dataclasses import dataclass
 
 import torch
 
 from ..kernels import cpu_kernels
+from .prompts import prompt_ids
 from .timing import synchronize
+
+# The sampling mode (`tidar-convert bench --sampling`): what chat users run (about 0.7 and 0.9), seeded.
+SAMPLING = {"temperature": 0.7, "top_p": 0.9}
 
 
 @dataclass(frozen=True)
@@ -144,16 +149,17 @@ class ForwardCounter:
         return statistics.fmean(counts[1:]) if len(counts) > 1 else None
 
 
-def run_decoder(model, input_ids, decoder: str, max_new_tokens: int, pad_token_id: int, k: int | None, prompt_lookup_tokens: int) -> dict:
-    """One greedy generation: new tokens, forwards, wall seconds, query slots and LM-head rows per
+def run_decoder(model, input_ids, decoder: str, max_new_tokens: int, pad_token_id: int, k: int | None, prompt_lookup_tokens: int, sampling: dict | None = None) -> dict:
+    """One generation, greedy or with `sampling` (generate() arguments, do_sample implied): new tokens, forwards, wall seconds, query slots and LM-head rows per
     step, and, for TiDAR, the engine's own stats (accepted drafts per step, and where the engine
     reports them, its LM-head rows and draft sources; None where it does not)."""
     spec = DECODERS[decoder]
     device = input_ids.device
+    how = {"do_sample": True, **sampling} if sampling else {"do_sample": False}
     with torch.no_grad(), cpu_kernels(model, enabled=spec.packs_here()), ForwardCounter(model) as count:
         synchronize(device)
         t0 = time.perf_counter()
-        out = model.generate(input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=pad_token_id, **spec.generate_kwargs(k, prompt_lookup_tokens))
+        out = model.generate(input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=max_new_tokens, pad_token_id=pad_token_id, **how, **spec.generate_kwargs(k, prompt_lookup_tokens))
         synchronize(device)
         seconds = time.perf_counter() - t0
     tokens = out[0, input_ids.shape[1] :].tolist()
@@ -182,24 +188,44 @@ def run_decoder(model, input_ids, decoder: str, max_new_tokens: int, pad_token_i
     return row
 
 
-def bench_prompt(model, tokenizer, prompt: dict, max_new_tokens: int, k: int | None, prompt_lookup_tokens: int, decoders: tuple[str, ...], base=None) -> dict:
+def bench_prompt(model, tokenizer, prompt: dict, max_new_tokens: int, k: int | None, prompt_lookup_tokens: int, decoders: tuple[str, ...], base=None, sampling: dict | None = None) -> dict:
     """Each of `decoders` on one prompt, export decoders first; identical_to_ar compares token for
     token with the export's AR output (None for base decoders: another model's text, which
-    quality.py compares). base: (base model, its tokenizer), needed for any base decoder."""
+    quality.py compares). base: (base model, its tokenizer), needed for any base decoder.
+
+    sampling: also each decoder sampled (generate() arguments and a `seed`), under row["sampling"],
+    right after its greedy runs so machine noise hits both modes alike. Every decoder draws from the
+    same seed, mixed with the prompt's id; identical_to_ar is None there (TiDAR's keyed draws and
+    transformers' multinomial ones are different samples of the same distribution: exactness is the
+    statistical tests', tests/test_decode.py)."""
     device = next(model.parameters()).device
-    ids = tokenizer(prompt["text"], return_tensors="pt").input_ids.to(device)
+    ids = prompt_ids(tokenizer, prompt).to(device)
     row = {"id": prompt["id"], "kind": prompt["kind"], "prompt_tokens": ids.shape[1]}
-    for decoder in decoders:
-        if DECODERS[decoder].weights == "export":
-            row[decoder] = run_decoder(model, ids, decoder, max_new_tokens, tokenizer.pad_token_id, k, prompt_lookup_tokens)
-            row[decoder]["identical_to_ar"] = row[decoder]["tokens"] == row["ar"]["tokens"] if "ar" in row else None
-    for decoder in decoders:
-        if DECODERS[decoder].weights == "base":
-            base_model, base_tokenizer = base
-            base_ids = base_tokenizer(prompt["text"], return_tensors="pt").input_ids.to(device)
-            row[decoder] = run_decoder(base_model, base_ids, decoder, max_new_tokens, base_tokenizer.pad_token_id, k, prompt_lookup_tokens)
-            row[decoder]["identical_to_ar"] = None
+    modes = [(row, None)]
+    if sampling is not None:
+        row["sampling"] = {}
+        modes.append((row["sampling"], {key: v for key, v in sampling.items() if key != "seed"}))
+    for into, how in modes:
+        for decoder in decoders:
+            if DECODERS[decoder].weights == "export":
+                if how is not None:
+                    torch.manual_seed(sample_seed(sampling["seed"], prompt["id"]))
+                into[decoder] = run_decoder(model, ids, decoder, max_new_tokens, tokenizer.pad_token_id, k, prompt_lookup_tokens, how)
+                into[decoder]["identical_to_ar"] = into[decoder]["tokens"] == row["ar"]["tokens"] if "ar" in row and how is None else None
+        for decoder in decoders:
+            if DECODERS[decoder].weights == "base":
+                base_model, base_tokenizer = base
+                base_ids = prompt_ids(base_tokenizer, prompt).to(device)
+                if how is not None:
+                    torch.manual_seed(sample_seed(sampling["seed"], prompt["id"]))
+                into[decoder] = run_decoder(base_model, base_ids, decoder, max_new_tokens, base_tokenizer.pad_token_id, k, prompt_lookup_tokens, how)
+                into[decoder]["identical_to_ar"] = None
     return row
+
+
+def sample_seed(seed: int, prompt_id: str) -> int:
+    """One seed per prompt, the same for every decoder and every run of the bench."""
+    return (seed * 1_000_003 + zlib.crc32(prompt_id.encode())) % 2**63
 
 
 def runnable(decoders: tuple[str, ...], model, tokenizer, k: int | None, prompt_lookup_tokens: int) -> tuple[tuple[str, ...], dict[str, str]]:

@@ -16,6 +16,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
 from .decoders import DECODERS, ForwardCounter
+from .prompts import prompt_ids
 from .timing import synchronize
 
 PHASE_PREFIX = "tidar."
@@ -68,7 +69,7 @@ def step_breakdown(model, tokenizer, prompts: list[dict], k: int | None, max_new
     new_tokens = forwards = 0
     with torch.no_grad(), profile(activities=activities) as prof:
         for prompt in prompts:
-            ids = tokenizer(prompt["text"], return_tensors="pt").input_ids.to(device)
+            ids = prompt_ids(tokenizer, prompt).to(device)
             with ForwardCounter(model) as count, record_function(REGION):
                 out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=tokenizer.pad_token_id, **kwargs)
                 synchronize(device)

@@ -51,6 +51,7 @@ def summarize(rows: list[dict]) -> dict:
         runs = [r[decoder] for r in rows]
         tokens, nfe, seconds = (sum(r[key] for r in runs) for key in ("new_tokens", "nfe", "seconds"))
         base = DECODERS[decoder].weights == "base"
+        unmatched = any(r.get("identical_to_ar") is None for r in runs)
         summary[decoder] = {
             "prompts": len(runs),
             "new_tokens": tokens,
@@ -61,9 +62,9 @@ def summarize(rows: list[dict]) -> dict:
             "mean_tokens_per_nfe": statistics.fmean(r["tokens_per_nfe"] for r in runs) if runs else 0.0,
             "slots_per_step": per_step(runs, "slots_per_step"),
             "lm_head_rows_per_step": per_step(runs, "lm_head_rows_per_step"),
-            # not the export's weights: "identical to AR" means nothing there
-            "identical": None if base else sum(bool(r["identical_to_ar"]) for r in runs),
-            "all_identical": None if base else all(r["identical_to_ar"] for r in runs),
+            # not the export's weights, or sampled (other draws of the same distribution): None
+            "identical": None if base or unmatched else sum(bool(r["identical_to_ar"]) for r in runs),
+            "all_identical": None if base or unmatched else all(r["identical_to_ar"] for r in runs),
         }
         if DECODERS[decoder].tidar:
             summary[decoder]["draft_sources"] = draft_sources(runs)
@@ -82,7 +83,10 @@ def _num(x, fmt: str = ".2f") -> str:
 
 def summary_line(decoder: str, s: dict) -> str:
     vs = ", ".join(f"{s[key]:.2f}x {SHORT[ref]}" for ref, key in REFERENCES if key in s)
-    same = "base weights" if s["identical"] is None else f"identical to AR {s['identical']}/{s['prompts']}"
+    if DECODERS[decoder].weights == "base":
+        same = "base weights"
+    else:
+        same = "sampled (not compared token for token)" if s["identical"] is None else f"identical to AR {s['identical']}/{s['prompts']}"
     return (
         f"{decoder:>18}: {s['tokens_per_s']:8.1f} tok/s ({vs}), {s['tokens_per_nfe']:.2f} T/NFE, "
         f"{_num(s.get('slots_per_step'), '.1f')} slots and {_num(s.get('lm_head_rows_per_step'), '.1f')} LM-head rows a step, {same}"
