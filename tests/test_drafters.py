@@ -381,7 +381,7 @@ def test_a_new_drafter_is_one_class(untrained, monkeypatch):
     """A deterministic drafter that always proposes "the last token, three more times": exact, no
     engine change, and the plan groups it like any other."""
 
-    class Repeat:
+    class Repeat(drafters.Drafter):
         name, uses_groups = "repeat", True
 
         def propose(self, ctx: DraftContext):
@@ -393,6 +393,13 @@ def test_a_new_drafter_is_one_class(untrained, monkeypatch):
     expected = ar(model, ids, max_new_tokens=16, eos_token_id=None)
     assert torch.equal(generate(ids, model=model, max_new_tokens=16, eos_token_id=None, drafter="repeat"), expected)
     assert model.tidar_stats["draft_sources"]["lookup"] == len(model.tidar_stats["accepted"])
+
+    class Bare:  # the protocol's names, but not its optional hook: refused by name, before any step
+        name, uses_groups, propose = "bare", False, Repeat.propose
+
+    monkeypatch.setitem(drafters.DRAFTERS, "bare", Bare)
+    with pytest.raises(TypeError, match="drafter 'bare' \\(Bare\\) lacks observe: subclass drafters.Drafter"):
+        generate(ids, model=model, max_new_tokens=4, drafter="bare")
 
 
 def test_a_prompt_near_the_position_limit_still_decodes(untrained):
@@ -573,7 +580,7 @@ def test_development_example_drafter(trained, monkeypatch):
     namespace = {**vars(drafters), "Counter": Counter}
     exec(cls.replace("DRAFTERS = {", "NEW = {"), namespace)
     monkeypatch.setattr(drafters, "DRAFTERS", namespace["NEW"])
-    assert issubclass(namespace["SuccessorDrafter"], drafters.Drafter)
+    assert drafters.Drafter in namespace["SuccessorDrafter"].__mro__
     scope = {"torch": torch, "cycle_batch": cycle_batch, "ar": ar, "generate": generate}
     exec(test, scope)
     scope["test_successor_drafts_are_exact_and_accepted"](trained)

@@ -401,5 +401,9 @@ DRAFTERS = {"hybrid": HybridDrafter, "diffusion": DiffusionDrafter, "lookup": Lo
 def make_drafter(name: str):
     if name not in DRAFTERS:
         raise ValueError(f"drafter={name!r}: choose one of {', '.join(repr(n) for n in DRAFTERS)} (default 'hybrid').")
-    return DRAFTERS[name]()
+    drafter = DRAFTERS[name]()
+    missing = [m for m in ("name", "uses_groups", "propose", "observe") if not hasattr(drafter, m)]
+    if missing:
+        raise TypeError(f"drafter {name!r} ({type(drafter).__name__}) lacks {', '.join(missing)}: subclass drafters.Drafter, which declares them (observe: a no-op).")
+    return drafter
 
