@@ -73,11 +73,21 @@ class Output:
             return torch.tanh(logits / cap) * cap if cap else logits
 
 
+def decoder_body(model):
+    """The decoder without the head, final norm included: its last_hidden_state is what lm_head reads.
+    Llama 4's get_decoder() returns the causal LM itself (its base_model_prefix names a module it does
+    not have), whose output has logits, not last_hidden_state: then its `model` is the body."""
+    body = model.get_decoder()
+    if body is model:
+        body = getattr(model, "model", body)
+    return body
+
+
 def forward(model, cache, tokens, positions, mask, read: list[int] | None = None) -> Output:
     """read: the slots whose logits the step may read, computed in one vocabulary-head call."""
     with record_function("tidar.forward"):
         if head_is_plain(model):
-            body = model.get_decoder()  # final norm included: its last_hidden_state is what lm_head reads
+            body = decoder_body(model)
             out = body(input_ids=tokens, position_ids=positions, attention_mask=mask, **cache_kwargs(body, cache))
             return Output(model, hidden=out.last_hidden_state, read=read)
         out = model(input_ids=tokens, position_ids=positions, attention_mask=mask, **cache_kwargs(model, cache))

@@ -1,0 +1,180 @@
+"""Which models convert, told from their config alone (no weights): the mechanisms a config uses, and
+a `Verdict` for `check(config)`.
+
+TiDAR passes its own 4D attention mask and repeats positions for the mask half (docs/method.md §1,
+§3), and crops the cache after every verification. So what decides whether a family converts is a
+short list of mechanisms, not its name: attention kinds, positions, recurrent state. The family
+matrix (tests/family_matrix.py, docs/families.md) runs every decoder-only entry of transformers'
+causal-LM mapping through a conversion and exact greedy decoding, and `REFUSED` below holds only
+what that matrix (or the cache's nature) rules out.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+# Layer kinds whose per-layer state is a KV cache that TiDAR crops after a step.
+ATTENTION_LAYERS = {"full_attention", "sliding_attention", "chunked_attention", "attention"}
+# Layer kinds that keep a recurrent state (linear attention, SSM, short convolutions): a rejected draft
+# has already been folded into it, and it cannot be cropped back like a KV cache.
+RECURRENT_LAYERS = {"linear_attention", "conv", "mamba", "recurrent", "hybrid", "hybrid_sliding"}
+# Config fields that only a recurrent block has (SSM / linear attention / LRU / xLSTM).
+RECURRENT_FIELDS = ("state_size", "ssm_state_size", "lru_width", "linear_conv_kernel_dim", "linear_attn_alpha_factor", "conv_kernel_size", "num_blocks")
+RECURRENT_PREFIXES = ("mamba_", "ssm_")
+# Sub-configs of models that are not one text decoder (vision, audio, seq2seq halves, byte patchers).
+COMPOSITE = ("text_config", "vision_config", "audio_config", "vq_config", "text_encoder", "audio_encoder", "audio_encoder_config", "encoder_config", "decoder_config")
+EXPERT_FIELDS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
+HEAD_SCALES = ("logit_scale", "logits_scaling", "output_multiplier_scale")
+
+# Mechanisms the family matrix measured not to decode exactly under TiDAR's mask, with why.
+REFUSED = {
+    "recurrent layers": "their state is not a KV cache: a rejected draft is already folded into it and cannot be cropped away",
+    "no rotary positions": "TiDAR repeats positions for the mask half through position_ids, which only rotary attention takes per token",
+    "sparse indexed attention": "its indexer picks the keys each query attends to, outside the attention mask TiDAR passes",
+}
+
+
+@dataclass
+class Verdict:
+    model_type: str
+    converts: bool
+    mechanisms: list[str] = field(default_factory=list)
+    reason: str = ""  # why not, naming the mechanism and the model_type; "" when it converts
+    attn_implementation: str = "sdpa"  # what transformers should load it with on CPU
+    decoder_only: bool = True  # False: out of scope (encoder, seq2seq, multimodal wrapper)
+
+    def line(self) -> str:
+        what = ", ".join(self.mechanisms) or "plain attention"
+        if self.converts:
+            return f"model_type={self.model_type!r} converts ({what})."
+        return self.reason
+
+
+def _dict(config) -> dict:
+    return config.to_dict() if hasattr(config, "to_dict") else dict(vars(config))
+
+
+def _layer_kinds(d: dict) -> set[str]:
+    kinds = set()
+    for key in ("layer_types", "layers_block_type", "block_types"):
+        kinds |= {str(x) for x in d.get(key) or []}
+    return kinds
+
+
+def model_class(config):
+    """The causal-LM class transformers builds for this config, or None."""
+    from transformers import AutoModelForCausalLM
+
+    try:
+        return AutoModelForCausalLM._model_mapping[type(config)]
+    except (KeyError, ValueError):
+        return None
+
+
+def attention_implementation(config, device_type: str = "cpu") -> str:
+    """What to load this model with: FlexAttention on CUDA where its class has it, else SDPA where
+    its class has it, else eager (Gemma 2, gpt-oss and a few more refuse SDPA)."""
+    cls = model_class(config)
+    if device_type == "cuda" and getattr(cls, "_supports_flex_attn", False):
+        return "flex_attention"
+    return "sdpa" if cls is None or getattr(cls, "_supports_sdpa", False) else "eager"
+
+
+def out_of_scope(config) -> str | None:
+    """Why this is not a decoder-only text LM (the reason names what it is), or None."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    d, model_type, name = _dict(config), getattr(config, "model_type", "?"), named(config)
+    composite = [k for k in COMPOSITE if k in d or k in (getattr(config, "sub_configs", None) or {})]
+    if composite:
+        text = d.get("text_config") or {}
+        fix = f"; convert its text model (model_type={text['model_type']!r}) instead" if isinstance(text, dict) and text.get("model_type") else ""
+        return f"{name} is not a decoder-only causal LM: a composite model ({', '.join(composite)}){fix}"
+    if d.get("is_encoder_decoder") or any(k in d for k in ("encoder_layers", "num_encoder_layers", "decoder_layers")):
+        return f"{name} is not a decoder-only causal LM: (the decoder half of) an encoder-decoder model"
+    if d.get("is_encoder") or ("is_decoder" in d and not _rotary(d)):
+        return f"{name} is not a decoder-only causal LM: a bidirectional encoder with an LM head"
+    if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        return f"{name} is not a decoder-only causal LM: transformers has no causal-LM class for it (AutoModelForCausalLM)"
+    return None
+
+
+def named(config) -> str:
+    """'GPT2LMHeadModel (model_type='gpt2')', or the model_type alone where the config names no class."""
+    model_type = getattr(config, "model_type", "?")
+    archs = ", ".join(getattr(config, "architectures", None) or [])
+    return f"{archs} (model_type={model_type!r})" if archs else f"model_type={model_type!r}"
+
+
+def _rotary(d: dict) -> bool:
+    rope = d.get("rope_parameters")
+    return bool(rope) or any(d.get(k) for k in ("rope_theta", "rope_scaling", "rotary_dim", "rotary_pct", "qk_rope_head_dim"))
+
+
+def mechanisms(config) -> list[str]:
+    """What this config uses that matters to TiDAR, in words (the names REFUSED keys by)."""
+    d = _dict(config)
+    kinds = _layer_kinds(d)
+    found = []
+    recurrent = sorted(kinds & RECURRENT_LAYERS)
+    fields = [k for k in d if k.startswith(RECURRENT_PREFIXES) or k in RECURRENT_FIELDS]
+    if "attn_layer_period" in d or "attn_layer_indices" in d:
+        fields.append("attention only every few layers")
+    if recurrent or fields:
+        found.append("recurrent layers")
+    if kinds & {"indexed_attention", "compressed_sparse_attention", "heavily_compressed_attention"}:
+        found.append("sparse indexed attention")
+    window = d.get("sliding_window") if d.get("use_sliding_window", True) else None
+    if "sliding_attention" in kinds and "full_attention" in kinds:
+        found.append("mixed sliding/full layers")
+    elif window or "sliding_attention" in kinds:
+        found.append("sliding window")
+    if "chunked_attention" in kinds:
+        found.append("chunked attention")
+    if _rotary(d):
+        rope = d.get("rope_parameters") or {}
+        if isinstance(rope, dict) and rope and all(isinstance(v, dict) for v in rope.values()):
+            found.append("rotary per layer type")
+        partial = (rope.get("partial_rotary_factor") if isinstance(rope, dict) else None) or d.get("partial_rotary_factor")
+        if (partial and partial < 1) or d.get("qk_rope_head_dim") or d.get("rotary_dim"):
+            found.append("partial rotary")
+        else:
+            found.append("rotary")
+        if d.get("no_rope_layers") or d.get("no_rope_layer_interval"):
+            found.append("NoPE layers")
+    else:
+        found.append("no rotary positions")
+    if any((d.get(k) or 0) > 1 for k in EXPERT_FIELDS) or d.get("enable_moe_block"):
+        found.append("mixture of experts")
+    if d.get("kv_lora_rank"):
+        found.append("latent KV (MLA)")
+    if d.get("final_logit_softcapping") or d.get("attn_logit_softcapping"):
+        found.append("logit softcapping")
+    if any(d.get(k) not in (None, 1, 1.0) for k in HEAD_SCALES):
+        found.append("scaled logits")
+    if attention_implementation(config) == "eager":
+        found.append("eager attention (no SDPA)")
+    return found
+
+
+def check(config) -> Verdict:
+    """Whether TiDAR converts this model, from its config alone; the reason names the mechanism."""
+    model_type = getattr(config, "model_type", "?")
+    why = out_of_scope(config)
+    if why:
+        why += "; TiDAR converts decoder-only causal LMs (see docs/families.md)."
+        return Verdict(model_type, False, [], why, attention_implementation(config), decoder_only=False)
+    found = mechanisms(config)
+    for mechanism in found:
+        if mechanism in REFUSED:
+            reason = f"{named(config)} has {mechanism}: {REFUSED[mechanism]}; TiDAR cannot convert it (see docs/families.md for the families that convert)."
+            return Verdict(model_type, False, found, reason, attention_implementation(config))
+    return Verdict(model_type, True, found, "", attention_implementation(config))
+
+
+def require(config) -> Verdict:
+    """check(config), raising ValueError with its reason where the model does not convert."""
+    verdict = check(config)
+    if not verdict.converts:
+        raise ValueError(verdict.reason)
+    return verdict
