@@ -178,3 +178,37 @@ def require(config) -> Verdict:
     if not verdict.converts:
         raise ValueError(verdict.reason)
     return verdict
+
+
+# Bytes per parameter a conversion holds on its devices, by how it trains (activations not included:
+# they scale with the micro-batch and seq_len, and gradient checkpointing cuts them).
+TRAIN_BYTES = {
+    "full fine-tune, fp32 (weights, grads, AdamW's two moments)": 16,
+    "full fine-tune, bf16-true (weights and grads bf16, AdamW moments fp32)": 12,
+    "LoRA (frozen fp32 weights; the adapters are a few % more)": 4,
+    "LoRA, bf16-true (frozen bf16 weights)": 2,
+}
+
+
+def parameter_count(config) -> int:
+    """Parameters of the model this config builds, counted on the meta device (no memory, no weights)."""
+    import copy
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(copy.deepcopy(config))
+    return sum(p.numel() for p in model.parameters())
+
+
+def describe(config, devices: int = 1) -> dict:
+    """What `tidar-convert check` says: the verdict, the parameter count and the memory per device of
+    each way to train (sharded over `devices` with FSDP2, as fit's ModelParallelStrategy does)."""
+    verdict = check(config)
+    out = {"model_type": verdict.model_type, "converts": verdict.converts, "mechanisms": verdict.mechanisms, "reason": verdict.reason, "attn_implementation": verdict.attn_implementation}
+    if verdict.decoder_only:
+        n = parameter_count(config)
+        out["parameters"] = n
+        out["memory_per_device_gib"] = {what: round(n * b / devices / 2**30, 2) for what, b in TRAIN_BYTES.items()}
+    return out

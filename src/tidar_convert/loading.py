@@ -381,6 +381,28 @@ def load_config_and_tokenizer(model: str | None = None) -> tuple[object, PreTrai
     return config, tokenizer
 
 
+def read_config(model: str | None):
+    """The config of a hub id, a folder or a .gguf file, reading nothing else (no weights: `check`
+    and fit's first check read only this)."""
+    if model in (None, "", "default", "embedded"):
+        return AutoConfig.from_pretrained(resolve(model))
+    path = Path(model).expanduser()
+    if path.suffix == ".gguf":
+        if not path.is_file():
+            raise FileNotFoundError(f"GGUF file {model!r} does not exist; pass an existing .gguf path, a folder, or a hub id.")
+        return _gguf_config(path)
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise FileNotFoundError(f"model folder {model!r} has no config.json; pass the folder a model was saved to (save_pretrained), a .gguf file or a hub id.")
+        problem = _config_problem(path)
+        if problem:
+            raise ValueError(f"{str(path / 'config.json')!r} is not a config transformers accepts ({problem}); restore the config.json saved with the weights.")
+        return AutoConfig.from_pretrained(path)
+    if path.exists() or model.startswith((".", "/", "~")) or model.count("/") > 1:
+        raise FileNotFoundError(f"model={model!r} is neither an existing folder, a .gguf file nor a hub id like 'Qwen/Qwen2.5-1.5B'.")
+    return AutoConfig.from_pretrained(_hub_model(model))
+
+
 def _gguf_config(path: Path):
     return AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
 
