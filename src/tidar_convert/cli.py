@@ -218,6 +218,8 @@ def check_cmd(model: str, devices: int = 1, json: bool = False) -> None:
         print(f"does not convert: {facts['reason']}")
     else:
         print(f"converts: model_type={facts['model_type']!r} ({', '.join(facts['mechanisms'])}; attention: {facts['attn_implementation']})")
+    if "parameters_error" in facts:
+        print(f"parameters: not counted (transformers cannot build this config: {facts['parameters_error']})")
     if "parameters" in facts:
         print(f"parameters: {facts['parameters'] / 1e6:,.1f} M")
         for what, gib in facts["memory_per_device_gib"].items():

@@ -118,6 +118,8 @@ def mechanisms(config) -> list[str]:
     found = []
     recurrent = sorted(kinds & RECURRENT_LAYERS)
     fields = [k for k in d if k.startswith(RECURRENT_PREFIXES) or k in RECURRENT_FIELDS]
+    if d.get("full_attn_idxs") is not None and len(d["full_attn_idxs"]) < (d.get("num_hidden_layers") or 0):
+        fields.append("short convolutions outside full_attn_idxs")  # LFM2 MoE names its conv layers so
     if "attn_layer_period" in d or "attn_layer_indices" in d:
         fields.append("attention only every few layers")
     if recurrent or fields:
@@ -208,7 +210,11 @@ def describe(config, devices: int = 1) -> dict:
     verdict = check(config)
     out = {"model_type": verdict.model_type, "converts": verdict.converts, "mechanisms": verdict.mechanisms, "reason": verdict.reason, "attn_implementation": verdict.attn_implementation}
     if verdict.decoder_only:
-        n = parameter_count(config)
+        try:
+            n = parameter_count(config)
+        except Exception as e:  # a config transformers accepts but cannot build: say so, the verdict stands
+            out["parameters_error"] = f"{type(e).__name__}: {e}"
+            return out
         out["parameters"] = n
         out["memory_per_device_gib"] = {what: round(n * b / devices / 2**30, 2) for what, b in TRAIN_BYTES.items()}
     return out
