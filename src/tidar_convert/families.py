@@ -13,8 +13,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-# Layer kinds whose per-layer state is a KV cache that TiDAR crops after a step.
-ATTENTION_LAYERS = {"full_attention", "sliding_attention", "chunked_attention", "attention"}
 # Layer kinds that keep a recurrent state (linear attention, SSM, short convolutions): a rejected draft
 # has already been folded into it, and it cannot be cropped back like a KV cache.
 RECURRENT_LAYERS = {"linear_attention", "conv", "mamba", "recurrent", "hybrid", "hybrid_sliding"}
@@ -42,12 +40,6 @@ class Verdict:
     reason: str = ""  # why not, naming the mechanism and the model_type; "" when it converts
     attn_implementation: str = "sdpa"  # what transformers should load it with on CPU
     decoder_only: bool = True  # False: out of scope (encoder, seq2seq, multimodal wrapper)
-
-    def line(self) -> str:
-        what = ", ".join(self.mechanisms) or "plain attention"
-        if self.converts:
-            return f"model_type={self.model_type!r} converts ({what})."
-        return self.reason
 
 
 def _dict(config) -> dict:
