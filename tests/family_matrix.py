@@ -158,6 +158,8 @@ def run(model_type: str, tokenizer=None, steps: int = STEPS) -> Result:
         return result
     from tidar_convert.families import parameter_count
 
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny matrices: a second thread costs more in sync than it computes (measured: 3 s an entry, not 30)
     try:
         n = parameter_count(config)
         if n > MAX_PARAMETERS:  # a size field this generator does not know: seconds would become minutes
@@ -168,6 +170,8 @@ def run(model_type: str, tokenizer=None, steps: int = STEPS) -> Result:
         result.detail = f"{type(e).__name__}: {' '.join(str(e).split())[:300]}"
         if "-v" in sys.argv:
             traceback.print_exc()
+    finally:
+        torch.set_num_threads(threads)
     result.seconds = time.perf_counter() - started
     return result
 
