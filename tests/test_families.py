@@ -92,7 +92,9 @@ def test_check_names_the_mechanism():
     assert verdict_of("lfm2", num_hidden_layers=2).converts  # attention layers only: nothing to roll back
     for model_type in ("mamba", "jamba", "falcon_h1", "zamba", "qwen3_next"):
         assert "recurrent layers" in verdict_of(model_type).reason, model_type
-    assert "no rotary positions" in verdict_of("gpt2").reason
+    gpt2 = verdict_of("gpt2")  # learned absolute positions, looked up by position_ids: repeated like RoPE's
+    assert gpt2.converts and "absolute positions" in gpt2.mechanisms
+    assert "has no position_ids" in verdict_of("bloom").reason  # ALiBi
     bart = verdict_of("bart")
     assert not bart.decoder_only and "not a decoder-only causal LM" in bart.reason
     wrapper = verdict_of("qwen3_5")

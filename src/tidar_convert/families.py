@@ -27,7 +27,7 @@ HEAD_SCALES = ("logit_scale", "logits_scaling", "output_multiplier_scale")
 # Mechanisms the family matrix measured not to decode exactly under TiDAR's mask, with why.
 REFUSED = {
     "recurrent layers": "their state is not a KV cache: a rejected draft is already folded into it and cannot be cropped away",
-    "no rotary positions": "TiDAR repeats positions for the mask half through position_ids, which only rotary attention takes per token",
+    "no position_ids": "its positions do not come from position_ids (ALiBi, or none), so the mask half cannot repeat the clean half's positions",
     "sparse indexed attention": "its indexer picks the keys each query attends to, outside the attention mask TiDAR passes",
 }
 
@@ -103,6 +103,13 @@ def _rotary(d: dict) -> bool:
     return bool(rope) or any(d.get(k) for k in ("rope_theta", "rope_scaling", "rotary_dim", "rotary_pct", "qk_rope_head_dim"))
 
 
+def _takes_position_ids(config) -> bool:
+    import inspect
+
+    cls = model_class(config)
+    return cls is not None and "position_ids" in inspect.signature(cls.forward).parameters
+
+
 def mechanisms(config) -> list[str]:
     """What this config uses that matters to TiDAR, in words (the names REFUSED keys by)."""
     d = _dict(config)
@@ -136,8 +143,10 @@ def mechanisms(config) -> list[str]:
             found.append("rotary")
         if d.get("no_rope_layers") or d.get("no_rope_layer_interval"):
             found.append("NoPE layers")
+    elif any(k in d for k in ("max_position_embeddings", "n_positions", "max_positions")) and _takes_position_ids(config):
+        found.append("absolute positions")  # learned or sinusoidal, looked up by position_ids: repeated as RoPE's are
     else:
-        found.append("no rotary positions")
+        found.append("no position_ids")
     if any((d.get(k) or 0) > 1 for k in EXPERT_FIELDS) or d.get("enable_moe_block"):
         found.append("mixture of experts")
     if d.get("kv_lora_rank"):

@@ -325,7 +325,7 @@ def _safetensors_problem(path: Path) -> str | None:
 
 def check_architecture(config) -> None:
     """Refuse, from the config alone, what TiDAR cannot convert: the reason names the mechanism
-    (recurrent layers, no rotary positions, ...) and the model_type (families.check)."""
+    (recurrent layers, positions not taken from position_ids, ...) and the model_type (families.check)."""
     from .families import require
 
     require(config)
