@@ -55,6 +55,8 @@ def tiny_config(model_type: str, vocab_size: int):
     if model_type == "dbrx":  # sizes in sub-configs; its attention reads a rope_theta its sub-config does not declare
         kw["attn_config"] = {"kv_n_heads": 2, "rope_theta": 10000.0, "clip_qkv": 8.0}
         kw["ffn_config"] = {"hidden_size": 64, "ffn_hidden_size": 128, "moe_num_experts": 4, "moe_top_k": 2}
+    if "attention_types" in defaults:  # GPT-Neo: one global and one local layer
+        kw["attention_types"] = [[["global", "local"], 1]]
     if "vocab_size_per_layer_input" in defaults:  # Gemma 3n/4's per-layer embeddings: a second vocabulary
         kw["vocab_size_per_layer_input"] = vocab_size
     if "num_kv_shared_layers" in defaults:  # two layers share no cache

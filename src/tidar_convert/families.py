@@ -24,11 +24,14 @@ COMPOSITE = ("text_config", "vision_config", "audio_config", "vq_config", "text_
 EXPERT_FIELDS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
 HEAD_SCALES = ("logit_scale", "logits_scaling", "output_multiplier_scale")
 
-# Mechanisms the family matrix measured not to decode exactly under TiDAR's mask, with why.
+# Mechanisms refused, with why. Each was run anyway (tests/family_matrix.py --force) and failed:
+# recurrent layers in the cache's conv state (Qwen3-Next, Qwen3.5, LFM2: IndexError), ALiBi in BLOOM's
+# forward, the indexer's own cache. (MPT, ALiBi, decoded exactly when forced; it stays refused: its
+# mask half cannot sit at the clean half's positions.)
 REFUSED = {
     "recurrent layers": "their state is not a KV cache: a rejected draft is already folded into it and cannot be cropped away",
     "no position_ids": "its positions do not come from position_ids (ALiBi, or none), so the mask half cannot repeat the clean half's positions",
-    "sparse indexed attention": "its indexer picks the keys each query attends to, outside the attention mask TiDAR passes",
+    "sparse indexed attention": "its indexer keeps a key cache of its own, which TiDAR's cache does not hold or crop (forced past this check, DeepSeek-V3.2 and GLM-MoE-DSA fail in their first forward)",
 }
 
 
