@@ -140,7 +140,7 @@ def test_help_names_every_command(capsys):
         main(["--help"])
     assert exit_info.value.code == 0
     out = capsys.readouterr().out
-    assert out.startswith("usage: tidar-convert {fit,validate,export,generate,bench,bench-serve,eval-ppl,quality,sweep,distill} ...")
+    assert out.startswith("usage: tidar-convert {fit,validate,check,export,generate,bench,bench-serve,eval-ppl,quality,sweep,distill} ...")
     assert "`tidar-convert fit --help` lists them" in out
 
 

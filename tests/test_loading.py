@@ -47,8 +47,8 @@ def test_existing_mask_and_pad_tokens_are_reused(tiny_dirs, tmp_path):
 def test_unsupported_architectures_are_refused():
     from transformers import AutoConfig
 
-    with pytest.raises(ValueError, match="GPT2LMHeadModel.*no rotary"):
-        check_architecture(AutoConfig.for_model("gpt2", architectures=["GPT2LMHeadModel"]))
+    with pytest.raises(ValueError, match="BloomForCausalLM.*no position_ids"):  # ALiBi
+        check_architecture(AutoConfig.for_model("bloom", architectures=["BloomForCausalLM"]))
     with pytest.raises(ValueError, match="not a decoder-only causal LM"):
         check_architecture(AutoConfig.for_model("t5"))
     with pytest.raises(ValueError, match="not a decoder-only causal LM"):
@@ -56,10 +56,10 @@ def test_unsupported_architectures_are_refused():
 
 
 def test_unsupported_model_folder_is_refused_by_name(tmp_path):
-    from transformers import GPT2Config, GPT2LMHeadModel
+    from transformers import MambaConfig, MambaForCausalLM
 
-    GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=50)).save_pretrained(tmp_path)
-    with pytest.raises(ValueError, match="GPT2LMHeadModel"):
+    MambaForCausalLM(MambaConfig(num_hidden_layers=1, hidden_size=16, state_size=4, vocab_size=50)).save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="MambaForCausalLM .*has recurrent layers"):
         load_base(str(tmp_path))
 
 

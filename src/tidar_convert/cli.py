@@ -1,4 +1,4 @@
-"""`tidar-convert fit | validate | export | generate | bench | bench-serve | eval-ppl | quality | sweep | distill`.
+"""`tidar-convert fit | validate | check | export | generate | bench | bench-serve | eval-ppl | quality | sweep | distill`.
 
 fit/validate are LightningCLI (train.py: every key of a recipe is a flag: --model.block_size 8,
 --trainer.max_steps 20, --ckpt_path last); the others are typed functions whose signatures are
@@ -210,6 +210,39 @@ def chat_ids(tokenizer, prompt: str):
     return tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True, return_tensors="pt", return_dict=True)["input_ids"]
 
 
+def check_cmd(model: str, devices: int = 1, json: bool = False) -> None:
+    """Whether a model converts, from its config alone (no weights are read): the mechanisms it uses,
+    its parameter count, and the memory per device a conversion holds (weights, grads, optimizer;
+    activations not included).
+
+    Args:
+        model: a hub id, a model folder (config.json is enough) or a .gguf file.
+        devices: devices the weights are sharded over (FSDP2, ModelParallelStrategy).
+        json: print one JSON object.
+    """
+    from .families import describe
+    from .loading import read_config
+
+    if devices < 1:
+        raise ValueError(f"devices={devices}: must be >= 1.")
+    facts = describe(read_config(model), devices)
+    if json:
+        print(jsonlib.dumps(facts))
+        return
+    if not facts["converts"]:
+        print(f"does not convert: {facts['reason']}")
+    else:
+        print(f"converts: model_type={facts['model_type']!r} ({', '.join(facts['mechanisms'])}; attention: {facts['attn_implementation']})")
+    if "parameters_error" in facts:
+        print(f"parameters: not counted (transformers cannot build this config: {facts['parameters_error']})")
+    if "parameters" in facts:
+        print(f"parameters: {facts['parameters'] / 1e6:,.1f} M")
+        for what, gib in facts["memory_per_device_gib"].items():
+            print(f"  {gib:8.2f} GiB per device ({devices} device{'s' if devices > 1 else ''}): {what}")
+    if not facts["converts"]:
+        sys.exit(1)
+
+
 def _unix_flags(args: list[str], functions) -> list[str]:
     """Accept --max-new-tokens for --max_new_tokens, and a bare boolean flag (--json) for --json true."""
     import inspect
@@ -245,7 +278,7 @@ def main(argv: list[str] | None = None) -> None:
         from .quality import quality_cmd
         from .sweep import sweep_cmd
 
-        commands = {"export": export_cmd, "generate": generate_cmd, "bench": bench_cmd, "bench-serve": bench_serve_cmd, "eval-ppl": eval_ppl_cmd, "quality": quality_cmd, "sweep": sweep_cmd, "distill": distill_cmd}
+        commands = {"check": check_cmd, "export": export_cmd, "generate": generate_cmd, "bench": bench_cmd, "bench-serve": bench_serve_cmd, "eval-ppl": eval_ppl_cmd, "quality": quality_cmd, "sweep": sweep_cmd, "distill": distill_cmd}
         top = {}
         if not args or args[0] in ("-h", "--help"):  # (a command's own usage line would start with this one)
             # fit and validate are LightningCLI's, dispatched above: the usage line names them with the others

@@ -27,7 +27,10 @@ OTHER_HEAD_TRANSFORMS = ("logit_scale", "logits_scaling", "output_multiplier_sca
 
 
 def head_is_plain(model) -> bool:
-    return READ_ROWS_ONLY and not any(getattr(model.config, f, None) not in (None, 1, 1.0) for f in OTHER_HEAD_TRANSFORMS)
+    # A module named lm_head that is not the output embeddings is a prediction head before them
+    # (ModernBERT-decoder: dense, activation, norm): only the model's own forward applies it.
+    head = getattr(model, "lm_head", None)
+    return READ_ROWS_ONLY and (head is None or head is model.get_output_embeddings()) and not any(getattr(model.config, f, None) not in (None, 1, 1.0) for f in OTHER_HEAD_TRANSFORMS)
 
 
 class Output:
@@ -73,11 +76,22 @@ class Output:
             return torch.tanh(logits / cap) * cap if cap else logits
 
 
+def decoder_body(model):
+    """The decoder without the head, final norm included: its last_hidden_state is what lm_head reads.
+    The base model first: get_decoder() returns the causal LM itself for Llama 4 (whose output has no
+    last_hidden_state), and ModernBERT-decoder's LM head (a Linear named `decoder`)."""
+    for get in (lambda: model.base_model, model.get_decoder, lambda: getattr(model, "model", None)):
+        body = get()
+        if body is not None and body is not model and "input_ids" in inspect.signature(body.forward).parameters:
+            return body
+    return model.get_decoder()
+
+
 def forward(model, cache, tokens, positions, mask, read: list[int] | None = None) -> Output:
     """read: the slots whose logits the step may read, computed in one vocabulary-head call."""
     with record_function("tidar.forward"):
         if head_is_plain(model):
-            body = model.get_decoder()  # final norm included: its last_hidden_state is what lm_head reads
+            body = decoder_body(model)
             out = body(input_ids=tokens, position_ids=positions, attention_mask=mask, **cache_kwargs(body, cache))
             return Output(model, hidden=out.last_hidden_state, read=read)
         out = model(input_ids=tokens, position_ids=positions, attention_mask=mask, **cache_kwargs(model, cache))

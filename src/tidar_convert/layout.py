@@ -209,7 +209,7 @@ def decode_step_mask(cache_valid: torch.Tensor, n_causal: int, block_size: int, 
         if len(_LOCAL_MASKS) > 512:  # plans vary with draft length and anchors; keep the memory bounded
             _LOCAL_MASKS.clear()
         local = _LOCAL_MASKS[key] = to_dense(decode_mask_mod(0, n_causal, block_size, anchors, parents=parents), 1, Q, Q, device=device)
-    return torch.cat([cache_valid[:, None, None, :].expand(B, 1, Q, C), local.expand(B, 1, Q, Q)], -1)
+    return for_implementation(torch.cat([cache_valid[:, None, None, :].expand(B, 1, Q, C), local.expand(B, 1, Q, Q)], -1), attn_implementation)
 
 
 # --------------------------------------------------------------------------------------------
@@ -236,4 +236,13 @@ def build_mask(mask_mod, batch: int, q_len: int, kv_len: int, attn_implementatio
     """The attention_mask transformers should receive for this model's attention implementation."""
     if attn_implementation == "flex_attention":
         return to_block_mask(mask_mod, batch, q_len, kv_len, device=device)
-    return to_dense(mask_mod, batch, q_len, kv_len, device=device)
+    return for_implementation(to_dense(mask_mod, batch, q_len, kv_len, device=device), attn_implementation)
+
+
+def for_implementation(dense: torch.Tensor, attn_implementation: str | None) -> torch.Tensor:
+    """A dense bool mask in the form the attention implementation reads. SDPA (and the CPU kernels)
+    take bool; eager adds the mask to the scores, so it gets 0 where allowed and float32's minimum
+    elsewhere (transformers' own additive masks; every query sees itself, so no row is all minimum)."""
+    if attn_implementation != "eager":
+        return dense
+    return torch.zeros(dense.shape, dtype=torch.float32, device=dense.device).masked_fill(~dense, torch.finfo(torch.float32).min)

@@ -19,14 +19,11 @@ from pathlib import Path
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
-from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 from .outputs import atomic_dir, atomic_file
 
 log = logging.getLogger(__name__)
 
-# Families tested end to end (tests build tiny random models of each; SmolLM2 is a llama).
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 MASK_TOKEN = "<|mask|>"
 PAD_TOKEN = "<|pad|>"
 
@@ -327,33 +324,26 @@ def _safetensors_problem(path: Path) -> str | None:
 
 
 def check_architecture(config) -> None:
-    """Refuse what TiDAR cannot convert: it needs a decoder-only causal LM with rotary positions."""
-    model_type = getattr(config, "model_type", "?")
-    archs = ", ".join(getattr(config, "architectures", None) or []) or model_type
-    if getattr(config, "is_encoder_decoder", False) or model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
-        raise ValueError(
-            f"{archs} (model_type={model_type!r}) is not a decoder-only causal LM; TiDAR converts causal LMs "
-            f"such as {', '.join(SUPPORTED_MODEL_TYPES)}."
-        )
-    rotary = any(getattr(config, a, None) is not None for a in ("rope_parameters", "rope_theta", "rope_scaling"))
-    if not rotary:
-        raise ValueError(
-            f"{archs} (model_type={model_type!r}) has no rotary position embeddings; TiDAR repeats positions "
-            f"for the masked half and needs RoPE. Supported: {', '.join(SUPPORTED_MODEL_TYPES)}."
-        )
-    if model_type not in SUPPORTED_MODEL_TYPES:
-        log.warning("model_type=%r is a rotary causal LM but untested with TiDAR (tested: %s).", model_type, ", ".join(SUPPORTED_MODEL_TYPES))
+    """Refuse, from the config alone, what TiDAR cannot convert: the reason names the mechanism
+    (recurrent layers, positions not taken from position_ids, ...) and the model_type (families.check)."""
+    from .families import require
+
+    require(config)
 
 
-def load_base(model: str | None = None, attn_implementation: str = "sdpa", dtype: torch.dtype | str = torch.float32) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+def load_base(model: str | None = None, attn_implementation: str | None = None, dtype: torch.dtype | str = torch.float32) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """Load the base causal LM and its tokenizer, with the TiDAR mask and pad tokens added.
 
-    dtype: the weights' dtype, or "auto" for the checkpoint's own (a bf16 checkpoint then takes half
-    the host memory of float32, and nothing is rounded).
+    attn_implementation: None takes the family's (families.attention_implementation: SDPA where its
+    class has it, else eager). dtype: the weights' dtype, or "auto" for the checkpoint's own (a bf16
+    checkpoint then takes half the host memory of float32, and nothing is rounded).
     """
+    from .families import attention_implementation
+
     source = resolve(model)
-    check_architecture(_gguf_config(Path(source)) if source.endswith(".gguf") else AutoConfig.from_pretrained(source))
-    hf_model, tokenizer = load_pretrained(source, dtype, attn_implementation)
+    config = _gguf_config(Path(source)) if source.endswith(".gguf") else AutoConfig.from_pretrained(source)
+    check_architecture(config)
+    hf_model, tokenizer = load_pretrained(source, dtype, attn_implementation or attention_implementation(config))
     add_tidar_tokens(hf_model, tokenizer)
     return hf_model, tokenizer
 
@@ -391,14 +381,39 @@ def load_config_and_tokenizer(model: str | None = None) -> tuple[object, PreTrai
     return config, tokenizer
 
 
+def read_config(model: str | None):
+    """The config of a hub id, a folder or a .gguf file, reading nothing else (no weights: `check`
+    and fit's first check read only this)."""
+    if model in (None, "", "default", "embedded"):
+        return AutoConfig.from_pretrained(resolve(model))
+    path = Path(model).expanduser()
+    if path.suffix == ".gguf":
+        if not path.is_file():
+            raise FileNotFoundError(f"GGUF file {model!r} does not exist; pass an existing .gguf path, a folder, or a hub id.")
+        return _gguf_config(path)
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise FileNotFoundError(f"model folder {model!r} has no config.json; pass the folder a model was saved to (save_pretrained), a .gguf file or a hub id.")
+        problem = _config_problem(path)
+        if problem:
+            raise ValueError(f"{str(path / 'config.json')!r} is not a config transformers accepts ({problem}); restore the config.json saved with the weights.")
+        return AutoConfig.from_pretrained(path)
+    if path.exists() or model.startswith((".", "/", "~")) or model.count("/") > 1:
+        raise FileNotFoundError(f"model={model!r} is neither an existing folder, a .gguf file nor a hub id like 'Qwen/Qwen2.5-1.5B'.")
+    return AutoConfig.from_pretrained(_hub_model(model))
+
+
 def _gguf_config(path: Path):
     return AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
 
 
-def model_from_config(config, attn_implementation: str = "sdpa") -> PreTrainedModel:
-    """A randomly initialised model (tests, latency benchmarks). Copies config: from_config mutates it."""
+def model_from_config(config, attn_implementation: str | None = None) -> PreTrainedModel:
+    """A randomly initialised model (tests, latency benchmarks). Copies config: from_config mutates it.
+    attn_implementation: None takes the family's (families.attention_implementation)."""
+    from .families import attention_implementation
+
     check_architecture(config)
-    return AutoModelForCausalLM.from_config(copy.deepcopy(config), attn_implementation=attn_implementation)
+    return AutoModelForCausalLM.from_config(copy.deepcopy(config), attn_implementation=attn_implementation or attention_implementation(config))
 
 
 def add_tidar_tokens(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, mean_resizing: bool = True) -> None:

@@ -64,7 +64,7 @@ class TiDARModule(L.LightningModule):
             min_lr_ratio: cosine decay ends at lr * min_lr_ratio (paper: 1e-5 -> 3e-6, i.e. 0.3).
             lora_r: 0 = full fine-tune; > 0 = LoRA of this rank on all linear layers (mask token row trained too).
             lora_alpha: LoRA scaling.
-            attn_implementation: None = flex_attention on CUDA, sdpa elsewhere (FlexAttention has no CPU backward).
+            attn_implementation: None = the family's (families.attention_implementation): flex_attention on CUDA, sdpa elsewhere (FlexAttention has no CPU backward), eager where the class has neither.
             gradient_checkpointing: recompute activations in backward (large models).
             val_decode_prompts: at each validation, decode this many held-out prompts with TiDAR and log
                 `val/tokens_per_nfe` (0 = off).
@@ -115,6 +115,7 @@ class TiDARModule(L.LightningModule):
             raise ValueError(f"anchor_weight={anchor_weight} with lora_scope='masks': the AR half is the base model exactly, there is nothing to anchor; set anchor_weight 0.")
         if lora_scope == "masks" and teacher == "base":
             raise ValueError("teacher='base' with lora_scope='masks': the AR half is the frozen base already; use teacher='self' (the same distribution, no extra forward).")
+        from .families import attention_implementation
         from .loading import absolute_model, load_config_and_tokenizer
 
         self.save_hyperparameters()
@@ -122,10 +123,10 @@ class TiDARModule(L.LightningModule):
         # argument: under LightningCLI the hyper-parameters are the config's, as the user gave them.
         model = self.hparams["model"] = absolute_model(model)
 
-        self.attn_implementation = attn_implementation or ("flex_attention" if torch.cuda.is_available() else "sdpa")
         # The config and tokenizer only: the weights are loaded in configure_model(), where the strategy
         # wants them (sharded from the start under ModelParallelStrategy) and in the training dtype.
         self.config, self.tokenizer = load_config_and_tokenizer(model)
+        self.attn_implementation = attn_implementation or attention_implementation(self.config, "cuda" if torch.cuda.is_available() else "cpu")
         self.model = None
         self.block_size, self.alpha, self.optimizer_factory = block_size, alpha, optimizer
         self.warmup_ratio, self.min_lr_ratio, self.val_decode_prompts = warmup_ratio, min_lr_ratio, val_decode_prompts

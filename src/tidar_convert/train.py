@@ -45,6 +45,15 @@ def check_fit_config(cfg) -> None:
         )
 
 
+def check_model(model) -> None:
+    """Refuse a model TiDAR cannot convert from its config alone, before greedy documents, data or
+    weights (`tidar-convert check` says the same, with the mechanisms and the memory it needs)."""
+    from .families import require
+    from .loading import read_config
+
+    require(read_config(model))
+
+
 def check_accelerator(accelerator) -> None:
     """Refuse an accelerator this machine does not have, before any model loads (Lightning's own error
     is a traceback from deep in the Trainer)."""
@@ -171,6 +180,7 @@ class TiDARCLI(LightningCLI):
             if self.signals is not None:
                 self.signals.run_dir = cfg.trainer.get("default_root_dir")  # where to say that a run stopped before its first step
             check_fit_config(cfg)
+            check_model(cfg.model.get("model") if cfg.get("model") is not None else None)
             devices = device_count(cfg.trainer.get("devices", "auto"))
             if devices is not None:  # refuse before the model loads; auto is checked once the Trainer resolved it
                 accumulation(cfg.get("global_batch_tokens"), cfg.data.batch_size, cfg.data.seq_len, devices, cfg.trainer.get("num_nodes") or 1, self.accumulate)

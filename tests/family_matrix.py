@@ -1,0 +1,312 @@
+"""The family matrix: every entry of transformers' causal-LM mapping, as a tiny random model, through
+a conversion (a few steps of the hybrid loss, then the real export) and exact greedy TiDAR decoding;
+or refused by `families.check` with the mechanism named; or out of scope (not a decoder-only text LM).
+
+    PYTHONPATH=src:tests python tests/family_matrix.py --write docs/families.md   # the whole matrix
+    PYTHONPATH=src:tests python tests/family_matrix.py llama gemma2              # some entries
+
+tests/test_families.py runs entries from here and checks docs/families.md and the README against it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import logging
+import sys
+import tempfile
+import time
+import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from helpers import cycle_batch, tiny_tokenizer, train_tiny
+
+DOC = Path(__file__).resolve().parent.parent / "docs" / "families.md"
+MAX_PARAMETERS = 6_000_000
+STEPS = 60  # enough for lookup and diffusion drafts to be accepted on a 7-token cycle
+# Expert counts, ranks and head sizes a tiny model takes, where the config has the field at all.
+TINY = dict(
+    hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+    max_position_embeddings=512, moe_intermediate_size=64, shared_expert_intermediate_size=64, num_experts=4, num_local_experts=4,
+    n_routed_experts=4, moe_num_experts=4, num_experts_per_tok=2, top_k_experts=2, n_shared_experts=1, n_group=1, topk_group=1,
+    first_k_dense_replace=1, kv_lora_rank=16, q_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16,
+    sliding_window=256, attention_chunk_size=256, partial_rotary_factor=0.5, global_head_dim=16, num_global_key_value_heads=2,
+    hidden_size_per_layer_input=16, laurel_rank=8, intermediate_size_mlp=128, ffn_hidden_size=128,
+)
+
+
+def tiny_config(model_type: str, vocab_size: int):
+    """A 2-layer config of this family with the tokenizer's vocabulary, keeping its mechanisms: the
+    layer kinds of its defaults (one of each, sliding layer first), its experts, its latent KV."""
+    from transformers import AutoConfig
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    cls = CONFIG_MAPPING[model_type]
+    defaults = cls().to_dict()
+    aliases = getattr(cls, "attribute_map", {}) or {}  # GPT-J's n_embd for hidden_size, ...
+    kw = {aliases.get(k, k): v for k, v in TINY.items() if aliases.get(k, k) in defaults and v is not None}
+    if "qk_rope_head_dim" in defaults:  # latent KV: its rotary head_dim is qk_rope_head_dim, derived
+        kw.pop("head_dim", None)
+    if "kv_lora_rank" in defaults and "num_key_value_heads" in kw:  # MLA expands one latent to every head, as real ones do
+        kw["num_key_value_heads"] = kw["num_attention_heads"]
+    if model_type == "dbrx":  # sizes in sub-configs; its attention reads a rope_theta its sub-config does not declare
+        kw["attn_config"] = {"kv_n_heads": 2, "rope_theta": 10000.0, "clip_qkv": 8.0}
+        kw["ffn_config"] = {"hidden_size": 64, "ffn_hidden_size": 128, "moe_num_experts": 4, "moe_top_k": 2}
+    if "attention_types" in defaults:  # GPT-Neo: one global and one local layer
+        kw["attention_types"] = [[["global", "local"], 1]]
+    if "vocab_size_per_layer_input" in defaults:  # Gemma 3n/4's per-layer embeddings: a second vocabulary
+        kw["vocab_size_per_layer_input"] = vocab_size
+    if "num_kv_shared_layers" in defaults:  # two layers share no cache
+        kw["num_kv_shared_layers"] = 0
+    if "n_inner" in defaults:
+        kw["n_inner"] = 128
+    if "rotary_dim" in defaults:
+        kw["rotary_dim"] = 8
+    if defaults.get("layer_types"):
+        kinds = list(dict.fromkeys(defaults["layer_types"]))[:2]
+        kw["layer_types"] = (kinds * 2)[:2] if len(kinds) == 1 else sorted(kinds, key=lambda k: k != "sliding_attention")
+    for key in ("mlp_layer_types", "mtp_layer_types", "mtp_mlp_layer_types"):
+        if defaults.get(key):
+            kinds = list(dict.fromkeys(defaults[key]))
+            kw[key] = (kinds * 2)[:2]
+    if "conv_L_cache" in defaults:  # LFM2: its short-convolution layers are its point
+        kw["layer_types"] = ["conv", "full_attention"]
+        if "full_attn_idxs" in defaults:
+            kw["full_attn_idxs"] = [1]
+    if "no_rope_layers" in defaults:
+        kw["no_rope_layers"] = [1, 0]
+    pad = None if defaults.get("pad_token_id") is None else 0  # inside the vocabulary: it is an embedding's padding_idx
+    kw.update(vocab_size=vocab_size, eos_token_id=0, bos_token_id=0, pad_token_id=pad, tie_word_embeddings=bool(defaults.get("tie_word_embeddings")))
+    return AutoConfig.for_model(model_type, **kw)
+
+
+@dataclass
+class Result:
+    model_type: str
+    outcome: str  # exact | refused | out of scope | fails
+    mechanisms: list[str] = field(default_factory=list)
+    detail: str = ""  # the refusal, or what failed
+    tokens_per_nfe: float | None = None
+    accepted: int = 0  # row-steps that accepted at least one proposal
+    rejected: int = 0  # row-steps that rejected a verified proposal
+    seconds: float = 0.0
+
+    @property
+    def exact_tested(self) -> bool:
+        return self.outcome == "exact" and self.accepted > 0 and self.rejected > 0
+
+
+@contextlib.contextmanager
+def counting_verify(result: Result):
+    """Count, at every greedy verification, the rows that accepted and the rows that rejected a
+    proposal (an entry never rejecting, or never accepting, has not tested exactness)."""
+    from tidar_convert.verify import Greedy, real_slots
+
+    original = Greedy.verify
+
+    def verify(self, scores, draft):
+        accepted = original(self, scores, draft)
+        verified = (real_slots(draft)[:, : scores.shape[1] - 1]).sum(1)  # proposals this step verified
+        result.accepted += int((accepted > 1).sum())
+        result.rejected += int((accepted - 1 < verified).sum())
+        return accepted
+
+    Greedy.verify = verify
+    try:
+        yield
+    finally:
+        Greedy.verify = original
+
+
+@contextlib.contextmanager
+def nothing_refused():
+    """families.REFUSED emptied: what a refused mechanism does when converted anyway (--force)."""
+    from tidar_convert import families
+
+    saved = dict(families.REFUSED)
+    families.REFUSED.clear()
+    try:
+        yield
+    finally:
+        families.REFUSED.update(saved)
+
+
+def run(model_type: str, tokenizer=None, steps: int = STEPS) -> Result:
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    from tidar_convert.families import check
+
+    started = time.perf_counter()
+    try:
+        CONFIG_MAPPING[model_type]()
+    except Exception as e:  # a config that cannot be built from defaults is not a model one can bring
+        return Result(model_type, "out of scope", detail=f"its config has no usable defaults ({type(e).__name__}); a checkpoint-only entry")
+    tokenizer = tokenizer or tiny_tokenizer()
+    try:
+        config = tiny_config(model_type, len(tokenizer))
+    except Exception as e:
+        config = CONFIG_MAPPING[model_type]()
+        verdict = check(config)
+        if not verdict.converts:
+            return Result(model_type, "out of scope" if not verdict.decoder_only else "refused", verdict.mechanisms, verdict.reason)
+        return Result(model_type, "fails", verdict.mechanisms, f"tiny config: {type(e).__name__}: {' '.join(str(e).split())[:200]}")
+    verdict = check(config)
+    result = Result(model_type, "exact", verdict.mechanisms)
+    if not verdict.converts:
+        result.outcome, result.detail = ("refused" if verdict.decoder_only else "out of scope"), verdict.reason
+        return result
+    from tidar_convert.families import parameter_count
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny matrices: a second thread costs more in sync than it computes (measured: 3 s an entry, not 30)
+    try:
+        n = parameter_count(config)
+        if n > MAX_PARAMETERS:  # a size field this generator does not know: seconds would become minutes
+            raise ValueError(f"tiny config has {n / 1e6:.1f} M parameters: teach tiny_config this family's size fields")
+        convert_and_decode(config, tokenizer, steps, result)
+    except Exception as e:
+        result.outcome = "fails"
+        result.detail = f"{type(e).__name__}: {' '.join(str(e).split())[:300]}"
+        if "-v" in sys.argv:
+            traceback.print_exc()
+    finally:
+        torch.set_num_threads(threads)
+    result.seconds = time.perf_counter() - started
+    return result
+
+
+def convert_and_decode(config, tokenizer, steps: int, result: Result) -> None:
+    """Save a tiny random base, load it as `fit` does (load_base), train, export, load the export, and
+    decode greedily with TiDAR against AR: k = 2 and 4, one row and a left-padded batch of two."""
+    from transformers import AutoModelForCausalLM
+
+    from tidar_convert import export, load
+    from tidar_convert.families import attention_implementation
+    from tidar_convert.loading import load_base
+
+    with tempfile.TemporaryDirectory() as tmp:
+        torch.manual_seed(0)
+        base = AutoModelForCausalLM.from_config(config, attn_implementation=attention_implementation(config))
+        base.save_pretrained(Path(tmp) / "base")
+        tokenizer.save_pretrained(Path(tmp) / "base")
+        model, tok = load_base(str(Path(tmp) / "base"))
+        train_tiny(model, steps=steps, seq_len=16)
+        model = load(export(model, tok, Path(tmp) / "export", block_size=4, alpha=1.0))
+        model.eval()
+        nfe = new = 0
+        with counting_verify(result), torch.no_grad():
+            for k in (2, 4):
+                for ids, mask in prompts(tok.pad_token_id):
+                    kw = dict(max_new_tokens=24, do_sample=False, eos_token_id=None, attention_mask=mask)
+                    expected = model.generate(ids, tidar=False, **kw)
+                    got = model.generate(ids, block_size=k, plan="adaptive", **kw)  # T/NFE that does not depend on step timings
+                    if not torch.equal(got, expected):
+                        row = int((got != expected).any(1).nonzero()[0])
+                        at = int((got[row] != expected[row]).nonzero()[0])
+                        raise AssertionError(f"TiDAR greedy != AR at k={k}, batch {ids.shape[0]}, row {row}, token {at - ids.shape[1]}")
+                    nfe += model.tidar_stats["nfe"]
+                    new += model.tidar_stats["new_tokens"] * ids.shape[0]
+        result.tokens_per_nfe = new / nfe
+        if not result.exact_tested:
+            result.outcome = "untested"
+            result.detail = f"exact, but drafts were accepted in {result.accepted} and rejected in {result.rejected} row-steps: train longer"
+
+
+def prompts(pad: int):
+    """One row on the training cycle; a left-padded batch of two: the cycle, and a broken cycle whose
+    continuation the drafts get wrong at first (so drafts are rejected as well as accepted)."""
+    one = cycle_batch(1, 9, seed=2)
+    cyc = cycle_batch(1, 11, seed=5)[0]
+    broken = torch.tensor([3, 9, 4, 8, 5, 5, 6, 7, 3, 4, 9])
+    short = cycle_batch(1, 7, seed=1)[0]
+    batch = torch.stack([broken, torch.cat([torch.full((4,), pad), short])])
+    mask = torch.ones_like(batch)
+    mask[1, :4] = 0
+    return [(one, None), (cyc[None], None), (batch, mask)]
+
+
+# ----------------------------------------------------------------------------------------------
+# The generated table.
+# ----------------------------------------------------------------------------------------------
+
+HEADER = """# Supported models: the family matrix
+
+Generated by `PYTHONPATH=src:tests python tests/family_matrix.py --write docs/families.md` from
+transformers {version}: every entry of its causal-LM mapping (`MODEL_FOR_CAUSAL_LM_MAPPING_NAMES`),
+as a tiny random 2-layer model, trained {steps} steps of the hybrid loss, exported, then decoded
+greedily with TiDAR from the export against plain AR at k = 2 and 4, on one row and a left-padded
+batch of two. Sliding windows and attention chunks are set past the decoded length (TiDAR decoding
+refuses prompts past a window). **exact**: token for token equal, with drafts both accepted and rejected;
+**refused**: `tidar-convert check` / `fit` refuse it before any work, naming the mechanism;
+**out of scope**: not a decoder-only text LM. Do not edit by hand; tests/test_families.py checks it.
+
+Counts: {counts}.
+
+| model_type | outcome | mechanisms | T/NFE | rejected | detail |
+|---|---|---|---|---|---|
+"""
+
+
+def table(results: list[Result]) -> str:
+    import transformers
+
+    from collections import Counter
+
+    counts = Counter(r.outcome for r in results)
+    text = HEADER.format(version=transformers.__version__, steps=STEPS, counts=", ".join(f"{n} {o}" for o, n in sorted(counts.items())))
+    for r in sorted(results, key=lambda r: (ORDER.index(r.outcome), r.model_type)):
+        tpn = f"{r.tokens_per_nfe:.2f}" if r.tokens_per_nfe else ""
+        rej = str(r.rejected) if r.outcome in ("exact", "untested") else ""
+        detail = r.detail.replace("|", "/")
+        text += f"| {r.model_type} | {r.outcome} | {', '.join(r.mechanisms)} | {tpn} | {rej} | {detail} |\n"
+    return text
+
+
+ORDER = ["exact", "untested", "fails", "refused", "out of scope"]
+
+
+def read_table(path: Path = DOC) -> dict[str, str]:
+    """{model_type: outcome} from a generated table."""
+    out = {}
+    for line in path.read_text().splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) >= 2 and cells[1] in ORDER:
+            out[cells[0]] = cells[1]
+    return out
+
+
+def entries() -> list[str]:
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    return list(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("model_types", nargs="*")
+    parser.add_argument("--write", type=Path)
+    parser.add_argument("-v", action="store_true")
+    parser.add_argument("--force", action="store_true", help="convert refused decoder-only entries anyway, to measure why they are refused")
+    args = parser.parse_args()
+    logging.disable(logging.WARNING)
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    torch.set_num_threads(1)
+    tokenizer = tiny_tokenizer()
+    results = []
+    for model_type in args.model_types or entries():
+        with nothing_refused() if args.force else contextlib.nullcontext():
+            r = run(model_type, tokenizer)
+        results.append(r)
+        tpn = f"{r.tokens_per_nfe:.2f}" if r.tokens_per_nfe else "-"
+        print(f"{model_type:26s} {r.outcome:12s} T/NFE {tpn:5s} acc {r.accepted:3d} rej {r.rejected:3d} {r.seconds:5.1f}s {r.detail[:150]}", flush=True)
+    if args.write:
+        args.write.write_text(table(results))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,177 @@
+"""Families: mechanisms from the config (families.check), the attention implementation following the
+model (eager where SDPA is refused), the family matrix (tests/family_matrix.py) and the tables
+generated from it (docs/families.md, the README's "Supported models")."""
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoConfig
+
+import family_matrix
+from family_matrix import DOC, read_table, tiny_config
+from helpers import tiny_config as helper_config
+from tidar_convert import cli, layout
+from tidar_convert.families import check, require
+from tidar_convert.forward import forward
+from tidar_convert.loading import model_from_config
+
+README = Path(__file__).resolve().parent.parent / "README.md"
+# What CI decodes: the families users convert in late 2026 and one of each mechanism (MoE, MLA,
+# partial rotary, scaled logits, NoPE layers, chunked and mixed sliding layers, eager attention).
+# The whole matrix is the slow test below, and `tests/family_matrix.py --write` regenerates the doc.
+CI_ENTRIES = (
+    "llama", "llama4_text", "gpt_oss", "gemma2", "gemma3_text", "gemma4_text", "deepseek_v3", "olmo3", "smollm3",
+    "ministral", "glm4", "granite", "qwen3_moe", "mixtral", "phi3", "cohere2", "gpt_neox",
+)
+
+
+def models_by_implementation(tokenizer):
+    torch.manual_seed(0)
+    config = helper_config("llama", len(tokenizer) + 2)
+    sdpa = model_from_config(config, attn_implementation="sdpa").eval()
+    eager = model_from_config(config, attn_implementation="eager").eval()
+    eager.load_state_dict(sdpa.state_dict())
+    return sdpa, eager
+
+
+def test_eager_equals_sdpa_on_the_training_mask(tokenizer):
+    """The dense mask reaches eager attention in the form it adds to the scores: the same logits as
+    SDPA's boolean mask, over both halves of the training layout."""
+    sdpa, eager = models_by_implementation(tokenizer)
+    ids = torch.randint(3, 300, (2, 16))
+    mask_mod = layout.train_mask_mod(16, 4)
+    with torch.no_grad():
+        out = {
+            impl: m(input_ids=layout.train_inputs(ids, 1), position_ids=layout.train_position_ids(ids), attention_mask=layout.build_mask(mask_mod, 2, 32, 32, impl, "cpu")).logits
+            for impl, m in (("sdpa", sdpa), ("eager", eager))
+        }
+    torch.testing.assert_close(out["eager"], out["sdpa"], rtol=1e-5, atol=1e-5)
+    assert layout.build_mask(mask_mod, 2, 32, 32, "eager", "cpu").dtype == torch.float32
+
+
+def test_eager_equals_sdpa_on_a_decode_step(tokenizer):
+    """A decode step after a left-padded cache (decode_step_mask and forward.forward, as the engine
+    runs them): the same logits on every slot, causal and mask groups."""
+    from transformers import DynamicCache
+
+    sdpa, eager = models_by_implementation(tokenizer)
+    prompt = torch.randint(3, 300, (2, 6))
+    valid = torch.ones(2, 6, dtype=torch.bool)
+    valid[1, :2] = False  # left padding
+    step = torch.randint(3, 300, (2, 3))
+    results = {}
+    with torch.no_grad():
+        for impl, m in (("sdpa", sdpa), ("eager", eager)):
+            cache = DynamicCache()
+            pos = (valid.cumsum(1) - 1).clamp(min=0)
+            prefill = layout.for_implementation(layout.to_dense(layout.decode_mask_mod(0, 6, 4, 6, valid), 2, 6, 6), impl)
+            forward(m, cache, prompt, pos, prefill)
+            start = valid.sum(1)
+            tokens = torch.cat([step, torch.full((2, 4), 1)], 1)
+            positions = layout.decode_position_ids(start, 3, 4, 1, (2,))
+            mask = layout.decode_step_mask(valid, 3, 4, (2,), impl)
+            results[impl] = forward(m, cache, tokens, positions, mask, read=list(range(7))).rows(0, 7)
+    torch.testing.assert_close(results["eager"], results["sdpa"], rtol=1e-5, atol=1e-5)
+
+
+def verdict_of(model_type, **kw):
+    return check(AutoConfig.for_model(model_type, **kw))
+
+
+def test_check_names_the_mechanism():
+    assert verdict_of("llama").converts and verdict_of("llama").attn_implementation == "sdpa"
+    gemma2 = verdict_of("gemma2")
+    assert gemma2.converts and gemma2.attn_implementation == "eager" and "logit softcapping" in gemma2.mechanisms
+    qwen35 = verdict_of("qwen3_5_text")
+    assert not qwen35.converts and re.search(r"model_type='qwen3_5_text' has recurrent layers: .*cannot be cropped", qwen35.reason)
+    lfm2 = verdict_of("lfm2", num_hidden_layers=2, full_attn_idxs=[1])  # a short-convolution layer: recurrent state
+    assert not lfm2.converts and "recurrent layers" in lfm2.reason
+    assert verdict_of("lfm2", num_hidden_layers=2).converts  # attention layers only: nothing to roll back
+    for model_type in ("mamba", "jamba", "falcon_h1", "zamba", "qwen3_next"):
+        assert "recurrent layers" in verdict_of(model_type).reason, model_type
+    gpt2 = verdict_of("gpt2")  # learned absolute positions, looked up by position_ids: repeated like RoPE's
+    assert gpt2.converts and "absolute positions" in gpt2.mechanisms
+    assert "has no position_ids" in verdict_of("bloom").reason  # ALiBi
+    bart = verdict_of("bart")
+    assert not bart.decoder_only and "not a decoder-only causal LM" in bart.reason
+    wrapper = verdict_of("qwen3_5")
+    assert not wrapper.decoder_only and "model_type='qwen3_5_text'" in wrapper.reason  # the fix: its text model
+    with pytest.raises(ValueError, match="^model_type='mamba' has recurrent layers"):
+        require(AutoConfig.for_model("mamba"))
+
+
+def test_check_command_reads_only_the_config(tmp_path, capsys):
+    """A folder with nothing but config.json: the verdict, the parameter count, memory per device."""
+    AutoConfig.for_model("qwen3", hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=1000).save_pretrained(tmp_path / "ok")
+    cli.main(["check", "--model", str(tmp_path / "ok"), "--devices", "2", "--json"])
+    facts = json.loads(capsys.readouterr().out)
+    assert facts["converts"] and facts["mechanisms"] == ["rotary"]
+    assert 100_000 < facts["parameters"] < 300_000
+    full = facts["memory_per_device_gib"]["full fine-tune, fp32 (weights, grads, AdamW's two moments)"]
+    assert full == round(facts["parameters"] * 16 / 2 / 2**30, 2)
+    AutoConfig.for_model("mamba", hidden_size=64, num_hidden_layers=2, vocab_size=1000).save_pretrained(tmp_path / "ssm")
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["check", "--model", str(tmp_path / "ssm")])
+    assert exit_.value.code == 1 and "has recurrent layers" in capsys.readouterr().out
+
+
+def test_fit_refuses_before_any_work(tmp_path):
+    """fit's first check reads the config only: a recurrent model is refused with no weights present."""
+    from tidar_convert.train import check_model
+
+    AutoConfig.for_model("qwen3_next", num_hidden_layers=2).save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="model_type='qwen3_next' has recurrent layers"):
+        check_model(str(tmp_path))
+
+
+@pytest.mark.parametrize("model_type", CI_ENTRIES)
+def test_family_converts_exactly(model_type, tokenizer):
+    """Conversion, export and greedy TiDAR from the export equal to AR at k = 2 and 4, one row and a
+    left-padded batch of two, drafts both accepted and rejected; as docs/families.md records."""
+    result = family_matrix.run(model_type, tokenizer)
+    assert result.outcome == "exact", result.detail
+    assert result.accepted > 0 and result.rejected > 0
+    assert read_table().get(model_type) == "exact"
+
+
+@pytest.mark.slow
+def test_the_whole_matrix_is_as_documented(tokenizer):
+    """Every entry of transformers' causal-LM mapping comes out as docs/families.md says."""
+    documented = read_table()
+    for model_type in family_matrix.entries():
+        result = family_matrix.run(model_type, tokenizer)
+        assert result.outcome == documented.get(model_type), (model_type, result.detail)
+
+
+def test_documented_refusals_are_what_check_says():
+    """docs/families.md against families.check on the same tiny configs (config only, every entry):
+    whatever the doc calls refused or out of scope, check refuses; whatever it calls exact, check passes."""
+    documented = read_table()
+    assert set(documented) == set(family_matrix.entries()), "docs/families.md is stale: regenerate it (tests/family_matrix.py --write)"
+    for model_type, outcome in documented.items():
+        try:
+            verdict = check(tiny_config(model_type, 400))
+        except Exception:
+            continue  # a config that cannot be built from defaults: listed out of scope
+        if outcome == "exact":
+            assert verdict.converts, model_type
+        elif outcome in ("refused", "out of scope"):
+            assert not verdict.converts and verdict.decoder_only == (outcome == "refused"), model_type
+
+
+def test_readme_supported_models_agrees_with_the_matrix():
+    """The README's "Supported models" section quotes the matrix's counts and names only exact families."""
+    text = README.read_text()
+    section = text.split("## Supported models", 1)[1].split("\n## ", 1)[0]
+    documented = read_table()
+    exact = sorted(t for t, o in documented.items() if o == "exact")
+    counts = re.search(r"(\d+) families convert exactly, (\d+) are refused .*?, (\d+) are out of scope", section, re.S)
+    assert counts, "the README's Supported models section lost its counts line"
+    assert [int(c) for c in counts.groups()] == [len(exact), sum(o == "refused" for o in documented.values()), sum(o == "out of scope" for o in documented.values())]
+    for row in (line for line in section.splitlines() if line.startswith("| exact") or line.startswith("| refused")):
+        named = re.findall(r"`([a-z0-9_\-]+)`", row)
+        want = "exact" if row.startswith("| exact") else "refused"
+        assert named and all(documented.get(n) == want for n in named), (want, [n for n in named if documented.get(n) != want])
