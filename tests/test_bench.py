@@ -125,7 +125,7 @@ def test_bench_json_and_plots(tiny_dirs, tiny_export, tmp_path, capsys):
 def test_export_records_its_base_and_bench_says_when_it_cannot(tiny_dirs, tiny_export, tmp_path, capsys):
     """fit/export record the base (an absolute path here) so bench finds it from any folder; an
     export that does not record one is benched without the guard, and the output says so."""
-    from tidar_convert.export import base_source
+    from tidar_convert.card import base_source
 
     assert json.loads((tiny_export / "config.json").read_text())["tidar_base_model"] == str(tiny_dirs["llama"].resolve())
     assert base_source(None) == "embedded" and base_source("Qwen/Qwen2.5-1.5B") == "Qwen/Qwen2.5-1.5B"

@@ -144,7 +144,7 @@ def test_damaged_embedded_default_is_rebuilt(tiny_dirs, tmp_path, monkeypatch, c
     """The embedded default lives in the cache: a damaged copy is made again, not reported."""
     import shutil
 
-    from tidar_convert import loading
+    from tidar_convert import loading, model_files
 
     cached = tmp_path / "SmolLM2"
     damaged_copy(tiny_dirs["llama"], cached, "data")
@@ -156,7 +156,7 @@ def test_damaged_embedded_default_is_rebuilt(tiny_dirs, tmp_path, monkeypatch, c
 
     monkeypatch.setattr(loading, "embedded_default", embedded_default)
     assert loading.resolve("default") == str(cached)
-    assert loading._safetensors_problem(cached / "model.safetensors") is None
+    assert model_files._safetensors_problem(cached / "model.safetensors") is None
     assert "model.safetensors' is truncated or corrupt" in caplog.text and "Rebuilding" in caplog.text
 
 

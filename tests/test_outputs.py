@@ -15,7 +15,8 @@ import pytest
 
 from tidar_convert import disk, outputs
 from tidar_convert.cli import main
-from tidar_convert.export import base_model_id, export, update_model_card
+from tidar_convert.card import base_model_id, update_model_card
+from tidar_convert.export import export
 from tidar_convert.marker import MARKER, check_export_target, is_export, write_marker
 from tidar_convert.outputs import atomic_dir, atomic_file, leftovers, recover
 

@@ -99,7 +99,8 @@ def bench_cmd(
     """
     from transformers import AutoTokenizer
 
-    from ..export import check_export, load, require_tidar, results_section, update_model_card
+    from ..card import results_section, update_model_card
+    from ..export import check_export, load, require_tidar
 
     check_bench_args(k, max_new_tokens, limit, prompt_lookup_tokens, ppl_base, ppl_data, dtype, humaneval_timeout, prompts)
     path = Path(model).expanduser()
