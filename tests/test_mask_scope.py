@@ -26,11 +26,32 @@ def randomize_adapters(model, seed=0, std=0.3):
                 p.copy_(torch.randn(p.shape, generator=g) * std)
 
 
-def test_clean_half_is_the_base_and_takes_no_gradient(tiny_dirs):
+@pytest.fixture(scope="module")
+def moe_dirs(tmp_path_factory, tokenizer):
+    """Tiny random mixture-of-experts bases (family_matrix's configs): 4 experts, 2 a token."""
+    from transformers import AutoModelForCausalLM
+
+    from family_matrix import tiny_config
+
+    out = {}
+    for family in ("qwen3_moe", "mixtral"):
+        torch.manual_seed(0)
+        path = tmp_path_factory.mktemp(family)
+        AutoModelForCausalLM.from_config(tiny_config(family, len(tokenizer))).save_pretrained(path)
+        tokenizer.save_pretrained(path)
+        out[family] = path
+    return out
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3_moe", "mixtral"])
+def test_clean_half_is_the_base_and_takes_no_gradient(tiny_dirs, moe_dirs, family):
+    """For experts too: each mask slot is routed like a token, and no mask slot changes what a real
+    token's router picks or computes (routing happens per token; the mask half sees the clean half,
+    never the reverse)."""
     from tidar_convert.loss import hybrid_loss
     from tidar_convert.module import TiDARModule
 
-    m = TiDARModule(model=str(tiny_dirs["llama"]), block_size=4, lora_r=4, lora_scope="masks")
+    m = TiDARModule(model=str({**tiny_dirs, **moe_dirs}[family]), block_size=4, lora_r=4, lora_scope="masks")
     m.configure_model()
     randomize_adapters(m.model)
     ids = cycle_batch(2, 16, seed=1)

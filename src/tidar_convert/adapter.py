@@ -40,11 +40,13 @@ class Gate:
         self.mask_id = mask_id
         self.start: int | None = None
         self.rows: torch.Tensor | None = None
+        self.shape: tuple = ()  # (B, T) of the current input ids
         self._weights: dict = {}  # (B, T, dtype, device) -> weights(): one tensor per forward, not one per layer
 
     def set(self, input_ids: torch.Tensor) -> None:
         is_mask = input_ids == self.mask_id
         self.start = self.rows = None
+        self.shape = tuple(input_ids.shape[:2])
         self._weights = {}
         if input_ids.ndim != 2 or not bool(is_mask.any()):
             return
@@ -61,6 +63,9 @@ class Gate:
     def weights(self, like: torch.Tensor) -> torch.Tensor:
         """(B, T, 1) ones on mask rows, zeros elsewhere, in like's dtype (training: multiplies the LoRA branch)."""
         B, T = like.shape[:2]
+        if self.open and like.dim() == 3 and (B, T) != self.shape:  # tokens out of sequence order: which are mask rows is unknown
+            raise RuntimeError(f"a mask-slot adapter saw {tuple(like.shape)} where the input ids are {tuple(self.shape)}: a layer that runs on "
+                               "tokens out of sequence order (lora.out_of_order) has an adapter; lora_scope='masks' cannot gate it.")
         key = (B, T, like.dtype, like.device)
         if key not in self._weights:
             w = torch.zeros(B, T, 1, dtype=like.dtype, device=like.device)

@@ -35,10 +35,29 @@ def add_lora(model, r: int, alpha: int, mask_token_id: int, scope: str = "all"):
     from peft import LoraConfig, get_peft_model
 
     tokens = {"trainable_token_indices": {"embed_tokens": [mask_token_id]}} if scope == "all" else {}
-    model = get_peft_model(model, LoraConfig(r=r, lora_alpha=alpha, target_modules="all-linear", **tokens))
+    targets = in_order_linears(model) if scope == "masks" and out_of_order(model) else "all-linear"
+    model = get_peft_model(model, LoraConfig(r=r, lora_alpha=alpha, target_modules=targets, **tokens))
     if scope == "masks":
         gate_to_masks(model, mask_token_id)
     return model
+
+
+def out_of_order(model) -> list[str]:
+    """Every module inside a mixture of experts: its router, experts and shared experts run on the
+    tokens flattened to (B * T, H) or gathered per expert, not as (B, T, H). The mask-slot gate picks
+    rows by their place in (B, T), so under lora_scope='masks' these get no adapter: on them it would
+    move real tokens' routes and expert outputs, and the AR half would no longer be the base's."""
+    roots = [name for name, module in model.named_modules() if name and isinstance(getattr(module, "experts", None), torch.nn.Module)]  # the mixture blocks
+    return [name for name, _ in model.named_modules() if any(name == r or name.startswith(r + ".") for r in roots)]
+
+
+def in_order_linears(model) -> list[str]:
+    """What "all-linear" adapts, less the mixtures of experts (out_of_order). PEFT's "all-linear" also
+    wraps a mixture's fused experts and its router, whatever exclude_modules says: a list does not."""
+    from transformers.pytorch_utils import Conv1D
+
+    skip, head = set(out_of_order(model)), model.get_output_embeddings()
+    return [name for name, m in model.named_modules() if isinstance(m, (torch.nn.Linear, Conv1D)) and name not in skip and m is not head]
 
 
 def lora_layers(model):
