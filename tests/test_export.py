@@ -177,6 +177,8 @@ def test_continuous_batching_warns_that_tidar_does_not_run(untrained_export):
     handler.emit = lambda record: said.append(record.getMessage())
     tidar_log = logging.getLogger("transformers.tidar")  # decode.py's logger: what serve prints
     tidar_log.addHandler(handler)
+    level = tidar_log.level
+    tidar_log.setLevel(logging.WARNING)  # an in-process `fit` earlier in the run sets transformers' verbosity to error
     try:
         logging.Logger.warning_once.cache_clear()  # another test may have warned already (once per process)
         AutoModelForCausalLM.from_pretrained(untrained_export).init_continuous_batching()  # transformers' generate: no word
@@ -190,6 +192,7 @@ def test_continuous_batching_warns_that_tidar_does_not_run(untrained_export):
         assert said == [CONTINUOUS_BATCHING_WARNING] * 2
     finally:
         tidar_log.removeHandler(handler)
+        tidar_log.setLevel(level)
 
 
 def test_tidar_off_through_a_generation_config(untrained_export):

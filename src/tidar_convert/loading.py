@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
-from .model_files import check_model_files, config_problem, first_mismatch
+from .model_files import check_json_files, check_model_files, config_problem, first_mismatch
 from .outputs import atomic_dir, atomic_file
 
 log = logging.getLogger(__name__)
@@ -294,6 +294,7 @@ def read_config(model: str | None):
     if path.is_dir():
         if not (path / "config.json").is_file():
             raise FileNotFoundError(f"model folder {model!r} has no config.json; pass the folder a model was saved to (save_pretrained), a .gguf file or a hub id.")
+        check_json_files(path)  # a damaged file, named, before transformers' own unnamed OSError
         problem = config_problem(path)
         if problem:
             raise ValueError(f"{str(path / 'config.json')!r} is not a config transformers accepts ({problem}); restore the config.json saved with the weights.")

@@ -21,17 +21,7 @@ def check_model_files(folder: str | os.PathLike) -> None:
     """Refuse a model folder whose JSON files do not parse or whose safetensors are cut short, naming
     the file and the fix (transformers and safetensors would raise without saying which file)."""
     folder = Path(folder)
-    if (folder / "custom_generate" / "generate.py").exists():
-        fix = "export it again (`tidar-convert export --checkpoint CKPT --out DIR` or `make convert`)"
-    else:
-        fix = "download or save the model again"
-    for name in MODEL_JSON_FILES:
-        f = folder / name
-        if f.is_file():
-            try:
-                json.loads(f.read_bytes())
-            except ValueError as e:  # JSONDecodeError, UnicodeDecodeError
-                raise ValueError(f"{str(f)!r} is not valid JSON ({e}): the file is damaged; {fix}") from None
+    fix = check_json_files(folder)
     for f in sorted(folder.glob("*.safetensors")):
         problem = _safetensors_problem(f)
         if problem:
@@ -43,6 +33,23 @@ def check_model_files(folder: str | os.PathLike) -> None:
         problem = config_problem(folder)
         if problem:
             raise ValueError(f"{str(folder / 'config.json')!r} is not a config transformers accepts ({problem}); restore the config.json saved with these weights, or {fix}")
+
+
+def check_json_files(folder: Path) -> str:
+    """Refuse a model folder whose JSON files do not parse, naming the file; returns the fix the other
+    checks give (export again, or download again)."""
+    if (folder / "custom_generate" / "generate.py").exists():
+        fix = "export it again (`tidar-convert export --checkpoint CKPT --out DIR` or `make convert`)"
+    else:
+        fix = "download or save the model again"
+    for name in MODEL_JSON_FILES:
+        f = folder / name
+        if f.is_file():
+            try:
+                json.loads(f.read_bytes())
+            except ValueError as e:  # JSONDecodeError, UnicodeDecodeError
+                raise ValueError(f"{str(f)!r} is not valid JSON ({e}): the file is damaged; {fix}") from None
+    return fix
 
 
 def _missing_weights(folder: Path) -> str | None:
