@@ -180,10 +180,11 @@ class TiDARCLI(LightningCLI):
             if self.signals is not None:
                 self.signals.run_dir = cfg.trainer.get("default_root_dir")  # where to say that a run stopped before its first step
             check_fit_config(cfg)
-            check_model(cfg.model.get("model") if cfg.get("model") is not None else None)
             devices = device_count(cfg.trainer.get("devices", "auto"))
             if devices is not None:  # refuse before the model loads; auto is checked once the Trainer resolved it
                 accumulation(cfg.get("global_batch_tokens"), cfg.data.batch_size, cfg.data.seq_len, devices, cfg.trainer.get("num_nodes") or 1, self.accumulate)
+            # The settings' own arithmetic first (no I/O), then the model's config: both before any work.
+            check_model(cfg.model.get("model") if cfg.get("model") is not None else None)
         cfg.trainer.accumulate_grad_batches = self.accumulate or 1  # placeholder for the Trainer; set in after_instantiate
         if cfg.trainer.get("enable_progress_bar") is False:  # Lightning refuses a bar callback then
             self.trainer_defaults["callbacks"] = [cb for cb in self.trainer_defaults["callbacks"] if not isinstance(cb, TrainProgress)]
