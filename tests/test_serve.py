@@ -17,6 +17,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from tidar_convert.bench.serve import stop_server
+
 pytestmark = pytest.mark.subprocess
 
 MESSAGES = [{"role": "user", "content": "def f(x):\n    return x"}]
@@ -64,13 +66,7 @@ def server(served_export, tmp_path_factory):
             time.sleep(1)
         yield proc, port, log
     finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)  # uvicorn shuts down gracefully
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        stop_server(proc)  # SIGTERM (uvicorn shuts down gracefully), a kill after 30 s
 
 
 def reference(export: Path, max_new_tokens: int) -> str:
