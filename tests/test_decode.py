@@ -7,7 +7,7 @@ import pytest
 import torch
 from transformers import StoppingCriteria, StoppingCriteriaList
 
-from tidar_convert.decode import Sampling, generate
+from tidar_convert.decode import CACHE_FIELD, Sampling, generate
 
 from helpers import FAMILIES, ar, cycle_batch, tiny_config
 
@@ -106,6 +106,7 @@ def test_streamer_generation_config_and_return_dict(trained):
     assert streamer.chunks[0] == ids[0].tolist() and streamer.ended
     assert sum(streamer.chunks[1:], []) == out.sequences[0, 4:].tolist()
     assert torch.equal(out.sequences, ar(model, ids, max_new_tokens=12, eos_token_id=None))
+    assert list(out.keys()) == ["sequences", CACHE_FIELD] and out[CACHE_FIELD].get_seq_length() >= 15  # the cache, under the installed release's name
 
 
 def test_text_streamer_prints_the_text(trained, capsys):

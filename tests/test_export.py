@@ -175,7 +175,7 @@ def test_continuous_batching_warns_that_tidar_does_not_run(untrained_export):
     said = []
     handler = logging.Handler()
     handler.emit = lambda record: said.append(record.getMessage())
-    tidar_log = logging.getLogger("transformers.tidar")  # decode.py's logger: what serve prints
+    tidar_log = logging.getLogger("transformers.cli.tidar")  # decode.py's logger: what serve prints
     tidar_log.addHandler(handler)
     level = tidar_log.level
     tidar_log.setLevel(logging.WARNING)  # an in-process `fit` earlier in the run sets transformers' verbosity to error

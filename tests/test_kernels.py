@@ -223,7 +223,7 @@ def test_generate_reports_the_product_each_linear_layer_took(untrained):
 
     model = copy.deepcopy(untrained["llama"])  # its own log history
     n = sum(isinstance(m, torch.nn.Linear) for m in model.modules())
-    seen, handler, log = [], logging.Handler(), logging.getLogger("transformers.tidar")
+    seen, handler, log = [], logging.Handler(), logging.getLogger("transformers.cli.tidar")
     handler.emit = lambda record: seen.append(record.getMessage())
     level = log.level
     log.addHandler(handler)

@@ -41,8 +41,9 @@ from .layout import decode_mask_mod  # noqa: F401  (imported here so a missing l
 from .plan import Planner
 from .verify import Greedy, Sampling, draw_seed
 
-# Under transformers' logger, so that `transformers serve --log-level info` shows it with its own lines.
-log = logging.get_logger("transformers.tidar")
+# Under transformers' `cli` logger, so that `transformers serve --log-level info` shows it with its own lines
+# (5.25 sets the level of `transformers.cli` only; earlier releases, of `transformers`: a child of both).
+log = logging.get_logger("transformers.cli.tidar")
 
 
 # --------------------------------------------------------------------------------------------
@@ -345,11 +346,13 @@ def generate(
             sequences=state.seqs,
             scores=tuple(record[0][:n_new]) if gc.output_scores else None,
             logits=tuple(record[1][:n_new]) if gc.output_logits else None,
-            past_key_values=state.cache,
+            **{CACHE_FIELD: state.cache},
         )
     return state.seqs
 
 
+# transformers 5.24 renamed the output's `past_key_values` to `cache` (the old name warns); older releases know only the old.
+CACHE_FIELD = "cache" if "cache" in GenerateDecoderOnlyOutput.__dataclass_fields__ else "past_key_values"
 ASSISTED = ("assistant_model", "prompt_lookup_num_tokens", "assistant_early_exit")
 
 

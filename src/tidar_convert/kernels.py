@@ -65,7 +65,7 @@ import torch.nn.functional as F
 
 from .panel import PANEL_ROWS, panel_built, panel_library, panel_linear, panel_pack
 
-log = logging.getLogger("transformers.tidar")  # transformers' logger, as decode.py's: `transformers serve --log-level info` shows it
+log = logging.getLogger("transformers.cli.tidar")  # transformers' logger, as decode.py's: `transformers serve --log-level info` shows it
 DTYPES = (torch.float32, torch.bfloat16)
 PRODUCTS = ("panels", "onednn", "stock")  # the products a linear layer can take, packed first
 PACK_ROWS = 8  # oneDNN's hint of the rows a call will have: a decoding step's slots
