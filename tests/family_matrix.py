@@ -33,7 +33,7 @@ TINY = dict(
     max_position_embeddings=512, moe_intermediate_size=64, shared_expert_intermediate_size=64, num_experts=4, num_local_experts=4,
     n_routed_experts=4, moe_num_experts=4, num_experts_per_tok=2, top_k_experts=2, n_shared_experts=1, n_group=1, topk_group=1,
     first_k_dense_replace=1, kv_lora_rank=16, q_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16,
-    sliding_window=256, attention_chunk_size=256, partial_rotary_factor=0.5, global_head_dim=16, num_global_key_value_heads=2,
+    sliding_window=256, attention_chunk_size=256, global_head_dim=16, num_global_key_value_heads=2,
     hidden_size_per_layer_input=16, laurel_rank=8, intermediate_size_mlp=128, ffn_hidden_size=128,
 )
 
@@ -48,8 +48,10 @@ def tiny_config(model_type: str, vocab_size: int):
     defaults = cls().to_dict()
     aliases = getattr(cls, "attribute_map", {}) or {}  # GPT-J's n_embd for hidden_size, ...
     kw = {aliases.get(k, k): v for k, v in TINY.items() if aliases.get(k, k) in defaults and v is not None}
-    if "qk_rope_head_dim" in defaults:  # latent KV: its rotary head_dim is qk_rope_head_dim, derived
+    if "qk_rope_head_dim" in defaults:  # latent KV: the rotary part of a head is qk_rope_head_dim (LongCat's rotary reads head_dim)
         kw.pop("head_dim", None)
+        if "head_dim" in defaults:
+            kw["head_dim"] = kw["qk_rope_head_dim"]
     if "kv_lora_rank" in defaults and "num_key_value_heads" in kw:  # MLA expands one latent to every head, as real ones do
         kw["num_key_value_heads"] = kw["num_attention_heads"]
     if model_type == "dbrx":  # sizes in sub-configs; its attention reads a rope_theta its sub-config does not declare
@@ -72,12 +74,16 @@ def tiny_config(model_type: str, vocab_size: int):
         if defaults.get(key):
             kinds = list(dict.fromkeys(defaults[key]))
             kw[key] = (kinds * 2)[:2]
+    if "n_recurrent_loops" in defaults:  # Dory: an input, a looped and an output section, one layer each (its to_dict interleaves "mlp" blocks)
+        kw.update(num_hidden_layers=3, n_input_layers=1, n_recurrent_layers=1, n_output_layers=1, layer_types=["sliding_attention", "full_attention", "sliding_attention"])
     if "conv_L_cache" in defaults:  # LFM2: its short-convolution layers are its point
         kw["layer_types"] = ["conv", "full_attention"]
         if "full_attn_idxs" in defaults:
             kw["full_attn_idxs"] = [1]
     if "no_rope_layers" in defaults:
         kw["no_rope_layers"] = [1, 0]
+    if defaults.get("rope_parameters") == {}:  # rotary settings keyed by layer type, none by default (Cohere Compass): the plain ones
+        kw["rope_parameters"] = {t: {"rope_type": "default", "rope_theta": 10000.0} for t in set(kw.get("layer_types") or defaults.get("layer_types") or ["full_attention"])}
     pad = None if defaults.get("pad_token_id") is None else 0  # inside the vocabulary: it is an embedding's padding_idx
     kw.update(vocab_size=vocab_size, eos_token_id=0, bos_token_id=0, pad_token_id=pad, tie_word_embeddings=bool(defaults.get("tie_word_embeddings")))
     return AutoConfig.for_model(model_type, **kw)
@@ -276,6 +282,16 @@ def read_table(path: Path = DOC) -> dict[str, str]:
         if len(cells) >= 2 and cells[1] in ORDER:
             out[cells[0]] = cells[1]
     return out
+
+
+def documented_version(path: Path = DOC) -> str:
+    """The transformers release a generated table was made from (its header says)."""
+    import re
+
+    found = re.search(r"from\s+transformers ([0-9][^\s:]*):", path.read_text())
+    if not found:
+        raise ValueError(f"{path} does not say which transformers it was generated from: regenerate it (tests/family_matrix.py --write)")
+    return found.group(1)
 
 
 def entries() -> list[str]:

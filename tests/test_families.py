@@ -95,6 +95,7 @@ def test_check_names_the_mechanism():
     gpt2 = verdict_of("gpt2")  # learned absolute positions, looked up by position_ids: repeated like RoPE's
     assert gpt2.converts and "absolute positions" in gpt2.mechanisms
     assert "has no position_ids" in verdict_of("bloom").reason  # ALiBi
+    assert "has no KV cache" in verdict_of("openai-gpt").reason  # its forward takes no cache: a permute error if forced
     bart = verdict_of("bart")
     assert not bart.decoder_only and "not a decoder-only causal LM" in bart.reason
     wrapper = verdict_of("qwen3_5")
@@ -137,21 +138,40 @@ def test_family_converts_exactly(model_type, tokenizer):
     assert read_table().get(model_type) == "exact"
 
 
+def same_transformers_as_the_doc() -> bool:
+    """Whether the installed transformers is the release docs/families.md was generated from. Its
+    mapping grows with every release (CI installs the newest), so the doc is compared entry for entry
+    only on that release; on any other the promise below still holds for every entry installed."""
+    import transformers
+
+    return transformers.__version__ == family_matrix.documented_version()
+
+
 @pytest.mark.slow
-def test_the_whole_matrix_is_as_documented(tokenizer):
-    """Every entry of transformers' causal-LM mapping comes out as docs/families.md says."""
-    documented = read_table()
+def test_every_family_converts_exactly_or_is_refused(tokenizer):
+    """Every entry of the installed transformers' causal-LM mapping converts exactly (drafts both
+    accepted and rejected), or check refuses it before any work, or it is not a decoder-only text LM;
+    never a failure. On the doc's transformers release, each comes out as docs/families.md says."""
+    documented, same = read_table(), same_transformers_as_the_doc()
+    broken = {}
     for model_type in family_matrix.entries():
         result = family_matrix.run(model_type, tokenizer)
-        assert result.outcome == documented.get(model_type), (model_type, result.detail)
+        if result.outcome not in ("exact", "refused", "out of scope"):
+            broken[model_type] = f"{result.outcome}: {result.detail}"
+        elif same and result.outcome != documented.get(model_type):
+            broken[model_type] = f"{result.outcome}, documented {documented.get(model_type)}: {result.detail}"
+    assert not broken, broken
 
 
 def test_documented_refusals_are_what_check_says():
-    """docs/families.md against families.check on the same tiny configs (config only, every entry):
-    whatever the doc calls refused or out of scope, check refuses; whatever it calls exact, check passes."""
-    documented = read_table()
-    assert set(documented) == set(family_matrix.entries()), "docs/families.md is stale: regenerate it (tests/family_matrix.py --write)"
+    """docs/families.md against families.check on the same tiny configs (config only): whatever the
+    doc calls refused or out of scope, check refuses; whatever it calls exact, check passes."""
+    documented, installed = read_table(), set(family_matrix.entries())
+    if same_transformers_as_the_doc():
+        assert set(documented) == installed, "docs/families.md is stale: regenerate it (tests/family_matrix.py --write)"
     for model_type, outcome in documented.items():
+        if model_type not in installed:
+            continue  # an entry of the doc's release that this one dropped
         try:
             verdict = check(tiny_config(model_type, 400))
         except Exception:

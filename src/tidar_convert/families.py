@@ -26,11 +26,12 @@ HEAD_SCALES = ("logit_scale", "logits_scaling", "output_multiplier_scale")
 
 # Mechanisms refused, with why. Each was run anyway (tests/family_matrix.py --force) and failed:
 # recurrent layers in the cache's conv state (Qwen3-Next, Qwen3.5, LFM2: IndexError), ALiBi in BLOOM's
-# forward, the indexer's own cache. (MPT, ALiBi, decoded exactly when forced; it stays refused: its
+# forward, the indexer's own cache, OpenAI GPT's fixed causal mask (a permute error). (MPT, ALiBi, decoded exactly when forced; it stays refused: its
 # mask half cannot sit at the clean half's positions.)
 REFUSED = {
     "recurrent layers": "their state is not a KV cache: a rejected draft is already folded into it and cannot be cropped away",
     "no position_ids": "its positions do not come from position_ids (ALiBi, or none), so the mask half cannot repeat the clean half's positions",
+    "no KV cache": "its forward takes no cache (OpenAI GPT applies a fixed causal mask of its own): TiDAR verifies drafts against a KV cache it crops, and its mask half needs bidirectional blocks",
     "sparse indexed attention": "its indexer keeps a key cache of its own, which TiDAR's cache does not hold or crop (forced past this check, DeepSeek-V3.2 and GLM-MoE-DSA fail in their first forward)",
 }
 
@@ -113,6 +114,13 @@ def _takes_position_ids(config) -> bool:
     return cls is not None and "position_ids" in inspect.signature(cls.forward).parameters
 
 
+def _takes_cache(config) -> bool:
+    import inspect
+
+    cls = model_class(config)
+    return cls is None or bool({"cache", "past_key_values", "past", "mems", "state"} & set(inspect.signature(cls.forward).parameters))
+
+
 def mechanisms(config) -> list[str]:
     """What this config uses that matters to TiDAR, in words (the names REFUSED keys by)."""
     d = _dict(config)
@@ -158,6 +166,8 @@ def mechanisms(config) -> list[str]:
         found.append("logit softcapping")
     if any(d.get(k) not in (None, 1, 1.0) for k in HEAD_SCALES):
         found.append("scaled logits")
+    if not _takes_cache(config):
+        found.append("no KV cache")
     if attention_implementation(config) == "eager":
         found.append("eager attention (no SDPA)")
     return found
