@@ -33,7 +33,7 @@ TINY = dict(
     max_position_embeddings=512, moe_intermediate_size=64, shared_expert_intermediate_size=64, num_experts=4, num_local_experts=4,
     n_routed_experts=4, moe_num_experts=4, num_experts_per_tok=2, top_k_experts=2, n_shared_experts=1, n_group=1, topk_group=1,
     first_k_dense_replace=1, kv_lora_rank=16, q_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16,
-    sliding_window=256, attention_chunk_size=256, global_head_dim=16, num_global_key_value_heads=2,
+    sliding_window=6, attention_chunk_size=8, global_head_dim=16, num_global_key_value_heads=2,
     hidden_size_per_layer_input=16, laurel_rank=8, intermediate_size_mlp=128, ffn_hidden_size=128,
 )
 
@@ -98,6 +98,7 @@ class Result:
     tokens_per_nfe: float | None = None
     accepted: int = 0  # row-steps that accepted at least one proposal
     rejected: int = 0  # row-steps that rejected a verified proposal
+    sampled: str = ""  # the sampling check, where run: "exact" (accepted/rejected row-steps), or what failed
     seconds: float = 0.0
 
     @property
@@ -106,25 +107,27 @@ class Result:
 
 
 @contextlib.contextmanager
-def counting_verify(result: Result):
-    """Count, at every greedy verification, the rows that accepted and the rows that rejected a
-    proposal (an entry never rejecting, or never accepting, has not tested exactness)."""
+def counting_verify(counts, verifier=None):
+    """Count, at every verification, the rows that accepted and the rows that rejected a proposal
+    (an entry never rejecting, or never accepting, has not tested exactness). counts: anything with
+    `accepted` and `rejected`; verifier: the class whose verify is counted (Greedy by default)."""
     from tidar_convert.verify import Greedy, real_slots
 
-    original = Greedy.verify
+    cls = verifier or Greedy
+    original = cls.verify
 
     def verify(self, scores, draft):
         accepted = original(self, scores, draft)
         verified = (real_slots(draft)[:, : scores.shape[1] - 1]).sum(1)  # proposals this step verified
-        result.accepted += int((accepted > 1).sum())
-        result.rejected += int((accepted - 1 < verified).sum())
+        counts.accepted += int((accepted > 1).sum())
+        counts.rejected += int((accepted - 1 < verified).sum())
         return accepted
 
-    Greedy.verify = verify
+    cls.verify = verify
     try:
         yield
     finally:
-        Greedy.verify = original
+        cls.verify = original
 
 
 @contextlib.contextmanager
@@ -140,7 +143,7 @@ def nothing_refused():
         families.REFUSED.update(saved)
 
 
-def run(model_type: str, tokenizer=None, steps: int = STEPS) -> Result:
+def run(model_type: str, tokenizer=None, steps: int = STEPS, sampling: bool = False) -> Result:
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
     from tidar_convert.families import check
@@ -172,7 +175,7 @@ def run(model_type: str, tokenizer=None, steps: int = STEPS) -> Result:
         n = parameter_count(config)
         if n > MAX_PARAMETERS:  # a size field this generator does not know: seconds would become minutes
             raise ValueError(f"tiny config has {n / 1e6:.1f} M parameters: teach tiny_config this family's size fields")
-        convert_and_decode(config, tokenizer, steps, result)
+        convert_and_decode(config, tokenizer, steps, result, sampling)
     except Exception as e:
         result.outcome = "fails"
         result.detail = f"{type(e).__name__}: {' '.join(str(e).split())[:300]}"
@@ -184,9 +187,10 @@ def run(model_type: str, tokenizer=None, steps: int = STEPS) -> Result:
     return result
 
 
-def convert_and_decode(config, tokenizer, steps: int, result: Result) -> None:
+def convert_and_decode(config, tokenizer, steps: int, result: Result, sampling: bool = False) -> None:
     """Save a tiny random base, load it as `fit` does (load_base), train, export, load the export, and
-    decode greedily with TiDAR against AR: k = 2 and 4, one row and a left-padded batch of two."""
+    decode greedily with TiDAR against AR: k = 2 and 4, one row and a left-padded batch of two; with
+    `sampling`, sampled too (sample_check)."""
     from transformers import AutoModelForCausalLM
 
     from tidar_convert import export, load
@@ -216,9 +220,58 @@ def convert_and_decode(config, tokenizer, steps: int, result: Result) -> None:
                     nfe += model.tidar_stats["nfe"]
                     new += model.tidar_stats["new_tokens"] * ids.shape[0]
         result.tokens_per_nfe = new / nfe
+        if sampling:
+            result.sampled = sample_check(model, tok.pad_token_id)
         if not result.exact_tested:
             result.outcome = "untested"
             result.detail = f"exact, but drafts were accepted in {result.accepted} and rejected in {result.rejected} row-steps: train longer"
+
+
+SAMPLING = dict(do_sample=True, temperature=1.3, top_k=0, top_p=1.0)  # hot enough that AR's draws leave the cycle
+
+
+@dataclass
+class Counts:
+    accepted: int = 0
+    rejected: int = 0
+
+
+def sample_check(model, pad: int, seed: int = 11) -> str:
+    """Sampled TiDAR (k = 2 and 4, each drafter, the prompts above) against an independent AR loop:
+    the full prefix through the export's forward every token (no cache, no TiDAR code but the noise),
+    token = argmax p(v) / E(v) with the exponential draws `Sampling` keys by (seed, row, index). The
+    verifier makes the output that AR sample whatever the drafts (docs/method.md), so every variant
+    must equal the loop token for token, with drafts both accepted and rejected."""
+    from tidar_convert.verify import Sampling, draw_seed
+
+    new_tokens, counts = 16, Counts()
+    with counting_verify(counts, Sampling), torch.no_grad():
+        for ids, mask in prompts(pad):
+            torch.manual_seed(seed)
+            expected = sampled_ar(model, ids, mask, draw_seed(), new_tokens)
+            for k, drafter in ((2, "hybrid"), (4, "hybrid"), (4, "diffusion")):
+                torch.manual_seed(seed)  # generate() draws its base seed as draw_seed() did above
+                got = model.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, eos_token_id=None, block_size=k, drafter=drafter, plan="adaptive", **SAMPLING)
+                if not torch.equal(got[:, ids.shape[1]:], expected):
+                    raise AssertionError(f"sampled TiDAR != sampled AR at k={k}, drafter={drafter}, batch {ids.shape[0]}")
+    if not (counts.accepted and counts.rejected):
+        raise AssertionError(f"sampling: drafts accepted in {counts.accepted} and rejected in {counts.rejected} row-steps: not tested")
+    return f"exact ({counts.accepted} accepted, {counts.rejected} rejected)"
+
+
+def sampled_ar(model, ids, mask, seed: int, new_tokens: int) -> torch.Tensor:
+    """AR sampling with `Sampling`'s noise, row by row without its padding: (B, new_tokens)."""
+    from tidar_convert.verify import Sampling
+
+    noise, rows = Sampling(seed), []
+    for b in range(ids.shape[0]):
+        seq = ids[b][mask[b].bool()] if mask is not None else ids[b]
+        for t in range(new_tokens):
+            logits = model(seq[None]).logits[0, -1].float() / SAMPLING["temperature"]
+            p = logits.softmax(-1)
+            seq = torch.cat([seq, (p / noise.draws(b, t, p.shape[-1], p.device)).argmax()[None]])
+        rows.append(seq[-new_tokens:])
+    return torch.stack(rows)
 
 
 def prompts(pad: int):
@@ -244,8 +297,10 @@ Generated by `PYTHONPATH=src:tests python tests/family_matrix.py --write docs/fa
 transformers {version}: every entry of its causal-LM mapping (`MODEL_FOR_CAUSAL_LM_MAPPING_NAMES`),
 as a tiny random 2-layer model, trained {steps} steps of the hybrid loss, exported, then decoded
 greedily with TiDAR from the export against plain AR at k = 2 and 4, on one row and a left-padded
-batch of two. Sliding windows and attention chunks are set past the decoded length (TiDAR decoding
-refuses prompts past a window). **exact**: token for token equal, with drafts both accepted and rejected;
+batch of two. Sliding windows (6 tokens) and attention chunks (8) are shorter than the training and
+decoded lengths, so they bind in both. The CI subset (`SAMPLED` in tests/test_families.py) is also sampled
+(temperature 1.3), against an independent AR loop with the same noise. **exact**: token for token
+equal, with drafts both accepted and rejected;
 **refused**: `tidar-convert check` / `fit` refuse it before any work, naming the mechanism;
 **out of scope**: not a decoder-only text LM. Do not edit by hand; tests/test_families.py checks it.
 
@@ -305,6 +360,7 @@ def main() -> None:
     parser.add_argument("model_types", nargs="*")
     parser.add_argument("--write", type=Path)
     parser.add_argument("-v", action="store_true")
+    parser.add_argument("--sampling", action="store_true", help="add the sampling check (the CI entries run it)")
     parser.add_argument("--force", action="store_true", help="convert refused decoder-only entries anyway, to measure why they are refused")
     args = parser.parse_args()
     logging.disable(logging.WARNING)
@@ -316,10 +372,10 @@ def main() -> None:
     results = []
     for model_type in args.model_types or entries():
         with nothing_refused() if args.force else contextlib.nullcontext():
-            r = run(model_type, tokenizer)
+            r = run(model_type, tokenizer, sampling=args.sampling)
         results.append(r)
         tpn = f"{r.tokens_per_nfe:.2f}" if r.tokens_per_nfe else "-"
-        print(f"{model_type:26s} {r.outcome:12s} T/NFE {tpn:5s} acc {r.accepted:3d} rej {r.rejected:3d} {r.seconds:5.1f}s {r.detail[:150]}", flush=True)
+        print(f"{model_type:26s} {r.outcome:12s} T/NFE {tpn:5s} acc {r.accepted:3d} rej {r.rejected:3d} {r.seconds:5.1f}s {r.sampled} {r.detail[:150]}", flush=True)
     if args.write:
         args.write.write_text(table(results))
 

@@ -62,14 +62,12 @@ def train_tiny(model, steps: int = 150, block_size: int = 4, seq_len: int = 32, 
     torch.manual_seed(0)
     model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=lr)
-    mask = layout.to_dense(layout.train_mask_mod(seq_len, block_size), 1, 2 * seq_len, 2 * seq_len)
     for _ in range(steps):
         ids = cycle_batch(8, seq_len)
-        logits = model(
-            input_ids=layout.train_inputs(ids, model.config.mask_token_id),
-            position_ids=layout.train_position_ids(ids),
-            attention_mask=mask.expand(8, -1, -1, -1),
-        ).logits
+        positions = layout.train_position_ids(ids)
+        local = layout.Local.of(model.config, positions)  # sliding windows and chunks, by position
+        mask = layout.build_mask(layout.train_mask_mod(seq_len, block_size), 8, 2 * seq_len, 2 * seq_len, model.config._attn_implementation, "cpu", local)
+        logits = model(input_ids=layout.train_inputs(ids, model.config.mask_token_id), position_ids=positions, attention_mask=mask).logits
         loss = hybrid_loss(logits, *layout.train_labels(ids), alpha=1.0, block_size=block_size)["loss"]
         opt.zero_grad()
         loss.backward()

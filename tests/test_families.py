@@ -119,6 +119,16 @@ def test_check_command_reads_only_the_config(tmp_path, capsys):
     assert exit_.value.code == 1 and "has recurrent layers" in capsys.readouterr().out
 
 
+def test_fit_refuses_a_sequence_past_gpt_neo_s_window(tmp_path):
+    """GPT-Neo's local layers window by index: a training sequence longer than the window is refused, naming the fix."""
+    from tidar_convert.train import check_model
+
+    AutoConfig.for_model("gpt_neo", num_layers=2, attention_types=[[["global", "local"], 1]], window_size=128).save_pretrained(tmp_path)
+    check_model(str(tmp_path), 128)
+    with pytest.raises(ValueError, match=r"--data.seq_len 256 is longer than gpt_neo's local attention window \(128\).*--data.seq_len 128 or less"):
+        check_model(str(tmp_path), 256)
+
+
 def test_fit_refuses_before_any_work(tmp_path):
     """fit's first check reads the config only: a recurrent model is refused with no weights present."""
     from tidar_convert.train import check_model
@@ -128,14 +138,31 @@ def test_fit_refuses_before_any_work(tmp_path):
         check_model(str(tmp_path))
 
 
+# Sampled as well (family_matrix.sample_check): one of each mechanism that could make a draft slot
+# change what a real token computes (experts, softcapping with eager attention, latent KV, sinks with
+# mixed windows, NoPE with chunked attention).
+SAMPLED = ("llama", "qwen3_moe", "gemma2", "deepseek_v3", "gpt_oss", "llama4_text", "gemma3_text")
+
+
 @pytest.mark.parametrize("model_type", CI_ENTRIES)
 def test_family_converts_exactly(model_type, tokenizer):
     """Conversion, export and greedy TiDAR from the export equal to AR at k = 2 and 4, one row and a
-    left-padded batch of two, drafts both accepted and rejected; as docs/families.md records."""
-    result = family_matrix.run(model_type, tokenizer)
+    left-padded batch of two, drafts both accepted and rejected; as docs/families.md records. SAMPLED
+    entries: sampled TiDAR equal to an independent sampled AR loop, drafts accepted and rejected."""
+    result = family_matrix.run(model_type, tokenizer, sampling=model_type in SAMPLED)
     assert result.outcome == "exact", result.detail
     assert result.accepted > 0 and result.rejected > 0
     assert read_table().get(model_type) == "exact"
+    assert (model_type in SAMPLED) == result.sampled.startswith("exact"), result.sampled
+
+
+def test_the_sampling_check_has_teeth(tokenizer, monkeypatch):
+    """A verifier that accepts every sampled draft (not only where AR's own draw agrees) fails the check."""
+    from tidar_convert.verify import Sampling, real_slots
+
+    monkeypatch.setattr(Sampling, "verify", lambda self, scores, draft: 1 + (real_slots(draft)[:, : scores.shape[1] - 1]).long().cumprod(1).sum(1))
+    result = family_matrix.run("llama", tokenizer, sampling=True)
+    assert result.outcome == "fails" and "sampled TiDAR != sampled AR" in result.detail, result
 
 
 def same_transformers_as_the_doc() -> bool:

@@ -383,9 +383,11 @@ def check_length(model, P, max_new, k) -> None:
         else:
             fix = f"lower max_new_tokens below {limit} and shorten the prompt to at most {limit} - max_new_tokens tokens"
         raise ValueError(f"prompt ({P} tokens) + max_new_tokens ({max_new}) exceeds the model's {limit} positions; {fix}.")
-    window = getattr(model.config, "sliding_window", None) if getattr(model.config, "use_sliding_window", True) else None
+    # Sliding windows and chunks are applied by the layout (layout.Local); GPT-Neo's local layers apply
+    # theirs by index inside the model, where TiDAR's slots are not at their positions.
+    window = getattr(model.config, "window_size", None)
     if window and P + max_new > window:
-        raise ValueError(f"prompt + max_new_tokens exceeds the sliding window ({window}), which TiDAR decoding does not implement.")
+        raise ValueError(f"prompt ({P} tokens) + max_new_tokens ({max_new}) exceeds {type(model).__name__}'s local attention window ({window}), which its layers apply by index, not by position: TiDAR decoding cannot follow it past the window; shorten the prompt or lower max_new_tokens to {max(window - P, 0)}.")
 
 
 def check_inputs(model, gc, input_ids, attention_mask, k, mask_id, beta) -> None:

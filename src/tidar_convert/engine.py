@@ -39,7 +39,7 @@ from transformers import DynamicCache, StoppingCriteriaList
 
 from .drafters import Draft, DraftContext, Drafter, fresh
 from .forward import Output, forward
-from .layout import build_mask, decode_mask_mod, decode_position_ids, decode_step_mask
+from .layout import Local, build_mask, decode_mask_mod, decode_position_ids, decode_step_mask
 from .plan import Planner, StepPlan
 from .tree import keep_slots, walk
 from .verify import mix, process
@@ -117,7 +117,8 @@ def prefill(model, state: DecodeState, k: int, mask_id: int, groups: bool) -> tu
         tokens = torch.cat([prompt, torch.full((B, g), mask_id, device=prompt.device)], 1)
         positions = torch.cat([(valid.cumsum(1) - 1).clamp(min=0), decode_position_ids(n - P, P, k, 1, P)[:, P : P + g]], 1)
         all_valid = torch.cat([valid, torch.ones(B, g, dtype=torch.bool, device=prompt.device)], 1)
-        mask = build_mask(decode_mask_mod(0, P, k, P, all_valid), B, P + g, P + g, model.config._attn_implementation, prompt.device)
+        local = Local.of(model.config, positions)  # sliding windows and chunks, by position
+        mask = build_mask(decode_mask_mod(0, P, k, P, all_valid), B, P + g, P + g, model.config._attn_implementation, prompt.device, local)
     out = forward(model, state.cache, tokens, positions, mask, read=[P - 1, *range(P + 1, P + g)])
     state.nfe += 1
     if g:
@@ -133,8 +134,10 @@ def run_step(model, state: DecodeState, draft: Draft, plan: StepPlan, mask_id: i
     with record_function("tidar.mask"):
         masks = torch.full((B, plan.slots - plan.causal), mask_id, device=draft.tokens.device)
         tokens = torch.cat([causal_tokens(draft, plan), masks], 1)
-        mask = decode_step_mask(state.cache_valid, plan.causal, plan.k, plan.anchors, model.config._attn_implementation, plan.parents())
         positions = plan.positions(state.start)
+        # A cache column's position: the real tokens before it in its row (left padding and holes hold none).
+        local = Local.of(model.config, torch.cat([state.cache_valid.cumsum(1) - 1, positions], 1), q_offset=state.cache_valid.shape[1])
+        mask = decode_step_mask(state.cache_valid, plan.causal, plan.k, plan.anchors, model.config._attn_implementation, plan.parents(), local)
     out = forward(model, state.cache, tokens, positions, mask, read=plan.read())
     state.nfe += 1
     return out

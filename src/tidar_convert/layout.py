@@ -185,10 +185,10 @@ def decode_position_ids(start: torch.Tensor, n_causal: int, block_size: int, n_g
     return start[:, None] + torch.cat([causal, groups.flatten()])
 
 
-_LOCAL_MASKS: dict = {}
+_OWN_MASKS: dict = {}  # the (Q, Q) block among a step's own queries, by plan
 
 
-def decode_step_mask(cache_valid: torch.Tensor, n_causal: int, block_size: int, anchors, attn_implementation: str | None, parents=None):
+def decode_step_mask(cache_valid: torch.Tensor, n_causal: int, block_size: int, anchors, attn_implementation: str | None, parents=None, local: "Local | None" = None):
     """The attention_mask of one decode step after a cache, for this attention implementation.
 
     cache_valid: (B, C) False at the cache's left padding. Dense masks are built from two reusable
@@ -201,15 +201,19 @@ def decode_step_mask(cache_valid: torch.Tensor, n_causal: int, block_size: int, 
     device = cache_valid.device
     if attn_implementation == "flex_attention":
         valid = torch.cat([cache_valid, torch.ones(B, Q, dtype=torch.bool, device=device)], 1)
-        return to_block_mask(decode_mask_mod(C, n_causal, block_size, anchors, valid, parents), B, Q, C + Q, device=device)
+        mask_mod = decode_mask_mod(C, n_causal, block_size, anchors, valid, parents)
+        if local is not None:
+            return local.masks(attn_implementation, mask_mod=mask_mod, shape=(B, Q, C + Q), device=device)
+        return to_block_mask(mask_mod, B, Q, C + Q, device=device)
     parents = None if parents is None else tuple(int(p) for p in parents)
     key = (n_causal, block_size, anchors, parents, str(device))
-    local = _LOCAL_MASKS.get(key)
-    if local is None:
-        if len(_LOCAL_MASKS) > 512:  # plans vary with draft length and anchors; keep the memory bounded
-            _LOCAL_MASKS.clear()
-        local = _LOCAL_MASKS[key] = to_dense(decode_mask_mod(0, n_causal, block_size, anchors, parents=parents), 1, Q, Q, device=device)
-    return for_implementation(torch.cat([cache_valid[:, None, None, :].expand(B, 1, Q, C), local.expand(B, 1, Q, Q)], -1), attn_implementation)
+    own = _OWN_MASKS.get(key)
+    if own is None:
+        if len(_OWN_MASKS) > 512:  # plans vary with draft length and anchors; keep the memory bounded
+            _OWN_MASKS.clear()
+        own = _OWN_MASKS[key] = to_dense(decode_mask_mod(0, n_causal, block_size, anchors, parents=parents), 1, Q, Q, device=device)
+    dense = torch.cat([cache_valid[:, None, None, :].expand(B, 1, Q, C), own.expand(B, 1, Q, Q)], -1)
+    return for_implementation(dense, attn_implementation) if local is None else local.masks(attn_implementation, dense=dense)
 
 
 # --------------------------------------------------------------------------------------------
@@ -232,11 +236,80 @@ def to_block_mask(mask_mod, batch: int, q_len: int, kv_len: int, device="cuda"):
     return create_block_mask(mask_mod, batch, None, q_len, kv_len, device=device)
 
 
-def build_mask(mask_mod, batch: int, q_len: int, kv_len: int, attn_implementation: str | None, device):
-    """The attention_mask transformers should receive for this model's attention implementation."""
+def build_mask(mask_mod, batch: int, q_len: int, kv_len: int, attn_implementation: str | None, device, local: "Local | None" = None):
+    """The attention_mask transformers should receive for this model's attention implementation:
+    one mask, or {layer kind: mask} where `local` restricts some kinds (see Local)."""
+    if local is not None:
+        dense = None if attn_implementation == "flex_attention" else to_dense(mask_mod, batch, q_len, kv_len, device=device)
+        return local.masks(attn_implementation, dense=dense, mask_mod=mask_mod, shape=(batch, q_len, kv_len), device=device)
     if attn_implementation == "flex_attention":
         return to_block_mask(mask_mod, batch, q_len, kv_len, device=device)
     return for_implementation(to_dense(mask_mod, batch, q_len, kv_len, device=device), attn_implementation)
+
+
+# --------------------------------------------------------------------------------------------
+# Local attention: sliding windows and attention chunks, by layer kind.
+# --------------------------------------------------------------------------------------------
+# A 4D attention_mask replaces a model's own masks, windows and chunks included (transformers passes
+# a 4D mask through as given). So the layout applies them, by position: a query, mask slots included,
+# sees of its keys what a token at its position would see, as in transformers' sliding_window_overlay
+# (q - k < window) and chunked_overlay (the same chunk of positions).
+
+
+def local_kinds(config) -> dict | None:
+    """{layer kind: allowed(q_pos, k_pos), or None for a kind that sees the whole prefix} for a model
+    with sliding windows or attention chunks; the key "" when one kind covers every layer (Mistral's
+    window: the model takes one mask). None when every layer sees the whole prefix."""
+    window = getattr(config, "sliding_window", None) if getattr(config, "use_sliding_window", True) else None
+    chunk = getattr(config, "attention_chunk_size", None)
+    local = {}
+    if window:
+        local["sliding_attention"] = lambda q, k: q - k < window
+    if chunk:
+        local["chunked_attention"] = lambda q, k: torch.div(q, chunk, rounding_mode="floor") == torch.div(k, chunk, rounding_mode="floor")
+    kinds = list(dict.fromkeys(getattr(config, "layer_types", None) or []))
+    if not kinds:  # no per-layer kinds: a window (or chunk) on every layer
+        return {"": next(iter(local.values()))} if len(local) == 1 else None
+    if not set(kinds) & set(local):
+        return None
+    if len(kinds) == 1:
+        return {"": local[kinds[0]]}
+    return {kind: local.get(kind) for kind in kinds}
+
+
+class Local:
+    """The local kinds of a model (local_kinds) and the positions of one forward's keys (B, K), its
+    queries being the keys from `q_offset` on (a forward's own tokens follow its cache): what turns
+    the layout's mask into one mask per layer kind."""
+
+    def __init__(self, kinds: dict, k_pos: torch.Tensor, q_offset: int = 0):
+        self.kinds, self.k_pos, self.q_offset = kinds, k_pos, q_offset
+
+    @classmethod
+    def of(cls, config, k_pos: torch.Tensor, q_offset: int = 0) -> "Local | None":
+        kinds = local_kinds(config)
+        return None if kinds is None else cls(kinds, k_pos, q_offset)
+
+    def masks(self, attn_implementation, dense=None, mask_mod=None, shape=None, device=None):
+        """The layout's mask (dense bool (B, 1, Q, K), or its mask_mod for FlexAttention) restricted
+        per kind: one mask for a one-kind model, else {kind: mask}."""
+        k_pos, off = self.k_pos, self.q_offset
+        out = {}
+        for kind, allowed in self.kinds.items():
+            if attn_implementation == "flex_attention":
+                if allowed is None:
+                    mod = mask_mod
+                elif off == 0:  # queries are the first keys (training, prefill): positions looked up lazily
+                    mod = lambda b, h, q, kv, a=allowed: mask_mod(b, h, q, kv) & a(k_pos[b, q], k_pos[b, kv])
+                else:  # after a cache: evaluated once over (B, Q, K), since torch 2.13's CPU template failed to compile k_pos[b, q + off]
+                    near = allowed(k_pos[:, off : off + shape[1], None], k_pos[:, None, :])
+                    mod = lambda b, h, q, kv, near=near: mask_mod(b, h, q, kv) & near[b, q, kv]
+                out[kind] = to_block_mask(mod, *shape, device=device)
+            else:
+                Q = dense.shape[2]
+                m = dense if allowed is None else dense & allowed(k_pos[:, None, off : off + Q, None], k_pos[:, None, None, :])
+                out[kind] = for_implementation(m, attn_implementation)
+        return out.pop("") if "" in out else out
 
 
 def for_implementation(dense: torch.Tensor, attn_implementation: str | None) -> torch.Tensor:

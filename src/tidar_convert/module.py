@@ -235,7 +235,8 @@ class TiDARModule(L.LightningModule):
         if self.split_halves:
             logits = self.forward_halves(inputs, positions, mask_mod)
         else:
-            mask = layout.build_mask(mask_mod, B, 2 * S, 2 * S, self.attn_implementation, input_ids.device)
+            local = layout.Local.of(self.model.config, positions)  # sliding windows and chunks, by position
+            mask = layout.build_mask(mask_mod, B, 2 * S, 2 * S, self.attn_implementation, input_ids.device, local)
             logits = self.model(input_ids=inputs, position_ids=positions, attention_mask=mask, use_cache=False).logits
         ar_labels, diff_labels = layout.train_labels(input_ids, doc_ids, no_ar_target)
         base_teacher = self.teacher == "base" and self.distill_weight > 0
@@ -265,9 +266,11 @@ class TiDARModule(L.LightningModule):
         device, impl = inputs.device, self.attn_implementation
         cache = DynamicCache()
         with torch.no_grad():
-            clean = self.model(input_ids=inputs[:, :S], position_ids=positions[:, :S], attention_mask=layout.build_mask(mask_mod, B, S, S, impl, device), **cache_kwargs(self.model, cache)).logits
+            local = layout.Local.of(self.model.config, positions[:, :S])
+            clean = self.model(input_ids=inputs[:, :S], position_ids=positions[:, :S], attention_mask=layout.build_mask(mask_mod, B, S, S, impl, device, local), **cache_kwargs(self.model, cache)).logits
         half_mod = lambda b, h, q, kv: mask_mod(b, h, q + S, kv)  # the mask half's rows of the same layout
-        masks = self.model(input_ids=inputs[:, S:], position_ids=positions[:, S:], attention_mask=layout.build_mask(half_mod, B, S, S2, impl, device), **cache_kwargs(self.model, cache)).logits
+        local = layout.Local.of(self.model.config, positions, q_offset=S)
+        masks = self.model(input_ids=inputs[:, S:], position_ids=positions[:, S:], attention_mask=layout.build_mask(half_mod, B, S, S2, impl, device, local), **cache_kwargs(self.model, cache)).logits
         return torch.cat([clean, masks], 1)
 
     @torch.no_grad()
@@ -278,11 +281,13 @@ class TiDARModule(L.LightningModule):
         same document isolation and positions) is exactly the clean half the base model would compute.
         """
         B, S = input_ids.shape
-        mask = layout.build_mask(layout.train_mask_mod(S, self.block_size, doc_ids), B, S, S, self.attn_implementation, input_ids.device)
+        positions = layout.train_position_ids(input_ids, doc_ids)[:, :S]
+        local = layout.Local.of(self.model.config, positions)
+        mask = layout.build_mask(layout.train_mask_mod(S, self.block_size, doc_ids), B, S, S, self.attn_implementation, input_ids.device, local)
         with self.model.disable_adapter():
             return self.model(
                 input_ids=input_ids,
-                position_ids=layout.train_position_ids(input_ids, doc_ids)[:, :S],
+                position_ids=positions,
                 attention_mask=mask,
                 use_cache=False,
             ).logits

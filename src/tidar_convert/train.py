@@ -45,13 +45,19 @@ def check_fit_config(cfg) -> None:
         )
 
 
-def check_model(model) -> None:
+def check_model(model, seq_len: int | None = None) -> None:
     """Refuse a model TiDAR cannot convert from its config alone, before greedy documents, data or
     weights (`tidar-convert check` says the same, with the mechanisms and the memory it needs)."""
     from .families import require
     from .loading import read_config
 
-    require(read_config(model))
+    config = read_config(model)
+    require(config)
+    # Sliding windows and chunks are applied by the layout, by position (layout.Local); GPT-Neo's local
+    # layers apply theirs by index inside the model, which the mask half's indices would break.
+    window = getattr(config, "window_size", None)
+    if window and seq_len and seq_len > window:
+        raise ValueError(f"--data.seq_len {seq_len} is longer than {config.model_type}'s local attention window ({window}), which its layers apply by token index, not by position: the mask half would lose its context; pass --data.seq_len {window} or less.")
 
 
 def check_accelerator(accelerator) -> None:
@@ -184,7 +190,7 @@ class TiDARCLI(LightningCLI):
             if devices is not None:  # refuse before the model loads; auto is checked once the Trainer resolved it
                 accumulation(cfg.get("global_batch_tokens"), cfg.data.batch_size, cfg.data.seq_len, devices, cfg.trainer.get("num_nodes") or 1, self.accumulate)
             # The settings' own arithmetic first (no I/O), then the model's config: both before any work.
-            check_model(cfg.model.get("model") if cfg.get("model") is not None else None)
+            check_model(cfg.model.get("model") if cfg.get("model") is not None else None, cfg.data.get("seq_len") if cfg.get("data") is not None else None)
         cfg.trainer.accumulate_grad_batches = self.accumulate or 1  # placeholder for the Trainer; set in after_instantiate
         if cfg.trainer.get("enable_progress_bar") is False:  # Lightning refuses a bar callback then
             self.trainer_defaults["callbacks"] = [cb for cb in self.trainer_defaults["callbacks"] if not isinstance(cb, TrainProgress)]
