@@ -86,7 +86,7 @@ def test_check_names_the_mechanism():
     gemma2 = verdict_of("gemma2")
     assert gemma2.converts and gemma2.attn_implementation == "eager" and "logit softcapping" in gemma2.mechanisms
     qwen35 = verdict_of("qwen3_5_text")
-    assert not qwen35.converts and re.search(r"model_type='qwen3_5_text' has recurrent layers: .*cannot be cropped", qwen35.reason)
+    assert not qwen35.converts and re.search(r"model_type='qwen3_5_text' has recurrent layers: .*no attention mask.*costs more than TiDAR gains", qwen35.reason)
     lfm2 = verdict_of("lfm2", num_hidden_layers=2, full_attn_idxs=[1])  # a short-convolution layer: recurrent state
     assert not lfm2.converts and "recurrent layers" in lfm2.reason
     assert verdict_of("lfm2", num_hidden_layers=2).converts  # attention layers only: nothing to roll back

@@ -29,7 +29,7 @@ HEAD_SCALES = ("logit_scale", "logits_scaling", "output_multiplier_scale")
 # forward, the indexer's own cache, OpenAI GPT's fixed causal mask (a permute error). (MPT, ALiBi, decoded exactly when forced; it stays refused: its
 # mask half cannot sit at the clean half's positions.)
 REFUSED = {
-    "recurrent layers": "their state is not a KV cache: a rejected draft is already folded into it and cannot be cropped away",
+    "recurrent layers": "their state is not a KV cache: they take no attention mask, so in training the mask half would read the whole clean half (the future it drafts), and at decode a rejected draft is already folded into the state; re-running the accepted tokens to roll it back costs more than TiDAR gains (bench/LOG.md, 2026-12-03)",
     "no position_ids": "its positions do not come from position_ids (ALiBi, or none), so the mask half cannot repeat the clean half's positions",
     "no KV cache": "its forward takes no cache (OpenAI GPT applies a fixed causal mask of its own): TiDAR verifies drafts against a KV cache it crops, and its mask half needs bidirectional blocks",
     "sparse indexed attention": "its indexer keeps a key cache of its own, which TiDAR's cache does not hold or crop (forced past this check, DeepSeek-V3.2 and GLM-MoE-DSA fail in their first forward)",
