@@ -119,6 +119,25 @@ def test_check_command_reads_only_the_config(tmp_path, capsys):
     assert exit_.value.code == 1 and "has recurrent layers" in capsys.readouterr().out
 
 
+def test_check_scales_decode_speed_from_a_bench_record(tmp_path, capsys):
+    """tokens/s of a record's model, scaled by parameter count to the checked one (decode at batch 1
+    reads every weight once a forward); the record named; a missing record named with its fix."""
+    AutoConfig.for_model("llama", hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, vocab_size=1000).save_pretrained(tmp_path / "m")
+    cli.main(["check", "--model", str(tmp_path / "m"), "--json"])
+    n = json.loads(capsys.readouterr().out)["parameters"]
+    record = {"machine": {"parameters": 2 * n, "device": "cpu", "device_name": "x86_64", "dtype": "torch.float32", "threads": 2},
+              "summary": {"ar": {"tokens_per_s": 10.0, "tokens_per_nfe": 1.0}, "tidar": {"tokens_per_s": 18.0, "tokens_per_nfe": 2.2}}}
+    (tmp_path / "r.json").write_text(json.dumps(record))
+    cli.main(["check", "--model", str(tmp_path / "m"), "--json", "--record", str(tmp_path / "r.json")])
+    speed = json.loads(capsys.readouterr().out)["expected_speed"]
+    assert speed["tokens_per_s"] == {"ar": 20.0, "tidar": 36.0} and speed["tidar_tokens_per_forward"] == 2.2  # half the parameters: twice the speed
+    cli.main(["check", "--model", str(tmp_path / "m"), "--record", str(tmp_path / "r.json")])
+    assert "ar 20 tokens/s, tidar 36 tokens/s" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        cli.main(["check", "--model", str(tmp_path / "m"), "--record", "nope.json"])
+    assert "--record 'nope.json' does not exist" in "".join(capsys.readouterr())
+
+
 def test_fit_refuses_a_sequence_past_gpt_neo_s_window(tmp_path):
     """GPT-Neo's local layers window by index: a training sequence longer than the window is refused, naming the fix."""
     from tidar_convert.train import check_model

@@ -210,22 +210,31 @@ def chat_ids(tokenizer, prompt: str):
     return tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True, return_tensors="pt", return_dict=True)["input_ids"]
 
 
-def check_cmd(model: str, devices: int = 1, json: bool = False) -> None:
+def check_cmd(model: str, devices: int = 1, json: bool = False, record: str | None = None) -> None:
     """Whether a model converts, from its config alone (no weights are read): the mechanisms it uses,
-    its parameter count, and the memory per device a conversion holds (weights, grads, optimizer;
-    activations not included).
+    its parameter count, the memory per device a conversion holds (weights, grads, optimizer;
+    activations not included), and the decode speed to expect from a bench record.
 
     Args:
         model: a hub id, a model folder (config.json is enough) or a .gguf file.
         devices: devices the weights are sharded over (FSDP2, ModelParallelStrategy).
         json: print one JSON object.
+        record: a `tidar-convert bench` JSON to scale speeds from; default: the newest record under
+            bench/results/ of this checkout, where there is one.
     """
-    from .families import describe
+    from .families import describe, speed_from_record
     from .loading import read_config
 
     if devices < 1:
         raise ValueError(f"devices={devices}: must be >= 1.")
     facts = describe(read_config(model), devices)
+    path = Path(record) if record else newest_record()
+    if record and not path.is_file():
+        raise FileNotFoundError(f"--record {record!r} does not exist; pass a JSON that `tidar-convert bench --out` wrote.")
+    if path is not None and "parameters" in facts:
+        speed = speed_from_record(facts["parameters"], jsonlib.loads(path.read_text()), str(path))
+        if speed:
+            facts["expected_speed"] = speed
     if json:
         print(jsonlib.dumps(facts))
         return
@@ -239,8 +248,28 @@ def check_cmd(model: str, devices: int = 1, json: bool = False) -> None:
         print(f"parameters: {facts['parameters'] / 1e6:,.1f} M")
         for what, gib in facts["memory_per_device_gib"].items():
             print(f"  {gib:8.2f} GiB per device ({devices} device{'s' if devices > 1 else ''}): {what}")
+    speed = facts.get("expected_speed")
+    if speed:
+        rates = ", ".join(f"{row} {v:g} tokens/s" for row, v in speed["tokens_per_s"].items())
+        print(f"decode speed to expect, batch 1, on the machine of {speed['record']} ({speed['machine']['device_name']}, {speed['machine']['dtype']}, "
+              f"{speed['machine']['threads']} threads): {rates}; scaled from its {speed['measured_parameters'] / 1e6:,.1f} M-parameter model by parameter count "
+              f"(TiDAR at its {speed['tidar_tokens_per_forward']} tokens per forward). On another machine: `tidar-convert bench`.")
     if not facts["converts"]:
         sys.exit(1)
+
+
+def newest_record() -> Path | None:
+    """The newest bench record with speed figures under this checkout's bench/results/ (none in a wheel)."""
+    folder = Path(__file__).resolve().parents[2] / "bench" / "results"
+    records = sorted(folder.glob("*.json"), key=lambda p: (p.stat().st_mtime, p.name), reverse=True) if folder.is_dir() else []
+    for path in records:
+        try:
+            data = jsonlib.loads(path.read_text())
+        except ValueError:
+            continue
+        if "tidar" in (data.get("summary") or {}) and (data.get("machine") or {}).get("parameters"):
+            return path
+    return None
 
 
 def _unix_flags(args: list[str], functions) -> list[str]:

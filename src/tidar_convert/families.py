@@ -232,3 +232,23 @@ def describe(config, devices: int = 1) -> dict:
         out["parameters"] = n
         out["memory_per_device_gib"] = {what: round(n * b / devices / 2**30, 2) for what, b in TRAIN_BYTES.items()}
     return out
+
+
+def speed_from_record(parameters: int, record: dict, name: str = "") -> dict | None:
+    """Decode speed to expect for a model of `parameters`, from a bench record (`tidar-convert bench`
+    JSON) of another model on the machine that measured it: batch-1 decoding reads every weight once
+    per forward, so tokens/s scale with the inverse of the parameter count; tokens per forward carry
+    over only for a conversion trained as the record's was. None when the record lacks the figures."""
+    measured, summary = (record.get("machine") or {}).get("parameters"), record.get("summary") or {}
+    rows = {row: summary[row] for row in ("ar", "tidar", "prompt_lookup") if "tokens_per_s" in (summary.get(row) or {})}
+    if not measured or "ar" not in rows or "tidar" not in rows:
+        return None
+    scale = measured / parameters
+    return {
+        "record": name,
+        "measured_parameters": measured,
+        "machine": {k: record["machine"].get(k) for k in ("device", "device_name", "dtype", "threads")},
+        "tokens_per_s": {row: round(r["tokens_per_s"] * scale, 2) for row, r in rows.items()},
+        "tidar_tokens_per_forward": round(rows["tidar"]["tokens_per_nfe"], 2),
+    }
+
