@@ -446,6 +446,35 @@ def test_batch_rows_keep_what_each_accepted(trained, monkeypatch):
         assert min(rows) > 2, rows
 
 
+def test_a_row_without_a_group_at_its_length_reads_an_earlier_one():
+    """Anchors at 1 and 3, k = 4: a row that committed 2 reads the group at 1 from its second slot
+    (2 proposals), 4 and 5 the group at 3 (2, then 1); 6 is past every group."""
+    plan = StepPlan(5, (1, 3), 4)
+    g1, g3 = plan.group_start(1), plan.group_start(3)
+    assert [plan.group_read(j) for j in range(1, 7)] == [(g1, 3), (g1 + 1, 2), (g3, 3), (g3 + 1, 2), (g3 + 2, 1), None]
+    assert StepPlan(3, (), 4).group_read(2) is None
+
+
+def test_rows_draft_from_an_earlier_group_in_a_batch(trained, monkeypatch):
+    """Per-row acceptance leaves rows at lengths the plan put no group at (9 slots: a 4-token draft and
+    one group); a row past an earlier group's anchor drafts from its later slots instead of nothing,
+    and the batch still writes AR's tokens."""
+    model, _ = trained["llama"]
+    read, reads = StepPlan.group_read, []
+
+    def counting(self, j):
+        reads.append(self.group_start(j) is None and read(self, j) is not None)  # an earlier group's slots
+        return read(self, j)
+
+    monkeypatch.setattr(StepPlan, "group_read", counting)
+    broken = torch.tensor([[3, 9, 4, 8, 5, 5, 6, 7, 3, 4, 9]])  # the cycle, broken: drafts partly accepted
+    ids = torch.cat([cycle_batch(1, 11, seed=2), broken, torch.randint(1, 300, (1, 11), generator=torch.Generator().manual_seed(5)), cycle_batch(1, 11, seed=7)])
+    kw = dict(max_new_tokens=32, eos_token_id=None, pad_token_id=0)
+    got = generate(ids, model=model, drafter="diffusion", plan="adaptive", slot_budget=9, **kw)
+    assert torch.equal(got, ar(model, ids, **kw))
+    assert sum(reads) > 0 and "tokens_per_nfe_per_row" in model.tidar_stats
+
+
 def test_rows_share_one_commit_length_when_a_processor_reads_the_prefix(trained):
     """repetition_penalty reads each row's prefix: rows then commit the fewest drafts any accepted."""
     model, _ = trained["llama"]

@@ -66,8 +66,9 @@ class DraftContext:
     max_proposals: int  # proposals beyond this are never used (max_new_tokens)
     pick: object  # the verifier: proposes a token from scores (verify.Greedy.token, verify.Sampling.token)
     processors: object  # logits processors; drafted slots are processed with their own prefix
-    # Diffusion logits (B, k - 1, V) of the group at each row's accepted length, computed on first
-    # call, and (B,) which rows have one (None: all); (None, None) when no row has one.
+    # Diffusion logits (B, n, V) of the group each row reads at its accepted length (StepPlan.group_read:
+    # the group anchored there, or the later slots of one anchored before), computed on first call, and
+    # (B,) the proposals each row's holds (0: none; None: all n); (None, None) when no row has one.
     group: Callable[[], tuple] = lambda: (None, None)
     siblings: int = 0  # most alternatives to each proposal the step may verify (0: chains only)
     nodes: int = 0  # most tree nodes (proposals and siblings) the step may verify
@@ -126,8 +127,8 @@ class DiffusionDrafter(Drafter):
         draft = make_draft(ctx.pick, ctx.processors, ctx.seqs, ctx.y, group[:, : ctx.max_proposals])
         if ctx.siblings and draft.tokens.shape[0] == 1 and draft.tokens.shape[1] > 1:
             grow(draft, *group_siblings(ctx, group, draft.tokens[:, 1:], ctx.siblings), ctx.nodes or draft.tokens.shape[1] - 1)
-        if have is not None and not have.all():  # rows whose accepted length had no group draft nothing
-            draft.length = torch.where(have, draft.length, torch.ones_like(draft.length))
+        if have is not None:  # per row, the proposals its group gives (plan.StepPlan.group_read; 0: none)
+            draft.length = torch.minimum(draft.length, 1 + have)
             draft.sources = [s if h else "none" for s, h in zip(draft.sources, have.tolist())]
         return draft
 

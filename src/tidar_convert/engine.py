@@ -249,8 +249,12 @@ def accept_together(state: DecodeState, draft: Draft, plan: StepPlan, out: Outpu
         if beta != 1.0 and g is not None:
             target = process(processors, state.seqs, draft.tokens[:, 1:j], mix(ar[:, j - 1], out.rows(g, g + 1)[:, 0], beta)[:, None])[:, 0]
         y = pick.next_token(target, draft, accepted, j, exact=beta == 1.0)
-    g = plan.group_start(path[-1] + 1)
-    group = (lambda: (out.rows(g + 1, g + k), None)) if g is not None else no_group
+    if plan.siblings:  # a tree's groups hang after its nodes: only the one at the path's end
+        g = plan.group_start(path[-1] + 1)
+        read = None if g is None else (g, k - 1)
+    else:
+        read = plan.group_read(j)
+    group = (lambda: (out.rows(read[0] + 1, read[0] + 1 + read[1]), None)) if read is not None else no_group
     new = torch.cat([tokens[:, path[1:]], y[:, None]], 1)
     return Kept(new, torch.full((B,), j, dtype=torch.long, device=accepted.device), path, group, brought, ends, tuple(scored), tuple(raw))
 
@@ -264,10 +268,10 @@ def accept_each(state: DecodeState, draft: Draft, plan: StepPlan, out: Output, s
     J = int(counts.max())
     filler = torch.cat([draft.tokens[:, 1:], draft.tokens[:, :1]], 1)[:, :J]
     tokens = filler.scatter(1, (counts - 1)[:, None], y[:, None])  # row b: its accepted proposals, then y
-    starts = [plan.group_start(a) for a in counts.tolist()]
-    have = torch.tensor([s is not None for s in starts], device=accepted.device)
-    at = torch.tensor([s if s is not None else 0 for s in starts], device=accepted.device)
-    group = (lambda: (out.rows_at(at + 1, k - 1), have)) if have.any() else no_group
+    reads = [plan.group_read(a) for a in counts.tolist()]
+    have = torch.tensor([r[1] if r is not None else 0 for r in reads], device=accepted.device)  # proposals per row
+    at = torch.tensor([r[0] if r is not None else -1 for r in reads], device=accepted.device)  # none: slot 0, an AR row (computed)
+    group = (lambda: (out.rows_at(at + 1, k - 1, have), have)) if bool(have.any()) else no_group
     return Kept(tokens, counts, list(range(J)), group, accepted, accepted)
 
 

@@ -59,9 +59,12 @@ class Output:
         self.head_rows += stop - start
         return self.head(self.hidden[:, start:stop])
 
-    def rows_at(self, starts: torch.Tensor, n: int) -> torch.Tensor:
-        """Slots starts[b] .. starts[b] + n - 1 of each row b (rows that read different groups)."""
+    def rows_at(self, starts: torch.Tensor, n: int, counts: torch.Tensor | None = None) -> torch.Tensor:
+        """Slots starts[b] .. starts[b] + n - 1 of each row b (rows that read different groups); a row
+        with counts[b] < n gets its first slot again past those (filler, already computed)."""
         index = starts[:, None] + torch.arange(n, device=starts.device)
+        if counts is not None:
+            index = torch.where(torch.arange(n, device=starts.device) < counts[:, None], index, starts[:, None])
         if self.logits is not None:
             return self.logits.gather(1, index[..., None].expand(-1, -1, self.logits.shape[-1]))
         if self.where is not None and bool((self.where[index] >= 0).all()):

@@ -48,6 +48,20 @@ class StepPlan:
         """Query index of the group anchored at j, None if the plan has none there."""
         return self.causal + self.anchors.index(j) * self.k if j in self.anchors else None
 
+    def group_read(self, j: int) -> tuple[int, int] | None:
+        """Where a row that committed j drafts reads its next draft: (the query index its proposals
+        follow, how many there are). The group anchored at j gives k - 1; else the nearest group
+        anchored before j whose slots reach past j gives its later ones (fewer, drafted from a shorter
+        prefix: still exact, every draft is verified). None where no group reaches."""
+        g = self.group_start(j)
+        if g is not None:
+            return g, self.k - 1
+        before = [a for a in self.anchors if a < j and j - a <= self.k - 2]
+        if not before:
+            return None
+        a = max(before)
+        return self.group_start(a) + j - a, self.k - 1 - (j - a)
+
     def positions(self, start: torch.Tensor) -> torch.Tensor:
         return decode_position_ids(start, self.causal, self.k, len(self.anchors), self.anchors, self.parents())
 
@@ -208,7 +222,8 @@ class Planner:
                 if was is not None:
                     self.costs.group_use[was].add(float(source == "diffusion"))
         at = (accepted if committed is None else committed).tolist()
-        self.offered = [source_key(s) if plan.group_start(int(j)) is not None else None for s, j in zip(draft.sources, at)]
+        offers = plan.group_start if plan.siblings else plan.group_read  # a tree reads only the group at its path's end
+        self.offered = [source_key(s) if offers(int(j)) is not None else None for s, j in zip(draft.sources, at)]
 
     def max_proposals(self, uses_groups: bool) -> int:
         """Most proposals a draft may hold, leaving room for one group when the drafter uses them."""
