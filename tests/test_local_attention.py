@@ -51,6 +51,8 @@ def test_local_kinds_from_the_config():
     assert set(mixed) == {"sliding_attention", "full_attention"} and mixed["full_attention"] is None
     q, k = torch.tensor([9, 9, 9]), torch.tensor([4, 5, 9])
     assert mixed["sliding_attention"](q, k).tolist() == [False, True, True]  # q - k < window, as transformers' overlay
+    with pytest.raises(ValueError, match="sets both sliding_window and attention_chunk_size without layer_types"):
+        layout.local_kinds(AutoConfig.for_model("mistral", sliding_window=5, attention_chunk_size=6))
     chunked = layout.local_kinds(AutoConfig.for_model("llama4_text", attention_chunk_size=6, num_hidden_layers=2))
     assert chunked[next(iter(chunked))](torch.tensor([7, 7]), torch.tensor([5, 6])).tolist() == [False, True]
 

@@ -269,7 +269,9 @@ def local_kinds(config) -> dict | None:
         local["chunked_attention"] = lambda q, k: torch.div(q, chunk, rounding_mode="floor") == torch.div(k, chunk, rounding_mode="floor")
     kinds = list(dict.fromkeys(getattr(config, "layer_types", None) or []))
     if not kinds:  # no per-layer kinds: a window (or chunk) on every layer
-        return {"": next(iter(local.values()))} if len(local) == 1 else None
+        if len(local) > 1:
+            raise ValueError(f"model_type={getattr(config, 'model_type', '?')!r} sets both sliding_window and attention_chunk_size without layer_types: which layers take which is not known, so TiDAR cannot mask them.")
+        return {"": next(iter(local.values()))} if local else None
     if not set(kinds) & set(local):
         return None
     if len(kinds) == 1:
