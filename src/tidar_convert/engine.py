@@ -39,7 +39,7 @@ from transformers import DynamicCache, StoppingCriteriaList
 
 from .drafters import Draft, DraftContext, Drafter, fresh
 from .forward import Output, forward
-from .layout import Local, build_mask, decode_mask_mod, decode_position_ids, decode_step_mask
+from .layout import Local, build_mask, decode_mask_mod, decode_position_ids, decode_step_mask, local_kinds
 from .plan import Planner, StepPlan
 from .tree import keep_slots, walk
 from .verify import mix, process
@@ -135,8 +135,8 @@ def run_step(model, state: DecodeState, draft: Draft, plan: StepPlan, mask_id: i
         masks = torch.full((B, plan.slots - plan.causal), mask_id, device=draft.tokens.device)
         tokens = torch.cat([causal_tokens(draft, plan), masks], 1)
         positions = plan.positions(state.start)
-        # A cache column's position: the real tokens before it in its row (left padding and holes hold none).
-        local = Local.of(model.config, torch.cat([state.cache_valid.cumsum(1) - 1, positions], 1), q_offset=state.cache_valid.shape[1])
+        kinds = local_kinds(model.config)  # sliding windows and chunks; a cache column's position: the real tokens before it in its row
+        local = None if kinds is None else Local(kinds, torch.cat([state.cache_valid.cumsum(1) - 1, positions], 1), q_offset=state.cache_valid.shape[1])
         mask = decode_step_mask(state.cache_valid, plan.causal, plan.k, plan.anchors, model.config._attn_implementation, plan.parents(), local)
     out = forward(model, state.cache, tokens, positions, mask, read=plan.read())
     state.nfe += 1
