@@ -301,9 +301,9 @@ class Local:
             if attn_implementation == "flex_attention":
                 if allowed is None:
                     mod = mask_mod
-                elif off == 0:  # queries are the first keys (training, prefill): positions looked up lazily
+                elif off == 0 and torch.device(device).type != "cpu":  # training, prefill: positions looked up lazily
                     mod = lambda b, h, q, kv, a=allowed: mask_mod(b, h, q, kv) & a(k_pos[b, q], k_pos[b, kv])
-                else:  # after a cache: evaluated once over (B, Q, K), since torch 2.13's CPU template failed to compile k_pos[b, q + off]
+                else:  # evaluated once over (B, Q, K): torch 2.13's CPU FlexAttention template fails to compile position lookups in a mask_mod
                     near = allowed(k_pos[:, off : off + shape[1], None], k_pos[:, None, :])
                     mod = lambda b, h, q, kv, near=near: mask_mod(b, h, q, kv) & near[b, q, kv]
                 out[kind] = to_block_mask(mod, *shape, device=device)
