@@ -178,13 +178,15 @@ def test_auto_packs_only_where_a_pass_is_timed_faster(monkeypatch, packed_ms, pa
     with torch.no_grad():
         with kernels.cpu_kernels(model, True):  # forced: packed whatever the timing
             assert len(swapped(model)) == 2
-            model(torch.randn(2, 16))  # 2 rows: on panels 1 row is the stock product
+            model(torch.randn(2, 16))
         assert not timed and all(layer in kernels._PACKED for layer in model)
         with kernels.cpu_kernels(model):  # the default: "auto"
             assert bool(swapped(model)) == pays
-            model(torch.randn(2, 16))  # 2 rows: on panels 1 row is the stock product
+            model(torch.randn(2, 16))
         assert sorted(set(timed)) == [(1, False), (1, True), (8, False), (8, True)]  # both products, both row counts
         assert timed[0] == (1, True) and len(timed) == 1 + 3 * 4  # one untimed pass packs, then three of each
+        timings = kernels.product_timings(model)  # what the choice compared, as the bench records it
+        assert timings == {str(r): {"stock_ms": pytest.approx({1: 35, 8: 64}[r]), "packed_ms": pytest.approx(packed_ms[r])} for r in (1, 8)}
         # A model where packing does not pay keeps no packed copy (it would be one more copy of every weight).
         assert all((layer in kernels._PACKED) == pays for layer in model)
         with kernels.cpu_kernels(model, "auto"), kernels.cpu_kernels(model, "auto"):  # timed once per model

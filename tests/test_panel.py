@@ -18,21 +18,20 @@ needs_panels = pytest.mark.skipif(panel.panel_library() is None, reason="no C co
 
 @needs_panels
 @pytest.mark.parametrize("out_features,in_features", [(200, 96), (32, 8), (33, 7), (1, 5), (70, 1536)])
-def test_panel_product_matches_stock_and_each_row_is_the_same_among_2_or_64(out_features, in_features):
-    """Every row count a step can have, from 2 to PANEL_ROWS: the stock product's values, and each
-    row's result bit for bit the same whatever the count. One row (an AR step) and a prefill's many
-    rows: the stock product itself."""
+def test_panel_product_matches_stock_and_each_row_is_the_same_alone_or_among_any_number(out_features, in_features):
+    """Every row count: an AR step's one row, a step's few, a prefill's many (16 at a time): the stock
+    product's values, and each row's result bit for bit the same whatever the count."""
     torch.manual_seed(0)
     layer = torch.nn.Linear(in_features, out_features)
-    x = torch.randn(panel.PANEL_ROWS + 3, in_features)
+    x = torch.randn(75, in_features)
     with torch.no_grad(), kernels.packed_linears(layer):
-        full = layer(x[: panel.PANEL_ROWS])
-        for rows in (2, 3, 7, 8, 9, 16, 17):
+        full = layer(x)
+        for rows in (1, 2, 3, 7, 8, 9, 16, 17, 64):
             together = layer(x[:rows])
             assert torch.equal(together, full[:rows]), rows
             torch.testing.assert_close(together, F.linear(x[:rows], layer.weight, layer.bias), rtol=1e-5, atol=1e-5)
-        assert torch.equal(layer(x[5:6]), F.linear(x[5:6], layer.weight, layer.bias))  # one row: stock
-        assert torch.equal(layer(x), F.linear(x, layer.weight, layer.bias))  # prefill-sized: the stock GEMM
+        assert torch.equal(layer(x[70:71]), full[70:71])  # one row alone: as among 75
+        torch.testing.assert_close(full, F.linear(x, layer.weight, layer.bias), rtol=1e-5, atol=1e-5)
         assert layer(x[None, :5]).shape == (1, 5, out_features)  # leading dimensions kept
         assert layer(x[::2][:4]).shape == (4, out_features)  # a strided input is made contiguous first
         torch.testing.assert_close(layer(x[::2][:4]), F.linear(x[::2][:4], layer.weight, layer.bias), rtol=1e-5, atol=1e-5)

@@ -10,11 +10,10 @@ few rows. On a 2-core Xeon with AMX, one pass through SmolLM2-135M's 210 linear 
 Two packed products, each made from the weight once and kept:
 - **panels** (fp32): the weight in panels of 32 outputs by all inputs, streamed once per call by a
   small C kernel (panel.py, csrc/panel.c) that does every row's multiply-adds on each piece while it is in
-  cache and prefetches the next. The same pass takes 21 ms for 4 rows and 24 for 8. Each output is
-  one dot product summed over the inputs in order, whatever the row count, so a row's result is the
-  same bit for bit among 2 rows or among PANEL_ROWS. One row (an AR step) runs the stock
-  matrix-vector product, a little faster, and a prefill's many rows the stock GEMM, faster where
-  arithmetic bounds the product. Built with the machine's C compiler (`cc`, or $CC; -march=native,
+  cache and prefetches the next. Each output is one dot product summed over the inputs in order,
+  whatever the row count, so a row's result is the same bit for bit alone or among any number of
+  rows; panels therefore take every row count: an AR step's one row, a TiDAR step's few, a
+  prefill's many (16 at a time). Built with the machine's C compiler (`cc`, or $CC; -march=native,
   OpenMP) into $TIDAR_CACHE/kernels on first use, in about a second, once per CPU and compiler;
   where no compiler builds it, fp32 takes oneDNN's product, with a warning saying so.
 - **onednn** (bf16, and fp32 without the panel kernel): each weight reordered once into oneDNN's
@@ -26,17 +25,21 @@ model's linear layers at 1 row (an AR step) and at 8 rows (a TiDAR step) with th
 the packed one, once per model and dtype: 13 passes that each read every weight once (about 0.5 s
 for SmolLM2-135M, in proportion to the weights' size for larger models), holding one more copy of
 the weights while it times. `cpu_kernels(model, "auto")`, what generate() enters for every path
-(TiDAR, plain AR, prompt lookup), packs only where that pass is faster. One choice per model, so
-every decoder on a model runs the same kernels. What each linear layer took is counted on the model
-after every generate(), `model.tidar_products` ({"panels": 211}, say; `linear_products`), and logged
-once at info when it changes.
+(TiDAR, plain AR, prompt lookup), packs only where that pass is faster; the times it compared are
+`product_timings(model)` (the bench records them). One choice per model, so every decoder on a
+model runs the same kernels. What each linear layer took is counted on the model after every
+generate(), `model.tidar_products` ({"panels": 211}, say; `linear_products`), and logged once at
+info when it changes.
 
-The panel product makes a row's linear output independent of how many rows (2 to 64) share the
-call; oneDNN's is on the Xeon without AMX (measured bitwise for 1 to 13 rows) but not on the one with
-AMX (a 1536-input layer gives other low bits for 1 row than for 2 or more), and the stock product is not on
-either. Attention with one query and with several differ in the low bits too. So greedy TiDAR equals
-greedy AR where the AR's best token leads by more than that noise, about 1e-4 in fp32 logits on
-SmolLM2-135M: on every bench prompt so far, and checked by the greedy identity tests.
+Exact by construction where every linear layer takes panels: attention then runs the same library's
+kernel (`sdpa_exact`), whose output for a query depends only on that query and the keys it sees,
+in order. Norms, activations and rotary embeddings are computed row by row. So a row is computed
+with the same bits whether it is an AR step's one query, a verify row among a TiDAR step's drafts
+and mask slots, a tree's sibling, or a batch row with holes in its cache: TiDAR's greedy output is
+AR's (`generate(tidar=False)` on the same kernels) bit for bit, not only where AR's best token leads
+by more than the low-bit noise between products. Where the products differ (stock, oneDNN, bf16,
+attention transformers computes itself: eager families, softcapping, sinks) the two agree to that
+noise, about 1e-4 in fp32 logits on SmolLM2-135M, and a near-tie can pick another token.
 
 `packed_linears(model)` swaps every eligible `nn.Linear.forward` for the packed one while it is
 entered. A layer's packed weight is kept while the layer lives (one more copy of its weight) and made
@@ -63,7 +66,8 @@ from contextlib import contextmanager
 import torch
 import torch.nn.functional as F
 
-from .panel import PANEL_ROWS, panel_built, panel_library, panel_linear, panel_pack
+from .panel import attention as panel_attention
+from .panel import panel_library, panel_linear, panel_pack
 
 log = logging.getLogger("transformers.cli.tidar")  # transformers' logger, as decode.py's: `transformers serve --log-level info` shows it
 DTYPES = (torch.float32, torch.bfloat16)
@@ -150,15 +154,14 @@ def delta_panels(layer) -> torch.Tensor:
 
 
 def packed_product(layer, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """The layer's packed product on x (the stock one where its weight has none, or for a prefill's
-    many rows on panels)."""
+    """The layer's packed product on x (the stock one where its weight has none). Panels take every
+    row count, an AR step's one row and a prefill's many too: one product, so a row's result never
+    depends on the rows beside it."""
     packed = packed_weight(layer)
     if packed is None:
         return F.linear(x, layer.weight, bias)
     kind, w = packed
     if kind == "panels":
-        if not 1 < x.numel() // x.shape[-1] <= PANEL_ROWS:
-            return F.linear(x, layer.weight, bias)
         return panel_linear(x, w, layer.out_features, bias)
     return torch.ops.mkldnn._linear_pointwise(x, w, None if bias is None else bias.detach(), "none", [], "")
 
@@ -173,8 +176,6 @@ def packed_forward(layer):
         w = layer.weight
         if x.dtype != w.dtype or x.device != w.device or (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad)):
             return F.linear(x, w, layer.bias)  # the packed products have no backward and one dtype
-        if x.numel() == x.shape[-1] and w.dtype == torch.float32 and panel_built():
-            return F.linear(x, w, layer.bias)  # one row, an AR step: stock on panels (packed_product), said first as it is most steps
         return packed_product(layer, x, layer.bias)
 
     if gate is None:
@@ -182,7 +183,7 @@ def packed_forward(layer):
         return product
 
     def forward(x):
-        if gate.start is not None and x.ndim == 3 and x.shape[0] == 1 and 1 < x.shape[1] <= PANEL_ROWS and x.dtype == torch.float32 and not torch.is_grad_enabled():
+        if gate.start is not None and x.ndim == 3 and x.shape[0] == 1 and x.dtype == torch.float32 and not torch.is_grad_enabled():
             packed = packed_weight(layer)
             if packed is not None and packed[0] == "panels":
                 return panel_linear(x, packed[1], layer.out_features, layer.bias, (layer._buffers[LORA_A], delta_panels(layer), gate.start))
@@ -231,8 +232,16 @@ def packing_pays(model, repeats: int = 3) -> bool:
     pays = sum(best[True]) < sum(best[False])
     if not pays:
         release(model)
-    _PAYS[model] = (key, pays)
+    timings = {str(rows): {"stock_ms": 1e3 * best[False][i], "packed_ms": 1e3 * best[True][i]} for i, rows in enumerate(CHOICE_ROWS)}
+    _PAYS[model] = (key, pays, timings)
     return pays
+
+
+def product_timings(model) -> dict | None:
+    """What packing_pays compared on this model: {rows: {"stock_ms", "packed_ms"}} for a pass through
+    its linear layers at each of CHOICE_ROWS (best of its repeats); None before it timed them."""
+    cached = _PAYS.get(model)
+    return None if cached is None or len(cached) < 3 else cached[2]
 
 
 def linear_product(model) -> str:
@@ -327,6 +336,7 @@ def release(model) -> None:
 # --------------------------------------------------------------------------------------------
 
 GQA_ATTENTION = "tidar_sdpa_gqa"
+EXACT_ATTENTION = "tidar_sdpa_exact"
 
 
 def sdpa_gqa(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None, **kwargs):
@@ -342,24 +352,53 @@ def sdpa_gqa(module, query, key, value, attention_mask, dropout=0.0, scaling=Non
     return out.transpose(1, 2).contiguous(), None
 
 
+# What the C kernel does not compute: these go to sdpa_gqa (a position bias, softcapping, attention
+# sinks, weights asked for).
+NOT_EXACT = ("position_bias", "softcap", "s_aux", "sinks")
+
+
+def exact_applies(query, key, value, attention_mask, dropout) -> bool:
+    return (
+        query.device.type == "cpu" and query.dtype == key.dtype == value.dtype == torch.float32 and dropout == 0
+        and query.shape[-1] % 16 == 0 and value.shape[-1] == query.shape[-1] and query.shape[1] % key.shape[1] == 0
+        and (attention_mask is None or attention_mask.dtype == torch.bool) and not torch.is_grad_enabled()
+    )
+
+
+def sdpa_exact(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None, **kwargs):
+    """sdpa_gqa on the kernel library's attention (panel.attention): each query's output is a function
+    of its query and the keys it sees alone, bit for bit, however many queries share the step and
+    wherever in the cache its keys sit. With panels for every linear layer, a decoding step's row is
+    then computed as an AR step computes it: TiDAR's verify rows equal AR's logits exactly. fp32 on
+    CPU, masks of bools (sdpa's); anything else goes to sdpa_gqa."""
+    if not exact_applies(query, key, value, attention_mask, dropout) or any(kwargs.get(name) is not None for name in NOT_EXACT) or kwargs.get("output_attentions"):
+        return sdpa_gqa(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal, **kwargs)
+    # transformers' sdpa rule: causal for several queries without a mask (top-left, keys cropped to the queries)
+    causal = query.shape[2] > 1 and attention_mask is None and (is_causal if is_causal is not None else getattr(module, "is_causal", True))
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    return panel_attention(query, key, value, attention_mask, bool(causal), float(scale)), None
+
+
 def _register() -> None:
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-    AttentionInterface.register(GQA_ATTENTION, sdpa_gqa)
-    AttentionMaskInterface.register(GQA_ATTENTION, sdpa_mask)  # transformers' own masks stay sdpa's
+    for name, function in ((GQA_ATTENTION, sdpa_gqa), (EXACT_ATTENTION, sdpa_exact)):
+        AttentionInterface.register(name, function)
+        AttentionMaskInterface.register(name, sdpa_mask)  # transformers' own masks stay sdpa's
 
 
 @contextmanager
-def grouped_attention(model, enabled: bool = True):
-    """Within it, a CPU model on transformers' `sdpa` attention runs `sdpa_gqa` instead; restored on exit."""
+def grouped_attention(model, enabled: bool = True, exact: bool = False):
+    """Within it, a CPU model on transformers' `sdpa` attention runs `sdpa_gqa` instead, or with
+    `exact` `sdpa_exact`; restored on exit."""
     config = model.config
     parameter = next(model.parameters(), None)
     if not enabled or getattr(config, "_attn_implementation", None) != "sdpa" or parameter is None or parameter.device.type != "cpu":
         yield
         return
     _register()
-    config._attn_implementation = GQA_ATTENTION
+    config._attn_implementation = EXACT_ATTENTION if exact and panel_library() is not None else GQA_ATTENTION
     try:
         yield
     finally:
@@ -372,6 +411,9 @@ def cpu_kernels(model, enabled: bool | str = "auto"):
     layers where enabled (True, or "auto" where packing_pays). False: neither, PyTorch's and
     transformers' own paths."""
     packed = resolve(model, enabled)
-    with packed_linears(model, packed), grouped_attention(model, enabled is not False):
+    # One product for every row: panels on every linear layer, and attention that is the same per
+    # query, so a row computes the same bits in any step (exactness by construction: docs/kernels.md).
+    exact = packed and can_pack() and set(linear_products(model, True)) == {"panels"}
+    with packed_linears(model, packed), grouped_attention(model, enabled is not False, exact=exact):
         report_products(model, packed and can_pack())
         yield

@@ -4,8 +4,9 @@ weight once per call for every row of a decoding step.
 Each weight is packed once in panels of 32 outputs by all inputs (`panel_pack`); `panel_linear` runs
 up to 16 rows' multiply-adds on each piece while it is in cache and prefetches the next, so 8 rows
 cost little more than 2. Each output is one dot product summed over the inputs in order, whatever
-the row count, so a row's result is the same bit for bit among 2 rows or among PANEL_ROWS. The same
-library adds a mask-slot adapter's low-rank delta to a step's mask rows (`lora_add`).
+the row count, so a row's result is the same bit for bit alone or among any number of rows. The same
+library adds a mask-slot adapter's low-rank delta to a step's mask rows (`lora_add`), and computes
+attention the same way for every query (`attention`).
 
 Built with the machine's C compiler (`cc`, or $CC; -march=native, OpenMP) into $TIDAR_CACHE/kernels
 on first use (`panel_library`), once per CPU and compiler; TIDAR_PANEL_KERNEL=0 turns it off, and
@@ -33,12 +34,10 @@ import torch
 import torch.nn.functional as F
 
 PANEL = 32  # outputs per panel: two 16-float vectors, times up to 16 rows (one pass over the panel) of accumulators
-PANEL_ROWS = 64  # above this many rows (a prompt's prefill) compute, not reading weights, bounds a product: stock GEMM
 # Each output's dot product runs over k in order, one fused multiply-add at a time, whatever the row
-# count: a row's result is the same bit for bit among 2 or among 64. The prefetch keeps the weight
-# stream ahead of the arithmetic, so 8 rows cost little more than 2 (the weights are read once). One
-# row (an AR step) takes the stock product: MKL's matrix-vector product is a little faster there
-# (a SmolLM2-135M forward 37.5 ms against 40 on panels; the Python around each call is most of it).
+# count: a row's result is the same bit for bit alone or among any number (a prefill's rows are taken
+# 16 at a time). The prefetch keeps the weight stream ahead of the arithmetic, so 8 rows cost little
+# more than 2 (the weights are read once).
 PANEL_FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")  # no -ffast-math: k stays in order
 _PANEL_LIB: list = []  # [the loaded library, or None where it cannot be built]
 SOURCE_FILE = Path(__file__).parent / "csrc" / "panel.c"  # in the package; an export has panel_source.py instead
@@ -132,6 +131,8 @@ def _build_panel_library():
     lib.tidar_lora_add.restype = None
     lib.tidar_lora_add_bf16.argtypes = [P, L, L, P, L, P, L, P, ctypes.c_int, ctypes.c_int]
     lib.tidar_lora_add_bf16.restype = ctypes.c_int
+    lib.tidar_attention.argtypes = [P, P, P, P, L, L, L, ctypes.c_int, L, L, L, L, L, L, ctypes.c_float, P, ctypes.c_int]
+    lib.tidar_attention.restype = None
     return lib
 
 
@@ -190,3 +191,25 @@ def lora_add(out: torch.Tensor, x: torch.Tensor, start: int, A: torch.Tensor, Bt
     return True
 
 
+
+
+def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None, causal: bool, scale: float) -> torch.Tensor:
+    """Softmax attention on the kernel library's `tidar_attention`: each output a function of its query
+    and the keys it sees alone, bit for bit (csrc/panel.c). query (B, Hq, Q, D), key and value (B, Hkv,
+    L, D), fp32; mask: bool, broadcastable to (B, Hq, Q, L), True = attend; or None: every key, or
+    keys j <= i where `causal` (torch's is_causal). Returns (B, Q, Hq, D), as transformers' attention
+    functions do."""
+    lib = panel_library()
+    B, Hq, Q, D = query.shape
+    Hkv, L = key.shape[1], key.shape[2]
+    query, key, value = query.contiguous(), key.contiguous(), value.contiguous()
+    strides = (0, 0, 0)
+    if mask is not None:
+        mask = mask.expand(B, Hq, Q, L)
+        if mask.stride(-1) != 1:
+            mask = mask.contiguous()
+        strides = tuple(0 if mask.shape[i] == 1 else mask.stride(i) for i in range(3))
+    out = torch.empty(B, Q, Hq, D, dtype=torch.float32)
+    lib.tidar_attention(query.data_ptr(), key.data_ptr(), value.data_ptr(), None if mask is None else mask.data_ptr(), *strides,
+                        int(causal), B, Hq, Hkv, Q, L, D, scale, out.data_ptr(), torch.get_num_threads())
+    return out

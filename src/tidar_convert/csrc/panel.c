@@ -197,3 +197,147 @@ int tidar_lora_add_bf16(const unsigned short *x, long M, long K, const void *A, 
   if (xf != stack) free(xf);
   return 0;
 }
+
+/* Attention whose every output depends only on its query and the keys it sees, in their order: not on
+   how many queries share the call, how many keys are masked, or where they sit in the cache. So an
+   AR step's one query, a TiDAR step's verify rows among its drafts and mask slots, a tree's sibling
+   (its own key after the chain), and a batch row with holes in its cache compute the same bits for
+   the same visible keys (kernels.exact_attention; docs/kernels.md). Each score is one fused
+   multiply-add per dimension in order (lanes run over queries, never over a sum); softmax's sum and
+   each output dimension's weighted sum run over the visible keys in key order, a masked key adding an
+   exact zero or skipped; exp is one polynomial on every lane.
+
+   q (B, Hq, Q, D), k and v (B, Hkv, L, D), all contiguous; out (B, Q, Hq, D). mask: bytes, nonzero =
+   attend, mask[b * mb + h * mh + i * mq + j] (strides in elements, 0 to broadcast), or NULL: every key
+   (causal = 0) or keys j <= i (causal = 1, top-left as torch's is_causal). D a multiple of 16. A query
+   that sees no key gets zeros. */
+typedef int vi16 __attribute__((vector_size(64)));
+static inline v16 vexp(v16 x) {  /* e^x for x <= 0 (Cephes' expf); exactly 0 below -87.3 and for -inf */
+  vi16 under = x < -87.3365448f;
+  v16 n = x * 1.44269504088896341f + 12582912.0f;
+  n = n - 12582912.0f;  /* x / ln 2 rounded to the nearest integer */
+  v16 r = x - n * 0.693359375f;
+  r = r - n * -2.12194440e-4f;
+  v16 p = r * 1.9875691500e-4f + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * (r * r) + r + 1.0f;
+  vi16 e = (__builtin_convertvector(n, vi16) + 127) << 23;
+  return (v16)((vi16)(p * (v16)e) & ~under);
+}
+/* Scores of CB vectors of pairs against KJ keys at a time (KJ * CB independent sums in flight: one
+   sum alone waits on each multiply-add), each sum over d in order, as the default case does. */
+#define SCORES(CB, KJ) \
+static void scores##CB(const v16 *qt, const float *kb, long keys, long D, float scale, v16 *s) { \
+  long j = 0; \
+  for (; j + KJ <= keys; j += KJ) { \
+    v16 acc[KJ * CB]; \
+    for (int t = 0; t < KJ * CB; t++) acc[t] = (v16){0}; \
+    for (long d = 0; d < D; d++) { \
+      _Pragma("GCC unroll 8") \
+      for (int t = 0; t < KJ * CB; t++) acc[t] += qt[d * CB + t % CB] * kb[(j + t / CB) * D + d]; \
+    } \
+    for (int t = 0; t < KJ * CB; t++) s[(j + t / CB) * CB + t % CB] = acc[t] * scale; \
+  } \
+  for (; j < keys; j++) \
+    for (long cb = 0; cb < CB; cb++) { \
+      v16 a = {0}; \
+      for (long d = 0; d < D; d++) a += qt[d * CB + cb] * kb[j * D + d]; \
+      s[j * CB + cb] = a * scale; \
+    } \
+}
+SCORES(1, 8) SCORES(2, 4) SCORES(3, 2) SCORES(4, 2)
+#define QC 64  /* (query, head) pairs of one kv head worked on together: 4 vectors of 16 lanes */
+void tidar_attention(const float *q, const float *k, const float *v, const unsigned char *mask, long mb, long mh, long mq, int causal,
+                     long B, long Hq, long Hkv, long Q, long L, long D, float scale, float *out, int threads) {
+  long G = Hq / Hkv, per = G >= QC ? 1 : QC / G;  /* queries a block: per * G pairs, at most QC (or G) */
+  long blocks = (Q + per - 1) / per, CBmax = (per * G + 15) / 16;  /* vectors of pairs, at most */
+  #pragma omp parallel num_threads(threads)
+  {
+    v16 *qt = aligned_alloc(64, sizeof(v16) * D * CBmax), *s = aligned_alloc(64, sizeof(v16) * (L > 0 ? L : 1) * CBmax);
+    #pragma omp for schedule(dynamic) collapse(2)
+    for (long bh = 0; bh < B * Hkv; bh++)
+      for (long blk = 0; blk < blocks; blk++) {
+        long b = bh / Hkv, hk = bh % Hkv, q0 = blk * per, nq = Q - q0 < per ? Q - q0 : per, C = nq * G, CB = (C + 15) / 16;
+        const float *kb = k + bh * L * D, *vb = v + bh * L * D;
+        float *qf = (float *)qt, *sf = (float *)s;
+        /* qt[d][c]: pair c = query i * G + head g, lanes past C zero */
+        memset(qt, 0, sizeof(v16) * D * CB);
+        for (long c = 0; c < C; c++) {
+          const float *qc = q + ((b * Hq + hk * G + c % G) * Q + q0 + c / G) * D;
+          for (long d = 0; d < D; d++) qf[d * CB * 16 + c] = qc[d];
+        }
+        long keys = causal ? (q0 + nq < L ? q0 + nq : L) : L;
+        /* scores s[j][c] = sum_d q_c[d] k_j[d], d in order */
+        switch (CB) {
+          case 1: scores1(qt, kb, keys, D, scale, s); break;
+          case 2: scores2(qt, kb, keys, D, scale, s); break;
+          case 3: scores3(qt, kb, keys, D, scale, s); break;
+          case 4: scores4(qt, kb, keys, D, scale, s); break;
+          default:
+            for (long j = 0; j < keys; j++)
+              for (long cb = 0; cb < CB; cb++) {
+                v16 a = {0};
+                for (long d = 0; d < D; d++) a += qt[d * CB + cb] * kb[j * D + d];
+                s[j * CB + cb] = a * scale;
+              }
+        }
+        /* the mask: -inf where a pair does not see a key */
+        for (long c = 0; c < C; c++) {
+          long i = q0 + c / G, h = hk * G + c % G;
+          const unsigned char *row = mask ? mask + b * mb + h * mh + i * mq : 0;
+          for (long j = 0; j < keys; j++)
+            if ((row && !row[j]) || (causal && j > i)) sf[j * CB * 16 + c] = -__builtin_inff();
+        }
+        /* softmax: max, then e^(s - max) and its sum over keys in order */
+        for (long cb = 0; cb < CB; cb++) {
+          v16 m = {0}; m -= __builtin_inff();
+          for (long j = 0; j < keys; j++) { v16 x = s[j * CB + cb]; m = (v16)((vi16)x & (x > m)) + (v16)((vi16)m & ~(x > m)); }
+          /* a pair that sees nothing: max 0, so its -inf scores give e^x = 0 and its sum stays 0 */
+          vi16 none = m == -__builtin_inff();
+          m = (v16)((vi16)m & ~none);
+          v16 l = {0};
+          for (long j = 0; j < keys; j++) { v16 p = vexp(s[j * CB + cb] - m); s[j * CB + cb] = p; l += p; }
+          /* each pair's output, four pairs at a time: sum_j p_j v_j over the keys in order, then / l */
+          float ls[16];
+          memcpy(ls, &l, 64);
+          for (int lane0 = 0; lane0 < 16 && cb * 16 + lane0 < C; lane0 += 4) {
+            long c0 = cb * 16 + lane0, n = C - c0 < 4 ? C - c0 : 4;
+            for (long d0 = 0; d0 < D; d0 += 64) {
+              long dn = D - d0 < 64 ? (D - d0) / 16 : 4;
+              v16 acc[4][4];
+              for (int t = 0; t < 4; t++) for (int u = 0; u < 4; u++) acc[t][u] = (v16){0};
+              for (long j = 0; j < keys; j++) {
+                float p[4];
+                for (int t = 0; t < 4; t++) p[t] = t < n ? sf[j * CB * 16 + c0 + t] : 0.f;
+                /* a key no pair here sees adds nothing; one some see adds p * v = +-0 to the others
+                   (finite v), which leaves their sums as they are */
+                if (p[0] == 0.f && p[1] == 0.f && p[2] == 0.f && p[3] == 0.f) continue;
+                const float *vj = vb + j * D + d0;
+                _Pragma("GCC unroll 4")
+                for (int u = 0; u < 4; u++) {
+                  if (u >= dn) break;
+                  v16 vv = *(const v16 *)(vj + 16 * u);
+                  _Pragma("GCC unroll 4")
+                  for (int t = 0; t < 4; t++) acc[t][u] += p[t] * vv;
+                }
+              }
+              for (long t = 0; t < n; t++) {
+                float sum = ls[lane0 + t];
+                long c = c0 + t;
+                float *o = out + ((b * Q + q0 + c / G) * Hq + hk * G + c % G) * D + d0;
+                for (long u = 0; u < dn; u++) {
+                  v16 r = sum > 0.f ? acc[t][u] / sum : acc[t][u];
+                  memcpy(o + 16 * u, &r, 64);
+                }
+              }
+            }
+          }
+        }
+      }
+    free(qt);
+    free(s);
+  }
+}
