@@ -30,12 +30,11 @@ class StepCosts:
     """Wall time of a decoding step by its shape: (query slots, whether it runs mask groups). Kept on
     the model across generate() calls (`costs_of`), so it is learned once per model and machine.
 
-    Measured, not modelled, because the shape of the curve is the machine's and the kernels': on this
-    repo's 2-core CPU in fp32 with PyTorch's stock product a forward of 1 query slot took 68 ms, 2
-    slots 110 ms, 3 slots 133 ms, but 4 to 6 slots 97 to 99 ms; with packed weights (kernels.py)
-    1 to 5 slots cost about the same and 13 slots about 1.4x, since past ~8 rows the two cores'
-    compute sets the price; mask-slot adapters (lora_scope='masks') add their own cost; on a GPU the
-    curve is flat far beyond any step. A shape not yet measured twice is priced optimistically, so
+    Measured, not modelled, because the shape of the curve is the machine's and the kernels': on
+    PyTorch's stock CPU product it was not even monotonic (4 slots cheaper than 3), on packed
+    weights (kernels.py) it is flat for a few slots and then rises as compute sets the price,
+    mask-slot adapters (lora_scope='masks') add their own cost, and on a GPU it is flat far beyond
+    any step (the bench's slot curves: bench/LOG.md). A shape not yet measured twice is priced optimistically, so
     that each is tried and then known: as if time grew in proportion to slots from the measured shapes with more
     slots (the cheapest such line), or else at the dearest shape with fewer. Its first two times
     count by their minimum (one stall, say a garbage collection, must not price a shape out for good),

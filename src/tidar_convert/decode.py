@@ -294,9 +294,10 @@ def generate(
         models: each of its 13 passes reads every weight; kernels.packing_pays); packing keeps one
         more copy of each weight (kernels.release frees it). True: always packed; False: stock, and
         transformers' own attention path. Otherwise attention under a mask attends grouped key/value
-        heads in place instead of copying the cache to every query head (kernels.grouped_attention).
-        What each linear layer took is then `model.tidar_products` ({"panels": 211}, say), logged
-        once at info when it changes.
+        heads in place instead of copying the cache to every query head (kernels.grouped_attention);
+        where every layer takes panels, one product for every row count, attention runs per query
+        (kernels.sdpa_exact) and greedy TiDAR equals tidar=False bit for bit. What each linear layer
+        took is then `model.tidar_products` ({"panels": 211}, say), logged once at info when it changes.
 
     do_sample: each row's token at its t-th new position is drawn from AR's distribution with noise
         keyed by (seed, row, t) (verify.Sampling), the seed drawn once per call from `generator=` (a

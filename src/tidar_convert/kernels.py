@@ -1,11 +1,9 @@
 """Linear layers on CPU with their weights packed once, so that extra query slots are nearly free.
 
 TiDAR rests on one fact about decoding: a forward of a few query slots costs about what a forward of
-one slot costs, because reading the weights dominates. PyTorch's stock CPU linear breaks that. Its
-MKL path runs 1 to 3 rows as matrix-vector products and 4 or more through a GEMM that is slow on so
-few rows. On a 2-core Xeon with AMX, one pass through SmolLM2-135M's 210 linear layers in fp32 takes
-19 ms for 1 row, 22 for 3, 30 for 4 and 36 for 8; without AMX, one forward took 59 ms for 1 slot and
-96 for 2 (bench/results/masks-greedy-600-fp32-packed.json).
+one slot costs, because reading the weights dominates. PyTorch's stock CPU linear breaks that on
+the CPUs measured: its MKL path runs 1 to 3 rows as matrix-vector products and 4 or more through a
+GEMM that is slow on so few rows (figures by machine: bench/LOG.md).
 
 Two packed products, each made from the weight once and kept:
 - **panels** (fp32): the weight in panels of 32 outputs by all inputs, streamed once per call by a
@@ -17,13 +15,13 @@ Two packed products, each made from the weight once and kept:
   OpenMP) into $TIDAR_CACHE/kernels on first use, in about a second, once per CPU and compiler;
   where no compiler builds it, fp32 takes oneDNN's product, with a warning saying so.
 - **onednn** (bf16, and fp32 without the panel kernel): each weight reordered once into oneDNN's
-  blocked layout (what torch.compile's CPU freezing does). On AMX it makes bf16 flat: 17 ms for 1 or
-  8 rows against 23 stock. In fp32 on the AMX Xeon it is flat but slow (about 35 ms).
+  blocked layout (what torch.compile's CPU freezing does). On AMX it makes bf16 nearly flat in the
+  row count; in fp32 it is flat but slower than panels.
 
 Which product runs is measured, not assumed: `packing_pays(model)` times one pass through the
 model's linear layers at 1 row (an AR step) and at 8 rows (a TiDAR step) with the stock product and
-the packed one, once per model and dtype: 13 passes that each read every weight once (about 0.5 s
-for SmolLM2-135M, in proportion to the weights' size for larger models), holding one more copy of
+the packed one, once per model and dtype: 13 passes that each read every weight once (well under a
+second for SmolLM2-135M, in proportion to the weights' size for larger models), holding one more copy of
 the weights while it times. `cpu_kernels(model, "auto")`, what generate() enters for every path
 (TiDAR, plain AR, prompt lookup), packs only where that pass is faster; the times it compared are
 `product_timings(model)` (the bench records them). One choice per model, so every decoder on a
@@ -84,7 +82,7 @@ _PAYS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> (its 
 # row of a batch-1 forward (None: none, or not one trailing block), and whose `add` adds the delta
 # to a product's mask rows. The adapter's forward hook (marked DELTA_HOOK) adds it on the stock
 # product; packed_linears sets that hook aside and packed_forward adds it instead, within the panel
-# pass where it can (a hook costs ~7 us a layer, about 1 ms a forward on SmolLM2-135M).
+# pass where it can (a hook's Python call per layer adds up to a noticeable share of a forward).
 LORA_A, LORA_BT, LORA_GATE, DELTA_HOOK = "tidar_lora_A", "tidar_lora_Bt", "_tidar_lora_gate", "_tidar_delta_hook"
 
 

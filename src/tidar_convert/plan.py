@@ -87,10 +87,10 @@ class Planner:
 
     adaptive also sets the draft length (trim): proposals the step reaches with chance < min_chance
     are dropped before the forward. Any length >= 2 is exact; each dropped proposal is one query
-    slot less through every layer, and one group anchor fewer. On this repo's CPU in fp32, past the
-    first few slots one more costs 1/30 to 1/20 of an AR step (1 slot 60 ms, 4 slots 86 ms, 8 slots
-    96 ms), so a proposal pays for its slot from a chance of about that much; on a GPU slots are
-    nearly free, and a wide budget (say 96) with its lower min_chance keeps rarer nodes and groups."""
+    slot less through every layer, and one group anchor fewer. A proposal pays for its slot from a
+    chance of about what one more slot costs against an AR step (a few percent on a CPU's packed
+    products: the bench's slot curve); on a GPU slots are nearly free, and a wide budget (say 96)
+    with its lower min_chance keeps rarer nodes and groups."""
 
     def __init__(self, k: int, mode: str = "cost", slot_budget: int | None = None, min_chance: float | None = None, costs: "StepCosts | None" = None, siblings: int = 0):
         if mode not in PLANS:
@@ -199,9 +199,9 @@ class Planner:
     def verify_cost(self) -> float:
         """What verifying a group's draft costs the next step, in tokens: the time a step with
         proposals takes beyond a plain AR step's, over the AR step's (the tokens that time would have
-        made). A group's proposals are worth only what they bring beyond it: on this repo's CPU a
-        step of 2 to 4 slots costs 1.5x one of 1 slot, so a group must get more than half a proposal
-        accepted to pay; where slots are free (a GPU) it costs nothing."""
+        made). A group's proposals are worth only what they bring beyond it: where a step of 2 to 4
+        slots costs 1.5x one of 1 slot, a group must get more than half a proposal accepted to pay;
+        where slots are free (a GPU) it costs nothing."""
         one = self.costs.price(1, False)
         verify = min(self.costs.price(n, False) for n in range(2, self.k + 1))
         return max(0.0, verify - one) / one
