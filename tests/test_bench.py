@@ -38,6 +38,7 @@ def test_prompts_mix_code_and_text():
     assert len(prompts.bench_prompts()) == 164 + len(prompts.TEXT_PROMPTS)
 
 
+@pytest.mark.slow  # a whole bench run (make test runs it; make test-fast skips it)
 def test_bench_json_and_plots(tiny_dirs, tiny_export, tmp_path, capsys):
     path = Path(bench.bench_cmd(str(tiny_export), max_new_tokens=8, limit=3, out_dir=str(tmp_path)))
     assert path == tmp_path / "tiny.json"
@@ -122,6 +123,7 @@ def test_bench_json_and_plots(tiny_dirs, tiny_export, tmp_path, capsys):
     assert "| base_prompt_lookup |" in card and "The quality guard passes" in card
 
 
+@pytest.mark.slow  # a whole bench run (make test runs it; make test-fast skips it)
 def test_export_records_its_base_and_bench_says_when_it_cannot(tiny_dirs, tiny_export, tmp_path, capsys):
     """fit/export record the base (an absolute path here) so bench finds it from any folder; an
     export that does not record one is benched without the guard, and the output says so."""
@@ -169,6 +171,7 @@ def test_chat_prompts_mix_every_kind():
     assert "code" not in prompts.CHAT_KINDS  # the guard runs HumanEval's tests on kind "code"
 
 
+@pytest.mark.slow  # a whole bench run (make test runs it; make test-fast skips it)
 def test_bench_chat_prompts_sampled(chat_export, tmp_path, capsys):
     """--prompts chat --sampling: the prompts rendered through the chat template, every decoder also
     sampled (0.7, 0.9, seeded) under summary_sampling with the fields of summary, per kind too."""
@@ -207,6 +210,7 @@ def test_bench_chat_prompts_sampled(chat_export, tmp_path, capsys):
     assert again["sampling"]["tidar"]["tokens"] == r["rows"][0]["sampling"]["tidar"]["tokens"]
 
 
+@pytest.mark.slow  # a whole bench run (make test runs it; make test-fast skips it)
 def test_bench_eos_at_once(tiny_export, tmp_path):
     """EOS as the very first token: every decoder stops after the prefill, nothing divides by zero."""
     from transformers import AutoTokenizer
@@ -429,6 +433,7 @@ def test_drafters_this_engine_lacks_are_left_out_with_the_reason(tiny_export):
 ENGINE_HAS_DRAFTERS = "drafter" in inspect.signature(decode.generate).parameters
 
 
+@pytest.mark.slow  # a whole bench run (make test runs it; make test-fast skips it)
 @pytest.mark.xfail(not ENGINE_HAS_DRAFTERS, reason="decode.generate has no drafter= until the engine branch merges", strict=True)
 def test_drafter_rows(tiny_export, tmp_path):
     """Each TiDAR drafter is a bench row, AR-exact, with the engine's own per-step counts."""
@@ -445,6 +450,7 @@ def test_drafter_rows(tiny_export, tmp_path):
     assert set(r["slot_latency"]["decoder_steps"]) >= {"tidar", "tidar_diffusion", "tidar_lookup"}
 
 
+@pytest.mark.slow  # a whole bench run (make test runs it; make test-fast skips it)
 def test_bench_in_bfloat16(tiny_export, tmp_path):
     r = json.loads(Path(bench.bench_cmd(str(tiny_export), max_new_tokens=4, limit=1, out_dir=str(tmp_path), quality=False, dtype="bfloat16")).read_text())
     assert r["machine"]["dtype"] == "torch.bfloat16"

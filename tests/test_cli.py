@@ -24,6 +24,7 @@ def run_json(capsys, *args):
     return json.loads(capsys.readouterr().out.strip().splitlines()[-1])
 
 
+@pytest.mark.slow  # its export fixture converts a model (make test runs it; make test-fast skips it)
 def test_generate_json_same_text_in_tidar_and_ar_mode(exported, trained, capsys):
     _, tok = trained["llama"]
     prompt = tok.decode(cycle_batch(1, 6, seed=1)[0])

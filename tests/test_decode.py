@@ -207,6 +207,7 @@ def sample_counts(fn, n):
 SAMPLING_SETTINGS = [dict(temperature=1.0), dict(temperature=0.7, top_k=4, top_p=0.9), dict(temperature=0.8, min_p=0.15)]
 
 
+@pytest.mark.slow  # statistical: thousands of samples (make test runs it; make test-fast skips it)
 @pytest.mark.parametrize("settings", SAMPLING_SETTINGS)
 def test_sampling_matches_ar_distribution(small_vocab_model, settings, monkeypatch):
     model = small_vocab_model
@@ -240,6 +241,7 @@ def test_sampling_matches_ar_distribution(small_vocab_model, settings, monkeypat
     assert chi_square_p(wrong, probs, n) < 1e-3
 
 
+@pytest.mark.slow  # statistical: thousands of samples (make test runs it; make test-fast skips it)
 @pytest.mark.parametrize("drafter", ["lookup", "hybrid"])
 def test_sampling_with_deterministic_drafts_matches_ar_distribution(small_vocab_model, drafter, monkeypatch):
     """Lookup drafts are deterministic: d is accepted where AR's draw there is d (chance p(d)). Every
@@ -277,6 +279,7 @@ def test_sampling_with_deterministic_drafts_matches_ar_distribution(small_vocab_
     assert chi_square_p(sample_counts(lambda: generate(prompt, model=model, **{**gen_kw, "plan": "full"}), n), probs, n) < 1e-3
 
 
+@pytest.mark.slow  # statistical: thousands of samples (make test runs it; make test-fast skips it)
 def test_sampling_with_per_row_acceptance_matches_ar_distribution(small_vocab_model, monkeypatch):
     """In a batch each row keeps what it accepted; its tokens must still follow AR sampling exactly.
     Row 0 is the test prompt; row 1 (another prompt) accepts differently."""

@@ -163,7 +163,8 @@ def test_fit_refuses_before_any_work(tmp_path):
 SAMPLED = ("llama", "qwen3_moe", "gemma2", "deepseek_v3", "gpt_oss", "llama4_text", "gemma3_text")
 
 
-@pytest.mark.parametrize("model_type", CI_ENTRIES)
+# llama in the quick half (make test-fast); every other entry with make test
+@pytest.mark.parametrize("model_type", [t if t == "llama" else pytest.param(t, marks=pytest.mark.slow) for t in CI_ENTRIES])
 def test_family_converts_exactly(model_type, tokenizer):
     """Conversion, export and greedy TiDAR from the export equal to AR at k = 2 and 4, one row and a
     left-padded batch of two, drafts both accepted and rejected; as docs/families.md records. SAMPLED

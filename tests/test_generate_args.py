@@ -231,6 +231,7 @@ def test_custom_logits_processor_and_prefix_allowed_tokens_fn(model):
 # ---- honoured, sampling ----------------------------------------------------------------------------
 
 
+@pytest.mark.slow  # statistical: thousands of samples (make test runs it; make test-fast skips it)
 @pytest.mark.parametrize("settings", MORE_SAMPLING)
 def test_sampling_fields_keep_the_ar_distribution(small_vocab_model, settings, monkeypatch):  # noqa: F811
     m = small_vocab_model

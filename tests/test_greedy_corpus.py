@@ -68,7 +68,9 @@ def test_distill_generates_on_the_kernels_generate_decodes_with(tiny_dirs, tmp_p
     monkeypatch.setattr(kernels, "cpu_kernels", spy)
     code_docs(tmp_path / "docs.jsonl")
     main(distill_args(tiny_dirs["llama"], tmp_path / "docs.jsonl", tmp_path / "corpus.jsonl"))
-    assert seen == [("cpu", kernels.available(), kernels.GQA_ATTENTION)]
+    # on panels (every layer), attention per query: the same product generate() runs
+    exact = kernels.available() and kernels.panel_library() is not None
+    assert seen == [("cpu", kernels.available(), kernels.EXACT_ATTENTION if exact else kernels.GQA_ATTENTION)]
 
 
 def test_distill_never_replaces_a_file_it_did_not_write(tiny_dirs, tmp_path, capsys):

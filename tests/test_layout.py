@@ -56,6 +56,7 @@ def test_dense_equals_flex_create_mask():
     assert torch.equal(layout.to_dense(step, 2, 12, 22), create_mask(step, 2, None, 12, 22, device="cpu"))
 
 
+@pytest.mark.slow  # compiles FlexAttention with inductor (make test runs it; make test-fast skips it)
 @pytest.mark.parametrize("family", FAMILIES)
 def test_block_mask_and_dense_mask_give_same_logits(models, family):
     model = models[family]

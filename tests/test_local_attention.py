@@ -73,6 +73,7 @@ def test_clean_half_equals_the_plain_model_past_the_window(model_type):
     assert (wrong - plain).abs().max() > 1e-3
 
 
+@pytest.mark.slow  # compiles FlexAttention with inductor (make test runs it; make test-fast skips it)
 @pytest.mark.parametrize("model_type", ["mistral", "gemma3_text", "llama4_text"])
 def test_flex_attention_equals_the_dense_masks(model_type, monkeypatch):
     """FlexAttention (forward on CPU, compiled) with one BlockMask per layer kind against the dense

@@ -30,7 +30,7 @@ def uneven_rows(tmp_path_factory):
     return path
 
 
-@pytest.mark.parametrize("workers", [0, 1, 2, 3])
+@pytest.mark.parametrize("workers", [0, *(pytest.param(w, marks=pytest.mark.slow) for w in (1, 2, 3))])  # worker processes: make test
 def test_a_resumed_loader_yields_exactly_the_batches_that_were_still_to_come(tokenizer, uneven_rows, workers):
     """The skip arithmetic, checked at every position of an epoch: consume c batches, save, load into
     a new loader: it yields batches c, c+1, ... of the uninterrupted epoch, in order, and nothing else."""
