@@ -302,7 +302,7 @@ def test_sampling_with_per_row_acceptance_matches_ar_distribution(small_vocab_mo
         assert chi_square_p(sample_counts(run, n), probs, n) > 1e-3, drafter
         assert "tokens_per_nfe_per_row" in model.tidar_stats  # it ran with per-row acceptance
     # Teeth: a row's next token drawn with the draws of its step's first position, not its own.
-    monkeypatch.setattr(Sampling, "next_token_rows", lambda self, scores, draft, accepted: self.token(scores[torch.arange(2), accepted - 1]))
+    monkeypatch.setattr(Sampling, "next_token_rows", lambda self, scores, draft, accepted: self.token(scores[torch.arange(scores.shape[0]), accepted - 1]))
     assert chi_square_p(sample_counts(lambda: generate(prompt, model=model, drafter="lookup", plan="full", **gen_kw)[:1], n), probs, n) < 1e-3
 
 

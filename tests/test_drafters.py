@@ -446,6 +446,40 @@ def test_batch_rows_keep_what_each_accepted(trained, monkeypatch):
         assert min(rows) > 2, rows
 
 
+def test_rows_that_stop_leave_the_batch_and_the_rest_write_what_they_would(trained, untrained, monkeypatch):
+    """Per-row commits: a row that stopped (its EOS, here at another step for each row) leaves every
+    later forward, so the batch shrinks as rows finish; greedy output is AR's, and sampled output
+    is what the same seed gives with every row kept (a returned dict keeps them all), so dropping a
+    row changes no other row's draws."""
+    from tidar_convert import forward as fwd
+
+    model, _ = trained["llama"]
+    ids = cycle_batch(3, 10, seed=4)
+    eos = int(ids[0, 3])  # in the cycle: each row reaches it at its own phase
+    batches = []
+    real = fwd.forward
+    monkeypatch.setattr("tidar_convert.engine.forward", lambda m, cache, tokens, *a, **k: batches.append(tokens.shape[0]) or real(m, cache, tokens, *a, **k))
+    kw = dict(model=model, max_new_tokens=24, eos_token_id=eos, pad_token_id=0, attention_mask=torch.ones_like(ids))
+    for name in DRAFTERS:
+        batches.clear()
+        got = generate(ids, drafter=name, **kw)
+        assert torch.equal(got, ar(model, ids, **{k: v for k, v in kw.items() if k != "model"})), name
+        assert batches[0] == 3 and batches[-1] < 3 and batches == sorted(batches, reverse=True), (name, batches)
+    # sampled, on an untrained model (flat distributions: each draw matters): row 0 stops first (EOS
+    # is its first sampled token), so the rows after it move up in the working batch
+    model = untrained["llama"]
+    kw = dict(model=model, max_new_tokens=24, pad_token_id=0, attention_mask=torch.ones_like(ids), do_sample=True)
+    torch.manual_seed(0)
+    kw["eos_token_id"] = int(generate(ids, eos_token_id=None, **kw)[0, ids.shape[1]])
+    batches.clear()
+    torch.manual_seed(0)
+    sampled = generate(ids, **kw)
+    assert batches[-1] < 3 and sampled[0, ids.shape[1]] == kw["eos_token_id"]
+    torch.manual_seed(0)
+    every_row = generate(ids, return_dict_in_generate=True, **kw).sequences
+    assert torch.equal(sampled, every_row)
+
+
 def test_a_row_without_a_group_at_its_length_reads_an_earlier_one():
     """Anchors at 1 and 3, k = 4: a row that committed 2 reads the group at 1 from its second slot
     (2 proposals), 4 and 5 the group at 3 (2, then 1); 6 is past every group."""

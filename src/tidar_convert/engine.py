@@ -17,6 +17,8 @@ One step (docs/method.md §3), for a draft of m tokens (draft 0 = the last commi
            included; accept_each: each row its own, holes in the cache) and picks the next token y
   commit   the kept drafts + y, one at a time through the stopping criteria (commit)
   crop     the KV cache keeps the kept slots and drops every other slot of the step (crop)
+  drop     a batch committing per row leaves out the rows that stopped (drop_finished): on a CPU a
+           row costs its slots in every forward, and the batch runs until its slowest row stops
 
 Trees (greedy, batch 1): a step may also verify siblings, other tokens beside the chain's, one
 query slot each, plus groups after them (tree.py, plan.Planner.tree, StepPlan.sibling_parents). The
@@ -62,6 +64,8 @@ class DecodeState:
     sources: Counter = field(default_factory=Counter)  # row-steps drafted by each source
     sibling_steps: int = 0  # steps that committed a sibling instead of the chain
     last: Output | None = None  # the last step's forward, until its vocabulary-head rows are all known
+    rows: torch.Tensor | None = None  # (B,) each working row's index in the caller's batch (drop_finished)
+    dropped: dict = field(default_factory=dict)  # caller's row -> (its new tokens, their count, its forwards)
 
     def record(self, accepted: int, plan: StepPlan, draft: Draft, out: Output) -> None:
         self.finish()
@@ -148,9 +152,11 @@ def causal_tokens(draft: Draft, plan: StepPlan) -> torch.Tensor:
     return torch.cat([draft.tokens, draft.siblings[:, : plan.siblings]], 1) if plan.siblings else draft.tokens
 
 
-def decode(model, run, drafter: Drafter, planner: Planner, beta: float = 1.0, record=None) -> DecodeState:
+def decode(model, run, drafter: Drafter, planner: Planner, beta: float = 1.0, record=None, costs_for=None) -> DecodeState:
     """Prefill, then steps until every row stops. run: decode.Run (the merged arguments). record:
-    None, or (scores, logits) lists that receive one (B, V) tensor per new token.
+    None, or (scores, logits) lists that receive one (B, V) tensor per new token. costs_for: batch
+    size -> the step-cost table the planner prices with once finished rows are dropped (None: keep
+    the planner's).
 
     The commit policy: a batch whose processors and stopping criteria look at each row alone commits
     per row (each row what it accepted: `accept_each`); otherwise every row commits the fewest drafts
@@ -166,6 +172,7 @@ def decode(model, run, drafter: Drafter, planner: Planner, beta: float = 1.0, re
     state.n_new = torch.zeros(B, dtype=torch.long, device=device)
     if per_row:
         state.row_nfe = torch.ones(B, dtype=torch.long, device=device)
+        state.rows = torch.arange(B, device=device)
     ar0, group = prefill(model, state, k, run.mask_id, drafter.uses_groups)
     state.cache_valid = run.kv_valid
     limit = position_limit(model)
@@ -182,6 +189,8 @@ def decode(model, run, drafter: Drafter, planner: Planner, beta: float = 1.0, re
             commit(run, criteria, state, kept.tokens, kept.counts, record[0] if record is not None and run.gc.output_scores else None)
         if not state.active.any():
             break
+        if per_row and not state.active.all() and not run.gc.return_dict_in_generate:  # a returned cache keeps every row
+            kept = drop_finished(state, kept, pick, planner, costs_for)
         pick.seek(state.n_new)  # each row's own count: sampling draws by each row's position
         with record_function("tidar.draft"):
             remaining = run.max_new - int(state.n_new[state.active].min())  # y of the next step is one of them
@@ -209,8 +218,49 @@ def decode(model, run, drafter: Drafter, planner: Planner, beta: float = 1.0, re
             crop(state, plan, kept)
         state.record(len(kept.slots), plan, draft, out)
     state.finish()
+    if state.dropped:
+        restore_rows(state)
     state.seqs = torch.cat([run.input_ids, state.new[:, : int(state.n_new.max())]], 1)
     return state
+
+
+def drop_finished(state: DecodeState, kept: "Kept", pick, planner: Planner, costs_for) -> "Kept":
+    """Leave the rows that stopped out of every later forward (per-row commits only): their new
+    tokens are set aside by the caller's row index (restore_rows puts them back), and every working
+    tensor, the cache, the next draft's group logits and the verifier's row keys (sampling draws by
+    the caller's row) follow the rows that go on. The step prices of the smaller batch are its own
+    (costs_for(batch size))."""
+    keep = state.active.nonzero()[:, 0]
+    for i in (~state.active).nonzero()[:, 0].tolist():
+        state.dropped[int(state.rows[i])] = (state.new[i], int(state.n_new[i]), int(state.row_nfe[i]))
+    for name in ("seqs", "kv_valid", "active", "cache_valid", "new", "n_new", "row_nfe", "rows"):
+        setattr(state, name, getattr(state, name)[keep])
+    state.cache.batch_select_indices(keep)
+    if hasattr(pick, "rows"):
+        pick.rows = state.rows.tolist()
+    if costs_for is not None:
+        planner.use_costs(costs_for(len(keep)))
+    group = kept.group
+
+    def kept_rows():
+        logits, have = group()
+        return logits[keep], None if have is None else have[keep]
+
+    return Kept(kept.tokens[keep], kept.counts[keep], kept.slots, memo(kept_rows) if group is not no_group else no_group)
+
+
+def restore_rows(state: DecodeState) -> None:
+    """The caller's batch again, in its order: the working rows and the rows drop_finished set aside."""
+    B = len(state.dropped) + state.new.shape[0]
+    width = state.new.shape[1]
+    new = torch.empty(B, width, dtype=state.new.dtype, device=state.new.device)
+    n_new = torch.empty(B, dtype=torch.long, device=state.new.device)
+    row_nfe = torch.empty(B, dtype=torch.long, device=state.new.device)
+    for i, row in enumerate(state.rows.tolist()):
+        new[row], n_new[row], row_nfe[row] = state.new[i], state.n_new[i], state.row_nfe[i]
+    for row, (tokens, count, nfe) in state.dropped.items():
+        new[row], n_new[row], row_nfe[row] = tokens, count, nfe
+    state.new, state.n_new, state.row_nfe = new, n_new, row_nfe
 
 
 @dataclass

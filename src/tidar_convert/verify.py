@@ -100,13 +100,16 @@ class Sampling(Verifier):
         self.seed = seed
         self.at = torch.zeros(1, dtype=torch.long)
         self._draws: dict[tuple[int, int], torch.Tensor] = {}
+        self.rows: list[int] | None = None  # each row's index in the caller's batch, once the engine drops finished rows
 
     def seek(self, committed) -> None:
         """committed: (B,) or an int, the new tokens each row has committed."""
         self.at = torch.as_tensor(committed, dtype=torch.long).cpu().reshape(-1)
         at = self.at.tolist()
-        # a row's committed indices are never drawn again (per row: a finished row stops advancing)
-        self._draws = {(b, t): e for (b, t), e in self._draws.items() if t >= at[b if len(at) > 1 else 0]}
+        rows = self.rows or range(len(at))
+        first = {row: at[i] for i, row in enumerate(rows)} if len(at) > 1 else None
+        # a row's committed indices are never drawn again; a dropped row's draws go with it
+        self._draws = {(b, t): e for (b, t), e in self._draws.items() if (t >= at[0] if first is None else b in first and t >= first[b])}
 
     def draws(self, b: int, t: int, V: int, device) -> torch.Tensor:
         """Row b's exponential draws (V,) for its new-token index t."""
@@ -132,7 +135,8 @@ class Sampling(Verifier):
         if n == 0:
             return probs.new_zeros((B, 0), dtype=torch.long)
         index = self.at.expand(B) + torch.as_tensor(offset, dtype=torch.long).cpu()
-        noise = torch.stack([torch.stack([self.draws(b, t + i, V, probs.device) for i in range(n)]) for b, t in enumerate(index.tolist())])
+        rows = self.rows or range(B)
+        noise = torch.stack([torch.stack([self.draws(rows[b], t + i, V, probs.device) for i in range(n)]) for b, t in enumerate(index.tolist())])
         y = (probs / noise).argmax(-1)
         return y[:, 0] if one else y
 
