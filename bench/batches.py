@@ -2,7 +2,8 @@
 on the same prompts, the two interleaved batch by batch, into a JSON record.
 
 Each batch size decodes the same prompts (the first `--prompts-n` of the set), left-padded in
-batches of that size; every row's tokens are checked equal to AR's. Per batch size: tokens/s of each
+batches of that size, after one untimed batch of that size (TiDAR learns a step-cost table per batch
+size, once per model and machine); every row's tokens are checked equal to AR's. Per batch size: tokens/s of each
 (new tokens up to each row's EOS, over the wall time), TiDAR's tokens per forward per row
 (`tidar_stats["tokens_per_nfe_per_row"]`, averaged), the row-steps each source drafted, and the share
 of batch 1's gain over AR that the batch keeps: (T/NFE_b - 1) / (T/NFE_1 - 1).
@@ -62,6 +63,10 @@ def main() -> None:
     model.generate(prompts[0], max_new_tokens=8, pad_token_id=pad)
     sizes = {}
     for size in args.sizes:
+        # untimed: one batch of this size first, as a served model has run many (the step-cost table
+        # for a batch size is learned once per model and machine, trying each step shape)
+        ids, mask = left_pad(prompts[:size], pad)
+        model.generate(ids, attention_mask=mask, **kw)
         seconds, tokens, per_row, sources, identical = {"ar": 0.0, "tidar": 0.0}, {"ar": 0, "tidar": 0}, [], Counter(), 0
         for start in range(0, len(prompts), size):
             ids, mask = left_pad(prompts[start : start + size], pad)

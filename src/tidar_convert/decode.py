@@ -331,7 +331,7 @@ def generate(
     if run.streamer is not None:
         run.streamer.put(run.input_ids.cpu())
     with torch.no_grad(), cpu_kernels(model, enabled=pack_weights):
-        state = decode(model, run, chosen, planner, beta, record, costs_for=lambda rows: costs_of(model, (*setting[:-1], rows)))
+        state = decode(model, run, chosen, planner, beta, record)
     if run.streamer is not None:
         run.streamer.end()
     P = run.input_ids.shape[1]

@@ -152,11 +152,9 @@ def causal_tokens(draft: Draft, plan: StepPlan) -> torch.Tensor:
     return torch.cat([draft.tokens, draft.siblings[:, : plan.siblings]], 1) if plan.siblings else draft.tokens
 
 
-def decode(model, run, drafter: Drafter, planner: Planner, beta: float = 1.0, record=None, costs_for=None) -> DecodeState:
+def decode(model, run, drafter: Drafter, planner: Planner, beta: float = 1.0, record=None) -> DecodeState:
     """Prefill, then steps until every row stops. run: decode.Run (the merged arguments). record:
-    None, or (scores, logits) lists that receive one (B, V) tensor per new token. costs_for: batch
-    size -> the step-cost table the planner prices with once finished rows are dropped (None: keep
-    the planner's).
+    None, or (scores, logits) lists that receive one (B, V) tensor per new token.
 
     The commit policy: a batch whose processors and stopping criteria look at each row alone commits
     per row (each row what it accepted: `accept_each`); otherwise every row commits the fewest drafts
@@ -190,7 +188,7 @@ def decode(model, run, drafter: Drafter, planner: Planner, beta: float = 1.0, re
         if not state.active.any():
             break
         if per_row and not state.active.all() and not run.gc.return_dict_in_generate:  # a returned cache keeps every row
-            kept = drop_finished(state, kept, pick, planner, costs_for)
+            kept = drop_finished(state, kept, pick)
         pick.seek(state.n_new)  # each row's own count: sampling draws by each row's position
         with record_function("tidar.draft"):
             remaining = run.max_new - int(state.n_new[state.active].min())  # y of the next step is one of them
@@ -224,12 +222,14 @@ def decode(model, run, drafter: Drafter, planner: Planner, beta: float = 1.0, re
     return state
 
 
-def drop_finished(state: DecodeState, kept: "Kept", pick, planner: Planner, costs_for) -> "Kept":
+def drop_finished(state: DecodeState, kept: "Kept", pick) -> "Kept":
     """Leave the rows that stopped out of every later forward (per-row commits only): their new
     tokens are set aside by the caller's row index (restore_rows puts them back), and every working
     tensor, the cache, the next draft's group logits and the verifier's row keys (sampling draws by
-    the caller's row) follow the rows that go on. The step prices of the smaller batch are its own
-    (costs_for(batch size))."""
+    the caller's row) follow the rows that go on. The planner keeps pricing steps from the full
+    batch's table: dearer than the smaller batch's, never unmeasured (a table per batch size left
+    would price each of its shapes optimistically until tried; at batch 16 that exploration cost
+    more than the dropped rows saved, bench/LOG.md)."""
     keep = state.active.nonzero()[:, 0]
     for i in (~state.active).nonzero()[:, 0].tolist():
         state.dropped[int(state.rows[i])] = (state.new[i], int(state.n_new[i]), int(state.row_nfe[i]))
@@ -238,8 +238,6 @@ def drop_finished(state: DecodeState, kept: "Kept", pick, planner: Planner, cost
     state.cache.batch_select_indices(keep)
     if hasattr(pick, "rows"):
         pick.rows = state.rows.tolist()
-    if costs_for is not None:
-        planner.use_costs(costs_for(len(keep)))
     group = kept.group
 
     def kept_rows():

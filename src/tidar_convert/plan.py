@@ -108,11 +108,6 @@ class Planner:
         # A slot's share of the budget: 5 % at the default 20 slots; a GPU's wide budget keeps rarer nodes.
         self.min_chance = min_chance if min_chance is not None else 1 / self.budget
 
-    def use_costs(self, costs: "StepCosts") -> None:
-        """Price steps from another table (the engine's batch shrank: a step of n slots costs n rows
-        per row left)."""
-        self.costs, self.group_gain = costs, costs.group_gain
-
     def step(self, draft: Draft, uses_groups: bool, room: int | None = None, per_row: bool = False) -> tuple[Draft, "StepPlan"]:
         """The draft as the step will verify it, and the step's plan."""
         if self.siblings and self.mode != "full" and not per_row and draft.siblings is not None and draft.tokens.shape[0] == 1 and draft.confidence is not None:
