@@ -236,8 +236,7 @@ def drop_finished(state: DecodeState, kept: "Kept", pick) -> "Kept":
     for name in ("seqs", "kv_valid", "active", "cache_valid", "new", "n_new", "row_nfe", "rows"):
         setattr(state, name, getattr(state, name)[keep])
     state.cache.batch_select_indices(keep)
-    if hasattr(pick, "rows"):
-        pick.rows = state.rows.tolist()
+    pick.rows = state.rows.tolist()
     group = kept.group
 
     def kept_rows():

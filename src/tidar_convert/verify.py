@@ -28,6 +28,10 @@ class Verifier(Protocol):
     """What the engine and the drafters ask of a verifier (`run.pick`). Scores are processed AR (or
     draft) scores, (B, V) or (B, n, V); a draft is verify.py's module docstring's."""
 
+    # Each row's index in the caller's batch, set by the engine once it drops finished rows (None:
+    # the rows are the caller's). Only sampling, whose draws are keyed by row, reads it.
+    rows: list[int] | None = None
+
     def seek(self, committed) -> None:
         """After each commit: (B,) or an int, the new tokens each row has committed (the index of what
         its next AR row predicts). Optional: only sampling, whose draws are keyed by position, needs it."""
@@ -100,7 +104,6 @@ class Sampling(Verifier):
         self.seed = seed
         self.at = torch.zeros(1, dtype=torch.long)
         self._draws: dict[tuple[int, int], torch.Tensor] = {}
-        self.rows: list[int] | None = None  # each row's index in the caller's batch, once the engine drops finished rows
 
     def seek(self, committed) -> None:
         """committed: (B,) or an int, the new tokens each row has committed."""
