@@ -19,6 +19,16 @@ def fingerprint(ids: torch.Tensor) -> str:
     return hashlib.sha1(ids.numpy().tobytes()).hexdigest()[:16]
 
 
+@pytest.fixture(autouse=True)
+def python_sigint():
+    """Each test starts from Python's own Ctrl-C (KeyboardInterrupt), what `tidar-convert fit` starts
+    from in a shell: in CI's full run an earlier test left SIGINT handled otherwise, and these tests
+    check what fit does relative to Python's default."""
+    old = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, old)
+
+
 @pytest.fixture(scope="module")
 def uneven_rows(tmp_path_factory):
     """Documents of uneven lengths, one .txt file each (read without `datasets`: these tests start
