@@ -189,3 +189,17 @@ def test_tree_mask_sees_each_branch_and_its_ancestors_only():
     expected = layout.to_dense(layout.decode_mask_mod(3, 5, k, anchors, valid, parents), 2, 11, 14)
     assert torch.equal(layout.decode_step_mask(cache_valid, 5, k, anchors, "sdpa", parents), expected)
     assert torch.equal(create_mask(layout.decode_mask_mod(3, 5, k, anchors, valid, parents), 2, 1, 11, 14, device="cpu"), expected)
+
+
+def test_decode_mask_mod_reads_only_tables_already_on_its_device():
+    """A compiled FlexAttention kernel cannot move a tensor the mask_mod captured (on CUDA, inductor
+    refused the anchors' device move inside the kernel: bench/results/gpu.json's first engine check),
+    so the anchors and the tree's ancestors are put on the mask's device when it is built."""
+    parents, anchors = (-1, 0, 1, 0, 0), (1, 2, 5)
+    valid = torch.ones(2, 3 + 11, dtype=torch.bool)
+    traced = torch.fx.symbolic_trace(layout.decode_mask_mod(3, 5, 2, anchors, valid, parents))
+    moves = [n for n in traced.graph.nodes if n.op == "call_method" and n.target in ("to", "cuda", "cpu")]
+    assert not moves, moves
+    on_meta = layout.decode_mask_mod(3, 5, 2, anchors, valid.to("meta"), parents)  # the device follows kv_valid
+    assert layout.to_dense(on_meta, 2, 11, 14, device="meta").device.type == "meta"
+    assert torch.equal(layout.to_dense(traced, 2, 11, 14), layout.to_dense(layout.decode_mask_mod(3, 5, 2, anchors, valid, parents), 2, 11, 14))  # what was traced is the mask

@@ -119,7 +119,7 @@ def tree_ancestors(parents) -> torch.Tensor:
     return anc
 
 
-def decode_mask_mod(cache_len: int, n_causal: int, block_size: int, first_group_sees, kv_valid: torch.Tensor | None = None, parents=None):
+def decode_mask_mod(cache_len: int, n_causal: int, block_size: int, first_group_sees, kv_valid: torch.Tensor | None = None, parents=None, device=None):
     """Queries: `n_causal` causal tokens, then groups of `block_size` mask tokens.
 
     Every query sees the whole cache (minus padding). Group g sees the first `sees[g]` causal tokens
@@ -135,16 +135,19 @@ def decode_mask_mod(cache_len: int, n_causal: int, block_size: int, first_group_
 
     kv_valid: (B, cache_len + n_queries) bool, False at left padding. A query always sees itself, so
     a padding row is never fully masked (SDPA would turn it into NaN and spread it through the cache).
+
+    device: where the mask is evaluated (default: kv_valid's, else the CPU). The tables it reads are
+    put there now: a compiled FlexAttention kernel cannot move a tensor the mask_mod captured.
     """
     C, T, k = cache_len, n_causal, block_size
-    anchors = None if isinstance(first_group_sees, int) else group_anchors(first_group_sees)
-    anc = None if parents is None else tree_ancestors(parents)
+    device = device if device is not None else kv_valid.device if kv_valid is not None else "cpu"
+    anchors = None if isinstance(first_group_sees, int) else group_anchors(first_group_sees).to(device)
+    anc = None if parents is None else tree_ancestors(parents).to(device)
 
     def sees_token(node, kv_new):  # causal token kv_new is node itself or one of its ancestors
         if anc is None:
             return kv_new <= node
-        a = anc.to(kv_new.device)
-        return a[node.clamp(0, T - 1), kv_new.clamp(0, T - 1)]
+        return anc[node.clamp(0, T - 1), kv_new.clamp(0, T - 1)]
 
     def mask_mod(b, h, q, kv):
         q_causal = q < T
@@ -155,7 +158,7 @@ def decode_mask_mod(cache_len: int, n_causal: int, block_size: int, first_group_
         if anchors is None:
             sees = first_group_sees + q_group
         else:  # causal queries index group 0 here; their term below is masked out by ~q_causal
-            sees = anchors.to(q.device)[q_group.clamp(0, max(len(anchors) - 1, 0))] if len(anchors) else q_group
+            sees = anchors[q_group.clamp(0, max(len(anchors) - 1, 0))] if len(anchors) else q_group
         causal = q_causal & kv_causal & sees_token(q, kv_new)
         drafts_seen = ~q_causal & kv_causal & sees_token(sees - 1, kv_new)
         same_group = ~q_causal & ~in_cache & ~kv_causal & (kv_group == q_group)
@@ -211,7 +214,7 @@ def decode_step_mask(cache_valid: torch.Tensor, n_causal: int, block_size: int, 
     if own is None:
         if len(_OWN_MASKS) > 512:  # plans vary with draft length and anchors; keep the memory bounded
             _OWN_MASKS.clear()
-        own = _OWN_MASKS[key] = to_dense(decode_mask_mod(0, n_causal, block_size, anchors, parents=parents), 1, Q, Q, device=device)
+        own = _OWN_MASKS[key] = to_dense(decode_mask_mod(0, n_causal, block_size, anchors, parents=parents, device=device), 1, Q, Q, device=device)
     dense = torch.cat([cache_valid[:, None, None, :].expand(B, 1, Q, C), own.expand(B, 1, Q, Q)], -1)
     return for_implementation(dense, attn_implementation) if local is None else local.masks(attn_implementation, dense=dense)
 
