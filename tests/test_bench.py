@@ -320,7 +320,16 @@ def test_bench_gpu_dry_run(tmp_path):
     assert fsdp["tokens_per_s"] > 0 and fsdp["mesh"] == [1] and r["train"]["tidar_fsdp_vs_tidar"] > 0
     assert fsdp["mfu"] is None and fsdp["tflops"] > 0  # no known peak for a CPU
     assert not torch.distributed.is_initialized()
-    assert set(r) >= {"slots", "decode", "train", "conversion", "machine", "model", "seconds"}
+    assert set(r) >= {"slots", "decode", "train", "engine", "conversion", "machine", "model", "seconds"}
+    engine = r["engine"]["by_impl"]["sdpa"]  # generate() on the device, trained on cycles: drafts accepted, output AR's
+    assert engine["identical"] == f"{bench_gpu.DRY_PLAN.engine_prompts}/{bench_gpu.DRY_PLAN.engine_prompts}" and engine["tokens_per_nfe"] > 1.5
+
+
+def test_bench_gpu_runs_only_the_sections_asked(tmp_path):
+    r = json.loads(bench_gpu.main(["--dry-run", "--only", "decode", "--out", str(tmp_path / "gpu.json")]).read_text())
+    assert r["sections"] == ["decode"] and r["decode"]["by_impl"]["sdpa"] and not r["slots"]["by_impl"] and "train" not in r
+    with pytest.raises(SystemExit):
+        bench_gpu.main(["--dry-run", "--only", "slot", "--out", str(tmp_path / "x.json")])
 
 
 def test_cpu_default_is_minutes_and_gpu_default_is_every_prompt():
@@ -374,6 +383,9 @@ def test_a_new_decoder_is_one_table_entry(tiny_export, monkeypatch):
     row = decoders.bench_prompt(lm, tok, prompts.bench_prompts(1)[0], 6, 4, 3, ("ar", "tidar_adaptive", "tidar_k2"))
     summary = summarize([row])
     assert list(summary) == ["ar", "tidar_adaptive", "tidar_k2"] and summary["tidar_k2"]["all_identical"]
+    for source, table in summary["tidar_k2"]["acceptance_by_offset"].items():  # the per-offset rates, summed over prompts
+        assert source in ("lookup", "diffusion") and len(table["acceptance"]) <= 1  # k=2: one proposal after the anchor
+        assert table["acceptance"] == [a / j for a, j in zip(table["accepted"], table["judged"])]
     # it really ran with its own k: fewer slots a step (the adaptive plan: slots that do not follow timings)
     assert row["tidar_k2"]["slots_per_step"] < row["tidar_adaptive"]["slots_per_step"]
 

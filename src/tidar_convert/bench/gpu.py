@@ -1,6 +1,6 @@
 """GPU latency and throughput of TiDAR on a Qwen2.5-1.5B-shaped model with random weights.
 
-    python -m tidar_convert.bench.gpu [--dry-run] [--out bench/results/gpu.json]
+    python -m tidar_convert.bench.gpu [--dry-run] [--only engine,train] [--out bench/results/gpu.json]
 
 Random weights are enough here: latency and throughput depend on shapes, not on what was learned,
 and nothing has to be downloaded. Sections (each timed as a median over repeats, CUDA-synchronized):
@@ -15,6 +15,13 @@ and nothing has to be downloaded. Sections (each timed as a median over repeats,
           training mask against plain causal AR on the same clean tokens; then the same TiDAR
           step under FSDP2 as the recipes train it (fully_shard per decoder layer, sharding.shard,
           a one-device mesh here: the sharding machinery's own cost), with MFU and peak memory.
+  engine  generate() itself on the device, per attention implementation: a small Qwen2 trained on
+          cycle streams with the training mask (on CUDA FlexAttention's BlockMask, forward and
+          backward), then greedy TiDAR against transformers' AR on the same weights: identical
+          tokens, T/NFE, tokens/s. Cycle streams make drafts easy, so its speed ratio bounds what
+          the engine's per-step work lets through on this device; it is no conversion's figure.
+
+The JSON is rewritten after every section, so a run cut short keeps what it measured.
 
 On CUDA the model runs in bf16 with FlexAttention (BlockMask), with SDPA + dense masks alongside
 for reference. `--dry-run` runs the same code on CPU with tiny shapes and SDPA + dense masks only
@@ -55,6 +62,8 @@ QWEN25_15B = dict(
     rope_theta=1000000.0,
 )
 TINY = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, intermediate_size=128, vocab_size=512, max_position_embeddings=4096)
+# The engine check's model: big enough that a GPU step is not all launch overhead, small enough to train in seconds.
+ENGINE = dict(hidden_size=512, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2, intermediate_size=1536, vocab_size=512, max_position_embeddings=1024)
 
 
 @dataclass
@@ -71,11 +80,15 @@ class Plan:
     repeats: int = 10
     train_repeats: int = 3
     raise_errors: bool = False  # a failing section is recorded in the JSON on a real run, raised in the dry run
-    budget_s: float = 480.0  # no section starts after this many seconds (the run must end in < 10 min)
+    budget_s: float = 420.0  # no section starts after this many seconds (the run must end in < 10 min)
+    engine_dims: dict | None = None  # the engine check's model (None: the plan's own dims)
+    engine_steps: int = 300  # its training steps on cycle streams
+    engine_tokens: int = 64  # new tokens per prompt
+    engine_prompts: int = 4
 
 
-GPU_PLAN = Plan(QWEN25_15B, "cuda", torch.bfloat16, ("flex_attention", "sdpa"), tuple(2**i for i in range(9)), 1024)
-DRY_PLAN = Plan(TINY, "cpu", torch.float32, ("sdpa",), (1, 2, 4, 8, 16, 32), 32, train_seq=64, repeats=2, train_repeats=1, raise_errors=True)
+GPU_PLAN = Plan(QWEN25_15B, "cuda", torch.bfloat16, ("flex_attention", "sdpa"), tuple(2**i for i in range(9)), 1024, engine_dims=ENGINE)
+DRY_PLAN = Plan(TINY, "cpu", torch.float32, ("sdpa",), (1, 2, 4, 8, 16, 32), 32, train_seq=64, repeats=2, train_repeats=1, raise_errors=True, engine_steps=60, engine_tokens=16, engine_prompts=2)
 
 
 def build_model(plan: Plan):
@@ -246,14 +259,81 @@ def free_port() -> int:
 
 
 # --------------------------------------------------------------------------------------------
+# The decoding engine.
+# --------------------------------------------------------------------------------------------
+
+
+def cycles(batch: int, length: int, period: int = 7, offset: int = 3, generator=None):
+    """Streams repeating one cycle from random phases (tests/helpers.cycle_batch): learnt in seconds."""
+    phase = torch.randint(0, period, (batch, 1), generator=generator)
+    return offset + (phase + torch.arange(length)) % period
+
+
+def engine_model(plan: Plan, impl: str, dtype: torch.dtype, block_size: int = 4, seq_len: int = 128):
+    """A Qwen2 of plan.engine_dims trained with the TiDAR layout and loss on cycle streams (fp32
+    weights; bf16: under autocast, as bf16-mixed trains, then cast for decoding). seq_len 128: on
+    CUDA, torch 2.11's FlexAttention backward found no kernel for 2 x 32 positions, under its 128-block."""
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    device = torch.device(plan.device)
+    config = Qwen2Config(**(plan.engine_dims or plan.dims), mask_token_id=(plan.engine_dims or plan.dims)["vocab_size"] - 1)
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, attn_implementation=impl, dtype=torch.float32)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    mask = layout.build_mask(layout.train_mask_mod(seq_len, block_size), 8, 2 * seq_len, 2 * seq_len, impl, device)
+    model.train()
+    for _ in range(plan.engine_steps):
+        ids = cycles(8, seq_len).to(device)
+        with torch.autocast(device.type, torch.bfloat16, enabled=dtype == torch.bfloat16):
+            logits = model(input_ids=layout.train_inputs(ids, config.mask_token_id), position_ids=layout.train_position_ids(ids), attention_mask=mask, use_cache=False).logits
+        loss = hybrid_loss(logits, *layout.train_labels(ids), alpha=1.0, block_size=block_size)
+        opt.zero_grad(set_to_none=True)
+        loss["loss"].backward()
+        opt.step()
+    model.config.block_size = block_size
+    return model.to(dtype).eval(), {k: v.item() for k, v in loss.items() if torch.is_tensor(v) and v.numel() == 1}
+
+
+def engine_check(plan: Plan, impl: str) -> dict:
+    """TiDAR's generate() against transformers' greedy AR on the same trained weights, per prompt
+    (each timed after one untimed run of both): identical tokens, T/NFE, tokens/s. fp32, except
+    FlexAttention on CUDA: bf16 (torch 2.11's inductor found no fp32 kernel for it on an H200)."""
+    from ..decode import generate
+
+    device = torch.device(plan.device)
+    dtype = torch.bfloat16 if impl == "flex_attention" and device.type == "cuda" else torch.float32
+    model, loss = engine_model(plan, impl, dtype)
+    prompts = cycles(plan.engine_prompts, 12, generator=torch.Generator().manual_seed(1)).to(device)
+    n = plan.engine_tokens
+    out = {"attn_implementation": impl, "dtype": str(dtype), "dims": plan.engine_dims or plan.dims, "train_steps": plan.engine_steps, "final_loss": loss, "new_tokens": n, "prompts": []}
+    for ids in prompts[:, None]:
+        ar = lambda: model.generate(ids, do_sample=False, max_new_tokens=n, min_new_tokens=n, eos_token_id=None, pad_token_id=0)  # noqa: E731
+        tidar = lambda: generate(ids, model=model, max_new_tokens=n, eos_token_id=None, pad_token_id=0)  # noqa: E731
+        ar_s, tidar_s = median_seconds(ar, device, 3), median_seconds(tidar, device, 3)
+        stats = dict(model.tidar_stats)
+        out["prompts"].append({"identical": bool(torch.equal(ar(), tidar())), "tokens_per_nfe": stats["tokens_per_nfe"], "ar_s": ar_s, "tidar_s": tidar_s, "tidar_vs_ar": ar_s / tidar_s})
+    rows = out["prompts"]
+    out["identical"] = f"{sum(r['identical'] for r in rows)}/{len(rows)}"
+    out["tokens_per_nfe"] = sum(r["tokens_per_nfe"] for r in rows) / len(rows)
+    out["tidar_vs_ar"] = sum(r["ar_s"] for r in rows) / sum(r["tidar_s"] for r in rows)
+    return out
+
+
+# --------------------------------------------------------------------------------------------
 # The run.
 # --------------------------------------------------------------------------------------------
+
+
+SECTIONS = ("slots", "decode", "train", "engine")
 
 
 def section(result: dict, key: str, plan: Plan, fn, started: float):
     """Run one measurement into result[key]. On a real run a failure is recorded, not fatal, so one
     broken section (e.g. a FlexAttention compile error) still leaves the others' numbers; and a
     section that would start past the time budget is skipped, so the script ends in time."""
+    if fn is None:  # not asked for (--only)
+        return
     if time.perf_counter() - started > plan.budget_s:
         result[key] = {"skipped": f"time budget of {plan.budget_s:.0f} s spent"}
         return
@@ -269,9 +349,11 @@ def section(result: dict, key: str, plan: Plan, fn, started: float):
     print(f"[{key}] done in {result['section_seconds'][key]:.1f} s", file=sys.stderr)
 
 
-def run(plan: Plan, dry_run: bool) -> dict:
-    """The primary attention implementation first (slots, decode, train), the reference ones after,
-    so a tight time budget drops the reference numbers first."""
+def run(plan: Plan, dry_run: bool, save=lambda result: None, only: tuple[str, ...] = SECTIONS) -> dict:
+    """The primary attention implementation first (slots, decode, train), then the engine check on
+    the reference one (the engine's path in an export), then the reference numbers and the engine
+    under the primary, so a tight time budget drops those first. save(result) after each section;
+    `only` names the sections to run."""
     started = time.perf_counter()
     # Every new mask_mod closure (another k, another cache length) recompiles flex_attention; past
     # the default limit of 8 it would fall back to the unfused eager kernel and distort the timings.
@@ -286,13 +368,28 @@ def run(plan: Plan, dry_run: bool) -> dict:
         "slots": {"cache_len": plan.cache_len, "by_impl": {}},
         "decode": {"cache_len": plan.cache_len, "by_impl": {}},
     }
+    result["engine"] = {"by_impl": {}}
+    result["conversion"] = {"skipped": "a real conversion needs base weights from the hub; run `make convert` separately"}
+    result["sections"] = list(only)
+    engine_order = plan.impls[1:] + plan.impls[:1]
+
+    def asked(name, fn):
+        return fn if name in only else None
+
     for i, impl in enumerate(plan.impls):
         model.set_attn_implementation(impl)
-        section(result["slots"]["by_impl"], impl, plan, lambda: slot_latency(model, plan.slots, plan.cache_len, plan.repeats), started)
-        section(result["decode"]["by_impl"], impl, plan, lambda: decode_steps(model, plan), started)
+        section(result["slots"]["by_impl"], impl, plan, asked("slots", lambda: slot_latency(model, plan.slots, plan.cache_len, plan.repeats)), started)
+        save(result)
+        section(result["decode"]["by_impl"], impl, plan, asked("decode", lambda: decode_steps(model, plan)), started)
+        save(result)
         if i == 0:
-            section(result, "train", plan, lambda: train_throughput(model, plan), started)
-    result["conversion"] = {"skipped": "a real conversion needs base weights from the hub; run `make convert` separately"}
+            section(result, "train", plan, asked("train", lambda: train_throughput(model, plan)), started)
+            save(result)
+            section(result["engine"]["by_impl"], engine_order[0], plan, asked("engine", lambda: engine_check(plan, engine_order[0])), started)
+            save(result)
+    for impl in engine_order[1:]:
+        section(result["engine"]["by_impl"], impl, plan, asked("engine", lambda: engine_check(plan, impl)), started)
+        save(result)
     synchronize(device)
     result["seconds"] = time.perf_counter() - started
     return result
@@ -313,20 +410,32 @@ def print_report(result: dict) -> None:
         fsdp = train["tidar_fsdp"]
         mfu = "" if fsdp["mfu"] is None else f", MFU {fsdp['mfu']:.1%}"
         print(f"train TiDAR under FSDP2 (1 device): {fsdp['tokens_per_s']:.0f} tok/s ({train['tidar_fsdp_vs_tidar']:.2f}x unsharded){mfu}")
+    for impl, e in result.get("engine", {}).get("by_impl", {}).items():
+        if "identical" in e:
+            print(f"engine {impl:>14}: TiDAR tokens identical to AR {e['identical']}, T/NFE {e['tokens_per_nfe']:.2f}, {e['tidar_vs_ar']:.2f}x AR (cycle streams)")
     print(f"total {result['seconds']:.1f} s")
 
 
 def main(argv: list[str] | None = None) -> Path:
     parser = argparse.ArgumentParser(prog="python -m tidar_convert.bench.gpu", description=__doc__.split("\n\n")[0])
     parser.add_argument("--dry-run", action="store_true", help="CPU, tiny shapes, SDPA + dense masks: checks the script in seconds")
+    parser.add_argument("--only", default=",".join(SECTIONS), help=f"comma-separated sections to run, of {', '.join(SECTIONS)} (default: all)")
     parser.add_argument("--out", default=None, help="JSON to write (default: bench/results/gpu.json, or gpu_dry_run.json with --dry-run)")
     args = parser.parse_args(argv)
     if not args.dry_run and not torch.cuda.is_available():
         parser.error("no CUDA device here; run on a GPU machine, or pass --dry-run to check the script on CPU.")
+    only = tuple(name.strip() for name in args.only.split(",") if name.strip())
+    unknown = [name for name in only if name not in SECTIONS]
+    if unknown or not only:
+        parser.error(f"--only {args.only!r}: the sections are {', '.join(SECTIONS)}")
     out = Path(args.out or ("bench/results/gpu_dry_run.json" if args.dry_run else "bench/results/gpu.json"))
-    result = run(DRY_PLAN if args.dry_run else GPU_PLAN, args.dry_run)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=1, default=str))
+
+    def save(result: dict) -> None:
+        out.write_text(json.dumps(result, indent=1, default=str))
+
+    result = run(DRY_PLAN if args.dry_run else GPU_PLAN, args.dry_run, save, only)
+    save(result)
     print_report(result)
     print(f"wrote {out}")
     return out
