@@ -451,3 +451,34 @@ def test_sampling_is_exact_for_a_row_that_accepted_more_than_the_batch_commits()
         ones += int(y[1])
     assert accepted_more > n // 3
     assert binomtest(ones, n, 0.5).pvalue > 1e-3, ones / n
+
+
+def test_acceptance_by_offset_tallies_each_rows_chain():
+    """judge: offset i is judged where proposals 1..i-1 were accepted and i was offered; the plan's
+    chance is summed over the judged proposals that had one."""
+    from tidar_convert.drafters import Draft
+    from tidar_convert.engine import DecodeState
+
+    seqs = torch.zeros(3, 2, dtype=torch.long)
+    state = DecodeState(seqs, torch.ones_like(seqs, dtype=torch.bool), torch.tensor([True, True, False]))
+    draft = Draft(torch.zeros(3, 4, dtype=torch.long), length=torch.tensor([4, 3, 4]), sources=["lookup", "diffusion", "lookup"],
+                  confidence=torch.tensor([[0.9, 0.8, 0.7], [0.5, 0.25, 0.0], [1.0, 1.0, 1.0]]))
+    state.judge(draft, torch.tensor([3, 1, 4]))  # lookup: 2 of 3 accepted; diffusion: none of 2; the last row has stopped
+    state.judge(Draft(torch.zeros(3, 3, dtype=torch.long), length=torch.tensor([3, 1, 3]), sources=["lookup", "none", "lookup"]), torch.tensor([3, 1, 3]))
+    assert state.offsets == {
+        "lookup": {"judged": [2, 2, 1], "accepted": [2, 2, 0], "predicted": [pytest.approx(0.9), pytest.approx(0.8), pytest.approx(0.7)], "rated": [1, 1, 1]},
+        "diffusion": {"judged": [1], "accepted": [0], "predicted": [0.5], "rated": [1]},
+    }
+
+
+def test_acceptance_by_offset_adds_up_to_what_was_committed(trained):
+    """Batch 1, chains: every accepted proposal is one the step committed, and a step judges offset 1
+    whenever it verified a proposal."""
+    model, _ = trained["llama"]
+    for drafter in ("diffusion", "lookup", "hybrid"):
+        generate(cycle_batch(1, 4, seed=3), model=model, max_new_tokens=30, eos_token_id=None, drafter=drafter, siblings=0)
+        stats = model.tidar_stats
+        tables = stats["acceptance_by_offset"]
+        assert tables and set(tables) <= {"lookup", "diffusion"}, drafter
+        assert sum(sum(t["accepted"]) for t in tables.values()) == sum(a - 1 for a in stats["accepted"]), drafter
+        assert all(t["judged"][i] >= t["accepted"][i] >= t["judged"][i + 1] for t in tables.values() for i in range(len(t["judged"]) - 1))

@@ -16,8 +16,10 @@ After each call, `model.tidar_stats` holds nfe (forward passes), new_tokens, tok
 accepted (drafts committed at each step), slots_per_step (mean query slots of a decoding forward),
 lm_head_rows_per_step (mean vocabulary-head rows per batch row of a decoding forward) and
 draft_sources (row-steps drafted by lookup, diffusion, or nothing), sibling_steps (steps that
-committed a sibling of draft 1 instead of the chain); with per-row acceptance in a
-batch also tokens_per_nfe_per_row (each row's new tokens over the forwards it was active in).
+committed a sibling of draft 1 instead of the chain), acceptance_by_offset (per draft source, the
+chain's proposals judged, accepted and the plan's summed chance for them, by offset: engine.DecodeState.judge);
+with per-row acceptance in a batch also tokens_per_nfe_per_row (each row's new tokens over the
+forwards it was active in).
 """
 
 from __future__ import annotations

@@ -63,6 +63,7 @@ class DecodeState:
     head_rows: list = field(default_factory=list)  # vocabulary-head rows (per batch row) of each decoding forward
     sources: Counter = field(default_factory=Counter)  # row-steps drafted by each source
     sibling_steps: int = 0  # steps that committed a sibling instead of the chain
+    offsets: dict = field(default_factory=dict)  # source -> the chain's proposals judged by offset (judge)
     last: Output | None = None  # the last step's forward, until its vocabulary-head rows are all known
     rows: torch.Tensor | None = None  # (B,) each working row's index in the caller's batch (drop_finished)
     dropped: dict = field(default_factory=dict)  # caller's row -> (its new tokens, their count, its forwards)
@@ -73,6 +74,27 @@ class DecodeState:
         self.slots.append(plan.slots)
         self.sources.update(draft.sources)
         self.last = out
+
+    def judge(self, draft: Draft, accepted: torch.Tensor) -> None:
+        """Tallies, per draft source and offset i (the chain's i-th proposal), how often proposal i was
+        judged (offered, and 1..i-1 accepted) and accepted, and the summed chance the plan read for it
+        (draft.confidence, over the `rated` judged ones that had one): acceptance by offset, greedy or
+        sampled, beside what the plan expected."""
+        offered, taken = (draft.length - 1).tolist(), (accepted - 1).tolist()
+        chances = None if draft.confidence is None else draft.confidence.float().tolist()
+        for b in self.active.nonzero()[:, 0].tolist():
+            judged = min(taken[b] + 1, offered[b])
+            if judged == 0:
+                continue
+            table = self.offsets.setdefault(draft.sources[b], {"judged": [], "accepted": [], "predicted": [], "rated": []})
+            for counts in table.values():
+                counts.extend([0] * (judged - len(counts)))
+            for i in range(judged):
+                table["judged"][i] += 1
+                table["accepted"][i] += i < taken[b]
+                if chances is not None:
+                    table["predicted"][i] += chances[b][i]
+                    table["rated"][i] += 1
 
     def finish(self) -> None:
         """Counts the last step's head rows: known once the next draft has read its group, or not."""
@@ -101,6 +123,7 @@ class DecodeState:
             "lm_head_rows_per_step": sum(self.head_rows) / steps,
             "draft_sources": {s: self.sources.get(s, 0) for s in ("lookup", "diffusion", "none")},
             "sibling_steps": self.sibling_steps,
+            "acceptance_by_offset": self.offsets,
         }
 
 
@@ -205,6 +228,7 @@ def decode(model, run, drafter: Drafter, planner: Planner, beta: float = 1.0, re
             ar = out.rows(0, plan.n_drafts)
             scores = process(processors, state.seqs, draft.tokens[:, 1:], ar)  # row i: after seqs ++ drafts 1..i
             accepted = pick.verify(scores, draft)
+            state.judge(draft, accepted)
             accept = accept_each if per_row else accept_together
             kept = accept(state, draft, plan, out, scores, ar, accepted, pick, processors, beta, k)
             planner.timed(plan, time.perf_counter() - started, draft, kept.brought, kept.ends)  # accept() waited for the device

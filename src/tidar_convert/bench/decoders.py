@@ -185,6 +185,7 @@ def run_decoder(model, input_ids, decoder: str, max_new_tokens: int, pad_token_i
         row["engine_slots_per_step"] = stats.get("slots_per_step")
         row["draft_sources"] = stats.get("draft_sources")
         row["sibling_steps"] = stats.get("sibling_steps")
+        row["acceptance_by_offset"] = stats.get("acceptance_by_offset")
     return row
 
 

@@ -43,6 +43,25 @@ def draft_sources(runs: list[dict]) -> dict | None:
     return dict(total) if seen else None
 
 
+def acceptance_by_offset(runs: list[dict]) -> dict | None:
+    """The engine's per-source tallies by offset summed over prompts, and their rates: `acceptance`
+    (accepted / judged: the chance proposal i is accepted once 1..i-1 were) beside `expected` (the
+    plan's mean chance for the same proposals, in place of their sum). None when the engine does not
+    report them."""
+    total = {}
+    for r in runs:
+        for source, table in (r.get("acceptance_by_offset") or {}).items():
+            into = total.setdefault(source, {name: [] for name in table})
+            for name, counts in table.items():
+                into[name].extend([0] * (len(counts) - len(into[name])))
+                for i, c in enumerate(counts):
+                    into[name][i] += c
+    for table in total.values():
+        table["acceptance"] = [a / j for a, j in zip(table["accepted"], table["judged"])]
+        table["expected"] = [p / n if n else None for p, n in zip(table.pop("predicted"), table["rated"])]
+    return total or None
+
+
 def summarize(rows: list[dict]) -> dict:
     """Totals per decoder, in table order. tokens/s is total tokens over total seconds (long
     generations weigh more); tokens_per_nfe likewise; mean_tokens_per_nfe averages the per-prompt ratios."""
@@ -69,6 +88,7 @@ def summarize(rows: list[dict]) -> dict:
         if DECODERS[decoder].tidar:
             summary[decoder]["draft_sources"] = draft_sources(runs)
             summary[decoder]["sibling_steps"] = sum(r.get("sibling_steps") or 0 for r in runs)
+            summary[decoder]["acceptance_by_offset"] = acceptance_by_offset(runs)
     for ref, key in REFERENCES:
         if ref in summary:
             speed = summary[ref]["tokens_per_s"]
@@ -93,9 +113,16 @@ def summary_line(decoder: str, s: dict) -> str:
     )
 
 
+def offsets_line(table: dict, most: int = 8) -> str:
+    """The first `most` offsets' acceptance, and what the plan expected, as `0.81 (0.77) ...`."""
+    return " ".join(f"{a:.2f} ({_num(e)})" for a, e in zip(table["acceptance"][:most], table["expected"][:most])) + ", plan's chance in ()"
+
+
 def print_summary(summary: dict, ppl: dict | None, skipped: dict[str, str] | None = None) -> None:
     for decoder, s in summary.items():
         print(summary_line(decoder, s), file=sys.stderr)
+        for source, table in (s.get("acceptance_by_offset") or {}).items():
+            print(f"{'':>20}{source} acceptance by offset {offsets_line(table)}", file=sys.stderr)
     for decoder, why in (skipped or {}).items():
         print(f"{decoder:>18}: not run: {why}", file=sys.stderr)
     if ppl:
