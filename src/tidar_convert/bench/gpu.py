@@ -272,7 +272,8 @@ def cycles(batch: int, length: int, period: int = 7, offset: int = 3, generator=
 def engine_model(plan: Plan, impl: str, dtype: torch.dtype, block_size: int = 4, seq_len: int = 128):
     """A Qwen2 of plan.engine_dims trained with the TiDAR layout and loss on cycle streams (fp32
     weights; bf16: under autocast, as bf16-mixed trains, then cast for decoding). seq_len 128: on
-    CUDA, torch 2.11's FlexAttention backward found no kernel for 2 x 32 positions, under its 128-block."""
+    an H200, torch 2.11's FlexAttention backward found no kernel for 2 x 32 positions (fp32 or bf16),
+    shorter than its 128-position block."""
     from transformers import AutoModelForCausalLM, Qwen2Config
 
     device = torch.device(plan.device)
@@ -298,7 +299,8 @@ def engine_model(plan: Plan, impl: str, dtype: torch.dtype, block_size: int = 4,
 def engine_check(plan: Plan, impl: str) -> dict:
     """TiDAR's generate() against transformers' greedy AR on the same trained weights, per prompt
     (each timed after one untimed run of both): identical tokens, T/NFE, tokens/s. fp32, except
-    FlexAttention on CUDA: bf16 (torch 2.11's inductor found no fp32 kernel for it on an H200)."""
+    FlexAttention on CUDA: bf16, as bf16-mixed trains there (on an H200 with torch 2.11, an fp32 run
+    did not finish within 170 s: bench/LOG.md, 2026-12-04)."""
     from ..decode import generate
 
     device = torch.device(plan.device)
