@@ -314,6 +314,30 @@ def test_hybrid_drafts_by_lookup_where_it_matches_until_diffusion_proves_better(
     assert hybrid.lookup.chance(1, 0) < LookupDrafter().chance(1, 0)  # its chain's chances by the chain's own misses
 
 
+def test_diffusion_chances_follow_the_acceptance_seen():
+    """The plan reads the head's probability scaled by accepted over predicted so far (one of each to
+    start), in the diffusion drafter itself: drafting by diffusion alone is calibrated too (its raw
+    chance overstated sampled acceptance 2.5x, bench/RESULTS.md §4), and hybrid drafts are scaled
+    by the same drafter, counting only its own rows."""
+    def draft(source="diffusion", confidence=(0.9, 0.8)):
+        return Draft(torch.tensor([[1, 9, 9]]), confidence=torch.tensor([confidence]), sources=[source])
+
+    diffusion = drafters.DiffusionDrafter()
+    assert torch.allclose(diffusion.calibrate(draft()).confidence, torch.tensor([[0.9, 0.8]]))  # nothing seen yet
+    for _ in range(10):  # the first proposal judged and rejected each time: 9.0 predicted, none taken
+        diffusion.observe(draft(), torch.tensor([1]))
+    d = diffusion.calibrate(draft())
+    assert torch.allclose(d.confidence, torch.tensor([[0.9, 0.8]]) / 10) and torch.equal(d.raw_confidence, torch.tensor([[0.9, 0.8]]))
+    for _ in range(40):  # then drafts of chance 0.5 accepted whole: 80 taken of 49 predicted, the chances capped at 1
+        diffusion.observe(draft(confidence=(0.5, 0.5)), torch.tensor([3]))
+    assert diffusion.calibrate(draft()).confidence.max() == 1.0
+    hybrid = drafters.HybridDrafter()
+    for _ in range(10):
+        hybrid.observe(draft(), torch.tensor([1]))
+        hybrid.observe(draft("lookup"), torch.tensor([3]))  # lookup's rows do not move diffusion's scale
+    assert torch.allclose(hybrid.diffusion.calibrate(draft()).confidence, torch.tensor([[0.9, 0.8]]) / 10)
+
+
 def test_lookup_follows_transformers_prompt_lookup():
     """Longest n-gram first (max 2), its first occurrence, up to num_tokens; the n-gram itself excluded.
     The match's length comes with it (the proposals' chances read it)."""

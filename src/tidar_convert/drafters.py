@@ -115,10 +115,23 @@ def make_draft(pick, processors, seqs, y, diff_slots) -> Draft:
 
 
 class DiffusionDrafter(Drafter):
-    """TiDAR: the next draft is the mask group computed at the accepted length (None if the plan had none)."""
+    """TiDAR: the next draft is the mask group computed at the accepted length (None if the plan had none).
+
+    Its confidence, what the plan reads, is the head's probability of each drafted token scaled by
+    the acceptance this call has seen (accepted over summed raw confidence, from one of each): the
+    head's own top probability overstates acceptance, and more so when sampling, where it is not the
+    chance that AR's keyed draw lands on the drafted token (bench/RESULTS.md §4)."""
 
     name = "diffusion"
     uses_groups = True
+
+    def __init__(self):
+        self.predicted = self.taken = 0.0  # summed raw confidence of the judged proposals, and those accepted
+
+    def observe(self, draft: Draft, accepted: torch.Tensor, committed: torch.Tensor | None = None) -> None:
+        _, taken, predicted = observed(draft, accepted, "diffusion")
+        self.taken += taken
+        self.predicted += predicted
 
     def propose(self, ctx: DraftContext) -> Draft | None:
         group, have = ctx.group()
@@ -130,6 +143,16 @@ class DiffusionDrafter(Drafter):
         if have is not None:  # per row, the proposals its group gives (plan.StepPlan.group_read; 0: none)
             draft.length = torch.minimum(draft.length, 1 + have)
             draft.sources = [s if h else "none" for s, h in zip(draft.sources, have.tolist())]
+        return self.calibrate(draft)
+
+    def calibrate(self, draft: Draft) -> Draft:
+        """The plan's chances: the head's (kept as raw_confidence) times accepted over predicted so far."""
+        scale = (self.taken + 1) / (self.predicted + 1)
+        draft.raw_confidence = draft.confidence
+        if draft.confidence is not None:
+            draft.confidence = (draft.confidence * scale).clamp(max=1.0)
+        if draft.sibling_confidence is not None:
+            draft.sibling_confidence = (draft.sibling_confidence * scale).clamp(max=1.0)
         return draft
 
 
@@ -309,7 +332,6 @@ class HybridDrafter(Drafter):
 
     def __init__(self, num_tokens: int = 10, max_ngram: int = 2):
         self.lookup, self.diffusion = LookupDrafter(num_tokens, max_ngram), DiffusionDrafter()
-        self.predicted = self.taken = 0.0  # diffusion: summed confidence vs accepted (calibrates the plan's chances)
         # Decayed proposals accepted per draft, by source.
         self.gains = {source: Mean(mean, self.FORGET, worth) for source, (mean, worth) in self.PRIORS.items()}
 
@@ -321,9 +343,7 @@ class HybridDrafter(Drafter):
         """accepted: (B,) the chain's drafts each row accepted (what the chances predicted); committed:
         what the step committed, down a branch of the tree where it took one (what the draft brought)."""
         self.lookup.observe(draft, accepted)
-        _, taken, predicted = observed(draft, accepted, "diffusion")
-        self.taken += taken
-        self.predicted += predicted
+        self.diffusion.observe(draft, accepted)
         brought = accepted if committed is None else committed
         for b, source in enumerate(draft.sources):
             if source in self.gains:
@@ -335,13 +355,7 @@ class HybridDrafter(Drafter):
         return (look.length > 1) & (self.gain("lookup") >= self.gain("diffusion"))
 
     def propose(self, ctx: DraftContext) -> Draft | None:
-        look, diff = self.lookup.propose(ctx), self.diffusion.propose(ctx)
-        if diff is not None:
-            scale = (self.taken + 1) / (self.predicted + 1)
-            diff.raw_confidence = diff.confidence
-            diff.confidence = (diff.confidence * scale).clamp(max=1.0)
-            if diff.siblings is not None:
-                diff.sibling_confidence = (diff.sibling_confidence * scale).clamp(max=1.0)
+        look, diff = self.lookup.propose(ctx), self.diffusion.propose(ctx)  # diff's chances calibrated by its drafter
         if look is None or diff is None:
             return look or diff
         use_look = self.choose(look, diff)
