@@ -332,6 +332,25 @@ def test_bench_gpu_runs_only_the_sections_asked(tmp_path):
         bench_gpu.main(["--dry-run", "--only", "slot", "--out", str(tmp_path / "x.json")])
 
 
+@pytest.mark.subprocess
+def test_without_hides_packages_from_imports_and_probes(tmp_path):
+    """bench/without.py: the CPU check that a GPU lease's code imports on an image lacking some
+    dependencies. A hidden package fails to import and availability probes (find_spec) see none."""
+    import os
+    import subprocess
+    import sys
+
+    (tmp_path / "probe.py").write_text(
+        "import importlib.util, sys\n"
+        "print(importlib.util.find_spec('wandb') is None, importlib.util.find_spec('json') is None, sys.argv[1:])\n"
+        "try:\n    import wandb.sdk\nexcept ModuleNotFoundError as e:\n    print('hidden', e.name)\n"
+    )
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": str(tmp_path)}
+    out = subprocess.run([sys.executable, str(root / "bench" / "without.py"), "wandb,gguf", "probe", "--x"], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.splitlines() == ["True False ['--x']", "hidden wandb"]  # its parent package is what fails
+
+
 def test_cpu_default_is_minutes_and_gpu_default_is_every_prompt():
     assert prompts.default_limit(torch.device("cuda")) is None
     n = prompts.default_limit(torch.device("cpu"))
