@@ -49,9 +49,9 @@ def tiny_config(family: str, vocab_size: int):
 
 def cycle_batch(batch: int, seq_len: int, period: int = 7, offset: int = 3, seed=None):
     """Token streams repeating a fixed cycle from a random phase: learnable in seconds, so drafts get accepted."""
-    g = torch.Generator().manual_seed(seed) if seed is not None else None
-    phase = torch.randint(0, period, (batch, 1), generator=g)
-    return offset + (phase + torch.arange(seq_len)) % period
+    from tidar_convert.bench.engine_check import cycles
+
+    return cycles(batch, seq_len, period, offset, torch.Generator().manual_seed(seed) if seed is not None else None)
 
 
 def train_tiny(model, steps: int = 150, block_size: int = 4, seq_len: int = 32, lr: float = 3e-3):

@@ -19,7 +19,7 @@ if TYPE_CHECKING:
 
 
 def cycles(batch: int, length: int, period: int = 7, offset: int = 3, generator=None):
-    """Streams repeating one cycle from random phases (tests/helpers.cycle_batch): learnt in seconds."""
+    """Streams repeating one cycle from random phases (the tests' cycle_batch too): learnt in seconds."""
     phase = torch.randint(0, period, (batch, 1), generator=generator)
     return offset + (phase + torch.arange(length)) % period
 
@@ -31,8 +31,8 @@ def engine_model(plan: Plan, impl: str, dtype: torch.dtype, block_size: int = 4,
     shorter than its 128-position block."""
     from transformers import AutoModelForCausalLM, Qwen2Config
 
-    device = torch.device(plan.device)
-    config = Qwen2Config(**(plan.engine_dims or plan.dims), mask_token_id=(plan.engine_dims or plan.dims)["vocab_size"] - 1)
+    device, dims = torch.device(plan.device), plan.engine_dims or plan.dims
+    config = Qwen2Config(**dims, mask_token_id=dims["vocab_size"] - 1)
     torch.manual_seed(0)
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(config, attn_implementation=impl, dtype=torch.float32)
