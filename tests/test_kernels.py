@@ -31,14 +31,13 @@ def test_packed_linear_matches_stock_and_is_row_invariant(dtype):
             packed = layer(x)
             # Each row's result is the same whether 1 or 13 rows share the call: bit for bit.
             rows = [layer(x[:, :j]) for j in range(1, 14)]
-    kind = kernels._PACKED[layer][1][0]
-    assert kind == ("panels" if dtype == torch.float32 and panel.panel_library() else "onednn")
+    (kind, _), = (packed for _, packed in kernels._PACKED[layer].values())
+    assert kind == ("panels" if panel.panel_library() else "onednn")  # bf16 too: panels are the default where the kernel builds
     torch.testing.assert_close(packed, stock, **({"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else {}))
-    if dtype == torch.bfloat16:
+    if dtype == torch.bfloat16 and kind == "onednn":
         return  # oneDNN's bf16 product on AMX gives 1 row other low bits than 2 or more (the module's docstring)
     for j, part in enumerate(rows, start=1):
-        if j > 1 or kind == "onednn":  # one row on panels is the stock product
-            assert torch.equal(part, packed[:, :j]), j
+        assert torch.equal(part, packed[:, :j]), j
     assert not swapped(layer)  # the stock forward is back
 
 
@@ -154,13 +153,13 @@ def test_grouped_attention_attends_in_place_to_the_same_values(untrained, family
         assert model.config._attn_implementation == "sdpa"
 
 
-def fake_timings(monkeypatch, packed_ms: dict, stock_ms: dict) -> list:
-    """pass_seconds from a table of milliseconds by rows; returns the log of (rows, packed) timed."""
+def fake_timings(monkeypatch, table: dict) -> list:
+    """pass_seconds from a table of milliseconds by product and rows; returns the log of (rows, product) timed."""
     timed = []
 
-    def seconds(layers, rows, packed):
-        timed.append((rows, packed))
-        return (packed_ms if packed else stock_ms)[rows] / 1000
+    def seconds(layers, rows, product):
+        timed.append((rows, product))
+        return table[product][rows] / 1000
 
     monkeypatch.setattr(kernels, "pass_seconds", seconds)
     return timed
@@ -174,7 +173,8 @@ def test_auto_packs_only_where_a_pass_is_timed_faster(monkeypatch, packed_ms, pa
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Linear(32, 16))
     model.config = type("Config", (), {"_attn_implementation": "eager"})()
-    timed = fake_timings(monkeypatch, packed_ms, {1: 35, 8: 64})
+    kind = kernels.candidates(torch.float32)[0]  # fp32 has one packed product: panels, or oneDNN's without the kernel
+    timed = fake_timings(monkeypatch, {"panels": packed_ms, "onednn": packed_ms, "stock": {1: 35, 8: 64}})
     with torch.no_grad():
         with kernels.cpu_kernels(model, True):  # forced: packed whatever the timing
             assert len(swapped(model)) == 2
@@ -183,31 +183,58 @@ def test_auto_packs_only_where_a_pass_is_timed_faster(monkeypatch, packed_ms, pa
         with kernels.cpu_kernels(model):  # the default: "auto"
             assert bool(swapped(model)) == pays
             model(torch.randn(2, 16))
-        assert sorted(set(timed)) == [(1, False), (1, True), (8, False), (8, True)]  # both products, both row counts
-        assert timed[0] == (1, True) and len(timed) == 1 + 3 * 4  # one untimed pass packs, then three of each
+        assert sorted(set(timed)) == [(1, kind), (1, "stock"), (8, kind), (8, "stock")]  # both products, both row counts
+        assert timed[0] == (1, kind) and len(timed) == 1 + 3 * 4  # one untimed pass packs, then three of each
         timings = kernels.product_timings(model)  # what the choice compared, as the bench records it
-        assert timings == {str(r): {"stock_ms": pytest.approx({1: 35, 8: 64}[r]), "packed_ms": pytest.approx(packed_ms[r])} for r in (1, 8)}
+        assert timings == {str(r): {"stock_ms": pytest.approx({1: 35, 8: 64}[r]), f"{kind}_ms": pytest.approx(packed_ms[r])} for r in (1, 8)}
         # A model where packing does not pay keeps no packed copy (it would be one more copy of every weight).
-        assert all((layer in kernels._PACKED) == pays for layer in model)
+        assert all(bool(kernels._PACKED.get(layer)) == pays for layer in model)
         with kernels.cpu_kernels(model, "auto"), kernels.cpu_kernels(model, "auto"):  # timed once per model
             pass
         assert len(timed) == 13
         with kernels.cpu_kernels(model, False):
             assert not swapped(model)
-        model.to(torch.bfloat16)  # another dtype: timed again
+        model.to(torch.bfloat16)  # another dtype: timed again, every bf16 product
         kernels.packing_pays(model)
-        assert len(timed) == 26
+        assert len(timed) == 13 + len(kernels.candidates(torch.bfloat16)) + 3 * 2 * (1 + len(kernels.candidates(torch.bfloat16)))
+
+
+@pytest.mark.skipif(len(kernels.candidates(torch.bfloat16)) < 2, reason="bf16 has one packed product here")
+@pytest.mark.parametrize("winner", ["panels", "onednn", "stock"])
+def test_bf16_takes_the_fastest_of_panels_onednn_and_stock_and_keeps_only_its_copies(monkeypatch, winner):
+    """bf16 has two packed products (panels, exact for every row count; oneDNN's, which AMX makes fast
+    on many rows): the pass decides, per model, and the loser's copies are dropped."""
+    table = {"panels": {1: 30, 8: 40}, "onednn": {1: 40, 8: 35}, "stock": {1: 45, 8: 70}}
+    table[winner] = {1: 20, 8: 30}
+    fake_timings(monkeypatch, table)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Linear(32, 16)).bfloat16()
+    model.config = type("Config", (), {"_attn_implementation": "eager"})()
+    with torch.no_grad():
+        assert kernels.packing_pays(model) == (winner != "stock")
+        assert kernels.linear_product(model) == winner
+        if winner != "stock":
+            assert kernels.linear_products(model, True) == {winner: 2}
+        assert all(set(kernels._PACKED.get(layer, {})) == ({winner} - {"stock"}) for layer in model)
+        assert set(kernels.product_timings(model)["8"]) == {"stock_ms", "panels_ms", "onednn_ms"}
+        with kernels.cpu_kernels(model):
+            y = model(torch.randn(3, 16).bfloat16())
+    assert y.dtype == torch.bfloat16
 
 
 def test_a_timed_pass_runs_each_layer_on_the_product_it_names():
     torch.manual_seed(0)
     layers = [torch.nn.Linear(16, 32), torch.nn.Linear(32, 16), torch.nn.Linear(16, 32).bfloat16()]  # each input made in its layer's dtype
     with torch.no_grad():
-        assert kernels.pass_seconds(layers, 8, packed=False) > 0
+        assert kernels.pass_seconds(layers, 8, "stock") > 0
         assert not any(layer in kernels._PACKED for layer in layers)  # stock: nothing packed
-        kernels.pass_seconds(layers, 8, packed=True)
-        assert [layer in kernels._PACKED for layer in layers] == [True, True, True]
-        assert kernels._PACKED[layers[0]][1] is not None  # really packed (a weight oneDNN refuses would be None: stock)
+        for kind in kernels.candidates(torch.bfloat16):
+            kernels.pass_seconds(layers[2:], 8, kind)
+            assert kernels._PACKED[layers[2]][kind][1][0] == kind  # really packed as named
+        kind = kernels.candidates(torch.float32)[0]
+        kernels.pass_seconds(layers[:2], 8, kind)
+        assert [set(kernels._PACKED[layer]) for layer in layers[:2]] == [{kind}, {kind}]
+        assert kernels._PACKED[layers[0]][kind][1] is not None  # really packed (a weight oneDNN refuses would be None: stock)
     for layer in layers:
         kernels.release(layer)
 

@@ -17,25 +17,33 @@ needs_panels = pytest.mark.skipif(panel.panel_library() is None, reason="no C co
 
 
 @needs_panels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("out_features,in_features", [(200, 96), (32, 8), (33, 7), (1, 5), (70, 1536)])
-def test_panel_product_matches_stock_and_each_row_is_the_same_alone_or_among_any_number(out_features, in_features):
+def test_panel_product_matches_stock_and_each_row_is_the_same_alone_or_among_any_number(out_features, in_features, dtype):
     """Every row count: an AR step's one row, a step's few, a prefill's many (16 at a time): the stock
-    product's values, and each row's result bit for bit the same whatever the count."""
+    product's values, and each row's result bit for bit the same whatever the count. In bf16: the
+    product of the weights widened to fp32, rounded once (to one bf16 step: the sums' order differs)."""
     torch.manual_seed(0)
-    layer = torch.nn.Linear(in_features, out_features)
-    x = torch.randn(75, in_features)
+    layer = torch.nn.Linear(in_features, out_features).to(dtype)
+    x = torch.randn(75, in_features, dtype=dtype)
+    tol = {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 8e-3, "atol": 1e-2}
+
+    def reference(rows):
+        return F.linear(rows.float(), layer.weight.float(), layer.bias.float()).to(dtype)
+
     with torch.no_grad(), kernels.packed_linears(layer):
         full = layer(x)
         for rows in (1, 2, 3, 7, 8, 9, 16, 17, 64):
             together = layer(x[:rows])
             assert torch.equal(together, full[:rows]), rows
-            torch.testing.assert_close(together, F.linear(x[:rows], layer.weight, layer.bias), rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(together, reference(x[:rows]), **tol)
         assert torch.equal(layer(x[70:71]), full[70:71])  # one row alone: as among 75
-        torch.testing.assert_close(full, F.linear(x, layer.weight, layer.bias), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(full, reference(x), **tol)
+        assert full.dtype == dtype
         assert layer(x[None, :5]).shape == (1, 5, out_features)  # leading dimensions kept
         assert layer(x[::2][:4]).shape == (4, out_features)  # a strided input is made contiguous first
-        torch.testing.assert_close(layer(x[::2][:4]), F.linear(x[::2][:4], layer.weight, layer.bias), rtol=1e-5, atol=1e-5)
-    assert kernels._PACKED[layer][1][0] == "panels"
+        torch.testing.assert_close(layer(x[::2][:4]), reference(x[::2][:4]), **tol)
+    assert kernels._PACKED[layer]["panels"][1][0] == "panels"
 
 
 @needs_panels
@@ -45,8 +53,11 @@ def test_panels_hold_the_weight_by_32_outputs_zero_padded():
     assert p.shape == (2, 3, 32)
     assert torch.equal(p[0, :, 5], w[5]) and torch.equal(p[1, :, 2], w[34])
     assert not p[1, :, 3:].any()
-    with pytest.raises(ValueError, match="fp32 input of 3 features"):
+    with pytest.raises(ValueError, match=r"input of 3 features in the panels' dtype \(torch.float32\)"):
         panel.panel_linear(torch.randn(2, 4), p, 35)
+    with pytest.raises(ValueError, match=r"in the panels' dtype \(torch.float32\).*got torch.bfloat16 x 3"):
+        panel.panel_linear(torch.randn(2, 3).bfloat16(), p, 35)
+    assert panel.panel_pack(w.bfloat16()).dtype == torch.bfloat16
 
 
 def test_without_a_compiler_fp32_takes_onednn_and_says_how_to_fix_it(monkeypatch, tmp_path):
@@ -59,7 +70,7 @@ def test_without_a_compiler_fp32_takes_onednn_and_says_how_to_fix_it(monkeypatch
     layer = torch.nn.Linear(16, 8)
     with torch.no_grad(), kernels.packed_linears(layer):
         assert layer(torch.randn(3, 16)).shape == (3, 8)
-    assert kernels._PACKED[layer][1][0] == "onednn"
+    assert kernels._PACKED[layer]["onednn"][1][0] == "onednn"
     assert not list(tmp_path.rglob("*.so"))
 
 

@@ -290,11 +290,12 @@ def generate(
         (elsewhere 0). Exact: the AR's token at each node picks the child holding it, and the step
         commits that path. Default 3; 0: chains only.
     pack_weights: on CPU, the linear layers' product, the same for every path (tidar=False and prompt
-        lookup too). "auto" (default): weights packed once (kernels.py: fp32 in panels for a small C
-        kernel built on first use, bf16 for oneDNN) where a pass through the model's layers at 1 and
-        8 rows is faster that way than with PyTorch's stock product, timed once per model and dtype (about 0.5 s for 135M parameters, more for larger
-        models: each of its 13 passes reads every weight; kernels.packing_pays); packing keeps one
-        more copy of each weight (kernels.release frees it). True: always packed; False: stock, and
+        lookup too). "auto" (default): the fastest of PyTorch's stock product and the packed ones
+        (kernels.py: panels for a small C kernel built on first use, in fp32 and bf16; oneDNN's
+        layout in bf16, or in fp32 without the kernel) on a pass through the model's layers at 1 and
+        8 rows, timed once per model and dtype (about 0.5 s for 135M parameters, more for larger
+        models: each pass reads every weight; kernels.packing_pays); packing keeps one more copy of
+        each weight (kernels.release frees it). True: always packed; False: stock, and
         transformers' own attention path. Otherwise attention under a mask attends grouped key/value
         heads in place instead of copying the cache to every query head (kernels.grouped_attention);
         where every layer takes panels, one product for every row count, attention runs per query

@@ -6,7 +6,7 @@ the CPUs measured: its MKL path runs 1 to 3 rows as matrix-vector products and 4
 GEMM that is slow on so few rows (figures by machine: bench/LOG.md).
 
 Two packed products, each made from the weight once and kept:
-- **panels** (fp32): the weight in panels of 32 outputs by all inputs, streamed once per call by a
+- **panels** (fp32 and bf16): the weight in panels of 32 outputs by all inputs, streamed once per call by a
   small C kernel (panel.py, csrc/panel.c) that does every row's multiply-adds on each piece while it is in
   cache and prefetches the next. Each output is one dot product summed over the inputs in order,
   whatever the row count, so a row's result is the same bit for bit alone or among any number of
@@ -14,30 +14,34 @@ Two packed products, each made from the weight once and kept:
   prefill's many (16 at a time). Built with the machine's C compiler (`cc`, or $CC; -march=native,
   OpenMP) into $TIDAR_CACHE/kernels on first use, in about a second, once per CPU and compiler;
   where no compiler builds it, fp32 takes oneDNN's product, with a warning saying so.
+  In bf16 the panels are bf16 and each output is summed in fp32 and rounded once, with the same
+  property.
 - **onednn** (bf16, and fp32 without the panel kernel): each weight reordered once into oneDNN's
   blocked layout (what torch.compile's CPU freezing does). On AMX it makes bf16 nearly flat in the
   row count; in fp32 it is flat but slower than panels.
 
 Which product runs is measured, not assumed: `packing_pays(model)` times one pass through the
 model's linear layers at 1 row (an AR step) and at 8 rows (a TiDAR step) with the stock product and
-the packed one, once per model and dtype: 13 passes that each read every weight once (well under a
-second for SmolLM2-135M, in proportion to the weights' size for larger models), holding one more copy of
-the weights while it times. `cpu_kernels(model, "auto")`, what generate() enters for every path
-(TiDAR, plain AR, prompt lookup), packs only where that pass is faster; the times it compared are
-`product_timings(model)` (the bench records them). One choice per model, so every decoder on a
-model runs the same kernels. What each linear layer took is counted on the model after every
+each packed one the dtype can take here (`candidates`: fp32 panels, or oneDNN without the kernel;
+bf16 both), once per model and dtype: 1 + 3 x 2 passes per product, each reading every weight once
+(well under a second for SmolLM2-135M, in proportion to the weights' size for larger models), holding
+a copy of the weights per packed product while it times. `cpu_kernels(model, "auto")`, what
+generate() enters for every path (TiDAR, plain AR, prompt lookup), takes the fastest (the two row
+counts weighed equally) and keeps only its copies; the times it compared are `product_timings(model)`
+(the bench records them). One choice per model, so every decoder on a model runs the same kernels. What each linear layer took is counted on the model after every
 generate(), `model.tidar_products` ({"panels": 211}, say; `linear_products`), and logged once at
 info when it changes.
 
-Exact by construction where every linear layer takes panels: attention then runs the same library's
+Exact by construction where every linear layer takes panels (fp32 or bf16): attention then runs the same library's
 kernel (`sdpa_exact`), whose output for a query depends only on that query and the keys it sees,
 in order. Norms, activations and rotary embeddings are computed row by row. So a row is computed
 with the same bits whether it is an AR step's one query, a verify row among a TiDAR step's drafts
 and mask slots, a tree's sibling, or a batch row with holes in its cache: TiDAR's greedy output is
 AR's (`generate(tidar=False)` on the same kernels) bit for bit, not only where AR's best token leads
-by more than the low-bit noise between products. Where the products differ (stock, oneDNN, bf16,
+by more than the low-bit noise between products. Where the products differ (stock, oneDNN,
 attention transformers computes itself: eager families, softcapping, sinks) the two agree to that
-noise, about 1e-4 in fp32 logits on SmolLM2-135M, and a near-tie can pick another token.
+noise, about 1e-4 in fp32 logits on SmolLM2-135M (far more in bf16), and a near-tie can pick another
+token.
 
 `packed_linears(model)` swaps every eligible `nn.Linear.forward` for the packed one while it is
 entered. A layer's packed weight is kept while the layer lives (one more copy of its weight) and made
@@ -71,9 +75,11 @@ log = logging.getLogger("transformers.cli.tidar")  # transformers' logger, as de
 DTYPES = (torch.float32, torch.bfloat16)
 PRODUCTS = ("panels", "onednn", "stock")  # the products a linear layer can take, packed first
 PACK_ROWS = 8  # oneDNN's hint of the rows a call will have: a decoding step's slots
-# layer -> (key, packed weight). Beside the layer, not on it: an opaque oneDNN tensor on a module
-# would break deepcopy, pickling and state_dict; it goes with the layer.
+# layer -> {kind: (key, packed weight)}. Beside the layer, not on it: an opaque oneDNN tensor on a
+# module would break deepcopy, pickling and state_dict; it goes with the layer. One kind, except
+# while packing_pays times them.
 _PACKED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_CHOSEN: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # layer -> the packed kind packing_pays chose for it
 CHOICE_ROWS = (1, 8)  # the rows of an AR step and of a typical TiDAR step, timed with equal weight
 _DELTA_PANELS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # layer -> (its adapter's B, B's panels)
 _PAYS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> (its linear layers' dtype and count, packing pays)
@@ -112,13 +118,21 @@ def _reorder(weight: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._reorder_linear_weight(weight, PACK_ROWS)
 
 
-def _pack(weight: torch.Tensor) -> tuple[str, torch.Tensor]:
-    """fp32: panels where the panel kernel builds; otherwise oneDNN's blocked layout."""
-    if weight.dtype == torch.float32 and panel_library() is not None:
-        return "panels", panel_pack(weight)
-    if not available():
-        raise RuntimeError("this torch build has no oneDNN packed linear")
-    return "onednn", _reorder(weight)
+def candidates(dtype: torch.dtype) -> tuple[str, ...]:
+    """The packed products a CPU layer of this dtype can take here, the default first: panels where
+    the kernel builds (fp32 and bf16), oneDNN's for bf16, and for fp32 without the kernel."""
+    kinds = ("panels",) if panel_library() is not None and dtype in DTYPES else ()
+    if available() and (dtype == torch.bfloat16 or not kinds):
+        kinds += ("onednn",)
+    return kinds
+
+
+def _pack(weight: torch.Tensor, kind: str) -> torch.Tensor:
+    if kind == "panels" and panel_library() is not None:
+        return panel_pack(weight)
+    if kind == "onednn" and available():
+        return _reorder(weight)
+    raise RuntimeError(f"no {kind} product on this machine")
 
 
 def _weight_key(w: torch.Tensor) -> tuple:
@@ -126,18 +140,31 @@ def _weight_key(w: torch.Tensor) -> tuple:
     return (w.data_ptr(), w._version, w.dtype, tuple(w.shape))
 
 
-def packed_weight(layer) -> tuple[str, torch.Tensor] | None:
-    """The layer's weight packed ("panels" or "onednn", and the packed tensor), or None where this
-    machine's oneDNN refuses it (the layer then keeps the stock product)."""
+def chosen_kind(layer) -> str | None:
+    """The packed product the layer takes: what packing_pays chose for it, else its dtype's default."""
+    kind = _CHOSEN.get(layer)
+    if kind is not None and kind in candidates(layer.weight.dtype):
+        return kind
+    return next(iter(candidates(layer.weight.dtype)), None)
+
+
+def packed_weight(layer, kind: str | None = None) -> tuple[str, torch.Tensor] | None:
+    """The layer's weight packed for `kind` (default: chosen_kind), as ("panels" or "onednn", the
+    packed tensor); None where there is no packed product or this machine's oneDNN refuses the weight
+    (the layer then keeps the stock product)."""
     w = layer.weight
+    kind = kind or chosen_kind(layer)
+    if kind is None:
+        return None
     key = _weight_key(w)
-    cached = _PACKED.get(layer)
+    kept = _PACKED.setdefault(layer, {})
+    cached = kept.get(kind)
     if cached is None or cached[0] != key:
         try:
-            packed = _pack(w.detach())
+            packed = (kind, _pack(w.detach(), kind))
         except RuntimeError:
             packed = None
-        cached = _PACKED[layer] = (key, packed)
+        cached = kept[kind] = (key, packed)
     return cached[1]
 
 
@@ -151,11 +178,11 @@ def delta_panels(layer) -> torch.Tensor:
     return cached[1]
 
 
-def packed_product(layer, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+def packed_product(layer, x: torch.Tensor, bias: torch.Tensor | None, kind: str | None = None) -> torch.Tensor:
     """The layer's packed product on x (the stock one where its weight has none). Panels take every
     row count, an AR step's one row and a prefill's many too: one product, so a row's result never
     depends on the rows beside it."""
-    packed = packed_weight(layer)
+    packed = packed_weight(layer, kind)
     if packed is None:
         return F.linear(x, layer.weight, bias)
     kind, w = packed
@@ -192,52 +219,63 @@ def packed_forward(layer):
     return forward
 
 
-def pass_seconds(layers, rows: int, packed: bool) -> float:
-    """One pass of `rows` random rows through each layer, one product at a time, as a forward runs them."""
+def pass_seconds(layers, rows: int, product: str) -> float:
+    """One pass of `rows` random rows through each layer on `product` ("stock" or a packed kind), one
+    layer at a time, as a forward runs them."""
     g = torch.Generator().manual_seed(0)  # not torch's global one: a seeded generate() after this timing must sample as one without
     inputs = {(n, dtype): torch.randn(rows, n, dtype=dtype, generator=g) for n, dtype in {(layer.in_features, layer.weight.dtype) for layer in layers}}
     start = time.perf_counter()
     for layer in layers:
         x = inputs[layer.in_features, layer.weight.dtype]
-        if packed:
-            packed_product(layer, x, None)
-        else:
+        if product == "stock":
             F.linear(x, layer.weight)
+        else:
+            packed_product(layer, x, None, product)
     return time.perf_counter() - start
 
 
 def packing_pays(model, repeats: int = 3) -> bool:
-    """Whether the packed product beats PyTorch's stock one on this model's CPU linear layers and this
-    machine: one pass through them at each of CHOICE_ROWS, the best of `repeats` runs of each product,
-    interleaved so the machine's load falls on both. Timed once per model and dtype (again after a
-    cast); a model where packing does not pay drops its packed copies. A sharded model (FSDP) is not
-    timed: stock."""
+    """Whether a packed product beats PyTorch's stock one on this model's CPU linear layers and this
+    machine, and which: one pass through them at each of CHOICE_ROWS on the stock product and on each
+    of the dtype's `candidates`, the best of `repeats` runs of each, interleaved so the machine's load
+    falls on all. The fastest (summed over the row counts) is the layers' product from then on; the
+    others' packed copies are dropped. Timed once per model and dtype (again after a cast). A sharded
+    model (FSDP) is not timed: stock."""
     # Plain tensors only: a sharded weight (FSDP's DTensor) is whole only inside its forward.
     layers = [layer for layer in model.modules() if eligible(layer) and type(layer.weight.data) is torch.Tensor]
-    if not layers or not can_pack():
+    kinds = candidates(layers[0].weight.dtype) if layers else ()
+    if not kinds:
         return False
     key = (layers[0].weight.dtype, len(layers))
     cached = _PAYS.get(model)
     if cached is not None and cached[0] == key:
         return cached[1]
-    best = {False: [float("inf")] * len(CHOICE_ROWS), True: [float("inf")] * len(CHOICE_ROWS)}
+    products = ("stock", *kinds)
+    best = {product: [float("inf")] * len(CHOICE_ROWS) for product in products}
     with torch.no_grad():
-        pass_seconds(layers, 1, True)  # packs every weight (or learns that oneDNN refuses it), untimed
+        for kind in kinds:
+            pass_seconds(layers, 1, kind)  # packs every weight (or learns that oneDNN refuses it), untimed
         for _ in range(repeats):
             for i, rows in enumerate(CHOICE_ROWS):
-                for packed in (False, True):
-                    best[packed][i] = min(best[packed][i], pass_seconds(layers, rows, packed))
-    pays = sum(best[True]) < sum(best[False])
-    if not pays:
-        release(model)
-    timings = {str(rows): {"stock_ms": 1e3 * best[False][i], "packed_ms": 1e3 * best[True][i]} for i, rows in enumerate(CHOICE_ROWS)}
+                for product in products:
+                    best[product][i] = min(best[product][i], pass_seconds(layers, rows, product))
+    fastest = min(products, key=lambda product: sum(best[product]))  # a tie keeps the earlier: stock, then the default
+    for layer in layers:
+        kept = _PACKED.get(layer, {})
+        for kind in [k for k in kept if k != fastest]:
+            del kept[kind]
+        if fastest != "stock":
+            _CHOSEN[layer] = fastest
+    pays = fastest != "stock"
+    timings = {str(rows): {f"{product}_ms": 1e3 * best[product][i] for product in products} for i, rows in enumerate(CHOICE_ROWS)}
     _PAYS[model] = (key, pays, timings)
     return pays
 
 
 def product_timings(model) -> dict | None:
-    """What packing_pays compared on this model: {rows: {"stock_ms", "packed_ms"}} for a pass through
-    its linear layers at each of CHOICE_ROWS (best of its repeats); None before it timed them."""
+    """What packing_pays compared on this model: {rows: {"stock_ms", "panels_ms", "onednn_ms"}} (the
+    products it timed) for a pass through its linear layers at each of CHOICE_ROWS, best of its
+    repeats; None before it timed them."""
     cached = _PAYS.get(model)
     return None if cached is None or len(cached) < 3 else cached[2]
 
@@ -255,8 +293,7 @@ def linear_products(model, packed: bool) -> dict[str, int]:
     """How many of the model's linear layers take each product on a decoding step's rows, with packing
     on (`packed`) or off: {"panels": n, "onednn": n, "stock": n}, kinds no layer takes left out. A
     layer oneDNN refused, on a GPU or of another dtype counts as stock; one not packed yet (weights
-    are packed at their first product) as what it will be packed as. (Panels still leave an AR step's
-    single row and a prefill's many rows to the stock product.)"""
+    are packed at their first product) as what it will be packed as."""
     counts = dict.fromkeys(PRODUCTS, 0)
     for layer in model.modules():
         if isinstance(layer, torch.nn.Linear):
@@ -266,11 +303,11 @@ def linear_products(model, packed: bool) -> dict[str, int]:
 
 def product_kind(layer) -> str:
     """The product an eligible layer takes when packed: its packed weight's kind, without packing it."""
-    w = layer.weight
-    cached = _PACKED.get(layer)
-    if cached is not None and cached[0] == _weight_key(w):
+    kind = chosen_kind(layer)
+    cached = _PACKED.get(layer, {}).get(kind)
+    if cached is not None and cached[0] == _weight_key(layer.weight):
         return "stock" if cached[1] is None else cached[1][0]
-    return "panels" if w.dtype == torch.float32 and panel_library() is not None else "onednn" if available() else "stock"
+    return kind or "stock"
 
 
 def report_products(model, packed: bool) -> dict[str, int]:
@@ -357,7 +394,7 @@ NOT_EXACT = ("position_bias", "softcap", "s_aux", "sinks")
 
 def exact_applies(query, key, value, attention_mask, dropout) -> bool:
     return (
-        query.device.type == "cpu" and query.dtype == key.dtype == value.dtype == torch.float32 and dropout == 0
+        query.device.type == "cpu" and query.dtype == key.dtype == value.dtype and query.dtype in DTYPES and dropout == 0
         and query.shape[-1] % 16 == 0 and value.shape[-1] == query.shape[-1] and query.shape[1] % key.shape[1] == 0
         and (attention_mask is None or attention_mask.dtype == torch.bool) and not torch.is_grad_enabled()
     )
@@ -367,14 +404,18 @@ def sdpa_exact(module, query, key, value, attention_mask, dropout=0.0, scaling=N
     """sdpa_gqa on the kernel library's attention (panel.attention): each query's output is a function
     of its query and the keys it sees alone, bit for bit, however many queries share the step and
     wherever in the cache its keys sit. With panels for every linear layer, a decoding step's row is
-    then computed as an AR step computes it: TiDAR's verify rows equal AR's logits exactly. fp32 on
-    CPU, masks of bools (sdpa's); anything else goes to sdpa_gqa."""
+    then computed as an AR step computes it: TiDAR's verify rows equal AR's logits exactly. fp32 or
+    bf16 (widened, exactly, and each output rounded once) on CPU, masks of bools (sdpa's); anything
+    else goes to sdpa_gqa."""
     if not exact_applies(query, key, value, attention_mask, dropout) or any(kwargs.get(name) is not None for name in NOT_EXACT) or kwargs.get("output_attentions"):
         return sdpa_gqa(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal, **kwargs)
     # transformers' sdpa rule: causal for several queries without a mask (top-left, keys cropped to the queries)
     causal = query.shape[2] > 1 and attention_mask is None and (is_causal if is_causal is not None else getattr(module, "is_causal", True))
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    return panel_attention(query, key, value, attention_mask, bool(causal), float(scale)), None
+    dtype = query.dtype
+    if dtype != torch.float32:
+        query, key, value = query.float(), key.float(), value.float()
+    return panel_attention(query, key, value, attention_mask, bool(causal), float(scale)).to(dtype), None
 
 
 def _register() -> None:

@@ -1,10 +1,11 @@
-"""The fp32 panel product: a small C kernel (csrc/panel.c), built on first use, that streams each
-weight once per call for every row of a decoding step.
+"""The panel product: a small C kernel (csrc/panel.c), built on first use, that streams each weight
+once per call for every row of a decoding step, in fp32 or bf16.
 
 Each weight is packed once in panels of 32 outputs by all inputs (`panel_pack`); `panel_linear` runs
 up to 16 rows' multiply-adds on each piece while it is in cache and prefetches the next, so 8 rows
 cost little more than 2. Each output is one dot product summed over the inputs in order, whatever
-the row count, so a row's result is the same bit for bit alone or among any number of rows. The same
+the row count, so a row's result is the same bit for bit alone or among any number of rows (bf16 rows
+and panels are summed in fp32 and each output rounded once: the same property). The same
 library adds a mask-slot adapter's low-rank delta to a step's mask rows (`lora_add`), and computes
 attention the same way for every query (`attention`).
 
@@ -127,6 +128,8 @@ def _build_panel_library():
     P, L = ctypes.c_void_p, ctypes.c_long
     lib.tidar_panel_linear.argtypes = [P, L, L, P, L, P, P, ctypes.c_int, P, L, P, L]
     lib.tidar_panel_linear.restype = None
+    lib.tidar_panel_linear_bf16.argtypes = [P, L, L, P, L, P, P, ctypes.c_int]
+    lib.tidar_panel_linear_bf16.restype = ctypes.c_int
     lib.tidar_lora_add.argtypes = [P, L, L, P, L, P, L, P, ctypes.c_int]
     lib.tidar_lora_add.restype = None
     lib.tidar_lora_add_bf16.argtypes = [P, L, L, P, L, P, L, P, ctypes.c_int, ctypes.c_int]
@@ -137,31 +140,41 @@ def _build_panel_library():
 
 
 def panel_pack(weight: torch.Tensor) -> torch.Tensor:
-    """[N, K] -> panels [ceil(N / 32), K, 32], the outputs past N zero."""
+    """[N, K] -> panels [ceil(N / 32), K, 32], the outputs past N zero; bf16 stays bf16, anything
+    else is fp32."""
     n, k = weight.shape
-    padded = F.pad(weight.float(), (0, 0, 0, -n % PANEL))
+    padded = F.pad(weight if weight.dtype == torch.bfloat16 else weight.float(), (0, 0, 0, -n % PANEL))
     return padded.view(-1, PANEL, k).transpose(1, 2).contiguous()
 
 
 def panel_linear(x: torch.Tensor, panels: torch.Tensor, out_features: int, bias: torch.Tensor | None = None,
                  lora: tuple[torch.Tensor, torch.Tensor, int] | None = None) -> torch.Tensor:
-    """x @ W.T (+ bias) on W's panels (panel_pack), fp32, on this CPU's panel kernel. Lean: it runs
-    for every linear layer of every decoding step, where a microsecond a call is 1 % of a forward.
-    lora: (A (R, K), B's panels (panel_pack of B, N x R), start): rows start.. of x (its rows taken
-    as one (M, K) matrix) also get x @ A.T @ B.T, in the same pass."""
+    """x @ W.T (+ bias) on W's panels (panel_pack), on this CPU's panel kernel: fp32, or bf16 rows on
+    bf16 panels (summed in fp32, rounded once). Lean: it runs for every linear layer of every decoding
+    step, where a microsecond a call is 1 % of a forward. lora (fp32 only): (A (R, K), B's panels
+    (panel_pack of B, N x R), start): rows start.. of x (its rows taken as one (M, K) matrix) also get
+    x @ A.T @ B.T, in the same pass."""
     k = x.shape[-1]
     lib = panel_library()
-    if lib is None or x.dtype != torch.float32 or panels.shape[1] != k:
-        raise ValueError(f"panel_linear: fp32 input of {panels.shape[1]} features and a built kernel needed, got {x.dtype} x {k}")
+    if lib is None or x.dtype != panels.dtype or x.dtype not in (torch.float32, torch.bfloat16) or panels.shape[1] != k:
+        raise ValueError(f"panel_linear: input of {panels.shape[1]} features in the panels' dtype ({panels.dtype}) and a built kernel needed, "
+                         f"got {x.dtype} x {k}")
     if not x.is_contiguous():
         x = x.contiguous()
-    if bias is not None and (bias.dtype != torch.float32 or not bias.is_contiguous()):
-        bias = bias.float().contiguous()
+    if bias is not None and (bias.dtype != x.dtype or not bias.is_contiguous()):
+        bias = bias.to(x.dtype).contiguous()
+    y = torch.empty(*x.shape[:-1], out_features, dtype=x.dtype)
+    if x.dtype == torch.bfloat16:
+        if lora is not None:
+            raise ValueError("panel_linear: a bf16 product takes no adapter in its pass (lora_add adds it after)")
+        if lib.tidar_panel_linear_bf16(x.data_ptr(), x.numel() // k, k, panels.data_ptr(), out_features,
+                                       None if bias is None else bias.data_ptr(), y.data_ptr(), torch.get_num_threads()):
+            raise MemoryError(f"panel_linear: no memory for {x.numel()} widened input values")
+        return y
     A, pb, start = (None, None, 0) if lora is None else lora
     if A is not None and not (A.dtype == torch.float32 and A.is_contiguous() and A.shape == (pb.shape[1], k) and pb.shape[0] == panels.shape[0]):
         raise ValueError(f"panel_linear: an adapter's A (R, {k}) in fp32, contiguous, and B's panels ({panels.shape[0]}, R, {PANEL}) needed, "
                          f"got {A.dtype} {tuple(A.shape)} and {tuple(pb.shape)}")
-    y = torch.empty(*x.shape[:-1], out_features, dtype=torch.float32)
     lib.tidar_panel_linear(x.data_ptr(), x.numel() // k, k, panels.data_ptr(), out_features, None if bias is None else bias.data_ptr(),
                            y.data_ptr(), torch.get_num_threads(), None if A is None else A.data_ptr(), 0 if A is None else A.shape[0],
                            None if pb is None else pb.data_ptr(), start)

@@ -36,6 +36,6 @@ def machine_info(device: torch.device, model=None) -> dict:
             from ..kernels import linear_product, packing_pays, product_timings
 
             info["packed_linears"] = packing_pays(model)
-            info["linear_product"] = linear_product(model)  # "panels" (fp32), "onednn" (bf16) or "stock"
-            info["product_timings"] = product_timings(model)  # the passes (ms at 1 and 8 rows) that choice compared
+            info["linear_product"] = linear_product(model)  # "panels", "onednn" or "stock"
+            info["product_timings"] = product_timings(model)  # the passes (ms at 1 and 8 rows, per product) that choice compared
     return info

@@ -2,6 +2,8 @@
 
    tidar_panel_linear: y = x @ W.T (+ b) on W packed in panels of 32 outputs, streamed once per call
    for up to 16 rows at a time; each output summed over the inputs in order, whatever the row count.
+   tidar_panel_linear_bf16: the same on bf16 rows and panels, summed in fp32, rounded once.
+   tidar_attention: softmax attention whose output for a query depends only on it and the keys it sees.
    tidar_lora_add, tidar_lora_add_bf16: a mask-slot adapter's low-rank delta on a step's mask rows.
 
    Built as: cc -O3 -march=native -fopenmp -shared -fPIC panel.c -o panels.so (panel.PANEL_FLAGS;
@@ -11,6 +13,32 @@
 #define NB 32
 #define PF 1024
 typedef float v16 __attribute__((vector_size(64), aligned(4)));
+/* bf16 <-> fp32: widening is exact; narrowing rounds to nearest even and keeps NaN a NaN. */
+static inline float bf2f(unsigned short h) { union { unsigned u; float f; } v; v.u = (unsigned)h << 16; return v.f; }
+static inline unsigned short f2bf(float f) {
+  union { float f; unsigned u; } v; v.f = f;
+  if ((v.u & 0x7fffffffu) > 0x7f800000u) return (unsigned short)((v.u >> 16) | 0x40);  /* NaN stays NaN */
+  return (unsigned short)((v.u + 0x7fffu + ((v.u >> 16) & 1u)) >> 16);
+}
+typedef unsigned short v16h __attribute__((vector_size(32), aligned(2)));
+typedef unsigned v16u __attribute__((vector_size(64), aligned(4)));
+static inline v16 bf16x16(const unsigned short *h) { return (v16)(__builtin_convertvector(*(const v16h *)h, v16u) << 16); }
+static void bf16_to_f32(const unsigned short *h, long n, float *f) {
+  long i = 0;
+  for (; i + 16 <= n; i += 16) *(v16 *)(f + i) = bf16x16(h + i);
+  for (; i < n; i++) f[i] = bf2f(h[i]);
+}
+static void f32_to_bf16(const float *f, long n, unsigned short *h) {
+  long i = 0;
+  for (; i + 16 <= n; i += 16) {
+    v16u u = (v16u)(*(const v16 *)(f + i));
+    v16u r = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+    v16u nan = (v16u)((u & 0x7fffffffu) > 0x7f800000u);
+    *(v16h *)(h + i) = __builtin_convertvector((nan & ((u >> 16) | 0x40u)) | (~nan & r), v16h);
+  }
+  for (; i < n; i++) h[i] = f2bf(f[i]);
+}
+
 #define PANEL(MM) \
 static void panel##MM(const float *x, long K, const float *w, const float *u, long R, const float *wb, float *out) { \
   v16 a0[MM], a1[MM]; \
@@ -84,30 +112,50 @@ void tidar_panel_linear(const float *x, long M, long K, const float *p, long N, 
   free(u);
 }
 
-/* bf16 <-> fp32: widening is exact; narrowing rounds to nearest even and keeps NaN a NaN. */
-static inline float bf2f(unsigned short h) { union { unsigned u; float f; } v; v.u = (unsigned)h << 16; return v.f; }
-static inline unsigned short f2bf(float f) {
-  union { float f; unsigned u; } v; v.f = f;
-  if ((v.u & 0x7fffffffu) > 0x7f800000u) return (unsigned short)((v.u >> 16) | 0x40);  /* NaN stays NaN */
-  return (unsigned short)((v.u + 0x7fffu + ((v.u >> 16) & 1u)) >> 16);
+/* The same product on bf16: rows and panels bf16, each output summed in fp32 over the inputs in order
+   (each product of two bf16 values exact in fp32), plus the bias, rounded to bf16 once. So, as in
+   fp32, a row's result does not depend on how many rows share the call; and it is what the same
+   weights widened to fp32 give, rounded. The panels are half the bytes of fp32's. */
+#define PANELH(MM) \
+static void panelh##MM(const float *x, long K, const unsigned short *w, float *out) { \
+  v16 a0[MM], a1[MM]; \
+  for (int i = 0; i < MM; i++) { a0[i] = (v16){0}; a1[i] = (v16){0}; } \
+  for (long k = 0; k < K; k++) { \
+    __builtin_prefetch(w + k * NB + 2 * PF, 0, 3); \
+    v16 w0 = bf16x16(w + k * NB), w1 = bf16x16(w + k * NB + 16); \
+    _Pragma("GCC unroll 16") \
+    for (int i = 0; i < MM; i++) { float xv = x[i * K + k]; a0[i] += xv * w0; a1[i] += xv * w1; } \
+  } \
+  for (int i = 0; i < MM; i++) { memcpy(out + i * NB, &a0[i], 64); memcpy(out + i * NB + 16, &a1[i], 64); } \
 }
-typedef unsigned short v16h __attribute__((vector_size(32), aligned(2)));
-typedef unsigned v16u __attribute__((vector_size(64), aligned(4)));
-static inline v16 bf16x16(const unsigned short *h) { return (v16)(__builtin_convertvector(*(const v16h *)h, v16u) << 16); }
-static void bf16_to_f32(const unsigned short *h, long n, float *f) {
-  long i = 0;
-  for (; i + 16 <= n; i += 16) *(v16 *)(f + i) = bf16x16(h + i);
-  for (; i < n; i++) f[i] = bf2f(h[i]);
-}
-static void f32_to_bf16(const float *f, long n, unsigned short *h) {
-  long i = 0;
-  for (; i + 16 <= n; i += 16) {
-    v16u u = (v16u)(*(const v16 *)(f + i));
-    v16u r = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
-    v16u nan = (v16u)((u & 0x7fffffffu) > 0x7f800000u);
-    *(v16h *)(h + i) = __builtin_convertvector((nan & ((u >> 16) | 0x40u)) | (~nan & r), v16h);
+PANELH(1) PANELH(2) PANELH(3) PANELH(4) PANELH(5) PANELH(6) PANELH(7) PANELH(8)
+PANELH(9) PANELH(10) PANELH(11) PANELH(12) PANELH(13) PANELH(14) PANELH(15) PANELH(16)
+typedef void (*panelh_fn)(const float *, long, const unsigned short *, float *);
+static const panelh_fn PANELSH[17] = {0, panelh1, panelh2, panelh3, panelh4, panelh5, panelh6, panelh7, panelh8,
+                                      panelh9, panelh10, panelh11, panelh12, panelh13, panelh14, panelh15, panelh16};
+
+/* y[M, N] = x[M, K] @ W.T (+ b), all bf16, W packed as bf16 panels P[ceil(N / NB)][K][NB]. The rows are
+   widened once (exact), then each core streams its share of the panels as in fp32. Returns -1 where
+   the widened rows find no memory. */
+int tidar_panel_linear_bf16(const unsigned short *x, long M, long K, const unsigned short *p, long N, const unsigned short *b,
+                            unsigned short *y, int threads) {
+  long panels = (N + NB - 1) / NB;
+  float *xf = malloc(sizeof(float) * (M * K > 0 ? M * K : 1));
+  if (!xf) return -1;
+  bf16_to_f32(x, M * K, xf);
+  #pragma omp parallel for num_threads(threads) schedule(static)
+  for (long q = 0; q < panels; q++) {
+    float out[16 * NB];
+    for (long m0 = 0; m0 < M; m0 += 16) {
+      long mm = M - m0 < 16 ? M - m0 : 16;
+      PANELSH[mm](xf + m0 * K, K, p + q * K * NB, out);
+      for (long i = 0; i < mm; i++)
+        for (long j = 0; j < NB && q * NB + j < N; j++)
+          y[(m0 + i) * N + q * NB + j] = f2bf(b ? out[i * NB + j] + bf2f(b[q * NB + j]) : out[i * NB + j]);
+    }
   }
-  for (; i < n; i++) h[i] = f2bf(f[i]);
+  free(xf);
+  return 0;
 }
 
 /* y[M, N] += (x[M, K] @ A[R, K].T) @ Bt[R, N]: a mask-slot adapter's low-rank delta on a step's mask
