@@ -7,7 +7,7 @@
 - `tidar=False` on the default product against `pack_weights=False`, interleaved per prompt, and the
   pass times behind the product choice (`kernels.product_timings`).
 
-    python bench/exactness.py out/smollm2-135m-cpu bench/results/exactness-fp32.json [--prompts raw|chat] [--limit 12] [--tokens 128]
+    python bench/exactness.py out/smollm2-135m-cpu bench/results/exactness-fp32.json [--prompts raw|chat] [--limit 12] [--tokens 128] [--dtype bfloat16]
 """
 
 from __future__ import annotations
@@ -33,8 +33,9 @@ def main() -> None:
     parser.add_argument("--prompts", default="raw")
     parser.add_argument("--limit", type=int, default=12)
     parser.add_argument("--tokens", type=int, default=128)
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     args = parser.parse_args()
-    model = load(args.export).eval()
+    model = load(args.export, dtype=getattr(torch, args.dtype)).eval()
     tok = AutoTokenizer.from_pretrained(args.export)
     kw = dict(max_new_tokens=args.tokens, do_sample=False, return_dict_in_generate=True, output_logits=True)
     names = [n for n, d in DECODERS.items() if d.weights == "export" and n not in ("ar", "ar_stock")]
@@ -59,6 +60,7 @@ def main() -> None:
     result = {
         "export": args.export,
         "prompt_set": args.prompts,
+        "dtype": args.dtype,
         "max_new_tokens": args.tokens,
         "machine": machine_info(torch.device("cpu"), model),
         "product_timings": kernels.product_timings(model),
