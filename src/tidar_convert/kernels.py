@@ -20,17 +20,11 @@ Two packed products, each made from the weight once and kept:
   blocked layout (what torch.compile's CPU freezing does). On AMX it makes bf16 nearly flat in the
   row count; in fp32 it is flat but slower than panels.
 
-Which product runs is measured, not assumed: `packing_pays(model)` times one pass through the
-model's linear layers at 1 row (an AR step) and at 8 rows (a TiDAR step) with the stock product and
-each packed one the dtype can take here (`candidates`: fp32 panels, or oneDNN without the kernel;
-bf16 both), once per model and dtype: 1 + 3 x 2 passes per product, each reading every weight once
-(well under a second for SmolLM2-135M, in proportion to the weights' size for larger models), holding
-a copy of the weights per packed product while it times. `cpu_kernels(model, "auto")`, what
-generate() enters for every path (TiDAR, plain AR, prompt lookup), takes the fastest (the two row
-counts weighed equally) and keeps only its copies; the times it compared are `product_timings(model)`
-(the bench records them). One choice per model, so every decoder on a model runs the same kernels. What each linear layer took is counted on the model after every
-generate(), `model.tidar_products` ({"panels": 211}, say; `linear_products`), and logged once at
-info when it changes.
+Which product runs is measured, not assumed: `packing_pays(model)` times a pass through the model's
+linear layers at 1 and 8 rows on the stock product and on each of the dtype's `candidates`, once per
+model and dtype, and `cpu_kernels(model, "auto")` (every generate() path) takes the fastest, keeping
+only its copies; the times are `product_timings(model)`, what each layer took `model.tidar_products`
+(docs/kernels.md). One choice per model, so every decoder on a model runs the same kernels.
 
 Exact by construction where every linear layer takes panels (fp32 or bf16): attention then runs the same library's
 kernel (`sdpa_exact`), whose output for a query depends only on that query and the keys it sees,
@@ -48,14 +42,10 @@ entered. A layer's packed weight is kept while the layer lives (one more copy of
 again when the weight changes (another tensor, or an in-place update); a model where packing does not
 pay keeps none. Training and anything that needs gradients run the stock product.
 
-`grouped_attention(model)` does the same for attention: under a mask, transformers' SDPA path copies
-each layer's grouped key/value heads to every query head first (repeat_kv: the whole cache, every
-layer, every step), because CUDA's kernels need it; PyTorch's CPU kernel attends the groups in place
-(`enable_gqa`), to the same values. Every TiDAR step and every prompt-lookup step has a mask and
-several queries.
+`grouped_attention(model)`: under a mask, attention on CPU attends grouped key/value heads in place
+(`enable_gqa`) instead of transformers' repeat_kv copy of the whole cache every layer and step.
 
-Shipped in every export's custom_generate/ folder: imports nothing but torch and the standard library
-(transformers, for the attention function, only when it is used).
+Shipped in every export's custom_generate/ folder: torch and the standard library only.
 """
 
 from __future__ import annotations
