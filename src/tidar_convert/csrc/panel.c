@@ -39,14 +39,16 @@ static void f32_to_bf16(const float *f, long n, unsigned short *h) {
   for (; i < n; i++) h[i] = f2bf(f[i]);
 }
 
-#define PANEL(MM) \
-static void panel##MM(const float *x, long K, const float *w, const float *u, long R, const float *wb, float *out) { \
+/* One pass of MM rows (up to 16) over one panel of 32 outputs: each output summed over the inputs in
+   order, then over an adapter's R terms (fp32 panels; R = 0 has none). The weights fp32, or bf16
+   widened as they are read (NAME panel and panelh); NAME_by_rows[MM] is the pass for MM rows. */
+#define PANEL_PASS(NAME, MM, WT, LOADW, PREFETCHW) \
+static void NAME##MM(const float *x, long K, const WT *w, const float *u, long R, const float *wb, float *out) { \
   v16 a0[MM], a1[MM]; \
   for (int i = 0; i < MM; i++) { a0[i] = (v16){0}; a1[i] = (v16){0}; } \
   for (long k = 0; k < K; k++) { \
-    __builtin_prefetch(w + k * NB + PF, 0, 3); \
-    __builtin_prefetch(w + k * NB + PF + 16, 0, 3); \
-    v16 w0 = *(const v16 *)(w + k * NB), w1 = *(const v16 *)(w + k * NB + 16); \
+    PREFETCHW(w + k * NB); \
+    v16 w0 = LOADW(w + k * NB), w1 = LOADW(w + k * NB + 16); \
     _Pragma("GCC unroll 16") \
     for (int i = 0; i < MM; i++) { float xv = x[i * K + k]; a0[i] += xv * w0; a1[i] += xv * w1; } \
   } \
@@ -57,11 +59,22 @@ static void panel##MM(const float *x, long K, const float *w, const float *u, lo
   } \
   for (int i = 0; i < MM; i++) { memcpy(out + i * NB, &a0[i], 64); memcpy(out + i * NB + 16, &a1[i], 64); } \
 }
-PANEL(1) PANEL(2) PANEL(3) PANEL(4) PANEL(5) PANEL(6) PANEL(7) PANEL(8)
-PANEL(9) PANEL(10) PANEL(11) PANEL(12) PANEL(13) PANEL(14) PANEL(15) PANEL(16)
-typedef void (*panel_fn)(const float *, long, const float *, const float *, long, const float *, float *);
-static const panel_fn PANELS[17] = {0, panel1, panel2, panel3, panel4, panel5, panel6, panel7, panel8,
-                                    panel9, panel10, panel11, panel12, panel13, panel14, panel15, panel16};
+#define PANEL_PASSES(NAME, WT, LOADW, PREFETCHW) \
+  PANEL_PASS(NAME, 1, WT, LOADW, PREFETCHW) PANEL_PASS(NAME, 2, WT, LOADW, PREFETCHW) PANEL_PASS(NAME, 3, WT, LOADW, PREFETCHW) \
+  PANEL_PASS(NAME, 4, WT, LOADW, PREFETCHW) PANEL_PASS(NAME, 5, WT, LOADW, PREFETCHW) PANEL_PASS(NAME, 6, WT, LOADW, PREFETCHW) \
+  PANEL_PASS(NAME, 7, WT, LOADW, PREFETCHW) PANEL_PASS(NAME, 8, WT, LOADW, PREFETCHW) PANEL_PASS(NAME, 9, WT, LOADW, PREFETCHW) \
+  PANEL_PASS(NAME, 10, WT, LOADW, PREFETCHW) PANEL_PASS(NAME, 11, WT, LOADW, PREFETCHW) PANEL_PASS(NAME, 12, WT, LOADW, PREFETCHW) \
+  PANEL_PASS(NAME, 13, WT, LOADW, PREFETCHW) PANEL_PASS(NAME, 14, WT, LOADW, PREFETCHW) PANEL_PASS(NAME, 15, WT, LOADW, PREFETCHW) \
+  PANEL_PASS(NAME, 16, WT, LOADW, PREFETCHW) \
+  static void (*const NAME##_by_rows[17])(const float *, long, const WT *, const float *, long, const float *, float *) = { \
+    0, NAME##1, NAME##2, NAME##3, NAME##4, NAME##5, NAME##6, NAME##7, NAME##8, \
+    NAME##9, NAME##10, NAME##11, NAME##12, NAME##13, NAME##14, NAME##15, NAME##16};
+/* fp32: a row of a panel is 128 bytes, two cache lines ahead; bf16: 64 bytes, one (the same bytes ahead). */
+#define LOAD_F32(p) (*(const v16 *)(p))
+#define PREFETCH_F32(p) (__builtin_prefetch((p) + PF, 0, 3), __builtin_prefetch((p) + PF + 16, 0, 3))
+#define PREFETCH_BF16(p) __builtin_prefetch((p) + 2 * PF, 0, 3)
+PANEL_PASSES(panel, float, LOAD_F32, PREFETCH_F32)
+PANEL_PASSES(panelh, unsigned short, bf16x16, PREFETCH_BF16)
 
 /* y[M, N] = x[M, K] @ W.T (+ b); W packed as panels P[ceil(N / NB)][K][NB], zero-padded. Where A
    is given, a mask-slot adapter's delta on rows start..M-1 (adapter.py) is in the same pass: B (the
@@ -102,7 +115,7 @@ void tidar_panel_linear(const float *x, long M, long K, const float *p, long N, 
       for (long m0 = 0; m0 < M; m0 += 16) {
         long mm = M - m0 < 16 ? M - m0 : 16;
         long r = m0 + mm > start ? R : 0;  /* a block of rows before start skips the zero terms */
-        PANELS[mm](x + m0 * K, K, p + q * K * NB, u ? u + m0 * R : 0, r, r ? pb + q * R * NB : 0, out);
+        panel_by_rows[mm](x + m0 * K, K, p + q * K * NB, u ? u + m0 * R : 0, r, r ? pb + q * R * NB : 0, out);
         for (long i = 0; i < mm; i++)
           for (long j = 0; j < NB && q * NB + j < N; j++)
             y[(m0 + i) * N + q * NB + j] = b ? out[i * NB + j] + b[q * NB + j] : out[i * NB + j];
@@ -112,28 +125,10 @@ void tidar_panel_linear(const float *x, long M, long K, const float *p, long N, 
   free(u);
 }
 
-/* The same product on bf16: rows and panels bf16, each output summed in fp32 over the inputs in order
-   (each product of two bf16 values exact in fp32), plus the bias, rounded to bf16 once. So, as in
-   fp32, a row's result does not depend on how many rows share the call; and it is what the same
-   weights widened to fp32 give, rounded. The panels are half the bytes of fp32's. */
-#define PANELH(MM) \
-static void panelh##MM(const float *x, long K, const unsigned short *w, float *out) { \
-  v16 a0[MM], a1[MM]; \
-  for (int i = 0; i < MM; i++) { a0[i] = (v16){0}; a1[i] = (v16){0}; } \
-  for (long k = 0; k < K; k++) { \
-    __builtin_prefetch(w + k * NB + 2 * PF, 0, 3); \
-    v16 w0 = bf16x16(w + k * NB), w1 = bf16x16(w + k * NB + 16); \
-    _Pragma("GCC unroll 16") \
-    for (int i = 0; i < MM; i++) { float xv = x[i * K + k]; a0[i] += xv * w0; a1[i] += xv * w1; } \
-  } \
-  for (int i = 0; i < MM; i++) { memcpy(out + i * NB, &a0[i], 64); memcpy(out + i * NB + 16, &a1[i], 64); } \
-}
-PANELH(1) PANELH(2) PANELH(3) PANELH(4) PANELH(5) PANELH(6) PANELH(7) PANELH(8)
-PANELH(9) PANELH(10) PANELH(11) PANELH(12) PANELH(13) PANELH(14) PANELH(15) PANELH(16)
-typedef void (*panelh_fn)(const float *, long, const unsigned short *, float *);
-static const panelh_fn PANELSH[17] = {0, panelh1, panelh2, panelh3, panelh4, panelh5, panelh6, panelh7, panelh8,
-                                      panelh9, panelh10, panelh11, panelh12, panelh13, panelh14, panelh15, panelh16};
-
+/* The same product on bf16 (panelh): rows and panels bf16, each output summed in fp32 over the inputs
+   in order (each product of two bf16 values exact in fp32), plus the bias, rounded to bf16 once. So,
+   as in fp32, a row's result does not depend on how many rows share the call; and it is what the
+   same weights widened to fp32 give, rounded. The panels are half the bytes of fp32's. */
 /* y[M, N] = x[M, K] @ W.T (+ b), all bf16, W packed as bf16 panels P[ceil(N / NB)][K][NB]. The rows are
    widened once (exact), then each core streams its share of the panels as in fp32. Returns -1 where
    the widened rows find no memory. */
@@ -148,7 +143,7 @@ int tidar_panel_linear_bf16(const unsigned short *x, long M, long K, const unsig
     float out[16 * NB];
     for (long m0 = 0; m0 < M; m0 += 16) {
       long mm = M - m0 < 16 ? M - m0 : 16;
-      PANELSH[mm](xf + m0 * K, K, p + q * K * NB, out);
+      panelh_by_rows[mm](xf + m0 * K, K, p + q * K * NB, 0, 0, 0, out);
       for (long i = 0; i < mm; i++)
         for (long j = 0; j < NB && q * NB + j < N; j++)
           y[(m0 + i) * N + q * NB + j] = f2bf(b ? out[i * NB + j] + bf2f(b[q * NB + j]) : out[i * NB + j]);
