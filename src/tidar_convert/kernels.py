@@ -69,7 +69,7 @@ PACK_ROWS = 8  # oneDNN's hint of the rows a call will have: a decoding step's s
 # module would break deepcopy, pickling and state_dict; it goes with the layer. One kind, except
 # while packing_pays times them.
 _PACKED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-_CHOSEN: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # layer -> the packed kind packing_pays chose for it
+_CHOSEN: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # layer -> (dtype, the packed kind it takes in that dtype)
 CHOICE_ROWS = (1, 8)  # the rows of an AR step and of a typical TiDAR step, timed with equal weight
 _DELTA_PANELS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # layer -> (its adapter's B, B's panels)
 _PAYS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> (its linear layers' dtype and count, packing pays)
@@ -131,11 +131,13 @@ def _weight_key(w: torch.Tensor) -> tuple:
 
 
 def chosen_kind(layer) -> str | None:
-    """The packed product the layer takes: what packing_pays chose for it, else its dtype's default."""
-    kind = _CHOSEN.get(layer)
-    if kind is not None and kind in candidates(layer.weight.dtype):
-        return kind
-    return next(iter(candidates(layer.weight.dtype)), None)
+    """The packed product the layer takes: what packing_pays chose for it in its dtype, else the
+    dtype's default, kept (it is asked on every product of every step)."""
+    dtype = layer.weight.dtype
+    chosen = _CHOSEN.get(layer)
+    if chosen is None or chosen[0] != dtype:
+        chosen = _CHOSEN[layer] = (dtype, next(iter(candidates(dtype)), None))
+    return chosen[1]
 
 
 def packed_weight(layer, kind: str | None = None) -> tuple[str, torch.Tensor] | None:
@@ -255,7 +257,7 @@ def packing_pays(model, repeats: int = 3) -> bool:
         for kind in [k for k in kept if k != fastest]:
             del kept[kind]
         if fastest != "stock":
-            _CHOSEN[layer] = fastest
+            _CHOSEN[layer] = (layer.weight.dtype, fastest)
     pays = fastest != "stock"
     timings = {str(rows): {f"{product}_ms": 1e3 * best[product][i] for product in products} for i, rows in enumerate(CHOICE_ROWS)}
     _PAYS[model] = (key, pays, timings)
