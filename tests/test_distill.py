@@ -112,12 +112,12 @@ def test_teacher_is_detached_in_a_tiny_model(tiny_dirs):
 @pytest.mark.parametrize(
     "kwargs,message",
     [
-        (dict(distill_weight=1.5), "distill_weight=1.5: must be in [0, 1]"),
+        (dict(distill_weight=1.5), "distill_weight=1.5: must be a finite number in [0, 1]"),
         (dict(distill_weight=-0.1), "distill_weight=-0.1"),
-        (dict(distill_temperature=0.0), "distill_temperature=0.0: must be > 0"),
+        (dict(distill_temperature=0.0), "distill_temperature=0.0: must be a finite number > 0"),
         (dict(teacher="ema"), "teacher='ema': use 'self'"),
         (dict(teacher="base", distill_weight=0.5), "teacher='base' with lora_r=0: the frozen-base teacher needs LoRA; set lora_r > 0"),
-        (dict(anchor_weight=1.2, lora_r=4), "anchor_weight=1.2: must be in [0, 1]"),
+        (dict(anchor_weight=1.2, lora_r=4), "anchor_weight=1.2: must be a finite number in [0, 1]"),
         (dict(anchor_weight=0.5), "anchor_weight=0.5 with lora_r=0: the base-model anchor needs LoRA"),
     ],
 )

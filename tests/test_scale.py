@@ -86,7 +86,7 @@ def test_fit_derives_accumulation_prints_it_and_records_it(tmp_path, tiny_dirs, 
     [
         (["--global_batch_tokens", "1000"], "error: --global_batch_tokens 1000 is not a whole number of micro-steps"),
         (["--global_batch_tokens", "384", "--trainer.accumulate_grad_batches", "2"], "error: --trainer.accumulate_grad_batches 2 gives 256 tokens"),
-        (["--global_batch_tokens", "0"], "error: --global_batch_tokens 0: must be > 0"),
+        (["--global_batch_tokens", "0"], "error: --global_batch_tokens=0: must be a whole number >= 1"),
     ],
 )
 def test_fit_refuses_an_unreachable_global_batch_before_loading_the_model(tmp_path, extra, message, capsys):

@@ -11,12 +11,13 @@ import torch
 
 from . import layout
 from .lora import add_lora, check_scope
-from .loss import check_anchor, check_distill, check_offset_weights, hybrid_loss
+from .loss import check_distill, check_offset_weights, hybrid_loss
 
 OptimizerCallable = Callable[[Iterable], torch.optim.Optimizer]
 
 
-def _adamw(params):
+def adamw(params):
+    """The optimizer where a recipe names none: the paper's AdamW at lr 1e-5, no weight decay."""
     return torch.optim.AdamW(params, lr=1e-5, weight_decay=0.0)
 
 
@@ -38,7 +39,7 @@ class TiDARModule(L.LightningModule):
         model: str | None = None,
         block_size: int = 4,
         alpha: float = 1.0,
-        optimizer: OptimizerCallable = _adamw,
+        optimizer: OptimizerCallable | None = None,
         warmup_ratio: float = 0.01,
         min_lr_ratio: float = 0.3,
         lora_r: int = 0,
@@ -59,7 +60,8 @@ class TiDARModule(L.LightningModule):
             model: base checkpoint: hub id, local folder or .gguf file; None = embedded SmolLM2-135M-Instruct.
             block_size: k, tokens drafted per step (and the size of each masked training block).
             alpha: weight of the AR loss: L = (alpha * L_AR + L_Diff) / (1 + alpha).
-            optimizer: optimizer factory (YAML: class_path torch.optim.AdamW, init_args lr ...).
+            optimizer: optimizer factory (YAML: class_path torch.optim.AdamW, init_args lr ...);
+                None = `adamw` (AdamW, lr 1e-5, no weight decay).
             warmup_ratio: fraction of max_steps with linear warmup.
             min_lr_ratio: cosine decay ends at lr * min_lr_ratio (paper: 1e-5 -> 3e-6, i.e. 0.3).
             lora_r: 0 = full fine-tune; > 0 = LoRA of this rank on all linear layers (mask token row trained too).
@@ -91,19 +93,11 @@ class TiDARModule(L.LightningModule):
                 nothing to anchor. The export keeps the deltas apart (tidar_adapter.safetensors).
         """
         super().__init__()
-        if lora_r < 0:
-            raise ValueError(f"lora_r={lora_r}: must be >= 0; 0 = full fine-tune (every weight trained, the AR half included), > 0 = LoRA of that rank (e.g. 64).")
-        if alpha < 0:
-            raise ValueError(f"alpha={alpha}: the AR weight must be >= 0 (the paper uses 1.0).")
-        if block_size < 2:
-            raise ValueError(f"block_size={block_size}: TiDAR needs at least 2 tokens per block; use 2 or more.")
-        if not 0 <= warmup_ratio < 1:
-            raise ValueError(f"warmup_ratio={warmup_ratio}: must be in [0, 1).")
+        from .settings import check_group
+
+        check_group("model", {k: v for k, v in locals().items() if k not in ("self", "__class__")})
         check_distill(distill_weight, distill_temperature, teacher)
         check_offset_weights(diff_offset_weights, block_size)
-        if val_decode_block_size is not None and val_decode_block_size < 2:
-            raise ValueError(f"val_decode_block_size={val_decode_block_size}: decoding needs at least 2 tokens per block; use 2 or more, or null for block_size.")
-        check_anchor(anchor_weight)
         if anchor_weight > 0 and lora_r <= 0:
             raise ValueError(f"anchor_weight={anchor_weight} with lora_r={lora_r}: the base-model anchor needs LoRA (the base is the weights with the adapters off); set lora_r > 0 (e.g. 64), or anchor_weight 0.")
         if teacher == "base" and lora_r <= 0:
@@ -128,7 +122,7 @@ class TiDARModule(L.LightningModule):
         self.config, self.tokenizer = load_config_and_tokenizer(model)
         self.attn_implementation = attn_implementation or attention_implementation(self.config, "cuda" if torch.cuda.is_available() else "cpu")
         self.model = None
-        self.block_size, self.alpha, self.optimizer_factory = block_size, alpha, optimizer
+        self.block_size, self.alpha, self.optimizer_factory = block_size, alpha, optimizer or adamw
         self.warmup_ratio, self.min_lr_ratio, self.val_decode_prompts = warmup_ratio, min_lr_ratio, val_decode_prompts
         self.distill_weight, self.distill_temperature, self.teacher = distill_weight, distill_temperature, teacher
         self.val_decode_block_size = val_decode_block_size or block_size
@@ -213,6 +207,7 @@ class TiDARModule(L.LightningModule):
         ours = {"lora_r": self.hparams.lora_r, "lora_scope": self.hparams.get("lora_scope", "all")}
         theirs = {"lora_r": saved.get("lora_r", ours["lora_r"]), "lora_scope": saved.get("lora_scope", "all")}
         if ours["lora_r"] == theirs["lora_r"] == 0 or ours == theirs:  # (a full fine-tune has no scope)
+            apply_optimizer_settings(checkpoint, self.optimizer_factory)
             return
         where = getattr(self._trainer, "ckpt_path", None) if self._trainer is not None else None
         kind = lambda s: f"lora_r={s['lora_r']}, lora_scope={s['lora_scope']!r}" if s["lora_r"] > 0 else "lora_r=0 (a full fine-tune)"  # noqa: E731
@@ -344,3 +339,31 @@ class TiDARModule(L.LightningModule):
 
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
+def apply_optimizer_settings(checkpoint: dict, factory) -> None:
+    """Write this run's optimizer arguments into a checkpoint's optimizer state before Lightning
+    restores it (which would keep the old lr, weight decay... without a word). The schedule's
+    progress stays: the lr the schedule had reached is scaled by new lr / old lr."""
+    states = checkpoint.get("optimizer_states") or []
+    if not states:
+        return
+    probe = factory([torch.nn.Parameter(torch.zeros(1))]).defaults  # this run's arguments
+    for state in states:
+        for group in state.get("param_groups", []):
+            old_lr = group.get("initial_lr", group.get("lr"))
+            for key, value in probe.items():
+                if key in group and key not in ("lr", "initial_lr") and isinstance(value, (int, float, bool, tuple, type(None))):
+                    group[key] = value
+            new_lr = probe.get("lr")
+            if isinstance(new_lr, (int, float)) and old_lr and new_lr != old_lr:
+                group["lr"] = group["lr"] * new_lr / old_lr
+                if "initial_lr" in group:
+                    group["initial_lr"] = new_lr
+    for sched in checkpoint.get("lr_schedulers") or []:
+        new_lr = probe.get("lr")
+        if "base_lrs" in sched and isinstance(new_lr, (int, float)):
+            sched["base_lrs"] = [new_lr] * len(sched["base_lrs"])
+            groups = states[0].get("param_groups", [])
+            if "_last_lr" in sched and len(groups) == len(sched["_last_lr"]):
+                sched["_last_lr"] = [g["lr"] for g in groups]

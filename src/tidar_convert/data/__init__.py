@@ -88,10 +88,11 @@ class TiDARData(L.LightningDataModule):
             num_workers: DataLoader workers (0 = tokenize in the training process).
         """
         super().__init__()
-        if seq_len < 2:
-            raise ValueError(f"seq_len={seq_len}: need at least 2 tokens per chunk.")
-        if val_every < 2:
-            raise ValueError(f"val_every={val_every}: must be >= 2, or every document would go to validation.")
+        # in every checkpoint (datamodule_hyper_parameters): a resumed run is refused other data (resume.py)
+        self.save_hyperparameters()
+        from ..settings import check_group
+
+        check_group("data", {k: v for k, v in locals().items() if k not in ("self", "__class__")})
         self.sources = [source] if isinstance(source, str) else list(source)
         if not self.sources:
             raise ValueError("source=[]: name at least one data source, e.g. 'stdlib'.")
