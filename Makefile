@@ -1,5 +1,5 @@
 # tidar-convert. `make convert` and `make test` each set up .venv on first use.
-#   make convert [MODEL=hub-id|folder|file.gguf] [RECIPE=recipes/x.yaml] [OUT=folder] [MAX_STEPS=n]
+#   make convert [MODEL=hub-id|folder|file.gguf] [RECIPE=recipes/x.yaml] [OUT=folder] [MAX_STEPS=n] [RESUME=1]
 #   make test | make test-fast | make bench MODEL=out/... [K=4] [DTYPE=bfloat16] [PROMPTS=chat] [SAMPLING=1] | make bench-serve MODEL=out/... [CLIENTS=[1,4]] | make bench-gpu
 #   make sweep SWEEP=recipes/sweeps/x.yaml RECIPE=recipes/y.yaml [MAX_STEPS=n] [VAL=n] [ARMS='[a, b]'] [SWEEP_OUT=folder]
 #   make distill [MODEL=...] [DISTILL_OUT=runs/greedy.jsonl] [N_DOCS=n] [DTYPE=bfloat16]
@@ -16,6 +16,7 @@ RECIPE ?= recipes/smollm2-135m-cpu.yaml
 MODEL ?=
 OUT ?= out/$(basename $(notdir $(RECIPE)))
 MAX_STEPS ?=
+RESUME ?=
 K ?=
 
 SWEEP ?= recipes/sweeps/smollm2-cpu-levers.yaml
@@ -42,11 +43,15 @@ $(BIN)/.installed: pyproject.toml
 	$(BIN)/python -m pip install -e ".[dev,eval,serve]"
 	touch $@
 
+# A run folder that holds an earlier run: RESUME=1 continues it; otherwise this run goes beside it
+# (<folder>-v2, ...), and nothing of the earlier one is lost. --overwrite replaces only an earlier
+# export of this tool at OUT, never other files.
 convert: $(BIN)/.installed
 	$(BIN)/tidar-convert fit --config $(RECIPE) \
 		$(if $(MODEL),--model.model $(MODEL)) \
 		$(if $(MAX_STEPS),--trainer.max_steps $(MAX_STEPS)) \
-		--out $(OUT) --overwrite  # replaces only an earlier export of this tool, never other files
+		$(if $(RESUME),--ckpt_path last,--existing_run new) \
+		--out $(OUT) --overwrite
 
 test: $(BIN)/.installed
 	$(BIN)/python -m pytest -q --durations=15 tests

@@ -61,7 +61,7 @@ def held_out_loss(model, tokenizer, source, block_size=4, seq_len=64):
 def test_short_fit_lowers_loss_and_writes_a_loadable_folder(tmp_path, tiny_dirs, corpus, family, monkeypatch):
     from tidar_convert.loading import load_base
 
-    monkeypatch.chdir(tmp_path)  # W&B writes ./runs/tiny/wandb (tiny.yaml save_dir)
+    monkeypatch.chdir(tmp_path)  # (were W&B to follow tiny.yaml's runs/tiny, it would land here)
     out = fit(tmp_path, tiny_dirs[family], "--data.source", str(corpus), logger=family == "llama")  # one family goes through W&B (offline)
     base, tok = load_base(str(tiny_dirs[family]))
     model = AutoModelForCausalLM.from_pretrained(out)  # no remote code: the plain base architecture
@@ -74,7 +74,9 @@ def test_short_fit_lowers_loss_and_writes_a_loadable_folder(tmp_path, tiny_dirs,
     before, after = held_out_loss(base.eval(), tok, corpus), held_out_loss(model.eval(), out_tok, corpus)
     assert after < before - 0.5, (before, after)
     if family == "llama":
-        assert list((tmp_path / "runs" / "tiny" / "wandb").glob("offline-run-*/*.wandb")), "no offline W&B run written"
+        # the logs follow --trainer.default_root_dir, not the recipe's runs/tiny
+        assert list((tmp_path / "run" / "wandb").glob("offline-run-*/*.wandb")), "no offline W&B run written"
+        assert not (tmp_path / "runs").exists()
 
 
 @pytest.mark.fit
@@ -270,7 +272,7 @@ def test_fit_replaces_an_earlier_export_only_with_overwrite(tmp_path, tiny_dirs,
     with pytest.raises(SystemExit):
         fit(tmp_path, tiny_dirs["llama"], "--trainer.max_steps", "3")
     assert "--overwrite" in capsys.readouterr().err
-    fit(tmp_path, tiny_dirs["llama"], "--trainer.max_steps", "3", "--overwrite", "true")
+    fit(tmp_path, tiny_dirs["llama"], "--trainer.max_steps", "3", "--overwrite", "true", "--existing_run", "replace")
     assert "steps: 3" in (out / "README.md").read_text()
 
 

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import torch
 from lightning.fabric.plugins import TorchCheckpointIO
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 
 
 CHECKPOINT_FIX = "move the run folder to a disk with room (pass its new place as --trainer.default_root_dir); then run the same command with --ckpt_path last to continue."
@@ -74,3 +75,16 @@ def _atomic_sharded_save(strategy, save):
         strategy.barrier("checkpoint-swap")
 
     return atomic_save
+
+
+class FinalCheckpoint(Callback):
+    """The last checkpoint holds the final step. Lightning's ModelCheckpoint saves `last` at train
+    end only if it never saved before: with every_n_train_steps 10 and max_steps 47, last.ckpt kept
+    step 40 while fit said it trained 47. Lightning moves checkpoint callbacks last, so this runs
+    first at train end."""
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        for cb in trainer.checkpoint_callbacks:
+            if isinstance(cb, ModelCheckpoint) and cb.save_last and cb.dirpath:
+                if cb._last_global_step_saved != trainer.global_step and trainer.global_step > 0:
+                    cb._save_last_checkpoint(trainer, cb._monitor_candidates(trainer))

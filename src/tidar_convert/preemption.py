@@ -47,6 +47,7 @@ class Signals:
         self.signum = None  # the first signal received
         self.count = 0  # SIGINTs received while training
         self.trainer = self.run_dir = self.resume_from = None
+        self.new_run_dir = False  # the run folder did not exist before this fit: a failed fit removes it
         self.done = False
         self.old: dict = {}
         self.pid = os.getpid()

@@ -11,12 +11,13 @@ import json as jsonlib
 import os
 import sys
 from pathlib import Path
+from typing import Literal
 
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.cli import LightningCLI, SaveConfigCallback
 
 from .callbacks import RunClock, Throughput, TrainProgress
-from .checkpoints import atomic_checkpoints
+from .checkpoints import FinalCheckpoint, atomic_checkpoints
 from .preemption import Preemption
 
 
@@ -28,15 +29,20 @@ def check_fit_config(cfg) -> None:
             f"--trainer.max_steps {steps}: trains nothing{'' if steps == 0 else ' (negative)'}; "
             "pass the number of optimizer steps to train (>= 1), or -1 to stop after --trainer.max_epochs."
         )
-    tokens = cfg.get("global_batch_tokens")
-    if tokens is not None and tokens <= 0:
-        raise ValueError(f"--global_batch_tokens {tokens}: must be > 0 (the paper's recipes use 2097152, 2M tokens).")
     if cfg.get("out"):
         from .marker import check_export_target
 
+        check_out_beside_run(cfg.out, cfg.trainer.get("default_root_dir") or ".")
         check_export_target(cfg.out, overwrite=bool(cfg.get("overwrite")))
     precision = str(cfg.trainer.get("precision") or "")
-    if precision.startswith("bf16") and training_on_cpu(cfg.trainer.get("accelerator")) and cpu_has_native_bf16() is False:
+    on_cpu = training_on_cpu(cfg.trainer.get("accelerator"))
+    if precision.startswith("16") and on_cpu:
+        raise ValueError(
+            f"--trainer.precision {precision}: float16 mixed precision does not run on a CPU (Lightning "
+            "would switch to bf16-mixed without a word); pass --trainer.precision 32-true, or "
+            "bf16-mixed where the CPU computes bf16 natively."
+        )
+    if precision.startswith("bf16") and on_cpu and cpu_has_native_bf16() is False:
         print(
             f"warning: --trainer.precision {precision} on a CPU without native bf16 (no amx_bf16 or avx512_bf16 in "
             "/proc/cpuinfo): bf16 matmuls are emulated, and training runs many times slower than in float32. "
@@ -45,14 +51,30 @@ def check_fit_config(cfg) -> None:
         )
 
 
-def check_model(model, seq_len: int | None = None) -> None:
+def check_out_beside_run(out: str, root: str) -> None:
+    """The export is not the run folder, nor around it: an export's folder is replaced whole by the
+    next --overwrite, with the run's checkpoints inside. (An export inside the run folder is fine.)"""
+    a, b = Path(out).expanduser().absolute(), Path(root).expanduser().absolute()
+    if a == b or a in b.parents:
+        how = "is" if a == b else "holds"
+        raise ValueError(
+            f"--out {out!r} {how} the run folder ({root!r}, --trainer.default_root_dir): the export "
+            "folder is replaced whole by the next export, and the run's checkpoints with it; pass "
+            f"--out a folder of its own, e.g. out/{b.name} or {Path(root) / 'export'}."
+        )
+
+
+def check_model(model, seq_len: int | None = None, block_size: int | None = None) -> None:
     """Refuse a model TiDAR cannot convert from its config alone, before greedy documents, data or
     weights (`tidar-convert check` says the same, with the mechanisms and the memory it needs)."""
     from .families import require
     from .loading import read_config
+    from .module import check_positions
 
     config = read_config(model)
     require(config)
+    if seq_len and block_size:
+        check_positions(seq_len, block_size, config)
     # Sliding windows and chunks are applied by the layout, by position (layout.Local); GPT-Neo's local
     # layers apply theirs by index inside the model, which the mask half's indices would break.
     window = getattr(config, "window_size", None)
@@ -136,20 +158,27 @@ def global_batch_line(batch_size: int, seq_len: int, devices: int, nodes: int, a
 
 class RunFolderConfig(SaveConfigCallback):
     """config.yaml goes into the run folder (trainer.default_root_dir), never into the working
-    directory, where a logger without save_dir would put it and overwrite the user's own file."""
+    directory, where a logger without save_dir would put it and overwrite the user's own file. Its
+    first line marks it as fit's (run_folder.CONFIG_MARK): a config.yaml without it is never
+    replaced (checked before the run starts). `validate` leaves the run's config as it is."""
 
     def setup(self, trainer, pl_module, stage):
-        if self.already_saved:
+        if self.already_saved or stage != "fit":
             return
         if trainer.is_global_zero:
-            path = Path(trainer.default_root_dir) / self.config_filename
-            path.parent.mkdir(parents=True, exist_ok=True)
-            self.parser.save(self.config, str(path), skip_none=False, overwrite=True, multifile=self.multifile)
+            from .outputs import atomic_file
+            from .run_folder import CONFIG, CONFIG_MARK
+
+            text = self.parser.dump(self.config, skip_none=False)
+            with atomic_file(Path(trainer.default_root_dir) / CONFIG) as tmp:
+                tmp.write_text(f"{CONFIG_MARK}\n{text}")
         self.already_saved = True
+
 
 class TiDARCLI(LightningCLI):
     def __init__(self, *args, signals=None, **kwargs):
         self.signals = signals  # preemption.Signals of this fit; set first: LightningCLI.__init__ parses, instantiates and runs
+        self.resume_path = None  # the checkpoint --ckpt_path names, once resolved (_parse_ckpt_path)
         super().__init__(*args, **kwargs)
 
     def add_arguments_to_parser(self, parser):
@@ -167,30 +196,67 @@ class TiDARCLI(LightningCLI):
         )
         # None = "not set": then it is derived from global_batch_tokens, and a value the user did
         # set can be checked against it (a default of 1 could not be told apart from an explicit 1).
+        parser.add_argument(
+            "--existing_run", type=Literal["refuse", "new", "replace"], default="refuse",
+            help="a run folder holding another run's checkpoints: refuse (default; --ckpt_path last "
+            "continues it), new (this run goes to <folder>-v2, -v3...) or replace (its checkpoints go)",
+        )
         parser.set_defaults({"trainer.default_root_dir": "runs/tidar", "trainer.accumulate_grad_batches": None})
 
     def _parse_ckpt_path(self):
-        # Lightning replaces the model settings with those a --ckpt_path file was trained with;
-        # any the user set otherwise would be dropped without a word.
+        # Lightning would replace the model settings with those the --ckpt_path file was trained
+        # with (and not at all for `last`): any the user set otherwise would be dropped without a
+        # word. Instead every setting is compared with the checkpoint's (resume.check_settings).
         sub = self.config.get("subcommand")
-        given = self.config[sub].model.clone().as_dict() if sub and self.config[sub].get("model") is not None else None
-        super()._parse_ckpt_path()
-        if given is not None:
-            check_resumed_settings(self.config[sub].get("ckpt_path"), given, self.config[sub].model.as_dict())
+        cfg = self.config[sub] if sub else None
+        self.resume_path = None
+        if cfg is None or not cfg.get("ckpt_path") or cfg.ckpt_path in ("best", "hpc"):
+            return
+        from .resume import check_settings, resolve
+
+        self.resume_path = resolve(cfg)
+        if self.resume_path is not None:
+            check_settings(self.resume_path, cfg)
 
     def before_instantiate_classes(self):
         cfg = self.config[self.subcommand]
         self.accumulate = cfg.trainer.get("accumulate_grad_batches")  # as the user set it, or None
         check_accelerator(cfg.trainer.get("accelerator"))
         if self.subcommand == "fit":
+            from . import settings
+            from .run_folder import check_run_folder, place_outputs
+
+            check_fit_config(cfg)
+            settings.check_config(cfg)
+            old_root = Path(cfg.trainer.get("default_root_dir") or ".")
+            moved = check_run_folder(cfg, cfg.get("existing_run") or "refuse", resuming=bool(cfg.get("ckpt_path")))
+            if moved is not None:
+                cfg.trainer.default_root_dir = str(moved)
+                if cfg.get("out"):
+                    check_out_beside_run(cfg.out, str(moved))
+            place_outputs(cfg, old_root if moved is not None else None)
             if self.signals is not None:
                 self.signals.run_dir = cfg.trainer.get("default_root_dir")  # where to say that a run stopped before its first step
-            check_fit_config(cfg)
+                self.signals.new_run_dir = not Path(cfg.trainer.default_root_dir).exists()
             devices = device_count(cfg.trainer.get("devices", "auto"))
             if devices is not None:  # refuse before the model loads; auto is checked once the Trainer resolved it
                 accumulation(cfg.get("global_batch_tokens"), cfg.data.batch_size, cfg.data.seq_len, devices, cfg.trainer.get("num_nodes") or 1, self.accumulate)
-            # The settings' own arithmetic first (no I/O), then the model's config: both before any work.
-            check_model(cfg.model.get("model") if cfg.get("model") is not None else None, cfg.data.get("seq_len") if cfg.get("data") is not None else None)
+            # The settings' own arithmetic first (no I/O), then the data, then the model's config:
+            # all before any work.
+            model, data = cfg.get("model"), cfg.get("data")
+            if model is not None and data is not None:
+                from .layout import check_train_shape
+
+                check_train_shape(data.seq_len, model.block_size)
+            check_model(
+                model.get("model") if model is not None else None,
+                data.get("seq_len") if data is not None else None,
+                model.get("block_size") if model is not None else None,
+            )
+        else:
+            from . import settings
+
+            settings.check_config(cfg)
         cfg.trainer.accumulate_grad_batches = self.accumulate or 1  # placeholder for the Trainer; set in after_instantiate
         if cfg.trainer.get("enable_progress_bar") is False:  # Lightning refuses a bar callback then
             self.trainer_defaults["callbacks"] = [cb for cb in self.trainer_defaults["callbacks"] if not isinstance(cb, TrainProgress)]
@@ -204,13 +270,17 @@ class TiDARCLI(LightningCLI):
             # new run cannot find again: --ckpt_path last would then start from scratch.
             if isinstance(cb, ModelCheckpoint) and cb.dirpath is None:
                 cb.dirpath = str((root / "checkpoints").resolve())
+            if isinstance(cb, ModelCheckpoint):
+                # A run folder is one run's (run_folder.check_run_folder): its resumed run writes
+                # over its own last.ckpt, never last-v1.ckpt beside it for `last` to mistake.
+                cb._enable_version_counter = False
         for logger in trainer.loggers:
             # Lightning always passes `anonymous`, and W&B warns on every run that it has no effect.
             getattr(logger, "_wandb_init", {}).pop("anonymous", None)
         if self.subcommand in ("fit", "validate"):
             given = self.config[self.subcommand].get("ckpt_path")
-            resume = check_resume(trainer, given, self.subcommand)
-            if resume != given:  # the earlier run stopped before its first step: start from scratch
+            resume = check_resume(trainer, given, self.subcommand, self.resume_path)
+            if resume != given:  # the file `last` names, or None: the earlier run stopped before its first step
                 self.config_init[self.subcommand]["ckpt_path"] = resume
             if self.signals is not None:
                 self.signals.resume_from = resume
@@ -233,7 +303,7 @@ class TiDARCLI(LightningCLI):
         if trainer.is_global_zero:
             print(f"trained {trainer.global_step} steps; run folder {Path(trainer.default_root_dir).resolve()}", file=sys.stderr)
             for path in saved:
-                print(f"checkpoint: {path}", file=sys.stderr)
+                print(f"checkpoint: {path}{saved_step(path, trainer.global_step)}", file=sys.stderr)
             for logger in trainer.loggers:
                 run = getattr(logger, "_experiment", None)  # only a run that was started
                 if run is not None and getattr(run, "dir", None):
@@ -251,14 +321,29 @@ class TiDARCLI(LightningCLI):
                 path = export(model, m.tokenizer, cfg.out, m.block_size, m.alpha, overwrite=bool(cfg.get("overwrite")), card=card)
                 print(f"exported TiDAR model to {path}", file=sys.stderr)
 
+def saved_step(path: str, final: int) -> str:
+    """' (step N)' as read back from the checkpoint itself, and a warning where N is not the final step."""
+    if "://" in path or not Path(path).exists():
+        return ""
+    from .run_folder import checkpoint_step
+
+    step = checkpoint_step(Path(path))
+    return f" (step {step})" if step == final else f" (step {step}: the final step {final} is in no checkpoint)"
+
+
 def _lightning_cli(args: list[str] | None, signals=None) -> TiDARCLI:
     # imported here, after run() quieted the libraries: their import-time warnings stay silenced
     from .data import TiDARData
     from .module import TiDARModule
 
-    callbacks = [TrainProgress(), Preemption(signals), Throughput(), RunClock()]  # every recipe logs throughput, memory and its clock
+    from .recipe import TiDARParser, check_recipe, config_files
+
+    for path in config_files(list(sys.argv[1:] if args is None else args)):
+        check_recipe(path)  # a duplicate key or a tab, named by file and line (jsonargparse would not)
+    # every recipe logs throughput, memory and its clock
+    callbacks = [TrainProgress(), Preemption(signals), Throughput(), RunClock(), FinalCheckpoint()]
     return TiDARCLI(
-        TiDARModule, TiDARData, args=args, save_config_callback=RunFolderConfig,
+        TiDARModule, TiDARData, args=args, save_config_callback=RunFolderConfig, parser_class=TiDARParser,
         save_config_kwargs={"overwrite": True}, trainer_defaults={"callbacks": callbacks}, signals=signals,
     )
 
@@ -284,33 +369,18 @@ def _run_lightning(argv: list[str] | None) -> None:
             if signals.count > 1:  # a second Ctrl-C: Lightning stopped at once (Preemption said so) and exits 1
                 sys.exit(128 + signal.SIGINT)
             raise
+        except Exception:  # refused or failed before it saved anything: no empty run folder left behind
+            trained = signals.trainer is not None and signals.trainer.global_step > 0
+            if signals.new_run_dir and signals.run_dir and not trained:
+                from .run_folder import discard_if_unused
+
+                discard_if_unused(Path(signals.run_dir))
+            raise
 
 
-def check_resumed_settings(ckpt_path, given: dict, saved: dict) -> None:
-    """Refuse model settings that differ from those of the checkpoint a run resumes (`saved`: what
-    Lightning put in their place); a run continues the model it resumes."""
-    from .loading import same_model
-
-    def differs(a, b) -> bool:  # on keys both have: a newer torch adds optimizer arguments an older checkpoint lacks
-        if isinstance(a, dict) and isinstance(b, dict):
-            return any(differs(a[k], b[k]) for k in a.keys() & b.keys())
-        if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
-            return len(a) != len(b) or any(map(differs, a, b))
-        return a != b
-
-    changed = [k for k in given if k in saved and differs(given[k], saved[k]) and not (k == "model" and same_model(given[k], saved[k]))]
-    if changed:
-        pairs = ", ".join(f"{k}={saved[k]!r}" for k in changed)
-        asked = " ".join(f"--model.{k} {given[k]}" for k in changed)
-        raise ValueError(
-            f"--ckpt_path {ckpt_path} was trained with {pairs}, and this run asks for {asked}: a resumed run keeps the model settings of its "
-            f"checkpoint; leave those out to resume it, or start a new run from its export (`tidar-convert export --checkpoint {ckpt_path} --out DIR`, "
-            "then --model.model DIR without --ckpt_path)."
-        )
-
-
-def check_resume(trainer, ckpt_path, command: str = "fit"):
-    """The checkpoint to start from, `ckpt_path` as given once checked (None: from scratch).
+def check_resume(trainer, ckpt_path, command: str = "fit", resolved: Path | None = None):
+    """The checkpoint to start from (None: from scratch): `resolved`, what --ckpt_path `ckpt_path`
+    names (resume.resolve: for `last`, the checkpoint with the highest step), once checked.
 
     `--ckpt_path last` with nothing to resume is an error: Lightning would warn and silently start
     from scratch (fit: a requeued job would then redo, and overwrite, the work it was meant to
@@ -321,11 +391,9 @@ def check_resume(trainer, ckpt_path, command: str = "fit"):
         return None
     from lightning.pytorch.callbacks import ModelCheckpoint
 
-    found = [ckpt_path]
     if ckpt_path == "last":
         dirs = [cb.dirpath for cb in trainer.checkpoint_callbacks if isinstance(cb, ModelCheckpoint)]
-        found = [p for cb in trainer.checkpoint_callbacks if isinstance(cb, ModelCheckpoint) for p in cb._find_last_checkpoints(trainer)]
-        if not found:
+        if resolved is None:
             from .preemption import NOTHING_SAVED
 
             stopped = Path(trainer.default_root_dir) / NOTHING_SAVED
@@ -343,10 +411,16 @@ def check_resume(trainer, ckpt_path, command: str = "fit"):
                 f"--ckpt_path last: no last checkpoint in {where}. Leave out --ckpt_path to {instead}, "
                 "or pass a checkpoint file (--ckpt_path runs/.../checkpoints/last.ckpt)."
             )
-    elif ckpt_path not in ("best", "hpc") and not Path(ckpt_path).exists():
+    elif ckpt_path in ("best", "hpc"):
+        return ckpt_path
+    elif resolved is None:
         raise FileNotFoundError(f"--ckpt_path {ckpt_path}: no such checkpoint; `fit` writes them under <default_root_dir>/checkpoints/.")
-    check_checkpoint_format([p for p in found if p not in ("best", "hpc")], trainer.strategy)
-    return ckpt_path
+    check_checkpoint_format([resolved], trainer.strategy)
+    if trainer.is_global_zero and ckpt_path == "last":
+        from .run_folder import checkpoint_step
+
+        print(f"--ckpt_path last: resuming {resolved} (step {checkpoint_step(resolved)}).", file=sys.stderr, flush=True)
+    return str(resolved)
 
 
 def check_checkpoint_format(paths, strategy) -> None:
