@@ -272,3 +272,23 @@ def test_shipped_recipes_put_every_output_under_their_run_folder():
     for recipe in (Path(__file__).parents[1] / "recipes").glob("*.yaml"):
         text = recipe.read_text()
         assert "save_dir:" not in text and "dirpath:" not in text, recipe.name
+
+
+@pytest.mark.fit
+@pytest.mark.parametrize(
+    "case,extra,message",
+    [
+        ("root is a file", ["--trainer.default_root_dir", "{tmp}/notes.txt"], "--trainer.default_root_dir '{tmp}/notes.txt' is a file, not a folder"),
+        ("overwrite without out", ["--overwrite", "true"], "--overwrite replaces an earlier export at --out, and no --out is given"),
+        ("new and resume", ["--existing_run", "new", "--ckpt_path", "last"], "--existing_run new with --ckpt_path last: a resumed run continues in its own folder"),
+        ("bad existing_run", ["--existing_run", "keep"], 'Parser key "existing_run"'),
+        ("ckpt_path a plain folder", ["--ckpt_path", "{tmp}"], "checkpoint '{tmp}' is a folder but not a sharded checkpoint"),
+        ("missing recipe", ["--config", "{tmp}/nope.yaml"], "--config '{tmp}/nope.yaml': no such file"),
+    ],
+)
+def test_contradictory_or_impossible_run_settings_are_refused_up_front(tmp_path, tiny_dirs, capsys, no_model_load, case, extra, message):
+    (tmp_path / "notes.txt").write_text("mine")
+    extra = [x.format(tmp=tmp_path) for x in extra]
+    line = cli_error(capsys, *fit_args(tmp_path / "run", tiny_dirs["llama"], *extra))
+    assert line.startswith(f"error: {message.format(tmp=tmp_path)}"), line
+    assert (tmp_path / "notes.txt").read_text() == "mine" and not (tmp_path / "run").exists()

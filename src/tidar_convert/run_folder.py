@@ -62,6 +62,11 @@ def read_checkpoint(path: Path) -> dict:
 
     from .sharding import is_sharded_checkpoint
 
+    if path.is_dir() and not is_sharded_checkpoint(path):
+        raise ValueError(
+            f"checkpoint '{path}' is a folder but not a sharded checkpoint (no .metadata in it); pass "
+            "a checkpoint file or folder from <default_root_dir>/checkpoints/, e.g. last.ckpt."
+        )
     try:
         if is_sharded_checkpoint(path):
             from lightning.fabric.utilities.load import _METADATA_FILENAME
@@ -109,6 +114,16 @@ def check_run_folder(cfg, existing_run: str, resuming: bool) -> Path | None:
             f"--existing_run={existing_run!r}: choose refuse (the default), new or replace."
         )
     root = Path(cfg.trainer.get("default_root_dir") or ".").expanduser()
+    if root.exists() and not root.is_dir():
+        raise ValueError(
+            f"--trainer.default_root_dir '{root}' is a file, not a folder; pass the folder for this "
+            "run's config, checkpoints and logs (say runs/NAME)."
+        )
+    if resuming and existing_run != "refuse":
+        raise ValueError(
+            f"--existing_run {existing_run} with --ckpt_path {cfg.ckpt_path}: a resumed run continues "
+            "in its own folder; drop one of them."
+        )
     config = root / CONFIG
     if config.exists() and not written_by_fit(config):
         raise ValueError(

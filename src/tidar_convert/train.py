@@ -29,6 +29,8 @@ def check_fit_config(cfg) -> None:
             f"--trainer.max_steps {steps}: trains nothing{'' if steps == 0 else ' (negative)'}; "
             "pass the number of optimizer steps to train (>= 1), or -1 to stop after --trainer.max_epochs."
         )
+    if cfg.get("overwrite") and not cfg.get("out"):
+        raise ValueError("--overwrite replaces an earlier export at --out, and no --out is given; pass --out DIR, or drop --overwrite.")
     if cfg.get("out"):
         from .marker import check_export_target
 
