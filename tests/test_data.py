@@ -182,7 +182,7 @@ def test_greedy_share_is_the_realised_share_of_the_text(tokenizer, tmp_path, sha
 
 
 def test_greedy_share_bad_values_are_refused():
-    with pytest.raises(ValueError, match=r"greedy_share=1.5: must be in \[0, 1\]"):
+    with pytest.raises(ValueError, match=r"greedy_share=1.5: must be a finite number in \[0, 1\]"):
         TiDARData(greedy_docs=10, greedy_share=1.5)
     with pytest.raises(ValueError, match="greedy_share=0.5 with greedy_docs=0: there are no greedy documents to mix in"):
         TiDARData(greedy_share=0.5)

@@ -273,7 +273,7 @@ def test_undecodable_single_data_files_are_refused_by_name(tmp_path, tiny_dirs, 
         (folder / f"{i}.txt").write_bytes(b"\xff\xfe" + bytes(10))
     cases = [
         (latin1, rf"data file '{latin1}' is not UTF-8 text \(byte 0xef at offset 2\); convert it to UTF-8 text, or pass another data source."),
-        (rows, rf"data file '{rows}' is not UTF-8 text \(byte 0xe9 at offset 30\); convert it to UTF-8, or remove it from the data."),
+        (rows, rf"data file '{rows}' is not UTF-8 text \(byte 0xe9 at offset 30, line 2\); convert it to UTF-8, or remove it from the data."),
         (parquet, rf"data file '{parquet}' is not a parquet file \(no PAR1 marks at its start and end\); write it again, or remove it"),
         (folder, rf"none of the 2 text files of the data source is UTF-8 text \(the last, '{folder}/1.txt', is not UTF-8 text"),
     ]

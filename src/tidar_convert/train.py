@@ -84,6 +84,14 @@ def check_model(model, seq_len: int | None = None, block_size: int | None = None
         raise ValueError(f"--data.seq_len {seq_len} is longer than {config.model_type}'s local attention window ({window}), which its layers apply by token index, not by position: the mask half would lose its context; pass --data.seq_len {window} or less.")
 
 
+def check_data(data) -> None:
+    """The data settings as far as they can be checked from the files (sources.check_sources)."""
+    from .data.sources import check_sources
+
+    sources = [data.source] if isinstance(data.source, str) else list(data.source or [])
+    check_sources(sources, data.get("text_field") or "text", data.get("name"), data.get("split") or "train")
+
+
 def check_accelerator(accelerator) -> None:
     """Refuse an accelerator this machine does not have, before any model loads (Lightning's own error
     is a traceback from deep in the Trainer)."""
@@ -250,6 +258,8 @@ class TiDARCLI(LightningCLI):
                 from .layout import check_train_shape
 
                 check_train_shape(data.seq_len, model.block_size)
+            if data is not None:
+                check_data(data)
             check_model(
                 model.get("model") if model is not None else None,
                 data.get("seq_len") if data is not None else None,

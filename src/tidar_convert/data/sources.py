@@ -18,6 +18,7 @@ from .packing import STDLIB_HELDOUT_EVERY, is_validation
 
 log = logging.getLogger(__name__)
 
+BUILTIN_SOURCES = ("stdlib", "stdlib-heldout", "prose-train", "prose-heldout", "prose-book")
 TEXT_SUFFIXES = {".txt": "text", ".md": "text", ".py": "text", ".rst": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet"}
 
 
@@ -48,6 +49,8 @@ def iter_documents(source: str, text_field: str = "text", name: str | None = Non
     """
     from datasets import load_dataset
 
+    if not source.strip():
+        _check_source_name(source)  # '' is the working directory to Path: never read it as data
     if source in ("prose-train", "prose-heldout", "prose-book"):
         source = str(prose_corpus() / source.split("-")[1])
     if source in ("stdlib", "stdlib-heldout"):
@@ -57,10 +60,18 @@ def iter_documents(source: str, text_field: str = "text", name: str | None = Non
         if source == "stdlib-heldout":
             streams = [((row for row in streams[0][0] if is_validation(row["text"], STDLIB_HELDOUT_EVERY)), "text", None)]
     elif Path(source).expanduser().exists():
+        path = Path(source).expanduser()
         streams = []
-        for builder, files in _files_by_builder(Path(source).expanduser()).items():
-            streams.append((_text_rows(files), "text", None) if builder == "text" else (_rows(builder, files), text_field, (builder, files)))
+        for builder, files in _files_by_builder(path).items():
+            if builder == "text":
+                rows = _text_rows(files)
+                # one file, one document: a single file would be all training or all validation
+                rows = (r for row in rows for r in split_text(row)) if path.is_file() else rows
+                streams.append((rows, "text", None))
+            else:
+                streams.append((_rows(builder, files), text_field, (builder, files)))
     else:
+        _check_source_name(source)
         _check_hub_dataset(source)
         streams = [(whole(load_dataset(source, name, split=split, streaming=True)), text_field, None)]
     for stream, field, local in streams:
@@ -70,6 +81,117 @@ def iter_documents(source: str, text_field: str = "text", name: str | None = Non
                 raise ValueError(_bad_rows(source, field, row, n, local))
             if text:
                 yield text
+
+
+DOC_CHARS = 4000  # a single text file is cut into documents of about this many characters
+
+
+def split_text(row: dict, doc_chars: int = DOC_CHARS) -> Iterator[dict]:
+    """The documents of one large text file: its blocks between blank lines, kept verbatim, taken
+    together until each document holds about doc_chars characters."""
+    current, size = [], 0
+    for block in re.split(r"\n[ \t]*\n", row["text"]):
+        if not block.strip():
+            continue
+        current.append(block)
+        size += len(block)
+        if size >= doc_chars:
+            yield {"text": "\n\n".join(current) + "\n"}
+            current, size = [], 0
+    if current:
+        yield {"text": "\n\n".join(current) + "\n"}
+
+
+def _looks_like_a_path(source: str) -> bool:
+    """A hub dataset id is `name` or `owner/name`: anything with a file suffix, a leading . / ~ or
+    more than one slash is a local path."""
+    return source.startswith((".", "/", "~")) or source.count("/") > 1 or Path(source).suffix in TEXT_SUFFIXES or "\\" in source
+
+
+def _check_source_name(source: str) -> None:
+    if not source.strip():
+        raise ValueError(
+            f"data source {source!r} is empty (an unset shell variable?); name a file, a folder, a hub "
+            "dataset or stdlib, e.g. --data.source data/train.jsonl."
+        )
+    if _looks_like_a_path(source):
+        raise FileNotFoundError(
+            f"data source {source!r} is a path, and there is no such file or folder (looked for "
+            f"{Path(source).expanduser().absolute()}); check the path."
+        )
+
+
+def check_sources(sources: list[str], text_field: str = "text", name: str | None = None, split: str = "train") -> None:
+    """What can be told of the data before any model loads, reading bytes only: every source names
+    something that exists (a path is never sent to the hub), every local file is UTF-8 and every
+    JSON line parses, and hub-only settings (name, split) have a hub dataset to apply to."""
+    hub = False
+    for source in sources:
+        if source in BUILTIN_SOURCES:
+            continue
+        path = Path(source).expanduser()
+        if not source.strip() or not path.exists():
+            _check_source_name(source)
+            hub = True
+            continue
+        for builder, files in _files_by_builder(path).items():
+            for f in files:
+                if builder == "json":
+                    _check_json_file(f)
+                elif builder == "text" and path.is_file():
+                    why = _decode(f)[1]
+                    if why:
+                        raise ValueError(f"data file {f!r} is {why}; convert it to UTF-8 text, or pass another data source.")
+                elif builder == "parquet" and _parquet_problem(f):
+                    raise ValueError(f"data file {f!r} is {_parquet_problem(f)}; write it again, or remove it from the data.")
+    if not hub and (name is not None or split != "train"):
+        given = " ".join(f"--data.{k} {v}" for k, v in (("name", name), ("split", split)) if v not in (None, "train"))
+        raise ValueError(
+            f"{given}: these choose a configuration and split of a hub dataset, and no data source is one "
+            f"({', '.join(sources)}); leave them out, or choose the file that holds that split."
+        )
+
+
+def _check_json_file(path: str) -> None:
+    """UTF-8, and one JSON object a line (a .json may also be one JSON document), named by line.
+    Read line by line: a corpus of many GB is checked in the memory of one line."""
+    import json
+
+    if path.endswith(".json") and os.path.getsize(path) < 1 << 30:
+        with open(path, "rb") as f:
+            head = f.read(4096).lstrip()[:1]
+        if head in (b"[", b"{"):
+            try:
+                with open(path, encoding="utf-8") as f:
+                    json.load(f)
+                return
+            except ValueError:
+                pass  # not one document (JSON lines in a .json file, or bad bytes): checked line by line
+    offset = 0
+    with open(path, "rb") as f:
+        for n, raw in enumerate(f, 1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise ValueError(
+                    f"data file {path!r} is not UTF-8 text (byte 0x{raw[e.start]:02x} at offset {offset + e.start}, "
+                    f"line {n}); convert it to UTF-8, or remove it from the data."
+                ) from None
+            offset += len(raw)
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except ValueError as e:
+                raise ValueError(
+                    f"data file {path!r} line {n} is not valid JSON ({e}); write one JSON object a line "
+                    f"({{\"text\": \"...\"}}), or remove that line."
+                ) from None
+            if not isinstance(row, dict):
+                raise ValueError(
+                    f"data file {path!r} line {n} is a JSON {type(row).__name__}, not an object; write one JSON "
+                    f"object a line ({{\"text\": \"...\"}}), or remove that line."
+                )
 
 
 def _bad_rows(source: str, field: str, row: dict, n: int, local: tuple[str, list[str]] | None) -> str:
@@ -167,6 +289,8 @@ def _rows(builder: str, files: list[str]) -> Iterator[dict]:
         yield from whole(load_dataset(builder, data_files=files, split="train", streaming=True))
     except Exception as e:
         for f in files:
+            if builder == "json":
+                _check_json_file(f)  # names the file and the line datasets could not read
             why = _parquet_problem(f) if builder == "parquet" else _decode(f)[1]
             if why:
                 raise ValueError(f"data file {f!r} is {why}; {'write it again' if builder == 'parquet' else 'convert it to UTF-8'}, or remove it from the data.") from e

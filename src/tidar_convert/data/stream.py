@@ -119,8 +119,16 @@ class PackedDocuments(IterableDataset):
         so the chunks that follow are exactly those an uninterrupted run gets next (the shuffle
         buffer's state included); the cost is re-reading what was consumed before the resume.
         """
-        n = 0
-        for input_ids, doc_ids, marked in shuffled(pack_marked(self.marked_tokens(worker), self.seq_len), self.shuffle_buffer, self.seed):
+        n, read = 0, {"docs": 0, "tokens": 0}
+
+        def counted(docs):  # what this reader read, for the message below
+            for tokens, marked in docs:
+                read["docs"] += 1
+                read["tokens"] += len(tokens)
+                yield tokens, marked
+
+        packed = pack_marked(counted(self.marked_tokens(worker)), self.seq_len)
+        for input_ids, doc_ids, marked in shuffled(packed, self.shuffle_buffer, self.seed):
             n += 1
             if n <= skip:
                 continue
@@ -131,9 +139,13 @@ class PackedDocuments(IterableDataset):
                 item["reader"] = worker
             yield item
         if n == 0:
+            part = "validation" if self.part == "val" else "training"
             raise ValueError(
-                f"the {self.part} data ({', '.join(self.sources)}) holds fewer than seq_len={self.seq_len} tokens; "
-                "add documents or lower seq_len."
+                f"the {part} data ({', '.join(self.sources)}) holds fewer than seq_len={self.seq_len} tokens for "
+                f"this reader: {read['docs']} documents ({read['tokens']} tokens) went to {part}. About one document "
+                f"in val_every={self.val_every} goes to validation, chosen by a hash of its text; a file in a folder "
+                "is one document, a single text file is cut into documents at blank lines. Add documents, or lower "
+                "--data.seq_len."
             )
 
 
