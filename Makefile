@@ -1,6 +1,6 @@
 # tidar-convert. `make convert` and `make test` each set up .venv on first use.
 #   make convert [MODEL=hub-id|folder|file.gguf] [RECIPE=recipes/x.yaml] [OUT=folder] [MAX_STEPS=n] [RESUME=1]
-#   make test | make test-fast | make bench MODEL=out/... [K=4] [DTYPE=bfloat16] [PROMPTS=chat] [SAMPLING=1] | make bench-serve MODEL=out/... [CLIENTS=[1,4]] | make bench-gpu
+#   make test | make test-fast | make bench MODEL=out/... [NAME=record] [OVERWRITE=1] [K=4] [DTYPE=bfloat16] [PROMPTS=chat] [SAMPLING=1] | make bench-serve MODEL=out/... [CLIENTS=[1,4]] | make bench-gpu
 #   make sweep SWEEP=recipes/sweeps/x.yaml RECIPE=recipes/y.yaml [MAX_STEPS=n] [VAL=n] [ARMS='[a, b]'] [SWEEP_OUT=folder]
 #   make distill [MODEL=...] [DISTILL_OUT=runs/greedy.jsonl] [N_DOCS=n] [DTYPE=bfloat16]
 
@@ -60,7 +60,7 @@ test-fast: $(BIN)/.installed
 	$(BIN)/python -m pytest -q -m "not slow and not fit and not subprocess" tests
 
 bench: $(BIN)/.installed
-	$(BIN)/tidar-convert bench --model $(or $(MODEL),$(OUT)) $(if $(K),--k $(K)) $(if $(LIMIT),--limit $(LIMIT)) $(if $(BASE),--base $(BASE)) $(if $(DTYPE),--dtype $(DTYPE)) $(if $(PROMPTS),--prompts $(PROMPTS)) $(if $(SAMPLING),--sampling)
+	$(BIN)/tidar-convert bench --model $(or $(MODEL),$(OUT)) $(if $(K),--k $(K)) $(if $(LIMIT),--limit $(LIMIT)) $(if $(BASE),--base $(BASE)) $(if $(DTYPE),--dtype $(DTYPE)) $(if $(PROMPTS),--prompts $(PROMPTS)) $(if $(SAMPLING),--sampling) $(if $(NAME),--name $(NAME)) $(if $(OVERWRITE),--overwrite)
 
 bench-serve: $(BIN)/.installed
 	$(BIN)/tidar-convert bench-serve --model $(or $(MODEL),$(OUT)) $(if $(CLIENTS),--clients '$(CLIENTS)') $(if $(REQUESTS),--requests $(REQUESTS))

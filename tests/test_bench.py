@@ -40,7 +40,7 @@ def test_prompts_mix_code_and_text():
 
 @pytest.mark.slow  # a whole bench run (make test runs it; make test-fast skips it)
 def test_bench_json_and_plots(tiny_dirs, tiny_export, tmp_path, capsys):
-    path = Path(bench.bench_cmd(str(tiny_export), max_new_tokens=8, limit=3, out_dir=str(tmp_path)))
+    path = Path(bench.bench_cmd(str(tiny_export), max_new_tokens=8, limit=3, out_dir=str(tmp_path), card=True))
     assert path == tmp_path / "tiny.json"
     err = capsys.readouterr().err
     assert f"wrote {path}" in err and f"wrote {tmp_path / 'tiny_slots.png'}" in err  # every file written is named
@@ -139,7 +139,7 @@ def test_export_records_its_base_and_bench_says_when_it_cannot(tiny_dirs, tiny_e
     assert r["quality"] is None and "base_prompt_lookup" not in r["summary"]
     assert "does not record its base model" in capsys.readouterr().err
     # --base names it; quality=False skips the base entirely
-    r = json.loads(Path(bench.bench_cmd(str(folder), max_new_tokens=4, limit=1, out_dir=str(tmp_path / "out"), base=str(tiny_dirs["llama"]))).read_text())
+    r = json.loads(Path(bench.bench_cmd(str(folder), max_new_tokens=4, limit=1, out_dir=str(tmp_path / "out"), base=str(tiny_dirs["llama"]), overwrite=True)).read_text())
     assert r["quality"]["passes"] and "base_prompt_lookup" in r["summary"]
     r = json.loads(Path(bench.bench_cmd(str(tiny_export), max_new_tokens=4, limit=1, out_dir=str(tmp_path / "out"), quality=False)).read_text())
     assert r["quality"] is None and "base_prompt_lookup" not in r["summary"]
@@ -177,7 +177,7 @@ def test_bench_chat_prompts_sampled(chat_export, tmp_path, capsys):
     sampled (0.7, 0.9, seeded) under summary_sampling with the fields of summary, per kind too."""
     from transformers import AutoTokenizer
 
-    path = Path(bench.bench_cmd(str(chat_export), max_new_tokens=6, limit=6, out_dir=str(tmp_path), prompts="chat", sampling=True, seed=5))
+    path = Path(bench.bench_cmd(str(chat_export), max_new_tokens=6, limit=6, out_dir=str(tmp_path), prompts="chat", sampling=True, seed=5, card=True))
     r = json.loads(path.read_text())
     assert r["prompt_set"] == "chat" and r["sampling"] == {"temperature": 0.7, "top_p": 0.9, "seed": 5}
     tok = AutoTokenizer.from_pretrained(chat_export)

@@ -144,7 +144,7 @@ FIT_CASES: list = [
     pytest.param(lambda env: fit(env, "--data.source", str(rows_file(env, []))), r"data file '.*rows.jsonl' is empty: there are no rows to read", id="empty-jsonl-fit"),
     pytest.param(lambda env: ["eval-ppl", "--model", str(env.model), "--data", str(rows_file(env, []))], r"data file '.*rows.jsonl' is empty", id="empty-jsonl-eval-ppl"),
     # model settings
-    pytest.param(lambda env: fit(env, "--model.lora_r", "-1"), r"lora_r=-1: must be >= 0; 0 = full fine-tune", id="lora-r-negative"),
+    pytest.param(lambda env: fit(env, "--model.lora_r", "-1"), r"--model.lora_r=-1: must be a whole number >= 0 \(0 = full fine-tune", id="lora-r-negative"),
     pytest.param(
         lambda env: fit(env, "--model.model", str(model_copy(env, max_position_embeddings=256)), "--data.seq_len", "300"),
         r"--data.seq_len 300 is longer than the base model's 256 positions .*; pass --data.seq_len 256 or less",
@@ -158,7 +158,7 @@ FIT_CASES: list = [
     pytest.param(lambda env: fit(env, "--trainer.accelerator", "gpu"), r"--trainer.accelerator gpu: no CUDA GPU is visible on this machine.*pass --trainer.accelerator cpu", id="accelerator-gpu-on-cpu", marks=NO_GPU),
     pytest.param(
         lambda env: fit(env, "--model.lora_r", "8", "--ckpt_path", str(full_ft_checkpoint(env))),
-        r"--ckpt_path .*last.ckpt was trained with lora_r=0, and this run asks for --model.lora_r 8: a resumed run keeps the model settings of its checkpoint",
+        r"--ckpt_path .*last.ckpt \(.*\) was trained with other settings than this run asks for: --model.lora_r 8 \(trained with 0\)\. A resumed run keeps the settings",
         id="resume-full-ft-with-lora",
     ),
     pytest.param(
@@ -284,7 +284,7 @@ OUTPUT_CASES: list = [
     pytest.param(edited_export, r"holds an earlier export, but README\.md was changed after the export wrote it.*Nothing was written or deleted.*choose a new folder", id="export-overwrite-edited-card"),
     pytest.param(export_listing_a_user_file, r"but notes\.txt was changed after the export wrote it.*Nothing was written or deleted", id="export-overwrite-marker-lists-user-file"),
     pytest.param(export_with_old_marker, r"older tidar-convert, whose tidar_export\.json records no sizes or hashes.*delete it yourself, or choose a new folder", id="export-overwrite-old-marker"),
-    pytest.param(api(export_onto_a_full_disk), r"^no space left in \S+ for the export e: it needs about [\d.]+ \w+ and the disk has [\d.]+ \w+ free \(e there is the earlier one, whole\)\. .*choose an --out on a disk with room", id="export-full-disk"),
+    pytest.param(api(export_onto_a_full_disk), r"^no space left in \S+ for the export e: it needs about [\d.]+ \w+(, more than there was room for while writing it \(.*shows free now\)| and the disk has [\d.]+ \w+ free) \(e there is the earlier one, whole\)\. .*choose an --out on a disk with room", id="export-full-disk"),
     pytest.param(appended_corpus, r"--out '\S+greedy\.jsonl' was changed after `tidar-convert distill` wrote it.*nothing was written.*choose a new file name", id="distill-overwrite-appended-row"),
     pytest.param(lambda env: validate(env, "--ckpt_path", "last"), r"--ckpt_path last: no last checkpoint in \S+run/checkpoints\. Leave out --ckpt_path to validate the base model as it is, or pass a checkpoint file", id="validate-last-without-checkpoint"),
 ]

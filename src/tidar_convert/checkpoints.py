@@ -10,7 +10,13 @@ from lightning.fabric.plugins import TorchCheckpointIO
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 
 
-CHECKPOINT_FIX = "move the run folder to a disk with room (pass its new place as --trainer.default_root_dir); then run the same command with --ckpt_path last to continue."
+def checkpoint_fix(dest) -> str:
+    """What to do after a full disk: continue from the checkpoint there is, or, where none was saved
+    yet, start again (a --ckpt_path last would find nothing to continue)."""
+    move = "move the run folder to a disk with room (pass its new place as --trainer.default_root_dir)"
+    if any(Path(dest).parent.glob("last*.ckpt")):  # what --ckpt_path last finds
+        return f"{move}; then run the same command with --ckpt_path last to continue."
+    return f"{move}; then run the same command again (no last checkpoint was saved yet, so it starts from step 0)."
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):
@@ -26,7 +32,7 @@ class AtomicCheckpointIO(TorchCheckpointIO):
             return super().save_checkpoint(checkpoint, path, storage_options)
         from .disk import save_file_atomically, tensor_bytes
 
-        save_file_atomically(path, lambda f: torch.save(checkpoint, f), tensor_bytes(checkpoint), "the checkpoint", CHECKPOINT_FIX)
+        save_file_atomically(path, lambda f: torch.save(checkpoint, f), tensor_bytes(checkpoint), "the checkpoint", checkpoint_fix(path))
 
 
 def atomic_checkpoints(strategy) -> None:
@@ -68,7 +74,7 @@ def _atomic_sharded_save(strategy, save):
 
                 _rmtree(tmp)
             if failed is not None and no_space(failed):
-                raise disk_full(dest, needed, "the sharded checkpoint", CHECKPOINT_FIX) from failed
+                raise disk_full(dest, needed, "the sharded checkpoint", checkpoint_fix(dest)) from failed
             raise failed or RuntimeError(f"another rank failed to write its shard of {dest}; its error says why")
         if strategy.is_global_zero:
             _swap_in(tmp, dest)  # over a folder of shards, or a single-file checkpoint of the same name

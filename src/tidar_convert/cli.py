@@ -177,6 +177,16 @@ def generate_cmd(
         raise ValueError(f"top_p={top_p}: must be in (0, 1] (1 = off), the share of probability mass sampled from.")
     if top_k < 0:
         raise ValueError(f"top_k={top_k}: must be >= 0 (0 = off).")
+    sampling_only = ((f"--top-k {top_k}", top_k != 0), (f"--top-p {top_p}", top_p != 1), (f"--seed {seed}", seed != 0))
+    if temperature == 0 and any(on for _, on in sampling_only):
+        given = " ".join(flag for flag, on in sampling_only if on)
+        raise ValueError(f"{given} applies only when sampling, and --temperature is 0 (greedy); pass --temperature > 0 (e.g. 0.7) to sample, or drop {given}.")
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens={max_new_tokens}: must be >= 1.")
+    if block_size is not None and block_size < 2:
+        raise ValueError(f"block_size={block_size}: TiDAR drafts need at least 2 tokens per block; use 2 or more, or leave it out for the trained size.")
+    if mode == "ar" and block_size is not None:
+        raise ValueError(f"--block-size {block_size} with --mode ar: plain autoregressive decoding drafts nothing; drop one of them.")
     if dtype not in ("float32", "bfloat16"):
         raise ValueError(f"dtype={dtype!r}: use float32 or bfloat16.")
     if chat and no_chat_template:
@@ -227,12 +237,20 @@ def check_cmd(model: str, devices: int = 1, json: bool = False, record: str | No
 
     if devices < 1:
         raise ValueError(f"devices={devices}: must be >= 1.")
-    facts = describe(read_config(model), devices)
     path = Path(record) if record else newest_record()
     if record and not path.is_file():
-        raise FileNotFoundError(f"--record {record!r} does not exist; pass a JSON that `tidar-convert bench --out` wrote.")
-    if path is not None and "parameters" in facts:
-        speed = speed_from_record(facts["parameters"], jsonlib.loads(path.read_text()), str(path))
+        what = "is a folder" if path.is_dir() else "does not exist"
+        raise FileNotFoundError(f"--record {record!r} {what}; pass a JSON file that `tidar-convert bench` wrote (bench/results/NAME.json).")
+    data = read_record(path) if path is not None else None
+    if record and speed_from_record(1, data) is None:  # checked whatever the model: never ignored
+        raise ValueError(
+                f"--record {record!r} is not a bench record with speed figures (it needs machine.parameters and "
+                "summary.ar / summary.tidar with tokens_per_s, and summary.tidar.tokens_per_nfe); pass a JSON that `tidar-convert bench` wrote, or leave "
+                "out --record for the newest under bench/results/."
+            )
+    facts = describe(read_config(model), devices)
+    if data is not None and "parameters" in facts:
+        speed = speed_from_record(facts["parameters"], data, str(path))
         if speed:
             facts["expected_speed"] = speed
     if json:
@@ -256,6 +274,16 @@ def check_cmd(model: str, devices: int = 1, json: bool = False, record: str | No
               f"(TiDAR at its {speed['tidar_tokens_per_forward']} tokens per forward). On another machine: `tidar-convert bench`.")
     if not facts["converts"]:
         sys.exit(1)
+
+
+def read_record(path: Path) -> dict:
+    try:
+        data = jsonlib.loads(path.read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ValueError(f"--record '{path}' is not JSON ({e}); pass a JSON that `tidar-convert bench` wrote.") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"--record '{path}' holds a JSON {type(data).__name__}, not a bench record; pass a JSON that `tidar-convert bench` wrote.")
+    return data
 
 
 def newest_record() -> Path | None:

@@ -205,6 +205,7 @@ def prepare(model, input_ids, generation_config, block_size, beta, kwargs) -> Ru
     k = block_size if block_size is not None else getattr(model.config, "block_size", None)  # 0 is refused, not the default
     mask_id = getattr(model.config, "mask_token_id", None)
     check_inputs(model, gc, input_ids, attention_mask, k, mask_id, beta)
+    input_ids = input_ids.long()  # int32 ids (numpy, ONNX tokenizers) index the caches as int64 does
 
     prompt_ids, n = input_ids, gc.num_return_sequences or 1
     if n > 1:  # as transformers: each prompt repeated n times, the rows of one prompt adjacent
@@ -407,7 +408,7 @@ def check_inputs(model, gc, input_ids, attention_mask, k, mask_id, beta) -> None
             raise ValueError(f"{name} is a {type(value).__name__}: pass a LongTensor of shape (batch, length), e.g. torch.tensor([ids]).")
     if input_ids is not None and input_ids.ndim != 2:
         raise ValueError(f"input_ids has shape {tuple(input_ids.shape)}: pass shape (batch, length), e.g. ids[None] for one prompt.")
-    if input_ids is not None and input_ids.is_floating_point():
+    if input_ids is not None and (input_ids.is_floating_point() or input_ids.is_complex() or input_ids.dtype == torch.bool):
         raise ValueError(f"input_ids are {input_ids.dtype}: token ids must be integers; pass input_ids.long().")
     if input_ids is None or input_ids.shape[1] == 0:
         raise ValueError("the prompt is empty: TiDAR generate() needs input_ids of shape (batch, length >= 1).")

@@ -50,11 +50,11 @@ def disk_full(dest: str | os.PathLike, needed: int, what: str, fix: str) -> Disk
     folder = dest.parent
     free = shutil.disk_usage(folder).free
     kept = f"{dest.name} there is the earlier one, whole" if os.path.lexists(dest) else f"nothing was left at {dest.name}"
-    room = f"free {size_text(needed - free)} or more there" if needed > free else "free space there"
-    return DiskFull(
-        f"no space left in {folder} for {what} {dest.name}: it needs about {size_text(needed)} and the disk has "
-        f"{size_text(free)} free ({kept}). {room[0].upper()}{room[1:]}, or {fix}"
-    )
+    if needed > free:
+        size, room = f"it needs about {size_text(needed)} and the disk has {size_text(free)} free", f"Free {size_text(needed - free)} or more there"
+    else:  # the disk filled while writing (another writer, a quota, reserved blocks): no amount to name
+        size, room = f"it needs about {size_text(needed)}, more than there was room for while writing it (a quota or another writer can leave less than the {size_text(free)} the disk shows free now)", "Free space there (or raise the quota)"
+    return DiskFull(f"no space left in {folder} for {what} {dest.name}: {size} ({kept}). {room}, or {fix}")
 
 
 def tensor_bytes(obj) -> int:

