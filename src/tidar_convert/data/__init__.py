@@ -7,10 +7,16 @@ Sources (`TiDARData(source=...)`):
   - "prose-train" / "prose-heldout" / "prose-book": public-domain English books (see
     `prose_corpus`): train on the first; the second holds one document in ten of each book, the
     third one whole book that training never sees (forgetting measured on text of another book).
-  - a local file or folder of .txt / .md / .py (one document per file), .jsonl / .json or .parquet
-    (one document per row, text in `text_field`);
+  - a local folder of .txt / .md / .py / .rst files (one document per file; hidden files and
+    folders such as .git or .venv are skipped), or a single such file, cut into documents of about
+    PROSE_DOC_CHARS characters at blank lines, its text kept verbatim (`split_text`; whole, one file
+    would go all to training or all to validation);
+  - a local .jsonl / .json or .parquet file, or a folder of them (one document per row, text in
+    `text_field`);
   - a hub dataset name, e.g. "HuggingFaceFW/fineweb-edu" (with `name`/`split`), streamed.
   Several sources mix by listing them: `source: [stdlib, data/prose.jsonl]` (documents interleave).
+  A source that looks like a path (a leading . / ~, a data file suffix, more than one /) and does
+  not exist is refused, never looked up on the hub; `check_sources` checks a list before any work.
 
 Documents are streamed and tokenized on the fly, so a 20-step run reads 20 steps of data. One
 document in about every `val_every` goes to validation, chosen by a hash of its text (`is_validation`):
@@ -28,7 +34,8 @@ from .greedy import PROMPT_TOKENS, cache_path, check_corpus, check_greedy
 from .packing import STDLIB_HELDOUT_EVERY, is_validation, pack, pack_marked, shuffled, tokenize_document
 from .sources import (
     PROSE_DOC_CHARS, PROSE_HELDOUT_BOOK, PROSE_HELDOUT_EVERY, PROSE_MEMBER, PROSE_PARTS, PROSE_WHEEL, TEXT_SUFFIXES,
-    gutenberg_books, iter_documents, prose_corpus, prose_documents, split_prose, stdlib_files, whole,
+    check_sources, gutenberg_books, iter_documents, prose_corpus, prose_documents, split_prose,
+    split_text, stdlib_files, whole,
 )
 from .stream import PackedDocuments, ResumableLoader, _Take, shard
 
@@ -36,6 +43,7 @@ __all__ = [
     "PROSE_DOC_CHARS", "PROSE_HELDOUT_BOOK", "PROSE_HELDOUT_EVERY", "PROSE_MEMBER", "PROSE_PARTS", "PROSE_WHEEL", "STDLIB_HELDOUT_EVERY",
     "TEXT_SUFFIXES", "PackedDocuments", "ResumableLoader", "TiDARData", "check_greedy", "gutenberg_books", "is_validation", "iter_documents",
     "pack", "pack_marked", "prose_corpus", "prose_documents", "shard", "shuffled", "split_prose", "stdlib_files", "tokenize_document", "whole",
+    "check_sources", "split_text",
 ]
 
 

@@ -1,7 +1,11 @@
-"""Documents from each kind of source: the stdlib, held-out prose, local files and folders, hub datasets."""
+"""Documents from each kind of source: the stdlib, held-out prose, local files and folders, hub
+datasets. `check_sources` checks a list of them before any work: names, paths, file formats and
+one pass over the bytes of each local file (UTF-8, JSON lines, the text field), never a tokenizer.
+"""
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import random
@@ -20,6 +24,9 @@ log = logging.getLogger(__name__)
 
 BUILTIN_SOURCES = ("stdlib", "stdlib-heldout", "prose-train", "prose-heldout", "prose-book")
 TEXT_SUFFIXES = {".txt": "text", ".md": "text", ".py": "text", ".rst": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet"}
+# Data formats not read here: a folder's such files are named in a warning (the user may expect
+# them read), a single one is refused with how to convert it, a missing one is a path (no hub id).
+OTHER_DATA_SUFFIXES = (".csv", ".tsv", ".arrow", ".gz", ".zst", ".xz", ".bz2", ".zip", ".tar")
 
 
 def stdlib_files() -> list[str]:
@@ -28,20 +35,71 @@ def stdlib_files() -> list[str]:
     return sorted(str(p) for p in root.rglob("*.py") if not any(part in skip for part in p.relative_to(root).parts))
 
 
-def _files_by_builder(path: Path) -> dict[str, list[str]]:
-    files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
+def _builder(path: Path) -> str | None:
+    return TEXT_SUFFIXES.get(path.suffix.lower())  # NOTES.TXT is text as notes.txt is
+
+
+def _other_format(path: Path) -> str | None:
+    return next((s for s in OTHER_DATA_SUFFIXES if path.name.lower().endswith(s)), None)
+
+
+def _files_by_builder(path: Path, source: str | None = None) -> dict[str, list[str]]:
+    """{builder: files} of a file or a folder. In a folder, hidden files and folders (.git, .venv,
+    .ipynb_checkpoints) are not data, as `datasets` skips them too; files of a data format not read
+    here are named in a warning, once. A single file of another format is refused."""
+    source = str(path) if source is None else source
+    if not path.is_dir():
+        if _builder(path) is None:
+            raise ValueError(_unread_file(source, path))
+        return {_builder(path): [str(path)]}
     groups: dict[str, list[str]] = {}
-    for f in files:
-        if f.suffix in TEXT_SUFFIXES:
-            groups.setdefault(TEXT_SUFFIXES[f.suffix], []).append(str(f))
+    other: Counter = Counter()
+    files = []
+    for root, dirs, names in os.walk(path):
+        dirs[:] = [d for d in dirs if not d.startswith(".")]
+        files += [Path(root) / n for n in names if not n.startswith(".")]
+    for f in sorted(files):  # by path: the order reading has always had
+        if _builder(f) and f.is_file():
+            groups.setdefault(_builder(f), []).append(str(f))
+        elif _other_format(f):
+            other[_other_format(f)] += 1
+    unread = ", ".join(f"{n} {suffix} file{'s' * (n > 1)}" for suffix, n in sorted(other.items()))
     if not groups:
-        raise ValueError(f"data source {str(path)!r} holds no file ending in {', '.join(sorted(TEXT_SUFFIXES))}.")
+        found = f" (it holds {unread}, of a format not read here)" if other else ""
+        raise ValueError(
+            f"data source {source!r} holds no file ending in "
+            f"{', '.join(sorted(TEXT_SUFFIXES))}{found}; put the data in such files (.jsonl: one "
+            "JSON object a line, the text in a field), or pass another data source."
+        )
+    if other and source not in _WARNED:
+        _WARNED.add(source)
+        log.warning(
+            "Data source %r: skipping its %s, of a format not read here; convert them to .jsonl or "
+            ".parquet (decompress them first), or remove them, to silence this.", source, unread,
+        )
     return groups
+
+
+def _unread_file(source: str, path: Path) -> str:
+    kind = _other_format(path) or path.suffix.lower()
+    if kind in (".csv", ".tsv"):
+        fix = "convert it to .jsonl or .parquet (datasets.Dataset.from_csv(path).to_parquet(...))"
+    elif kind in OTHER_DATA_SUFFIXES:
+        fix = "decompress it (or convert it) to .jsonl, .parquet or .txt"
+    else:
+        fix = "if it is plain text, give it the suffix .txt"
+    what = f"ends in {kind}" if kind else "has no suffix"
+    return (
+        f"data file {source!r} {what}, a format not read as data (read: "
+        f"{', '.join(sorted(TEXT_SUFFIXES))}); {fix}, or pass another data source."
+    )
 
 
 def iter_documents(source: str, text_field: str = "text", name: str | None = None, split: str = "train", seed: int = 0) -> Iterator[str]:
     """Yield the text of each document of one source, in a fixed (seeded) order.
 
+    A folder's text files are one document each; a single text file given as the source is cut
+    into documents at blank lines (`split_text`): whole, it would be all training or all validation.
     Rows of json/parquet/hub sources hold their text in `text_field`; a row without it (absent or
     null) or with a value that is not a string is refused, counted over the whole source where it is
     local: dropping it would train on less than the user gave, and a misspelt field on nothing.
@@ -62,10 +120,9 @@ def iter_documents(source: str, text_field: str = "text", name: str | None = Non
     elif Path(source).expanduser().exists():
         path = Path(source).expanduser()
         streams = []
-        for builder, files in _files_by_builder(path).items():
+        for builder, files in _files_by_builder(path, source).items():
             if builder == "text":
                 rows = _text_rows(files)
-                # one file, one document: a single file would be all training or all validation
                 rows = (r for row in rows for r in split_text(row)) if path.is_file() else rows
                 streams.append((rows, "text", None))
             else:
@@ -83,91 +140,248 @@ def iter_documents(source: str, text_field: str = "text", name: str | None = Non
                 yield text
 
 
-DOC_CHARS = 4000  # a single text file is cut into documents of about this many characters
+def is_split_file(source: str) -> bool:
+    """Whether the source is one text file, which `iter_documents` cuts into documents."""
+    if not source.strip() or source in BUILTIN_SOURCES:
+        return False
+    path = Path(source).expanduser()
+    return path.is_file() and _builder(path) == "text"
 
 
-def split_text(row: dict, doc_chars: int = DOC_CHARS) -> Iterator[dict]:
-    """The documents of one large text file: its blocks between blank lines, kept verbatim, taken
-    together until each document holds about doc_chars characters."""
-    current, size = [], 0
-    for block in re.split(r"\n[ \t]*\n", row["text"]):
-        if not block.strip():
-            continue
-        current.append(block)
-        size += len(block)
-        if size >= doc_chars:
-            yield {"text": "\n\n".join(current) + "\n"}
-            current, size = [], 0
-    if current:
-        yield {"text": "\n\n".join(current) + "\n"}
+_BLANK_LINES = re.compile(r"\n(?:[ \t]*\n)+")
+_LINE_END, _SPACE = re.compile(r"\n"), re.compile(r"\s")
+
+
+def split_text(row: dict, doc_chars: int | None = None) -> Iterator[dict]:
+    """The documents of one text file, of about doc_chars characters (PROSE_DOC_CHARS, as the prose
+    corpus is cut): each ends at the first blank line after doc_chars, or, in a paragraph running
+    past 4 x doc_chars, at a line end (else at a space; else there). Kept verbatim, unlike
+    `prose_documents`, which joins wrapped lines: code and markdown keep every line and indent."""
+    doc_chars = doc_chars or PROSE_DOC_CHARS
+    text, start = row["text"], 0
+    while start < len(text):
+        end = nxt = len(text)
+        if len(text) - start > doc_chars:
+            lo, hi = start + doc_chars, start + 4 * doc_chars
+            cuts = (r.search(text, lo, hi) for r in (_BLANK_LINES, _LINE_END, _SPACE))
+            cut = next(filter(None, cuts), None)
+            end, nxt = (cut.start(), cut.end()) if cut else (lo, lo)
+        if text[start:end].strip():
+            yield {"text": text[start:end]}
+        start = nxt
 
 
 def _looks_like_a_path(source: str) -> bool:
-    """A hub dataset id is `name` or `owner/name`: anything with a file suffix, a leading . / ~ or
-    more than one slash is a local path."""
-    return source.startswith((".", "/", "~")) or source.count("/") > 1 or Path(source).suffix in TEXT_SUFFIXES or "\\" in source
+    """A hub dataset id is `name` or `owner/name`: anything with a data file suffix, a leading
+    . / ~, more than one slash or a backslash is a local path."""
+    suffixes = (*TEXT_SUFFIXES, *OTHER_DATA_SUFFIXES)
+    return (
+        source.startswith((".", "/", "~")) or source.count("/") > 1 or "\\" in source
+        or source.lower().endswith(suffixes)
+    )
 
 
 def _check_source_name(source: str) -> None:
+    """Refuse a source that names nothing: empty, a path that does not exist (never sent to the
+    hub), or a name that cannot be a hub dataset id either."""
     if not source.strip():
         raise ValueError(
             f"data source {source!r} is empty (an unset shell variable?); name a file, a folder, a hub "
             "dataset or stdlib, e.g. --data.source data/train.jsonl."
         )
+    if source != source.strip():  # no hub id has spaces; a path with them is missing as given
+        raise ValueError(
+            f"data source {source!r} has spaces around it, and no file or folder is named so; "
+            f"write {source.strip()!r}."
+        )
+    if source == "prose":
+        raise ValueError(
+            "data source 'prose' is no source name: train on prose-train (public-domain books); "
+            "prose-heldout and prose-book are their held-out text, for evaluation."
+        )
     if _looks_like_a_path(source):
         raise FileNotFoundError(
-            f"data source {source!r} is a path, and there is no such file or folder (looked for "
-            f"{Path(source).expanduser().absolute()}); check the path."
+            f"data source {source!r} is a path, and there is no such file or folder "
+            f"({_looked_for(source)}); check the path."
         )
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    try:
+        validate_repo_id(source)
+    except HFValidationError:
+        raise FileNotFoundError(
+            f"data source {source!r} is neither a file or folder ({_looked_for(source)}) nor a hub "
+            "dataset id like 'HuggingFaceFW/fineweb-edu'; check the path or the id."
+        ) from None
 
 
-def check_sources(sources: list[str], text_field: str = "text", name: str | None = None, split: str = "train") -> None:
-    """What can be told of the data before any model loads, reading bytes only: every source names
-    something that exists (a path is never sent to the hub), every local file is UTF-8 and every
-    JSON line parses, and hub-only settings (name, split) have a hub dataset to apply to."""
-    hub = False
+def _looked_for(source: str) -> str:
+    """Where a missing path was looked for: the absolute path, the folder a relative one was
+    resolved from, and the deepest folder on the way that does exist."""
+    given = Path(source).expanduser()
+    path = Path(os.path.abspath(given))
+    parent = next(p for p in path.parents if p.exists())
+    base = "" if given.is_absolute() else f", relative to the current folder {os.getcwd()!r}"
+    lacks = path.relative_to(parent).parts[0]
+    return f"looked for {str(path)!r}{base}; {str(parent)!r} holds no {lacks!r}"
+
+
+def check_sources(
+    sources: list[str], text_field: str = "text", name: str | None = None, split: str = "train",
+    hub: bool = True,
+) -> None:
+    """Refuse, before any model loads, data that reading would refuse or misread later, each in one
+    line naming the value or the file (and line) and the fix. Cheap checks only, reading bytes and
+    never tokenizing: every source names something that exists (a path is never sent to the hub),
+    every local file is of a format read here and UTF-8, every JSON line an object with a string
+    `text_field`, the source holds some text, and hub-only settings (name, split) have a hub dataset
+    to apply to. `hub`: also refuse a hub dataset id when the hub cannot be reached, or has no such
+    dataset (a request or two)."""
+    if isinstance(sources, (str, os.PathLike)):
+        sources = [sources]
+    if not sources:
+        raise ValueError("source=[]: name at least one data source, e.g. 'stdlib'.")
+    hub_ids = []
     for source in sources:
+        if not isinstance(source, (str, os.PathLike)):
+            raise ValueError(
+                f"data source {source!r} is not a name or a path; give a string, e.g. "
+                "'data/train.jsonl'."
+            )
+        source = os.fspath(source)
         if source in BUILTIN_SOURCES:
             continue
         path = Path(source).expanduser()
         if not source.strip() or not path.exists():
             _check_source_name(source)
-            hub = True
-            continue
-        for builder, files in _files_by_builder(path).items():
-            for f in files:
-                if builder == "json":
-                    _check_json_file(f)
-                elif builder == "text" and path.is_file():
-                    why = _decode(f)[1]
-                    if why:
-                        raise ValueError(f"data file {f!r} is {why}; convert it to UTF-8 text, or pass another data source.")
-                elif builder == "parquet" and _parquet_problem(f):
-                    raise ValueError(f"data file {f!r} is {_parquet_problem(f)}; write it again, or remove it from the data.")
-    if not hub and (name is not None or split != "train"):
+            hub_ids.append(source)
+        else:
+            _check_local(source, path, text_field)
+    if not hub_ids and (name is not None or split != "train"):
         given = " ".join(f"--data.{k} {v}" for k, v in (("name", name), ("split", split)) if v not in (None, "train"))
         raise ValueError(
             f"{given}: these choose a configuration and split of a hub dataset, and no data source is one "
-            f"({', '.join(sources)}); leave them out, or choose the file that holds that split."
+            f"({', '.join(map(str, sources))}); leave them out, or choose the file that holds that "
+            "split."
+        )
+    if hub and hub_ids:
+        _check_hub_dataset(hub_ids[0])
+        for source in hub_ids:
+            _check_hub_dataset_exists(source)
+
+
+def _check_local(source: str, path: Path, field: str) -> None:
+    """A local file or folder, refused up front as reading it would refuse it."""
+    groups = _files_by_builder(path, source)
+    texts, rows, tables = groups.get("text", []), groups.get("json", []), groups.get("parquet", [])
+    bad = [(f, why) for f in texts for why in [_decode(f)[1]] if why]
+    if len(texts) == 1 and bad:
+        raise ValueError(
+            f"data file {bad[0][0]!r} is {bad[0][1]}; convert it to UTF-8 text, or pass another "
+            "data source."
+        )
+    if texts and len(bad) == len(texts):
+        raise ValueError(
+            f"data source {source!r}: none of its {len(texts)} text files is UTF-8 text (the last, "
+            f"{bad[-1][0]!r}, is {bad[-1][1]}); convert them to UTF-8."
+        )
+    for f, why in bad:  # named now, before the model loads; reading skips them without a word more
+        _skip_warning(f, why)
+    skipped = {f for f, _ in bad}
+    has_text = any(not _blank(f) for f in texts if f not in skipped)
+    lacking = 0
+    for f in rows:
+        _, without, with_text = _check_json_file(f, field)
+        lacking, has_text = lacking + without, has_text or with_text > 0
+    if rows and all(_blank(f) for f in rows):
+        next(_rows("json", rows))  # refused as reading refuses them: "... empty: there are no rows"
+    if lacking:
+        _refuse_rows(source, field, "json", rows)
+    for f in tables:
+        why = _parquet_problem(f)
+        if why:
+            raise ValueError(
+                f"data file {f!r} is {why}; write it again, or remove it from the data."
+            )
+    if tables and not all(field in _parquet_columns(f) for f in tables):
+        _refuse_rows(source, field, "parquet", tables)
+    if not has_text and not tables:  # (parquet rows are read only in training)
+        if not rows:
+            what = "holds only empty text files"
+            what = "is empty (nothing but whitespace)" if path.is_file() else what
+        else:
+            what = f"holds no text: the {field!r} of every row is empty"
+            what += "" if path.is_file() else ", and every text file too"
+        fix = "write the text in it" if path.is_file() else "put text in its files"
+        raise ValueError(
+            f"data {'file' if path.is_file() else 'source'} {source!r} {what}; there is nothing to "
+            f"train on: {fix}, or pass another data source."
         )
 
 
-def _check_json_file(path: str) -> None:
-    """UTF-8, and one JSON object a line (a .json may also be one JSON document), named by line.
-    Read line by line: a corpus of many GB is checked in the memory of one line."""
-    import json
+def _refuse_rows(source: str, field: str, builder: str, files: list[str]) -> None:
+    """Raise the refusal reading gives for rows without a string in `field` (see _bad_rows)."""
+    for n, row in enumerate(_rows(builder, files), 1):
+        if not isinstance(row.get(field), str):
+            raise ValueError(_bad_rows(source, field, row, n, (builder, files)))
 
-    if path.endswith(".json") and os.path.getsize(path) < 1 << 30:
+
+def _parquet_columns(path: str) -> list[str]:
+    import pyarrow.parquet as pq
+
+    try:
+        return pq.read_schema(path).names
+    except Exception as e:  # a damaged footer: pyarrow's own error names no file
+        raise ValueError(
+            f"data file {path!r} is not a readable parquet file ({' '.join(str(e).split())}); "
+            "write it again, or remove it from the data."
+        ) from None
+
+
+def _check_hub_dataset_exists(source: str) -> None:
+    """A hub that answers and has no dataset of that id (a mistyped path with one slash, or a
+    typo) is refused now, not once the model has loaded; a gated one is left to `datasets`."""
+    from huggingface_hub import HfApi
+    from huggingface_hub.errors import GatedRepoError, RepositoryNotFoundError
+
+    try:
+        HfApi().dataset_info(source, timeout=10)
+    except GatedRepoError:
+        return
+    except RepositoryNotFoundError:
+        raise FileNotFoundError(
+            f"data source {source!r} is not a local file or folder ({_looked_for(source)}), and "
+            "the Hugging Face hub has no dataset of that id (or it is private: `hf auth login`); "
+            "check the path or the id."
+        ) from None
+    except Exception:  # any other answer: `datasets` says what it says when it reads
+        return
+
+
+def _check_json_file(path: str, field: str | None = None) -> tuple[int, int, int]:
+    """UTF-8, and one JSON object a line (a .json may also be one JSON document), named by line;
+    (rows, rows without a string in `field`, rows with text in it). Read line by line: a corpus of
+    many GB is checked in the memory of one line."""
+    whole_error = None  # why a .json that opens like one JSON document is not one
+    if path.lower().endswith(".json") and os.path.getsize(path) < 1 << 30:
         with open(path, "rb") as f:
-            head = f.read(4096).lstrip()[:1]
+            head = f.read(4096).lstrip(b"\xef\xbb\xbf \t\r\n")[:1]
         if head in (b"[", b"{"):
             try:
-                with open(path, encoding="utf-8") as f:
-                    json.load(f)
-                return
-            except ValueError:
-                pass  # not one document (JSON lines in a .json file, or bad bytes): checked line by line
-    offset = 0
+                with open(path, encoding="utf-8-sig") as f:
+                    doc = json.load(f)
+            except ValueError as e:  # JSON lines in a .json, or bad bytes: checked line by line
+                whole_error = e if isinstance(e, json.JSONDecodeError) else None
+            else:  # as datasets reads one: a list of rows, or a single row
+                items = doc if isinstance(doc, list) else [doc]
+                for i, row in enumerate(items, 1):
+                    if not isinstance(row, dict):
+                        raise ValueError(
+                            f"data file {path!r} item {i} is a JSON {type(row).__name__}, not an "
+                            "object; make each row an object ({\"text\": \"...\"}), or remove it."
+                        )
+                return _field_counts(items, field)
+    offset, counts, first = 0, (0, 0, 0), True
     with open(path, "rb") as f:
         for n, raw in enumerate(f, 1):
             try:
@@ -178,20 +392,42 @@ def _check_json_file(path: str) -> None:
                     f"line {n}); convert it to UTF-8, or remove it from the data."
                 ) from None
             offset += len(raw)
+            if n == 1:
+                line = line.removeprefix("\ufeff")  # a byte order mark: datasets reads past it too
             if not line.strip():
                 continue
             try:
-                row = json.loads(line)
-            except ValueError as e:
+                row = json.loads(line.rstrip("\r\n"))  # a string cut at the end: "unterminated"
+            except json.JSONDecodeError as e:
+                if first and whole_error is not None:  # one document (a list, say) broken inside
+                    e = whole_error
+                    raise ValueError(
+                        f"data file {path!r} is not valid JSON ({e.msg.removesuffix(' at')} at "
+                        f"line {e.lineno} column {e.colno}); write it again as one JSON list of "
+                        "objects, or as one JSON object a line."
+                    ) from None
                 raise ValueError(
-                    f"data file {path!r} line {n} is not valid JSON ({e}); write one JSON object a line "
-                    f"({{\"text\": \"...\"}}), or remove that line."
+                    f"data file {path!r} line {n} is not valid JSON "
+                    f"({e.msg.removesuffix(' at')} at column {e.colno}); write one JSON object a "
+                    "line ({\"text\": \"...\"}), or remove that line."
                 ) from None
+            first = False
             if not isinstance(row, dict):
                 raise ValueError(
                     f"data file {path!r} line {n} is a JSON {type(row).__name__}, not an object; write one JSON "
                     f"object a line ({{\"text\": \"...\"}}), or remove that line."
                 )
+            counts = tuple(a + b for a, b in zip(counts, _field_counts([row], field)))
+    return counts
+
+
+def _field_counts(rows: list, field: str | None) -> tuple[int, int, int]:
+    """(rows, rows without a string in field, rows with some text in it); no field: all text."""
+    if field is None:
+        return len(rows), 0, len(rows)
+    values = [row.get(field) for row in rows]
+    strings = [v for v in values if isinstance(v, str)]
+    return len(rows), len(values) - len(strings), sum(v.strip() != "" for v in strings)
 
 
 def _bad_rows(source: str, field: str, row: dict, n: int, local: tuple[str, list[str]] | None) -> str:
@@ -269,9 +505,16 @@ def _text_rows(files: list[str]) -> Iterator[dict]:
         skipped += 1
         if skipped == len(files):
             raise ValueError(f"none of the {len(files)} text files of the data source is UTF-8 text (the last, {f!r}, is {why}); convert them to UTF-8.")
-        if f not in _WARNED:
-            _WARNED.add(f)
-            log.warning("Skipping data file %r: it is %s. Convert it to UTF-8 text, or remove it, to silence this.", f, why)
+        _skip_warning(f, why)
+
+
+def _skip_warning(path: str, why: str) -> None:
+    if path not in _WARNED:
+        _WARNED.add(path)
+        log.warning(
+            "Skipping data file %r: it is %s. Convert it to UTF-8 text, or remove it, to silence "
+            "this.", path, why,
+        )
 
 
 def _rows(builder: str, files: list[str]) -> Iterator[dict]:

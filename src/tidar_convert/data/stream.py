@@ -11,7 +11,7 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset
 
 from .packing import is_validation, pack_marked, shuffled, tokenize_document
-from .sources import iter_documents
+from .sources import PROSE_DOC_CHARS, is_split_file, iter_documents
 
 
 def shard() -> tuple[int, int]:
@@ -42,6 +42,7 @@ class PackedDocuments(IterableDataset):
         if weights is not None and (len(weights) != len(sources) or min(weights) < 0 or not sum(weights) > 0):
             raise ValueError(f"weights={list(weights)}: give one share >= 0 per source ({len(sources)}: {', '.join(sources)}), not all 0.")
         self.weights, self.max_docs, self.no_ar = weights, dict(max_docs or {}), set(no_ar)
+        self.split_files = [j for j, s in enumerate(sources) if is_split_file(s)]
         self.tag_reader = False  # add "reader" (the reader index on this rank) to each item: ResumableLoader counts by it
         self.resume = None  # {"next": reader, "consumed": [chunks per reader]}: set by ResumableLoader for one iter()
 
@@ -51,6 +52,9 @@ class PackedDocuments(IterableDataset):
         key = [list(self.sources), self.seq_len, self.part, self.val_every, self.text_field, self.name, self.split, self.seed, self.world_size, self.shuffle_buffer, sorted(self.train_only)]
         if self.weights is not None or self.max_docs or self.no_ar:  # (absent when unused: older checkpoints still resume)
             key += [self.weights and list(self.weights), sorted(self.max_docs.items()), sorted(self.no_ar)]
+        if self.split_files:  # cut into documents (split_text): a position saved before the cut, or
+            # with other document sizes, counts other chunks
+            key.append({"text files cut into documents": self.split_files, "of": PROSE_DOC_CHARS})
         return key
 
     def documents(self, worker: int | None = None) -> Iterator[str]:
@@ -76,6 +80,8 @@ class PackedDocuments(IterableDataset):
         else:  # the source furthest below its share; a 0-share source only once the others have run out
             turn = lambda j: (0, chars[j] / self.weights[j], j) if self.weights[j] > 0 else (1, chars[j], j)  # noqa: E731
         n = 0  # documents of this part seen so far, by every reader alike
+        # [documents, characters] of each part, for the message when a reader gets no chunk
+        self.split_counts = {"train": [0, 0], "val": [0, 0]}
         while streams:
             j = min(streams, key=turn)
             doc = next(streams[j], None)
@@ -83,6 +89,8 @@ class PackedDocuments(IterableDataset):
                 del streams[j]
                 continue
             is_val = j not in self.train_only and is_validation(doc, self.val_every)
+            tally = self.split_counts["val" if is_val else "train"]
+            tally[0], tally[1] = tally[0] + 1, tally[1] + len(doc)
             # Equal shares count the text the stream reads (the order older runs saw, so their saved
             # positions still hold); explicit shares count this part's text, so they are exact in it.
             if self.weights is None or is_val == (self.part == "val"):
@@ -139,14 +147,40 @@ class PackedDocuments(IterableDataset):
                 item["reader"] = worker
             yield item
         if n == 0:
-            part = "validation" if self.part == "val" else "training"
-            raise ValueError(
-                f"the {part} data ({', '.join(self.sources)}) holds fewer than seq_len={self.seq_len} tokens for "
-                f"this reader: {read['docs']} documents ({read['tokens']} tokens) went to {part}. About one document "
-                f"in val_every={self.val_every} goes to validation, chosen by a hash of its text; a file in a folder "
-                "is one document, a single text file is cut into documents at blank lines. Add documents, or lower "
-                "--data.seq_len."
+            raise ValueError(self._too_little(read["docs"], read["tokens"], worker))
+
+    def _too_little(self, docs: int, tokens: int, worker: int) -> str:
+        """Why this reader has no chunk: where the documents went, and what would give it one."""
+        part = "validation" if self.part == "val" else "training"
+        (train, train_chars), (val, val_chars) = self.split_counts.values()
+        readers = self.world_size * shard()[1]
+        made = f"the {part} documents make {_n(tokens, 'token')}"
+        if readers > 1:
+            made = (
+                f"{readers} readers (ranks x DataLoader workers) share the {part} documents, one "
+                f"in {readers} each, and this one (rank {self.rank}, worker {worker}) got "
+                f"{_n(docs, 'document')} ({_n(tokens, 'token')})"
             )
+        fixes = ["add documents", "lower --data.seq_len"]
+        if self.part == "val":
+            fixes.insert(1, "lower --data.val_every to hold out more of them")
+        if readers > 1:
+            fixes.append("use fewer --data.num_workers")
+        fix = ", ".join(fixes[:-1]) + ", or " + fixes[-1]
+        if self.part == "val":
+            fix += "; or train without validation: --trainer.limit_val_batches 0"
+        return (
+            f"the {part} data ({', '.join(self.sources)}) holds fewer than seq_len={self.seq_len} "
+            f"tokens: of its {_n(train + val, 'document')}, {train} ({train_chars:,} characters) "
+            f"went to training and {val} ({val_chars:,} characters) to validation, which takes "
+            f"about one document in val_every={self.val_every}, by a hash of its text; {made}. A "
+            "file in a folder is one document, a single text file is cut into documents at blank "
+            f"lines. {fix[0].upper() + fix[1:]}."
+        )
+
+
+def _n(count: int, word: str) -> str:
+    return f"{count:,} {word}{'' if count == 1 else 's'}"
 
 
 class ResumableLoader(DataLoader):
