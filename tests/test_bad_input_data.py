@@ -476,3 +476,12 @@ def test_hub_only_settings_without_a_hub_dataset_are_refused(
         f"error: {given}: these choose a configuration and split of a hub dataset, and no data "
         "source is one (stdlib); leave them out, or choose the file that holds that split."
     )
+
+
+def test_eval_ppl_checks_its_data_before_the_model_loads(tmp_path, capsys, monkeypatch):
+    def loaded(*a, **k):
+        raise AssertionError("the model was loaded before the bad data was refused")
+
+    monkeypatch.setattr("tidar_convert.bench.perplexity.model_perplexity", loaded)
+    line = cli_error(capsys, "eval-ppl", "--model", "default", "--data", str(tmp_path / "nope.jsonl"))
+    assert "is a path, and there is no such file or folder" in line

@@ -269,6 +269,8 @@ class TiDARCLI(LightningCLI):
             from . import settings
 
             settings.check_config(cfg)
+            if cfg.get("data") is not None:
+                check_data(cfg.data)
         cfg.trainer.accumulate_grad_batches = self.accumulate or 1  # placeholder for the Trainer; set in after_instantiate
         if cfg.trainer.get("enable_progress_bar") is False:  # Lightning refuses a bar callback then
             self.trainer_defaults["callbacks"] = [cb for cb in self.trainer_defaults["callbacks"] if not isinstance(cb, TrainProgress)]

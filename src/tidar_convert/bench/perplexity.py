@@ -96,13 +96,19 @@ def eval_ppl_cmd(model: str, data: str, seq_len: int = 512, max_tokens: int = 20
         model: export folder, base model folder, hub id, .gguf file, or `default` (embedded SmolLM2).
         data: prose (held-out documents of the training books), prose-book (a whole book training
             never sees), stdlib-heldout (stdlib modules training holds out), prose-train, stdlib, a local file/folder
-            (.txt/.md/.py one document per file; .jsonl/.parquet one per row), or a hub dataset name.
+            (.txt/.md/.py one document per file in a folder, a single file cut at blank lines;
+            .jsonl/.parquet one per row), or a hub dataset name.
         seq_len: tokens per chunk.
         max_tokens: stop after this many tokens.
 
     Returns:
         The perplexity (also printed).
     """
+    from ..data.sources import check_sources
+
+    if seq_len < 2 or max_tokens < 1:
+        raise ValueError(f"seq_len={seq_len}, max_tokens={max_tokens}: need seq_len >= 2 and max_tokens >= 1.")
+    check_sources(["prose-heldout" if data == "prose" else data])  # before the model loads
     ppl = model_perplexity(model, data, seq_len, max_tokens)
     print(f"perplexity {ppl:.4f} ({model} on {data}, seq_len {seq_len}, up to {max_tokens} tokens)")
     return ppl
