@@ -55,3 +55,13 @@ def untrained(tiny_dirs):
     for m in models.values():
         m.config.block_size = 4
     return models
+
+
+@pytest.fixture
+def no_model_load(monkeypatch):
+    """Fail the test if fit gets as far as reading a model."""
+
+    def loaded(*a, **k):
+        raise AssertionError("the model was read before the bad setting was refused")
+
+    monkeypatch.setattr("tidar_convert.train.check_model", loaded)

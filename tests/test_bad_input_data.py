@@ -19,7 +19,7 @@ from tidar_convert.cli import main
 from tidar_convert.data import PROSE_DOC_CHARS, PackedDocuments, is_validation, iter_documents
 from tidar_convert.data.sources import check_sources
 
-from test_bad_inputs import fit_args, no_model_load  # noqa: F401 (a fixture)
+from test_bad_inputs import fit_args
 from test_errors import cli_error
 
 READ = ".json, .jsonl, .md, .parquet, .py, .rst, .txt"  # suffixes read as data, as messages say
@@ -87,8 +87,16 @@ def test_a_source_with_spaces_around_it_is_refused_with_the_name_it_means(no_hub
 # ---------------------------------------------------------------------------------------------
 
 MISSING = [
-    "./nope.jsonl", "data/train.jsonl", "corpus.txt", "NOTES.MD", "table.csv", "rows.jsonl.gz",
-    "/no/such/folder", "a/b/c", "~/nope", "../up/there",
+    "./nope.jsonl",
+    "data/train.jsonl",
+    "corpus.txt",
+    "NOTES.MD",
+    "table.csv",
+    "rows.jsonl.gz",
+    "/no/such/folder",
+    "a/b/c",
+    "~/nope",
+    "../up/there",
 ]
 
 
@@ -306,11 +314,14 @@ def test_a_source_with_no_text_at_all_is_refused_up_front(tmp_path, name, body, 
 
 
 def book_text(paragraphs: int) -> str:
-    return "\n\n".join(
-        f"Paragraph {i}: the river ran past mill number {i} and on to the sea.\n"
-        "    An indented line stays."
-        for i in range(paragraphs)
-    ) + "\n"
+    return (
+        "\n\n".join(
+            f"Paragraph {i}: the river ran past mill number {i} and on to the sea.\n"
+            "    An indented line stays."
+            for i in range(paragraphs)
+        )
+        + "\n"
+    )
 
 
 @pytest.mark.fit
@@ -325,8 +336,16 @@ def test_a_single_large_text_file_is_cut_into_documents_and_trains(tmp_path, tin
     assert "\n\n".join(docs) == text  # cut at blank lines, verbatim: nothing lost or re-indented
     val = [d for d in docs if is_validation(d, 20)]  # tiny.yaml's val_every
     assert 0 < len(val) < len(docs) // 5
-    main(fit_args(tmp_path / "run", tiny_dirs["llama"], "--data.source", str(book),
-                  "--trainer.max_steps", "4"))
+    main(
+        fit_args(
+            tmp_path / "run",
+            tiny_dirs["llama"],
+            "--data.source",
+            str(book),
+            "--trainer.max_steps",
+            "4",
+        )
+    )
     assert "trained 4 steps" in capsys.readouterr().err
 
 
@@ -352,8 +371,9 @@ def test_a_saved_position_of_a_single_text_file_is_not_resumed_on_another_cut(to
     book, folder = tmp_path / "book.txt", tmp_path / "docs"
     book.write_text(book_text(10))
     folder.mkdir()
-    kw = dict(seq_len=8, part="train", val_every=20, text_field="text", name=None, split="train",
-              seed=0)
+    kw = dict(
+        seq_len=8, part="train", val_every=20, text_field="text", name=None, split="train", seed=0
+    )
     key = PackedDocuments(tokenizer, [str(folder), str(book)], **kw).stream_key()
     assert key[-1] == {"text files cut into documents": [1], "of": PROSE_DOC_CHARS}
     assert len(PackedDocuments(tokenizer, [str(folder)], **kw).stream_key()) == 11  # as before
@@ -402,10 +422,16 @@ def test_too_little_training_data_counts_the_validation_documents(tokenizer, tmp
 @pytest.mark.parametrize(
     "name,what,fix",
     [
-        ("table.csv", "ends in .csv",
-         "convert it to .jsonl or .parquet (datasets.Dataset.from_csv(path).to_parquet(...))"),
-        ("rows.jsonl.gz", "ends in .gz",
-         "decompress it (or convert it) to .jsonl, .parquet or .txt"),
+        (
+            "table.csv",
+            "ends in .csv",
+            "convert it to .jsonl or .parquet (datasets.Dataset.from_csv(path).to_parquet(...))",
+        ),
+        (
+            "rows.jsonl.gz",
+            "ends in .gz",
+            "decompress it (or convert it) to .jsonl, .parquet or .txt",
+        ),
         ("README", "has no suffix", "if it is plain text, give it the suffix .txt"),
     ],
 )
@@ -483,5 +509,7 @@ def test_eval_ppl_checks_its_data_before_the_model_loads(tmp_path, capsys, monke
         raise AssertionError("the model was loaded before the bad data was refused")
 
     monkeypatch.setattr("tidar_convert.bench.perplexity.model_perplexity", loaded)
-    line = cli_error(capsys, "eval-ppl", "--model", "default", "--data", str(tmp_path / "nope.jsonl"))
+    line = cli_error(
+        capsys, "eval-ppl", "--model", "default", "--data", str(tmp_path / "nope.jsonl")
+    )
     assert "is a path, and there is no such file or folder" in line

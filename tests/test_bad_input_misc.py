@@ -11,22 +11,39 @@ import numpy as np
 import pytest
 import torch
 
-from tidar_convert.cli import main
 
 from test_errors import cli_error, export_dir  # noqa: F401 (a fixture)
 
 
 @pytest.mark.parametrize(
     "flags,given",
-    [(["--top-k", "5"], "--top-k 5"), (["--top-p", "0.9"], "--top-p 0.9"), (["--top-k", "5", "--top-p", "0.5"], "--top-k 5 --top-p 0.5"), (["--seed", "3"], "--seed 3")],
+    [
+        (["--top-k", "5"], "--top-k 5"),
+        (["--top-p", "0.9"], "--top-p 0.9"),
+        (["--top-k", "5", "--top-p", "0.5"], "--top-k 5 --top-p 0.5"),
+        (["--seed", "3"], "--seed 3"),
+    ],
 )
 def test_sampling_settings_without_a_temperature_are_refused(export_dir, capsys, flags, given):  # noqa: F811
     line = cli_error(capsys, "generate", "--model", str(export_dir), "--prompt", "x", *flags)
-    assert line.startswith(f"error: {given} applies only when sampling, and --temperature is 0 (greedy); pass --temperature > 0")
+    assert line.startswith(
+        f"error: {given} applies only when sampling, and --temperature is 0 (greedy); pass --temperature > 0"
+    )
 
 
 def test_block_size_with_mode_ar_is_refused(export_dir, capsys):  # noqa: F811
-    line = cli_error(capsys, "generate", "--model", str(export_dir), "--prompt", "x", "--mode", "ar", "--block-size", "3")
+    line = cli_error(
+        capsys,
+        "generate",
+        "--model",
+        str(export_dir),
+        "--prompt",
+        "x",
+        "--mode",
+        "ar",
+        "--block-size",
+        "3",
+    )
     assert "--block-size 3 with --mode ar: plain autoregressive decoding drafts nothing" in line
 
 
@@ -41,7 +58,9 @@ def test_generate_takes_any_integer_ids(export_dir, dtype, modes):  # noqa: F811
         want = model.generate(ids, max_new_tokens=8, do_sample=False, tidar=tidar)
         got = model.generate(ids.to(dtype), max_new_tokens=8, do_sample=False, tidar=tidar)
         assert torch.equal(got.long(), want), (dtype, tidar)
-    with pytest.raises(ValueError, match=r"input_ids are torch.float32: token ids must be integers"):
+    with pytest.raises(
+        ValueError, match=r"input_ids are torch.float32: token ids must be integers"
+    ):
         model.generate(ids.float(), max_new_tokens=2, do_sample=False)
 
 
@@ -51,15 +70,30 @@ def test_check_refuses_a_record_that_is_not_a_bench_record(tiny_dirs, tmp_path, 
     line = cli_error(capsys, "check", "--model", str(tiny_dirs["llama"]), "--record", str(other))
     assert f"--record {str(other)!r} is not a bench record with speed figures" in line
     partial = tmp_path / "partial.json"  # speeds but no tokens per forward: was a KeyError
-    partial.write_text(json.dumps({"machine": {"parameters": 10}, "summary": {"ar": {"tokens_per_s": 1}, "tidar": {"tokens_per_s": 2}}}))
-    assert "is not a bench record" in cli_error(capsys, "check", "--model", str(tiny_dirs["llama"]), "--record", str(partial))
-    assert f"--record {str(tmp_path)!r} is a folder" in cli_error(capsys, "check", "--model", str(tiny_dirs["llama"]), "--record", str(tmp_path))
+    partial.write_text(
+        json.dumps(
+            {
+                "machine": {"parameters": 10},
+                "summary": {"ar": {"tokens_per_s": 1}, "tidar": {"tokens_per_s": 2}},
+            }
+        )
+    )
+    assert "is not a bench record" in cli_error(
+        capsys, "check", "--model", str(tiny_dirs["llama"]), "--record", str(partial)
+    )
+    assert f"--record {str(tmp_path)!r} is a folder" in cli_error(
+        capsys, "check", "--model", str(tiny_dirs["llama"]), "--record", str(tmp_path)
+    )
     broken = tmp_path / "broken.json"
     broken.write_text("{not json")
-    assert f"--record '{broken}' is not JSON" in cli_error(capsys, "check", "--model", str(tiny_dirs["llama"]), "--record", str(broken))
+    assert f"--record '{broken}' is not JSON" in cli_error(
+        capsys, "check", "--model", str(tiny_dirs["llama"]), "--record", str(broken)
+    )
     listed = tmp_path / "list.json"
     listed.write_text("[1, 2]")
-    assert "holds a JSON list, not a bench record" in cli_error(capsys, "check", "--model", str(tiny_dirs["llama"]), "--record", str(listed))
+    assert "holds a JSON list, not a bench record" in cli_error(
+        capsys, "check", "--model", str(tiny_dirs["llama"]), "--record", str(listed)
+    )
 
 
 def write_gguf(path: Path) -> int:
@@ -85,13 +119,19 @@ def test_a_truncated_gguf_is_named(tmp_path, capsys, keep):
     check_gguf(whole)  # a whole file passes
     cut = tmp_path / "model.gguf"
     cut.write_bytes(whole.read_bytes()[: int(size * keep)])
-    with pytest.raises(ValueError, match=rf"'{cut}' is truncated or corrupt \(cut short: {int(size * keep)} bytes of the \d+ its tensors need\); download it again") as info:
+    with pytest.raises(
+        ValueError,
+        match=rf"'{cut}' is truncated or corrupt \(cut short: {int(size * keep)} bytes of the \d+ its tensors need\); download it again",
+    ) as info:
         check_gguf(cut)
     needed = int(str(info.value).split("bytes of the ")[1].split()[0])
     assert size - 64 <= needed <= size  # the end of the last tensor (the file may pad past it)
     header = tmp_path / "header.gguf"
     header.write_bytes(whole.read_bytes()[:40])
-    with pytest.raises(ValueError, match=rf"'{header}' is truncated or corrupt \(40 bytes; its header does not read"):
+    with pytest.raises(
+        ValueError,
+        match=rf"'{header}' is truncated or corrupt \(40 bytes; its header does not read",
+    ):
         check_gguf(header)
     assert f"'{cut}' is truncated or corrupt" in cli_error(capsys, "check", "--model", str(cut))
 
@@ -114,7 +154,9 @@ def test_a_tokenizer_larger_than_the_vocabulary_is_refused_before_the_weights(to
     for load in (load_config_and_tokenizer, load_base):
         with pytest.raises(ValueError, match=message):
             load(small)
-    load_config_and_tokenizer(base("padded", n + 64))  # more rows than tokens (Qwen pads its embedding): fine
+    load_config_and_tokenizer(
+        base("padded", n + 64)
+    )  # more rows than tokens (Qwen pads its embedding): fine
 
 
 @pytest.mark.parametrize("saved", [False, True])
@@ -140,7 +182,10 @@ def test_the_full_disk_message_never_contradicts_itself(tmp_path):
     more = str(disk_full(tmp_path / "x", free + (5 << 20), "the export", "choose another --out."))
     assert f"the disk has {size_text(free)}" in more and "Free 5.0 MiB or more there" in more
     less = str(disk_full(tmp_path / "x", 1 << 20, "the export", "choose another --out."))
-    assert "more than there was room for while writing it (a quota or another writer" in less and "Free space there" in less
+    assert (
+        "more than there was room for while writing it (a quota or another writer" in less
+        and "Free space there" in less
+    )
 
 
 def test_a_smoke_bench_leaves_the_card_and_an_earlier_record_alone(tiny_dirs, tmp_path, capsys):
@@ -151,13 +196,30 @@ def test_a_smoke_bench_leaves_the_card_and_an_earlier_record_alone(tiny_dirs, tm
     m, tok = load_base(str(tiny_dirs["llama"]))
     out = export(m, tok, tmp_path / "tiny", block_size=4, alpha=1.0)
     card = (out / "README.md").read_bytes()
-    record = Path(bench.bench_cmd(str(out), max_new_tokens=4, limit=1, out_dir=str(tmp_path / "results"), quality=False))
+    record = Path(
+        bench.bench_cmd(
+            str(out), max_new_tokens=4, limit=1, out_dir=str(tmp_path / "results"), quality=False
+        )
+    )
     assert (out / "README.md").read_bytes() == card
     assert "left" in capsys.readouterr().err
     before = record.read_bytes()
-    with pytest.raises(ValueError, match=rf"the bench record '{record}' exists; pass --name with a new name for this run \(make bench NAME=...\), or --overwrite"):
-        bench.bench_cmd(str(out), max_new_tokens=4, limit=1, out_dir=str(tmp_path / "results"), quality=False)
+    with pytest.raises(
+        ValueError,
+        match=rf"the bench record '{record}' exists; pass --name with a new name for this run \(make bench NAME=...\), or --overwrite",
+    ):
+        bench.bench_cmd(
+            str(out), max_new_tokens=4, limit=1, out_dir=str(tmp_path / "results"), quality=False
+        )
     assert record.read_bytes() == before
-    bench.bench_cmd(str(out), max_new_tokens=4, limit=1, out_dir=str(tmp_path / "results"), quality=False, overwrite=True, card=True)
+    bench.bench_cmd(
+        str(out),
+        max_new_tokens=4,
+        limit=1,
+        out_dir=str(tmp_path / "results"),
+        quality=False,
+        overwrite=True,
+        card=True,
+    )
     assert (out / "README.md").read_bytes() != card
     os.remove(record)

@@ -23,17 +23,18 @@ RECIPE = Path(__file__).parents[1] / "recipes" / "tiny.yaml"
 
 
 def fit_args(run: Path, model, *extra, recipe=RECIPE) -> list[str]:
-    return ["fit", "--config", str(recipe), "--model.model", str(model), "--trainer.default_root_dir", str(run),
-            "--trainer.logger", "false", *extra]
-
-
-@pytest.fixture
-def no_model_load(monkeypatch):
-    """Fail the test if fit gets as far as reading a model."""
-    def loaded(*a, **k):
-        raise AssertionError("the model was read before the bad setting was refused")
-
-    monkeypatch.setattr("tidar_convert.train.check_model", loaded)
+    return [
+        "fit",
+        "--config",
+        str(recipe),
+        "--model.model",
+        str(model),
+        "--trainer.default_root_dir",
+        str(run),
+        "--trainer.logger",
+        "false",
+        *extra,
+    ]
 
 
 def step_of(path: Path) -> int:
@@ -47,7 +48,9 @@ def step_of(path: Path) -> int:
 
 @pytest.mark.fit
 @pytest.mark.parametrize("where", ["folder", "cwd"])
-def test_a_config_yaml_fit_did_not_write_is_never_replaced(tmp_path, tiny_dirs, capsys, monkeypatch, no_model_load, where):
+def test_a_config_yaml_fit_did_not_write_is_never_replaced(
+    tmp_path, tiny_dirs, capsys, monkeypatch, no_model_load, where
+):
     project = tmp_path / "userproj"
     project.mkdir()
     mine = "# my own notes\nmodel: {block_size: 8}\n"
@@ -57,11 +60,15 @@ def test_a_config_yaml_fit_did_not_write_is_never_replaced(tmp_path, tiny_dirs, 
     line = cli_error(capsys, *fit_args(root, tiny_dirs["llama"]))
     assert f"'{root / 'config.yaml'}' was not written by tidar-convert fit" in line
     assert "pass another --trainer.default_root_dir" in line
-    assert (project / "config.yaml").read_text() == mine and sorted(os.listdir(project)) == ["config.yaml"]
+    assert (project / "config.yaml").read_text() == mine and sorted(os.listdir(project)) == [
+        "config.yaml"
+    ]
 
 
 @pytest.mark.fit
-def test_a_fresh_run_into_a_folder_with_checkpoints_is_refused_and_new_or_replace_say_what_happens(tmp_path, tiny_dirs, capsys):
+def test_a_fresh_run_into_a_folder_with_checkpoints_is_refused_and_new_or_replace_say_what_happens(
+    tmp_path, tiny_dirs, capsys
+):
     run = tmp_path / "run"
     main(fit_args(run, tiny_dirs["llama"], "--trainer.max_steps", "12"))
     last = run / "checkpoints" / "last.ckpt"
@@ -70,15 +77,25 @@ def test_a_fresh_run_into_a_folder_with_checkpoints_is_refused_and_new_or_replac
     capsys.readouterr()
 
     line = cli_error(capsys, *fit_args(run, tiny_dirs["llama"], "--trainer.max_steps", "2"))
-    assert f"run folder '{run}' holds another run's checkpoints (1, the newest {last} at step 12)" in line
-    assert "--ckpt_path last" in line and "--existing_run new" in line and "--existing_run replace" in line
+    assert (
+        f"run folder '{run}' holds another run's checkpoints (1, the newest {last} at step 12)"
+        in line
+    )
+    assert (
+        "--ckpt_path last" in line
+        and "--existing_run new" in line
+        and "--existing_run replace" in line
+    )
     assert last.read_bytes() == before and (run / "config.yaml").read_text() == config
     assert sorted(os.listdir(run / "checkpoints")) == ["last.ckpt"]
 
     main(fit_args(run, tiny_dirs["llama"], "--trainer.max_steps", "2", "--existing_run", "new"))
     err = capsys.readouterr().err
     moved = tmp_path / "run-v2"
-    assert f"this run goes to '{moved}'" in err and f"checkpoint: {moved / 'checkpoints' / 'last.ckpt'} (step 2)" in err
+    assert (
+        f"this run goes to '{moved}'" in err
+        and f"checkpoint: {moved / 'checkpoints' / 'last.ckpt'} (step 2)" in err
+    )
     assert last.read_bytes() == before and step_of(moved / "checkpoints" / "last.ckpt") == 2
     assert (moved / "config.yaml").is_file() and (run / "config.yaml").read_text() == config
 
@@ -88,7 +105,9 @@ def test_a_fresh_run_into_a_folder_with_checkpoints_is_refused_and_new_or_replac
 
 
 @pytest.mark.fit
-def test_resume_takes_the_highest_step_and_the_final_message_names_the_file_that_holds_it(tmp_path, tiny_dirs, capsys):
+def test_resume_takes_the_highest_step_and_the_final_message_names_the_file_that_holds_it(
+    tmp_path, tiny_dirs, capsys
+):
     """A run folder an older version left with last.ckpt (step 12) and a newer last-v1.ckpt (step 2)."""
     import shutil
     import time
@@ -97,13 +116,17 @@ def test_resume_takes_the_highest_step_and_the_final_message_names_the_file_that
     main(fit_args(tmp_path / "short", tiny_dirs["llama"], "--trainer.max_steps", "2"))
     main(fit_args(run, tiny_dirs["llama"], "--trainer.max_steps", "12"))
     time.sleep(0.05)
-    shutil.copy(tmp_path / "short" / "checkpoints" / "last.ckpt", run / "checkpoints" / "last-v1.ckpt")
+    shutil.copy(
+        tmp_path / "short" / "checkpoints" / "last.ckpt", run / "checkpoints" / "last-v1.ckpt"
+    )
     capsys.readouterr()
     main(fit_args(run, tiny_dirs["llama"], "--trainer.max_steps", "17", "--ckpt_path", "last"))
     err = capsys.readouterr().err
     last = run / "checkpoints" / "last.ckpt"
     assert f"--ckpt_path last: resuming {last} (step 12)" in err
-    assert "trained 17 steps" in err and f"checkpoint: {last} (step 17)" in err  # saved every 10: 17 only at the end
+    assert (
+        "trained 17 steps" in err and f"checkpoint: {last} (step 17)" in err
+    )  # saved every 10: 17 only at the end
     assert step_of(last) == 17 and step_of(run / "checkpoints" / "last-v1.ckpt") == 2
 
 
@@ -113,7 +136,10 @@ def test_a_corrupted_last_ckpt_is_named_in_one_line(tmp_path, tiny_dirs, capsys)
     main(fit_args(run, tiny_dirs["llama"], "--trainer.max_steps", "2"))
     last = run / "checkpoints" / "last.ckpt"
     last.write_bytes(last.read_bytes()[:5000])
-    line = cli_error(capsys, *fit_args(run, tiny_dirs["llama"], "--trainer.max_steps", "4", "--ckpt_path", "last"))
+    line = cli_error(
+        capsys,
+        *fit_args(run, tiny_dirs["llama"], "--trainer.max_steps", "4", "--ckpt_path", "last"),
+    )
     assert f"checkpoint '{last}' does not load" in line and "cut short or damaged" in line
 
 
@@ -126,32 +152,102 @@ def test_a_corrupted_last_ckpt_is_named_in_one_line(tmp_path, tiny_dirs, capsys)
 @pytest.mark.parametrize(
     "flag,value,message",
     [
-        ("--model.min_lr_ratio", "-1", "--model.min_lr_ratio=-1.0: must be a finite number in [0, 1]"),
-        ("--model.min_lr_ratio", "5", "--model.min_lr_ratio=5.0: must be a finite number in [0, 1]"),
-        ("--model.alpha", "nan", 'Parser key "model.alpha": Expected a <class \'float\'>. Got value: nan'),
-        ("--model.alpha", "inf", 'Parser key "model.alpha": Expected a <class \'float\'>. Got value: inf'),
-        ("--model.warmup_ratio", "1", "--model.warmup_ratio=1.0: must be a finite number in [0, 1)"),
+        (
+            "--model.min_lr_ratio",
+            "-1",
+            "--model.min_lr_ratio=-1.0: must be a finite number in [0, 1]",
+        ),
+        (
+            "--model.min_lr_ratio",
+            "5",
+            "--model.min_lr_ratio=5.0: must be a finite number in [0, 1]",
+        ),
+        (
+            "--model.alpha",
+            "nan",
+            "Parser key \"model.alpha\": Expected a <class 'float'>. Got value: nan",
+        ),
+        (
+            "--model.alpha",
+            "inf",
+            "Parser key \"model.alpha\": Expected a <class 'float'>. Got value: inf",
+        ),
+        (
+            "--model.warmup_ratio",
+            "1",
+            "--model.warmup_ratio=1.0: must be a finite number in [0, 1)",
+        ),
         ("--model.lora_alpha", "0", "--model.lora_alpha=0: must be a finite number > 0"),
-        ("--model.distill_temperature", "0", "--model.distill_temperature=0.0: must be a finite number > 0"),
-        ("--model.val_decode_prompts", "-1", "--model.val_decode_prompts=-1: must be a whole number >= 0"),
-        ("--model.optimizer.init_args.lr", "-0.001", "--model.optimizer.init_args.lr=-0.001: must be a finite number > 0"),
+        (
+            "--model.distill_temperature",
+            "0",
+            "--model.distill_temperature=0.0: must be a finite number > 0",
+        ),
+        (
+            "--model.val_decode_prompts",
+            "-1",
+            "--model.val_decode_prompts=-1: must be a whole number >= 0",
+        ),
+        (
+            "--model.optimizer.init_args.lr",
+            "-0.001",
+            "--model.optimizer.init_args.lr=-0.001: must be a finite number > 0",
+        ),
         ("--model.optimizer.init_args.lr", "nan", 'Parser key "model.optimizer"'),
-        ("--model.optimizer.init_args.weight_decay", "-1", "--model.optimizer.init_args.weight_decay=-1.0: must be"),
-        ("--model.optimizer.init_args.betas", "[1.0, 0.999]", "--model.optimizer.init_args.betas=[1.0, 0.999]: each must be in [0, 1)"),
+        (
+            "--model.optimizer.init_args.weight_decay",
+            "-1",
+            "--model.optimizer.init_args.weight_decay=-1.0: must be",
+        ),
+        (
+            "--model.optimizer.init_args.betas",
+            "[1.0, 0.999]",
+            "--model.optimizer.init_args.betas=[1.0, 0.999]: each must be in [0, 1)",
+        ),
         ("--data.batch_size", "0", "--data.batch_size=0: must be a whole number >= 1"),
         ("--data.val_batches", "0", "--data.val_batches=0: must be a whole number >= 1"),
         ("--data.shuffle_buffer", "-2", "--data.shuffle_buffer=-2: must be a whole number >= 0"),
         ("--data.num_workers", "-1", "--data.num_workers=-1: must be a whole number >= 0"),
-        ("--data.greedy_new_tokens", "0", "--data.greedy_new_tokens=0: must be a whole number >= 1"),
-        ("--trainer.gradient_clip_val", "-1", "--trainer.gradient_clip_val=-1: must be a finite number >= 0"),
-        ("--trainer.limit_val_batches", "1.5", "--trainer.limit_val_batches=1.5: must be a whole number of batches"),
-        ("--trainer.val_check_interval", "-3", "--trainer.val_check_interval=-3: must be a whole number of batches"),
-        ("--trainer.log_every_n_steps", "0", "--trainer.log_every_n_steps=0: must be a whole number >= 1"),
-        ("--global_batch_tokens", "-128", "--global_batch_tokens=-128: must be a whole number >= 1"),
-        ("--trainer.precision", "16-mixed", "--trainer.precision 16-mixed: float16 mixed precision does not run on a CPU"),
+        (
+            "--data.greedy_new_tokens",
+            "0",
+            "--data.greedy_new_tokens=0: must be a whole number >= 1",
+        ),
+        (
+            "--trainer.gradient_clip_val",
+            "-1",
+            "--trainer.gradient_clip_val=-1: must be a finite number >= 0",
+        ),
+        (
+            "--trainer.limit_val_batches",
+            "1.5",
+            "--trainer.limit_val_batches=1.5: must be a whole number of batches",
+        ),
+        (
+            "--trainer.val_check_interval",
+            "-3",
+            "--trainer.val_check_interval=-3: must be a whole number of batches",
+        ),
+        (
+            "--trainer.log_every_n_steps",
+            "0",
+            "--trainer.log_every_n_steps=0: must be a whole number >= 1",
+        ),
+        (
+            "--global_batch_tokens",
+            "-128",
+            "--global_batch_tokens=-128: must be a whole number >= 1",
+        ),
+        (
+            "--trainer.precision",
+            "16-mixed",
+            "--trainer.precision 16-mixed: float16 mixed precision does not run on a CPU",
+        ),
     ],
 )
-def test_a_setting_out_of_range_is_refused_before_the_model_loads(tmp_path, tiny_dirs, capsys, no_model_load, flag, value, message):
+def test_a_setting_out_of_range_is_refused_before_the_model_loads(
+    tmp_path, tiny_dirs, capsys, no_model_load, flag, value, message
+):
     line = cli_error(capsys, *fit_args(tmp_path / "run", tiny_dirs["llama"], flag, value))
     assert line.startswith(f"error: {message}") and value in line, line
     assert not (tmp_path / "run").exists()
@@ -161,39 +257,82 @@ def test_the_python_api_refuses_the_same_values_with_the_same_words():
     from tidar_convert.data import TiDARData
     from tidar_convert.module import TiDARModule
 
-    with pytest.raises(ValueError, match=r"--model.min_lr_ratio=-1: must be a finite number in \[0, 1\]"):
+    with pytest.raises(
+        ValueError, match=r"--model.min_lr_ratio=-1: must be a finite number in \[0, 1\]"
+    ):
         TiDARModule(min_lr_ratio=-1)
     with pytest.raises(ValueError, match=r"--data.batch_size=0: must be a whole number >= 1"):
         TiDARData(batch_size=0)
 
 
 @pytest.mark.fit
-def test_a_recipe_with_a_key_twice_or_a_tab_is_refused_by_file_and_line(tmp_path, tiny_dirs, capsys, no_model_load):
+def test_a_recipe_with_a_key_twice_or_a_tab_is_refused_by_file_and_line(
+    tmp_path, tiny_dirs, capsys, no_model_load
+):
     twice = tmp_path / "twice.yaml"
     twice.write_text(RECIPE.read_text().replace("  alpha: 1.0\n", "  alpha: 1.0\n  alpha: 3.0\n"))
     line = cli_error(capsys, *fit_args(tmp_path / "run", tiny_dirs["llama"], recipe=twice))
-    assert line.startswith(f"error: recipe '{twice}' line 6, column 3: key 'alpha' is given twice (first at line 5); keep one of them")
+    assert line.startswith(
+        f"error: recipe '{twice}' line 6, column 3: key 'alpha' is given twice (first at line 5); keep one of them"
+    )
     tab = tmp_path / "tab.yaml"
     tab.write_text(RECIPE.read_text().replace("  block_size: 4\n", "\tblock_size: 4\n"))
     line = cli_error(capsys, *fit_args(tmp_path / "run", tiny_dirs["llama"], recipe=tab))
-    assert line.startswith(f"error: recipe '{tab}' line 4, column 1:") and "indent with spaces, not tabs" in line
+    assert (
+        line.startswith(f"error: recipe '{tab}' line 4, column 1:")
+        and "indent with spaces, not tabs" in line
+    )
     assert "<unicode string>" not in line and not (tmp_path / "run").exists()
 
 
 @pytest.mark.fit
-def test_a_resume_refuses_what_changes_the_checkpoint_and_applies_what_may_change(tmp_path, tiny_dirs, capsys):
+def test_a_resume_refuses_what_changes_the_checkpoint_and_applies_what_may_change(
+    tmp_path, tiny_dirs, capsys
+):
     run = tmp_path / "run"
     main(fit_args(run, tiny_dirs["llama"], "--trainer.max_steps", "10"))
     last = run / "checkpoints" / "last.ckpt"
     saved = last.read_bytes()
     capsys.readouterr()
-    for flag, value, old in [("--model.block_size", "8", "4"), ("--data.val_every", "10", "20"), ("--model.lora_r", "8", "0")]:
-        line = cli_error(capsys, *fit_args(run, tiny_dirs["llama"], "--ckpt_path", "last", "--trainer.max_steps", "12", flag, value))
-        assert f"{flag} {int(value)!r} (trained with {int(old)!r})" in line and "set them back" in line, line
+    for flag, value, old in [
+        ("--model.block_size", "8", "4"),
+        ("--data.val_every", "10", "20"),
+        ("--model.lora_r", "8", "0"),
+    ]:
+        line = cli_error(
+            capsys,
+            *fit_args(
+                run,
+                tiny_dirs["llama"],
+                "--ckpt_path",
+                "last",
+                "--trainer.max_steps",
+                "12",
+                flag,
+                value,
+            ),
+        )
+        assert (
+            f"{flag} {int(value)!r} (trained with {int(old)!r})" in line and "set them back" in line
+        ), line
         assert last.read_bytes() == saved
-    main(fit_args(run, tiny_dirs["llama"], "--ckpt_path", "last", "--trainer.max_steps", "12", "--model.optimizer.init_args.lr", "0.01"))
+    main(
+        fit_args(
+            run,
+            tiny_dirs["llama"],
+            "--ckpt_path",
+            "last",
+            "--trainer.max_steps",
+            "12",
+            "--model.optimizer.init_args.lr",
+            "0.01",
+        )
+    )
     err = capsys.readouterr().err
-    assert "with changed settings, applied from its step on: --model.optimizer.init_args.lr 0.003 -> 0.01" in err
+    assert (
+        "with changed settings, applied from its step on: --model.optimizer.init_args.lr 0.003 -> 0.01"
+        in err
+    )
     resumed = torch.load(last, map_location="cpu", weights_only=False)
     assert resumed["global_step"] == 12
     (group,) = resumed["optimizer_states"][0]["param_groups"]
@@ -207,20 +346,26 @@ def test_a_resume_refuses_what_changes_the_checkpoint_and_applies_what_may_chang
 
 
 @pytest.mark.fit
-def test_a_recipe_without_an_optimizer_trains_with_the_documented_adamw(tmp_path, tiny_dirs, capsys):
+def test_a_recipe_without_an_optimizer_trains_with_the_documented_adamw(
+    tmp_path, tiny_dirs, capsys
+):
     recipe = tmp_path / "no-optimizer.yaml"
     text = RECIPE.read_text()
     start = text.index("  optimizer:")
-    recipe.write_text(text[:start] + text[text.index("  warmup_ratio"):])
+    recipe.write_text(text[:start] + text[text.index("  warmup_ratio") :])
     main(fit_args(tmp_path / "run", tiny_dirs["llama"], "--trainer.max_steps", "2", recipe=recipe))
-    ckpt = torch.load(tmp_path / "run" / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)
+    ckpt = torch.load(
+        tmp_path / "run" / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False
+    )
     (group,) = ckpt["optimizer_states"][0]["param_groups"]
     assert group["initial_lr"] == 1e-5 and group["weight_decay"] == 0.0
 
 
 @pytest.mark.fit
 @pytest.mark.parametrize("inside", [False, True])
-def test_out_as_the_run_folder_is_refused_before_training(tmp_path, tiny_dirs, capsys, no_model_load, inside):
+def test_out_as_the_run_folder_is_refused_before_training(
+    tmp_path, tiny_dirs, capsys, no_model_load, inside
+):
     run = tmp_path / "run"
     out = tmp_path if inside else run  # an export folder holding the run folder is replaced with it
     line = cli_error(capsys, *fit_args(run, tiny_dirs["llama"], "--out", str(out)))
@@ -238,12 +383,20 @@ def test_out_as_the_run_folder_is_refused_before_training(tmp_path, tiny_dirs, c
     "extra,expected",
     [
         (["--model.blok_size", "8"], "did you mean --model.block_size?"),
-        (["--trainer.max_step", "3"], "did you mean --trainer.max_steps?"),  # no abbreviations taken silently
+        (
+            ["--trainer.max_step", "3"],
+            "did you mean --trainer.max_steps?",
+        ),  # no abbreviations taken silently
         (["--data.seq_len", "abc"], "data.seq_len"),
-        (["--model.optimizer.init_args.lrr", "0.1"], "did you mean init_args.lr (an argument of torch.optim.AdamW)?"),
+        (
+            ["--model.optimizer.init_args.lrr", "0.1"],
+            "did you mean init_args.lr (an argument of torch.optim.AdamW)?",
+        ),
     ],
 )
-def test_an_argument_error_is_one_line_with_the_nearest_key(tmp_path, tiny_dirs, capsys, no_model_load, extra, expected):
+def test_an_argument_error_is_one_line_with_the_nearest_key(
+    tmp_path, tiny_dirs, capsys, no_model_load, extra, expected
+):
     with pytest.raises(SystemExit) as info:
         main(fit_args(tmp_path / "run", tiny_dirs["llama"], *extra))
     assert info.value.code == 2
@@ -278,15 +431,37 @@ def test_shipped_recipes_put_every_output_under_their_run_folder():
 @pytest.mark.parametrize(
     "case,extra,message",
     [
-        ("root is a file", ["--trainer.default_root_dir", "{tmp}/notes.txt"], "--trainer.default_root_dir '{tmp}/notes.txt' is a file, not a folder"),
-        ("overwrite without out", ["--overwrite", "true"], "--overwrite replaces an earlier export at --out, and no --out is given"),
-        ("new and resume", ["--existing_run", "new", "--ckpt_path", "last"], "--existing_run new with --ckpt_path last: a resumed run continues in its own folder"),
+        (
+            "root is a file",
+            ["--trainer.default_root_dir", "{tmp}/notes.txt"],
+            "--trainer.default_root_dir '{tmp}/notes.txt' is a file, not a folder",
+        ),
+        (
+            "overwrite without out",
+            ["--overwrite", "true"],
+            "--overwrite replaces an earlier export at --out, and no --out is given",
+        ),
+        (
+            "new and resume",
+            ["--existing_run", "new", "--ckpt_path", "last"],
+            "--existing_run new with --ckpt_path last: a resumed run continues in its own folder",
+        ),
         ("bad existing_run", ["--existing_run", "keep"], 'Parser key "existing_run"'),
-        ("ckpt_path a plain folder", ["--ckpt_path", "{tmp}"], "checkpoint '{tmp}' is a folder but not a sharded checkpoint"),
-        ("missing recipe", ["--config", "{tmp}/nope.yaml"], "--config '{tmp}/nope.yaml': no such file"),
+        (
+            "ckpt_path a plain folder",
+            ["--ckpt_path", "{tmp}"],
+            "checkpoint '{tmp}' is a folder but not a sharded checkpoint",
+        ),
+        (
+            "missing recipe",
+            ["--config", "{tmp}/nope.yaml"],
+            "--config '{tmp}/nope.yaml': no such file",
+        ),
     ],
 )
-def test_contradictory_or_impossible_run_settings_are_refused_up_front(tmp_path, tiny_dirs, capsys, no_model_load, case, extra, message):
+def test_contradictory_or_impossible_run_settings_are_refused_up_front(
+    tmp_path, tiny_dirs, capsys, no_model_load, case, extra, message
+):
     (tmp_path / "notes.txt").write_text("mine")
     extra = [x.format(tmp=tmp_path) for x in extra]
     line = cli_error(capsys, *fit_args(tmp_path / "run", tiny_dirs["llama"], *extra))

@@ -39,7 +39,8 @@ class _StrictLoader(yaml.SafeLoader):
                 break
             if first is not None:
                 raise yaml.constructor.ConstructorError(
-                    None, None,
+                    None,
+                    None,
                     f"key {key!r} is given twice (first at line {first.line + 1}); keep one of them",
                     key_node.start_mark,
                 )
@@ -56,7 +57,9 @@ def check_recipe(path: str) -> None:
     try:
         text = file.read_text(encoding="utf-8")
     except UnicodeDecodeError as e:
-        raise ValueError(f"recipe '{path}' is not UTF-8 text (byte at offset {e.start}); save it as UTF-8.") from None
+        raise ValueError(
+            f"recipe '{path}' is not UTF-8 text (byte at offset {e.start}); save it as UTF-8."
+        ) from None
     try:
         data = yaml.load(text, Loader=_StrictLoader)  # noqa: S506 (a SafeLoader)
     except yaml.MarkedYAMLError as e:
@@ -94,7 +97,9 @@ class TiDARParser(LightningArgumentParser):
         line = " ".join(part.strip() for part in str(message).splitlines() if part.strip())
         hint = suggestion(line, known_keys(parser))
         command = parser.prog.replace(" [options]", "").split()[-1]  # fit or validate
-        sys.stderr.write(f"error: {line[:600]}{hint} (`tidar-convert {command} --help` lists every key)\n")
+        sys.stderr.write(
+            f"error: {line[:600]}{hint} (`tidar-convert {command} --help` lists every key)\n"
+        )
         sys.exit(2)
 
 
@@ -112,7 +117,11 @@ def known_keys(parser) -> list[str]:
 def suggestion(message: str, keys: list[str]) -> str:
     """'; did you mean --model.block_size?' for the first unknown name in an argparse or
     jsonargparse message that is close to a known one ('' where none is)."""
-    for pattern in (r"unrecognized arguments: (--[\w.-]+)", r"accept option '([\w.-]+)'", r'Key "([\w.-]+)"'):
+    for pattern in (
+        r"unrecognized arguments: (--[\w.-]+)",
+        r"accept option '([\w.-]+)'",
+        r'Key "([\w.-]+)"',
+    ):
         m = re.search(pattern, message)
         if m:
             name = "--" + m.group(1).lstrip("-")

@@ -11,8 +11,13 @@ from pathlib import Path
 # Model settings a resumed run may change: they steer the optimizer, the schedule or validation,
 # not what the weights are. The optimizer's class stays (its state is of that class).
 MODEL_FREE = {
-    "optimizer", "warmup_ratio", "min_lr_ratio", "val_decode_prompts", "val_decode_block_size",
-    "gradient_checkpointing", "attn_implementation",
+    "optimizer",
+    "warmup_ratio",
+    "min_lr_ratio",
+    "val_decode_prompts",
+    "val_decode_block_size",
+    "gradient_checkpointing",
+    "attn_implementation",
 }
 DATA_FREE = {"val_batches"}
 
@@ -39,10 +44,19 @@ def check_settings(path: Path, cfg) -> list[str]:
     changed, refused = [], []
     model = cfg.get("model")
     if model is not None:
-        _compare("model", _plain(model), saved.get("hyper_parameters") or {}, MODEL_FREE, changed, refused)
+        _compare(
+            "model",
+            _plain(model),
+            saved.get("hyper_parameters") or {},
+            MODEL_FREE,
+            changed,
+            refused,
+        )
     data = cfg.get("data")
     if data is not None and saved.get("datamodule_hyper_parameters"):
-        _compare("data", _plain(data), saved["datamodule_hyper_parameters"], DATA_FREE, changed, refused)
+        _compare(
+            "data", _plain(data), saved["datamodule_hyper_parameters"], DATA_FREE, changed, refused
+        )
     if refused:
         asked = ", ".join(f"{flag} {new!r} (trained with {old!r})" for flag, old, new in refused)
         raise ValueError(
@@ -91,7 +105,11 @@ def _differences(flag: str, old, new) -> list[tuple]:
     """(flag, old, new) for each leaf that differs, on keys both have: a newer torch or tool adds
     arguments an older checkpoint lacks."""
     if isinstance(old, dict) and isinstance(new, dict):
-        return [d for k in sorted(old.keys() & new.keys()) for d in _differences(f"{flag}.{k}", old[k], new[k])]
+        return [
+            d
+            for k in sorted(old.keys() & new.keys())
+            for d in _differences(f"{flag}.{k}", old[k], new[k])
+        ]
     if isinstance(old, (list, tuple)) and isinstance(new, (list, tuple)) and len(old) == len(new):
         return [(flag, old, new)] if any(_differences(flag, a, b) for a, b in zip(old, new)) else []
     return [] if old == new else [(flag, old, new)]

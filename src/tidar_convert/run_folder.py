@@ -22,7 +22,9 @@ CONFIG_MARK = "# tidar-convert fit: this run's resolved config (the tool rewrite
 # Before the mark existed, fit wrote LightningCLI's own dump, which starts with this header.
 LEGACY_MARK = "# lightning.pytorch=="
 EXISTING_RUN = ("refuse", "new", "replace")
-CHOSEN = "TIDAR_RUN_FOLDER"  # the folder --existing_run new chose, for the rank processes started later
+CHOSEN = (
+    "TIDAR_RUN_FOLDER"  # the folder --existing_run new chose, for the rank processes started later
+)
 
 
 def written_by_fit(path: Path) -> bool:
@@ -52,7 +54,9 @@ def saved_checkpoints(dirs: list[Path]) -> list[Path]:
     found = []
     for d in dirs:
         if d.is_dir():
-            found += sorted(p for p in d.iterdir() if p.suffix == ".ckpt" and not p.name.startswith("."))
+            found += sorted(
+                p for p in d.iterdir() if p.suffix == ".ckpt" and not p.name.startswith(".")
+            )
     return found
 
 
@@ -150,14 +154,18 @@ def check_run_folder(cfg, existing_run: str, resuming: bool) -> Path | None:
         for path in saved:
             shutil.rmtree(path) if path.is_dir() else path.unlink()
         config.unlink(missing_ok=True)
-        _say(f"--existing_run replace: removed the {len(saved)} checkpoint(s) and config of the "
-             f"earlier run in '{root}'.")
+        _say(
+            f"--existing_run replace: removed the {len(saved)} checkpoint(s) and config of the "
+            f"earlier run in '{root}'."
+        )
         return None
     for n in range(2, 10_000):
         candidate = root.with_name(f"{root.name}-v{n}")
         if not candidate.exists():
-            _say(f"--existing_run new: '{root}' holds another run's checkpoints; this run goes to "
-                 f"'{candidate}'.")
+            _say(
+                f"--existing_run new: '{root}' holds another run's checkpoints; this run goes to "
+                f"'{candidate}'."
+            )
             os.environ[CHOSEN] = str(candidate)  # inherited by the rank processes Lightning starts
             return candidate
     raise ValueError(f"--existing_run new: no free name beside '{root}' (-v2 to -v9999 exist).")

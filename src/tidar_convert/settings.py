@@ -77,7 +77,9 @@ DATA = {
     "seq_len": _int(2, why="tokens per packed training chunk"),
     "batch_size": _int(1, why="chunks per step and device"),
     "val_every": _int(2, why="one document in this many goes to validation; 1 would send them all"),
-    "val_batches": _int(1, why="batches per validation; --trainer.limit_val_batches 0 turns it off"),
+    "val_batches": _int(
+        1, why="batches per validation; --trainer.limit_val_batches 0 turns it off"
+    ),
     "seed": _int(0, why="the order of the data"),
     "shuffle_buffer": _int(0, why="0 = in order"),
     "greedy_docs": _int(0, why="0 = no self-distilled documents"),
