@@ -223,3 +223,14 @@ def test_a_smoke_bench_leaves_the_card_and_an_earlier_record_alone(tiny_dirs, tm
     )
     assert (out / "README.md").read_bytes() != card
     os.remove(record)
+
+
+def test_a_sweep_json_no_sweep_wrote_is_never_replaced(tmp_path, capsys):
+    out = tmp_path / "sweep"
+    out.mkdir()
+    (out / "sweep.json").write_text("my notes")
+    (tmp_path / "spec.yaml").write_text("a: []\n")
+    recipe = str(Path(__file__).parents[1] / "recipes" / "tiny.yaml")
+    line = cli_error(capsys, "sweep", "--spec", str(tmp_path / "spec.yaml"), "--recipe", recipe, "--out", str(out))
+    assert f"--out {out} holds a sweep.json that no sweep wrote" in line
+    assert (out / "sweep.json").read_text() == "my notes" and sorted(os.listdir(out)) == ["sweep.json"]

@@ -112,6 +112,14 @@ def _write_json(path: Path, data) -> None:
     tmp.replace(path)
 
 
+def _sweep_record(path: Path) -> bool:
+    try:
+        record = json.loads(path.read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError, OSError):
+        return False
+    return isinstance(record, dict) and "spec" in record and "arms" in record
+
+
 def sweep_cmd(
     spec: str,
     recipe: str = "recipes/smollm2-135m-cpu-lora.yaml",
@@ -162,6 +170,8 @@ def sweep_cmd(
         raise ValueError(f"--out {out_dir} is a file; pass a new folder, or an earlier sweep's folder to continue it.")
     if out_dir.is_dir() and any(out_dir.iterdir()) and not (out_dir / "sweep.json").is_file():
         raise ValueError(f"--out {out_dir} is a folder with other files and no sweep.json: not an earlier sweep; pass a new or empty folder.")
+    if (out_dir / "sweep.json").is_file() and not _sweep_record(out_dir / "sweep.json"):
+        raise ValueError(f"--out {out_dir} holds a sweep.json that no sweep wrote (not JSON with its spec and arms): it is never replaced; pass a new or empty folder.")
     recipe_cfg = yaml.safe_load(recipe_path.read_text()) or {}
     sweep_name = out_dir.name
     shared = []
