@@ -63,7 +63,7 @@ bench: $(BIN)/.installed
 	$(BIN)/tidar-convert bench --model $(or $(MODEL),$(OUT)) $(if $(K),--k $(K)) $(if $(LIMIT),--limit $(LIMIT)) $(if $(BASE),--base $(BASE)) $(if $(DTYPE),--dtype $(DTYPE)) $(if $(PROMPTS),--prompts $(PROMPTS)) $(if $(SAMPLING),--sampling) $(if $(NAME),--name $(NAME)) $(if $(OVERWRITE),--overwrite)
 
 bench-serve: $(BIN)/.installed
-	$(BIN)/tidar-convert bench-serve --model $(or $(MODEL),$(OUT)) $(if $(CLIENTS),--clients '$(CLIENTS)') $(if $(REQUESTS),--requests $(REQUESTS))
+	$(BIN)/tidar-convert bench-serve --model $(or $(MODEL),$(OUT)) $(if $(CLIENTS),--clients '$(CLIENTS)') $(if $(REQUESTS),--requests $(REQUESTS)) $(if $(OVERWRITE),--overwrite)
 
 ppl: $(BIN)/.installed
 	$(BIN)/tidar-convert eval-ppl --model $(or $(MODEL),$(OUT)) --data $(or $(DATA),prose)

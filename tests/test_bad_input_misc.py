@@ -206,7 +206,7 @@ def test_a_smoke_bench_leaves_the_card_and_an_earlier_record_alone(tiny_dirs, tm
     before = record.read_bytes()
     with pytest.raises(
         ValueError,
-        match=rf"the bench record '{record}' exists; pass --name with a new name for this run \(make bench NAME=...\), or --overwrite",
+        match=rf"the record '{record}' exists; pass --name with a new name for this run \(make bench NAME=...\), or --overwrite",
     ):
         bench.bench_cmd(
             str(out), max_new_tokens=4, limit=1, out_dir=str(tmp_path / "results"), quality=False
@@ -234,3 +234,12 @@ def test_a_sweep_json_no_sweep_wrote_is_never_replaced(tmp_path, capsys):
     line = cli_error(capsys, "sweep", "--spec", str(tmp_path / "spec.yaml"), "--recipe", recipe, "--out", str(out))
     assert f"--out {out} holds a sweep.json that no sweep wrote" in line
     assert (out / "sweep.json").read_text() == "my notes" and sorted(os.listdir(out)) == ["sweep.json"]
+
+
+@pytest.mark.parametrize("command", ["quality", "bench-serve"])
+def test_quality_and_serve_records_are_never_replaced_unasked(tmp_path, capsys, export_dir, command):  # noqa: F811
+    record = tmp_path / "mine.json"
+    record.write_text("an hour of measuring")
+    line = cli_error(capsys, command, "--model", str(export_dir), "--out", str(record))
+    assert f"the record {str(record)!r} exists; pass --out with a new file, or --overwrite to replace it." in line
+    assert record.read_text() == "an hour of measuring"

@@ -197,7 +197,7 @@ def test_quality_cli_defaults_to_the_base_the_export_records(tiny_dirs, tmp_path
     out = tmp_path / "report.json"
     base_text = {}
     for base_decoder in ("prompt_lookup", "ar"):
-        main(["quality", "--model", str(path), "--limit", "2", "--max-new-tokens", "8", "--humaneval", "false", "--out", str(out), "--base-decoder", base_decoder])
+        main(["quality", "--model", str(path), "--limit", "2", "--max-new-tokens", "8", "--humaneval", "false", "--out", str(out), "--base-decoder", base_decoder, "--overwrite"])
         r = json.loads(out.read_text())
         assert r["base_model"] == str(tiny_dirs["qwen2"].resolve())  # not overwritten by the base metrics
         assert r["base_decoder"] == base_decoder

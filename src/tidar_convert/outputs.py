@@ -261,3 +261,12 @@ def atomic_file(dest: str | os.PathLike) -> Iterator[Path]:
         yield tmp / dest.name
         _follow_umask(tmp / dest.name)
         _replace(tmp / dest.name, dest)
+
+
+def check_record_target(path: Path, overwrite: bool, fix: str) -> None:
+    """Refuse, before any measuring, a record (bench, quality, serve JSON) that would replace an
+    earlier one or a file of the user's: a record is minutes to an hour of measurement."""
+    if path.is_dir():
+        raise ValueError(f"{str(path)!r} is a folder; pass a JSON file name for the record.")
+    if path.exists() and not overwrite:
+        raise ValueError(f"the record {str(path)!r} exists; {fix}, or --overwrite to replace it.")

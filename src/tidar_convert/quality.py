@@ -241,6 +241,7 @@ def quality_cmd(
     out: str | None = None,
     dtype: str = "float32",
     base_decoder: str = "prompt_lookup",
+    overwrite: bool = False,
 ) -> str:
     """Compare a TiDAR export's own greedy text with its base model's: distinct-2, loop share, pass@1.
 
@@ -260,6 +261,7 @@ def quality_cmd(
             gives the same tokens).
         timeout: seconds per HumanEval program.
         out: JSON path; default bench/results/<model folder name>-quality.json.
+        overwrite: replace an earlier record at that path (refused before any work without it).
         dtype: float32 or bfloat16, for both models.
         base_decoder: how the base decodes: prompt_lookup (transformers' own, greedy: the base's
             greedy tokens in a fraction of the time, up to rounding where a multi-token forward
@@ -291,6 +293,9 @@ def quality_cmd(
     if base is None:
         base = json.loads((path / "config.json").read_text()).get("tidar_base_model", "embedded")
     json_path = Path(out) if out else Path("bench/results") / f"{path.resolve().name}-quality.json"
+    from .outputs import check_record_target
+
+    check_record_target(json_path, overwrite, "pass --out with a new file")
     prompts = bench_prompts(limit)
     texts = [p["text"] for p in prompts]
     device = default_device()

@@ -119,12 +119,9 @@ def bench_cmd(
             quality = False
     k = k or trained["block_size"]
     name = name or path.resolve().name
-    earlier = Path(out_dir) / f"{name}.json"
-    if earlier.exists() and not overwrite:  # a record is an hour of measuring: never replaced unasked
-        raise ValueError(
-            f"the bench record {str(earlier)!r} exists; pass --name with a new name for this run (make bench NAME=...), "
-            "or --overwrite to replace it."
-        )
+    from ..outputs import check_record_target
+
+    check_record_target(Path(out_dir) / f"{name}.json", overwrite, "pass --name with a new name for this run (make bench NAME=...)")
     device = default_device()
     lm = load(path, dtype=getattr(torch, dtype)).to(device).eval()
     require_tidar(lm, path)  # never time transformers' AR generate and call it TiDAR

@@ -153,6 +153,7 @@ def bench_serve_cmd(
     startup_timeout: float = 300.0,
     device: str = "cpu",
     out: str | None = None,
+    overwrite: bool = False,
 ) -> str:
     """Served tokens/s: an export under `transformers serve --trust-remote-code` on a loopback port,
     TiDAR against the same server with TiDAR off (per request, through its generation config), for
@@ -168,6 +169,7 @@ def bench_serve_cmd(
         startup_timeout: seconds for the server to answer /health.
         device: the server's --device (cpu, cuda, auto).
         out: JSON path; default bench/results/<export name>-serve.json (the server's log beside it).
+        overwrite: replace an earlier record at that path (refused before any work without it).
 
     Returns:
         Path of the JSON written.
@@ -183,8 +185,11 @@ def bench_serve_cmd(
     if not path.is_dir():
         raise FileNotFoundError(f"model={model!r} is not a folder; pass a TiDAR export folder (the OUT of `make convert`).")
     check_export(path)
-    check_chat_template(AutoTokenizer.from_pretrained(path), str(path))
     json_path = Path(out) if out else Path("bench/results") / f"{path.resolve().name}-serve.json"
+    from ..outputs import check_record_target
+
+    check_record_target(json_path, overwrite, "pass --out with a new file")
+    check_chat_template(AutoTokenizer.from_pretrained(path), str(path))
     json_path.parent.mkdir(parents=True, exist_ok=True)
     log = json_path.with_suffix(".log")
     texts = [p["text"] for p in chat_prompts()]
