@@ -119,6 +119,9 @@ def test_teacher_is_detached_in_a_tiny_model(tiny_dirs):
         (dict(teacher="base", distill_weight=0.5), "teacher='base' with lora_r=0: the frozen-base teacher needs LoRA; set lora_r > 0"),
         (dict(anchor_weight=1.2, lora_r=4), "anchor_weight=1.2: must be a finite number in [0, 1]"),
         (dict(anchor_weight=0.5), "anchor_weight=0.5 with lora_r=0: the base-model anchor needs LoRA"),
+        # issue 46: settings of the distillation term, silently ignored while it is off
+        (dict(teacher="base", lora_r=4), "--model.teacher base with --model.distill_weight 0: they apply to the distillation term, which is off"),
+        (dict(distill_temperature=2.0), "--model.distill_temperature 2.0 with --model.distill_weight 0"),
     ],
 )
 def test_bad_distill_settings_are_refused(kwargs, message):

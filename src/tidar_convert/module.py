@@ -97,6 +97,10 @@ class TiDARModule(L.LightningModule):
 
         check_group("model", {k: v for k, v in locals().items() if k not in ("self", "__class__")})
         check_distill(distill_weight, distill_temperature, teacher)
+        if distill_weight == 0 and (teacher != "self" or distill_temperature != 1.0):
+            # both shape the distillation term only: with distill_weight 0 they would do nothing
+            given = " ".join(f for f, on in ((f"--model.teacher {teacher}", teacher != "self"), (f"--model.distill_temperature {distill_temperature}", distill_temperature != 1.0)) if on)
+            raise ValueError(f"{given} with --model.distill_weight 0: they apply to the distillation term, which is off; set --model.distill_weight > 0 (e.g. 1.0), or leave them out.")
         check_offset_weights(diff_offset_weights, block_size)
         if anchor_weight > 0 and lora_r <= 0:
             raise ValueError(f"anchor_weight={anchor_weight} with lora_r={lora_r}: the base-model anchor needs LoRA (the base is the weights with the adapters off); set lora_r > 0 (e.g. 64), or anchor_weight 0.")

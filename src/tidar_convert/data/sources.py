@@ -257,6 +257,18 @@ def check_sources(
             hub_ids.append(source)
         else:
             _check_local(source, path, text_field)
+    rows = hub_ids or any(
+        b in ("json", "parquet")
+        for s in sources
+        if os.fspath(s) not in BUILTIN_SOURCES and Path(os.fspath(s)).expanduser().exists()
+        for b in _files_by_builder(Path(os.fspath(s)).expanduser(), os.fspath(s))
+    )
+    if text_field != "text" and not rows:
+        raise ValueError(
+            f"--data.text_field {text_field}: it names the field of json, parquet and hub rows, and no "
+            f"data source has rows ({', '.join(map(str, sources))}: one document per text file); "
+            "leave it out."
+        )
     if not hub_ids and (name is not None or split != "train"):
         given = " ".join(f"--data.{k} {v}" for k, v in (("name", name), ("split", split)) if v not in (None, "train"))
         raise ValueError(
