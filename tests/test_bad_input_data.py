@@ -1,7 +1,7 @@
 """Issue 46's data rows: every data source checked before the model loads, named by file (and line),
 and a single large text file trained on instead of refused.
 
-`check_sources` is what fit calls before any model is read (train.check_data); each case is also
+`check_sources` is what fit calls before any model is read (fit_checks.check_data); each case is also
 checked through the CLI, where the refusal is one `error:` line and exit status 2, and through
 `iter_documents`, the reading path of eval-ppl and distill.
 """
@@ -17,7 +17,7 @@ import pytest
 
 from tidar_convert.cli import main
 from tidar_convert.data import PROSE_DOC_CHARS, PackedDocuments, is_validation, iter_documents
-from tidar_convert.data.sources import check_sources
+from tidar_convert.data.checks import check_sources
 
 from test_bad_inputs import fit_args
 from test_errors import cli_error

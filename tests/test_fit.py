@@ -279,19 +279,19 @@ def test_fit_replaces_an_earlier_export_only_with_overwrite(tmp_path, tiny_dirs,
 @pytest.mark.fit
 def test_bf16_on_a_cpu_without_native_bf16_is_flagged(tmp_path, tiny_dirs, capsys, monkeypatch):
     """bf16 emulated on a CPU without AMX/AVX512-BF16 trains many times slower: say so, with the fix."""
-    from tidar_convert import train
+    from tidar_convert import fit_checks
 
     info = tmp_path / "cpuinfo"
     info.write_text("flags\t\t: fpu sse avx2 avx512f avx512bw\n")
-    assert train.cpu_has_native_bf16(str(info)) is False
+    assert fit_checks.cpu_has_native_bf16(str(info)) is False
     info.write_text("flags\t\t: fpu avx512f avx512_bf16 amx_tile amx_bf16\n")
-    assert train.cpu_has_native_bf16(str(info)) is True
-    assert train.cpu_has_native_bf16(str(tmp_path / "missing")) is None  # not Linux: no claim either way
+    assert fit_checks.cpu_has_native_bf16(str(info)) is True
+    assert fit_checks.cpu_has_native_bf16(str(tmp_path / "missing")) is None  # not Linux: no claim either way
 
-    monkeypatch.setattr(train, "cpu_has_native_bf16", lambda: False)
+    monkeypatch.setattr(fit_checks, "cpu_has_native_bf16", lambda: False)
     fit(tmp_path, tiny_dirs["llama"], "--trainer.max_steps", "1", "--trainer.precision", "bf16-mixed", "--trainer.accelerator", "cpu")
     assert "warning: --trainer.precision bf16-mixed on a CPU without native bf16" in capsys.readouterr().err
-    monkeypatch.setattr(train, "cpu_has_native_bf16", lambda: True)
+    monkeypatch.setattr(fit_checks, "cpu_has_native_bf16", lambda: True)
     fit(tmp_path / "again", tiny_dirs["llama"], "--trainer.max_steps", "1", "--trainer.precision", "bf16-mixed", "--trainer.accelerator", "cpu")
     assert "without native bf16" not in capsys.readouterr().err
 

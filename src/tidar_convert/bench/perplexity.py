@@ -104,7 +104,7 @@ def eval_ppl_cmd(model: str, data: str, seq_len: int = 512, max_tokens: int = 20
     Returns:
         The perplexity (also printed).
     """
-    from ..data.sources import check_sources
+    from ..data.checks import check_sources
 
     if seq_len < 2 or max_tokens < 1:
         raise ValueError(f"seq_len={seq_len}, max_tokens={max_tokens}: need seq_len >= 2 and max_tokens >= 1.")

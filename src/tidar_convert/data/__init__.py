@@ -34,9 +34,10 @@ from .greedy import PROMPT_TOKENS, cache_path, check_corpus, check_greedy
 from .packing import STDLIB_HELDOUT_EVERY, is_validation, pack, pack_marked, shuffled, tokenize_document
 from .sources import (
     PROSE_DOC_CHARS, PROSE_HELDOUT_BOOK, PROSE_HELDOUT_EVERY, PROSE_MEMBER, PROSE_PARTS, PROSE_WHEEL, TEXT_SUFFIXES,
-    check_sources, gutenberg_books, iter_documents, prose_corpus, prose_documents, split_prose,
+    gutenberg_books, iter_documents, prose_corpus, prose_documents, split_prose,
     split_text, stdlib_files, whole,
 )
+from .checks import check_sources
 from .stream import PackedDocuments, ResumableLoader, _Take, shard
 
 __all__ = [

