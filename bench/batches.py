@@ -23,7 +23,7 @@ from transformers import AutoTokenizer
 
 from tidar_convert.bench.machine import machine_info
 from tidar_convert.bench.prompts import prompt_ids, prompt_set
-from tidar_convert.export import load
+from tidar_convert.exports.folder import load
 
 
 def left_pad(rows: list[torch.Tensor], pad: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -19,11 +19,11 @@ import time
 import torch
 from transformers import AutoTokenizer
 
-from tidar_convert import kernels
+from tidar_convert.runtime import kernels
 from tidar_convert.bench.decoders import DECODERS
 from tidar_convert.bench.machine import machine_info
 from tidar_convert.bench.prompts import prompt_ids, prompt_set
-from tidar_convert.export import load
+from tidar_convert.exports.folder import load
 
 
 def main() -> None:

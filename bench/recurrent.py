@@ -36,8 +36,8 @@ LINEAR_SIZE = dict(linear_key_head_dim=64, linear_value_head_dim=64, linear_num_
 def leak(model_type: str, seq_len: int = 16, block_size: int = 4) -> dict:
     from family_matrix import tiny_config
 
-    from tidar_convert import layout
-    from tidar_convert.families import attention_implementation, check
+    from tidar_convert.runtime import layout
+    from tidar_convert.models.families import attention_implementation, check
 
     torch.manual_seed(0)
     config = tiny_config(model_type, 320)
@@ -72,7 +72,7 @@ def timed(fn, repeats: int) -> float:
 def step_costs(model_type: str, repeats: int, prompt: int = 64, k: int = 4, accepted: int = 3) -> dict:
     """Seconds of an AR step, a TiDAR-shaped step (1 + 2k tokens) and, for recurrent layers, the state
     copy and the re-run of the accepted tokens, each from the same prefilled cache."""
-    from tidar_convert.forward import cache_kwargs
+    from tidar_convert.runtime.forward import cache_kwargs
 
     torch.manual_seed(0)
     config = AutoConfig.for_model(model_type, **SMOLLM2_SIZE, **(LINEAR_SIZE if model_type == "qwen3_5_text" else {}))

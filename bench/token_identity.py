@@ -4,7 +4,7 @@ import json, sys
 import torch
 from tidar_convert.bench.decoders import DECODERS
 from tidar_convert.bench.prompts import bench_prompts
-from tidar_convert.export import load
+from tidar_convert.exports.folder import load
 from transformers import AutoTokenizer
 
 export, out, n = sys.argv[1], sys.argv[2], int(sys.argv[3])

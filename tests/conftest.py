@@ -37,7 +37,7 @@ def tiny_dirs(tmp_path_factory, tokenizer):
 @pytest.fixture(scope="session")
 def trained(tiny_dirs):
     """{family: (model, tokenizer)}: tiny TiDAR models whose diffusion head drafts the cycle well."""
-    from tidar_convert.loading import load_base
+    from tidar_convert.models.loading import load_base
 
     out = {}
     for family in FAMILIES:
@@ -49,7 +49,7 @@ def trained(tiny_dirs):
 @pytest.fixture(scope="module")
 def untrained(tiny_dirs):
     """{family: model}: tiny models with untrained diffusion heads (one copy per test module, which may set block_size)."""
-    from tidar_convert.loading import load_base
+    from tidar_convert.models.loading import load_base
 
     models = {f: load_base(str(tiny_dirs[f]))[0].eval() for f in FAMILIES}
     for m in models.values():
@@ -64,4 +64,4 @@ def no_model_load(monkeypatch):
     def loaded(*a, **k):
         raise AssertionError("the model was read before the bad setting was refused")
 
-    monkeypatch.setattr("tidar_convert.train.check_model", loaded)
+    monkeypatch.setattr("tidar_convert.train.fit.check_model", loaded)

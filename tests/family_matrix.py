@@ -111,7 +111,7 @@ def counting_verify(counts, verifier=None):
     """Count, at every verification, the rows that accepted and the rows that rejected a proposal
     (an entry never rejecting, or never accepting, has not tested exactness). counts: anything with
     `accepted` and `rejected`; verifier: the class whose verify is counted (Greedy by default)."""
-    from tidar_convert.verify import Greedy, real_slots
+    from tidar_convert.runtime.verify import Greedy, real_slots
 
     cls = verifier or Greedy
     original = cls.verify
@@ -133,7 +133,7 @@ def counting_verify(counts, verifier=None):
 @contextlib.contextmanager
 def nothing_refused():
     """families.REFUSED emptied: what a refused mechanism does when converted anyway (--force)."""
-    from tidar_convert import families
+    from tidar_convert.models import families
 
     saved = dict(families.REFUSED)
     families.REFUSED.clear()
@@ -146,7 +146,7 @@ def nothing_refused():
 def run(model_type: str, tokenizer=None, steps: int = STEPS, sampling: bool = False) -> Result:
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
-    from tidar_convert.families import check
+    from tidar_convert.models.families import check
 
     started = time.perf_counter()
     try:
@@ -167,7 +167,7 @@ def run(model_type: str, tokenizer=None, steps: int = STEPS, sampling: bool = Fa
     if not verdict.converts:
         result.outcome, result.detail = ("refused" if verdict.decoder_only else "out of scope"), verdict.reason
         return result
-    from tidar_convert.families import parameter_count
+    from tidar_convert.models.families import parameter_count
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # tiny matrices: a second thread costs more in sync than it computes (measured: 3 s an entry, not 30)
@@ -194,8 +194,8 @@ def convert_and_decode(config, tokenizer, steps: int, result: Result, sampling: 
     from transformers import AutoModelForCausalLM
 
     from tidar_convert import export, load
-    from tidar_convert.families import attention_implementation
-    from tidar_convert.loading import load_base
+    from tidar_convert.models.families import attention_implementation
+    from tidar_convert.models.loading import load_base
 
     with tempfile.TemporaryDirectory() as tmp:
         torch.manual_seed(0)
@@ -264,7 +264,7 @@ def sample_check(model, pad: int, seed: int = 11) -> str:
     token = argmax p(v) / E(v) with the exponential draws `Sampling` keys by (seed, row, index). The
     verifier makes the output that AR sample whatever the drafts (docs/method.md), so every variant
     must equal the loop token for token, with drafts both accepted and rejected."""
-    from tidar_convert.verify import Sampling, draw_seed
+    from tidar_convert.runtime.verify import Sampling, draw_seed
 
     new_tokens, counts = 16, Counts()
     with counting_verify(counts, Sampling), torch.no_grad():
@@ -283,7 +283,7 @@ def sample_check(model, pad: int, seed: int = 11) -> str:
 
 def sampled_ar(model, ids, mask, seed: int, new_tokens: int) -> torch.Tensor:
     """AR sampling with `Sampling`'s noise, row by row without its padding: (B, new_tokens)."""
-    from tidar_convert.verify import Sampling
+    from tidar_convert.runtime.verify import Sampling
 
     noise, rows = Sampling(seed), []
     for b in range(ids.shape[0]):

@@ -56,8 +56,8 @@ def cycle_batch(batch: int, seq_len: int, period: int = 7, offset: int = 3, seed
 
 def train_tiny(model, steps: int = 150, block_size: int = 4, seq_len: int = 32, lr: float = 3e-3):
     """A plain TiDAR training loop (no Lightning) on cycle data: layout + loss, nothing else."""
-    from tidar_convert import layout
-    from tidar_convert.loss import hybrid_loss
+    from tidar_convert.runtime import layout
+    from tidar_convert.train.loss import hybrid_loss
 
     torch.manual_seed(0)
     model.train()

@@ -22,7 +22,7 @@ def main(model_dir: str, out: str, mode: str) -> None:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    from tidar_convert.module import TiDARModule
+    from tidar_convert.train.module import TiDARModule
 
     rank = 0
     if mode == "sharded":

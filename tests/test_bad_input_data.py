@@ -30,7 +30,7 @@ def no_hub(monkeypatch):
     def asked(*a, **k):
         raise AssertionError("a local path was looked up on the hub")
 
-    monkeypatch.setattr("tidar_convert.loading.hub_unreachable", asked)
+    monkeypatch.setattr("tidar_convert.models.loading.hub_unreachable", asked)
 
 
 def rows(n: int) -> list[str]:
@@ -146,7 +146,7 @@ def test_an_owner_name_id_the_hub_does_not_have_is_refused_before_any_work(tmp_p
         raise error
 
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr("tidar_convert.loading.hub_unreachable", lambda *a, **k: None)
+    monkeypatch.setattr("tidar_convert.models.loading.hub_unreachable", lambda *a, **k: None)
     monkeypatch.setattr(HfApi, "dataset_info", dataset_info)
     message = refusal(FileNotFoundError, check_sources, ["data/train"])
     assert asked == ["data/train"]
@@ -164,7 +164,7 @@ def test_a_hub_dataset_with_no_hub_is_refused_before_the_model_loads(
     tmp_path, tiny_dirs, capsys, monkeypatch, no_model_load
 ):
     why = "http://127.0.0.1:9: refused"
-    monkeypatch.setattr("tidar_convert.loading.hub_unreachable", lambda *a, **k: why)
+    monkeypatch.setattr("tidar_convert.models.loading.hub_unreachable", lambda *a, **k: why)
     hub_id = "tidar-test/no-such-data"
     line = fit_error(capsys, tmp_path, tiny_dirs["llama"], "--data.source", hub_id)
     assert line.startswith(

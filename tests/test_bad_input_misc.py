@@ -50,7 +50,7 @@ def test_block_size_with_mode_ar_is_refused(export_dir, capsys):  # noqa: F811
 @pytest.mark.parametrize("dtype,modes", [(torch.int32, (True, False)), (torch.int16, (True,))])
 def test_generate_takes_any_integer_ids(export_dir, dtype, modes):  # noqa: F811
     """int32 ids (numpy, ONNX tokenizers) as tidar=False takes them; TiDAR takes any integer ids."""
-    from tidar_convert.export import load
+    from tidar_convert.exports.folder import load
 
     model = load(export_dir)
     ids = torch.tensor([[3, 7, 9, 11, 3, 7]])
@@ -112,7 +112,7 @@ def write_gguf(path: Path) -> int:
 
 @pytest.mark.parametrize("keep", [0.3, 0.75, 0.999])
 def test_a_truncated_gguf_is_named(tmp_path, capsys, keep):
-    from tidar_convert.loading import check_gguf
+    from tidar_convert.models.loading import check_gguf
 
     whole = tmp_path / "whole.gguf"
     size = write_gguf(whole)
@@ -140,7 +140,7 @@ def test_a_tokenizer_larger_than_the_vocabulary_is_refused_before_the_weights(to
     from transformers import AutoModelForCausalLM
 
     from helpers import tiny_config
-    from tidar_convert.loading import load_base, load_config_and_tokenizer
+    from tidar_convert.models.loading import load_base, load_config_and_tokenizer
 
     def base(name, rows):
         path = tmp_path / name
@@ -161,7 +161,7 @@ def test_a_tokenizer_larger_than_the_vocabulary_is_refused_before_the_weights(to
 
 @pytest.mark.parametrize("saved", [False, True])
 def test_full_disk_advice_resumes_only_where_a_checkpoint_exists(tmp_path, saved):
-    from tidar_convert.checkpoints import checkpoint_fix
+    from tidar_convert.train.checkpoints import checkpoint_fix
 
     folder = tmp_path / "checkpoints"
     folder.mkdir()
@@ -175,7 +175,7 @@ def test_full_disk_advice_resumes_only_where_a_checkpoint_exists(tmp_path, saved
 
 
 def test_the_full_disk_message_never_contradicts_itself(tmp_path):
-    from tidar_convert.disk import disk_full, size_text
+    from tidar_convert.exports.disk import disk_full, size_text
     import shutil
 
     free = shutil.disk_usage(tmp_path).free
@@ -190,8 +190,8 @@ def test_the_full_disk_message_never_contradicts_itself(tmp_path):
 
 def test_a_smoke_bench_leaves_the_card_and_an_earlier_record_alone(tiny_dirs, tmp_path, capsys):
     from tidar_convert import bench
-    from tidar_convert.export import export
-    from tidar_convert.loading import load_base
+    from tidar_convert.exports.folder import export
+    from tidar_convert.models.loading import load_base
 
     m, tok = load_base(str(tiny_dirs["llama"]))
     out = export(m, tok, tmp_path / "tiny", block_size=4, alpha=1.0)

@@ -255,7 +255,7 @@ def test_a_setting_out_of_range_is_refused_before_the_model_loads(
 
 def test_the_python_api_refuses_the_same_values_with_the_same_words():
     from tidar_convert.data import TiDARData
-    from tidar_convert.module import TiDARModule
+    from tidar_convert.train.module import TiDARModule
 
     with pytest.raises(
         ValueError, match=r"--model.min_lr_ratio=-1: must be a finite number in \[0, 1\]"

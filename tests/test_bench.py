@@ -13,7 +13,7 @@ import pytest
 
 import torch
 
-from tidar_convert import decode, forward
+from tidar_convert.runtime import generate as decode, forward
 from tidar_convert.bench import gpu as bench_gpu
 from tidar_convert.bench import cli as bench, decoders, perplexity, plots, prompts, slots, steps
 from tidar_convert.bench.decoders import DECODERS, Decoder
@@ -23,8 +23,8 @@ PNG = b"\x89PNG"
 
 @pytest.fixture(scope="module")
 def tiny_export(tiny_dirs, tmp_path_factory):
-    from tidar_convert.export import export
-    from tidar_convert.loading import load_base
+    from tidar_convert.exports.folder import export
+    from tidar_convert.models.loading import load_base
 
     m, tok = load_base(str(tiny_dirs["llama"]))
     # Untrained, so the export's weights equal its base's: the guard must find the same text.
@@ -127,7 +127,7 @@ def test_bench_json_and_plots(tiny_dirs, tiny_export, tmp_path, capsys):
 def test_export_records_its_base_and_bench_says_when_it_cannot(tiny_dirs, tiny_export, tmp_path, capsys):
     """fit/export record the base (an absolute path here) so bench finds it from any folder; an
     export that does not record one is benched without the guard, and the output says so."""
-    from tidar_convert.card import base_source
+    from tidar_convert.exports.card import base_source
 
     assert json.loads((tiny_export / "config.json").read_text())["tidar_base_model"] == str(tiny_dirs["llama"].resolve())
     assert base_source(None) == "embedded" and base_source("Qwen/Qwen2.5-1.5B") == "Qwen/Qwen2.5-1.5B"
@@ -152,8 +152,8 @@ CHAT_TEMPLATE = "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{
 def chat_export(tiny_dirs, tmp_path_factory):
     """The tiny export with a chat template, and its base with the same one (base prompt lookup
     renders the chat prompts through the base's own template)."""
-    from tidar_convert.export import export
-    from tidar_convert.loading import load_base
+    from tidar_convert.exports.folder import export
+    from tidar_convert.models.loading import load_base
 
     base = shutil.copytree(tiny_dirs["llama"], tmp_path_factory.mktemp("chat-base") / "base")
     (base / "chat_template.jinja").write_text(CHAT_TEMPLATE)
@@ -202,7 +202,7 @@ def test_bench_chat_prompts_sampled(chat_export, tmp_path, capsys):
     md = (tmp_path / "chat.md").read_text()  # the README-ready table, and the model card: both modes
     assert "chat prompts through the chat template" in md and "Sampled (temperature 0.7, top_p 0.9, seed 5" in md and "| (sampled) |" in md
     # seeded: a prompt's sampled tokens are the same on every run, for TiDAR and AR alike
-    from tidar_convert.export import load
+    from tidar_convert.exports.folder import load
 
     lm = load(chat_export)
     again = decoders.bench_prompt(lm, tok, prompts.chat_prompts(1)[0], 6, 4, 4, ("ar", "tidar"), sampling=r["sampling"])
@@ -215,7 +215,7 @@ def test_bench_eos_at_once(tiny_export, tmp_path):
     """EOS as the very first token: every decoder stops after the prefill, nothing divides by zero."""
     from transformers import AutoTokenizer
 
-    from tidar_convert.export import load
+    from tidar_convert.exports.folder import load
 
     folder = shutil.copytree(tiny_export, tmp_path / "eos")
     lm, tok = load(folder), AutoTokenizer.from_pretrained(folder)
@@ -360,7 +360,7 @@ def test_cpu_default_is_minutes_and_gpu_default_is_every_prompt():
 
 
 def test_progress_lines_when_not_a_terminal(capsys):
-    from tidar_convert.progress import duration, progress
+    from tidar_convert.train.progress import duration, progress
 
     assert list(progress(range(3), "work", interval=0.0)) == [0, 1, 2]
     lines = capsys.readouterr().err.splitlines()
@@ -395,7 +395,7 @@ def test_a_new_decoder_is_one_table_entry(tiny_export, monkeypatch):
     from transformers import AutoTokenizer
 
     from tidar_convert.bench.summary import summarize
-    from tidar_convert.export import load
+    from tidar_convert.exports.folder import load
 
     monkeypatch.setitem(DECODERS, "tidar_k2", Decoder(tidar=True, block_size=2, plan="adaptive"))  # the one line
     lm, tok = load(tiny_export), AutoTokenizer.from_pretrained(tiny_export)
@@ -415,8 +415,8 @@ def test_each_row_runs_the_kernels_it_names(tiny_export, decoder, pays, packed, 
     here faked either way), ar_stock the stock product whatever packing would give."""
     from transformers import AutoTokenizer
 
-    from tidar_convert import kernels
-    from tidar_convert.export import load
+    from tidar_convert.runtime import kernels
+    from tidar_convert.exports.folder import load
 
     if packed and not kernels.available():
         pytest.skip("this torch build has no oneDNN packed linear")
@@ -433,7 +433,7 @@ def test_each_row_runs_the_kernels_it_names(tiny_export, decoder, pays, packed, 
 def test_forward_counter_counts_slots_and_lm_head_rows(tiny_export):
     from transformers import DynamicCache
 
-    from tidar_convert.export import load
+    from tidar_convert.exports.folder import load
 
     lm = load(tiny_export)
     cache = DynamicCache()
@@ -451,7 +451,7 @@ def test_forward_counter_counts_slots_and_lm_head_rows(tiny_export):
 def test_drafters_this_engine_lacks_are_left_out_with_the_reason(tiny_export):
     from transformers import AutoTokenizer
 
-    from tidar_convert.export import load
+    from tidar_convert.exports.folder import load
 
     lm, tok = load(tiny_export), AutoTokenizer.from_pretrained(tiny_export)
     names, skipped = decoders.runnable(decoders.decoder_names("export"), lm, tok, 4, 3)
@@ -564,7 +564,8 @@ def test_slot_plot_marks_each_decoder_step(tmp_path, monkeypatch):
 
 
 def test_perplexity_packs_with_data_and_loads_with_loading(tiny_dirs, tmp_path, monkeypatch):
-    from tidar_convert import data, loading
+    from tidar_convert import data
+    from tidar_convert.models import loading
 
     calls = []
     pack, load_pretrained = data.pack, loading.load_pretrained
@@ -585,7 +586,7 @@ def test_load_base_does_not_announce_its_mean_resizing(tiny_dirs):
 
     from transformers.utils import logging as hf_logging
 
-    from tidar_convert.loading import load_base
+    from tidar_convert.models.loading import load_base
 
     records = []
     handler = logging.Handler()

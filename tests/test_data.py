@@ -155,7 +155,7 @@ def test_split_prose_by_document(tmp_path):
 
 def greedy_mix(tmp_path, tokenizer, **kw):
     """TiDARData over a human source and a corpus in `distill`'s row format, both plentiful."""
-    from tidar_convert.distill import MADE_BY
+    from tidar_convert.train.distill import MADE_BY
 
     human, greedy = tmp_path / "human.jsonl", tmp_path / "greedy.jsonl"
     human.write_text("\n".join(json.dumps({"text": f"human {i} " + "words " * (i % 5)}) for i in range(600)))
@@ -209,7 +209,7 @@ def test_greedy_ar_loss_false_marks_exactly_the_greedy_tokens(tokenizer, tmp_pat
 def test_text_field_applies_to_rows_only_and_a_greedy_corpus_is_read_as_text(tokenizer, tmp_path):
     """--data.text_field names the field of json rows; one-document files (stdlib) have none, and a
     `distill` corpus keeps its text under "text" whatever the data's field is."""
-    from tidar_convert.distill import MADE_BY
+    from tidar_convert.train.distill import MADE_BY
 
     rows = tmp_path / "rows.jsonl"
     rows.write_text("".join(json.dumps({"text": f"title {i}", "content": f"body {i} " * 4}) + "\n" for i in range(30)))

@@ -7,7 +7,7 @@ import pytest
 import torch
 from transformers import StoppingCriteria, StoppingCriteriaList
 
-from tidar_convert.decode import CACHE_FIELD, Sampling, generate
+from tidar_convert.runtime.generate import CACHE_FIELD, Sampling, generate
 
 from helpers import FAMILIES, ar, cycle_batch, tiny_config
 
@@ -246,7 +246,7 @@ def test_sampling_matches_ar_distribution(small_vocab_model, settings, monkeypat
 def test_sampling_with_deterministic_drafts_matches_ar_distribution(small_vocab_model, drafter, monkeypatch):
     """Lookup drafts are deterministic: d is accepted where AR's draw there is d (chance p(d)). Every
     token occurs in the prompt, so lookup drafts at every step."""
-    from tidar_convert import drafters
+    from tidar_convert.runtime import drafters
 
     model = small_vocab_model
     prompt = torch.tensor([[1, 2, 3, 4, 0, 2]])
@@ -283,7 +283,7 @@ def test_sampling_with_deterministic_drafts_matches_ar_distribution(small_vocab_
 def test_sampling_with_per_row_acceptance_matches_ar_distribution(small_vocab_model, monkeypatch):
     """In a batch each row keeps what it accepted; its tokens must still follow AR sampling exactly.
     Row 0 is the test prompt; row 1 (another prompt) accepts differently."""
-    from tidar_convert import drafters
+    from tidar_convert.runtime import drafters
 
     model = small_vocab_model
     prompt = torch.tensor([[1, 2, 3, 4, 0, 2], [4, 4, 3, 1, 1, 0]])
@@ -346,10 +346,10 @@ def test_seeded_sampling_repeats_under_every_plan_and_drafter(trained, rows, mon
     same draws. Another seed gives other tokens."""
     from types import SimpleNamespace
 
-    from tidar_convert import engine
-    from tidar_convert.drafters import DRAFTERS
-    from tidar_convert.plan import PLANS
-    from tidar_convert.verify import draw_seed
+    from tidar_convert.runtime import engine
+    from tidar_convert.runtime.drafters import DRAFTERS
+    from tidar_convert.runtime.plan import PLANS
+    from tidar_convert.runtime.verify import draw_seed
 
     model, _ = trained["llama"]
     ids = torch.cat([cycle_batch(1, 6, seed=1), torch.tensor([[40, 41, 3, 4, 40, 41]])])[:rows]
@@ -377,7 +377,7 @@ def test_seeded_sampling_repeats_on_a_fresh_model_too(trained, tidar):
     """The first generate() on a model times its packed product (kernels.packing_pays) before it
     decodes; that timing must not take from torch's global generator, or the first seeded call
     samples other tokens than the next ones. tidar=False is transformers' own sampling."""
-    from tidar_convert import kernels
+    from tidar_convert.runtime import kernels
 
     model, _ = trained["llama"]
     ids = cycle_batch(1, 6, seed=2)
@@ -431,7 +431,7 @@ def test_sampling_is_exact_for_a_row_that_accepted_more_than_the_batch_commits()
     p = (.5, .5) and drafts from q = (.9, .1) with the same draws."""
     from scipy.stats import binomtest
 
-    from tidar_convert.decode import Draft
+    from tidar_convert.runtime.generate import Draft
 
     n = 4000
     p = torch.tensor([[[1.0, 0.0], [0.5, 0.5]], [[0.5, 0.5], [0.5, 0.5]]]).log()  # (B, k=2, V): AR rows
@@ -456,8 +456,8 @@ def test_sampling_is_exact_for_a_row_that_accepted_more_than_the_batch_commits()
 def test_acceptance_by_offset_tallies_each_rows_chain():
     """judge: offset i is judged where proposals 1..i-1 were accepted and i was offered; the plan's
     chance is summed over the judged proposals that had one."""
-    from tidar_convert.drafters import Draft
-    from tidar_convert.engine import DecodeState
+    from tidar_convert.runtime.drafters import Draft
+    from tidar_convert.runtime.engine import DecodeState
 
     seqs = torch.zeros(3, 2, dtype=torch.long)
     state = DecodeState(seqs, torch.ones_like(seqs, dtype=torch.bool), torch.tensor([True, True, False]))

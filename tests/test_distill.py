@@ -7,8 +7,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tidar_convert import layout
-from tidar_convert.loss import hybrid_loss
+from tidar_convert.runtime import layout
+from tidar_convert.train.loss import hybrid_loss
 
 from helpers import cycle_batch, train_tiny
 
@@ -94,7 +94,7 @@ def test_teacher_is_detached(given_teacher):
 
 def test_teacher_is_detached_in_a_tiny_model(tiny_dirs):
     """Through a real forward: the gradient of the distillation term reaches the AR half's logits as zero."""
-    from tidar_convert.loading import load_base
+    from tidar_convert.models.loading import load_base
 
     model, _ = load_base(str(tiny_dirs["llama"]))
     ids = cycle_batch(2, 16, seed=0)
@@ -125,7 +125,7 @@ def test_teacher_is_detached_in_a_tiny_model(tiny_dirs):
     ],
 )
 def test_bad_distill_settings_are_refused(kwargs, message):
-    from tidar_convert.module import TiDARModule
+    from tidar_convert.train.module import TiDARModule
 
     with pytest.raises(ValueError) as e:
         TiDARModule(model="/nonexistent", **kwargs)  # refused before anything loads
@@ -133,7 +133,7 @@ def test_bad_distill_settings_are_refused(kwargs, message):
 
 
 def test_agree_ar_matches_a_direct_count(tiny_dirs):
-    from tidar_convert.module import TiDARModule
+    from tidar_convert.train.module import TiDARModule
 
     k = 4
     m = TiDARModule(model=str(tiny_dirs["llama"]), block_size=k)
@@ -165,8 +165,8 @@ def test_agree_ar_matches_a_direct_count(tiny_dirs):
 
 
 def test_base_teacher_is_the_base_model_with_adapters_off(tiny_dirs):
-    from tidar_convert.loading import load_base
-    from tidar_convert.module import TiDARModule
+    from tidar_convert.models.loading import load_base
+    from tidar_convert.train.module import TiDARModule
 
     m = TiDARModule(model=str(tiny_dirs["qwen2"]), block_size=4, lora_r=4, teacher="base", distill_weight=0.5)
     m.configure_model()  # outside a Trainer the module builds its model when asked
@@ -209,7 +209,7 @@ def test_base_teacher_is_the_base_model_with_adapters_off(tiny_dirs):
 def test_short_fit_with_distillation(tmp_path, tiny_dirs, extra):
     from test_fit import RECIPE
 
-    from tidar_convert.train import _lightning_cli
+    from tidar_convert.train.fit import _lightning_cli
 
     args = ["fit", "--config", RECIPE, "--model.model", str(tiny_dirs["llama"]), "--trainer.max_steps", "4", "--trainer.val_check_interval", "4"]
     args += ["--trainer.logger", "false", "--trainer.default_root_dir", str(tmp_path), "--model.val_decode_prompts", "0", *extra]
@@ -223,7 +223,7 @@ def test_short_fit_with_distillation(tmp_path, tiny_dirs, extra):
 
 
 def test_model_card_lists_distillation_only_when_used(tmp_path):
-    from tidar_convert.train import training_card
+    from tidar_convert.train.fit import training_card
 
     hp = {"lora_r": 0, "distill_weight": 0.5, "distill_temperature": 2.0, "teacher": "self"}
     assert {"distill_weight": 0.5, "distill_temperature": 2.0, "teacher": "self"}.items() <= training_card(hp, 3, tmp_path).items()
@@ -263,7 +263,7 @@ def test_anchor_pulls_the_ar_half_toward_the_base_distribution():
 
 
 def test_module_anchors_to_the_base_with_the_teacher_forward_shared(tiny_dirs, monkeypatch):
-    from tidar_convert.module import TiDARModule
+    from tidar_convert.train.module import TiDARModule
 
     m = TiDARModule(model=str(tiny_dirs["qwen2"]), block_size=4, lora_r=4, anchor_weight=0.5, teacher="base", distill_weight=0.5)
     m.configure_model()

@@ -8,11 +8,11 @@ from unittest.mock import patch
 import pytest
 import torch
 
-from tidar_convert import drafters, engine, forward, tree
-from tidar_convert.decode import generate
-from tidar_convert.drafters import DRAFTERS, Draft, DraftContext, LookupDrafter
-from tidar_convert.costs import StepCosts
-from tidar_convert.plan import Planner, StepPlan, cut
+from tidar_convert.runtime import drafters, engine, forward, tree
+from tidar_convert.runtime.generate import generate
+from tidar_convert.runtime.drafters import DRAFTERS, Draft, DraftContext, LookupDrafter
+from tidar_convert.runtime.costs import StepCosts
+from tidar_convert.runtime.plan import Planner, StepPlan, cut
 
 from helpers import FAMILIES, ar, cycle_batch
 
@@ -141,7 +141,7 @@ def test_step_costs_price_unmeasured_shapes_optimistically():
 
 
 def test_group_gain_forgets_back_to_its_prior():
-    from tidar_convert.costs import Mean
+    from tidar_convert.runtime.costs import Mean
 
     gain = Mean(1.0)
     for _ in range(20):
@@ -374,7 +374,7 @@ def test_lookup_trees_hang_the_other_occurrences_where_they_leave_the_chain():
 
     # hybrid: the diffusion draft's alternatives to the first proposal join under draft 0, but for
     # tokens the lookup tree has there already (3, from the latest occurrence)
-    from tidar_convert.tree import beside
+    from tidar_convert.runtime.tree import beside
 
     tree = beside(draft, torch.tensor([[3, 7]]), torch.tensor([[0.2, 0.1]]))
     assert tree.siblings.tolist() == [[3, 9, 5, 4, 5, 7]] and tree.sibling_parents == (0, 4, 5, 4, 7, 0)
@@ -444,7 +444,7 @@ def test_a_prompt_near_the_position_limit_still_decodes(untrained):
 def test_batch_rows_keep_what_each_accepted(trained, monkeypatch):
     """Rows that accept different numbers of drafts each get their own AR output, and each keeps at
     least 80% of the gain over AR (T/NFE - 1) it gets alone (issue 8, item 5)."""
-    from tidar_convert.verify import Greedy
+    from tidar_convert.runtime.verify import Greedy
 
     seen, verify = [], Greedy.verify
     monkeypatch.setattr(Greedy, "verify", lambda self, scores, draft: seen.append(verify(self, scores, draft)) or seen[-1])
@@ -475,14 +475,14 @@ def test_rows_that_stop_leave_the_batch_and_the_rest_write_what_they_would(train
     later forward, so the batch shrinks as rows finish; greedy output is AR's, and sampled output
     is what the same seed gives with every row kept (a returned dict keeps them all), so dropping a
     row changes no other row's draws."""
-    from tidar_convert import forward as fwd
+    from tidar_convert.runtime import forward as fwd
 
     model, _ = trained["llama"]
     ids = cycle_batch(3, 10, seed=4)
     eos = int(ids[0, 3])  # in the cycle: each row reaches it at its own phase
     batches = []
     real = fwd.forward
-    monkeypatch.setattr("tidar_convert.engine.forward", lambda m, cache, tokens, *a, **k: batches.append(tokens.shape[0]) or real(m, cache, tokens, *a, **k))
+    monkeypatch.setattr("tidar_convert.runtime.engine.forward", lambda m, cache, tokens, *a, **k: batches.append(tokens.shape[0]) or real(m, cache, tokens, *a, **k))
     kw = dict(model=model, max_new_tokens=24, eos_token_id=eos, pad_token_id=0, attention_mask=torch.ones_like(ids))
     for name in DRAFTERS:
         batches.clear()
@@ -645,7 +645,7 @@ def test_tree_plans_keep_the_likeliest_nodes_and_group_after_the_likely_ends():
 def test_grow_finds_the_likeliest_nodes_of_the_group_best_first():
     """Two offsets: the chain (5: 0.5, then 6: 0.8) and alternatives (7: 0.3, 8: 0.1; then 9: 0.1).
     Best first by reach: 5 (0.5), 5-6 (0.4), 7 (0.3), 7-6 (0.24), 8 (0.1)."""
-    from tidar_convert.tree import grow
+    from tidar_convert.runtime.tree import grow
 
     draft = Draft(torch.tensor([[1, 5, 6]]), confidence=torch.tensor([[0.5, 0.8]]))
     grow(draft, torch.tensor([[[7, 8], [9, 10]]]), torch.tensor([[[0.3, 0.1], [0.1, 0.05]]]), most=5)

@@ -37,7 +37,7 @@ def fit_args(tmp_path, model, *extra) -> list[str]:
 
 @pytest.mark.fit
 def test_tidar_cache_that_cannot_be_made_is_named(tmp_path, monkeypatch, capsys):
-    from tidar_convert.loading import cache_dir
+    from tidar_convert.models.loading import cache_dir
 
     (tmp_path / "file.txt").write_text("a file, not a folder")
     bad = tmp_path / "file.txt" / "cache"
@@ -52,11 +52,11 @@ def test_tidar_cache_that_cannot_be_made_is_named(tmp_path, monkeypatch, capsys)
 
 
 def test_tidar_cache_that_is_not_writable_is_named(tmp_path, monkeypatch, capsys):
-    from tidar_convert.loading import cache_dir
+    from tidar_convert.models.loading import cache_dir
 
     monkeypatch.setenv("TIDAR_CACHE", str(tmp_path / "cache"))
     assert cache_dir() == tmp_path / "cache"
-    monkeypatch.setattr("tidar_convert.loading.os.access", lambda *a, **k: False)  # tests run as root: chmod would not stop writes
+    monkeypatch.setattr("tidar_convert.models.loading.os.access", lambda *a, **k: False)  # tests run as root: chmod would not stop writes
     with pytest.raises(ValueError, match=r"TIDAR_CACHE='.*cache' is not writable; point TIDAR_CACHE to a writable folder"):
         cache_dir()
     monkeypatch.delenv("TIDAR_CACHE")
@@ -74,8 +74,8 @@ def test_tidar_cache_that_is_not_writable_is_named(tmp_path, monkeypatch, capsys
 
 @pytest.fixture(scope="module")
 def export_dir(tiny_dirs, tmp_path_factory):
-    from tidar_convert.export import export
-    from tidar_convert.loading import load_base
+    from tidar_convert.exports.folder import export
+    from tidar_convert.models.loading import load_base
 
     model, tok = load_base(str(tiny_dirs["llama"]))
     return export(model, tok, tmp_path_factory.mktemp("errors") / "tidar", block_size=4, alpha=1.0)
@@ -98,7 +98,7 @@ def damaged_copy(src, dest, what: str) -> Path:
 
 @pytest.mark.fit
 def test_corrupt_config_json_of_a_base_model_is_named(tiny_dirs, tmp_path, capsys):
-    from tidar_convert.loading import load_base
+    from tidar_convert.models.loading import load_base
 
     bad = damaged_copy(tiny_dirs["llama"], tmp_path / "base", "config")
     message = rf"'{bad}/config.json' is not valid JSON \(.*line 1 column 24.*\): the file is damaged; download or save the model again"
@@ -109,7 +109,7 @@ def test_corrupt_config_json_of_a_base_model_is_named(tiny_dirs, tmp_path, capsy
 
 
 def test_corrupt_config_json_of_an_export_is_named(export_dir, tmp_path, capsys):
-    from tidar_convert.export import check_export, load
+    from tidar_convert.exports.folder import check_export, load
 
     bad = damaged_copy(export_dir, tmp_path / "tidar", "config")
     message = rf"'{bad}/config.json' is not valid JSON \(.*line 1 column 24.*\): the file is damaged; export it again"
@@ -122,7 +122,7 @@ def test_corrupt_config_json_of_an_export_is_named(export_dir, tmp_path, capsys)
 
 @pytest.mark.parametrize("cut", ["data", "header"])
 def test_truncated_safetensors_of_a_base_model_is_named(tiny_dirs, tmp_path, capsys, cut):
-    from tidar_convert.loading import load_base
+    from tidar_convert.models.loading import load_base
 
     bad = damaged_copy(tiny_dirs["llama"], tmp_path / "base", cut)
     with pytest.raises(ValueError, match=rf"'{bad}/model.safetensors' is truncated or corrupt \(.*\); download or save the model again"):
@@ -131,7 +131,7 @@ def test_truncated_safetensors_of_a_base_model_is_named(tiny_dirs, tmp_path, cap
 
 
 def test_truncated_safetensors_of_an_export_is_named(export_dir, tmp_path, capsys):
-    from tidar_convert.export import load
+    from tidar_convert.exports.folder import load
 
     bad = damaged_copy(export_dir, tmp_path / "tidar", "data")
     with pytest.raises(ValueError, match=rf"'{bad}/model.safetensors' is truncated or corrupt \(cut short: \d+ bytes of the \d+ its header describes\); export it again"):
@@ -144,7 +144,7 @@ def test_damaged_embedded_default_is_rebuilt(tiny_dirs, tmp_path, monkeypatch, c
     """The embedded default lives in the cache: a damaged copy is made again, not reported."""
     import shutil
 
-    from tidar_convert import loading, model_files
+    from tidar_convert.models import loading, model_files
 
     cached = tmp_path / "SmolLM2"
     damaged_copy(tiny_dirs["llama"], cached, "data")
@@ -192,7 +192,7 @@ def hub_cache_entry(hub_cache: Path, repo_id: str, folder) -> Path:
 def test_hub_id_without_network_fails_fast_and_says_pass_a_folder(no_hub, tmp_path, capsys):
     import time
 
-    from tidar_convert.loading import HubUnreachableError, load_base
+    from tidar_convert.models.loading import HubUnreachableError, load_base
 
     t0 = time.perf_counter()
     with pytest.raises(HubUnreachableError) as info:
@@ -209,7 +209,7 @@ def test_hub_id_without_network_fails_fast_and_says_pass_a_folder(no_hub, tmp_pa
 
 def test_hub_id_without_network_uses_the_cached_copy(no_hub, tiny_dirs, caplog):
     """A model downloaded before loads from the HF cache at once, instead of after the retries."""
-    from tidar_convert.loading import load_base, resolve
+    from tidar_convert.models.loading import load_base, resolve
 
     snapshot = hub_cache_entry(no_hub, "tidar-test/tiny", tiny_dirs["llama"])
     assert resolve("tidar-test/tiny") == str(snapshot)
@@ -223,7 +223,7 @@ def test_hub_id_in_offline_mode(no_hub, tiny_dirs, monkeypatch):
     is not cached is refused with the reason."""
     from huggingface_hub import constants
 
-    from tidar_convert.loading import HubUnreachableError, resolve
+    from tidar_convert.models.loading import HubUnreachableError, resolve
 
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
     hub_cache_entry(no_hub, "tidar-test/tiny", tiny_dirs["llama"])
@@ -304,7 +304,7 @@ def test_hub_dataset_without_network_fails_fast_and_says_pass_a_file(no_hub, tin
     import time
 
     from tidar_convert.data import iter_documents
-    from tidar_convert.loading import HubUnreachableError
+    from tidar_convert.models.loading import HubUnreachableError
 
     t0 = time.perf_counter()
     with pytest.raises(HubUnreachableError, match=r"data source 'tidar-test/no-such-data' is not a local file or folder, so it was taken as a Hugging Face hub dataset, but the hub was not reachable \(http://127.0.0.1:9: .*\); .*--data.source data/train.jsonl"):

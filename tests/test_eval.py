@@ -133,7 +133,7 @@ print("RESULT " + json.dumps(runs))
 
 @pytest.fixture(scope="module")
 def runs(trained, tiny_dirs, tmp_path_factory):
-    from tidar_convert.loading import load_base
+    from tidar_convert.models.loading import load_base
 
     root = tmp_path_factory.mktemp("lm_eval")
     exports = {"trained": str(export(*trained["qwen3"], root / "trained", block_size=4, alpha=1.0))}

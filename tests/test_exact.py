@@ -12,8 +12,8 @@ import torch
 import torch.nn.functional as F
 
 from helpers import cycle_batch
-from tidar_convert import kernels, panel
-from tidar_convert.decode import generate
+from tidar_convert.runtime import kernels, panel
+from tidar_convert.runtime.generate import generate
 
 pytestmark = pytest.mark.skipif(panel.panel_library() is None, reason="no C compiler with OpenMP: no kernel library")
 

@@ -10,8 +10,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from tidar_convert import export, load
-from tidar_convert.export import check_export
-from tidar_convert.marker import MARKER, is_export
+from tidar_convert.exports.folder import check_export
+from tidar_convert.exports.marker import MARKER, is_export
 
 from helpers import cycle_batch
 
@@ -71,7 +71,7 @@ def test_the_exports_code_builds_the_packages_panel_kernel(exported):
 
     from transformers.dynamic_module_utils import HF_MODULES_CACHE, get_cached_module_file, get_class_in_module
 
-    from tidar_convert import panel
+    from tidar_convert.runtime import panel
 
     module = Path(get_cached_module_file(str(exported), "custom_generate/generate.py"))
     cached = Path(HF_MODULES_CACHE) / module.parent
@@ -114,7 +114,7 @@ def test_not_an_export_is_refused(tiny_dirs, tmp_path):
 def test_lora_is_merged_on_export(tiny_dirs, tmp_path):
     from peft import LoraConfig, get_peft_model
 
-    from tidar_convert.loading import load_base
+    from tidar_convert.models.loading import load_base
 
     model, tok = load_base(str(tiny_dirs["llama"]))
     peft_model = get_peft_model(model, LoraConfig(r=4, target_modules="all-linear", init_lora_weights=False))
@@ -133,7 +133,7 @@ def test_lora_with_trained_mask_row_is_merged_on_export(tiny_dirs, tmp_path, fam
     """LoRA training also trains the mask token's embedding row (peft trainable tokens): the export must keep it."""
     from peft import LoraConfig, get_peft_model
 
-    from tidar_convert.loading import load_base
+    from tidar_convert.models.loading import load_base
 
     model, tok = load_base(str(tiny_dirs[family]))
     mask_id = tok.mask_token_id
@@ -158,7 +158,7 @@ def test_lora_with_trained_mask_row_is_merged_on_export(tiny_dirs, tmp_path, fam
 
 @pytest.fixture(scope="module")
 def untrained_export(tiny_dirs, tmp_path_factory):
-    from tidar_convert.loading import load_base
+    from tidar_convert.models.loading import load_base
 
     m, tok = load_base(str(tiny_dirs["llama"]))
     return export(m, tok, tmp_path_factory.mktemp("cb") / "tidar", block_size=4, alpha=1.0)
@@ -170,7 +170,7 @@ def test_continuous_batching_warns_that_tidar_does_not_run(untrained_export):
     model without TiDAR's generate says nothing."""
     import logging
 
-    from tidar_convert.decode import CONTINUOUS_BATCHING_WARNING
+    from tidar_convert.runtime.generate import CONTINUOUS_BATCHING_WARNING
 
     said = []
     handler = logging.Handler()

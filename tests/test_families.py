@@ -13,10 +13,11 @@ from transformers import AutoConfig
 import family_matrix
 from family_matrix import DOC, read_table, tiny_config
 from helpers import tiny_config as helper_config
-from tidar_convert import cli, layout
-from tidar_convert.families import check, require
-from tidar_convert.forward import forward
-from tidar_convert.loading import model_from_config
+from tidar_convert import cli
+from tidar_convert.runtime import layout
+from tidar_convert.models.families import check, require
+from tidar_convert.runtime.forward import forward
+from tidar_convert.models.loading import model_from_config
 
 README = Path(__file__).resolve().parent.parent / "README.md"
 # What CI decodes: the families users convert in late 2026 and one of each mechanism (MoE, MLA,
@@ -140,7 +141,7 @@ def test_check_scales_decode_speed_from_a_bench_record(tmp_path, capsys):
 
 def test_fit_refuses_a_sequence_past_gpt_neo_s_window(tmp_path):
     """GPT-Neo's local layers window by index: a training sequence longer than the window is refused, naming the fix."""
-    from tidar_convert.train import check_model
+    from tidar_convert.train.fit import check_model
 
     AutoConfig.for_model("gpt_neo", num_layers=2, attention_types=[[["global", "local"], 1]], window_size=128).save_pretrained(tmp_path)
     check_model(str(tmp_path), 128)
@@ -150,7 +151,7 @@ def test_fit_refuses_a_sequence_past_gpt_neo_s_window(tmp_path):
 
 def test_fit_refuses_before_any_work(tmp_path):
     """fit's first check reads the config only: a recurrent model is refused with no weights present."""
-    from tidar_convert.train import check_model
+    from tidar_convert.train.fit import check_model
 
     AutoConfig.for_model("qwen3_next", num_hidden_layers=2).save_pretrained(tmp_path)
     with pytest.raises(ValueError, match="model_type='qwen3_next' has recurrent layers"):
@@ -178,7 +179,7 @@ def test_family_converts_exactly(model_type, tokenizer):
 
 def test_the_sampling_check_has_teeth(tokenizer, monkeypatch):
     """A verifier that accepts every sampled draft (not only where AR's own draw agrees) fails the check."""
-    from tidar_convert.verify import Sampling, real_slots
+    from tidar_convert.runtime.verify import Sampling, real_slots
 
     monkeypatch.setattr(Sampling, "verify", lambda self, scores, draft: 1 + (real_slots(draft)[:, : scores.shape[1] - 1]).long().cumprod(1).sum(1))
     result = family_matrix.run("llama", tokenizer, sampling=True)

@@ -7,10 +7,10 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from tidar_convert import layout
+from tidar_convert.runtime import layout
 from tidar_convert.cli import main
 from tidar_convert.data import PackedDocuments
-from tidar_convert.loss import hybrid_loss
+from tidar_convert.train.loss import hybrid_loss
 
 from helpers import FAMILIES
 
@@ -59,7 +59,7 @@ def held_out_loss(model, tokenizer, source, block_size=4, seq_len=64):
 @pytest.mark.fit
 @pytest.mark.parametrize("family", FAMILIES)
 def test_short_fit_lowers_loss_and_writes_a_loadable_folder(tmp_path, tiny_dirs, corpus, family, monkeypatch):
-    from tidar_convert.loading import load_base
+    from tidar_convert.models.loading import load_base
 
     monkeypatch.chdir(tmp_path)  # (were W&B to follow tiny.yaml's runs/tiny, it would land here)
     out = fit(tmp_path, tiny_dirs[family], "--data.source", str(corpus), logger=family == "llama")  # one family goes through W&B (offline)
@@ -90,7 +90,7 @@ def test_resume_from_last_checkpoint(tmp_path, tiny_dirs):
 
 @pytest.mark.fit
 def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path, tiny_dirs, monkeypatch, capsys):
-    import tidar_convert.module as module
+    import tidar_convert.train.module as module
 
     calls = {"n": 0}
 
@@ -146,7 +146,7 @@ def test_empty_or_too_short_data_is_refused(tmp_path, tiny_dirs, capsys):
 
 @pytest.mark.fit
 def test_validation_logs_real_decoding_acceptance(tmp_path, tiny_dirs):
-    from tidar_convert.train import _lightning_cli
+    from tidar_convert.train.fit import _lightning_cli
 
     cli = _lightning_cli(["fit", "--config", RECIPE, "--model.model", str(tiny_dirs["llama"]), "--trainer.max_steps", "15", "--trainer.logger", "false", "--trainer.default_root_dir", str(tmp_path)])
     metrics = cli.trainer.callback_metrics
@@ -279,7 +279,7 @@ def test_fit_replaces_an_earlier_export_only_with_overwrite(tmp_path, tiny_dirs,
 @pytest.mark.fit
 def test_bf16_on_a_cpu_without_native_bf16_is_flagged(tmp_path, tiny_dirs, capsys, monkeypatch):
     """bf16 emulated on a CPU without AMX/AVX512-BF16 trains many times slower: say so, with the fix."""
-    from tidar_convert import fit_checks
+    from tidar_convert.train import checks as fit_checks
 
     info = tmp_path / "cpuinfo"
     info.write_text("flags\t\t: fpu sse avx2 avx512f avx512bw\n")

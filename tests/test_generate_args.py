@@ -12,9 +12,9 @@ import pytest
 import torch
 from transformers import CompileConfig, GenerationConfig, StoppingCriteriaList, WatermarkingConfig
 
-from tidar_convert import decode
-from tidar_convert.decode import generate
-from tidar_convert.loading import load_base
+from tidar_convert.runtime import generate as decode
+from tidar_convert.runtime.generate import generate
+from tidar_convert.models.loading import load_base
 
 from helpers import cycle_batch, train_tiny
 from test_decode import N_NEW, SAMPLING_SETTINGS, chi_square_p, exact_distribution, sample_counts

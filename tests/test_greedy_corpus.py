@@ -13,7 +13,7 @@ import torch
 
 from tidar_convert.cli import main
 from tidar_convert.data import TiDARData, is_validation
-from tidar_convert.distill import MADE_BY, corpus_for_data
+from tidar_convert.train.distill import MADE_BY, corpus_for_data
 
 TINY = str(Path(__file__).parents[1] / "recipes" / "tiny.yaml")
 
@@ -30,7 +30,7 @@ def distill_args(model, src, out, *extra):
 
 
 def test_distill_writes_the_models_greedy_continuations_of_training_prompts(tiny_dirs, tmp_path):
-    from tidar_convert.loading import load_base
+    from tidar_convert.models.loading import load_base
 
     docs = code_docs(tmp_path / "docs.jsonl")
     out = tmp_path / "corpus.jsonl"
@@ -54,7 +54,7 @@ def test_distill_generates_on_the_kernels_generate_decodes_with(tiny_dirs, tmp_p
     """On CPU the corpus is written under the packed linears and grouped attention (1.75x the tokens/s)."""
     from contextlib import contextmanager
 
-    from tidar_convert import kernels
+    from tidar_convert.runtime import kernels
 
     real, seen = kernels.cpu_kernels, []
 
@@ -163,7 +163,7 @@ def test_fit_data_takes_a_corpus_from_distill_and_checks_it(tokenizer, tmp_path)
 def test_no_validation_document_reaches_training_with_greedy_docs(tiny_dirs, tmp_path, monkeypatch):
     """fit's own corpus (greedy_docs > 0): its prompts are training documents, its documents go to
     training only, and validation holds exactly the documents it holds without greedy documents."""
-    from tidar_convert.loading import load_base
+    from tidar_convert.models.loading import load_base
 
     monkeypatch.setenv("TIDAR_CACHE", str(tmp_path / "cache"))
     docs = code_docs(tmp_path / "docs.jsonl", 30)
@@ -195,7 +195,7 @@ def test_no_validation_document_reaches_training_with_greedy_docs(tiny_dirs, tmp
 def test_the_datamodule_reads_a_ready_greedy_corpus_and_never_loads_a_model(tiny_dirs, tmp_path, monkeypatch):
     """greedy_docs > 0 without a made corpus: the DataModule names the missing file and how it is made,
     and loads no model to make it (fit's module makes it in setup, see distill.corpus_for_data)."""
-    from tidar_convert import loading
+    from tidar_convert.models import loading
 
     monkeypatch.setenv("TIDAR_CACHE", str(tmp_path / "cache"))
     code_docs(tmp_path / "docs.jsonl", 30)
@@ -241,7 +241,7 @@ def test_two_process_fit_generates_the_corpus_once_and_both_ranks_read_it(tmp_pa
 def test_fit_trains_on_a_distill_corpus_with_every_greedy_lever(tiny_dirs, tmp_path, capsys):
     """The recipe surface of issue 9's levers, end to end: a corpus from `distill`, a greedy share, greedy
     text in the diffusion loss only, per-offset diffusion weights."""
-    from tidar_convert.train import _lightning_cli
+    from tidar_convert.train.fit import _lightning_cli
 
     corpus = tmp_path / "greedy.jsonl"
     main(["distill", "--model", str(tiny_dirs["llama"]), "--sources", "stdlib", "--out", str(corpus), "--n_docs", "8",
@@ -265,7 +265,7 @@ def test_a_failing_rank_0_still_releases_the_other_ranks(tiny_dirs, tmp_path, mo
     otherwise wait there until the process-group timeout), and the others fail with a message."""
     from types import SimpleNamespace
 
-    from tidar_convert.distill import corpus_for_fit
+    from tidar_convert.train.distill import corpus_for_fit
 
     monkeypatch.setenv("TIDAR_CACHE", str(tmp_path / "cache"))
     code_docs(tmp_path / "docs.jsonl")
@@ -285,7 +285,7 @@ def test_a_failing_rank_0_still_releases_the_other_ranks(tiny_dirs, tmp_path, mo
 def test_a_corpus_records_its_model_so_that_fit_can_tell_it_from_another(tiny_dirs, tmp_path, monkeypatch):
     """distill records a local model folder absolute; fit takes the corpus with that folder however it is
     spelt, and refuses it with another base model."""
-    from tidar_convert.distill import check_corpus
+    from tidar_convert.train.distill import check_corpus
 
     code_docs(tmp_path / "docs.jsonl")
     folder = tiny_dirs["llama"]

@@ -9,8 +9,8 @@ import copy
 import pytest
 import torch
 
-from tidar_convert import kernels, panel
-from tidar_convert.decode import generate
+from tidar_convert.runtime import kernels, panel
+from tidar_convert.runtime.generate import generate
 
 pytestmark = pytest.mark.skipif(not kernels.available(), reason="this torch build has no oneDNN packed linear")
 
@@ -117,9 +117,9 @@ def test_grouped_attention_attends_in_place_to_the_same_values(untrained, family
     SDPA's enable_gqa instead; the model's attention setting is back afterwards, even on an error."""
     from transformers import DynamicCache
 
-    from tidar_convert.forward import cache_kwargs
-    from tidar_convert.plan import StepPlan
-    from tidar_convert.layout import decode_step_mask
+    from tidar_convert.runtime.forward import cache_kwargs
+    from tidar_convert.runtime.plan import StepPlan
+    from tidar_convert.runtime.layout import decode_step_mask
 
     model = untrained[family]
     assert model.config._attn_implementation == "sdpa" and model.config.num_key_value_heads < model.config.num_attention_heads

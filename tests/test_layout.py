@@ -4,8 +4,8 @@ import pytest
 import torch
 from torch.nn.attention.flex_attention import create_mask
 
-from tidar_convert import layout
-from tidar_convert.loading import load_base, model_from_config
+from tidar_convert.runtime import layout
+from tidar_convert.models.loading import load_base, model_from_config
 
 from helpers import FAMILIES, tiny_config
 

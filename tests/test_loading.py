@@ -2,7 +2,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from tidar_convert.loading import MASK_TOKEN, PAD_TOKEN, add_tidar_tokens, check_architecture, load_base, resolve
+from tidar_convert.models.loading import MASK_TOKEN, PAD_TOKEN, add_tidar_tokens, check_architecture, load_base, resolve
 
 from helpers import FAMILIES
 
@@ -74,7 +74,7 @@ def test_missing_paths_are_clear():
 def test_config_and_tokenizer_alone_agree_with_the_loaded_model(tiny_dirs, family):
     """The module reads these before any weight (the model is built later, where the strategy wants it):
     the token ids must be the ones the loaded model gets."""
-    from tidar_convert.loading import load_config_and_tokenizer
+    from tidar_convert.models.loading import load_config_and_tokenizer
 
     config, tok = load_config_and_tokenizer(str(tiny_dirs[family]))
     model, tok_loaded = load_base(str(tiny_dirs[family]))
@@ -84,7 +84,7 @@ def test_config_and_tokenizer_alone_agree_with_the_loaded_model(tiny_dirs, famil
 
 
 def test_same_model_reads_each_spelling_of_a_base_model(tiny_dirs, tmp_path, monkeypatch):
-    from tidar_convert.loading import absolute_model, same_model
+    from tidar_convert.models.loading import absolute_model, same_model
 
     folder = tiny_dirs["llama"]
     monkeypatch.chdir(folder.parent)

@@ -7,10 +7,10 @@ import pytest
 import torch
 from transformers import AutoConfig
 
-from tidar_convert import layout
-from tidar_convert.decode import generate
-from tidar_convert.forward import cache_kwargs
-from tidar_convert.loading import load_base, model_from_config
+from tidar_convert.runtime import layout
+from tidar_convert.runtime.generate import generate
+from tidar_convert.runtime.forward import cache_kwargs
+from tidar_convert.models.loading import load_base, model_from_config
 
 from helpers import ar
 
@@ -135,7 +135,7 @@ def test_greedy_tidar_past_the_window_is_ar(model_type, tmp_path, tokenizer):
 def test_the_lightning_module_trains_within_the_windows(tmp_path, tokenizer, monkeypatch):
     """TiDARModule's forwards (one over both halves, and the split halves of lora_scope='masks') apply
     the windows: the same loss either way, and its AR loss is the plain model's own next-token loss."""
-    from tidar_convert.module import TiDARModule
+    from tidar_convert.train.module import TiDARModule
 
     from helpers import cycle_batch
 

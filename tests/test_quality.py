@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from tidar_convert import quality as q
+from tidar_convert.bench import quality as q
 
 # ---------------------------------------------------------------------------------------------
 # distinct-2 and the loop detector.
@@ -168,8 +168,8 @@ def test_quality_cli_writes_a_report(tiny_dirs, tmp_path, capsys):
     import json
 
     from tidar_convert.cli import main
-    from tidar_convert.export import export
-    from tidar_convert.loading import load_base
+    from tidar_convert.exports.folder import export
+    from tidar_convert.models.loading import load_base
 
     m, tok = load_base(str(tiny_dirs["llama"]))
     path = export(m, tok, tmp_path / "tiny", block_size=4, alpha=1.0)
@@ -189,8 +189,8 @@ def test_quality_cli_defaults_to_the_base_the_export_records(tiny_dirs, tmp_path
     import json
 
     from tidar_convert.cli import main
-    from tidar_convert.export import export
-    from tidar_convert.loading import load_base
+    from tidar_convert.exports.folder import export
+    from tidar_convert.models.loading import load_base
 
     m, tok = load_base(str(tiny_dirs["qwen2"]))
     path = export(m, tok, tmp_path / "tiny", block_size=4, alpha=1.0, card={"base_model": str(tiny_dirs["qwen2"])})

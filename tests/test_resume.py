@@ -110,7 +110,7 @@ def steps(monkeypatch):
     `steps.sigterm_at = (n, m)` delivers a SIGTERM, as Lightning's handler records it, while
     micro-batch m of step n trains; `steps.signal_at = (n, signum, times)` sends the process a real
     signal, `times` times, as step n starts."""
-    from tidar_convert.module import TiDARModule
+    from tidar_convert.train.module import TiDARModule
 
     original = TiDARModule.training_step
 
@@ -297,7 +297,7 @@ class FillsUp:
 @pytest.mark.fit
 def test_a_full_disk_while_saving_leaves_the_previous_last_ckpt_whole_and_ends_in_one_line(tmp_path, tiny_dirs, small_corpus, monkeypatch, capsys):
     """Probe (issue 31): a full disk during fit left a truncated last.ckpt, and resume and export then failed."""
-    from tidar_convert import disk
+    from tidar_convert.exports import disk
 
     run, model = tmp_path / "run", tiny_dirs["qwen2"]
     fit(run, model, small_corpus, 0, 2, *every(tmp_path, 2))
@@ -383,8 +383,8 @@ def test_a_second_ctrl_c_stops_at_once_and_says_nothing_was_saved(tmp_path, tiny
 def test_a_signal_before_the_first_step_says_nothing_was_saved_and_the_requeue_starts_cleanly(tmp_path, tiny_dirs, small_corpus, steps, monkeypatch, capsys, when, signum):
     """Probe (issue 31): SIGTERM before step 1 exited 143 without a word, and the documented requeue
     with --ckpt_path last then failed on the missing checkpoint."""
-    from tidar_convert.preemption import NOTHING_SAVED
-    from tidar_convert.module import TiDARModule
+    from tidar_convert.train.preemption import NOTHING_SAVED
+    from tidar_convert.train.module import TiDARModule
 
     run, model = tmp_path / "run", tiny_dirs["qwen2"]
     hook = "configure_model" if when == "loading" else "validation_step"  # before Lightning listens for SIGTERM, and after
@@ -415,12 +415,12 @@ def test_ctrl_c_once_training_ended_is_a_keyboard_interrupt_as_ever(tmp_path, ti
     "stopped before the first step" (the export is atomic, and last.ckpt is already written)."""
     import sys
 
-    from tidar_convert.preemption import NOTHING_SAVED
+    from tidar_convert.train.preemption import NOTHING_SAVED
 
     def interrupted(*args, **kwargs):
         os.kill(os.getpid(), signal.SIGINT)
 
-    monkeypatch.setattr(sys.modules["tidar_convert.export"], "export", interrupted)  # the package's `export` is the function
+    monkeypatch.setattr(sys.modules["tidar_convert.exports.folder"], "export", interrupted)  # the package's `export` is the function
     run = tmp_path / "run"
     with pytest.raises(KeyboardInterrupt):
         fit(run, tiny_dirs["qwen2"], small_corpus, 0, 2, *every(tmp_path, 2), "--out", str(tmp_path / "out"))

@@ -8,7 +8,7 @@ import pytest
 import yaml
 
 from tidar_convert.cli import main
-from tidar_convert.train import _lightning_cli, accumulation, device_count, global_batch_line
+from tidar_convert.train.fit import _lightning_cli, accumulation, device_count, global_batch_line
 
 RECIPES = sorted((Path(__file__).parents[1] / "recipes").glob("*.yaml"))
 TINY = str(Path(__file__).parents[1] / "recipes" / "tiny.yaml")
@@ -97,7 +97,7 @@ def test_fit_refuses_an_unreachable_global_batch_before_loading_the_model(tmp_pa
 
 @pytest.mark.fit
 def test_fit_logs_throughput_and_memory_to_csv_and_wandb(tmp_path, tiny_dirs, monkeypatch):
-    from tidar_convert.loading import load_base
+    from tidar_convert.models.loading import load_base
 
     monkeypatch.setenv("WANDB_MODE", "offline")
     loggers = tmp_path / "loggers.yaml"
@@ -166,8 +166,8 @@ def test_two_nodes_under_torchrun_reach_the_global_batch_and_log_each_rank(tmp_p
 def test_flops_inputs(tiny_dirs, monkeypatch):
     import torch
 
-    from tidar_convert.callbacks import matmul_params, peak_flops
-    from tidar_convert.loading import load_base
+    from tidar_convert.train.callbacks import matmul_params, peak_flops
+    from tidar_convert.models.loading import load_base
 
     for family in ("llama", "qwen2"):  # untied: the input embedding is a lookup; tied: it is also the output layer
         model, _ = load_base(str(tiny_dirs[family]))

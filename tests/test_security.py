@@ -7,7 +7,7 @@ by an earlier test can hide what transformers does. The acceptance test for trus
 the True case is only the positive control for the sentinel.
 
 Also the silent fallback: when custom_generate fails to load, transformers keeps its own generate
-without a word. tidar_convert.export finds that (tidar_active / fallback_reason / require_tidar),
+without a word. tidar_convert.exports.folder finds that (tidar_active / fallback_reason / require_tidar),
 load() warns about it, and the bench refuses to time AR as TiDAR.
 """
 
@@ -27,7 +27,7 @@ import pytest
 from transformers import AutoModelForCausalLM
 
 from tidar_convert import bench, export, load
-from tidar_convert.export import TiDARFallbackWarning, custom_generate_problem, fallback_reason, require_tidar, tidar_active
+from tidar_convert.exports.folder import TiDARFallbackWarning, custom_generate_problem, fallback_reason, require_tidar, tidar_active
 
 from helpers import cycle_batch
 
@@ -186,7 +186,7 @@ def test_load_is_quiet_on_a_good_export(exported, recwarn):
 
 def test_bench_refuses_to_time_ar_as_tidar(exported, tmp_path, monkeypatch):
     """If the model the bench gets decodes with transformers' AR, it stops with the reason, writing nothing."""
-    export_mod = importlib.import_module("tidar_convert.export")  # the package's `export` attribute is the function
+    export_mod = importlib.import_module("tidar_convert.exports.folder")  # the package's `export` attribute is the function
 
     folder = broken_copy(exported, tmp_path, "no_layout")
     monkeypatch.setattr(export_mod, "load", lambda path, **kw: AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True, **kw))

@@ -27,7 +27,7 @@ CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }}\n{% endfor %}"  # the
 
 @pytest.fixture(scope="module")
 def served_export(trained, tmp_path_factory):
-    from tidar_convert.export import export
+    from tidar_convert.exports.folder import export
 
     model, tok = trained["llama"]  # drafts the cycle the prompt below starts
     tok.chat_template = CHAT_TEMPLATE

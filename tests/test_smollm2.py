@@ -15,7 +15,7 @@ PROMPTS = [
 
 @pytest.fixture(scope="module")
 def smollm2():
-    from tidar_convert.loading import load_base
+    from tidar_convert.models.loading import load_base
 
     model, tok = load_base(None)  # the embedded default: fetched and converted once into the cache
     model.config.block_size = 4
@@ -23,7 +23,7 @@ def smollm2():
 
 
 def test_embedded_default_is_cached_as_safetensors(smollm2):
-    from tidar_convert.loading import embedded_default
+    from tidar_convert.models.loading import embedded_default
 
     path = embedded_default()
     assert (path / "model.safetensors").exists() and (path / "tokenizer.json").exists()
@@ -34,7 +34,7 @@ def test_embedded_default_is_cached_as_safetensors(smollm2):
 
 @pytest.mark.parametrize("k", [2, 4])
 def test_tidar_greedy_equals_ar_greedy_on_real_weights(smollm2, k):
-    from tidar_convert.decode import generate
+    from tidar_convert.runtime.generate import generate
 
     model, tok = smollm2
     for prompt in PROMPTS:
@@ -44,7 +44,7 @@ def test_tidar_greedy_equals_ar_greedy_on_real_weights(smollm2, k):
 
 
 def test_batch_on_real_weights(smollm2):
-    from tidar_convert.decode import generate
+    from tidar_convert.runtime.generate import generate
 
     model, tok = smollm2
     tok.padding_side = "left"

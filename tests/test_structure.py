@@ -78,19 +78,33 @@ def test_no_module_is_over_450_lines():
 def test_no_import_cycle():
     known = modules()
     graph = {name: imports(name, path, known) for name, path in known.items()}
-    assert "tidar_convert.engine" in graph["tidar_convert.decode"]  # the graph does see relative imports
+    assert "tidar_convert.runtime.engine" in graph["tidar_convert.runtime.generate"]  # the graph does see relative imports
     assert cycles(graph) == []
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]  # and would see one
 
 
-def test_shipped_files_import_only_each_other():
-    from tidar_convert.export import shipped_code
-
+def test_the_runtime_imports_nothing_else_of_the_toolkit():
+    """runtime/ is what an export ships: any import of another toolkit module there breaks every
+    export, and an absolute import of its own siblings would look for tidar_convert in the user's
+    environment. So its modules import only each other, and only relatively."""
     known = modules()
-    shipped = {f"tidar_convert.{Path(p).stem}" for p in shipped_code().values()}
-    for name in shipped:
-        outside = imports(name, known[name], known) - shipped
+    runtime = {name for name in known if name.startswith("tidar_convert.runtime")}
+    assert "tidar_convert.runtime.generate" in runtime
+    for name in sorted(runtime):
+        outside = imports(name, known[name], known) - runtime
         assert not outside, f"{name} is shipped in exports but imports {outside}, which exports do not have"
+        absolute = [n.module for n in ast.walk(ast.parse(known[name].read_text())) if isinstance(n, ast.ImportFrom) and not n.level and (n.module or "").startswith("tidar_convert")]
+        absolute += [a.name for n in ast.walk(ast.parse(known[name].read_text())) if isinstance(n, ast.Import) for a in n.names if a.name.startswith("tidar_convert")]
+        assert not absolute, f"{name} imports {absolute} absolutely: use a relative import, as an export has no tidar_convert"
+
+
+def test_an_export_ships_the_runtime_folder_whole():
+    from tidar_convert.exports.folder import generated_code, shipped_code
+
+    folder = PACKAGE / "runtime"
+    assert set(shipped_code()) == {f.name for f in folder.glob("*.py")}
+    assert all(path.parent == folder for path in shipped_code().values())
+    assert not set(generated_code()) & set(shipped_code())  # generated files never shadow shipped ones
 
 
 DOCS = [Path(__file__).parents[1] / p for p in ("README.md", "CHANGELOG.md")] + sorted((Path(__file__).parents[1] / "docs").glob("*.md"))

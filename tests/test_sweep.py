@@ -145,7 +145,7 @@ def test_a_folder_that_is_not_a_sweep_is_refused(tmp_path, capsys):
 def test_curve_merges_resumed_attempts_and_counts_every_token(tmp_path):
     """A resumed arm has one csv/version_N per attempt: the latest wins per step. Tokens per step
     come from the arm's saved config: batch x seq_len x accumulation x devices x nodes."""
-    from tidar_convert.sweep_curves import read_curve, tokens_per_step
+    from tidar_convert.bench.sweep_curves import read_curve, tokens_per_step
 
     arm = tmp_path / "arm"
     for version, rows in ((0, ["0,1,9.0,", "0,3,2.0,1.5"]), (1, ["0,3,1.0,1.25", "0,5,0.5,1.75", "0,7,nan,"])):
@@ -164,7 +164,7 @@ def test_curve_merges_resumed_attempts_and_counts_every_token(tmp_path):
 def test_an_attempts_clock_comes_from_its_metrics_not_its_log(tmp_path):
     """Validation times and trained steps are read from the CSV rows callbacks.RunClock logs (a
     validation at steps done s is logged at step s - 1), so a changed progress line cannot break them."""
-    from tidar_convert.sweep_curves import read_clock
+    from tidar_convert.bench.sweep_curves import read_clock
 
     path = tmp_path / "metrics.csv"
     path.write_text("epoch,step,time/steps_done,time/val_s,val/loss\n0,0,,,2.0\n0,0,,3.5,\n0,1,,7.25,\n0,1,2,,\n")
@@ -187,7 +187,7 @@ def test_dry_run_prints_each_arms_command_and_writes_nothing(tmp_path, capsys):
 
 
 def test_the_smollm2_lever_spec_is_valid():
-    from tidar_convert.sweep import load_spec
+    from tidar_convert.bench.sweep import load_spec
 
     arms = load_spec(str(SPEC))
     assert {"lora", "soft", "greedy-0", "full-ft", "block-8"} <= set(arms)
@@ -207,7 +207,7 @@ def test_the_smollm2_lever_spec_is_valid():
 def test_val_decode_block_size_decodes_at_that_k(tiny_dirs):
     import torch
 
-    from tidar_convert.module import TiDARModule
+    from tidar_convert.train.module import TiDARModule
 
     m = TiDARModule(model=str(tiny_dirs["llama"]), block_size=8, val_decode_block_size=2)
     m.configure_model()  # outside a Trainer the module builds its model when asked

@@ -4,11 +4,21 @@
     model = load("out/")             # TiDAR generate(), no remote code needed
     model.generate(**inputs, max_new_tokens=64); model.tidar_stats
 
-The pieces: layout (masks, positions, labels), loss, loading, data, module (Lightning), decode,
-export, cli, bench.
+The folders, by role (docs/development.md maps them): runtime/ (what an export runs), models/,
+exports/, data/, train/, bench/, and cli.py on top.
 """
 
-from .decode import generate
-from .export import export, load
-
 __all__ = ["export", "generate", "load"]
+
+
+def __getattr__(name: str):
+    # Lazy, so that `tidar-convert --help` and `import tidar_convert.cli` do not pay for torch.
+    if name == "generate":
+        from tidar_convert.runtime.generate import generate
+
+        return generate
+    if name in ("export", "load"):
+        from tidar_convert.exports import folder
+
+        return getattr(folder, name)
+    raise AttributeError(f"module 'tidar_convert' has no attribute {name!r}")

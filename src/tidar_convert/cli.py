@@ -45,19 +45,19 @@ def export_cmd(checkpoint: str, out: str, overwrite: bool = False, adapter_energ
     """
     import torch
 
-    from .lora import check_adapter_options, check_energy, check_layers
+    from tidar_convert.models.lora import check_adapter_options, check_energy, check_layers
 
     if adapter_energy is not None:
         check_energy(adapter_energy)
     if adapter_layers is not None:
         check_layers(adapter_layers)
 
-    from .export import export
-    from .loading import absolute_model
-    from .module import TiDARModule
-    from .marker import check_export_target
+    from tidar_convert.exports.folder import export
+    from tidar_convert.models.loading import absolute_model
+    from tidar_convert.train.module import TiDARModule
+    from tidar_convert.exports.marker import check_export_target
 
-    from .sharding import is_sharded_checkpoint, load_sharded_module
+    from tidar_convert.train.sharding import is_sharded_checkpoint, load_sharded_module
 
     sharded = is_sharded_checkpoint(checkpoint)
     if not (Path(checkpoint).is_file() or sharded):
@@ -83,7 +83,7 @@ def export_cmd(checkpoint: str, out: str, overwrite: bool = False, adapter_energ
         m, _ = load_sharded_module(TiDARModule, checkpoint, **overrides)
     else:
         m = TiDARModule.load_from_checkpoint(checkpoint, map_location="cpu", **overrides)
-    from .train import training_card
+    from tidar_convert.train.fit import training_card
 
     card = training_card(m.hparams, steps, Path(checkpoint).resolve().parent.parent)  # <run>/checkpoints/x.ckpt
     path = export(m.model, m.tokenizer, out, m.block_size, m.alpha, overwrite=overwrite, card=card, adapter_energy=adapter_energy, adapter_layers=adapter_layers)
@@ -164,8 +164,8 @@ def generate_cmd(
     """
     import torch
 
-    from .export import load
-    from .loading import load_tokenizer
+    from tidar_convert.exports.folder import load
+    from tidar_convert.models.loading import load_tokenizer
 
     if mode not in ("tidar", "ar"):
         raise ValueError(f"mode={mode!r}: use 'tidar' or 'ar'.")
@@ -232,8 +232,8 @@ def check_cmd(model: str, devices: int = 1, json: bool = False, record: str | No
         record: a `tidar-convert bench` JSON to scale speeds from; default: the newest record under
             bench/results/ of this checkout, where there is one.
     """
-    from .families import describe, speed_from_record
-    from .loading import read_config
+    from tidar_convert.models.families import describe, speed_from_record
+    from tidar_convert.models.loading import read_config
 
     if devices < 1:
         raise ValueError(f"devices={devices}: must be >= 1.")
@@ -317,23 +317,23 @@ def _unix_flags(args: list[str], functions) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    from .disk import DiskFull
+    from tidar_convert.exports.disk import DiskFull
 
     args = list(sys.argv[1:] if argv is None else argv)
     _configure_wandb()
     try:
         if args and args[0] in ("fit", "validate"):
-            from .train import run  # Lightning is imported only for the commands that use it
+            from tidar_convert.train.fit import run  # Lightning is imported only for the commands that use it
 
             run(argv)
             return
         from jsonargparse import auto_cli
 
-        from .bench import bench_cmd, eval_ppl_cmd
-        from .bench.serve import bench_serve_cmd
-        from .distill import distill_cmd
-        from .quality import quality_cmd
-        from .sweep import sweep_cmd
+        from tidar_convert.bench import bench_cmd, eval_ppl_cmd
+        from tidar_convert.bench.serve import bench_serve_cmd
+        from tidar_convert.train.distill import distill_cmd
+        from tidar_convert.bench.quality import quality_cmd
+        from tidar_convert.bench.sweep import sweep_cmd
 
         commands = {"check": check_cmd, "export": export_cmd, "generate": generate_cmd, "bench": bench_cmd, "bench-serve": bench_serve_cmd, "eval-ppl": eval_ppl_cmd, "quality": quality_cmd, "sweep": sweep_cmd, "distill": distill_cmd}
         top = {}

@@ -28,7 +28,7 @@ The modules, one concern each:
   serve.py       `tidar-convert bench-serve`: tokens/s as served by `transformers serve`, TiDAR vs TiDAR off
 """
 
-from .cli import bench_cmd
-from .perplexity import eval_ppl_cmd
+from tidar_convert.bench.cli import bench_cmd
+from tidar_convert.bench.perplexity import eval_ppl_cmd
 
 __all__ = ["bench_cmd", "eval_ppl_cmd"]

@@ -9,15 +9,15 @@ from pathlib import Path
 
 import torch
 
-from ..progress import progress
-from .decoders import DECODERS, SAMPLING, accepted_histogram, bench_prompt, decoder_names, runnable
-from .machine import default_device, machine_info
-from .perplexity import compare_perplexity
-from .plots import plot_accepted, plot_slots, plot_tokens_per_s
-from .prompts import CHAT_PROMPTS, HUMANEVAL_PROBLEMS, PROMPT_SETS, TEXT_PROMPTS, check_chat_template, default_limit, prompt_set
-from .slots import SLOT_CACHE_LEN, STEP_KS, decoder_steps, slot_latency, slot_sizes
-from .steps import PROFILE_PROMPTS, PROFILE_TOKENS, step_breakdown
-from .summary import print_summary, summarize
+from tidar_convert.train.progress import progress
+from tidar_convert.bench.decoders import DECODERS, SAMPLING, accepted_histogram, bench_prompt, decoder_names, runnable
+from tidar_convert.bench.machine import default_device, machine_info
+from tidar_convert.bench.perplexity import compare_perplexity
+from tidar_convert.bench.plots import plot_accepted, plot_slots, plot_tokens_per_s
+from tidar_convert.bench.prompts import CHAT_PROMPTS, HUMANEVAL_PROBLEMS, PROMPT_SETS, TEXT_PROMPTS, check_chat_template, default_limit, prompt_set
+from tidar_convert.bench.slots import SLOT_CACHE_LEN, STEP_KS, decoder_steps, slot_latency, slot_sizes
+from tidar_convert.bench.steps import PROFILE_PROMPTS, PROFILE_TOKENS, step_breakdown
+from tidar_convert.bench.summary import print_summary, summarize
 
 DTYPES = ("float32", "bfloat16")
 
@@ -104,8 +104,8 @@ def bench_cmd(
     """
     from transformers import AutoTokenizer
 
-    from ..card import results_section, update_model_card
-    from ..export import check_export, load, require_tidar
+    from tidar_convert.exports.card import results_section, update_model_card
+    from tidar_convert.exports.folder import check_export, load, require_tidar
 
     check_bench_args(k, max_new_tokens, limit, prompt_lookup_tokens, ppl_base, ppl_data, dtype, humaneval_timeout, prompts)
     path = Path(model).expanduser()
@@ -119,7 +119,7 @@ def bench_cmd(
             quality = False
     k = k or trained["block_size"]
     name = name or path.resolve().name
-    from ..outputs import check_record_target
+    from tidar_convert.exports.outputs import check_record_target
 
     check_record_target(Path(out_dir) / f"{name}.json", overwrite, "pass --name with a new name for this run (make bench NAME=...)")
     device = default_device()
@@ -130,7 +130,7 @@ def bench_cmd(
         check_chat_template(tokenizer, str(path))
     base_pair = None
     if quality:
-        from ..loading import load_base
+        from tidar_convert.models.loading import load_base
 
         # Held beside the export for the whole decoding phase: the base decoders run interleaved
         # with the others, prompt by prompt, so machine noise hits every decoder alike. It is freed
@@ -227,7 +227,7 @@ def bench_cmd(
         print_kinds(sampling_by_kind)
     print_breakdown(breakdown)
     if guard is not None:
-        from ..quality import print_verdict
+        from tidar_convert.bench.quality import print_verdict
 
         print_verdict(guard)
     for written in (json_path, md_path, *result["plots"].values()):
@@ -256,7 +256,7 @@ def quality_guard(prompts: list[dict], rows: list[dict], model, tokenizer, base:
     """quality.compare on the bench's own outputs: the export's AR row (greedy TiDAR writes the same
     tokens) against the base's prompt-lookup row (greedy lookup writes the base's greedy tokens), each
     cut at its EOS. The rows' texts go in the bench rows, the metrics and verdict in the result."""
-    from ..quality import compare, cut_at_eos, eos_ids
+    from tidar_convert.bench.quality import compare, cut_at_eos, eos_ids
 
     base_model, base_tokenizer = base
     mine = [cut_at_eos(r["ar"]["tokens"], eos_ids(model, tokenizer)) for r in rows]

@@ -19,9 +19,9 @@ from dataclasses import dataclass
 
 import torch
 
-from ..kernels import cpu_kernels
-from .prompts import prompt_ids
-from .timing import synchronize
+from tidar_convert.runtime.kernels import cpu_kernels
+from tidar_convert.bench.prompts import prompt_ids
+from tidar_convert.bench.timing import synchronize
 
 # The sampling mode (`tidar-convert bench --sampling`): what chat users run (about 0.7 and 0.9), seeded.
 SAMPLING = {"temperature": 0.7, "top_p": 0.9}

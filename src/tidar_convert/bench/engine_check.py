@@ -10,12 +10,12 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .. import layout
-from ..loss import hybrid_loss
-from .timing import median_seconds
+from tidar_convert.runtime import layout
+from tidar_convert.train.loss import hybrid_loss
+from tidar_convert.bench.timing import median_seconds
 
 if TYPE_CHECKING:
-    from .gpu import Plan
+    from tidar_convert.bench.gpu import Plan
 
 
 def cycles(batch: int, length: int, period: int = 7, offset: int = 3, generator=None):
@@ -56,7 +56,7 @@ def engine_check(plan: Plan, impl: str) -> dict:
     (each timed after one untimed run of both): identical tokens, T/NFE, tokens/s. fp32, except
     FlexAttention on CUDA: bf16, as bf16-mixed trains there (on an H200 with torch 2.11, an fp32 run
     did not finish within 170 s: bench/LOG.md, 2026-12-04)."""
-    from ..decode import generate
+    from tidar_convert.runtime.generate import generate
 
     device = torch.device(plan.device)
     dtype = torch.bfloat16 if impl == "flex_attention" and device.type == "cuda" else torch.float32

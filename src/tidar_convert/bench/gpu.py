@@ -41,14 +41,14 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from .. import layout
-from .engine_check import engine_check
-from .machine import machine_info
-from .slots import slot_latency
-from .timing import median_seconds, synchronize
-from ..callbacks import matmul_params, peak_flops
-from ..forward import cache_kwargs
-from ..loss import hybrid_loss
+from tidar_convert.runtime import layout
+from tidar_convert.bench.engine_check import engine_check
+from tidar_convert.bench.machine import machine_info
+from tidar_convert.bench.slots import slot_latency
+from tidar_convert.bench.timing import median_seconds, synchronize
+from tidar_convert.train.callbacks import matmul_params, peak_flops
+from tidar_convert.runtime.forward import cache_kwargs
+from tidar_convert.train.loss import hybrid_loss
 
 # Qwen2.5-1.5B's dimensions (its config.json), so the numbers transfer to the paper's 1.5B model.
 QWEN25_15B = dict(
@@ -222,7 +222,7 @@ def fsdp_train_step(model, plan: Plan, step_fn) -> dict:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    from ..sharding import shard
+    from tidar_convert.train.sharding import shard
 
     device = torch.device(plan.device)
     own_group = not dist.is_initialized()

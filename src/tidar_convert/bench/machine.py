@@ -33,7 +33,7 @@ def machine_info(device: torch.device, model=None) -> dict:
         info["attn_implementation"] = model.config._attn_implementation
         info["parameters"] = sum(p.numel() for p in model.parameters())
         if device.type == "cpu":  # generate()'s default product on this machine (kernels.packing_pays)
-            from ..kernels import linear_product, packing_pays, product_timings
+            from tidar_convert.runtime.kernels import linear_product, packing_pays, product_timings
 
             info["packed_linears"] = packing_pays(model)
             info["linear_product"] = linear_product(model)  # "panels", "onednn" or "stock"

@@ -14,8 +14,9 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
-from .. import data, loading
-from .machine import default_device
+from tidar_convert import data
+from tidar_convert.models import loading
+from tidar_convert.bench.machine import default_device
 
 
 def chunks(tokenizer, texts: Iterable[str], seq_len: int, max_tokens: int) -> Iterator[torch.Tensor]:
@@ -104,7 +105,7 @@ def eval_ppl_cmd(model: str, data: str, seq_len: int = 512, max_tokens: int = 20
     Returns:
         The perplexity (also printed).
     """
-    from ..data.checks import check_sources
+    from tidar_convert.data.checks import check_sources
 
     if seq_len < 2 or max_tokens < 1:
         raise ValueError(f"seq_len={seq_len}, max_tokens={max_tokens}: need seq_len >= 2 and max_tokens >= 1.")

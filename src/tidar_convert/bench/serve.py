@@ -29,7 +29,7 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from .prompts import chat_prompts, check_chat_template
+from tidar_convert.bench.prompts import chat_prompts, check_chat_template
 
 MODES = ("tidar", "ar")
 # decode.py's log line after every TiDAR generate(): the server's own evidence that TiDAR answered
@@ -176,8 +176,8 @@ def bench_serve_cmd(
     """
     from transformers import AutoTokenizer
 
-    from ..export import check_export
-    from .machine import machine_info
+    from tidar_convert.exports.folder import check_export
+    from tidar_convert.bench.machine import machine_info
 
     clients = list(clients) if clients is not None else [1, 4]
     check_serve_args(clients, requests, max_tokens, time_limit, startup_timeout)
@@ -186,7 +186,7 @@ def bench_serve_cmd(
         raise FileNotFoundError(f"model={model!r} is not a folder; pass a TiDAR export folder (the OUT of `make convert`).")
     check_export(path)
     json_path = Path(out) if out else Path("bench/results") / f"{path.resolve().name}-serve.json"
-    from ..outputs import check_record_target
+    from tidar_convert.exports.outputs import check_record_target
 
     check_record_target(json_path, overwrite, "pass --out with a new file")
     check_chat_template(AutoTokenizer.from_pretrained(path), str(path))

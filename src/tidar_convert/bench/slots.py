@@ -11,12 +11,12 @@ from collections.abc import Iterable
 
 import torch
 
-from .. import layout
-from ..forward import cache_kwargs
-from ..kernels import cpu_kernels
-from ..progress import progress
-from .decoders import DECODERS
-from .timing import median_seconds
+from tidar_convert.runtime import layout
+from tidar_convert.runtime.forward import cache_kwargs
+from tidar_convert.runtime.kernels import cpu_kernels
+from tidar_convert.train.progress import progress
+from tidar_convert.bench.decoders import DECODERS
+from tidar_convert.bench.timing import median_seconds
 
 CPU_SLOTS = (1, 2, 4, 8, 16, 32, 64)
 GPU_SLOTS = CPU_SLOTS + (128, 256, 512)

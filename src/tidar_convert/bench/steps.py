@@ -15,9 +15,9 @@ from collections import defaultdict
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
-from .decoders import DECODERS, ForwardCounter
-from .prompts import prompt_ids
-from .timing import synchronize
+from tidar_convert.bench.decoders import DECODERS, ForwardCounter
+from tidar_convert.bench.prompts import prompt_ids
+from tidar_convert.bench.timing import synchronize
 
 PHASE_PREFIX = "tidar."
 REGION = "bench.generate"  # one per profiled generate() call: the total the shares are of

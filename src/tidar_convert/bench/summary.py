@@ -6,7 +6,7 @@ import statistics
 import sys
 from collections import Counter
 
-from .decoders import DECODERS
+from tidar_convert.bench.decoders import DECODERS
 
 # Speed ratios: to AR on the export, to prompt lookup on the export, and to prompt lookup on the
 # base (what a user gets without converting at all).

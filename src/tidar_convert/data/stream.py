@@ -10,8 +10,8 @@ from collections.abc import Iterator
 import torch
 from torch.utils.data import DataLoader, IterableDataset
 
-from .packing import is_validation, pack_marked, shuffled, tokenize_document
-from .sources import PROSE_DOC_CHARS, is_split_file, iter_documents
+from tidar_convert.data.packing import is_validation, pack_marked, shuffled, tokenize_document
+from tidar_convert.data.sources import PROSE_DOC_CHARS, is_split_file, iter_documents
 
 
 def shard() -> tuple[int, int]:

@@ -8,7 +8,7 @@ import json
 import os
 from pathlib import Path
 
-from .outputs import recover, scratch_dir, walk
+from tidar_convert.exports.outputs import recover, scratch_dir, walk
 
 MARKER = "tidar_export.json"
 

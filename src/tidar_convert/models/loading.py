@@ -19,8 +19,8 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
-from .model_files import check_json_files, check_model_files, config_problem, first_mismatch
-from .outputs import atomic_dir, atomic_file
+from tidar_convert.models.model_files import check_json_files, check_model_files, config_problem, first_mismatch
+from tidar_convert.exports.outputs import atomic_dir, atomic_file
 
 log = logging.getLogger(__name__)
 
@@ -227,7 +227,7 @@ def load_model(source: str, **kwargs) -> PreTrainedModel:
 def check_architecture(config) -> None:
     """Refuse, from the config alone, what TiDAR cannot convert: the reason names the mechanism
     (recurrent layers, positions not taken from position_ids, ...) and the model_type (families.check)."""
-    from .families import require
+    from tidar_convert.models.families import require
 
     require(config)
 
@@ -239,7 +239,7 @@ def load_base(model: str | None = None, attn_implementation: str | None = None, 
     class has it, else eager). dtype: the weights' dtype, or "auto" for the checkpoint's own (a bf16
     checkpoint then takes half the host memory of float32, and nothing is rounded).
     """
-    from .families import attention_implementation
+    from tidar_convert.models.families import attention_implementation
 
     source = resolve(model)
     config = _gguf_config(Path(source)) if source.endswith(".gguf") else AutoConfig.from_pretrained(source)
@@ -362,7 +362,7 @@ def check_vocab(config, tokenizer, source: str) -> None:
 def model_from_config(config, attn_implementation: str | None = None) -> PreTrainedModel:
     """A randomly initialised model (tests, latency benchmarks). Copies config: from_config mutates it.
     attn_implementation: None takes the family's (families.attention_implementation)."""
-    from .families import attention_implementation
+    from tidar_convert.models.families import attention_implementation
 
     check_architecture(config)
     return AutoModelForCausalLM.from_config(copy.deepcopy(config), attn_implementation=attn_implementation or attention_implementation(config))

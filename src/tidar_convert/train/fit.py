@@ -16,13 +16,10 @@ from typing import Literal
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.cli import LightningCLI, SaveConfigCallback
 
-from .callbacks import RunClock, Throughput, TrainProgress
-from .checkpoints import FinalCheckpoint, atomic_checkpoints
-from .fit_checks import (
-    accumulation, check_accelerator, check_data, check_fit_config, check_model, check_out_beside_run,
-    device_count, global_batch_line,
-)
-from .preemption import Preemption
+from tidar_convert.train.callbacks import RunClock, Throughput, TrainProgress
+from tidar_convert.train.checkpoints import FinalCheckpoint, atomic_checkpoints
+from tidar_convert.train.checks import accumulation, check_accelerator, check_data, check_fit_config, check_model, check_out_beside_run, device_count, global_batch_line
+from tidar_convert.train.preemption import Preemption
 
 
 class RunFolderConfig(SaveConfigCallback):
@@ -35,8 +32,8 @@ class RunFolderConfig(SaveConfigCallback):
         if self.already_saved or stage != "fit":
             return
         if trainer.is_global_zero:
-            from .outputs import atomic_file
-            from .run_folder import CONFIG, CONFIG_MARK
+            from tidar_convert.exports.outputs import atomic_file
+            from tidar_convert.train.run_folder import CONFIG, CONFIG_MARK
 
             text = self.parser.dump(self.config, skip_none=False)
             with atomic_file(Path(trainer.default_root_dir) / CONFIG) as tmp:
@@ -81,7 +78,7 @@ class TiDARCLI(LightningCLI):
         self.resume_path = None
         if cfg is None or not cfg.get("ckpt_path") or cfg.ckpt_path in ("best", "hpc"):
             return
-        from .resume import check_settings, resolve
+        from tidar_convert.train.resume import check_settings, resolve
 
         self.resume_path = resolve(cfg)
         if self.resume_path is not None:
@@ -92,8 +89,8 @@ class TiDARCLI(LightningCLI):
         self.accumulate = cfg.trainer.get("accumulate_grad_batches")  # as the user set it, or None
         check_accelerator(cfg.trainer.get("accelerator"))
         if self.subcommand == "fit":
-            from . import settings
-            from .run_folder import check_run_folder, place_outputs
+            from tidar_convert.train import settings
+            from tidar_convert.train.run_folder import check_run_folder, place_outputs
 
             check_fit_config(cfg)
             settings.check_config(cfg)
@@ -114,7 +111,7 @@ class TiDARCLI(LightningCLI):
             # all before any work.
             model, data = cfg.get("model"), cfg.get("data")
             if model is not None and data is not None:
-                from .layout import check_train_shape
+                from tidar_convert.runtime.layout import check_train_shape
 
                 check_train_shape(data.seq_len, model.block_size)
             if data is not None:
@@ -125,7 +122,7 @@ class TiDARCLI(LightningCLI):
                 model.get("block_size") if model is not None else None,
             )
         else:
-            from . import settings
+            from tidar_convert.train import settings
 
             settings.check_config(cfg)
             if cfg.get("data") is not None:
@@ -188,7 +185,7 @@ class TiDARCLI(LightningCLI):
             m = self.model
             model = m.unsharded_model()  # sharded: every rank takes part in gathering it onto rank 0
             if trainer.is_global_zero:
-                from .export import export
+                from tidar_convert.exports.folder import export
 
                 card = training_card(m.hparams, trainer.global_step, Path(trainer.default_root_dir))
                 path = export(model, m.tokenizer, cfg.out, m.block_size, m.alpha, overwrite=bool(cfg.get("overwrite")), card=card)
@@ -198,7 +195,7 @@ def saved_step(path: str, final: int) -> str:
     """' (step N)' as read back from the checkpoint itself, and a warning where N is not the final step."""
     if "://" in path or not Path(path).exists():
         return ""
-    from .run_folder import checkpoint_step
+    from tidar_convert.train.run_folder import checkpoint_step
 
     step = checkpoint_step(Path(path))
     return f" (step {step})" if step == final else f" (step {step}: the final step {final} is in no checkpoint)"
@@ -206,10 +203,10 @@ def saved_step(path: str, final: int) -> str:
 
 def _lightning_cli(args: list[str] | None, signals=None) -> TiDARCLI:
     # imported here, after run() quieted the libraries: their import-time warnings stay silenced
-    from .data import TiDARData
-    from .module import TiDARModule
+    from tidar_convert.data import TiDARData
+    from tidar_convert.train.module import TiDARModule
 
-    from .recipe import TiDARParser, check_recipe, config_files
+    from tidar_convert.train.recipe import TiDARParser, check_recipe, config_files
 
     for path in config_files(list(sys.argv[1:] if args is None else args)):
         check_recipe(path)  # a duplicate key or a tab, named by file and line (jsonargparse would not)
@@ -226,7 +223,7 @@ def _run_lightning(argv: list[str] | None) -> None:
 
     from lightning.pytorch.utilities.exceptions import SIGTERMException
 
-    from .preemption import Interrupted, Signals
+    from tidar_convert.train.preemption import Interrupted, Signals
 
     command = (sys.argv[1:] if argv is None else argv)[:1]
     with Signals(active=command == ["fit"]) as signals:
@@ -245,7 +242,7 @@ def _run_lightning(argv: list[str] | None) -> None:
         except Exception:  # refused or failed before it saved anything: no empty run folder left behind
             trained = signals.trainer is not None and signals.trainer.global_step > 0
             if signals.new_run_dir and signals.run_dir and not trained:
-                from .run_folder import discard_if_unused
+                from tidar_convert.train.run_folder import discard_if_unused
 
                 discard_if_unused(Path(signals.run_dir))
             raise
@@ -267,7 +264,7 @@ def check_resume(trainer, ckpt_path, command: str = "fit", resolved: Path | None
     if ckpt_path == "last":
         dirs = [cb.dirpath for cb in trainer.checkpoint_callbacks if isinstance(cb, ModelCheckpoint)]
         if resolved is None:
-            from .preemption import NOTHING_SAVED
+            from tidar_convert.train.preemption import NOTHING_SAVED
 
             stopped = Path(trainer.default_root_dir) / NOTHING_SAVED
             if command == "fit" and stopped.is_file():
@@ -290,7 +287,7 @@ def check_resume(trainer, ckpt_path, command: str = "fit", resolved: Path | None
         raise FileNotFoundError(f"--ckpt_path {ckpt_path}: no such checkpoint; `fit` writes them under <default_root_dir>/checkpoints/.")
     check_checkpoint_format([resolved], trainer.strategy)
     if trainer.is_global_zero and ckpt_path == "last":
-        from .run_folder import checkpoint_step
+        from tidar_convert.train.run_folder import checkpoint_step
 
         print(f"--ckpt_path last: resuming {resolved} (step {checkpoint_step(resolved)}).", file=sys.stderr, flush=True)
     return str(resolved)
@@ -301,7 +298,7 @@ def check_checkpoint_format(paths, strategy) -> None:
     torch.load (a directory) or load nothing."""
     from lightning.pytorch.strategies import ModelParallelStrategy
 
-    from .sharding import is_sharded_checkpoint
+    from tidar_convert.train.sharding import is_sharded_checkpoint
 
     for path in paths:
         if is_sharded_checkpoint(path) and not isinstance(strategy, ModelParallelStrategy):

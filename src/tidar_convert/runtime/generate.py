@@ -66,7 +66,7 @@ CONTINUOUS_BATCHING_WARNING = (
 
 def binds_tidar(model) -> bool:
     """Whether model.generate is a TiDAR generate() bound to this model (this file, in the package or
-    an export of any version: the same test as tidar_convert.export.tidar_active)."""
+    an export of any version: the same test as tidar_convert.exports.folder.tidar_active)."""
     gen = model.__dict__.get("generate")
     fn = getattr(gen, "func", None)
     if fn is None or getattr(fn, "__name__", None) != "generate" or gen.keywords.get("model") is not model:

@@ -18,11 +18,13 @@ import shutil
 import warnings
 from pathlib import Path
 
-from . import adapter, costs, decode, drafters, engine, forward, kernels, layout, panel, plan, tree, verify
-from .card import base_source, model_card
-from .disk import disk_full, no_space, tensor_bytes
-from .marker import check_export_target, write_marker
-from .outputs import atomic_dir
+import tidar_convert.runtime as runtime
+from tidar_convert.runtime import adapter, panel
+from tidar_convert.runtime import generate as decode
+from tidar_convert.exports.card import base_source, model_card
+from tidar_convert.exports.disk import disk_full, no_space, tensor_bytes
+from tidar_convert.exports.marker import check_export_target, write_marker
+from tidar_convert.exports.outputs import atomic_dir
 
 log = logging.getLogger(__name__)
 
@@ -30,9 +32,11 @@ TIDAR_FIELDS = ("block_size", "mask_token_id", "alpha")
 
 
 def shipped_code() -> dict[str, Path]:
-    """Files an export ships, by their name inside custom_generate/ (single source: the package's own).
-    generate.py imports the others relatively, so they keep their package names."""
-    return {"generate.py": Path(decode.__file__), **{Path(m.__file__).name: Path(m.__file__) for m in (engine, forward, plan, costs, drafters, tree, verify, layout, adapter, kernels, panel)}}
+    """Files an export ships in custom_generate/: the runtime package, whole and by its own names.
+    Its modules import only each other, relatively (tests/test_structure.py), so the folder runs
+    where transformers' module cache puts it; generate.py is the entry point transformers loads."""
+    folder = Path(runtime.__file__).parent
+    return {f.name: f for f in sorted(folder.glob("*.py"))}
 
 
 def generated_code() -> dict[str, str]:
@@ -63,7 +67,7 @@ def export(model, tokenizer, out: str | os.PathLike, block_size: int, alpha: flo
     disk.DiskFull, naming the folder and the space needed. `card`: facts for the
     model card (base_model, recipe, steps, data, ...; see `model_card`).
     """
-    from .lora import ADAPTER_ENERGY, ADAPTER_LAYERS, check_adapter_options, check_energy, check_layers, is_mask_scoped, lora_layers, split_mask_adapter
+    from tidar_convert.models.lora import ADAPTER_ENERGY, ADAPTER_LAYERS, check_adapter_options, check_energy, check_layers, is_mask_scoped, lora_layers, split_mask_adapter
 
     energy = ADAPTER_ENERGY if adapter_energy is None else adapter_energy
     layers = ADAPTER_LAYERS if adapter_layers is None else adapter_layers
@@ -121,7 +125,7 @@ def check_export(path: str | os.PathLike) -> dict:
     cfg_file = path / "config.json"
     if not cfg_file.exists():
         raise FileNotFoundError(f"{str(path)!r} has no config.json: not a model folder. Pass the OUT folder of `make convert`.")
-    from .loading import check_model_files
+    from tidar_convert.models.loading import check_model_files
 
     check_model_files(path)  # config.json parses, safetensors are whole: else the file and the fix, by name
     cfg = json.loads(cfg_file.read_text())
@@ -150,7 +154,7 @@ def load(path: str | os.PathLike, **kwargs):
     """
     import functools
 
-    from .loading import load_model
+    from tidar_convert.models.loading import load_model
 
     check_export(path)
     problem = custom_generate_problem(path)

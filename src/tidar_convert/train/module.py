@@ -9,9 +9,9 @@ from typing import Callable, Iterable
 import lightning as L
 import torch
 
-from . import layout
-from .lora import add_lora, check_scope
-from .loss import check_distill, check_offset_weights, hybrid_loss
+from tidar_convert.runtime import layout
+from tidar_convert.models.lora import add_lora, check_scope
+from tidar_convert.train.loss import check_distill, check_offset_weights, hybrid_loss
 
 OptimizerCallable = Callable[[Iterable], torch.optim.Optimizer]
 
@@ -93,7 +93,7 @@ class TiDARModule(L.LightningModule):
                 nothing to anchor. The export keeps the deltas apart (tidar_adapter.safetensors).
         """
         super().__init__()
-        from .settings import check_group
+        from tidar_convert.train.settings import check_group
 
         check_group("model", {k: v for k, v in locals().items() if k not in ("self", "__class__")})
         check_distill(distill_weight, distill_temperature, teacher)
@@ -113,8 +113,8 @@ class TiDARModule(L.LightningModule):
             raise ValueError(f"anchor_weight={anchor_weight} with lora_scope='masks': the AR half is the base model exactly, there is nothing to anchor; set anchor_weight 0.")
         if lora_scope == "masks" and teacher == "base":
             raise ValueError("teacher='base' with lora_scope='masks': the AR half is the frozen base already; use teacher='self' (the same distribution, no extra forward).")
-        from .families import attention_implementation
-        from .loading import absolute_model, load_config_and_tokenizer
+        from tidar_convert.models.families import attention_implementation
+        from tidar_convert.models.loading import absolute_model, load_config_and_tokenizer
 
         self.save_hyperparameters()
         # What checkpoints record: `export` may run in another directory. Set here, not by rebinding the
@@ -145,14 +145,14 @@ class TiDARModule(L.LightningModule):
         """
         if self.model is not None:
             return
-        from .loading import load_base
+        from tidar_convert.models.loading import load_base
 
         dtype = torch.get_default_dtype()
         mesh = self._device_mesh  # set by ModelParallelStrategy before this hook; None under any other
         if mesh is None:
             self.model = self._prepare(load_base(self.hparams.model, attn_implementation=self.attn_implementation, dtype=dtype)[0])
         else:
-            from .sharding import build_sharded
+            from tidar_convert.train.sharding import build_sharded
 
             def full():  # rank 0: the checkpoint's own dtype (bf16 for Qwen: half of float32), nothing rounded
                 return self._prepare(load_base(self.hparams.model, attn_implementation=self.attn_implementation, dtype="auto")[0])
@@ -164,7 +164,7 @@ class TiDARModule(L.LightningModule):
         """The base model on the meta device (no memory), with the rows of the TiDAR tokens."""
         from transformers import AutoModelForCausalLM
 
-        from .loading import add_tidar_tokens
+        from tidar_convert.models.loading import add_tidar_tokens
 
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(copy.deepcopy(self.config), dtype=dtype, attn_implementation=self.attn_implementation)
@@ -186,7 +186,7 @@ class TiDARModule(L.LightningModule):
         which returns the gathered model on rank 0 and None on the others."""
         if self._device_mesh is None:
             return self.model
-        from .sharding import gather_full
+        from tidar_convert.train.sharding import gather_full
 
         return gather_full(self.model, lambda: self._prepare(self._empty_model(next(self.model.parameters()).dtype)))
 
@@ -199,7 +199,7 @@ class TiDARModule(L.LightningModule):
             if hasattr(dm, "check_greedy_corpus"):
                 dm.check_greedy_corpus()
                 if stage == "fit":  # generated here, before configure_model loads this module's own weights
-                    from .distill import corpus_for_data
+                    from tidar_convert.train.distill import corpus_for_data
 
                     corpus_for_data(self.trainer, dm)
 
@@ -258,7 +258,7 @@ class TiDARModule(L.LightningModule):
         with the backward of the mask half only: about 2/3 of the compute of a training step."""
         from transformers import DynamicCache
 
-        from .forward import cache_kwargs
+        from tidar_convert.runtime.forward import cache_kwargs
 
         B, S2 = inputs.shape
         S = S2 // 2
@@ -318,7 +318,7 @@ class TiDARModule(L.LightningModule):
         """Greedy TiDAR decoding from the start of a held-out chunk: the real acceptance, not a proxy.
         Diffusion drafts only, a group at every acceptance length: what is measured is the diffusion
         head being trained (lookup drafts would credit it with the text's own repeats)."""
-        from .decode import generate
+        from tidar_convert.runtime.generate import generate
 
         model = self.model
         was_training = model.training

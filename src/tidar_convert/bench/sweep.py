@@ -23,8 +23,8 @@ import signal
 import sys
 from pathlib import Path
 
-from .sweep_arm import Forward, arm_command, error_line, run_arm
-from .sweep_curves import collect, plot, tokens_per_step
+from tidar_convert.bench.sweep_arm import Forward, arm_command, error_line, run_arm
+from tidar_convert.bench.sweep_curves import collect, plot, tokens_per_step
 
 # Flags the sweep sets for every arm: an arm or --fit_args setting them would break the arm's
 # isolation (its folder, its metrics, resuming), so they are refused.

@@ -15,7 +15,7 @@ where no compiler builds it a warning says so once and fp32 takes another produc
 
 Shipped in every export's custom_generate/ folder: imports nothing but torch and the standard
 library. The C source is csrc/panel.c beside this file in the package; an export carries it as
-panel_source.py (written by export.py from csrc/panel.c), because transformers' module cache copies
+panel_source.py (written by exports/folder.py from csrc/panel.c), because transformers' module cache copies
 only the .py files a module imports.
 """
 

@@ -25,7 +25,7 @@ DATA_FREE = {"val_batches"}
 def resolve(cfg) -> Path | None:
     """The checkpoint --ckpt_path names: for `last`, the one of last.ckpt, last-v1.ckpt... with the
     highest step; None where there is none (train.check_resume then says what to do)."""
-    from .run_folder import checkpoint_dirs, last_checkpoints, newest_checkpoint
+    from tidar_convert.train.run_folder import checkpoint_dirs, last_checkpoints, newest_checkpoint
 
     given = str(cfg.ckpt_path)
     if given == "last":
@@ -38,7 +38,7 @@ def resolve(cfg) -> Path | None:
 def check_settings(path: Path, cfg) -> list[str]:
     """Refuse settings that differ from the checkpoint's where they must not; say (and return) the
     ones that changed where they may."""
-    from .run_folder import _say, read_checkpoint
+    from tidar_convert.train.run_folder import _say, read_checkpoint
 
     saved = read_checkpoint(path)
     changed, refused = [], []
@@ -73,7 +73,7 @@ def check_settings(path: Path, cfg) -> list[str]:
 
 
 def _compare(group, given: dict, saved: dict, free: set, changed: list, refused: list) -> None:
-    from .loading import same_model
+    from tidar_convert.models.loading import same_model
 
     for key in sorted(given.keys() & saved.keys()):
         if key.startswith("_"):

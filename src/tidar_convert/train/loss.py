@@ -8,7 +8,7 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
-from .layout import IGNORE_INDEX
+from tidar_convert.runtime.layout import IGNORE_INDEX
 
 TEACHERS = ("self", "base")
 

@@ -114,7 +114,7 @@ class Signals:
             )
             return
         if self.run_dir is not None:
-            from .outputs import atomic_file
+            from tidar_convert.exports.outputs import atomic_file
 
             with atomic_file(Path(self.run_dir) / NOTHING_SAVED) as tmp:
                 tmp.write_text(json.dumps({"signal": self.name, "time": time.strftime("%Y-%m-%dT%H:%M:%S%z")}) + "\n")

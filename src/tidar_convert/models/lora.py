@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from .adapter import ADAPTER_FILE, GATE_ATTR, install_gate
+from tidar_convert.runtime.adapter import ADAPTER_FILE, GATE_ATTR, install_gate
 
 SCOPES = ("all", "masks")
 ADAPTER = "default"  # PEFT's name for the one adapter

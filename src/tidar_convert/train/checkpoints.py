@@ -30,7 +30,7 @@ class AtomicCheckpointIO(TorchCheckpointIO):
     def save_checkpoint(self, checkpoint, path, storage_options=None) -> None:
         if storage_options is not None or "://" in str(path):
             return super().save_checkpoint(checkpoint, path, storage_options)
-        from .disk import save_file_atomically, tensor_bytes
+        from tidar_convert.exports.disk import save_file_atomically, tensor_bytes
 
         save_file_atomically(path, lambda f: torch.save(checkpoint, f), tensor_bytes(checkpoint), "the checkpoint", checkpoint_fix(path))
 
@@ -48,8 +48,8 @@ def atomic_checkpoints(strategy) -> None:
 def _atomic_sharded_save(strategy, save):
     """`save` (ModelParallelStrategy.save_checkpoint) into a fresh folder beside the checkpoint, which
     rank 0 swaps in (outputs: renameat2 exchange where available) once every rank wrote its shard."""
-    from .disk import disk_full, no_space, tensor_bytes
-    from .outputs import _swap_in, recover
+    from tidar_convert.exports.disk import disk_full, no_space, tensor_bytes
+    from tidar_convert.exports.outputs import _swap_in, recover
 
     def atomic_save(checkpoint, filepath, storage_options=None):
         if not strategy._save_distributed_checkpoint or storage_options is not None:
@@ -70,7 +70,7 @@ def _atomic_sharded_save(strategy, save):
         failures = strategy.all_gather(torch.tensor([int(failed is not None)], device=strategy.root_device)).sum().item()
         if failures:
             if strategy.is_global_zero:
-                from .outputs import _rmtree
+                from tidar_convert.exports.outputs import _rmtree
 
                 _rmtree(tmp)
             if failed is not None and no_space(failed):

@@ -64,7 +64,7 @@ def read_checkpoint(path: Path) -> dict:
     """A checkpoint's contents, its tensors memory-mapped, not read (a sharded one: its metadata)."""
     import torch
 
-    from .sharding import is_sharded_checkpoint
+    from tidar_convert.train.sharding import is_sharded_checkpoint
 
     if path.is_dir() and not is_sharded_checkpoint(path):
         raise ValueError(
@@ -205,7 +205,7 @@ def _rebase(path: Path, old: Path, new: Path) -> Path:
 
 def discard_if_unused(root: Path) -> None:
     """Remove a run folder this fit made, when it failed before it saved anything worth keeping."""
-    from .preemption import NOTHING_SAVED
+    from tidar_convert.train.preemption import NOTHING_SAVED
 
     if not root.is_dir() or (root / NOTHING_SAVED).exists():
         return

@@ -11,7 +11,7 @@ import sys
 import time
 from pathlib import Path
 
-from .sweep_curves import metric_files, read_clock
+from tidar_convert.bench.sweep_curves import metric_files, read_clock
 
 
 def arm_command(recipe: str, flags: list[str], arm_dir: Path, name: str, sweep_name: str, keep_loggers: bool, recipe_cfg: dict, resume: bool) -> list[str]:

@@ -23,10 +23,10 @@ from pathlib import Path
 
 import torch
 
-from .data.greedy import DTYPES, MADE_BY, PROMPT_TOKENS, cache_path, check_corpus, first_row  # noqa: F401 (check_corpus: the reading side, kept importable from here)
-from .data.stream import PackedDocuments
-from .marker import file_sha256
-from .outputs import atomic_file
+from tidar_convert.data.greedy import DTYPES, MADE_BY, PROMPT_TOKENS, cache_path, check_corpus, first_row  # noqa: F401 (check_corpus: the reading side, kept importable from here)
+from tidar_convert.data.stream import PackedDocuments
+from tidar_convert.exports.marker import file_sha256
+from tidar_convert.exports.outputs import atomic_file
 
 BATCH = 64  # prompts generated together (equal lengths, no padding): 1.4x the tokens/s of 32 on 2 CPU cores
 
@@ -50,8 +50,8 @@ def training_prompts(tokenizer, sources: list[str], n_docs: int, prompt_tokens: 
 def write_corpus(model, tokenizer, prompts: list[list[int]], out: str | Path, new_tokens: int, batch_size: int, meta: dict) -> Path:
     """Write one row per prompt, `{"text": prompt + greedy continuation, **meta}`, atomically, and
     its checksum beside it (`record_corpus`)."""
-    from .kernels import cpu_kernels
-    from .progress import progress
+    from tidar_convert.runtime.kernels import cpu_kernels
+    from tidar_convert.train.progress import progress
 
     device = next(model.parameters()).device
     was_training = model.training
@@ -101,7 +101,7 @@ def corpus_as_written(corpus: str | Path) -> bool | None:
 
 def make_corpus(model: str | None, sources: list[str], out: str | Path, n_docs: int, val_every: int, prompt_tokens: int, new_tokens: int, batch_size: int, text_field: str, name: str | None, split: str, seed: int, dtype: str, device: str | torch.device) -> Path:
     """Load the base model (its own full copy, in `dtype` on `device`), write the corpus, free the model."""
-    from .loading import absolute_model, load_base
+    from tidar_convert.models.loading import absolute_model, load_base
 
     base, tokenizer = load_base(model, dtype=getattr(torch, dtype))
     base.to(device)

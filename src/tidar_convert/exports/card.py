@@ -8,9 +8,9 @@ import logging
 import os
 from pathlib import Path
 
-from .loading import EMBEDDED_NAME
-from .marker import file_record, marker_files, record_file
-from .outputs import scratch_dir
+from tidar_convert.models.loading import EMBEDDED_NAME
+from tidar_convert.exports.marker import file_record, marker_files, record_file
+from tidar_convert.exports.outputs import scratch_dir
 
 log = logging.getLogger(__name__)
 

@@ -8,7 +8,7 @@ import os
 import shutil
 from pathlib import Path
 
-from .outputs import atomic_file
+from tidar_convert.exports.outputs import atomic_file
 
 
 

@@ -12,7 +12,7 @@ import time
 import torch
 from lightning.pytorch.callbacks import Callback, ProgressBar
 
-from .progress import duration, is_tty
+from tidar_convert.train.progress import duration, is_tty
 
 STARTED = time.perf_counter()  # about when the process started: fit imports this module before any work
 

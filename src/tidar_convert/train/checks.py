@@ -19,7 +19,7 @@ def check_fit_config(cfg) -> None:
     if cfg.get("overwrite") and not cfg.get("out"):
         raise ValueError("--overwrite replaces an earlier export at --out, and no --out is given; pass --out DIR, or drop --overwrite.")
     if cfg.get("out"):
-        from .marker import check_export_target
+        from tidar_convert.exports.marker import check_export_target
 
         check_out_beside_run(cfg.out, cfg.trainer.get("default_root_dir") or ".")
         check_export_target(cfg.out, overwrite=bool(cfg.get("overwrite")))
@@ -56,9 +56,9 @@ def check_out_beside_run(out: str, root: str) -> None:
 def check_model(model, seq_len: int | None = None, block_size: int | None = None) -> None:
     """Refuse a model TiDAR cannot convert from its config alone, before greedy documents, data or
     weights (`tidar-convert check` says the same, with the mechanisms and the memory it needs)."""
-    from .families import require
-    from .loading import read_config
-    from .module import check_positions
+    from tidar_convert.models.families import require
+    from tidar_convert.models.loading import read_config
+    from tidar_convert.train.module import check_positions
 
     config = read_config(model)
     require(config)
@@ -73,7 +73,7 @@ def check_model(model, seq_len: int | None = None, block_size: int | None = None
 
 def check_data(data) -> None:
     """The data settings as far as they can be checked from the files (sources.check_sources)."""
-    from .data.checks import check_sources
+    from tidar_convert.data.checks import check_sources
 
     sources = [data.source] if isinstance(data.source, str) else list(data.source or [])
     check_sources(sources, data.get("text_field") or "text", data.get("name"), data.get("split") or "train")

@@ -181,7 +181,7 @@ def greedy_completions(model, tokenizer, prompts, max_new_tokens: int = 128, dec
     """
     import torch
 
-    from .progress import progress
+    from tidar_convert.train.progress import progress
 
     kwargs = dict(decoder_kwargs or {})
     if "tidar" in inspect.signature(model.generate).parameters:
@@ -275,10 +275,10 @@ def quality_cmd(
     import torch
     from transformers import AutoTokenizer
 
-    from .bench.machine import default_device
-    from .bench.prompts import bench_prompts
-    from .export import check_export, load
-    from .loading import load_base
+    from tidar_convert.bench.machine import default_device
+    from tidar_convert.bench.prompts import bench_prompts
+    from tidar_convert.exports.folder import check_export, load
+    from tidar_convert.models.loading import load_base
 
     if decoder not in ("tidar", "ar"):
         raise ValueError(f"decoder={decoder!r}: use tidar or ar.")
@@ -293,7 +293,7 @@ def quality_cmd(
     if base is None:
         base = json.loads((path / "config.json").read_text()).get("tidar_base_model", "embedded")
     json_path = Path(out) if out else Path("bench/results") / f"{path.resolve().name}-quality.json"
-    from .outputs import check_record_target
+    from tidar_convert.exports.outputs import check_record_target
 
     check_record_target(json_path, overwrite, "pass --out with a new file")
     prompts = bench_prompts(limit)
