@@ -6,6 +6,8 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+import pytest
+
 PACKAGE = Path(__file__).parents[1] / "src" / "tidar_convert"
 MAX_LINES = 450
 
@@ -153,3 +155,37 @@ def test_docs_name_only_what_exists():
             if not any(f"{m}.{attr}" in by_last.get(attr, ()) or defines(importlib.import_module(m), attr) for m in by_last[module]):
                 missing.append(f"{doc.name}: {module}.{attr}")
     assert not missing, missing
+
+
+IMPORT_ALL = """
+import importlib, inspect, pkgutil, sys
+import transformers
+from transformers import GenerationMixin, PreTrainedModel
+from transformers.generation.continuous_batching import ContinuousMixin
+
+def snapshot():
+    classes = [GenerationMixin, PreTrainedModel, ContinuousMixin, transformers.AutoModelForCausalLM]
+    return {f"{c.__name__}.{k}": v for c in classes for k, v in vars(c).items()}
+
+before = snapshot()
+import tidar_convert
+names = [m.name for m in pkgutil.walk_packages(tidar_convert.__path__, "tidar_convert.")]
+for name in names:
+    importlib.import_module(name)
+after = snapshot()
+changed = sorted(k for k in before.keys() | after.keys() if before.get(k) is not after.get(k))
+print(len(names), changed)
+sys.exit(1 if changed or len(names) < 40 else 0)
+"""
+
+
+@pytest.mark.subprocess
+def test_importing_the_toolkit_leaves_transformers_classes_unchanged():
+    """No import-time patching: every toolkit module imported, in a fresh process, and transformers'
+    generation classes hold the same attributes as before (patches happen only when an export is
+    loaded: runtime/generate.py)."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", IMPORT_ALL], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr[-2000:]

@@ -169,6 +169,7 @@ def load(path: str | os.PathLike, **kwargs):
         )
     model = load_model(str(path), **kwargs)
     adapter.ensure(model)
+    decode.warn_under_continuous_batching()
     model.generate = functools.partial(decode.generate, model=model)
     require_tidar(model, path)
     return model

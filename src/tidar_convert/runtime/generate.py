@@ -54,6 +54,8 @@ log = logging.get_logger("transformers.cli.tidar")
 # model.generate, so an export decodes plain AR there without a word. All three entry points go
 # through ContinuousMixin.init_continuous_batching: it is wrapped once per process (the export carries
 # no model class of its own to hook), and the wrapper speaks only for models whose generate is TiDAR's.
+# It is wrapped when an export is loaded, never on import of the toolkit: transformers importing an
+# export's copy of this file is that load; in the toolkit, tidar_convert.load calls it.
 # --------------------------------------------------------------------------------------------
 
 CONTINUOUS_BATCHING_WARNING = (
@@ -96,7 +98,8 @@ def warn_under_continuous_batching() -> None:
     ContinuousMixin.init_continuous_batching = init_continuous_batching
 
 
-warn_under_continuous_batching()
+if not __name__.startswith("tidar_convert."):  # an export's copy, imported by transformers as it loads the export
+    warn_under_continuous_batching()
 
 
 # --------------------------------------------------------------------------------------------
