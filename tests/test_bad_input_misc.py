@@ -189,7 +189,7 @@ def test_the_full_disk_message_never_contradicts_itself(tmp_path):
 
 
 def test_a_smoke_bench_leaves_the_card_and_an_earlier_record_alone(tiny_dirs, tmp_path, capsys):
-    from tidar_convert import bench
+    from tidar_convert.bench import cli as bench
     from tidar_convert.exports.folder import export
     from tidar_convert.models.loading import load_base
 

@@ -143,6 +143,19 @@ def test_help_names_every_command(capsys):
     out = capsys.readouterr().out
     assert out.startswith("usage: tidar-convert {fit,validate,check,export,generate,bench,bench-serve,eval-ppl,quality,sweep,distill} ...")
     assert "`tidar-convert fit --help` lists them" in out
+    assert "Generate with an exported TiDAR model." in out  # each command's summary, from its docstring
+
+
+@pytest.mark.subprocess
+def test_the_top_level_help_imports_no_torch():
+    """`tidar-convert --help` answers at once: the commands' modules (torch, transformers, Lightning)
+    are imported only when a command runs."""
+    import subprocess
+    import sys
+
+    code = "import sys\nfrom tidar_convert.cli import main\ntry:\n    main(['--help'])\nexcept SystemExit:\n    pass\nprint(sorted(m for m in ('torch', 'transformers', 'lightning', 'jsonargparse') if m in sys.modules))"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.strip().splitlines()[-1] == "[]", done.stdout + done.stderr
 
 
 @pytest.mark.fit

@@ -26,7 +26,8 @@ from pathlib import Path
 import pytest
 from transformers import AutoModelForCausalLM
 
-from tidar_convert import bench, export, load
+from tidar_convert import export, load
+from tidar_convert.bench import cli as bench
 from tidar_convert.exports.folder import TiDARFallbackWarning, custom_generate_problem, fallback_reason, require_tidar, tidar_active
 
 from helpers import cycle_batch

@@ -316,10 +316,53 @@ def _unix_flags(args: list[str], functions) -> list[str]:
     return out
 
 
+# Where each command is defined: the top-level --help reads their docstrings from source, so
+# that it answers without importing torch (each command imports what it needs when it runs).
+COMMANDS = {
+    "check": ("tidar_convert.cli", "check_cmd"),
+    "export": ("tidar_convert.cli", "export_cmd"),
+    "generate": ("tidar_convert.cli", "generate_cmd"),
+    "bench": ("tidar_convert.bench.cli", "bench_cmd"),
+    "bench-serve": ("tidar_convert.bench.serve", "bench_serve_cmd"),
+    "eval-ppl": ("tidar_convert.bench.perplexity", "eval_ppl_cmd"),
+    "quality": ("tidar_convert.bench.quality", "quality_cmd"),
+    "sweep": ("tidar_convert.bench.sweep", "sweep_cmd"),
+    "distill": ("tidar_convert.train.distill", "distill_cmd"),
+}
+
+
+def _summary(module: str, function: str) -> str:
+    """The first line of `function`'s docstring in `module`, read from its source file."""
+    import ast
+    import importlib.util
+
+    tree = ast.parse(Path(importlib.util.find_spec(module).origin).read_text())
+    node = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == function)
+    return (ast.get_docstring(node) or "").split("\n", 1)[0]
+
+
+def top_help() -> str:
+    lines = [
+        f"usage: tidar-convert {{{','.join(['fit', 'validate', *COMMANDS])}}} ...",
+        "",
+        "Convert a Hugging Face causal LM into a TiDAR model, decode and measure it.",
+        "",
+        "  fit            train a TiDAR conversion (LightningCLI: every key of a recipe is a flag;",
+        "                 `tidar-convert fit --help` lists them)",
+        "  validate       evaluate a conversion on the validation data",
+    ]
+    lines += [f"  {name:<14} {_summary(*where)}" for name, where in COMMANDS.items()]
+    lines += ["", "`tidar-convert COMMAND --help` lists a command's flags."]
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> None:
     from tidar_convert.exports.disk import DiskFull
 
     args = list(sys.argv[1:] if argv is None else argv)
+    if not args or args[0] in ("-h", "--help"):
+        print(top_help())
+        sys.exit(0)
     _configure_wandb()
     try:
         if args and args[0] in ("fit", "validate"):
@@ -329,22 +372,15 @@ def main(argv: list[str] | None = None) -> None:
             return
         from jsonargparse import auto_cli
 
-        from tidar_convert.bench import bench_cmd, eval_ppl_cmd
+        from tidar_convert.bench.cli import bench_cmd
+        from tidar_convert.bench.perplexity import eval_ppl_cmd
         from tidar_convert.bench.serve import bench_serve_cmd
         from tidar_convert.train.distill import distill_cmd
         from tidar_convert.bench.quality import quality_cmd
         from tidar_convert.bench.sweep import sweep_cmd
 
         commands = {"check": check_cmd, "export": export_cmd, "generate": generate_cmd, "bench": bench_cmd, "bench-serve": bench_serve_cmd, "eval-ppl": eval_ppl_cmd, "quality": quality_cmd, "sweep": sweep_cmd, "distill": distill_cmd}
-        top = {}
-        if not args or args[0] in ("-h", "--help"):  # (a command's own usage line would start with this one)
-            # fit and validate are LightningCLI's, dispatched above: the usage line names them with the others
-            top["usage"] = f"tidar-convert {{{','.join(['fit', 'validate', *commands])}}} ..."
-            top["description"] = (
-                "fit trains a TiDAR conversion and validate evaluates one (LightningCLI: every key of a recipe is a flag; "
-                "`tidar-convert fit --help` lists them); the other commands follow."
-            )
-        auto_cli(commands, args=_unix_flags(args, commands.values()), as_positional=False, **top)  # --model X, as the README says
+        auto_cli(commands, args=_unix_flags(args, commands.values()), as_positional=False)  # --model X, as the README says
     except (ValueError, FileNotFoundError, PermissionError, FloatingPointError, ConnectionError, DiskFull) as e:  # bad input, no hub, a full disk: the message says the fix
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)

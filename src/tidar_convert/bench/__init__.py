@@ -27,8 +27,3 @@ The modules, one concern each:
   cli.py         `tidar-convert bench`, and the generation-quality guard on its outputs (quality.py)
   serve.py       `tidar-convert bench-serve`: tokens/s as served by `transformers serve`, TiDAR vs TiDAR off
 """
-
-from tidar_convert.bench.cli import bench_cmd
-from tidar_convert.bench.perplexity import eval_ppl_cmd
-
-__all__ = ["bench_cmd", "eval_ppl_cmd"]
