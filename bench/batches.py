@@ -59,7 +59,9 @@ def main() -> None:
     eos = set(eos if isinstance(eos, list) else [eos])
     prompts = [prompt_ids(tok, p) for p in prompt_set(args.prompts, args.prompts_n)]
     kw = dict(max_new_tokens=args.tokens, do_sample=False, pad_token_id=pad)
-    model.generate(prompts[0], tidar=False, max_new_tokens=8, pad_token_id=pad)  # warm-up: the product choice, packing
+    model.generate(
+        prompts[0], tidar=False, max_new_tokens=8, pad_token_id=pad
+    )  # warm-up: the product choice, packing
     model.generate(prompts[0], max_new_tokens=8, pad_token_id=pad)
     sizes = {}
     for size in args.sizes:
@@ -67,7 +69,13 @@ def main() -> None:
         # for a batch size is learned once per model and machine, trying each step shape)
         ids, mask = left_pad(prompts[:size], pad)
         model.generate(ids, attention_mask=mask, **kw)
-        seconds, tokens, per_row, sources, identical = {"ar": 0.0, "tidar": 0.0}, {"ar": 0, "tidar": 0}, [], Counter(), 0
+        seconds, tokens, per_row, sources, identical = (
+            {"ar": 0.0, "tidar": 0.0},
+            {"ar": 0, "tidar": 0},
+            [],
+            Counter(),
+            0,
+        )
         for start in range(0, len(prompts), size):
             ids, mask = left_pad(prompts[start : start + size], pad)
             got = {}
@@ -78,7 +86,9 @@ def main() -> None:
                 got[mode] = new_tokens(out, ids.shape[1], eos)
                 tokens[mode] += sum(map(len, got[mode]))
             stats = model.tidar_stats
-            per_row += stats.get("tokens_per_nfe_per_row") or [stats["tokens_per_nfe"]] * ids.shape[0]
+            per_row += (
+                stats.get("tokens_per_nfe_per_row") or [stats["tokens_per_nfe"]] * ids.shape[0]
+            )
             sources.update(stats["draft_sources"])
             identical += sum(a == b for a, b in zip(got["ar"], got["tidar"]))
         tps = {mode: tokens[mode] / seconds[mode] for mode in seconds}
@@ -93,11 +103,37 @@ def main() -> None:
         print(size, sizes[str(size)], flush=True)
     one = sizes.get("1")
     for size, s in sizes.items():
-        s["gain_kept"] = (s["tokens_per_nfe_per_row"] - 1) / (one["tokens_per_nfe_per_row"] - 1) if one and one["tokens_per_nfe_per_row"] > 1 else None
-    result = {"export": args.export, "prompt_set": args.prompts, "max_new_tokens": args.tokens, "machine": machine_info(torch.device("cpu"), model), "sizes": sizes}
+        s["gain_kept"] = (
+            (s["tokens_per_nfe_per_row"] - 1) / (one["tokens_per_nfe_per_row"] - 1)
+            if one and one["tokens_per_nfe_per_row"] > 1
+            else None
+        )
+    result = {
+        "export": args.export,
+        "prompt_set": args.prompts,
+        "max_new_tokens": args.tokens,
+        "machine": machine_info(torch.device("cpu"), model),
+        "sizes": sizes,
+    }
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)
-    print(json.dumps({size: {k: s[k] for k in ("tidar_vs_ar", "tokens_per_nfe_per_row", "gain_kept", "identical_to_ar")} for size, s in sizes.items()}, indent=1))
+    print(
+        json.dumps(
+            {
+                size: {
+                    k: s[k]
+                    for k in (
+                        "tidar_vs_ar",
+                        "tokens_per_nfe_per_row",
+                        "gain_kept",
+                        "identical_to_ar",
+                    )
+                }
+                for size, s in sizes.items()
+            },
+            indent=1,
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -19,11 +19,11 @@ import time
 import torch
 from transformers import AutoTokenizer
 
-from tidar_convert.runtime import kernels
 from tidar_convert.bench.decoders import DECODERS
 from tidar_convert.bench.machine import machine_info
 from tidar_convert.bench.prompts import prompt_ids, prompt_set
 from tidar_convert.exports.folder import load
+from tidar_convert.runtime import kernels
 
 
 def main() -> None:
@@ -37,24 +37,44 @@ def main() -> None:
     args = parser.parse_args()
     model = load(args.export, dtype=getattr(torch, args.dtype)).eval()
     tok = AutoTokenizer.from_pretrained(args.export)
-    kw = dict(max_new_tokens=args.tokens, do_sample=False, return_dict_in_generate=True, output_logits=True)
-    names = [n for n, d in DECODERS.items() if d.weights == "export" and n not in ("ar", "ar_stock")]
+    kw = dict(
+        max_new_tokens=args.tokens,
+        do_sample=False,
+        return_dict_in_generate=True,
+        output_logits=True,
+    )
+    names = [
+        n for n, d in DECODERS.items() if d.weights == "export" and n not in ("ar", "ar_stock")
+    ]
     rows, seconds = [], {"auto": 0.0, "stock": 0.0}
     prompts = prompt_set(args.prompts, args.limit)
-    model.generate(prompt_ids(tok, prompts[0]), tidar=False, max_new_tokens=8)  # warm-up: the product choice, packing
+    model.generate(
+        prompt_ids(tok, prompts[0]), tidar=False, max_new_tokens=8
+    )  # warm-up: the product choice, packing
     for p in prompts:
         ids = prompt_ids(tok, p)
         timed = {}
-        for mode, pack in (("auto", "auto"), ("stock", False)):  # interleaved: the machine's load falls on both
+        for mode, pack in (
+            ("auto", "auto"),
+            ("stock", False),
+        ):  # interleaved: the machine's load falls on both
             start = time.perf_counter()
             timed[mode] = model.generate(ids, tidar=False, pack_weights=pack, **kw)
             seconds[mode] += time.perf_counter() - start
         ar = timed["auto"]
-        row = {"id": p["id"], "new_tokens": ar.sequences.shape[1] - ids.shape[1], "stock_ar_same_tokens": torch.equal(timed["stock"].sequences, ar.sequences)}
+        row = {
+            "id": p["id"],
+            "new_tokens": ar.sequences.shape[1] - ids.shape[1],
+            "stock_ar_same_tokens": torch.equal(timed["stock"].sequences, ar.sequences),
+        }
         for name in names:
             out = model.generate(ids, **DECODERS[name].generate_kwargs(4, 10), **kw)
-            same = out.sequences.shape == ar.sequences.shape and torch.equal(out.sequences, ar.sequences)
-            row[name] = same and all(torch.equal(a, b) for a, b in zip(out.logits, ar.logits, strict=True))
+            same = out.sequences.shape == ar.sequences.shape and torch.equal(
+                out.sequences, ar.sequences
+            )
+            row[name] = same and all(
+                torch.equal(a, b) for a, b in zip(out.logits, ar.logits, strict=True)
+            )
         rows.append(row)
         print(p["id"], row, flush=True)
     result = {
@@ -73,7 +93,21 @@ def main() -> None:
     }
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)
-    print(json.dumps({k: result[k] for k in ("product_timings", "ar_default_vs_stock", "bit_identical_to_ar", "stock_ar_same_tokens", "prompts")}, indent=1))
+    print(
+        json.dumps(
+            {
+                k: result[k]
+                for k in (
+                    "product_timings",
+                    "ar_default_vs_stock",
+                    "bit_identical_to_ar",
+                    "stock_ar_same_tokens",
+                    "prompts",
+                )
+            },
+            indent=1,
+        )
+    )
 
 
 if __name__ == "__main__":

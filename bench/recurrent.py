@@ -28,20 +28,36 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 LEAK_FAMILIES = ("llama", "qwen3_5_text", "qwen3_next", "lfm2", "falcon_h1", "jamba")
-SMOLLM2_SIZE = dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3, head_dim=64, vocab_size=49152, tie_word_embeddings=True)
+SMOLLM2_SIZE = dict(
+    hidden_size=576,
+    intermediate_size=1536,
+    num_hidden_layers=30,
+    num_attention_heads=9,
+    num_key_value_heads=3,
+    head_dim=64,
+    vocab_size=49152,
+    tie_word_embeddings=True,
+)
 # Qwen3.5's linear-attention heads at the same width as its attention heads (9 x 64 values, 3 x 64 keys)
-LINEAR_SIZE = dict(linear_key_head_dim=64, linear_value_head_dim=64, linear_num_key_heads=3, linear_num_value_heads=9)
+LINEAR_SIZE = dict(
+    linear_key_head_dim=64,
+    linear_value_head_dim=64,
+    linear_num_key_heads=3,
+    linear_num_value_heads=9,
+)
 
 
 def leak(model_type: str, seq_len: int = 16, block_size: int = 4) -> dict:
     from family_matrix import tiny_config
 
-    from tidar_convert.runtime import layout
     from tidar_convert.models.families import attention_implementation, check
+    from tidar_convert.runtime import layout
 
     torch.manual_seed(0)
     config = tiny_config(model_type, 320)
-    model = AutoModelForCausalLM.from_config(config, attn_implementation=attention_implementation(config)).eval()
+    model = AutoModelForCausalLM.from_config(
+        config, attn_implementation=attention_implementation(config)
+    ).eval()
     mask_id = 319
     ids = torch.randint(1, 300, (1, seq_len))
     changed = ids.clone()
@@ -51,7 +67,13 @@ def leak(model_type: str, seq_len: int = 16, block_size: int = 4) -> dict:
     try:
         with torch.no_grad():
             first_block = [
-                model(input_ids=layout.train_inputs(x, mask_id), position_ids=layout.train_position_ids(x), attention_mask=layout.for_implementation(dense, attention_implementation(config))).logits[0, seq_len : seq_len + block_size]
+                model(
+                    input_ids=layout.train_inputs(x, mask_id),
+                    position_ids=layout.train_position_ids(x),
+                    attention_mask=layout.for_implementation(
+                        dense, attention_implementation(config)
+                    ),
+                ).logits[0, seq_len : seq_len + block_size]
                 for x in (ids, changed)
             ]
         out["first_mask_block_change"] = float((first_block[0] - first_block[1]).abs().max())
@@ -69,13 +91,17 @@ def timed(fn, repeats: int) -> float:
     return best
 
 
-def step_costs(model_type: str, repeats: int, prompt: int = 64, k: int = 4, accepted: int = 3) -> dict:
+def step_costs(
+    model_type: str, repeats: int, prompt: int = 64, k: int = 4, accepted: int = 3
+) -> dict:
     """Seconds of an AR step, a TiDAR-shaped step (1 + 2k tokens) and, for recurrent layers, the state
     copy and the re-run of the accepted tokens, each from the same prefilled cache."""
     from tidar_convert.runtime.forward import cache_kwargs
 
     torch.manual_seed(0)
-    config = AutoConfig.for_model(model_type, **SMOLLM2_SIZE, **(LINEAR_SIZE if model_type == "qwen3_5_text" else {}))
+    config = AutoConfig.for_model(
+        model_type, **SMOLLM2_SIZE, **(LINEAR_SIZE if model_type == "qwen3_5_text" else {})
+    )
     model = AutoModelForCausalLM.from_config(config).eval()
     ids = torch.randint(1, 1000, (1, prompt + 1 + 2 * k))
     with torch.no_grad():
@@ -88,25 +114,48 @@ def step_costs(model_type: str, repeats: int, prompt: int = 64, k: int = 4, acce
 
         costs = {}
         for _ in range(repeats):  # interleaved: each measurement once per round, best over rounds
-            for name, n in (("ar_step", 1), ("tidar_step", 1 + 2 * k), ("rerun_accepted", accepted)):
+            for name, n in (
+                ("ar_step", 1),
+                ("tidar_step", 1 + 2 * k),
+                ("rerun_accepted", accepted),
+            ):
                 costs[name] = min(costs.get(name, float("inf")), timed(run(n), 1))
-            costs["state_copy"] = min(costs.get("state_copy", float("inf")), timed(lambda: copy.deepcopy(cache), 1))
+            costs["state_copy"] = min(
+                costs.get("state_copy", float("inf")), timed(lambda: copy.deepcopy(cache), 1)
+            )
     recurrent = model_type != "llama"
-    costs["break_even_tokens_per_forward"] = (costs["tidar_step"] + (costs["state_copy"] + costs["rerun_accepted"] if recurrent else 0.0)) / costs["ar_step"]
-    return {"model_type": model_type, "parameters": sum(p.numel() for p in model.parameters()), "seconds": {k: v for k, v in costs.items() if k != "break_even_tokens_per_forward"}, "break_even_tokens_per_forward": costs["break_even_tokens_per_forward"]}
+    costs["break_even_tokens_per_forward"] = (
+        costs["tidar_step"] + (costs["state_copy"] + costs["rerun_accepted"] if recurrent else 0.0)
+    ) / costs["ar_step"]
+    return {
+        "model_type": model_type,
+        "parameters": sum(p.numel() for p in model.parameters()),
+        "seconds": {k: v for k, v in costs.items() if k != "break_even_tokens_per_forward"},
+        "break_even_tokens_per_forward": costs["break_even_tokens_per_forward"],
+    }
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", type=Path, default=Path("bench/results/recurrent.json"))
     parser.add_argument("--repeats", type=int, default=9)
-    parser.add_argument("--dry-run", action="store_true", help="leak figures only, and one repeat of the costs of a 4-layer model")
+    parser.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="leak figures only, and one repeat of the costs of a 4-layer model",
+    )
     args = parser.parse_args()
     torch.set_num_threads(max(1, torch.get_num_threads()))
     if args.dry_run:
-        SMOLLM2_SIZE.update(num_hidden_layers=4, vocab_size=1000)  # 4: one full-attention layer in Qwen3.5's 3:1 pattern
+        SMOLLM2_SIZE.update(
+            num_hidden_layers=4, vocab_size=1000
+        )  # 4: one full-attention layer in Qwen3.5's 3:1 pattern
         args.repeats = 1
-    record = {"date": time.strftime("%Y-%m-%d"), "torch_threads": torch.get_num_threads(), "leak": [leak(t) for t in LEAK_FAMILIES]}
+    record = {
+        "date": time.strftime("%Y-%m-%d"),
+        "torch_threads": torch.get_num_threads(),
+        "leak": [leak(t) for t in LEAK_FAMILIES],
+    }
     for row in record["leak"]:
         print(json.dumps(row))
     record["step_costs"] = [step_costs(t, args.repeats) for t in ("llama", "qwen3_5_text")]

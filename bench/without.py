@@ -17,12 +17,16 @@ import sys
 def hide(packages: set[str]) -> None:
     absent = lambda name: name.split(".")[0] in packages  # noqa: E731
     find_spec = importlib.util.find_spec
-    importlib.util.find_spec = lambda name, package=None: None if absent(name) else find_spec(name, package)
+    importlib.util.find_spec = lambda name, package=None: (
+        None if absent(name) else find_spec(name, package)
+    )
 
     class Absent:
         def find_spec(self, name, path=None, target=None):
             if absent(name):
-                raise ModuleNotFoundError(f"No module named {name!r} (hidden by bench/without.py)", name=name)
+                raise ModuleNotFoundError(
+                    f"No module named {name!r} (hidden by bench/without.py)", name=name
+                )
             return None
 
     sys.meta_path.insert(0, Absent())

@@ -6,7 +6,6 @@ import os
 
 import pytest
 import torch
-
 from helpers import FAMILIES, tiny_config, tiny_tokenizer, train_tiny
 
 os.environ.setdefault("WANDB_MODE", "offline")

@@ -21,7 +21,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-
 from helpers import cycle_batch, tiny_tokenizer, train_tiny
 
 DOC = Path(__file__).resolve().parent.parent / "docs" / "families.md"
@@ -29,12 +28,39 @@ MAX_PARAMETERS = 6_000_000
 STEPS = 60  # enough for lookup and diffusion drafts to be accepted on a 7-token cycle
 # Expert counts, ranks and head sizes a tiny model takes, where the config has the field at all.
 TINY = dict(
-    hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-    max_position_embeddings=512, moe_intermediate_size=64, shared_expert_intermediate_size=64, num_experts=4, num_local_experts=4,
-    n_routed_experts=4, moe_num_experts=4, num_experts_per_tok=2, top_k_experts=2, n_shared_experts=1, n_group=1, topk_group=1,
-    first_k_dense_replace=1, kv_lora_rank=16, q_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16,
-    sliding_window=6, attention_chunk_size=8, global_head_dim=16, num_global_key_value_heads=2,
-    hidden_size_per_layer_input=16, laurel_rank=8, intermediate_size_mlp=128, ffn_hidden_size=128,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    max_position_embeddings=512,
+    moe_intermediate_size=64,
+    shared_expert_intermediate_size=64,
+    num_experts=4,
+    num_local_experts=4,
+    n_routed_experts=4,
+    moe_num_experts=4,
+    num_experts_per_tok=2,
+    top_k_experts=2,
+    n_shared_experts=1,
+    n_group=1,
+    topk_group=1,
+    first_k_dense_replace=1,
+    kv_lora_rank=16,
+    q_lora_rank=32,
+    qk_rope_head_dim=8,
+    qk_nope_head_dim=8,
+    v_head_dim=16,
+    sliding_window=6,
+    attention_chunk_size=8,
+    global_head_dim=16,
+    num_global_key_value_heads=2,
+    hidden_size_per_layer_input=16,
+    laurel_rank=8,
+    intermediate_size_mlp=128,
+    ffn_hidden_size=128,
 )
 
 
@@ -47,19 +73,36 @@ def tiny_config(model_type: str, vocab_size: int):
     cls = CONFIG_MAPPING[model_type]
     defaults = cls().to_dict()
     aliases = getattr(cls, "attribute_map", {}) or {}  # GPT-J's n_embd for hidden_size, ...
-    kw = {aliases.get(k, k): v for k, v in TINY.items() if aliases.get(k, k) in defaults and v is not None}
-    if "qk_rope_head_dim" in defaults:  # latent KV: the rotary part of a head is qk_rope_head_dim (LongCat's rotary reads head_dim)
+    kw = {
+        aliases.get(k, k): v
+        for k, v in TINY.items()
+        if aliases.get(k, k) in defaults and v is not None
+    }
+    if (
+        "qk_rope_head_dim" in defaults
+    ):  # latent KV: the rotary part of a head is qk_rope_head_dim (LongCat's rotary reads head_dim)
         kw.pop("head_dim", None)
         if "head_dim" in defaults:
             kw["head_dim"] = kw["qk_rope_head_dim"]
-    if "kv_lora_rank" in defaults and "num_key_value_heads" in kw:  # MLA expands one latent to every head, as real ones do
+    if (
+        "kv_lora_rank" in defaults and "num_key_value_heads" in kw
+    ):  # MLA expands one latent to every head, as real ones do
         kw["num_key_value_heads"] = kw["num_attention_heads"]
-    if model_type == "dbrx":  # sizes in sub-configs; its attention reads a rope_theta its sub-config does not declare
+    if (
+        model_type == "dbrx"
+    ):  # sizes in sub-configs; its attention reads a rope_theta its sub-config does not declare
         kw["attn_config"] = {"kv_n_heads": 2, "rope_theta": 10000.0, "clip_qkv": 8.0}
-        kw["ffn_config"] = {"hidden_size": 64, "ffn_hidden_size": 128, "moe_num_experts": 4, "moe_top_k": 2}
+        kw["ffn_config"] = {
+            "hidden_size": 64,
+            "ffn_hidden_size": 128,
+            "moe_num_experts": 4,
+            "moe_top_k": 2,
+        }
     if "attention_types" in defaults:  # GPT-Neo: one global and one local layer
         kw["attention_types"] = [[["global", "local"], 1]]
-    if "vocab_size_per_layer_input" in defaults:  # Gemma 3n/4's per-layer embeddings: a second vocabulary
+    if (
+        "vocab_size_per_layer_input" in defaults
+    ):  # Gemma 3n/4's per-layer embeddings: a second vocabulary
         kw["vocab_size_per_layer_input"] = vocab_size
     if "num_kv_shared_layers" in defaults:  # two layers share no cache
         kw["num_kv_shared_layers"] = 0
@@ -69,23 +112,48 @@ def tiny_config(model_type: str, vocab_size: int):
         kw["rotary_dim"] = 8
     if defaults.get("layer_types"):
         kinds = list(dict.fromkeys(defaults["layer_types"]))[:2]
-        kw["layer_types"] = (kinds * 2)[:2] if len(kinds) == 1 else sorted(kinds, key=lambda k: k != "sliding_attention")
+        kw["layer_types"] = (
+            (kinds * 2)[:2]
+            if len(kinds) == 1
+            else sorted(kinds, key=lambda k: k != "sliding_attention")
+        )
     for key in ("mlp_layer_types", "mtp_layer_types", "mtp_mlp_layer_types"):
         if defaults.get(key):
             kinds = list(dict.fromkeys(defaults[key]))
             kw[key] = (kinds * 2)[:2]
-    if "n_recurrent_loops" in defaults:  # Dory: an input, a looped and an output section, one layer each (its to_dict interleaves "mlp" blocks)
-        kw.update(num_hidden_layers=3, n_input_layers=1, n_recurrent_layers=1, n_output_layers=1, layer_types=["sliding_attention", "full_attention", "sliding_attention"])
+    if (
+        "n_recurrent_loops" in defaults
+    ):  # Dory: an input, a looped and an output section, one layer each (its to_dict interleaves "mlp" blocks)
+        kw.update(
+            num_hidden_layers=3,
+            n_input_layers=1,
+            n_recurrent_layers=1,
+            n_output_layers=1,
+            layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+        )
     if "conv_L_cache" in defaults:  # LFM2: its short-convolution layers are its point
         kw["layer_types"] = ["conv", "full_attention"]
         if "full_attn_idxs" in defaults:
             kw["full_attn_idxs"] = [1]
     if "no_rope_layers" in defaults:
         kw["no_rope_layers"] = [1, 0]
-    if defaults.get("rope_parameters") == {}:  # rotary settings keyed by layer type, none by default (Cohere Compass): the plain ones
-        kw["rope_parameters"] = {t: {"rope_type": "default", "rope_theta": 10000.0} for t in set(kw.get("layer_types") or defaults.get("layer_types") or ["full_attention"])}
-    pad = None if defaults.get("pad_token_id") is None else 0  # inside the vocabulary: it is an embedding's padding_idx
-    kw.update(vocab_size=vocab_size, eos_token_id=0, bos_token_id=0, pad_token_id=pad, tie_word_embeddings=bool(defaults.get("tie_word_embeddings")))
+    if (
+        defaults.get("rope_parameters") == {}
+    ):  # rotary settings keyed by layer type, none by default (Cohere Compass): the plain ones
+        kw["rope_parameters"] = {
+            t: {"rope_type": "default", "rope_theta": 10000.0}
+            for t in set(kw.get("layer_types") or defaults.get("layer_types") or ["full_attention"])
+        }
+    pad = (
+        None if defaults.get("pad_token_id") is None else 0
+    )  # inside the vocabulary: it is an embedding's padding_idx
+    kw.update(
+        vocab_size=vocab_size,
+        eos_token_id=0,
+        bos_token_id=0,
+        pad_token_id=pad,
+        tie_word_embeddings=bool(defaults.get("tie_word_embeddings")),
+    )
     return AutoConfig.for_model(model_type, **kw)
 
 
@@ -98,7 +166,9 @@ class Result:
     tokens_per_nfe: float | None = None
     accepted: int = 0  # row-steps that accepted at least one proposal
     rejected: int = 0  # row-steps that rejected a verified proposal
-    sampled: str = ""  # the sampling check, where run: "exact" (accepted/rejected row-steps), or what failed
+    sampled: str = (
+        ""  # the sampling check, where run: "exact" (accepted/rejected row-steps), or what failed
+    )
     seconds: float = 0.0
 
     @property
@@ -118,7 +188,9 @@ def counting_verify(counts, verifier=None):
 
     def verify(self, scores, draft):
         accepted = original(self, scores, draft)
-        verified = (real_slots(draft)[:, : scores.shape[1] - 1]).sum(1)  # proposals this step verified
+        verified = (real_slots(draft)[:, : scores.shape[1] - 1]).sum(
+            1
+        )  # proposals this step verified
         counts.accepted += int((accepted > 1).sum())
         counts.rejected += int((accepted - 1 < verified).sum())
         return accepted
@@ -151,8 +223,14 @@ def run(model_type: str, tokenizer=None, steps: int = STEPS, sampling: bool = Fa
     started = time.perf_counter()
     try:
         CONFIG_MAPPING[model_type]()
-    except Exception as e:  # a config that cannot be built from defaults is not a model one can bring
-        return Result(model_type, "out of scope", detail=f"its config has no usable defaults ({type(e).__name__}); a checkpoint-only entry")
+    except (
+        Exception
+    ) as e:  # a config that cannot be built from defaults is not a model one can bring
+        return Result(
+            model_type,
+            "out of scope",
+            detail=f"its config has no usable defaults ({type(e).__name__}); a checkpoint-only entry",
+        )
     tokenizer = tokenizer or tiny_tokenizer()
     try:
         config = tiny_config(model_type, len(tokenizer))
@@ -160,21 +238,40 @@ def run(model_type: str, tokenizer=None, steps: int = STEPS, sampling: bool = Fa
         config = CONFIG_MAPPING[model_type]()
         verdict = check(config)
         if not verdict.converts:
-            return Result(model_type, "out of scope" if not verdict.decoder_only else "refused", verdict.mechanisms, verdict.reason)
-        return Result(model_type, "fails", verdict.mechanisms, f"tiny config: {type(e).__name__}: {' '.join(str(e).split())[:200]}")
+            return Result(
+                model_type,
+                "out of scope" if not verdict.decoder_only else "refused",
+                verdict.mechanisms,
+                verdict.reason,
+            )
+        return Result(
+            model_type,
+            "fails",
+            verdict.mechanisms,
+            f"tiny config: {type(e).__name__}: {' '.join(str(e).split())[:200]}",
+        )
     verdict = check(config)
     result = Result(model_type, "exact", verdict.mechanisms)
     if not verdict.converts:
-        result.outcome, result.detail = ("refused" if verdict.decoder_only else "out of scope"), verdict.reason
+        result.outcome, result.detail = (
+            ("refused" if verdict.decoder_only else "out of scope"),
+            verdict.reason,
+        )
         return result
     from tidar_convert.models.families import parameter_count
 
     threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny matrices: a second thread costs more in sync than it computes (measured: 3 s an entry, not 30)
+    torch.set_num_threads(
+        1
+    )  # tiny matrices: a second thread costs more in sync than it computes (measured: 3 s an entry, not 30)
     try:
         n = parameter_count(config)
-        if n > MAX_PARAMETERS:  # a size field this generator does not know: seconds would become minutes
-            raise ValueError(f"tiny config has {n / 1e6:.1f} M parameters: teach tiny_config this family's size fields")
+        if (
+            n > MAX_PARAMETERS
+        ):  # a size field this generator does not know: seconds would become minutes
+            raise ValueError(
+                f"tiny config has {n / 1e6:.1f} M parameters: teach tiny_config this family's size fields"
+            )
         convert_and_decode(config, tokenizer, steps, result, sampling)
     except Exception as e:
         result.outcome = "fails"
@@ -187,7 +284,9 @@ def run(model_type: str, tokenizer=None, steps: int = STEPS, sampling: bool = Fa
     return result
 
 
-def convert_and_decode(config, tokenizer, steps: int, result: Result, sampling: bool = False) -> None:
+def convert_and_decode(
+    config, tokenizer, steps: int, result: Result, sampling: bool = False
+) -> None:
     """Save a tiny random base, load it as `fit` does (load_base), train, export, load the export, and
     decode greedily with TiDAR against AR: k = 2 and 4, one row and a left-padded batch of two; with
     `sampling`, sampled too (sample_check)."""
@@ -199,7 +298,9 @@ def convert_and_decode(config, tokenizer, steps: int, result: Result, sampling: 
 
     with tempfile.TemporaryDirectory() as tmp:
         torch.manual_seed(0)
-        base = AutoModelForCausalLM.from_config(config, attn_implementation=attention_implementation(config))
+        base = AutoModelForCausalLM.from_config(
+            config, attn_implementation=attention_implementation(config)
+        )
         base.save_pretrained(Path(tmp) / "base")
         tokenizer.save_pretrained(Path(tmp) / "base")
         model, tok = load_base(str(Path(tmp) / "base"))
@@ -211,13 +312,19 @@ def convert_and_decode(config, tokenizer, steps: int, result: Result, sampling: 
         with counting_verify(result), torch.no_grad():
             for k in (2, 4):
                 for ids, mask in prompts(tok.pad_token_id):
-                    kw = dict(max_new_tokens=24, do_sample=False, eos_token_id=None, attention_mask=mask)
+                    kw = dict(
+                        max_new_tokens=24, do_sample=False, eos_token_id=None, attention_mask=mask
+                    )
                     expected = model.generate(ids, tidar=False, **kw)
-                    got = model.generate(ids, block_size=k, plan="adaptive", **kw)  # T/NFE that does not depend on step timings
+                    got = model.generate(
+                        ids, block_size=k, plan="adaptive", **kw
+                    )  # T/NFE that does not depend on step timings
                     if not torch.equal(got, expected):
                         row = int((got != expected).any(1).nonzero()[0])
                         at = int((got[row] != expected[row]).nonzero()[0])
-                        raise AssertionError(f"TiDAR greedy != AR at k={k}, batch {ids.shape[0]}, row {row}, token {at - ids.shape[1]}")
+                        raise AssertionError(
+                            f"TiDAR greedy != AR at k={k}, batch {ids.shape[0]}, row {row}, token {at - ids.shape[1]}"
+                        )
                     nfe += model.tidar_stats["nfe"]
                     new += model.tidar_stats["new_tokens"] * ids.shape[0]
                     outputs.append((ids, dict(block_size=k, plan="adaptive", **kw), got))
@@ -242,14 +349,20 @@ def remote_code_decodes_the_same(export_dir: Path, outputs) -> None:
         with torch.no_grad():
             for ids, kw, expected in outputs:
                 if not torch.equal(remote.generate(ids, **kw), expected):
-                    raise AssertionError(f"the export's remote code decodes otherwise than the package at {kw['block_size']=}, batch {ids.shape[0]}")
+                    raise AssertionError(
+                        f"the export's remote code decodes otherwise than the package at {kw['block_size']=}, batch {ids.shape[0]}"
+                    )
         if not getattr(remote, "tidar_stats", None):
-            raise AssertionError("the export's remote code did not run TiDAR (no tidar_stats): transformers fell back to its own generate")
+            raise AssertionError(
+                "the export's remote code did not run TiDAR (no tidar_stats): transformers fell back to its own generate"
+            )
     finally:
         sys.modules["tidar_convert"] = saved
 
 
-SAMPLING = dict(do_sample=True, temperature=1.3, top_k=0, top_p=1.0)  # hot enough that AR's draws leave the cycle
+SAMPLING = dict(
+    do_sample=True, temperature=1.3, top_k=0, top_p=1.0
+)  # hot enough that AR's draws leave the cycle
 
 
 @dataclass
@@ -273,11 +386,24 @@ def sample_check(model, pad: int, seed: int = 11) -> str:
             expected = sampled_ar(model, ids, mask, draw_seed(), new_tokens)
             for k, drafter in ((2, "hybrid"), (4, "hybrid"), (4, "diffusion")):
                 torch.manual_seed(seed)  # generate() draws its base seed as draw_seed() did above
-                got = model.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, eos_token_id=None, block_size=k, drafter=drafter, plan="adaptive", **SAMPLING)
-                if not torch.equal(got[:, ids.shape[1]:], expected):
-                    raise AssertionError(f"sampled TiDAR != sampled AR at k={k}, drafter={drafter}, batch {ids.shape[0]}")
+                got = model.generate(
+                    ids,
+                    attention_mask=mask,
+                    max_new_tokens=new_tokens,
+                    eos_token_id=None,
+                    block_size=k,
+                    drafter=drafter,
+                    plan="adaptive",
+                    **SAMPLING,
+                )
+                if not torch.equal(got[:, ids.shape[1] :], expected):
+                    raise AssertionError(
+                        f"sampled TiDAR != sampled AR at k={k}, drafter={drafter}, batch {ids.shape[0]}"
+                    )
     if not (counts.accepted and counts.rejected):
-        raise AssertionError(f"sampling: drafts accepted in {counts.accepted} and rejected in {counts.rejected} row-steps: not tested")
+        raise AssertionError(
+            f"sampling: drafts accepted in {counts.accepted} and rejected in {counts.rejected} row-steps: not tested"
+        )
     return f"exact ({counts.accepted} accepted, {counts.rejected} rejected)"
 
 
@@ -335,12 +461,16 @@ Counts: {counts}.
 
 
 def table(results: list[Result]) -> str:
-    import transformers
-
     from collections import Counter
 
+    import transformers
+
     counts = Counter(r.outcome for r in results)
-    text = HEADER.format(version=transformers.__version__, steps=STEPS, counts=", ".join(f"{n} {o}" for o, n in sorted(counts.items())))
+    text = HEADER.format(
+        version=transformers.__version__,
+        steps=STEPS,
+        counts=", ".join(f"{n} {o}" for o, n in sorted(counts.items())),
+    )
     for r in sorted(results, key=lambda r: (ORDER.index(r.outcome), r.model_type)):
         tpn = f"{r.tokens_per_nfe:.2f}" if r.tokens_per_nfe else ""
         rej = str(r.rejected) if r.outcome in ("exact", "untested") else ""
@@ -368,7 +498,9 @@ def documented_version(path: Path = DOC) -> str:
 
     found = re.search(r"from\s+transformers ([0-9][^\s:]*):", path.read_text())
     if not found:
-        raise ValueError(f"{path} does not say which transformers it was generated from: regenerate it (tests/family_matrix.py --write)")
+        raise ValueError(
+            f"{path} does not say which transformers it was generated from: regenerate it (tests/family_matrix.py --write)"
+        )
     return found.group(1)
 
 
@@ -383,8 +515,14 @@ def main() -> None:
     parser.add_argument("model_types", nargs="*")
     parser.add_argument("--write", type=Path)
     parser.add_argument("-v", action="store_true")
-    parser.add_argument("--sampling", action="store_true", help="add the sampling check (the CI entries run it)")
-    parser.add_argument("--force", action="store_true", help="convert refused decoder-only entries anyway, to measure why they are refused")
+    parser.add_argument(
+        "--sampling", action="store_true", help="add the sampling check (the CI entries run it)"
+    )
+    parser.add_argument(
+        "--force",
+        action="store_true",
+        help="convert refused decoder-only entries anyway, to measure why they are refused",
+    )
     args = parser.parse_args()
     logging.disable(logging.WARNING)
     from transformers.utils import logging as hf_logging
@@ -398,7 +536,10 @@ def main() -> None:
             r = run(model_type, tokenizer, sampling=args.sampling)
         results.append(r)
         tpn = f"{r.tokens_per_nfe:.2f}" if r.tokens_per_nfe else "-"
-        print(f"{model_type:26s} {r.outcome:12s} T/NFE {tpn:5s} acc {r.accepted:3d} rej {r.rejected:3d} {r.seconds:5.1f}s {r.sampled} {r.detail[:150]}", flush=True)
+        print(
+            f"{model_type:26s} {r.outcome:12s} T/NFE {tpn:5s} acc {r.accepted:3d} rej {r.rejected:3d} {r.seconds:5.1f}s {r.sampled} {r.detail[:150]}",
+            flush=True,
+        )
     if args.write:
         args.write.write_text(table(results))
 

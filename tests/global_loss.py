@@ -19,7 +19,9 @@ class GlobalLoss(Callback):
         self.step = trainer.global_step
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        self.pending += float(trainer.strategy.reduce(outputs["loss"].detach().float(), reduce_op="mean"))
+        self.pending += float(
+            trainer.strategy.reduce(outputs["loss"].detach().float(), reduce_op="mean")
+        )
         if trainer.global_step > self.step:  # this micro-batch ended an optimizer step
             self.losses[self.step] = self.pending
             self.pending = 0.0

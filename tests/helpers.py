@@ -19,10 +19,16 @@ def tiny_tokenizer():
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=320, special_tokens=["<|endoftext|>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=320,
+        special_tokens=["<|endoftext|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
     texts = [Path(f).read_text() for f in stdlib_files()[:20]]
     tok.train_from_iterator(texts, trainer)
-    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>", bos_token="<|endoftext|>")
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, eos_token="<|endoftext|>", bos_token="<|endoftext|>"
+    )
 
 
 def tiny_config(family: str, vocab_size: int):
@@ -51,7 +57,13 @@ def cycle_batch(batch: int, seq_len: int, period: int = 7, offset: int = 3, seed
     """Token streams repeating a fixed cycle from a random phase: learnable in seconds, so drafts get accepted."""
     from tidar_convert.bench.engine_check import cycles
 
-    return cycles(batch, seq_len, period, offset, torch.Generator().manual_seed(seed) if seed is not None else None)
+    return cycles(
+        batch,
+        seq_len,
+        period,
+        offset,
+        torch.Generator().manual_seed(seed) if seed is not None else None,
+    )
 
 
 def train_tiny(model, steps: int = 150, block_size: int = 4, seq_len: int = 32, lr: float = 3e-3):
@@ -66,9 +78,23 @@ def train_tiny(model, steps: int = 150, block_size: int = 4, seq_len: int = 32, 
         ids = cycle_batch(8, seq_len)
         positions = layout.train_position_ids(ids)
         local = layout.Local.of(model.config, positions)  # sliding windows and chunks, by position
-        mask = layout.build_mask(layout.train_mask_mod(seq_len, block_size), 8, 2 * seq_len, 2 * seq_len, model.config._attn_implementation, "cpu", local)
-        logits = model(input_ids=layout.train_inputs(ids, model.config.mask_token_id), position_ids=positions, attention_mask=mask).logits
-        loss = hybrid_loss(logits, *layout.train_labels(ids), alpha=1.0, block_size=block_size)["loss"]
+        mask = layout.build_mask(
+            layout.train_mask_mod(seq_len, block_size),
+            8,
+            2 * seq_len,
+            2 * seq_len,
+            model.config._attn_implementation,
+            "cpu",
+            local,
+        )
+        logits = model(
+            input_ids=layout.train_inputs(ids, model.config.mask_token_id),
+            position_ids=positions,
+            attention_mask=mask,
+        ).logits
+        loss = hybrid_loss(logits, *layout.train_labels(ids), alpha=1.0, block_size=block_size)[
+            "loss"
+        ]
         opt.zero_grad()
         loss.backward()
         opt.step()

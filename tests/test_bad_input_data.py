@@ -14,13 +14,12 @@ import os
 from pathlib import Path
 
 import pytest
+from test_bad_inputs import fit_args
+from test_errors import cli_error
 
 from tidar_convert.cli import main
 from tidar_convert.data import PROSE_DOC_CHARS, PackedDocuments, is_validation, iter_documents
 from tidar_convert.data.checks import check_sources
-
-from test_bad_inputs import fit_args
-from test_errors import cli_error
 
 READ = ".json, .jsonl, .md, .parquet, .py, .rst, .txt"  # suffixes read as data, as messages say
 
@@ -515,9 +514,15 @@ def test_eval_ppl_checks_its_data_before_the_model_loads(tmp_path, capsys, monke
     assert "is a path, and there is no such file or folder" in line
 
 
-def test_a_text_field_without_any_source_of_rows_is_refused(tmp_path, tiny_dirs, capsys, no_model_load):
-    line = cli_error(capsys, *fit_args(tmp_path / "run", tiny_dirs["llama"], "--data.text_field", "body"))
-    assert line.startswith("error: --data.text_field body: it names the field of json, parquet and hub rows")
+def test_a_text_field_without_any_source_of_rows_is_refused(
+    tmp_path, tiny_dirs, capsys, no_model_load
+):
+    line = cli_error(
+        capsys, *fit_args(tmp_path / "run", tiny_dirs["llama"], "--data.text_field", "body")
+    )
+    assert line.startswith(
+        "error: --data.text_field body: it names the field of json, parquet and hub rows"
+    )
     rows = tmp_path / "rows.jsonl"
     rows.write_text(json.dumps({"body": "def f():\n    return 1\n" * 30}) + "\n")
     check_sources(["stdlib", str(rows)], text_field="body")  # a mix with rows: it applies

@@ -10,8 +10,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-
-
 from test_errors import cli_error, export_dir  # noqa: F401 (a fixture)
 
 
@@ -137,9 +135,9 @@ def test_a_truncated_gguf_is_named(tmp_path, capsys, keep):
 
 
 def test_a_tokenizer_larger_than_the_vocabulary_is_refused_before_the_weights(tokenizer, tmp_path):
+    from helpers import tiny_config
     from transformers import AutoModelForCausalLM
 
-    from helpers import tiny_config
     from tidar_convert.models.loading import load_base, load_config_and_tokenizer
 
     def base(name, rows):
@@ -175,8 +173,9 @@ def test_full_disk_advice_resumes_only_where_a_checkpoint_exists(tmp_path, saved
 
 
 def test_the_full_disk_message_never_contradicts_itself(tmp_path):
-    from tidar_convert.exports.disk import disk_full, size_text
     import shutil
+
+    from tidar_convert.exports.disk import disk_full, size_text
 
     free = shutil.disk_usage(tmp_path).free
     more = str(disk_full(tmp_path / "x", free + (5 << 20), "the export", "choose another --out."))
@@ -231,15 +230,31 @@ def test_a_sweep_json_no_sweep_wrote_is_never_replaced(tmp_path, capsys):
     (out / "sweep.json").write_text("my notes")
     (tmp_path / "spec.yaml").write_text("a: []\n")
     recipe = str(Path(__file__).parents[1] / "recipes" / "tiny.yaml")
-    line = cli_error(capsys, "sweep", "--spec", str(tmp_path / "spec.yaml"), "--recipe", recipe, "--out", str(out))
+    line = cli_error(
+        capsys,
+        "sweep",
+        "--spec",
+        str(tmp_path / "spec.yaml"),
+        "--recipe",
+        recipe,
+        "--out",
+        str(out),
+    )
     assert f"--out {out} holds a sweep.json that no sweep wrote" in line
-    assert (out / "sweep.json").read_text() == "my notes" and sorted(os.listdir(out)) == ["sweep.json"]
+    assert (out / "sweep.json").read_text() == "my notes" and sorted(os.listdir(out)) == [
+        "sweep.json"
+    ]
 
 
 @pytest.mark.parametrize("command", ["quality", "bench-serve"])
-def test_quality_and_serve_records_are_never_replaced_unasked(tmp_path, capsys, export_dir, command):  # noqa: F811
+def test_quality_and_serve_records_are_never_replaced_unasked(
+    tmp_path, capsys, export_dir, command
+):  # noqa: F811
     record = tmp_path / "mine.json"
     record.write_text("an hour of measuring")
     line = cli_error(capsys, command, "--model", str(export_dir), "--out", str(record))
-    assert f"the record {str(record)!r} exists; pass --out with a new file, or --overwrite to replace it." in line
+    assert (
+        f"the record {str(record)!r} exists; pass --out with a new file, or --overwrite to replace it."
+        in line
+    )
     assert record.read_text() == "an hour of measuring"

@@ -14,10 +14,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_errors import cli_error
 
 from tidar_convert.cli import main
-
-from test_errors import cli_error
 
 RECIPE = Path(__file__).parents[1] / "recipes" / "tiny.yaml"
 

@@ -10,13 +10,14 @@ import shutil
 from pathlib import Path
 
 import pytest
-
 import torch
 
-from tidar_convert.runtime import generate as decode, forward
+from tidar_convert.bench import cli as bench
+from tidar_convert.bench import decoders, perplexity, plots, prompts, slots, steps
 from tidar_convert.bench import gpu as bench_gpu
-from tidar_convert.bench import cli as bench, decoders, perplexity, plots, prompts, slots, steps
 from tidar_convert.bench.decoders import DECODERS, Decoder
+from tidar_convert.runtime import forward
+from tidar_convert.runtime import generate as decode
 
 PNG = b"\x89PNG"
 
@@ -28,7 +29,14 @@ def tiny_export(tiny_dirs, tmp_path_factory):
 
     m, tok = load_base(str(tiny_dirs["llama"]))
     # Untrained, so the export's weights equal its base's: the guard must find the same text.
-    return export(m, tok, tmp_path_factory.mktemp("bench") / "tiny", block_size=4, alpha=1.0, card={"base_model": str(tiny_dirs["llama"])})
+    return export(
+        m,
+        tok,
+        tmp_path_factory.mktemp("bench") / "tiny",
+        block_size=4,
+        alpha=1.0,
+        card={"base_model": str(tiny_dirs["llama"])},
+    )
 
 
 def test_prompts_mix_code_and_text():
@@ -40,18 +48,32 @@ def test_prompts_mix_code_and_text():
 
 @pytest.mark.slow  # a whole bench run (make test runs it; make test-fast skips it)
 def test_bench_json_and_plots(tiny_dirs, tiny_export, tmp_path, capsys):
-    path = Path(bench.bench_cmd(str(tiny_export), max_new_tokens=8, limit=3, out_dir=str(tmp_path), card=True))
+    path = Path(
+        bench.bench_cmd(
+            str(tiny_export), max_new_tokens=8, limit=3, out_dir=str(tmp_path), card=True
+        )
+    )
     assert path == tmp_path / "tiny.json"
     err = capsys.readouterr().err
-    assert f"wrote {path}" in err and f"wrote {tmp_path / 'tiny_slots.png'}" in err  # every file written is named
+    assert (
+        f"wrote {path}" in err and f"wrote {tmp_path / 'tiny_slots.png'}" in err
+    )  # every file written is named
     assert f"wrote {tmp_path / 'tiny.md'}" in err
-    assert "slot latency: " in err and "took" in err  # the slot curve says how far it is (not a terminal: log lines)
+    assert (
+        "slot latency: " in err and "took" in err
+    )  # the slot curve says how far it is (not a terminal: log lines)
     r = json.loads(path.read_text())
 
     assert r["block_size"] == 4 and r["prompts"] == 3 and r["perplexity"] is None
     kinds = r["summary_by_kind"]  # 2 code prompts and 1 text prompt, summarised apart
-    assert set(kinds) == {"code", "text"} and kinds["code"]["ar"]["prompts"] == 2 and kinds["text"]["tidar"]["prompts"] == 1
-    assert kinds["text"]["tidar"]["new_tokens"] == sum(row["tidar"]["new_tokens"] for row in r["rows"] if row["kind"] == "text")
+    assert (
+        set(kinds) == {"code", "text"}
+        and kinds["code"]["ar"]["prompts"] == 2
+        and kinds["text"]["tidar"]["prompts"] == 1
+    )
+    assert kinds["text"]["tidar"]["new_tokens"] == sum(
+        row["tidar"]["new_tokens"] for row in r["rows"] if row["kind"] == "text"
+    )
     assert "text prompts (1): " in err
     assert {"torch", "threads", "device"} <= set(r["machine"])
     # every decoder of the table either ran or is listed with the reason it could not (a drafter the engine lacks)
@@ -61,23 +83,47 @@ def test_bench_json_and_plots(tiny_dirs, tiny_export, tmp_path, capsys):
     assert r["decoders"]["tidar"] == {"tidar": True, "block_size": 4, "weights": "export"}
     for decoder in (d for d in r["summary"] if DECODERS[d].weights == "export"):
         s = r["summary"][decoder]
-        for key in ("new_tokens", "nfe", "seconds", "tokens_per_s", "tokens_per_s_vs_ar", "tokens_per_s_vs_prompt_lookup", "tokens_per_nfe", "mean_tokens_per_nfe", "slots_per_step", "lm_head_rows_per_step", "all_identical"):
+        for key in (
+            "new_tokens",
+            "nfe",
+            "seconds",
+            "tokens_per_s",
+            "tokens_per_s_vs_ar",
+            "tokens_per_s_vs_prompt_lookup",
+            "tokens_per_nfe",
+            "mean_tokens_per_nfe",
+            "slots_per_step",
+            "lm_head_rows_per_step",
+            "all_identical",
+        ):
             assert key in s, (decoder, key)
         assert s["all_identical"], f"{decoder} is not token-for-token AR greedy"
     ar, lookup, tidar = (r["summary"][d] for d in ("ar", "prompt_lookup", "tidar"))
     assert ar["tokens_per_s_vs_ar"] == 1.0 and lookup["tokens_per_s_vs_prompt_lookup"] == 1.0
-    assert ar["slots_per_step"] == ar["lm_head_rows_per_step"] == 1.0  # AR: one slot, one row a step
-    assert 1.0 <= lookup["slots_per_step"] <= r["prompt_lookup_tokens"] + 1  # its draft + the last token
-    assert lookup["lm_head_rows_per_step"] == lookup["slots_per_step"]  # transformers reads every slot's logits
+    assert (
+        ar["slots_per_step"] == ar["lm_head_rows_per_step"] == 1.0
+    )  # AR: one slot, one row a step
+    assert (
+        1.0 <= lookup["slots_per_step"] <= r["prompt_lookup_tokens"] + 1
+    )  # its draft + the last token
+    assert (
+        lookup["lm_head_rows_per_step"] == lookup["slots_per_step"]
+    )  # transformers reads every slot's logits
     assert 1.0 <= tidar["lm_head_rows_per_step"] <= tidar["slots_per_step"]
     # the cost plan may choose plain AR steps on a loaded machine; the adaptive plan's do not depend on timings
     adaptive = r["summary"]["tidar_adaptive"]
-    assert 1.0 < adaptive["slots_per_step"] and 1.0 <= adaptive["lm_head_rows_per_step"] <= adaptive["slots_per_step"]
+    assert (
+        1.0 < adaptive["slots_per_step"]
+        and 1.0 <= adaptive["lm_head_rows_per_step"] <= adaptive["slots_per_step"]
+    )
     assert "draft_sources" in tidar
     # prompt lookup on the base model: what a user gets without converting, timed in the same run
     base = r["summary"]["base_prompt_lookup"]
     assert base["identical"] is None and base["tokens_per_s_vs_base_prompt_lookup"] == 1.0
-    assert tidar["tokens_per_s_vs_base_prompt_lookup"] > 0 and tidar["tokens_per_s_vs_prompt_lookup"] > 0
+    assert (
+        tidar["tokens_per_s_vs_base_prompt_lookup"] > 0
+        and tidar["tokens_per_s_vs_prompt_lookup"] > 0
+    )
     # the quality guard on the bench's own outputs; the export's weights are its base's, so same text
     q = r["quality"]
     assert q["base_model"] == str(tiny_dirs["llama"].resolve())
@@ -93,7 +139,9 @@ def test_bench_json_and_plots(tiny_dirs, tiny_export, tmp_path, capsys):
         assert row["ar"]["nfe"] == row["ar"]["new_tokens"] == 8  # AR: one forward per token
         assert row["ar"]["steps"] == 7  # every forward after the prefill
         assert row["prompt_lookup"]["nfe"] <= 8 and row["tidar"]["nfe"] <= 8
-        assert all(row[d]["identical_to_ar"] for d in r["summary"] if DECODERS[d].weights == "export")
+        assert all(
+            row[d]["identical_to_ar"] for d in r["summary"] if DECODERS[d].weights == "export"
+        )
     # one prefill per prompt, then one histogram entry per TiDAR step
     steps_taken = sum(r["accepted_histogram"].values())
     assert steps_taken == r["summary"]["tidar"]["nfe"] - r["prompts"]
@@ -102,16 +150,34 @@ def test_bench_json_and_plots(tiny_dirs, tiny_export, tmp_path, capsys):
     assert set(sl["tidar_step_vs_ar_step"]) == {"2", "4", "8"}
     assert all(v > 0 for v in sl["tidar_step_vs_ar_step"].values())
     # where each decoder's mean step sits on the slot curve
-    assert set(sl["decoder_steps"]) == {d for d, s in r["summary"].items() if s["slots_per_step"] is not None}
-    assert sl["decoder_steps"]["ar"]["slots_per_step"] == 1.0 and sl["decoder_steps"]["ar"]["vs_one_slot"] == pytest.approx(1.0)
+    assert set(sl["decoder_steps"]) == {
+        d for d, s in r["summary"].items() if s["slots_per_step"] is not None
+    }
+    assert sl["decoder_steps"]["ar"]["slots_per_step"] == 1.0 and sl["decoder_steps"]["ar"][
+        "vs_one_slot"
+    ] == pytest.approx(1.0)
     assert all(at["ms"] > 0 for at in sl["decoder_steps"].values())
     # the step breakdown: engine phases (whatever tidar.* labels there are) + other, shares of the profiled time
     b = r["step_breakdown"]
-    assert {"decoder", "prompts", "new_tokens", "forwards", "ms_per_forward", "total_ms", "phases"} <= set(b)
-    assert b["decoder"] == "tidar" and b["prompts"] == 2 and b["total_ms"] > 0 and b["forwards"] >= 2
-    assert "other" in b["phases"] and all(label == "other" or label.startswith("tidar.") for label in b["phases"])
+    assert {
+        "decoder",
+        "prompts",
+        "new_tokens",
+        "forwards",
+        "ms_per_forward",
+        "total_ms",
+        "phases",
+    } <= set(b)
+    assert (
+        b["decoder"] == "tidar" and b["prompts"] == 2 and b["total_ms"] > 0 and b["forwards"] >= 2
+    )
+    assert "other" in b["phases"] and all(
+        label == "other" or label.startswith("tidar.") for label in b["phases"]
+    )
     assert all(0.0 <= p["share"] <= 1.0 for p in b["phases"].values())
-    assert sum(p["share"] for label, p in b["phases"].items() if " > " not in label) == pytest.approx(1.0)  # nested labels not counted twice
+    assert sum(
+        p["share"] for label, p in b["phases"].items() if " > " not in label
+    ) == pytest.approx(1.0)  # nested labels not counted twice
     assert "step time" in err
     assert set(r["plots"]) == {"tokens_per_s", "accepted", "slots"}
     for png in r["plots"].values():
@@ -124,24 +190,55 @@ def test_bench_json_and_plots(tiny_dirs, tiny_export, tmp_path, capsys):
 
 
 @pytest.mark.slow  # a whole bench run (make test runs it; make test-fast skips it)
-def test_export_records_its_base_and_bench_says_when_it_cannot(tiny_dirs, tiny_export, tmp_path, capsys):
+def test_export_records_its_base_and_bench_says_when_it_cannot(
+    tiny_dirs, tiny_export, tmp_path, capsys
+):
     """fit/export record the base (an absolute path here) so bench finds it from any folder; an
     export that does not record one is benched without the guard, and the output says so."""
     from tidar_convert.exports.card import base_source
 
-    assert json.loads((tiny_export / "config.json").read_text())["tidar_base_model"] == str(tiny_dirs["llama"].resolve())
-    assert base_source(None) == "embedded" and base_source("Qwen/Qwen2.5-1.5B") == "Qwen/Qwen2.5-1.5B"
+    assert json.loads((tiny_export / "config.json").read_text())["tidar_base_model"] == str(
+        tiny_dirs["llama"].resolve()
+    )
+    assert (
+        base_source(None) == "embedded" and base_source("Qwen/Qwen2.5-1.5B") == "Qwen/Qwen2.5-1.5B"
+    )
     folder = shutil.copytree(tiny_export, tmp_path / "nobase")
     cfg = json.loads((folder / "config.json").read_text())
     del cfg["tidar_base_model"]
     (folder / "config.json").write_text(json.dumps(cfg))
-    r = json.loads(Path(bench.bench_cmd(str(folder), max_new_tokens=4, limit=1, out_dir=str(tmp_path / "out"))).read_text())
+    r = json.loads(
+        Path(
+            bench.bench_cmd(str(folder), max_new_tokens=4, limit=1, out_dir=str(tmp_path / "out"))
+        ).read_text()
+    )
     assert r["quality"] is None and "base_prompt_lookup" not in r["summary"]
     assert "does not record its base model" in capsys.readouterr().err
     # --base names it; quality=False skips the base entirely
-    r = json.loads(Path(bench.bench_cmd(str(folder), max_new_tokens=4, limit=1, out_dir=str(tmp_path / "out"), base=str(tiny_dirs["llama"]), overwrite=True)).read_text())
+    r = json.loads(
+        Path(
+            bench.bench_cmd(
+                str(folder),
+                max_new_tokens=4,
+                limit=1,
+                out_dir=str(tmp_path / "out"),
+                base=str(tiny_dirs["llama"]),
+                overwrite=True,
+            )
+        ).read_text()
+    )
     assert r["quality"]["passes"] and "base_prompt_lookup" in r["summary"]
-    r = json.loads(Path(bench.bench_cmd(str(tiny_export), max_new_tokens=4, limit=1, out_dir=str(tmp_path / "out"), quality=False)).read_text())
+    r = json.loads(
+        Path(
+            bench.bench_cmd(
+                str(tiny_export),
+                max_new_tokens=4,
+                limit=1,
+                out_dir=str(tmp_path / "out"),
+                quality=False,
+            )
+        ).read_text()
+    )
     assert r["quality"] is None and "base_prompt_lookup" not in r["summary"]
 
 
@@ -159,13 +256,22 @@ def chat_export(tiny_dirs, tmp_path_factory):
     (base / "chat_template.jinja").write_text(CHAT_TEMPLATE)
     m, tok = load_base(str(base))
     assert tok.chat_template == CHAT_TEMPLATE
-    return export(m, tok, tmp_path_factory.mktemp("bench-chat") / "chat", block_size=4, alpha=1.0, card={"base_model": str(base)})
+    return export(
+        m,
+        tok,
+        tmp_path_factory.mktemp("bench-chat") / "chat",
+        block_size=4,
+        alpha=1.0,
+        card={"base_model": str(base)},
+    )
 
 
 def test_chat_prompts_mix_every_kind():
     chat = prompts.chat_prompts()
     assert len(chat) == len(prompts.CHAT_PROMPTS) >= 24
-    assert [p["kind"] for p in chat[:6]] == list(prompts.CHAT_KINDS)  # any limit >= 6 has every kind
+    assert [p["kind"] for p in chat[:6]] == list(
+        prompts.CHAT_KINDS
+    )  # any limit >= 6 has every kind
     assert {p["kind"] for p in chat} == set(prompts.CHAT_KINDS) and all(p["chat"] for p in chat)
     assert len({p["id"] for p in chat}) == len(chat) and len({p["text"] for p in chat}) == len(chat)
     assert "code" not in prompts.CHAT_KINDS  # the guard runs HumanEval's tests on kind "code"
@@ -177,35 +283,78 @@ def test_bench_chat_prompts_sampled(chat_export, tmp_path, capsys):
     sampled (0.7, 0.9, seeded) under summary_sampling with the fields of summary, per kind too."""
     from transformers import AutoTokenizer
 
-    path = Path(bench.bench_cmd(str(chat_export), max_new_tokens=6, limit=6, out_dir=str(tmp_path), prompts="chat", sampling=True, seed=5, card=True))
+    path = Path(
+        bench.bench_cmd(
+            str(chat_export),
+            max_new_tokens=6,
+            limit=6,
+            out_dir=str(tmp_path),
+            prompts="chat",
+            sampling=True,
+            seed=5,
+            card=True,
+        )
+    )
     r = json.loads(path.read_text())
-    assert r["prompt_set"] == "chat" and r["sampling"] == {"temperature": 0.7, "top_p": 0.9, "seed": 5}
+    assert r["prompt_set"] == "chat" and r["sampling"] == {
+        "temperature": 0.7,
+        "top_p": 0.9,
+        "seed": 5,
+    }
     tok = AutoTokenizer.from_pretrained(chat_export)
     for row, p in zip(r["rows"], prompts.chat_prompts(6)):
-        ids = tok.apply_chat_template([{"role": "user", "content": p["text"]}], add_generation_prompt=True, return_dict=True)["input_ids"]
-        assert row["id"] == p["id"] and row["prompt_tokens"] == len(ids) > len(tok(p["text"]).input_ids)
-        assert set(row["sampling"]) == set(r["summary"])  # every decoder sampled too, base prompt lookup included
-        assert all(run["new_tokens"] == 6 and run["identical_to_ar"] is None for run in row["sampling"].values())
+        ids = tok.apply_chat_template(
+            [{"role": "user", "content": p["text"]}], add_generation_prompt=True, return_dict=True
+        )["input_ids"]
+        assert row["id"] == p["id"] and row["prompt_tokens"] == len(ids) > len(
+            tok(p["text"]).input_ids
+        )
+        assert set(row["sampling"]) == set(
+            r["summary"]
+        )  # every decoder sampled too, base prompt lookup included
+        assert all(
+            run["new_tokens"] == 6 and run["identical_to_ar"] is None
+            for run in row["sampling"].values()
+        )
     assert set(r["summary_sampling"]) == set(r["summary"])
     for decoder, s in r["summary"].items():
         assert set(r["summary_sampling"][decoder]) == set(s), decoder  # the same fields
     export_rows = [d for d in r["summary"] if DECODERS[d].weights == "export"]
-    assert all(r["summary"][d]["all_identical"] for d in export_rows)  # greedy stays exact on chat prompts
-    assert all(r["summary_sampling"][d]["identical"] is None for d in r["summary_sampling"])  # other draws: not compared
-    assert set(r["summary_by_kind"]) == set(r["summary_sampling_by_kind"]) == set(prompts.CHAT_KINDS)
+    assert all(
+        r["summary"][d]["all_identical"] for d in export_rows
+    )  # greedy stays exact on chat prompts
+    assert all(
+        r["summary_sampling"][d]["identical"] is None for d in r["summary_sampling"]
+    )  # other draws: not compared
+    assert (
+        set(r["summary_by_kind"]) == set(r["summary_sampling_by_kind"]) == set(prompts.CHAT_KINDS)
+    )
     assert all(part["tidar"]["prompts"] == 1 for part in r["summary_sampling_by_kind"].values())
-    assert sum(r["accepted_histogram_sampling"].values()) == r["summary_sampling"]["tidar"]["nfe"] - r["prompts"]
+    assert (
+        sum(r["accepted_histogram_sampling"].values())
+        == r["summary_sampling"]["tidar"]["nfe"] - r["prompts"]
+    )
     sampled = [row["sampling"]["ar"]["tokens"] for row in r["rows"]]
-    assert sampled != [row["ar"]["tokens"] for row in r["rows"]]  # temperature 0.7 on a random model: other tokens
+    assert sampled != [
+        row["ar"]["tokens"] for row in r["rows"]
+    ]  # temperature 0.7 on a random model: other tokens
     err = capsys.readouterr().err
     assert "sampled (temperature 0.7, top_p 0.9, seed 5):" in err and "passage prompts (1)" in err
-    md = (tmp_path / "chat.md").read_text()  # the README-ready table, and the model card: both modes
-    assert "chat prompts through the chat template" in md and "Sampled (temperature 0.7, top_p 0.9, seed 5" in md and "| (sampled) |" in md
+    md = (
+        tmp_path / "chat.md"
+    ).read_text()  # the README-ready table, and the model card: both modes
+    assert (
+        "chat prompts through the chat template" in md
+        and "Sampled (temperature 0.7, top_p 0.9, seed 5" in md
+        and "| (sampled) |" in md
+    )
     # seeded: a prompt's sampled tokens are the same on every run, for TiDAR and AR alike
     from tidar_convert.exports.folder import load
 
     lm = load(chat_export)
-    again = decoders.bench_prompt(lm, tok, prompts.chat_prompts(1)[0], 6, 4, 4, ("ar", "tidar"), sampling=r["sampling"])
+    again = decoders.bench_prompt(
+        lm, tok, prompts.chat_prompts(1)[0], 6, 4, 4, ("ar", "tidar"), sampling=r["sampling"]
+    )
     assert again["sampling"]["ar"]["tokens"] == r["rows"][0]["sampling"]["ar"]["tokens"]
     assert again["sampling"]["tidar"]["tokens"] == r["rows"][0]["sampling"]["tidar"]["tokens"]
 
@@ -222,18 +371,38 @@ def test_bench_eos_at_once(tiny_export, tmp_path):
     firsts = set()
     for p in prompts.bench_prompts(limit=2):
         ids = tok(p["text"], return_tensors="pt").input_ids
-        firsts.add(int(lm.generate(ids, max_new_tokens=1, do_sample=False, tidar=False, pad_token_id=tok.pad_token_id)[0, -1]))
+        firsts.add(
+            int(
+                lm.generate(
+                    ids,
+                    max_new_tokens=1,
+                    do_sample=False,
+                    tidar=False,
+                    pad_token_id=tok.pad_token_id,
+                )[0, -1]
+            )
+        )
     gen_file = folder / "generation_config.json"
     gen = json.loads(gen_file.read_text())
     gen["eos_token_id"] = sorted(firsts)
     gen_file.write_text(json.dumps(gen))
 
-    r = json.loads(Path(bench.bench_cmd(str(folder), max_new_tokens=8, limit=2, out_dir=str(tmp_path / "out"))).read_text())
+    r = json.loads(
+        Path(
+            bench.bench_cmd(str(folder), max_new_tokens=8, limit=2, out_dir=str(tmp_path / "out"))
+        ).read_text()
+    )
     for decoder in (d for d in r["summary"] if DECODERS[d].weights == "export"):
-        assert r["summary"][decoder]["new_tokens"] == 2 and r["summary"][decoder]["nfe"] == 2, decoder
+        assert r["summary"][decoder]["new_tokens"] == 2 and r["summary"][decoder]["nfe"] == 2, (
+            decoder
+        )
         assert r["summary"][decoder]["all_identical"]
-        assert r["summary"][decoder]["slots_per_step"] is None  # no step after the prefill: no mean to take
-    assert all(DECODERS[d].weights == "base" for d in r["slot_latency"]["decoder_steps"])  # the base has its own EOS
+        assert (
+            r["summary"][decoder]["slots_per_step"] is None
+        )  # no step after the prefill: no mean to take
+    assert all(
+        DECODERS[d].weights == "base" for d in r["slot_latency"]["decoder_steps"]
+    )  # the base has its own EOS
     assert sum(r["accepted_histogram"].values()) == 0
     assert all(Path(p).exists() for p in r["plots"].values())
 
@@ -257,7 +426,9 @@ def test_bench_rejects_bad_input(tiny_dirs, tiny_export):
         bench.bench_cmd(str(tiny_export), prompts="chat")
     from tidar_convert.bench.serve import bench_serve_cmd
 
-    with pytest.raises(ValueError, match="has no chat template"):  # refused before any server starts
+    with pytest.raises(
+        ValueError, match="has no chat template"
+    ):  # refused before any server starts
         bench_serve_cmd(str(tiny_export))
     with pytest.raises(ValueError, match=r"clients=\[1, 0\].*>= 1"):
         bench_serve_cmd(str(tiny_export), clients=[1, 0])
@@ -286,10 +457,16 @@ def test_perplexity_is_exp_mean_nll(tiny_dirs, tokenizer):
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(tiny_dirs["llama"]).eval()
-    texts = ["def f(x):\n    return x + 1\n", "The quick brown fox jumps over the lazy dog.", "import os\nprint(os.getcwd())\n"]
+    texts = [
+        "def f(x):\n    return x + 1\n",
+        "The quick brown fox jumps over the lazy dog.",
+        "import os\nprint(os.getcwd())\n",
+    ]
     n_tokens = sum(len(tokenizer(t, add_special_tokens=False).input_ids) + 1 for t in texts)
     max_tokens = n_tokens - 5  # cut inside the last document, and leave a short last chunk
-    got = perplexity.perplexity(model, tokenizer, texts, seq_len=8, max_tokens=max_tokens, progress=False)
+    got = perplexity.perplexity(
+        model, tokenizer, texts, seq_len=8, max_tokens=max_tokens, progress=False
+    )
     assert got == pytest.approx(hand_perplexity(model, tokenizer, texts, 8, max_tokens), rel=1e-5)
     with pytest.raises(ValueError, match="seq_len=1"):
         perplexity.perplexity(model, tokenizer, texts, seq_len=1)
@@ -298,7 +475,10 @@ def test_perplexity_is_exp_mean_nll(tiny_dirs, tokenizer):
 def test_eval_ppl_cmd_on_a_folder(tiny_dirs, tokenizer, tmp_path, capsys):
     from transformers import AutoModelForCausalLM
 
-    docs = ["Call the function twice and compare the results.\n", "The river rose through the night and the town slept.\n"]
+    docs = [
+        "Call the function twice and compare the results.\n",
+        "The river rose through the night and the town slept.\n",
+    ]
     for i, d in enumerate(docs):
         (tmp_path / f"{i}.txt").write_text(d)
     ppl = perplexity.eval_ppl_cmd(str(tiny_dirs["llama"]), str(tmp_path), seq_len=16, max_tokens=64)
@@ -313,21 +493,53 @@ def test_bench_gpu_dry_run(tmp_path):
     assert r["dry_run"] and r["machine"]["device"] == "cpu"
     assert [p["slots"] for p in r["slots"]["by_impl"]["sdpa"]] == list(bench_gpu.DRY_PLAN.slots)
     decode = r["decode"]["by_impl"]["sdpa"]
-    assert [row["k"] for row in decode] == [4, 8, 16] and [row["slots"] for row in decode] == [20, 72, 272]
+    assert [row["k"] for row in decode] == [4, 8, 16] and [row["slots"] for row in decode] == [
+        20,
+        72,
+        272,
+    ]
     assert all(row["tidar_step_ms"] > 0 and row["ar_step_ms"] > 0 for row in decode)
     assert r["train"]["ar"]["tokens_per_s"] > 0 and r["train"]["tidar"]["tokens_per_s"] > 0
-    fsdp = r["train"]["tidar_fsdp"]  # the recipes' FSDP2 step, in a one-process group closed afterwards
-    assert fsdp["tokens_per_s"] > 0 and fsdp["mesh"] == [1] and r["train"]["tidar_fsdp_vs_tidar"] > 0
+    fsdp = r["train"][
+        "tidar_fsdp"
+    ]  # the recipes' FSDP2 step, in a one-process group closed afterwards
+    assert (
+        fsdp["tokens_per_s"] > 0 and fsdp["mesh"] == [1] and r["train"]["tidar_fsdp_vs_tidar"] > 0
+    )
     assert fsdp["mfu"] is None and fsdp["tflops"] > 0  # no known peak for a CPU
     assert not torch.distributed.is_initialized()
-    assert set(r) >= {"slots", "decode", "train", "engine", "conversion", "machine", "model", "seconds"}
-    engine = r["engine"]["by_impl"]["sdpa"]  # generate() on the device, trained on cycles: drafts accepted, output AR's
-    assert engine["identical"] == f"{bench_gpu.DRY_PLAN.engine_prompts}/{bench_gpu.DRY_PLAN.engine_prompts}" and engine["tokens_per_nfe"] > 1.5
+    assert set(r) >= {
+        "slots",
+        "decode",
+        "train",
+        "engine",
+        "conversion",
+        "machine",
+        "model",
+        "seconds",
+    }
+    engine = r["engine"]["by_impl"][
+        "sdpa"
+    ]  # generate() on the device, trained on cycles: drafts accepted, output AR's
+    assert (
+        engine["identical"]
+        == f"{bench_gpu.DRY_PLAN.engine_prompts}/{bench_gpu.DRY_PLAN.engine_prompts}"
+        and engine["tokens_per_nfe"] > 1.5
+    )
 
 
 def test_bench_gpu_runs_only_the_sections_asked(tmp_path):
-    r = json.loads(bench_gpu.main(["--dry-run", "--only", "decode", "--out", str(tmp_path / "gpu.json")]).read_text())
-    assert r["sections"] == ["decode"] and r["decode"]["by_impl"]["sdpa"] and not r["slots"]["by_impl"] and "train" not in r
+    r = json.loads(
+        bench_gpu.main(
+            ["--dry-run", "--only", "decode", "--out", str(tmp_path / "gpu.json")]
+        ).read_text()
+    )
+    assert (
+        r["sections"] == ["decode"]
+        and r["decode"]["by_impl"]["sdpa"]
+        and not r["slots"]["by_impl"]
+        and "train" not in r
+    )
     with pytest.raises(SystemExit):
         bench_gpu.main(["--dry-run", "--only", "slot", "--out", str(tmp_path / "x.json")])
 
@@ -347,8 +559,17 @@ def test_without_hides_packages_from_imports_and_probes(tmp_path):
     )
     root = Path(__file__).resolve().parents[1]
     env = {**os.environ, "PYTHONPATH": str(tmp_path)}
-    out = subprocess.run([sys.executable, str(root / "bench" / "without.py"), "wandb,gguf", "probe", "--x"], env=env, capture_output=True, text=True, check=True)
-    assert out.stdout.splitlines() == ["True False ['--x']", "hidden wandb"]  # its parent package is what fails
+    out = subprocess.run(
+        [sys.executable, str(root / "bench" / "without.py"), "wandb,gguf", "probe", "--x"],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert out.stdout.splitlines() == [
+        "True False ['--x']",
+        "hidden wandb",
+    ]  # its parent package is what fails
 
 
 def test_cpu_default_is_minutes_and_gpu_default_is_every_prompt():
@@ -381,13 +602,41 @@ def test_decoder_table_says_weights_and_generate_arguments():
     assert kw["prompt_lookup"] == {"tidar": False, "prompt_lookup_num_tokens": 3}
     assert kw["tidar"] == {"tidar": True, "block_size": 4}  # the engine's default drafter
     assert kw["tidar_adaptive"] == {"tidar": True, "block_size": 4, "plan": "adaptive"}
-    assert kw["tidar_diffusion"] == {"tidar": True, "block_size": 4, "drafter": "diffusion", "plan": "adaptive", "siblings": 0}  # its acceptance, whatever a step costs
-    assert kw["tidar_diffusion_tree"] == kw["tidar_diffusion"] | {"siblings": 3} and kw["tidar_chain"] == kw["tidar"] | {"siblings": 0}
+    assert kw["tidar_diffusion"] == {
+        "tidar": True,
+        "block_size": 4,
+        "drafter": "diffusion",
+        "plan": "adaptive",
+        "siblings": 0,
+    }  # its acceptance, whatever a step costs
+    assert kw["tidar_diffusion_tree"] == kw["tidar_diffusion"] | {"siblings": 3} and kw[
+        "tidar_chain"
+    ] == kw["tidar"] | {"siblings": 0}
     assert kw["tidar_diffusion_wide"] == kw["tidar_diffusion"] | {"siblings": 7, "slot_budget": 96}
-    assert kw["tidar_lookup"] == {"tidar": True, "block_size": 4, "drafter": "lookup", "plan": "cost"}
-    assert kw["base_prompt_lookup"] == {"prompt_lookup_num_tokens": 3}  # transformers' own generate: no `tidar`
-    assert not DECODERS["base_prompt_lookup"].packs_here()  # and its stock product: what a user has without converting
-    assert decoders.decoder_names("export") == ("ar", "ar_stock", "prompt_lookup", "tidar", "tidar_chain", "tidar_adaptive", "tidar_diffusion", "tidar_diffusion_tree", "tidar_diffusion_wide", "tidar_lookup")
+    assert kw["tidar_lookup"] == {
+        "tidar": True,
+        "block_size": 4,
+        "drafter": "lookup",
+        "plan": "cost",
+    }
+    assert kw["base_prompt_lookup"] == {
+        "prompt_lookup_num_tokens": 3
+    }  # transformers' own generate: no `tidar`
+    assert not DECODERS[
+        "base_prompt_lookup"
+    ].packs_here()  # and its stock product: what a user has without converting
+    assert decoders.decoder_names("export") == (
+        "ar",
+        "ar_stock",
+        "prompt_lookup",
+        "tidar",
+        "tidar_chain",
+        "tidar_adaptive",
+        "tidar_diffusion",
+        "tidar_diffusion_tree",
+        "tidar_diffusion_wide",
+        "tidar_lookup",
+    )
     assert decoders.decoder_names("base") == ("base_prompt_lookup",)
 
 
@@ -397,26 +646,46 @@ def test_a_new_decoder_is_one_table_entry(tiny_export, monkeypatch):
     from tidar_convert.bench.summary import summarize
     from tidar_convert.exports.folder import load
 
-    monkeypatch.setitem(DECODERS, "tidar_k2", Decoder(tidar=True, block_size=2, plan="adaptive"))  # the one line
+    monkeypatch.setitem(
+        DECODERS, "tidar_k2", Decoder(tidar=True, block_size=2, plan="adaptive")
+    )  # the one line
     lm, tok = load(tiny_export), AutoTokenizer.from_pretrained(tiny_export)
-    row = decoders.bench_prompt(lm, tok, prompts.bench_prompts(1)[0], 6, 4, 3, ("ar", "tidar_adaptive", "tidar_k2"))
+    row = decoders.bench_prompt(
+        lm, tok, prompts.bench_prompts(1)[0], 6, 4, 3, ("ar", "tidar_adaptive", "tidar_k2")
+    )
     summary = summarize([row])
-    assert list(summary) == ["ar", "tidar_adaptive", "tidar_k2"] and summary["tidar_k2"]["all_identical"]
-    for source, table in summary["tidar_k2"]["acceptance_by_offset"].items():  # the per-offset rates, summed over prompts
-        assert source in ("lookup", "diffusion") and len(table["acceptance"]) <= 1  # k=2: one proposal after the anchor
+    assert (
+        list(summary) == ["ar", "tidar_adaptive", "tidar_k2"]
+        and summary["tidar_k2"]["all_identical"]
+    )
+    for source, table in summary["tidar_k2"][
+        "acceptance_by_offset"
+    ].items():  # the per-offset rates, summed over prompts
+        assert (
+            source in ("lookup", "diffusion") and len(table["acceptance"]) <= 1
+        )  # k=2: one proposal after the anchor
         assert table["acceptance"] == [a / j for a, j in zip(table["accepted"], table["judged"])]
     # it really ran with its own k: fewer slots a step (the adaptive plan: slots that do not follow timings)
     assert row["tidar_k2"]["slots_per_step"] < row["tidar_adaptive"]["slots_per_step"]
 
 
-@pytest.mark.parametrize("decoder,pays,packed", [("ar", True, True), ("ar", False, False), ("ar_stock", True, False), ("tidar", True, True), ("tidar", False, False)])
+@pytest.mark.parametrize(
+    "decoder,pays,packed",
+    [
+        ("ar", True, True),
+        ("ar", False, False),
+        ("ar_stock", True, False),
+        ("tidar", True, True),
+        ("tidar", False, False),
+    ],
+)
 def test_each_row_runs_the_kernels_it_names(tiny_export, decoder, pays, packed, monkeypatch):
     """Default rows run what generate() chooses on this machine (packed where kernels.packing_pays,
     here faked either way), ar_stock the stock product whatever packing would give."""
     from transformers import AutoTokenizer
 
-    from tidar_convert.runtime import kernels
     from tidar_convert.exports.folder import load
+    from tidar_convert.runtime import kernels
 
     if packed and not kernels.available():
         pytest.skip("this torch build has no oneDNN packed linear")
@@ -424,8 +693,14 @@ def test_each_row_runs_the_kernels_it_names(tiny_export, decoder, pays, packed, 
     lm, tok = load(tiny_export), AutoTokenizer.from_pretrained(tiny_export)
     layer = lm.get_output_embeddings()
     seen = []
-    hook = layer.register_forward_pre_hook(lambda module, args: seen.append(getattr(module.__dict__.get("forward"), "_tidar_packed", False)))
-    decoders.run_decoder(lm, tok("def f", return_tensors="pt").input_ids, decoder, 4, tok.pad_token_id, 4, 3)
+    hook = layer.register_forward_pre_hook(
+        lambda module, args: seen.append(
+            getattr(module.__dict__.get("forward"), "_tidar_packed", False)
+        )
+    )
+    decoders.run_decoder(
+        lm, tok("def f", return_tensors="pt").input_ids, decoder, 4, tok.pad_token_id, 4, 3
+    )
     hook.remove()
     assert seen and set(seen) == {packed}
 
@@ -439,7 +714,11 @@ def test_forward_counter_counts_slots_and_lm_head_rows(tiny_export):
     cache = DynamicCache()
     with torch.no_grad(), decoders.ForwardCounter(lm) as count:
         for n, keep in ((7, 1), (5, 0), (3, 2)):  # prefill 7 slots, then steps of 5 and 3 slots
-            lm(input_ids=torch.randint(0, 100, (1, n)), logits_to_keep=keep, **forward.cache_kwargs(lm, cache))
+            lm(
+                input_ids=torch.randint(0, 100, (1, n)),
+                logits_to_keep=keep,
+                **forward.cache_kwargs(lm, cache),
+            )
     assert count.slots == [7, 5, 3] and count.head_rows == [1, 5, 2]
     assert count.forwards == 3 and count.steps == 2
     assert count.per_step(count.slots) == 4.0 and count.per_step(count.head_rows) == 3.5
@@ -465,17 +744,41 @@ ENGINE_HAS_DRAFTERS = "drafter" in inspect.signature(decode.generate).parameters
 
 
 @pytest.mark.slow  # a whole bench run (make test runs it; make test-fast skips it)
-@pytest.mark.xfail(not ENGINE_HAS_DRAFTERS, reason="decode.generate has no drafter= until the engine branch merges", strict=True)
+@pytest.mark.xfail(
+    not ENGINE_HAS_DRAFTERS,
+    reason="decode.generate has no drafter= until the engine branch merges",
+    strict=True,
+)
 def test_drafter_rows(tiny_export, tmp_path):
     """Each TiDAR drafter is a bench row, AR-exact, with the engine's own per-step counts."""
-    r = json.loads(Path(bench.bench_cmd(str(tiny_export), max_new_tokens=8, limit=1, out_dir=str(tmp_path), quality=False)).read_text())
+    r = json.loads(
+        Path(
+            bench.bench_cmd(
+                str(tiny_export), max_new_tokens=8, limit=1, out_dir=str(tmp_path), quality=False
+            )
+        ).read_text()
+    )
     assert r["skipped_decoders"] == {}
-    for decoder in ("tidar", "tidar_chain", "tidar_diffusion", "tidar_diffusion_tree", "tidar_diffusion_wide", "tidar_lookup"):
+    for decoder in (
+        "tidar",
+        "tidar_chain",
+        "tidar_diffusion",
+        "tidar_diffusion_tree",
+        "tidar_diffusion_wide",
+        "tidar_lookup",
+    ):
         s = r["summary"][decoder]
         assert s["all_identical"], decoder
-        assert s["slots_per_step"] is not None and s["lm_head_rows_per_step"] is not None and s["draft_sources"] is not None, decoder
+        assert (
+            s["slots_per_step"] is not None
+            and s["lm_head_rows_per_step"] is not None
+            and s["draft_sources"] is not None
+        ), decoder
         assert r["decoders"][decoder].get("drafter") == DECODERS[decoder].drafter
-        assert s["sibling_steps"] >= 0 and r["decoders"][decoder].get("siblings") == DECODERS[decoder].siblings
+        assert (
+            s["sibling_steps"] >= 0
+            and r["decoders"][decoder].get("siblings") == DECODERS[decoder].siblings
+        )
         for row in r["rows"]:
             assert row[decoder]["engine_slots_per_step"] is not None, decoder
     assert set(r["slot_latency"]["decoder_steps"]) >= {"tidar", "tidar_diffusion", "tidar_lookup"}
@@ -483,7 +786,18 @@ def test_drafter_rows(tiny_export, tmp_path):
 
 @pytest.mark.slow  # a whole bench run (make test runs it; make test-fast skips it)
 def test_bench_in_bfloat16(tiny_export, tmp_path):
-    r = json.loads(Path(bench.bench_cmd(str(tiny_export), max_new_tokens=4, limit=1, out_dir=str(tmp_path), quality=False, dtype="bfloat16")).read_text())
+    r = json.loads(
+        Path(
+            bench.bench_cmd(
+                str(tiny_export),
+                max_new_tokens=4,
+                limit=1,
+                out_dir=str(tmp_path),
+                quality=False,
+                dtype="bfloat16",
+            )
+        ).read_text()
+    )
     assert r["machine"]["dtype"] == "torch.bfloat16"
     assert r["summary"]["tidar"]["new_tokens"] == 4 and r["step_breakdown"]["total_ms"] > 0
 
@@ -505,7 +819,9 @@ def test_phase_shares_split_the_profiled_time_by_tidar_labels():
         with record_function(steps.REGION):
             with record_function("tidar.verify"):
                 work(20)
-                with record_function("tidar.lm_head"):  # nested: reported under its path, not subtracted twice
+                with record_function(
+                    "tidar.lm_head"
+                ):  # nested: reported under its path, not subtracted twice
                     work(10)
             with record_function("tidar.crop"):
                 work(5)
@@ -517,44 +833,80 @@ def test_phase_shares_split_the_profiled_time_by_tidar_labels():
     out = steps.phase_shares(steps.spans(prof))
     p = out["phases"]
     # lm_head inside verify is keyed by its path, apart from the lm_head that runs on its own
-    assert set(p) == {"tidar.verify", "tidar.verify > tidar.lm_head", "tidar.lm_head", "tidar.crop", "other"}
+    assert set(p) == {
+        "tidar.verify",
+        "tidar.verify > tidar.lm_head",
+        "tidar.lm_head",
+        "tidar.crop",
+        "other",
+    }
     assert p["tidar.verify > tidar.lm_head"]["ms"] < p["tidar.verify"]["ms"]
     top = ("tidar.verify", "tidar.lm_head", "tidar.crop")
     assert p["other"]["ms"] == pytest.approx(out["total_ms"] - sum(p[label]["ms"] for label in top))
     assert sum(p[label]["share"] for label in (*top, "other")) == pytest.approx(1.0)
-    assert p["other"]["share"] > 0  # the unlabelled work and the unrelated label (its size is timing: flaky under load at > 0.1)
+    assert (
+        p["other"]["share"] > 0
+    )  # the unlabelled work and the unrelated label (its size is timing: flaky under load at > 0.1)
     # no engine labels at all (an engine from before the phases were named): everything is other
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         with record_function(steps.REGION):
             work(5)
     alone = steps.phase_shares(steps.spans(prof))
-    assert alone["phases"] == {"other": {"ms": alone["total_ms"], "share": 1.0}} and alone["total_ms"] > 0
+    assert (
+        alone["phases"] == {"other": {"ms": alone["total_ms"], "share": 1.0}}
+        and alone["total_ms"] > 0
+    )
 
 
 def test_slot_plot_marks_each_decoder_step(tmp_path, monkeypatch):
-    points = [{"slots": n, "ms": ms} for n, ms in ((1, 10.0), (2, 10.0), (4, 12.0), (8, 20.0), (16, 36.0))]
-    assert slots.latency_at(points, 1) == 10.0 and slots.latency_at(points, 6) == pytest.approx(12 + 8 * (math.log2(6) - 2))
+    points = [
+        {"slots": n, "ms": ms} for n, ms in ((1, 10.0), (2, 10.0), (4, 12.0), (8, 20.0), (16, 36.0))
+    ]
+    assert slots.latency_at(points, 1) == 10.0 and slots.latency_at(points, 6) == pytest.approx(
+        12 + 8 * (math.log2(6) - 2)
+    )
     assert slots.latency_at(points, 100) == 36.0  # held at the last measured size
-    summary = {"ar": {"slots_per_step": 1.0}, "prompt_lookup": {"slots_per_step": 3.0}, "tidar": {"slots_per_step": 12.0}, "eos_at_once": {"slots_per_step": None}}
+    summary = {
+        "ar": {"slots_per_step": 1.0},
+        "prompt_lookup": {"slots_per_step": 3.0},
+        "tidar": {"slots_per_step": 12.0},
+        "eos_at_once": {"slots_per_step": None},
+    }
     at = slots.decoder_steps(summary, points)
     assert set(at) == {"ar", "prompt_lookup", "tidar"}
-    assert at["tidar"]["ms"] == pytest.approx(slots.latency_at(points, 12.0)) and at["tidar"]["vs_one_slot"] == pytest.approx(at["tidar"]["ms"] / 10)
+    assert at["tidar"]["ms"] == pytest.approx(slots.latency_at(points, 12.0)) and at["tidar"][
+        "vs_one_slot"
+    ] == pytest.approx(at["tidar"]["ms"] / 10)
     figures = []
     save = plots._save
     monkeypatch.setattr(plots, "_save", lambda fig, path: (figures.append(fig), save(fig, path))[1])
     path = plots.plot_slots(points, tmp_path / "slots.png", "t", full_step=20, steps=at)
     assert path.read_bytes()[:4] == PNG
     ax = figures[0].axes[0]
-    marks = {line.get_label().split(":")[0]: (line.get_xdata()[0], line.get_ydata()[0]) for line in ax.get_lines() if "slots/step" in line.get_label()}
+    marks = {
+        line.get_label().split(":")[0]: (line.get_xdata()[0], line.get_ydata()[0])
+        for line in ax.get_lines()
+        if "slots/step" in line.get_label()
+    }
     assert marks == {d: (a["slots_per_step"], a["ms"]) for d, a in at.items()}
     # Decoders on PyTorch's stock product sit on the stock curve, each against its own one slot.
     stock = [{"slots": n, "ms": 2 * p["ms"]} for n, p in zip((1, 2, 4, 8, 16), points)]
     both = slots.decoder_steps({**summary, "ar_stock": {"slots_per_step": 1.0}}, points, stock)
-    assert both["ar_stock"] == {"slots_per_step": 1.0, "ms": 20.0, "vs_one_slot": 1.0, "beyond_curve": False, "curve": "stock"}
+    assert both["ar_stock"] == {
+        "slots_per_step": 1.0,
+        "ms": 20.0,
+        "vs_one_slot": 1.0,
+        "beyond_curve": False,
+        "curve": "stock",
+    }
     assert both["tidar"] == {**at["tidar"], "curve": "default"}
-    plots.plot_slots(points, tmp_path / "products.png", "t", stock=stock, packed=points)  # the two products the default chose between
+    plots.plot_slots(
+        points, tmp_path / "products.png", "t", stock=stock, packed=points
+    )  # the two products the default chose between
     labels = [line.get_label() for line in figures[-1].axes[0].get_lines()]
-    assert "one forward, stock PyTorch product" in labels and "one forward, packed weights" in labels
+    assert (
+        "one forward, stock PyTorch product" in labels and "one forward, packed weights" in labels
+    )
     assert "full TiDAR step: k + k*k = 20" in [t.get_text() for t in ax.get_legend().get_texts()]
 
 
@@ -569,10 +921,19 @@ def test_perplexity_packs_with_data_and_loads_with_loading(tiny_dirs, tmp_path, 
 
     calls = []
     pack, load_pretrained = data.pack, loading.load_pretrained
-    monkeypatch.setattr(data, "pack", lambda *a, **kw: (calls.append(("pack", kw)), pack(*a, **kw))[1])
-    monkeypatch.setattr(loading, "load_pretrained", lambda *a, **kw: (calls.append(("load", a)), load_pretrained(*a, **kw))[1])
+    monkeypatch.setattr(
+        data, "pack", lambda *a, **kw: (calls.append(("pack", kw)), pack(*a, **kw))[1]
+    )
+    monkeypatch.setattr(
+        loading,
+        "load_pretrained",
+        lambda *a, **kw: (calls.append(("load", a)), load_pretrained(*a, **kw))[1],
+    )
     (tmp_path / "a.txt").write_text("The river rose through the night and the town slept.\n")
-    assert perplexity.eval_ppl_cmd(str(tiny_dirs["llama"]), str(tmp_path), seq_len=8, max_tokens=30) > 0
+    assert (
+        perplexity.eval_ppl_cmd(str(tiny_dirs["llama"]), str(tmp_path), seq_len=8, max_tokens=30)
+        > 0
+    )
     assert ("pack", {"tail": True}) in calls and ("load", (str(tiny_dirs["llama"]),)) in calls
     # pack's tail: the short last chunk an evaluation keeps (training drops it)
     chunks = [ids.tolist() for ids, _ in data.pack(iter([[1, 2, 3], [4, 5]]), 4, tail=True)]
@@ -597,11 +958,17 @@ def test_load_base_does_not_announce_its_mean_resizing(tiny_dirs):
     root.setLevel(logging.WARNING)  # as a bench run has it (fit's CLI lowers it anyway)
     hf_logging.warning_once.cache_clear()  # the notices are once per process: make them due again
     try:
-        model, tok = load_base(str(tiny_dirs["llama"]))  # an untied llama: embeddings and head resized
-        hf_logging.get_logger("transformers.modeling_utils").warning("a notice that is not the one silenced")
+        model, tok = load_base(
+            str(tiny_dirs["llama"])
+        )  # an untied llama: embeddings and head resized
+        hf_logging.get_logger("transformers.modeling_utils").warning(
+            "a notice that is not the one silenced"
+        )
     finally:
         root.removeHandler(handler)
         root.setLevel(level)
-    assert tok.mask_token is not None and model.get_input_embeddings().num_embeddings >= len(tok)  # it did resize
+    assert tok.mask_token is not None and model.get_input_embeddings().num_embeddings >= len(
+        tok
+    )  # it did resize
     assert "a notice that is not the one silenced" in records
     assert not [m for m in records if "multivariate normal" in m], records

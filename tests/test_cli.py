@@ -6,11 +6,10 @@ import shutil
 
 import pytest
 import torch
+from helpers import cycle_batch
 
 from tidar_convert import export
 from tidar_convert.cli import main
-
-from helpers import cycle_batch
 
 
 @pytest.fixture(scope="module")
@@ -28,15 +27,36 @@ def run_json(capsys, *args):
 def test_generate_json_same_text_in_tidar_and_ar_mode(exported, trained, capsys):
     _, tok = trained["llama"]
     prompt = tok.decode(cycle_batch(1, 6, seed=1)[0])
-    common = ["--model", str(exported), "--prompt", prompt, "--max-new-tokens", "24", "--no-chat-template"]
+    common = [
+        "--model",
+        str(exported),
+        "--prompt",
+        prompt,
+        "--max-new-tokens",
+        "24",
+        "--no-chat-template",
+    ]
     td = run_json(capsys, *common, "--mode", "tidar")
     ar = run_json(capsys, *common, "--mode", "ar")
     assert td["text"] == ar["text"] and td["new_tokens"] == ar["new_tokens"] > 0
     assert set(td) == {"text", "new_tokens", "nfe", "tokens_per_nfe", "seconds"}
     assert td["nfe"] < ar["nfe"] and td["tokens_per_nfe"] > 1.5
-    runs = [("tidar", "--top-p"), ("tidar", "--top_p"), ("tidar", "--top-p"), ("ar", "--top-p"), ("ar", "--top_p")]
-    sampled = [run_json(capsys, *common, "--temperature", "0.8", top_p, "0.9", "--seed", "3", "--mode", mode)["text"] for mode, top_p in runs]
-    assert len(set(sampled[:3])) == 1 and len(set(sampled[3:])) == 1  # seeded: the same text every run, under the default (cost) plan too
+    runs = [
+        ("tidar", "--top-p"),
+        ("tidar", "--top_p"),
+        ("tidar", "--top-p"),
+        ("ar", "--top-p"),
+        ("ar", "--top_p"),
+    ]
+    sampled = [
+        run_json(
+            capsys, *common, "--temperature", "0.8", top_p, "0.9", "--seed", "3", "--mode", mode
+        )["text"]
+        for mode, top_p in runs
+    ]
+    assert (
+        len(set(sampled[:3])) == 1 and len(set(sampled[3:])) == 1
+    )  # seeded: the same text every run, under the default (cost) plan too
     stock = run_json(capsys, *common, "--mode", "tidar", "--pack-weights", "false")
     assert stock["text"] == td["text"]  # PyTorch's stock product: the same greedy tokens
 
@@ -49,7 +69,9 @@ def chat_export(trained, tmp_path_factory):
     model, tok = trained["llama"]
     tok.chat_template = CHAT_TEMPLATE  # the tiny tokenizer has none
     try:
-        return export(model, tok, tmp_path_factory.mktemp("cli-chat") / "tidar", block_size=4, alpha=1.0)
+        return export(
+            model, tok, tmp_path_factory.mktemp("cli-chat") / "tidar", block_size=4, alpha=1.0
+        )
     finally:
         tok.chat_template = None
 
@@ -63,18 +85,34 @@ def test_generate_chat_renders_the_prompt_as_the_server_does(chat_export, capsys
     prompt = "def f(x):\n    return x"
     tok = AutoTokenizer.from_pretrained(chat_export)
     model = AutoModelForCausalLM.from_pretrained(chat_export)  # no remote code: transformers' AR
-    ids = tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True, return_tensors="pt", return_dict=True)["input_ids"]
+    ids = tok.apply_chat_template(
+        [{"role": "user", "content": prompt}],
+        add_generation_prompt=True,
+        return_tensors="pt",
+        return_dict=True,
+    )["input_ids"]
     assert tok.decode(ids[0]).endswith("assistant:")
     with torch.no_grad():
-        expected = tok.decode(model.generate(ids, max_new_tokens=16, do_sample=False)[0, ids.shape[1] :], skip_special_tokens=True)
+        expected = tok.decode(
+            model.generate(ids, max_new_tokens=16, do_sample=False)[0, ids.shape[1] :],
+            skip_special_tokens=True,
+        )
     common = ["--model", str(chat_export), "--prompt", prompt, "--max-new-tokens", "16"]
     assert run_json(capsys, *common, "--chat", "--mode", "ar")["text"] == expected
     assert run_json(capsys, *common, "--chat")["text"] == expected  # TiDAR: the same greedy text
-    assert run_json(capsys, *common)["text"] == expected  # the default applies the template where there is one
+    assert (
+        run_json(capsys, *common)["text"] == expected
+    )  # the default applies the template where there is one
     assert run_json(capsys, *common, "--no-chat-template")["text"] != expected
 
 
-@pytest.mark.parametrize("flags,message", [(["--chat"], "has no chat template.*drop --chat"), (["--chat", "--no-chat-template"], "contradict each other")])
+@pytest.mark.parametrize(
+    "flags,message",
+    [
+        (["--chat"], "has no chat template.*drop --chat"),
+        (["--chat", "--no-chat-template"], "contradict each other"),
+    ],
+)
 def test_generate_chat_refusals(exported, capsys, flags, message):
     with pytest.raises(SystemExit):
         main(["generate", "--model", str(exported), "--prompt", "x", *flags])
@@ -93,20 +131,62 @@ def test_export_from_checkpoint(tmp_path, tiny_dirs, capsys):
 
     recipe = str(Path(__file__).parents[1] / "recipes" / "tiny.yaml")
     run = tmp_path / "run"
-    main(["fit", "--config", recipe, "--model.model", str(tiny_dirs["llama"]), "--trainer.max_steps", "10", "--trainer.logger", "false", "--trainer.default_root_dir", str(run)])
-    main(["export", "--checkpoint", str(run / "checkpoints" / "last.ckpt"), "--out", str(tmp_path / "out")])
+    main(
+        [
+            "fit",
+            "--config",
+            recipe,
+            "--model.model",
+            str(tiny_dirs["llama"]),
+            "--trainer.max_steps",
+            "10",
+            "--trainer.logger",
+            "false",
+            "--trainer.default_root_dir",
+            str(run),
+        ]
+    )
+    main(
+        [
+            "export",
+            "--checkpoint",
+            str(run / "checkpoints" / "last.ckpt"),
+            "--out",
+            str(tmp_path / "out"),
+        ]
+    )
     assert f"exported TiDAR model to {tmp_path / 'out'}" in capsys.readouterr().err
     card = (tmp_path / "out" / "README.md").read_text()
     assert "steps: 10" in card and "max_steps: 10" in card  # the step count and the recipe it ran
     with pytest.raises(SystemExit):  # an earlier export is replaced only on request
-        main(["export", "--checkpoint", str(run / "checkpoints" / "last.ckpt"), "--out", str(tmp_path / "out")])
+        main(
+            [
+                "export",
+                "--checkpoint",
+                str(run / "checkpoints" / "last.ckpt"),
+                "--out",
+                str(tmp_path / "out"),
+            ]
+        )
     assert "pass --overwrite" in capsys.readouterr().err
-    main(["export", "--checkpoint", str(run / "checkpoints" / "last.ckpt"), "--out", str(tmp_path / "out"), "--overwrite"])
+    main(
+        [
+            "export",
+            "--checkpoint",
+            str(run / "checkpoints" / "last.ckpt"),
+            "--out",
+            str(tmp_path / "out"),
+            "--overwrite",
+        ]
+    )
     from tidar_convert import load
 
     m = load(tmp_path / "out")
     ids = torch.tensor([[5, 6, 7]])
-    assert torch.equal(m.generate(ids, max_new_tokens=6, do_sample=False), m.generate(ids, max_new_tokens=6, do_sample=False, tidar=False))
+    assert torch.equal(
+        m.generate(ids, max_new_tokens=6, do_sample=False),
+        m.generate(ids, max_new_tokens=6, do_sample=False, tidar=False),
+    )
 
 
 @pytest.mark.parametrize(
@@ -141,9 +221,13 @@ def test_help_names_every_command(capsys):
         main(["--help"])
     assert exit_info.value.code == 0
     out = capsys.readouterr().out
-    assert out.startswith("usage: tidar-convert {fit,validate,check,export,generate,bench,bench-serve,eval-ppl,quality,sweep,distill} ...")
+    assert out.startswith(
+        "usage: tidar-convert {fit,validate,check,export,generate,bench,bench-serve,eval-ppl,quality,sweep,distill} ..."
+    )
     assert "`tidar-convert fit --help` lists them" in out
-    assert "Generate with an exported TiDAR model." in out  # each command's summary, from its docstring
+    assert (
+        "Generate with an exported TiDAR model." in out
+    )  # each command's summary, from its docstring
 
 
 @pytest.mark.subprocess
@@ -155,7 +239,9 @@ def test_the_top_level_help_imports_no_torch():
 
     code = "import sys\nfrom tidar_convert.cli import main\ntry:\n    main(['--help'])\nexcept SystemExit:\n    pass\nprint(sorted(m for m in ('torch', 'transformers', 'lightning', 'jsonargparse') if m in sys.modules))"
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0 and done.stdout.strip().splitlines()[-1] == "[]", done.stdout + done.stderr
+    assert done.returncode == 0 and done.stdout.strip().splitlines()[-1] == "[]", (
+        done.stdout + done.stderr
+    )
 
 
 @pytest.mark.fit
@@ -168,17 +254,36 @@ def test_a_checkpoint_records_its_base_model_absolute(tmp_path, tiny_dirs, monke
     recipe = str(Path(__file__).parents[1] / "recipes" / "tiny.yaml")
     folder, run = tiny_dirs["llama"], tmp_path / "run"
     monkeypatch.chdir(folder.parent)
-    args = ["fit", "--config", recipe, "--model.model", f"./{folder.name}", "--trainer.logger", "false", "--trainer.default_root_dir", str(run),
-            "--model.val_decode_prompts", "0", "--trainer.num_sanity_val_steps", "0"]
+    args = [
+        "fit",
+        "--config",
+        recipe,
+        "--model.model",
+        f"./{folder.name}",
+        "--trainer.logger",
+        "false",
+        "--trainer.default_root_dir",
+        str(run),
+        "--model.val_decode_prompts",
+        "0",
+        "--trainer.num_sanity_val_steps",
+        "0",
+    ]
     main([*args, "--trainer.max_steps", "1"])
     ckpt = run / "checkpoints" / "last.ckpt"
     assert torch.load(ckpt, weights_only=False)["hyper_parameters"]["model"] == str(folder)
-    main([*args, "--trainer.max_steps", "2", "--ckpt_path", str(ckpt)])  # the same model, spelt as at first: resumed
+    main(
+        [*args, "--trainer.max_steps", "2", "--ckpt_path", str(ckpt)]
+    )  # the same model, spelt as at first: resumed
     assert torch.load(ckpt, weights_only=False)["global_step"] == 2
     monkeypatch.chdir(tmp_path)
     main(["export", "--checkpoint", str(ckpt), "--out", str(tmp_path / "out")])
-    assert json.loads((tmp_path / "out" / "config.json").read_text())["tidar_base_model"] == str(folder)
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["tidar_base_model"] == str(
+        folder
+    )
     copy = tmp_path / "base"
     shutil.copytree(folder, copy)
     main(["export", "--checkpoint", str(ckpt), "--out", str(tmp_path / "out2"), "--model", "base"])
-    assert json.loads((tmp_path / "out2" / "config.json").read_text())["tidar_base_model"] == str(copy)
+    assert json.loads((tmp_path / "out2" / "config.json").read_text())["tidar_base_model"] == str(
+        copy
+    )

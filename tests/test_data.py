@@ -3,7 +3,15 @@ import json
 import pytest
 import torch
 
-from tidar_convert.data import is_validation, PackedDocuments, TiDARData, iter_documents, pack, shuffled, split_prose
+from tidar_convert.data import (
+    PackedDocuments,
+    TiDARData,
+    is_validation,
+    iter_documents,
+    pack,
+    shuffled,
+    split_prose,
+)
 
 
 def test_pack_numbers_documents_inside_each_chunk():
@@ -51,8 +59,19 @@ def test_stdlib_heldout_is_what_training_at_val_every_50_never_reads():
 
 def test_train_and_validation_documents_are_disjoint(tokenizer, tmp_path):
     rows = tmp_path / "docs.jsonl"
-    rows.write_text("\n".join(json.dumps({"text": f"document number {i} " * 5}) for i in range(200)))
-    kw = dict(tokenizer=tokenizer, sources=[str(rows)], seq_len=8, val_every=10, text_field="text", name=None, split="train", seed=0)
+    rows.write_text(
+        "\n".join(json.dumps({"text": f"document number {i} " * 5}) for i in range(200))
+    )
+    kw = dict(
+        tokenizer=tokenizer,
+        sources=[str(rows)],
+        seq_len=8,
+        val_every=10,
+        text_field="text",
+        name=None,
+        split="train",
+        seed=0,
+    )
     train = list(PackedDocuments(part="train", **kw).documents())
     val = list(PackedDocuments(part="val", **kw).documents())
     assert 8 <= len(val) <= 35 and len(train) + len(val) == 200 and not set(train) & set(val)
@@ -69,12 +88,26 @@ def test_the_split_depends_on_the_document_not_on_its_position(tokenizer, tmp_pa
     docs, extra = tmp_path / "docs.jsonl", tmp_path / "extra.jsonl"
     docs.write_text("\n".join(json.dumps({"text": f"held out or not {i}"}) for i in range(300)))
     extra.write_text("\n".join(json.dumps({"text": f"another source {i} " * 3}) for i in range(77)))
-    kw = dict(tokenizer=tokenizer, seq_len=8, val_every=10, text_field="text", name=None, split="train", seed=0)
+    kw = dict(
+        tokenizer=tokenizer,
+        seq_len=8,
+        val_every=10,
+        text_field="text",
+        name=None,
+        split="train",
+        seed=0,
+    )
     val_alone = set(PackedDocuments(sources=[str(docs)], part="val", **kw).documents())
-    train_mixed = set(PackedDocuments(sources=[str(extra), str(docs)], part="train", **kw).documents())
+    train_mixed = set(
+        PackedDocuments(sources=[str(extra), str(docs)], part="train", **kw).documents()
+    )
     assert val_alone and not val_alone & train_mixed
     # a train-only source (greedy documents) never goes to validation
-    val_mixed = list(PackedDocuments(sources=[str(docs), str(extra)], part="val", train_only=(1,), **kw).documents())
+    val_mixed = list(
+        PackedDocuments(
+            sources=[str(docs), str(extra)], part="val", train_only=(1,), **kw
+        ).documents()
+    )
     assert set(val_mixed) == val_alone
 
 
@@ -83,8 +116,19 @@ def test_ranks_times_workers_see_each_document_exactly_once(tokenizer, tmp_path)
     from torch.utils.data import DataLoader
 
     rows = tmp_path / "docs.jsonl"
-    rows.write_text("\n".join(json.dumps({"text": f"doc {i:03d} " + "word " * (i % 7)}) for i in range(120)))
-    kw = dict(tokenizer=tokenizer, sources=[str(rows)], seq_len=4, val_every=10, text_field="text", name=None, split="train", seed=0)
+    rows.write_text(
+        "\n".join(json.dumps({"text": f"doc {i:03d} " + "word " * (i % 7)}) for i in range(120))
+    )
+    kw = dict(
+        tokenizer=tokenizer,
+        sources=[str(rows)],
+        seq_len=4,
+        val_every=10,
+        text_field="text",
+        name=None,
+        split="train",
+        seed=0,
+    )
     expected = list(PackedDocuments(part="train", **kw).documents())
 
     class Docs(PackedDocuments):  # yield the documents themselves, through real worker processes
@@ -93,7 +137,9 @@ def test_ranks_times_workers_see_each_document_exactly_once(tokenizer, tmp_path)
 
     seen = []
     for rank in range(2):
-        loader = DataLoader(Docs(part="train", rank=rank, world_size=2, **kw), batch_size=None, num_workers=2)
+        loader = DataLoader(
+            Docs(part="train", rank=rank, world_size=2, **kw), batch_size=None, num_workers=2
+        )
         seen += list(loader)
     assert sorted(seen) == sorted(expected) and len(seen) == len(set(seen))
 
@@ -128,19 +174,33 @@ def test_bad_data_settings():
 
 
 def test_split_prose_by_document(tmp_path):
-    book = "\n\n".join(f"Paragraph {i} of the story {{t}} goes on\nacross a wrapped line." for i in range(40))
+    book = "\n\n".join(
+        f"Paragraph {i} of the story {{t}} goes on\nacross a wrapped line." for i in range(40)
+    )
     text = "".join(
         f"The Project Gutenberg EBook of {t}\nLicence text here.\n*** START OF THIS PROJECT GUTENBERG EBOOK {t.upper()} ***\n{book.format(t=t)}\n"
         f"*** END OF THIS PROJECT GUTENBERG EBOOK {t.upper()} ***\nMore licence text.\n"
         for t in ("First Book", "Second Book")
     )
     counts = split_prose(text, tmp_path, heldout_every=4, doc_chars=200, heldout_book="second-book")
-    train, heldout, book = ({p.name: p.read_text() for p in (tmp_path / part).iterdir()} for part in ("train", "heldout", "book"))
-    assert counts == {"train": len(train), "heldout": len(heldout), "book": len(book)} and heldout and train and book
+    train, heldout, book = (
+        {p.name: p.read_text() for p in (tmp_path / part).iterdir()}
+        for part in ("train", "heldout", "book")
+    )
+    assert (
+        counts == {"train": len(train), "heldout": len(heldout), "book": len(book)}
+        and heldout
+        and train
+        and book
+    )
     assert {n.split("-", 1)[1] for n in heldout} == {"first-book.txt", "second-book.txt"}
-    assert {n.split("-", 1)[1] for n in train} == {"first-book.txt"}  # the held-out book: never in train
+    assert {n.split("-", 1)[1] for n in train} == {
+        "first-book.txt"
+    }  # the held-out book: never in train
     assert {n.split("-", 1)[1] for n in book} == {"second-book.txt"}
-    assert {n for n in heldout if n.endswith("second-book.txt")} < set(book)  # the whole book, its held-out share included
+    assert {n for n in heldout if n.endswith("second-book.txt")} < set(
+        book
+    )  # the whole book, its held-out share included
     train_paragraphs = {p for doc in train.values() for p in doc.split("\n\n")}
     for doc in list(heldout.values()) + list(book.values()):
         assert not set(doc.split("\n\n")) & train_paragraphs
@@ -158,9 +218,26 @@ def greedy_mix(tmp_path, tokenizer, **kw):
     from tidar_convert.train.distill import MADE_BY
 
     human, greedy = tmp_path / "human.jsonl", tmp_path / "greedy.jsonl"
-    human.write_text("\n".join(json.dumps({"text": f"human {i} " + "words " * (i % 5)}) for i in range(600)))
-    greedy.write_text("".join(json.dumps({"text": f"greedy {i} " + "loop " * (i % 3), "made_by": MADE_BY, "val_every": 10}) + "\n" for i in range(600)))
-    dm = TiDARData(source=str(human), seq_len=8, val_every=10, greedy_corpus=str(greedy), shuffle_buffer=0, **kw)
+    human.write_text(
+        "\n".join(json.dumps({"text": f"human {i} " + "words " * (i % 5)}) for i in range(600))
+    )
+    greedy.write_text(
+        "".join(
+            json.dumps(
+                {"text": f"greedy {i} " + "loop " * (i % 3), "made_by": MADE_BY, "val_every": 10}
+            )
+            + "\n"
+            for i in range(600)
+        )
+    )
+    dm = TiDARData(
+        source=str(human),
+        seq_len=8,
+        val_every=10,
+        greedy_corpus=str(greedy),
+        shuffle_buffer=0,
+        **kw,
+    )
     dm.tokenizer = tokenizer
     return dm
 
@@ -173,7 +250,9 @@ def test_greedy_share_is_the_realised_share_of_the_text(tokenizer, tmp_path, sha
     assert n_greedy == (0 if share == 0 else 300)  # greedy_docs caps the greedy documents read
     if share in (0, 1):
         first = docs[:300]
-        assert all(d.startswith("greedy") == (share == 1) for d in first)  # all greedy first, or none at all
+        assert all(
+            d.startswith("greedy") == (share == 1) for d in first
+        )  # all greedy first, or none at all
         return
     last = max(i for i, d in enumerate(docs) if d.startswith("greedy"))
     mixed = docs[: last + 1]  # while the greedy documents last
@@ -184,7 +263,10 @@ def test_greedy_share_is_the_realised_share_of_the_text(tokenizer, tmp_path, sha
 def test_greedy_share_bad_values_are_refused():
     with pytest.raises(ValueError, match=r"greedy_share=1.5: must be a finite number in \[0, 1\]"):
         TiDARData(greedy_docs=10, greedy_share=1.5)
-    with pytest.raises(ValueError, match="greedy_share=0.5 with greedy_docs=0: there are no greedy documents to mix in"):
+    with pytest.raises(
+        ValueError,
+        match="greedy_share=0.5 with greedy_docs=0: there are no greedy documents to mix in",
+    ):
         TiDARData(greedy_share=0.5)
     with pytest.raises(ValueError, match="greedy_dtype='int8': use one of float32"):
         TiDARData(greedy_dtype="int8")
@@ -200,10 +282,14 @@ def test_greedy_ar_loss_false_marks_exactly_the_greedy_tokens(tokenizer, tmp_pat
     # The stream in order (no shuffle buffer): each token marked exactly when its document is greedy text.
     expected = []
     for doc in dm._dataset("train").documents():
-        expected += [doc.startswith("greedy")] * (len(tokenizer(doc, add_special_tokens=False)["input_ids"]) + 1)  # + EOS
+        expected += [doc.startswith("greedy")] * (
+            len(tokenizer(doc, add_special_tokens=False)["input_ids"]) + 1
+        )  # + EOS
     marks = torch.cat([item["no_ar_target"] for item in items]).tolist()
     assert marks == expected[: len(marks)] and any(marks) and not all(marks)
-    assert all("no_ar_target" not in item for item in dm._dataset("val")._chunks(0, 0))  # validation: no greedy text
+    assert all(
+        "no_ar_target" not in item for item in dm._dataset("val")._chunks(0, 0)
+    )  # validation: no greedy text
 
 
 def test_text_field_applies_to_rows_only_and_a_greedy_corpus_is_read_as_text(tokenizer, tmp_path):
@@ -212,24 +298,56 @@ def test_text_field_applies_to_rows_only_and_a_greedy_corpus_is_read_as_text(tok
     from tidar_convert.train.distill import MADE_BY
 
     rows = tmp_path / "rows.jsonl"
-    rows.write_text("".join(json.dumps({"text": f"title {i}", "content": f"body {i} " * 4}) + "\n" for i in range(30)))
-    assert list(iter_documents(str(rows), text_field="content")) == [f"body {i} " * 4 for i in range(30)]  # as given, not "text"
+    rows.write_text(
+        "".join(
+            json.dumps({"text": f"title {i}", "content": f"body {i} " * 4}) + "\n"
+            for i in range(30)
+        )
+    )
+    assert list(iter_documents(str(rows), text_field="content")) == [
+        f"body {i} " * 4 for i in range(30)
+    ]  # as given, not "text"
     assert next(iter_documents("stdlib", text_field="content"))  # a file is its own text
     greedy = tmp_path / "greedy.jsonl"
-    greedy.write_text("".join(json.dumps({"text": f"greedy {i} " * 4, "made_by": MADE_BY, "val_every": 10, "model": "m"}) + "\n" for i in range(5)))
-    dm = TiDARData(source=str(rows), seq_len=8, val_every=10, text_field="content", greedy_corpus=str(greedy), greedy_docs=5, shuffle_buffer=0)
+    greedy.write_text(
+        "".join(
+            json.dumps(
+                {"text": f"greedy {i} " * 4, "made_by": MADE_BY, "val_every": 10, "model": "m"}
+            )
+            + "\n"
+            for i in range(5)
+        )
+    )
+    dm = TiDARData(
+        source=str(rows),
+        seq_len=8,
+        val_every=10,
+        text_field="content",
+        greedy_corpus=str(greedy),
+        greedy_docs=5,
+        shuffle_buffer=0,
+    )
     dm.tokenizer = tokenizer
     train = list(dm._dataset("train").documents())
-    assert sum(d.startswith("greedy") for d in train) == 5 and not any(d.startswith("title") for d in train)
+    assert sum(d.startswith("greedy") for d in train) == 5 and not any(
+        d.startswith("title") for d in train
+    )
 
 
 def test_rows_without_text_are_counted_in_every_file_of_a_folder(tmp_path):
     folder = tmp_path / "rows"
     folder.mkdir()
-    (folder / "a.jsonl").write_text("".join(json.dumps({"text": f"doc {i}"}) + "\n" for i in range(5)))
-    (folder / "b.jsonl").write_text("".join(json.dumps({"text": None if i % 2 else f"doc {i}"}) + "\n" for i in range(4)))
+    (folder / "a.jsonl").write_text(
+        "".join(json.dumps({"text": f"doc {i}"}) + "\n" for i in range(5))
+    )
+    (folder / "b.jsonl").write_text(
+        "".join(json.dumps({"text": None if i % 2 else f"doc {i}"}) + "\n" for i in range(4))
+    )
     (folder / "c.jsonl").write_text("")  # an empty file among others holds no row to lose
-    with pytest.raises(ValueError, match=rf"2 of its 9 rows have no text in field 'text' \(the first, row 2 of {folder}/b.jsonl, has null or no such field"):
+    with pytest.raises(
+        ValueError,
+        match=rf"2 of its 9 rows have no text in field 'text' \(the first, row 2 of {folder}/b.jsonl, has null or no such field",
+    ):
         list(iter_documents(str(folder)))
 
 
@@ -245,6 +363,10 @@ def test_the_data_package_never_imports_distill():
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.ImportFrom):
                 names = [node.module or ""] + [a.name for a in node.names if not node.module]
-                assert not any("distill" in n for n in names), f"{path.name}:{node.lineno} imports distill"
+                assert not any("distill" in n for n in names), (
+                    f"{path.name}:{node.lineno} imports distill"
+                )
             elif isinstance(node, ast.Import):
-                assert not any("distill" in a.name for a in node.names), f"{path.name}:{node.lineno} imports distill"
+                assert not any("distill" in a.name for a in node.names), (
+                    f"{path.name}:{node.lineno} imports distill"
+                )

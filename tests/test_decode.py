@@ -5,11 +5,10 @@ from collections import Counter
 
 import pytest
 import torch
+from helpers import FAMILIES, ar, cycle_batch, tiny_config
 from transformers import StoppingCriteria, StoppingCriteriaList
 
 from tidar_convert.runtime.generate import CACHE_FIELD, Sampling, generate
-
-from helpers import FAMILIES, ar, cycle_batch, tiny_config
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -22,7 +21,9 @@ def test_greedy_equals_ar_untrained_head(untrained, family, k):
     for length in (1, 3, 9):
         ids = torch.randint(1, 300, (1, length), generator=g)
         expected = ar(model, ids, max_new_tokens=24, eos_token_id=None)
-        assert torch.equal(generate(ids, model=model, max_new_tokens=24, eos_token_id=None), expected)
+        assert torch.equal(
+            generate(ids, model=model, max_new_tokens=24, eos_token_id=None), expected
+        )
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -34,7 +35,17 @@ def test_greedy_equals_ar_trained_head(trained, family, k):
         ids = cycle_batch(1, 3 + seed, seed=seed)
         expected = ar(model, ids, max_new_tokens=40, eos_token_id=None)
         # plan "adaptive": acceptance is the head's alone (the default cost plan's steps also read timings)
-        assert torch.equal(generate(ids, model=model, max_new_tokens=40, eos_token_id=None, block_size=k, plan="adaptive"), expected)
+        assert torch.equal(
+            generate(
+                ids,
+                model=model,
+                max_new_tokens=40,
+                eos_token_id=None,
+                block_size=k,
+                plan="adaptive",
+            ),
+            expected,
+        )
         assert model.tidar_stats["tokens_per_nfe"] > 1.5
         assert max(model.tidar_stats["accepted"]) >= min(k, 3)
 
@@ -43,12 +54,23 @@ def test_greedy_equals_ar_trained_head(trained, family, k):
 def test_batch_with_left_padding_equals_ar(trained, untrained, family):
     for model in (trained[family][0], untrained[family]):
         g = torch.Generator().manual_seed(0)
-        ids = torch.cat([cycle_batch(3, 8, seed=1)[:, :8], torch.randint(1, 300, (1, 8), generator=g)])
+        ids = torch.cat(
+            [cycle_batch(3, 8, seed=1)[:, :8], torch.randint(1, 300, (1, 8), generator=g)]
+        )
         mask = torch.ones_like(ids)
         for row, pad in enumerate([3, 0, 5, 1]):
             ids[row, :pad], mask[row, :pad] = 0, 0
-        expected = ar(model, ids, attention_mask=mask, max_new_tokens=30, eos_token_id=None, pad_token_id=0)
-        got = generate(ids, model=model, attention_mask=mask, max_new_tokens=30, eos_token_id=None, pad_token_id=0)
+        expected = ar(
+            model, ids, attention_mask=mask, max_new_tokens=30, eos_token_id=None, pad_token_id=0
+        )
+        got = generate(
+            ids,
+            model=model,
+            attention_mask=mask,
+            max_new_tokens=30,
+            eos_token_id=None,
+            pad_token_id=0,
+        )
         assert torch.equal(got, expected)
 
 
@@ -65,7 +87,9 @@ def test_stops_exactly_at_eos_inside_an_accepted_draft(trained):
     ids = cycle_batch(3, 5, seed=4)
     eos = generate(ids[:1], model=model, max_new_tokens=10, eos_token_id=None)[0, 8].item()
     expected = ar(model, ids, max_new_tokens=20, eos_token_id=eos, pad_token_id=1)
-    assert torch.equal(generate(ids, model=model, max_new_tokens=20, eos_token_id=eos, pad_token_id=1), expected)
+    assert torch.equal(
+        generate(ids, model=model, max_new_tokens=20, eos_token_id=eos, pad_token_id=1), expected
+    )
 
 
 def test_max_new_tokens_exact_and_stopping_criteria(trained):
@@ -80,7 +104,10 @@ def test_max_new_tokens_exact_and_stopping_criteria(trained):
 
     crit = StoppingCriteriaList([StopAtLength()])
     expected = ar(model, ids, max_new_tokens=30, eos_token_id=None, stopping_criteria=crit)
-    assert torch.equal(generate(ids, model=model, max_new_tokens=30, eos_token_id=None, stopping_criteria=crit), expected)
+    assert torch.equal(
+        generate(ids, model=model, max_new_tokens=30, eos_token_id=None, stopping_criteria=crit),
+        expected,
+    )
     assert expected.shape[1] == 11
 
 
@@ -106,7 +133,9 @@ def test_streamer_generation_config_and_return_dict(trained):
     assert streamer.chunks[0] == ids[0].tolist() and streamer.ended
     assert sum(streamer.chunks[1:], []) == out.sequences[0, 4:].tolist()
     assert torch.equal(out.sequences, ar(model, ids, max_new_tokens=12, eos_token_id=None))
-    assert list(out.keys()) == ["sequences", CACHE_FIELD] and out[CACHE_FIELD].get_seq_length() >= 15  # the cache, under the installed release's name
+    assert (
+        list(out.keys()) == ["sequences", CACHE_FIELD] and out[CACHE_FIELD].get_seq_length() >= 15
+    )  # the cache, under the installed release's name
 
 
 def test_text_streamer_prints_the_text(trained, capsys):
@@ -114,7 +143,13 @@ def test_text_streamer_prints_the_text(trained, capsys):
 
     model, tok = trained["llama"]
     ids = cycle_batch(1, 4, seed=7)
-    out = generate(ids, model=model, max_new_tokens=10, eos_token_id=None, streamer=TextStreamer(tok, skip_prompt=True))
+    out = generate(
+        ids,
+        model=model,
+        max_new_tokens=10,
+        eos_token_id=None,
+        streamer=TextStreamer(tok, skip_prompt=True),
+    )
     assert capsys.readouterr().out.strip() == tok.decode(out[0, 4:]).strip()
 
 
@@ -125,7 +160,9 @@ def test_stats_and_ar_switch(trained):
     stats = model.tidar_stats
     assert stats["new_tokens"] == 20 and stats["nfe"] == 1 + len(stats["accepted"])
     assert stats["tokens_per_nfe"] == pytest.approx(20 / stats["nfe"])
-    plain = generate(ids, model=model, max_new_tokens=20, eos_token_id=None, tidar=False, do_sample=False)
+    plain = generate(
+        ids, model=model, max_new_tokens=20, eos_token_id=None, tidar=False, do_sample=False
+    )
     assert torch.equal(plain, td) and model.tidar_stats["nfe"] == 20
 
 
@@ -169,7 +206,9 @@ def exact_distribution(model, prompt, warp):
         with torch.no_grad():
             logits = model(input_ids=torch.tensor([prefix])).logits[0, -1, :V]
         full = torch.full((V + 1,), -float("inf"))
-        full[:V] = logits  # the mask token is never a sampled output in this test (AR would not either)
+        full[:V] = (
+            logits  # the mask token is never a sampled output in this test (AR would not either)
+        )
         nxt = warp(torch.tensor([prefix]), full[None])[0]
         for t in range(V):
             if nxt[t] > 0:
@@ -190,7 +229,9 @@ def chi_square_p(counts: dict, probs: dict, n: int) -> float:
     if exp[-1] == 0:
         obs, exp = obs[:-1], exp[:-1]
     exp = [e * n / sum(exp) for e in exp]  # float sums of probabilities are 1 only up to rounding
-    assert sum(counts.values()) == n and not set(counts) - set(probs), "sampled an impossible continuation"
+    assert sum(counts.values()) == n and not set(counts) - set(probs), (
+        "sampled an impossible continuation"
+    )
     return chisquare(obs, exp).pvalue
 
 
@@ -204,7 +245,11 @@ def sample_counts(fn, n):
 
 
 # Sampling settings checked here; tests/test_generate_args.py checks the other sampling fields.
-SAMPLING_SETTINGS = [dict(temperature=1.0), dict(temperature=0.7, top_k=4, top_p=0.9), dict(temperature=0.8, min_p=0.15)]
+SAMPLING_SETTINGS = [
+    dict(temperature=1.0),
+    dict(temperature=0.7, top_k=4, top_p=0.9),
+    dict(temperature=0.8, min_p=0.15),
+]
 
 
 @pytest.mark.slow  # statistical: thousands of samples (make test runs it; make test-fast skips it)
@@ -218,12 +263,20 @@ def test_sampling_matches_ar_distribution(small_vocab_model, settings, monkeypat
     # mask the mask token out of the AR head, as a converted model never emits it
     bias = torch.zeros(V + 1)
     bias[V] = -float("inf")
-    monkeypatch.setattr(model.lm_head, "bias", torch.nn.Parameter(bias, requires_grad=False), raising=False)
-    processors = model._get_logits_processor(gc, input_ids_seq_length=prompt.shape[1], device="cpu")  # transformers' own
-    probs = exact_distribution(model, prompt, lambda ids, logits: processors(ids, logits).softmax(-1))
+    monkeypatch.setattr(
+        model.lm_head, "bias", torch.nn.Parameter(bias, requires_grad=False), raising=False
+    )
+    processors = model._get_logits_processor(
+        gc, input_ids_seq_length=prompt.shape[1], device="cpu"
+    )  # transformers' own
+    probs = exact_distribution(
+        model, prompt, lambda ids, logits: processors(ids, logits).softmax(-1)
+    )
     n = 400  # the wrong rule below scores p ~ 1e-30 at this size; right ones ~ 0.2-0.7
     hf = sample_counts(lambda: model.generate(prompt, **gen_kw), n)
-    gen_kw["drafter"] = "diffusion"  # sampled drafts with their q; lookup's deterministic drafts: the test below
+    gen_kw["drafter"] = (
+        "diffusion"  # sampled drafts with their q; lookup's deterministic drafts: the test below
+    )
     tidar = sample_counts(lambda: generate(prompt, model=model, **gen_kw), n)
     assert chi_square_p(hf, probs, n) > 1e-3  # the exact distribution is what HF samples
     assert chi_square_p(tidar, probs, n) > 1e-3
@@ -236,31 +289,50 @@ def test_sampling_matches_ar_distribution(small_vocab_model, settings, monkeypat
         return 1 + possible.long().cumprod(1).sum(1)
 
     monkeypatch.setattr(Sampling, "verify", wrong_verify)
-    gen_kw["plan"] = "full"  # every draft verified: the cost plan may run plain AR steps where drafts do not pay
+    gen_kw["plan"] = (
+        "full"  # every draft verified: the cost plan may run plain AR steps where drafts do not pay
+    )
     wrong = sample_counts(lambda: generate(prompt, model=model, **gen_kw), n)
     assert chi_square_p(wrong, probs, n) < 1e-3
 
 
 @pytest.mark.slow  # statistical: thousands of samples (make test runs it; make test-fast skips it)
 @pytest.mark.parametrize("drafter", ["lookup", "hybrid"])
-def test_sampling_with_deterministic_drafts_matches_ar_distribution(small_vocab_model, drafter, monkeypatch):
+def test_sampling_with_deterministic_drafts_matches_ar_distribution(
+    small_vocab_model, drafter, monkeypatch
+):
     """Lookup drafts are deterministic: d is accepted where AR's draw there is d (chance p(d)). Every
     token occurs in the prompt, so lookup drafts at every step."""
     from tidar_convert.runtime import drafters
 
     model = small_vocab_model
     prompt = torch.tensor([[1, 2, 3, 4, 0, 2]])
-    gen_kw = dict(do_sample=True, max_new_tokens=N_NEW, eos_token_id=None, temperature=0.9, drafter=drafter, plan="cost")  # any plan is exact; cost's choices read timings
+    gen_kw = dict(
+        do_sample=True,
+        max_new_tokens=N_NEW,
+        eos_token_id=None,
+        temperature=0.9,
+        drafter=drafter,
+        plan="cost",
+    )  # any plan is exact; cost's choices read timings
     # hybrid: a coin picks lookup or diffusion (the sharp diffusion head here would always win); any
     # choice that does not look at the AR samples keeps the output exact
-    monkeypatch.setattr(drafters.HybridDrafter, "choose", lambda self, look, diff: (look.length > 1) & (torch.rand(look.tokens.shape[0]) < 0.5))
+    monkeypatch.setattr(
+        drafters.HybridDrafter,
+        "choose",
+        lambda self, look, diff: (look.length > 1) & (torch.rand(look.tokens.shape[0]) < 0.5),
+    )
     bias = torch.zeros(V + 1)
     bias[V] = -float("inf")
-    monkeypatch.setattr(model.lm_head, "bias", torch.nn.Parameter(bias, requires_grad=False), raising=False)
+    monkeypatch.setattr(
+        model.lm_head, "bias", torch.nn.Parameter(bias, requires_grad=False), raising=False
+    )
     gc = copy.deepcopy(model.generation_config)
     gc.update(**{k: v for k, v in gen_kw.items() if k not in ("drafter", "plan")})
     processors = model._get_logits_processor(gc, input_ids_seq_length=prompt.shape[1], device="cpu")
-    probs = exact_distribution(model, prompt, lambda ids, logits: processors(ids, logits).softmax(-1))
+    probs = exact_distribution(
+        model, prompt, lambda ids, logits: processors(ids, logits).softmax(-1)
+    )
     n, sources = 400, Counter()
 
     def run():
@@ -269,14 +341,29 @@ def test_sampling_with_deterministic_drafts_matches_ar_distribution(small_vocab_
         return out
 
     assert chi_square_p(sample_counts(run, n), probs, n) > 1e-3
-    assert sources["lookup"] >= (n if drafter == "lookup" else n // 4), sources  # lookup drafts at least once per generation
+    assert sources["lookup"] >= (n if drafter == "lookup" else n // 4), (
+        sources
+    )  # lookup drafts at least once per generation
     assert drafter == "lookup" or sources["diffusion"] >= n // 4, sources
-    if drafter == "hybrid":  # same verify code as lookup; at this n the teeth bite only when every step is lookup
+    if (
+        drafter == "hybrid"
+    ):  # same verify code as lookup; at this n the teeth bite only when every step is lookup
         return
     # Teeth: the token after the accepted drafts drawn with the draws of the step's first position
     # (those that judged draft 1) instead of its own is detectably wrong.
-    monkeypatch.setattr(Sampling, "next_token", lambda self, target, draft, accepted, j, exact=True: self.token(target))
-    assert chi_square_p(sample_counts(lambda: generate(prompt, model=model, **{**gen_kw, "plan": "full"}), n), probs, n) < 1e-3
+    monkeypatch.setattr(
+        Sampling,
+        "next_token",
+        lambda self, target, draft, accepted, j, exact=True: self.token(target),
+    )
+    assert (
+        chi_square_p(
+            sample_counts(lambda: generate(prompt, model=model, **{**gen_kw, "plan": "full"}), n),
+            probs,
+            n,
+        )
+        < 1e-3
+    )
 
 
 @pytest.mark.slow  # statistical: thousands of samples (make test runs it; make test-fast skips it)
@@ -287,23 +374,53 @@ def test_sampling_with_per_row_acceptance_matches_ar_distribution(small_vocab_mo
 
     model = small_vocab_model
     prompt = torch.tensor([[1, 2, 3, 4, 0, 2], [4, 4, 3, 1, 1, 0]])
-    gen_kw = dict(do_sample=True, max_new_tokens=N_NEW, eos_token_id=None, temperature=0.8, attention_mask=torch.ones_like(prompt))
-    monkeypatch.setattr(drafters.HybridDrafter, "choose", lambda self, look, diff: (look.length > 1) & (torch.rand(look.tokens.shape[0]) < 0.5))  # hybrid: rows mix sources
+    gen_kw = dict(
+        do_sample=True,
+        max_new_tokens=N_NEW,
+        eos_token_id=None,
+        temperature=0.8,
+        attention_mask=torch.ones_like(prompt),
+    )
+    monkeypatch.setattr(
+        drafters.HybridDrafter,
+        "choose",
+        lambda self, look, diff: (look.length > 1) & (torch.rand(look.tokens.shape[0]) < 0.5),
+    )  # hybrid: rows mix sources
     bias = torch.zeros(V + 1)
     bias[V] = -float("inf")
-    monkeypatch.setattr(model.lm_head, "bias", torch.nn.Parameter(bias, requires_grad=False), raising=False)
+    monkeypatch.setattr(
+        model.lm_head, "bias", torch.nn.Parameter(bias, requires_grad=False), raising=False
+    )
     gc = copy.deepcopy(model.generation_config)
     gc.update(**gen_kw)
     processors = model._get_logits_processor(gc, input_ids_seq_length=prompt.shape[1], device="cpu")
-    probs = exact_distribution(model, prompt[:1], lambda ids, logits: processors(ids, logits).softmax(-1))
+    probs = exact_distribution(
+        model, prompt[:1], lambda ids, logits: processors(ids, logits).softmax(-1)
+    )
     n = 400
     for drafter in ("diffusion", "lookup", "hybrid"):
         run = lambda: generate(prompt, model=model, drafter=drafter, **gen_kw)[:1]  # noqa: E731
         assert chi_square_p(sample_counts(run, n), probs, n) > 1e-3, drafter
         assert "tokens_per_nfe_per_row" in model.tidar_stats  # it ran with per-row acceptance
     # Teeth: a row's next token drawn with the draws of its step's first position, not its own.
-    monkeypatch.setattr(Sampling, "next_token_rows", lambda self, scores, draft, accepted: self.token(scores[torch.arange(scores.shape[0]), accepted - 1]))
-    assert chi_square_p(sample_counts(lambda: generate(prompt, model=model, drafter="lookup", plan="full", **gen_kw)[:1], n), probs, n) < 1e-3
+    monkeypatch.setattr(
+        Sampling,
+        "next_token_rows",
+        lambda self, scores, draft, accepted: self.token(
+            scores[torch.arange(scores.shape[0]), accepted - 1]
+        ),
+    )
+    assert (
+        chi_square_p(
+            sample_counts(
+                lambda: generate(prompt, model=model, drafter="lookup", plan="full", **gen_kw)[:1],
+                n,
+            ),
+            probs,
+            n,
+        )
+        < 1e-3
+    )
 
 
 # ---- sampling: a seed repeats it, whatever the steps were ------------------------------------------
@@ -362,12 +479,20 @@ def test_seeded_sampling_repeats_under_every_plan_and_drafter(trained, rows, mon
         for drafter in DRAFTERS:
             for _ in range(3):
                 run += 1
-                monkeypatch.setattr(engine, "time", SimpleNamespace(perf_counter=jittery_clock(run)))
+                monkeypatch.setattr(
+                    engine, "time", SimpleNamespace(perf_counter=jittery_clock(run))
+                )
                 model.__dict__.pop("_tidar_step_costs", None)  # what the last run measured
                 torch.manual_seed(11)
-                assert torch.equal(generate(ids, model=model, plan=plan, drafter=drafter, **kw), expected), (plan, drafter)
-                steps.setdefault((plan, drafter), set()).add((model.tidar_stats["slots_per_step"], tuple(model.tidar_stats["accepted"])))
-    assert any(len(seen) > 1 for (plan, _), seen in steps.items() if plan == "cost"), steps  # the clock did change the steps
+                assert torch.equal(
+                    generate(ids, model=model, plan=plan, drafter=drafter, **kw), expected
+                ), (plan, drafter)
+                steps.setdefault((plan, drafter), set()).add(
+                    (model.tidar_stats["slots_per_step"], tuple(model.tidar_stats["accepted"]))
+                )
+    assert any(len(seen) > 1 for (plan, _), seen in steps.items() if plan == "cost"), (
+        steps
+    )  # the clock did change the steps
     torch.manual_seed(12)
     assert not torch.equal(generate(ids, model=model, **kw), expected)
 
@@ -381,7 +506,9 @@ def test_seeded_sampling_repeats_on_a_fresh_model_too(trained, tidar):
 
     model, _ = trained["llama"]
     ids = cycle_batch(1, 6, seed=2)
-    kw = dict(do_sample=True, max_new_tokens=20, eos_token_id=None, temperature=1.5, top_k=0, tidar=tidar)
+    kw = dict(
+        do_sample=True, max_new_tokens=20, eos_token_id=None, temperature=1.5, top_k=0, tidar=tidar
+    )
     kernels._PAYS.pop(model, None)  # as just loaded: the first call times, the next ones do not
     outs = []
     for _ in range(3):
@@ -411,7 +538,12 @@ def test_bad_inputs(trained, untrained):
     with pytest.raises(ValueError, match="no attention_mask"):
         generate(padded, model=model, max_new_tokens=4, pad_token_id=0)
     with pytest.raises(ValueError, match="right padding"):
-        generate(padded, model=model, attention_mask=torch.tensor([[1, 1, 0, 0], [1, 1, 1, 1]]), max_new_tokens=4)
+        generate(
+            padded,
+            model=model,
+            attention_mask=torch.tensor([[1, 1, 0, 0], [1, 1, 1, 1]]),
+            max_new_tokens=4,
+        )
     plain = untrained["llama"]
     cfg = copy.deepcopy(plain.config)
     del cfg.mask_token_id
@@ -421,7 +553,6 @@ def test_bad_inputs(trained, untrained):
             generate(ids, model=plain, max_new_tokens=4)
     finally:
         plain.config = saved
-
 
 
 def test_sampling_is_exact_for_a_row_that_accepted_more_than_the_batch_commits():
@@ -434,7 +565,9 @@ def test_sampling_is_exact_for_a_row_that_accepted_more_than_the_batch_commits()
     from tidar_convert.runtime.generate import Draft
 
     n = 4000
-    p = torch.tensor([[[1.0, 0.0], [0.5, 0.5]], [[0.5, 0.5], [0.5, 0.5]]]).log()  # (B, k=2, V): AR rows
+    p = torch.tensor(
+        [[[1.0, 0.0], [0.5, 0.5]], [[0.5, 0.5], [0.5, 0.5]]]
+    ).log()  # (B, k=2, V): AR rows
     q = torch.tensor([[0.0, 1.0], [0.9, 0.1]]).log()  # (B, V): the drafter's scores for draft 1
     ones = accepted_more = 0
     for seed in range(n):
@@ -460,13 +593,33 @@ def test_acceptance_by_offset_tallies_each_rows_chain():
     from tidar_convert.runtime.engine import DecodeState
 
     seqs = torch.zeros(3, 2, dtype=torch.long)
-    state = DecodeState(seqs, torch.ones_like(seqs, dtype=torch.bool), torch.tensor([True, True, False]))
-    draft = Draft(torch.zeros(3, 4, dtype=torch.long), length=torch.tensor([4, 3, 4]), sources=["lookup", "diffusion", "lookup"],
-                  confidence=torch.tensor([[0.9, 0.8, 0.7], [0.5, 0.25, 0.0], [1.0, 1.0, 1.0]]))
-    state.judge(draft, torch.tensor([3, 1, 4]))  # lookup: 2 of 3 accepted; diffusion: none of 2; the last row has stopped
-    state.judge(Draft(torch.zeros(3, 3, dtype=torch.long), length=torch.tensor([3, 1, 3]), sources=["lookup", "none", "lookup"]), torch.tensor([3, 1, 3]))
+    state = DecodeState(
+        seqs, torch.ones_like(seqs, dtype=torch.bool), torch.tensor([True, True, False])
+    )
+    draft = Draft(
+        torch.zeros(3, 4, dtype=torch.long),
+        length=torch.tensor([4, 3, 4]),
+        sources=["lookup", "diffusion", "lookup"],
+        confidence=torch.tensor([[0.9, 0.8, 0.7], [0.5, 0.25, 0.0], [1.0, 1.0, 1.0]]),
+    )
+    state.judge(
+        draft, torch.tensor([3, 1, 4])
+    )  # lookup: 2 of 3 accepted; diffusion: none of 2; the last row has stopped
+    state.judge(
+        Draft(
+            torch.zeros(3, 3, dtype=torch.long),
+            length=torch.tensor([3, 1, 3]),
+            sources=["lookup", "none", "lookup"],
+        ),
+        torch.tensor([3, 1, 3]),
+    )
     assert state.offsets == {
-        "lookup": {"judged": [2, 2, 1], "accepted": [2, 2, 0], "predicted": [pytest.approx(0.9), pytest.approx(0.8), pytest.approx(0.7)], "rated": [1, 1, 1]},
+        "lookup": {
+            "judged": [2, 2, 1],
+            "accepted": [2, 2, 0],
+            "predicted": [pytest.approx(0.9), pytest.approx(0.8), pytest.approx(0.7)],
+            "rated": [1, 1, 1],
+        },
         "diffusion": {"judged": [1], "accepted": [0], "predicted": [0.5], "rated": [1]},
     }
 
@@ -476,9 +629,22 @@ def test_acceptance_by_offset_adds_up_to_what_was_committed(trained):
     whenever it verified a proposal."""
     model, _ = trained["llama"]
     for drafter in ("diffusion", "lookup", "hybrid"):
-        generate(cycle_batch(1, 4, seed=3), model=model, max_new_tokens=30, eos_token_id=None, drafter=drafter, siblings=0)
+        generate(
+            cycle_batch(1, 4, seed=3),
+            model=model,
+            max_new_tokens=30,
+            eos_token_id=None,
+            drafter=drafter,
+            siblings=0,
+        )
         stats = model.tidar_stats
         tables = stats["acceptance_by_offset"]
         assert tables and set(tables) <= {"lookup", "diffusion"}, drafter
-        assert sum(sum(t["accepted"]) for t in tables.values()) == sum(a - 1 for a in stats["accepted"]), drafter
-        assert all(t["judged"][i] >= t["accepted"][i] >= t["judged"][i + 1] for t in tables.values() for i in range(len(t["judged"]) - 1))
+        assert sum(sum(t["accepted"]) for t in tables.values()) == sum(
+            a - 1 for a in stats["accepted"]
+        ), drafter
+        assert all(
+            t["judged"][i] >= t["accepted"][i] >= t["judged"][i + 1]
+            for t in tables.values()
+            for i in range(len(t["judged"]) - 1)
+        )

@@ -6,11 +6,10 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import cycle_batch, train_tiny
 
 from tidar_convert.runtime import layout
 from tidar_convert.train.loss import hybrid_loss
-
-from helpers import cycle_batch, train_tiny
 
 
 def test_distill_loss_matches_hand_computation():
@@ -20,7 +19,15 @@ def test_distill_loss_matches_hand_computation():
     ar_labels = torch.tensor([[1, -100]])
     diff_labels = torch.tensor([[0, 1]])
     T, w = 2.0, 0.25
-    out = hybrid_loss(logits, ar_labels, diff_labels, alpha=1.0, block_size=2, distill_weight=w, distill_temperature=T)
+    out = hybrid_loss(
+        logits,
+        ar_labels,
+        diff_labels,
+        alpha=1.0,
+        block_size=2,
+        distill_weight=w,
+        distill_temperature=T,
+    )
     l_ar = math.log(1 + math.e)  # clean 0: logits (1, 0), label 1
     hard0 = -(1 - math.log(math.e + 1))  # mask 0: logits (1, 0), label 0
     hard1 = -(3 - math.log(1 + math.e**3))  # mask 1: logits (0, 3), label 1
@@ -29,9 +36,13 @@ def test_distill_loss_matches_hand_computation():
     kl1 = sum(pi * (math.log(pi) - math.log(qi)) for pi, qi in zip(p, q))
     l_diff, l_distill = (hard0 + hard1) / 2, (hard0 + kl1) / 2
     assert out["loss_ar"].item() == pytest.approx(l_ar, rel=1e-6)
-    assert out["loss_diff"].item() == pytest.approx(l_diff, rel=1e-6)  # still the hard term, for comparison
+    assert out["loss_diff"].item() == pytest.approx(
+        l_diff, rel=1e-6
+    )  # still the hard term, for comparison
     assert out["loss_distill"].item() == pytest.approx(l_distill, rel=1e-6)
-    assert out["loss"].item() == pytest.approx((l_ar + (1 - w) * l_diff + w * l_distill) / 2, rel=1e-6)
+    assert out["loss"].item() == pytest.approx(
+        (l_ar + (1 - w) * l_diff + w * l_distill) / 2, rel=1e-6
+    )
     # agreement: mask slot 1 argmax = 1, clean slot 0 argmax = 0; mask slot 0 has no AR counterpart.
     assert out["agree_ar_1"].item() == 0.0 and out["agree_ar_0"].item() == 0.0
 
@@ -43,7 +54,9 @@ def test_distill_weight_zero_is_todays_loss():
     a = hybrid_loss(logits, ar, diff, 1.0, 4)
     b = hybrid_loss(logits, ar, diff, 1.0, 4, distill_weight=0.0, distill_temperature=0.5)
     assert "loss_distill" not in a and torch.equal(a["loss"], b["loss"])
-    assert a["loss"].item() == pytest.approx((a["loss_ar"].item() + a["loss_diff"].item()) / 2, rel=1e-6)
+    assert a["loss"].item() == pytest.approx(
+        (a["loss_ar"].item() + a["loss_diff"].item()) / 2, rel=1e-6
+    )
 
 
 def random_case(seed=0, B=3, S=12, V=11):
@@ -80,10 +93,21 @@ def test_teacher_is_detached(given_teacher):
     ids, doc_ids, base = random_case(seed=1)
     S = ids.shape[1]
     logits = base.clone().requires_grad_()
-    teacher = torch.randn(ids.shape[0], S, base.shape[-1]).requires_grad_() if given_teacher else None
+    teacher = (
+        torch.randn(ids.shape[0], S, base.shape[-1]).requires_grad_() if given_teacher else None
+    )
     ar, diff = layout.train_labels(ids, doc_ids)
     # alpha = 0 and distill_weight = 1: the loss is the distillation term alone.
-    out = hybrid_loss(logits, ar, diff, 0.0, 4, distill_weight=1.0, distill_temperature=1.0, teacher_logits=teacher)
+    out = hybrid_loss(
+        logits,
+        ar,
+        diff,
+        0.0,
+        4,
+        distill_weight=1.0,
+        distill_temperature=1.0,
+        teacher_logits=teacher,
+    )
     assert out["loss"].item() == pytest.approx(out["loss_distill"].item())
     out["loss"].backward()
     assert torch.count_nonzero(logits.grad[:, :S]) == 0
@@ -105,8 +129,12 @@ def test_teacher_is_detached_in_a_tiny_model(tiny_dirs):
         attention_mask=layout.to_dense(layout.train_mask_mod(S, 4), 2, 2 * S, 2 * S),
     ).logits
     logits.retain_grad()
-    hybrid_loss(logits, *layout.train_labels(ids), 0.0, 4, distill_weight=1.0, distill_temperature=2.0)["loss"].backward()
-    assert torch.count_nonzero(logits.grad[:, :S]) == 0 and torch.count_nonzero(logits.grad[:, S:]) > 0
+    hybrid_loss(
+        logits, *layout.train_labels(ids), 0.0, 4, distill_weight=1.0, distill_temperature=2.0
+    )["loss"].backward()
+    assert (
+        torch.count_nonzero(logits.grad[:, :S]) == 0 and torch.count_nonzero(logits.grad[:, S:]) > 0
+    )
 
 
 @pytest.mark.parametrize(
@@ -116,12 +144,24 @@ def test_teacher_is_detached_in_a_tiny_model(tiny_dirs):
         (dict(distill_weight=-0.1), "distill_weight=-0.1"),
         (dict(distill_temperature=0.0), "distill_temperature=0.0: must be a finite number > 0"),
         (dict(teacher="ema"), "teacher='ema': use 'self'"),
-        (dict(teacher="base", distill_weight=0.5), "teacher='base' with lora_r=0: the frozen-base teacher needs LoRA; set lora_r > 0"),
+        (
+            dict(teacher="base", distill_weight=0.5),
+            "teacher='base' with lora_r=0: the frozen-base teacher needs LoRA; set lora_r > 0",
+        ),
         (dict(anchor_weight=1.2, lora_r=4), "anchor_weight=1.2: must be a finite number in [0, 1]"),
-        (dict(anchor_weight=0.5), "anchor_weight=0.5 with lora_r=0: the base-model anchor needs LoRA"),
+        (
+            dict(anchor_weight=0.5),
+            "anchor_weight=0.5 with lora_r=0: the base-model anchor needs LoRA",
+        ),
         # issue 46: settings of the distillation term, silently ignored while it is off
-        (dict(teacher="base", lora_r=4), "--model.teacher base with --model.distill_weight 0: they apply to the distillation term, which is off"),
-        (dict(distill_temperature=2.0), "--model.distill_temperature 2.0 with --model.distill_weight 0"),
+        (
+            dict(teacher="base", lora_r=4),
+            "--model.teacher base with --model.distill_weight 0: they apply to the distillation term, which is off",
+        ),
+        (
+            dict(distill_temperature=2.0),
+            "--model.distill_temperature 2.0 with --model.distill_weight 0",
+        ),
     ],
 )
 def test_bad_distill_settings_are_refused(kwargs, message):
@@ -138,7 +178,9 @@ def test_agree_ar_matches_a_direct_count(tiny_dirs):
     k = 4
     m = TiDARModule(model=str(tiny_dirs["llama"]), block_size=k)
     m.configure_model()  # outside a Trainer the module builds its model when asked
-    train_tiny(m.model, steps=40, block_size=k)  # so the diffusion head agrees often, not only by chance
+    train_tiny(
+        m.model, steps=40, block_size=k
+    )  # so the diffusion head agrees often, not only by chance
     ids = cycle_batch(3, 32, seed=1)
     doc_ids = torch.zeros_like(ids)
     doc_ids[1, 13:] = 1
@@ -146,21 +188,35 @@ def test_agree_ar_matches_a_direct_count(tiny_dirs):
     S = ids.shape[1]
     with torch.no_grad():
         out = m.forward_tidar(ids, doc_ids)
-        diff_pred = m.model(
-            input_ids=layout.train_inputs(ids, m.model.config.mask_token_id),
-            position_ids=layout.train_position_ids(ids, doc_ids),
-            attention_mask=layout.to_dense(layout.train_mask_mod(S, k, doc_ids), 3, 2 * S, 2 * S),
-        ).logits[:, S:].argmax(-1)
+        diff_pred = (
+            m.model(
+                input_ids=layout.train_inputs(ids, m.model.config.mask_token_id),
+                position_ids=layout.train_position_ids(ids, doc_ids),
+                attention_mask=layout.to_dense(
+                    layout.train_mask_mod(S, k, doc_ids), 3, 2 * S, 2 * S
+                ),
+            )
+            .logits[:, S:]
+            .argmax(-1)
+        )
         hits, counts = [0] * k, [0] * k
         for b in range(3):
             for d in doc_ids[b].unique():
                 where = (doc_ids[b] == d).nonzero().flatten().tolist()
-                ar_pred = m.model(input_ids=ids[b, where][None]).logits[0].argmax(-1)  # the document alone, plain causal
-                for j, i in enumerate(where[1:]):  # slot i's token is predicted by the AR head at the slot before it
+                ar_pred = (
+                    m.model(input_ids=ids[b, where][None]).logits[0].argmax(-1)
+                )  # the document alone, plain causal
+                for j, i in enumerate(
+                    where[1:]
+                ):  # slot i's token is predicted by the AR head at the slot before it
                     counts[i % k] += 1
                     hits[i % k] += int(diff_pred[b, i] == ar_pred[j])
     for o in range(k):
-        assert out[f"agree_ar_{o}"].item() == pytest.approx(hits[o] / counts[o], abs=1e-6), (o, hits, counts)
+        assert out[f"agree_ar_{o}"].item() == pytest.approx(hits[o] / counts[o], abs=1e-6), (
+            o,
+            hits,
+            counts,
+        )
     assert max(hits[o] / counts[o] for o in range(k)) > 0.5, (hits, counts)
 
 
@@ -168,7 +224,9 @@ def test_base_teacher_is_the_base_model_with_adapters_off(tiny_dirs):
     from tidar_convert.models.loading import load_base
     from tidar_convert.train.module import TiDARModule
 
-    m = TiDARModule(model=str(tiny_dirs["qwen2"]), block_size=4, lora_r=4, teacher="base", distill_weight=0.5)
+    m = TiDARModule(
+        model=str(tiny_dirs["qwen2"]), block_size=4, lora_r=4, teacher="base", distill_weight=0.5
+    )
     m.configure_model()  # outside a Trainer the module builds its model when asked
     torch.manual_seed(0)
     with torch.no_grad():  # move the adapters away from zero: the student now differs from the base
@@ -188,12 +246,18 @@ def test_base_teacher_is_the_base_model_with_adapters_off(tiny_dirs):
                 expect = base(input_ids=ids[b, where][None]).logits[0]
                 torch.testing.assert_close(teacher[b, where], expect, rtol=1e-4, atol=1e-4)
                 student = m.model(input_ids=ids[b, where][None]).logits[0]
-                assert (student - expect).abs().max() > 1e-2  # the adapters are back on after the teacher forward
+                assert (
+                    student - expect
+                ).abs().max() > 1e-2  # the adapters are back on after the teacher forward
     m.model.train()
     out = m.forward_tidar(ids, doc_ids)
     out["loss"].backward()
     assert torch.isfinite(out["loss_distill"])
-    assert any(p.grad is not None and p.grad.abs().sum() > 0 for n, p in m.model.named_parameters() if "lora_" in n)
+    assert any(
+        p.grad is not None and p.grad.abs().sum() > 0
+        for n, p in m.model.named_parameters()
+        if "lora_" in n
+    )
 
 
 @pytest.mark.fit
@@ -211,12 +275,37 @@ def test_short_fit_with_distillation(tmp_path, tiny_dirs, extra):
 
     from tidar_convert.train.fit import _lightning_cli
 
-    args = ["fit", "--config", RECIPE, "--model.model", str(tiny_dirs["llama"]), "--trainer.max_steps", "4", "--trainer.val_check_interval", "4"]
-    args += ["--trainer.logger", "false", "--trainer.default_root_dir", str(tmp_path), "--model.val_decode_prompts", "0", *extra]
+    args = [
+        "fit",
+        "--config",
+        RECIPE,
+        "--model.model",
+        str(tiny_dirs["llama"]),
+        "--trainer.max_steps",
+        "4",
+        "--trainer.val_check_interval",
+        "4",
+    ]
+    args += [
+        "--trainer.logger",
+        "false",
+        "--trainer.default_root_dir",
+        str(tmp_path),
+        "--model.val_decode_prompts",
+        "0",
+        *extra,
+    ]
     cli = _lightning_cli(args)
     metrics = cli.trainer.callback_metrics
     assert cli.trainer.global_step == 4
-    for key in ("train/loss_distill", "train/agree_ar_0", "train/agree_ar_3", "val/loss_distill", "val/agree_ar_1", "val/acc_diff_1"):
+    for key in (
+        "train/loss_distill",
+        "train/agree_ar_0",
+        "train/agree_ar_3",
+        "val/loss_distill",
+        "val/agree_ar_1",
+        "val/acc_diff_1",
+    ):
         assert key in metrics and torch.isfinite(metrics[key]), key
     assert 0 <= metrics["val/agree_ar_2"].item() <= 1
     assert ("train/loss_anchor" in metrics) == ("--model.anchor_weight" in extra)
@@ -226,9 +315,16 @@ def test_model_card_lists_distillation_only_when_used(tmp_path):
     from tidar_convert.train.fit import training_card
 
     hp = {"lora_r": 0, "distill_weight": 0.5, "distill_temperature": 2.0, "teacher": "self"}
-    assert {"distill_weight": 0.5, "distill_temperature": 2.0, "teacher": "self"}.items() <= training_card(hp, 3, tmp_path).items()
+    assert {
+        "distill_weight": 0.5,
+        "distill_temperature": 2.0,
+        "teacher": "self",
+    }.items() <= training_card(hp, 3, tmp_path).items()
     assert "distill_weight" not in training_card({**hp, "distill_weight": 0.0}, 3, tmp_path)
-    assert "anchor_weight" not in training_card(hp, 3, tmp_path) and training_card({**hp, "anchor_weight": 1.0}, 3, tmp_path)["anchor_weight"] == 1.0
+    assert (
+        "anchor_weight" not in training_card(hp, 3, tmp_path)
+        and training_card({**hp, "anchor_weight": 1.0}, 3, tmp_path)["anchor_weight"] == 1.0
+    )
 
 
 def test_anchor_pulls_the_ar_half_toward_the_base_distribution():
@@ -244,35 +340,58 @@ def test_anchor_pulls_the_ar_half_toward_the_base_distribution():
     assert "loss_anchor" not in plain
     with pytest.raises(ValueError, match="anchor_weight=0.5 needs the base model's AR logits"):
         hybrid_loss(logits, ar, diff, 1.0, 2, anchor_weight=0.5)
-    assert hybrid_loss(logits, ar, diff, 1.0, 2, anchor_weight=0.0, anchor_logits=base)["loss"].item() == pytest.approx(plain["loss"].item())
+    assert hybrid_loss(logits, ar, diff, 1.0, 2, anchor_weight=0.0, anchor_logits=base)[
+        "loss"
+    ].item() == pytest.approx(plain["loss"].item())
     p, logq = base.detach().softmax(-1), logits[:, :S].detach().log_softmax(-1)
     kl = (p * (p.log() - logq)).sum(-1)[0]
     has = (ar[0] != -100).float()
     expect = float((kl * has).sum() / has.sum())
     out = hybrid_loss(logits, ar, diff, 1.0, 2, anchor_weight=0.25, anchor_logits=base)
     assert out["loss_anchor"].item() == pytest.approx(expect, rel=1e-5)
-    assert out["loss_ar"].item() == pytest.approx(plain["loss_ar"].item())  # the logged CE is unchanged
-    assert out["loss"].item() == pytest.approx((0.75 * plain["loss_ar"].item() + 0.25 * expect + plain["loss_diff"].item()) / 2, rel=1e-5)
+    assert out["loss_ar"].item() == pytest.approx(
+        plain["loss_ar"].item()
+    )  # the logged CE is unchanged
+    assert out["loss"].item() == pytest.approx(
+        (0.75 * plain["loss_ar"].item() + 0.25 * expect + plain["loss_diff"].item()) / 2, rel=1e-5
+    )
     anchored = hybrid_loss(logits, ar, diff, 0.0 + 1.0, 2, anchor_weight=1.0, anchor_logits=base)
     (anchored["loss"] - anchored["loss_diff"] / 2).backward()  # the anchor's part alone
-    assert base.grad is None and torch.count_nonzero(logits.grad[:, S:]) == 0 and torch.count_nonzero(logits.grad[:, :S]) > 0
+    assert (
+        base.grad is None
+        and torch.count_nonzero(logits.grad[:, S:]) == 0
+        and torch.count_nonzero(logits.grad[:, :S]) > 0
+    )
     with torch.no_grad():  # an AR half equal to the base has nothing to learn from the anchor
         same = logits.detach().clone()
         same[:, :S] = base.detach()
-    assert hybrid_loss(same, ar, diff, 1.0, 2, anchor_weight=1.0, anchor_logits=base)["loss_anchor"].item() == pytest.approx(0.0, abs=1e-6)
+    assert hybrid_loss(same, ar, diff, 1.0, 2, anchor_weight=1.0, anchor_logits=base)[
+        "loss_anchor"
+    ].item() == pytest.approx(0.0, abs=1e-6)
 
 
 def test_module_anchors_to_the_base_with_the_teacher_forward_shared(tiny_dirs, monkeypatch):
     from tidar_convert.train.module import TiDARModule
 
-    m = TiDARModule(model=str(tiny_dirs["qwen2"]), block_size=4, lora_r=4, anchor_weight=0.5, teacher="base", distill_weight=0.5)
+    m = TiDARModule(
+        model=str(tiny_dirs["qwen2"]),
+        block_size=4,
+        lora_r=4,
+        anchor_weight=0.5,
+        teacher="base",
+        distill_weight=0.5,
+    )
     m.configure_model()
     calls = []
     base_ar_logits = TiDARModule.base_ar_logits
-    monkeypatch.setattr(TiDARModule, "base_ar_logits", lambda self, *a: calls.append(1) or base_ar_logits(self, *a))
+    monkeypatch.setattr(
+        TiDARModule, "base_ar_logits", lambda self, *a: calls.append(1) or base_ar_logits(self, *a)
+    )
     ids = cycle_batch(2, 16, seed=2)
     out = m.forward_tidar(ids)
     assert len(calls) == 1  # one base forward serves the teacher and the anchor
-    assert out["loss_anchor"].item() == pytest.approx(0.0, abs=1e-5)  # fresh LoRA: the AR half is the base
+    assert out["loss_anchor"].item() == pytest.approx(
+        0.0, abs=1e-5
+    )  # fresh LoRA: the AR half is the base
     out["loss"].backward()
     assert torch.isfinite(out["loss"])

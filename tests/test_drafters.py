@@ -7,14 +7,13 @@ from unittest.mock import patch
 
 import pytest
 import torch
+from helpers import FAMILIES, ar, cycle_batch
 
 from tidar_convert.runtime import drafters, engine, forward, tree
-from tidar_convert.runtime.generate import generate
-from tidar_convert.runtime.drafters import DRAFTERS, Draft, DraftContext, LookupDrafter
 from tidar_convert.runtime.costs import StepCosts
+from tidar_convert.runtime.drafters import DRAFTERS, Draft, DraftContext, LookupDrafter
+from tidar_convert.runtime.generate import generate
 from tidar_convert.runtime.plan import Planner, StepPlan, cut
-
-from helpers import FAMILIES, ar, cycle_batch
 
 
 def padded_batch():
@@ -41,8 +40,18 @@ def test_every_drafter_every_k_equals_ar_greedy(trained, untrained, family):
                 assert torch.equal(got, expected), (name, k)
     model = trained[family][0]
     # plan="adaptive": the cost plan's acceptance depends on step timings (its first call explores)
-    generate(ids[:1], model=model, max_new_tokens=30, eos_token_id=None, drafter="diffusion", plan="adaptive")
-    assert model.tidar_stats["tokens_per_nfe"] > 1.5 and model.tidar_stats["draft_sources"]["diffusion"] > 0
+    generate(
+        ids[:1],
+        model=model,
+        max_new_tokens=30,
+        eos_token_id=None,
+        drafter="diffusion",
+        plan="adaptive",
+    )
+    assert (
+        model.tidar_stats["tokens_per_nfe"] > 1.5
+        and model.tidar_stats["draft_sources"]["diffusion"] > 0
+    )
 
 
 @pytest.mark.parametrize("drafter", ["lookup", "hybrid"])
@@ -51,20 +60,36 @@ def test_stops_exactly_at_eos_inside_an_accepted_lookup_draft(trained, drafter):
     ids = cycle_batch(1, 14, seed=3)  # two periods of the cycle: lookup matches from the first step
     # plan="full": the whole 10-token lookup draft (adaptive would trim the first one, made before
     # any lookup token was judged, to the proposals likely at its prior rate of 1/2)
-    full = generate(ids, model=model, max_new_tokens=12, eos_token_id=None, drafter=drafter, plan="full")
-    eos = full[0, 14 + 5].item()  # the 6th new token: inside the first step's lookup draft (new tokens 2..11)
+    full = generate(
+        ids, model=model, max_new_tokens=12, eos_token_id=None, drafter=drafter, plan="full"
+    )
+    eos = full[
+        0, 14 + 5
+    ].item()  # the 6th new token: inside the first step's lookup draft (new tokens 2..11)
     expected = ar(model, ids, max_new_tokens=12, eos_token_id=eos)
-    got = generate(ids, model=model, max_new_tokens=12, eos_token_id=eos, drafter=drafter, plan="full")
+    got = generate(
+        ids, model=model, max_new_tokens=12, eos_token_id=eos, drafter=drafter, plan="full"
+    )
     assert torch.equal(got, expected) and got.shape[1] == 14 + 6
     stats = model.tidar_stats
     if drafter == "lookup":  # hybrid may draft with the (trained, confident) diffusion head first
-        assert stats["nfe"] == 2 and stats["accepted"][0] >= 6 and stats["draft_sources"]["lookup"] == 1
+        assert (
+            stats["nfe"] == 2
+            and stats["accepted"][0] >= 6
+            and stats["draft_sources"]["lookup"] == 1
+        )
 
 
 def test_a_plan_without_a_group_at_the_accepted_length_stays_exact(trained, untrained, monkeypatch):
     """Groups only at the draft's full length: with an untrained head (acceptance 1) no step has a
     group where it lands, so the next draft comes from lookup or from nothing (a fresh group)."""
-    monkeypatch.setattr(Planner, "plan", lambda self, draft, uses_groups, *rest, **kw: StepPlan(draft.tokens.shape[1], (draft.tokens.shape[1],), self.k))
+    monkeypatch.setattr(
+        Planner,
+        "plan",
+        lambda self, draft, uses_groups, *rest, **kw: StepPlan(
+            draft.tokens.shape[1], (draft.tokens.shape[1],), self.k
+        ),
+    )
     ids, mask = padded_batch()
     kw = dict(attention_mask=mask, max_new_tokens=20, eos_token_id=None, pad_token_id=0)
     for model in (untrained["qwen2"], trained["qwen2"][0]):
@@ -72,7 +97,9 @@ def test_a_plan_without_a_group_at_the_accepted_length_stays_exact(trained, untr
         for name in ("diffusion", "hybrid"):
             assert torch.equal(generate(ids, model=model, drafter=name, **kw), expected), name
     generate(ids, model=untrained["qwen2"], drafter="diffusion", **kw)
-    assert untrained["qwen2"].tidar_stats["draft_sources"]["none"] > 0  # steps that had no draft, and still exact
+    assert (
+        untrained["qwen2"].tidar_stats["draft_sources"]["none"] > 0
+    )  # steps that had no draft, and still exact
 
 
 def test_adaptive_plan_runs_fewer_slots_and_stays_exact(untrained):
@@ -81,10 +108,22 @@ def test_adaptive_plan_runs_fewer_slots_and_stays_exact(untrained):
     expected = ar(model, ids, max_new_tokens=24, eos_token_id=None)
     slots = {}
     for plan in ("full", "adaptive"):
-        assert torch.equal(generate(ids, model=model, max_new_tokens=24, eos_token_id=None, drafter="diffusion", plan=plan), expected)
+        assert torch.equal(
+            generate(
+                ids,
+                model=model,
+                max_new_tokens=24,
+                eos_token_id=None,
+                drafter="diffusion",
+                plan=plan,
+            ),
+            expected,
+        )
         slots[plan] = model.tidar_stats["slots_per_step"]
     assert slots["adaptive"] < 10 < slots["full"]  # untrained: only the group at length 1 is likely
-    assert torch.equal(generate(ids, model=model, max_new_tokens=24, eos_token_id=None, slot_budget=6), expected)
+    assert torch.equal(
+        generate(ids, model=model, max_new_tokens=24, eos_token_id=None, slot_budget=6), expected
+    )
     assert model.tidar_stats["slots_per_step"] <= 6 + 1e-9
     with pytest.raises(ValueError, match="slot_budget=3"):
         generate(ids, model=model, max_new_tokens=4, slot_budget=3)
@@ -97,11 +136,17 @@ def test_trim_keeps_the_proposals_a_step_is_likely_to_reach():
     conf = torch.tensor([[0.9, 0.5, 0.1, 0.9], [0.9, 0.9, 0.9, 0.9]])
     draft = Draft(tokens, confidence=conf, raw_confidence=conf / 2, sources=["diffusion"] * 2)
     planner = Planner(4, "adaptive", min_chance=0.05)
-    shared = planner.trim(draft)  # row 0 reaches 0.9, 0.45, 0.045: the batch commits at most 2 proposals there
+    shared = planner.trim(
+        draft
+    )  # row 0 reaches 0.9, 0.45, 0.045: the batch commits at most 2 proposals there
     assert torch.equal(shared.tokens, tokens[:, :3]) and shared.length.tolist() == [3, 3]
-    assert torch.equal(shared.confidence, conf[:, :2]) and torch.equal(shared.raw_confidence, conf[:, :2] / 2)
+    assert torch.equal(shared.confidence, conf[:, :2]) and torch.equal(
+        shared.raw_confidence, conf[:, :2] / 2
+    )
     assert planner.trim(draft, per_row=True) is draft  # row 1 reaches all four on its own
-    assert planner.trim(Draft(tokens, confidence=torch.full((2, 4), 0.01))).tokens.shape[1] == 2  # one proposal at least
+    assert (
+        planner.trim(Draft(tokens, confidence=torch.full((2, 4), 0.01))).tokens.shape[1] == 2
+    )  # one proposal at least
     assert Planner(4, "full").trim(draft) is draft  # the paper's step drafts all of them
 
 
@@ -117,7 +162,9 @@ def costs(table: dict) -> StepCosts:
 def test_step_costs_price_unmeasured_shapes_optimistically():
     c = costs({(4, False): 100, (12, False): 120, (8, True): 200})
     assert c.price(4, False) == 100 and c.price(8, True) == 200
-    assert c.price(2, False) == 20  # in proportion, from the cheapest line through a larger shape: 120 x 2 / 12
+    assert (
+        c.price(2, False) == 20
+    )  # in proportion, from the cheapest line through a larger shape: 120 x 2 / 12
     assert c.price(10, False) == 100  # 12 slots' 120 ms x 10 / 12 (4 slots' line is not above 10)
     assert c.price(20, False) == 120  # larger than any measured: the dearest smaller one
     assert c.price(4, True) == 100  # masked, smaller than 8: 200 x 4 / 8
@@ -127,7 +174,9 @@ def test_step_costs_price_unmeasured_shapes_optimistically():
     stall = StepCosts()
     stall.add(1, False, 0.06)
     stall.add(5, False, 0.5)  # a stall on the first try
-    assert stall.price(5, False) == pytest.approx(60)  # once seen: no dearer than the guess from the others (1 slot: 60 ms)
+    assert stall.price(5, False) == pytest.approx(
+        60
+    )  # once seen: no dearer than the guess from the others (1 slot: 60 ms)
     stall.add(5, False, 0.1)
     assert stall.price(5, False) == pytest.approx(100)  # the first two count by their minimum
     stall.add(5, False, 0.5)
@@ -135,7 +184,9 @@ def test_step_costs_price_unmeasured_shapes_optimistically():
     stale = costs({(1, False): 60, (5, False): 500})  # two stalls: 5 slots priced out ...
     for _ in range(stale.stale + 1):
         stale.add(1, False, 0.06)
-    assert stale.price(5, False) == pytest.approx(60)  # ... until not run for `stale` steps: guessed again (the dearest smaller shape)
+    assert stale.price(5, False) == pytest.approx(
+        60
+    )  # ... until not run for `stale` steps: guessed again (the dearest smaller shape)
     stale.add(5, False, 0.1)
     assert stale.price(5, False) == pytest.approx(100)  # and its next time counts by the minimum
 
@@ -158,18 +209,30 @@ def test_cost_plan_takes_the_most_expected_tokens_per_second():
     doubtful = Draft(tokens, confidence=torch.full((1, 4), 0.2), sources=["lookup"])
     cpu = costs({(1, False): 60, (2, False): 110, (3, False): 130, (4, False): 95, (5, False): 97})
     flat = costs({(s, False): 60 for s in range(1, 6)})
-    take = lambda costs, draft: Planner(4, "cost", costs=costs).step(draft, uses_groups=False)[1].n_drafts
+    take = lambda costs, draft: (
+        Planner(4, "cost", costs=costs).step(draft, uses_groups=False)[1].n_drafts
+    )
     assert take(flat, doubtful) == 5  # slots are free: verify everything
-    assert take(cpu, doubtful) == 1  # 1.25 expected tokens do not pay for 4 more slots: a plain AR step
+    assert (
+        take(cpu, doubtful) == 1
+    )  # 1.25 expected tokens do not pay for 4 more slots: a plain AR step
     assert take(cpu, sure) == 5  # 4.4 do; and 2 or 3 slots are never worth more than 4
     masked = costs({(1, False): 60, (5, True): 70})
     draft, plan = Planner(4, "cost", costs=masked).step(Draft(tokens[:, :1]), uses_groups=True)
-    assert plan.anchors == (1,) and plan.slots == 5  # a group pays when its drafts are expected to (gain 1 a step)
+    assert (
+        plan.anchors == (1,) and plan.slots == 5
+    )  # a group pays when its drafts are expected to (gain 1 a step)
     dear = costs({(1, False): 60, (5, True): 150})
-    assert Planner(4, "cost", costs=dear).step(Draft(tokens[:, :1]), uses_groups=True)[1].anchors == ()
+    assert (
+        Planner(4, "cost", costs=dear).step(Draft(tokens[:, :1]), uses_groups=True)[1].anchors == ()
+    )
     planner = Planner(4, "cost", costs=masked)
-    planner.timed(plan, 0.07, Draft(tokens, sources=["diffusion"]), torch.tensor([1]))  # a group draft: nothing accepted
-    assert Planner(4, "cost", costs=masked).group_gain.value == pytest.approx(0.5)  # kept with the costs, across calls
+    planner.timed(
+        plan, 0.07, Draft(tokens, sources=["diffusion"]), torch.tensor([1])
+    )  # a group draft: nothing accepted
+    assert Planner(4, "cost", costs=masked).group_gain.value == pytest.approx(
+        0.5
+    )  # kept with the costs, across calls
 
 
 def test_cost_plan_stops_paying_for_groups_the_next_draft_does_not_read():
@@ -183,14 +246,25 @@ def test_cost_plan_stops_paying_for_groups_the_next_draft_does_not_read():
     for _ in range(30):
         plan = StepPlan(2, (1, 2), 4)
         planner.timed(plan, 0.072, looked, torch.tensor([2]))  # a group at the accepted length ...
-        planner.timed(StepPlan(2, (), 4), 0.062, looked, torch.tensor([2]))  # ... and the next draft is lookup's again
+        planner.timed(
+            StepPlan(2, (), 4), 0.062, looked, torch.tensor([2])
+        )  # ... and the next draft is lookup's again
     assert masked.group_use["lookup"].value < 0.1
     assert planner.step(looked, uses_groups=True)[1].anchors == ()
-    assert planner.step(alone, uses_groups=True)[1].anchors == (1,)  # after a step without a match: still worth it
+    assert planner.step(alone, uses_groups=True)[1].anchors == (
+        1,
+    )  # after a step without a match: still worth it
     planner.timed(StepPlan(1, (1,), 4), 0.07, alone, torch.tensor([1]))
-    planner.timed(StepPlan(4, (), 4), 0.07, Draft(torch.arange(4)[None], sources=["diffusion"]), torch.tensor([2]))
+    planner.timed(
+        StepPlan(4, (), 4),
+        0.07,
+        Draft(torch.arange(4)[None], sources=["diffusion"]),
+        torch.tensor([2]),
+    )
     use = masked.group_use["none"]
-    assert use.count == pytest.approx(1.0) and use.total == pytest.approx(1.0)  # read once: counted as used
+    assert use.count == pytest.approx(1.0) and use.total == pytest.approx(
+        1.0
+    )  # read once: counted as used
 
 
 def test_a_group_is_worth_what_its_drafts_bring_beyond_verifying_them():
@@ -203,9 +277,13 @@ def test_a_group_is_worth_what_its_drafts_bring_beyond_verifying_them():
         for _ in range(200):  # group drafts get half a proposal accepted
             table.group_gain.add(0.5)
     assert Planner(4, "cost", costs=cpu).verify_cost() == pytest.approx(35 / 60)
-    assert Planner(4, "cost", costs=cpu).step(alone, uses_groups=True)[1].anchors == ()  # 0.5 < 0.58: not worth it
+    assert (
+        Planner(4, "cost", costs=cpu).step(alone, uses_groups=True)[1].anchors == ()
+    )  # 0.5 < 0.58: not worth it
     assert Planner(4, "cost", costs=flat).verify_cost() == 0
-    assert Planner(4, "cost", costs=flat).step(alone, uses_groups=True)[1].anchors == (1,)  # free to verify: worth 0.5
+    assert Planner(4, "cost", costs=flat).step(alone, uses_groups=True)[1].anchors == (
+        1,
+    )  # free to verify: worth 0.5
 
 
 def test_cost_plan_is_exact_for_every_drafter(trained):
@@ -214,8 +292,14 @@ def test_cost_plan_is_exact_for_every_drafter(trained):
     ids, mask = padded_batch()
     kw = dict(max_new_tokens=24, eos_token_id=None, pad_token_id=0)
     for name in DRAFTERS:
-        assert torch.equal(generate(ids, model=model, attention_mask=mask, drafter=name, plan="cost", **kw), ar(model, ids, attention_mask=mask, **kw)), name
-        assert torch.equal(generate(ids[:1], model=model, drafter=name, plan="cost", **kw), ar(model, ids[:1], **kw)), name
+        assert torch.equal(
+            generate(ids, model=model, attention_mask=mask, drafter=name, plan="cost", **kw),
+            ar(model, ids, attention_mask=mask, **kw),
+        ), name
+        assert torch.equal(
+            generate(ids[:1], model=model, drafter=name, plan="cost", **kw),
+            ar(model, ids[:1], **kw),
+        ), name
 
 
 def test_lookup_chances_by_match_length_and_depth_learn_and_recover():
@@ -224,8 +308,12 @@ def test_lookup_chances_by_match_length_and_depth_learn_and_recover():
     drifts back toward its prior while matches are found but not verified (else a plan that stopped
     verifying them would never try again)."""
     lookup = LookupDrafter()
-    assert lookup.chance(1, 0) < lookup.chance(2, 0) < lookup.chance(3, 0) == lookup.chance(7, 0)  # longer matches are surer
-    assert lookup.chance(1, 0) < lookup.chance(1, 1) < lookup.chance(1, 9)  # acceptance comes in runs
+    assert (
+        lookup.chance(1, 0) < lookup.chance(2, 0) < lookup.chance(3, 0) == lookup.chance(7, 0)
+    )  # longer matches are surer
+    assert (
+        lookup.chance(1, 0) < lookup.chance(1, 1) < lookup.chance(1, 9)
+    )  # acceptance comes in runs
     seqs = torch.tensor([[5, 6, 7, 8, 9, 1, 7]])  # unigram match: 7 -> 8, 9, 1, 7
     ctx = DraftContext(seqs, torch.ones_like(seqs, dtype=torch.bool), 4, None, None)
     draft = lookup.propose(ctx)
@@ -236,9 +324,15 @@ def test_lookup_chances_by_match_length_and_depth_learn_and_recover():
         lookup.propose(ctx)
         lookup.observe(cut(draft, 4), torch.tensor([1]))
     assert lookup.chance(1, 0) < 0.1 and lookup.chance(2, 0) == bigram_before
-    assert lookup.chance(1, 1) == pytest.approx(LookupDrafter.PRIORS[1][1])  # never judged: the first miss ends the judging
-    lookup.observe(cut(draft, 4), torch.tensor([4]))  # all 3 accepted: depths 0, 1, 2 judged, accepted
-    assert lookup.chance(1, 1) > LookupDrafter.PRIORS[1][1] and lookup.chance(1, 3) == pytest.approx(LookupDrafter.PRIORS[1][3])
+    assert lookup.chance(1, 1) == pytest.approx(
+        LookupDrafter.PRIORS[1][1]
+    )  # never judged: the first miss ends the judging
+    lookup.observe(
+        cut(draft, 4), torch.tensor([4])
+    )  # all 3 accepted: depths 0, 1, 2 judged, accepted
+    assert lookup.chance(1, 1) > LookupDrafter.PRIORS[1][1] and lookup.chance(
+        1, 3
+    ) == pytest.approx(LookupDrafter.PRIORS[1][3])
     low = lookup.chance(1, 0)
     for _ in range(150):  # matches found, never verified
         lookup.propose(ctx)
@@ -249,24 +343,36 @@ def test_adaptive_draft_length_drafts_less_where_lookup_misses_and_stays_exact(u
     """Random prompts, untrained model: lookup matches by chance and is rejected, so its running rate
     falls and adaptive drafts shrink (full keeps transformers' 10 tokens); outputs equal AR's."""
     model = untrained["llama"]
-    ids = torch.randint(1, 40, (2, 24), generator=torch.Generator().manual_seed(4))  # small vocabulary: many 2-gram hits
+    ids = torch.randint(
+        1, 40, (2, 24), generator=torch.Generator().manual_seed(4)
+    )  # small vocabulary: many 2-gram hits
     kw = dict(max_new_tokens=24, eos_token_id=None, pad_token_id=0)
     expected = ar(model, ids, **kw)
     slots = {}
     for plan in ("full", "adaptive"):
         for rows in (ids, ids[:1]):  # shared commit and per-row acceptance
-            assert torch.equal(generate(rows, model=model, drafter="lookup", plan=plan, **kw), expected[: rows.shape[0]]), plan
+            assert torch.equal(
+                generate(rows, model=model, drafter="lookup", plan=plan, **kw),
+                expected[: rows.shape[0]],
+            ), plan
         slots[plan] = model.tidar_stats["slots_per_step"]
-    assert slots["adaptive"] < slots["full"], slots  # lookup runs no groups: only trimming can lower it
+    assert slots["adaptive"] < slots["full"], (
+        slots
+    )  # lookup runs no groups: only trimming can lower it
 
 
 def test_lm_head_on_read_rows_gives_the_tokens_of_full_logits(trained, monkeypatch):
     model, _ = trained["mistral"]
     ids, mask = padded_batch()
-    kw = dict(attention_mask=mask, max_new_tokens=24, eos_token_id=None, pad_token_id=0, plan="full")
+    kw = dict(
+        attention_mask=mask, max_new_tokens=24, eos_token_id=None, pad_token_id=0, plan="full"
+    )
     for name in DRAFTERS:
         read = generate(ids, model=model, drafter=name, **kw)
-        rows, slots = model.tidar_stats["lm_head_rows_per_step"], model.tidar_stats["slots_per_step"]
+        rows, slots = (
+            model.tidar_stats["lm_head_rows_per_step"],
+            model.tidar_stats["slots_per_step"],
+        )
         monkeypatch.setattr(forward, "READ_ROWS_ONLY", False)
         full = generate(ids, model=model, drafter=name, **kw)
         monkeypatch.setattr(forward, "READ_ROWS_ONLY", True)
@@ -286,7 +392,9 @@ def test_lm_head_on_read_rows_gives_the_tokens_of_full_logits(trained, monkeypat
 
 def test_bad_drafter_is_refused_by_name(trained):
     model, _ = trained["llama"]
-    with pytest.raises(ValueError, match=r"drafter='ngram': choose one of 'hybrid', 'diffusion', 'lookup'"):
+    with pytest.raises(
+        ValueError, match=r"drafter='ngram': choose one of 'hybrid', 'diffusion', 'lookup'"
+    ):
         generate(cycle_batch(1, 4, seed=0), model=model, max_new_tokens=4, drafter="ngram")
 
 
@@ -295,23 +403,69 @@ def test_hybrid_drafts_by_lookup_where_it_matches_until_diffusion_proves_better(
     diffusion drafts have been accepted further on average, diffusion first. The choice reads past
     outcomes only."""
     hybrid = drafters.HybridDrafter()
-    look = Draft(torch.tensor([[1, 7, 8], [1, 1, 1]]), length=torch.tensor([3, 1]), confidence=torch.full((2, 2), 0.5), sources=["lookup", "none"])
-    diff = Draft(torch.tensor([[1, 9, 9], [1, 9, 9]]), confidence=torch.full((2, 2), 0.5), sources=["diffusion", "diffusion"])
-    assert hybrid.choose(look, diff).tolist() == [True, False]  # the row without a match drafts by diffusion
-    for _ in range(3):  # lookup fails a few times: one bad stretch must not hand every step to diffusion
-        hybrid.observe(Draft(torch.tensor([[1, 7, 8]]), confidence=torch.full((1, 2), 0.5), sources=["lookup"]), torch.tensor([1]))
-        hybrid.observe(Draft(torch.tensor([[1, 9, 9]]), confidence=torch.full((1, 2), 0.5), sources=["diffusion"]), torch.tensor([1]))
+    look = Draft(
+        torch.tensor([[1, 7, 8], [1, 1, 1]]),
+        length=torch.tensor([3, 1]),
+        confidence=torch.full((2, 2), 0.5),
+        sources=["lookup", "none"],
+    )
+    diff = Draft(
+        torch.tensor([[1, 9, 9], [1, 9, 9]]),
+        confidence=torch.full((2, 2), 0.5),
+        sources=["diffusion", "diffusion"],
+    )
+    assert hybrid.choose(look, diff).tolist() == [
+        True,
+        False,
+    ]  # the row without a match drafts by diffusion
+    for _ in range(
+        3
+    ):  # lookup fails a few times: one bad stretch must not hand every step to diffusion
+        hybrid.observe(
+            Draft(
+                torch.tensor([[1, 7, 8]]), confidence=torch.full((1, 2), 0.5), sources=["lookup"]
+            ),
+            torch.tensor([1]),
+        )
+        hybrid.observe(
+            Draft(
+                torch.tensor([[1, 9, 9]]), confidence=torch.full((1, 2), 0.5), sources=["diffusion"]
+            ),
+            torch.tensor([1]),
+        )
     assert hybrid.choose(look, diff).tolist() == [True, False]
     for _ in range(40):  # diffusion drafts accepted whole, lookup's not at all
-        hybrid.observe(Draft(torch.tensor([[1, 9, 9]]), confidence=torch.full((1, 2), 0.5), sources=["diffusion"]), torch.tensor([3]))
-        hybrid.observe(Draft(torch.tensor([[1, 7, 8]]), confidence=torch.full((1, 2), 0.5), sources=["lookup"]), torch.tensor([1]))
+        hybrid.observe(
+            Draft(
+                torch.tensor([[1, 9, 9]]), confidence=torch.full((1, 2), 0.5), sources=["diffusion"]
+            ),
+            torch.tensor([3]),
+        )
+        hybrid.observe(
+            Draft(
+                torch.tensor([[1, 7, 8]]), confidence=torch.full((1, 2), 0.5), sources=["lookup"]
+            ),
+            torch.tensor([1]),
+        )
     assert hybrid.gain("diffusion") > 1.5 > 0.5 > hybrid.gain("lookup")
     assert hybrid.choose(look, diff).tolist() == [False, False]
-    for _ in range(100):  # lookup's chain misses, but the step commits 4 drafts down one of its branches
+    for _ in range(
+        100
+    ):  # lookup's chain misses, but the step commits 4 drafts down one of its branches
         hybrid.lookup.ngram = [1]  # as if its propose had matched a unigram
-        hybrid.observe(Draft(torch.tensor([[1, 7, 8]]), confidence=torch.full((1, 2), 0.5), sources=["lookup"]), torch.tensor([1]), torch.tensor([4]))
-    assert hybrid.gain("lookup") > hybrid.gain("diffusion") and hybrid.choose(look, diff).tolist() == [True, False]  # judged by what it brought
-    assert hybrid.lookup.chance(1, 0) < LookupDrafter().chance(1, 0)  # its chain's chances by the chain's own misses
+        hybrid.observe(
+            Draft(
+                torch.tensor([[1, 7, 8]]), confidence=torch.full((1, 2), 0.5), sources=["lookup"]
+            ),
+            torch.tensor([1]),
+            torch.tensor([4]),
+        )
+    assert hybrid.gain("lookup") > hybrid.gain("diffusion") and hybrid.choose(
+        look, diff
+    ).tolist() == [True, False]  # judged by what it brought
+    assert hybrid.lookup.chance(1, 0) < LookupDrafter().chance(
+        1, 0
+    )  # its chain's chances by the chain's own misses
 
 
 def test_diffusion_chances_follow_the_acceptance_seen():
@@ -319,23 +473,38 @@ def test_diffusion_chances_follow_the_acceptance_seen():
     start), in the diffusion drafter itself: drafting by diffusion alone is calibrated too (its raw
     chance overstated sampled acceptance 2.5x, bench/RESULTS.md §4), and hybrid drafts are scaled
     by the same drafter, counting only its own rows."""
+
     def draft(source="diffusion", confidence=(0.9, 0.8)):
-        return Draft(torch.tensor([[1, 9, 9]]), confidence=torch.tensor([confidence]), sources=[source])
+        return Draft(
+            torch.tensor([[1, 9, 9]]), confidence=torch.tensor([confidence]), sources=[source]
+        )
 
     diffusion = drafters.DiffusionDrafter()
-    assert torch.allclose(diffusion.calibrate(draft()).confidence, torch.tensor([[0.9, 0.8]]))  # nothing seen yet
-    for _ in range(10):  # the first proposal judged and rejected each time: 9.0 predicted, none taken
+    assert torch.allclose(
+        diffusion.calibrate(draft()).confidence, torch.tensor([[0.9, 0.8]])
+    )  # nothing seen yet
+    for _ in range(
+        10
+    ):  # the first proposal judged and rejected each time: 9.0 predicted, none taken
         diffusion.observe(draft(), torch.tensor([1]))
     d = diffusion.calibrate(draft())
-    assert torch.allclose(d.confidence, torch.tensor([[0.9, 0.8]]) / 10) and torch.equal(d.raw_confidence, torch.tensor([[0.9, 0.8]]))
-    for _ in range(40):  # then drafts of chance 0.5 accepted whole: 80 taken of 49 predicted, the chances capped at 1
+    assert torch.allclose(d.confidence, torch.tensor([[0.9, 0.8]]) / 10) and torch.equal(
+        d.raw_confidence, torch.tensor([[0.9, 0.8]])
+    )
+    for _ in range(
+        40
+    ):  # then drafts of chance 0.5 accepted whole: 80 taken of 49 predicted, the chances capped at 1
         diffusion.observe(draft(confidence=(0.5, 0.5)), torch.tensor([3]))
     assert diffusion.calibrate(draft()).confidence.max() == 1.0
     hybrid = drafters.HybridDrafter()
     for _ in range(10):
         hybrid.observe(draft(), torch.tensor([1]))
-        hybrid.observe(draft("lookup"), torch.tensor([3]))  # lookup's rows do not move diffusion's scale
-    assert torch.allclose(hybrid.diffusion.calibrate(draft()).confidence, torch.tensor([[0.9, 0.8]]) / 10)
+        hybrid.observe(
+            draft("lookup"), torch.tensor([3])
+        )  # lookup's rows do not move diffusion's scale
+    assert torch.allclose(
+        hybrid.diffusion.calibrate(draft()).confidence, torch.tensor([[0.9, 0.8]]) / 10
+    )
 
 
 def test_lookup_follows_transformers_prompt_lookup():
@@ -347,7 +516,10 @@ def test_lookup_follows_transformers_prompt_lookup():
     assert found([5, 6, 7, 8, 9, 6, 7], 10) == ([8, 9, 6], 2)  # bigram (6, 7) at 1
     assert found([5, 6, 7, 8, 9, 1, 7], 10) == ([8, 9, 1], 1)  # no bigram: unigram 7 at 2
     assert found([1, 5, 1, 6, 1], 10) == ([5, 1, 6], 1)  # first occurrence
-    assert lk.match(t([1, 5, 1, 6, 1]), 10)[2] == [1, 3]  # and where each occurrence's continuation starts (a tree's branches)
+    assert lk.match(t([1, 5, 1, 6, 1]), 10)[2] == [
+        1,
+        3,
+    ]  # and where each occurrence's continuation starts (a tree's branches)
     assert found([5, 6, 7, 8, 9, 6, 7], 1) == ([8], 2)  # capped
     assert lk.match(t([1, 2, 3]), 10) is None
 
@@ -357,27 +529,44 @@ def test_lookup_trees_hang_the_other_occurrences_where_they_leave_the_chain():
     latest, [3, 9, 5], leaves it at the first proposal (a branch under draft 0); the middle one,
     [3, 4, 5], walks down that branch through 3 and leaves it at 4 (a branch off a branch)."""
     seqs = torch.tensor([[1, 5, 6, 2, 8, 5, 6, 3, 4, 5, 6, 3, 9, 5, 6]])
-    ctx = lambda siblings: DraftContext(seqs, torch.ones_like(seqs, dtype=torch.bool), 3, None, None, siblings=siblings)
+    ctx = lambda siblings: DraftContext(
+        seqs, torch.ones_like(seqs, dtype=torch.bool), 3, None, None, siblings=siblings
+    )
     lookup = LookupDrafter(num_tokens=3)
     draft = lookup.propose(ctx(3))
     assert draft.tokens.tolist() == [[6, 2, 8, 5]]
     assert draft.siblings.tolist() == [[3, 9, 5, 4, 5]] and draft.sibling_parents == (0, 4, 5, 4, 7)
     first, deeper = LookupDrafter.BRANCH_PRIORS[2][0][0], LookupDrafter.BRANCH_PRIORS[2][1][0]
-    assert draft.sibling_confidence[0].tolist() == pytest.approx([first, lookup.chance(2, 1), lookup.chance(2, 2), deeper, lookup.chance(2, 2)])
-    assert lookup.propose(ctx(1)).siblings.tolist() == [[3, 9, 5]]  # one branch: the middle occurrence stops where it would branch
+    assert draft.sibling_confidence[0].tolist() == pytest.approx(
+        [first, lookup.chance(2, 1), lookup.chance(2, 2), deeper, lookup.chance(2, 2)]
+    )
+    assert lookup.propose(ctx(1)).siblings.tolist() == [
+        [3, 9, 5]
+    ]  # one branch: the middle occurrence stops where it would branch
     lookup.SCAN = 1  # a frequent n-gram's thousands of occurrences: only the latest few are read
     assert lookup.propose(ctx(3)).siblings.tolist() == [[3, 9, 5]]
     del lookup.SCAN
-    assert lookup.propose(ctx(0)).siblings is None  # no tree where the step verifies chains only (sampling, batches)
+    assert (
+        lookup.propose(ctx(0)).siblings is None
+    )  # no tree where the step verifies chains only (sampling, batches)
     d, plan = Planner(4, "adaptive", slot_budget=40, siblings=3).step(draft, uses_groups=False)
-    assert plan.parents() == (-1, 0, 1, 2, 0, 4, 5, 4, 7) and plan.anchors == ()  # every node kept, as a tree
+    assert (
+        plan.parents() == (-1, 0, 1, 2, 0, 4, 5, 4, 7) and plan.anchors == ()
+    )  # every node kept, as a tree
 
     # hybrid: the diffusion draft's alternatives to the first proposal join under draft 0, but for
     # tokens the lookup tree has there already (3, from the latest occurrence)
     from tidar_convert.runtime.tree import beside
 
     tree = beside(draft, torch.tensor([[3, 7]]), torch.tensor([[0.2, 0.1]]))
-    assert tree.siblings.tolist() == [[3, 9, 5, 4, 5, 7]] and tree.sibling_parents == (0, 4, 5, 4, 7, 0)
+    assert tree.siblings.tolist() == [[3, 9, 5, 4, 5, 7]] and tree.sibling_parents == (
+        0,
+        4,
+        5,
+        4,
+        7,
+        0,
+    )
     assert tree.sibling_confidence[0, -1].item() == pytest.approx(0.1)
 
 
@@ -392,12 +581,29 @@ def test_lookup_trees_commit_a_later_occurrence_where_the_first_misleads(trained
     assert expected[0, 17:20].tolist() == [7, 8, 9]  # the model follows the cycle
     for name in ("lookup", "hybrid"):
         model.__dict__.pop("_tidar_step_costs", None)
-        got = generate(ids, model=model, max_new_tokens=24, eos_token_id=None, drafter=name, plan="adaptive", slot_budget=40)
+        got = generate(
+            ids,
+            model=model,
+            max_new_tokens=24,
+            eos_token_id=None,
+            drafter=name,
+            plan="adaptive",
+            slot_budget=40,
+        )
         assert torch.equal(got, expected), name
         if name == "lookup":
             assert model.tidar_stats["sibling_steps"] > 0
     model.__dict__.pop("_tidar_step_costs", None)
-    generate(ids, model=model, max_new_tokens=24, eos_token_id=None, drafter="lookup", plan="adaptive", slot_budget=40, siblings=0)
+    generate(
+        ids,
+        model=model,
+        max_new_tokens=24,
+        eos_token_id=None,
+        drafter="lookup",
+        plan="adaptive",
+        slot_budget=40,
+        siblings=0,
+    )
     assert model.tidar_stats["sibling_steps"] == 0
 
 
@@ -409,20 +615,28 @@ def test_a_new_drafter_is_one_class(untrained, monkeypatch):
         name, uses_groups = "repeat", True
 
         def propose(self, ctx: DraftContext):
-            return Draft(ctx.y[:, None].repeat(1, 4), confidence=torch.full((ctx.y.shape[0], 3), 0.5), sources=["lookup"] * ctx.y.shape[0])
+            return Draft(
+                ctx.y[:, None].repeat(1, 4),
+                confidence=torch.full((ctx.y.shape[0], 3), 0.5),
+                sources=["lookup"] * ctx.y.shape[0],
+            )
 
     monkeypatch.setitem(drafters.DRAFTERS, "repeat", Repeat)
     model = untrained["qwen3"]
     ids = torch.tensor([[7, 7, 7, 7, 9]])
     expected = ar(model, ids, max_new_tokens=16, eos_token_id=None)
-    assert torch.equal(generate(ids, model=model, max_new_tokens=16, eos_token_id=None, drafter="repeat"), expected)
+    assert torch.equal(
+        generate(ids, model=model, max_new_tokens=16, eos_token_id=None, drafter="repeat"), expected
+    )
     assert model.tidar_stats["draft_sources"]["lookup"] == len(model.tidar_stats["accepted"])
 
     class Bare:  # the protocol's names, but not its optional hook: refused by name, before any step
         name, uses_groups, propose = "bare", False, Repeat.propose
 
     monkeypatch.setitem(drafters.DRAFTERS, "bare", Bare)
-    with pytest.raises(TypeError, match="drafter 'bare' \\(Bare\\) lacks observe: subclass drafters.Drafter"):
+    with pytest.raises(
+        TypeError, match="drafter 'bare' \\(Bare\\) lacks observe: subclass drafters.Drafter"
+    ):
         generate(ids, model=model, max_new_tokens=4, drafter="bare")
 
 
@@ -436,7 +650,17 @@ def test_a_prompt_near_the_position_limit_still_decodes(untrained):
         ids[0, -40:] = ids[0, :40]  # a repeat, so lookup drafts too
         expected = ar(model, ids, max_new_tokens=n, eos_token_id=None)
         for name in DRAFTERS:
-            assert torch.equal(generate(ids, model=model, max_new_tokens=n, eos_token_id=None, drafter=name, block_size=8), expected), (P, name)
+            assert torch.equal(
+                generate(
+                    ids,
+                    model=model,
+                    max_new_tokens=n,
+                    eos_token_id=None,
+                    drafter=name,
+                    block_size=8,
+                ),
+                expected,
+            ), (P, name)
     with pytest.raises(ValueError, match="lower max_new_tokens to 3"):
         generate(ids, model=model, max_new_tokens=4)
 
@@ -447,7 +671,11 @@ def test_batch_rows_keep_what_each_accepted(trained, monkeypatch):
     from tidar_convert.runtime.verify import Greedy
 
     seen, verify = [], Greedy.verify
-    monkeypatch.setattr(Greedy, "verify", lambda self, scores, draft: seen.append(verify(self, scores, draft)) or seen[-1])
+    monkeypatch.setattr(
+        Greedy,
+        "verify",
+        lambda self, scores, draft: seen.append(verify(self, scores, draft)) or seen[-1],
+    )
     model, _ = trained["llama"]
     g = torch.Generator().manual_seed(5)
     ids = torch.cat([cycle_batch(2, 10, seed=2), torch.randint(1, 300, (2, 10), generator=g)])
@@ -458,7 +686,9 @@ def test_batch_rows_keep_what_each_accepted(trained, monkeypatch):
         alone = []
         for b in range(4):
             real = ids[b : b + 1, mask[b].bool()]
-            generate(real, model=model, drafter=name, plan="adaptive", **kw)  # acceptance, not timing, decides the steps
+            generate(
+                real, model=model, drafter=name, plan="adaptive", **kw
+            )  # acceptance, not timing, decides the steps
             alone.append(model.tidar_stats["tokens_per_nfe"])
         before = len(seen)
         got = generate(ids, model=model, attention_mask=mask, drafter=name, plan="adaptive", **kw)
@@ -466,11 +696,15 @@ def test_batch_rows_keep_what_each_accepted(trained, monkeypatch):
         rows = model.tidar_stats["tokens_per_nfe_per_row"]
         for b in range(4):
             assert rows[b] - 1 >= 0.8 * (alone[b] - 1) - 1e-9, (name, b, rows, alone)
-        assert any(len(set(a.tolist())) > 1 for a in seen[before:]), name  # rows did accept different counts
+        assert any(len(set(a.tolist())) > 1 for a in seen[before:]), (
+            name
+        )  # rows did accept different counts
         assert min(rows) > 2, rows
 
 
-def test_rows_that_stop_leave_the_batch_and_the_rest_write_what_they_would(trained, untrained, monkeypatch):
+def test_rows_that_stop_leave_the_batch_and_the_rest_write_what_they_would(
+    trained, untrained, monkeypatch
+):
     """Per-row commits: a row that stopped (its EOS, here at another step for each row) leaves every
     later forward, so the batch shrinks as rows finish; greedy output is AR's, and sampled output
     is what the same seed gives with every row kept (a returned dict keeps them all), so dropping a
@@ -482,17 +716,39 @@ def test_rows_that_stop_leave_the_batch_and_the_rest_write_what_they_would(train
     eos = int(ids[0, 3])  # in the cycle: each row reaches it at its own phase
     batches = []
     real = fwd.forward
-    monkeypatch.setattr("tidar_convert.runtime.engine.forward", lambda m, cache, tokens, *a, **k: batches.append(tokens.shape[0]) or real(m, cache, tokens, *a, **k))
-    kw = dict(model=model, max_new_tokens=24, eos_token_id=eos, pad_token_id=0, attention_mask=torch.ones_like(ids))
+    monkeypatch.setattr(
+        "tidar_convert.runtime.engine.forward",
+        lambda m, cache, tokens, *a, **k: (
+            batches.append(tokens.shape[0]) or real(m, cache, tokens, *a, **k)
+        ),
+    )
+    kw = dict(
+        model=model,
+        max_new_tokens=24,
+        eos_token_id=eos,
+        pad_token_id=0,
+        attention_mask=torch.ones_like(ids),
+    )
     for name in DRAFTERS:
         batches.clear()
         got = generate(ids, drafter=name, **kw)
-        assert torch.equal(got, ar(model, ids, **{k: v for k, v in kw.items() if k != "model"})), name
-        assert batches[0] == 3 and batches[-1] < 3 and batches == sorted(batches, reverse=True), (name, batches)
+        assert torch.equal(got, ar(model, ids, **{k: v for k, v in kw.items() if k != "model"})), (
+            name
+        )
+        assert batches[0] == 3 and batches[-1] < 3 and batches == sorted(batches, reverse=True), (
+            name,
+            batches,
+        )
     # sampled, on an untrained model (flat distributions: each draw matters): row 0 stops first (EOS
     # is its first sampled token), so the rows after it move up in the working batch
     model = untrained["llama"]
-    kw = dict(model=model, max_new_tokens=24, pad_token_id=0, attention_mask=torch.ones_like(ids), do_sample=True)
+    kw = dict(
+        model=model,
+        max_new_tokens=24,
+        pad_token_id=0,
+        attention_mask=torch.ones_like(ids),
+        do_sample=True,
+    )
     torch.manual_seed(0)
     kw["eos_token_id"] = int(generate(ids, eos_token_id=None, **kw)[0, ids.shape[1]])
     batches.clear()
@@ -509,7 +765,14 @@ def test_a_row_without_a_group_at_its_length_reads_an_earlier_one():
     (2 proposals), 4 and 5 the group at 3 (2, then 1); 6 is past every group."""
     plan = StepPlan(5, (1, 3), 4)
     g1, g3 = plan.group_start(1), plan.group_start(3)
-    assert [plan.group_read(j) for j in range(1, 7)] == [(g1, 3), (g1 + 1, 2), (g3, 3), (g3 + 1, 2), (g3 + 2, 1), None]
+    assert [plan.group_read(j) for j in range(1, 7)] == [
+        (g1, 3),
+        (g1 + 1, 2),
+        (g3, 3),
+        (g3 + 1, 2),
+        (g3 + 2, 1),
+        None,
+    ]
     assert StepPlan(3, (), 4).group_read(2) is None
 
 
@@ -521,12 +784,23 @@ def test_rows_draft_from_an_earlier_group_in_a_batch(trained, monkeypatch):
     read, reads = StepPlan.group_read, []
 
     def counting(self, j):
-        reads.append(self.group_start(j) is None and read(self, j) is not None)  # an earlier group's slots
+        reads.append(
+            self.group_start(j) is None and read(self, j) is not None
+        )  # an earlier group's slots
         return read(self, j)
 
     monkeypatch.setattr(StepPlan, "group_read", counting)
-    broken = torch.tensor([[3, 9, 4, 8, 5, 5, 6, 7, 3, 4, 9]])  # the cycle, broken: drafts partly accepted
-    ids = torch.cat([cycle_batch(1, 11, seed=2), broken, torch.randint(1, 300, (1, 11), generator=torch.Generator().manual_seed(5)), cycle_batch(1, 11, seed=7)])
+    broken = torch.tensor(
+        [[3, 9, 4, 8, 5, 5, 6, 7, 3, 4, 9]]
+    )  # the cycle, broken: drafts partly accepted
+    ids = torch.cat(
+        [
+            cycle_batch(1, 11, seed=2),
+            broken,
+            torch.randint(1, 300, (1, 11), generator=torch.Generator().manual_seed(5)),
+            cycle_batch(1, 11, seed=7),
+        ]
+    )
     kw = dict(max_new_tokens=32, eos_token_id=None, pad_token_id=0)
     got = generate(ids, model=model, drafter="diffusion", plan="adaptive", slot_budget=9, **kw)
     assert torch.equal(got, ar(model, ids, **kw))
@@ -536,7 +810,12 @@ def test_rows_draft_from_an_earlier_group_in_a_batch(trained, monkeypatch):
 def test_rows_share_one_commit_length_when_a_processor_reads_the_prefix(trained):
     """repetition_penalty reads each row's prefix: rows then commit the fewest drafts any accepted."""
     model, _ = trained["llama"]
-    ids = torch.cat([cycle_batch(1, 10, seed=2), torch.randint(1, 300, (1, 10), generator=torch.Generator().manual_seed(5))])
+    ids = torch.cat(
+        [
+            cycle_batch(1, 10, seed=2),
+            torch.randint(1, 300, (1, 10), generator=torch.Generator().manual_seed(5)),
+        ]
+    )
     kw = dict(max_new_tokens=16, eos_token_id=None, pad_token_id=0, repetition_penalty=1.3)
     assert torch.equal(generate(ids, model=model, **kw), ar(model, ids, **kw))
     assert "tokens_per_nfe_per_row" not in model.tidar_stats
@@ -572,7 +851,16 @@ def test_siblings_commit_the_ar_token_where_draft_1_missed(trained, untrained, f
                     # nodes kept) they branch below depth 1 on every family; the cost plan's follow timings.
                     model.__dict__.pop("_tidar_step_costs", None)
                     with patch.object(engine, "walk", spy):
-                        got = generate(ids, model=model, max_new_tokens=24, eos_token_id=None, drafter=name, plan=plan, siblings=3, slot_budget=96)
+                        got = generate(
+                            ids,
+                            model=model,
+                            max_new_tokens=24,
+                            eos_token_id=None,
+                            drafter=name,
+                            plan=plan,
+                            siblings=3,
+                            slot_budget=96,
+                        )
                     assert torch.equal(got, expected), (name, plan)
                     taken += model.tidar_stats["sibling_steps"]
     assert taken > 0 and deep > 0
@@ -582,7 +870,14 @@ def test_siblings_keep_the_scores_and_are_off_where_they_would_not_be_exact(trai
     """With a sibling taken, output_scores and output_logits are AR's; sampling, beta < 1 and
     batches verify chains only (a sibling is exact under greedy verification of one row)."""
     model, _ = trained["qwen2"]
-    kw = dict(max_new_tokens=24, eos_token_id=None, do_sample=False, return_dict_in_generate=True, output_scores=True, output_logits=True)
+    kw = dict(
+        max_new_tokens=24,
+        eos_token_id=None,
+        do_sample=False,
+        return_dict_in_generate=True,
+        output_scores=True,
+        output_logits=True,
+    )
     hits = 0
     for ids in sibling_prompts():
         hf = model.generate(ids, **kw)
@@ -595,14 +890,31 @@ def test_siblings_keep_the_scores_and_are_off_where_they_would_not_be_exact(trai
             assert torch.allclose(a, b, atol=1e-4)
     assert hits > 0
     for ids in sibling_prompts():  # prefix-dependent processors see the sibling's own prefix
-        kw = dict(max_new_tokens=24, eos_token_id=None, repetition_penalty=1.3, no_repeat_ngram_size=3)
-        assert torch.equal(generate(ids, model=model, drafter="diffusion", plan="adaptive", siblings=3, **kw), ar(model, ids, **kw))
+        kw = dict(
+            max_new_tokens=24, eos_token_id=None, repetition_penalty=1.3, no_repeat_ngram_size=3
+        )
+        assert torch.equal(
+            generate(ids, model=model, drafter="diffusion", plan="adaptive", siblings=3, **kw),
+            ar(model, ids, **kw),
+        )
     ids = torch.cat(sibling_prompts()[:2])
     for extra in (dict(do_sample=True, top_k=5), dict(beta=0.5), dict()):
         batch = ids[:1] if extra else ids
-        generate(batch, model=model, max_new_tokens=16, eos_token_id=None, drafter="diffusion", plan="adaptive", siblings=3, **extra)
+        generate(
+            batch,
+            model=model,
+            max_new_tokens=16,
+            eos_token_id=None,
+            drafter="diffusion",
+            plan="adaptive",
+            siblings=3,
+            **extra,
+        )
         assert model.tidar_stats["sibling_steps"] == 0, extra
-    assert torch.equal(generate(ids, model=model, max_new_tokens=16, eos_token_id=None, siblings=3), ar(model, ids, max_new_tokens=16, eos_token_id=None))
+    assert torch.equal(
+        generate(ids, model=model, max_new_tokens=16, eos_token_id=None, siblings=3),
+        ar(model, ids, max_new_tokens=16, eos_token_id=None),
+    )
     with pytest.raises(ValueError, match="siblings=-1"):
         generate(ids[:1], model=model, max_new_tokens=4, siblings=-1)
 
@@ -616,29 +928,77 @@ def test_keep_slots_keeps_the_cache_and_a_branch_that_is_not_a_suffix():
         cache.update(x, -x, layer)
     tree.keep_slots(cache, 3, [0, 2])  # 3 cached, then a step of 4 slots: keep slots 0 and 2
     assert cache.layers[1].keys.flatten().tolist() == [10, 11, 12, 13, 15]
-    assert cache.layers[0].values.flatten().tolist() == [0, -1, -2, -3, -5] and cache.get_seq_length() == 5
+    assert (
+        cache.layers[0].values.flatten().tolist() == [0, -1, -2, -3, -5]
+        and cache.get_seq_length() == 5
+    )
 
 
 def test_tree_plans_keep_the_likeliest_nodes_and_group_after_the_likely_ends():
     """Chain proposals reached with 0.3, 0.15, 0.075; siblings of draft 1: 9 (0.4), 8 (0.2), 7 (0.01);
     under 9, token 6 (0.9 of 0.4 = 0.36)."""
     tokens = torch.arange(4)[None]
-    draft = Draft(tokens, confidence=torch.tensor([[0.3, 0.5, 0.5]]), sources=["diffusion"], siblings=torch.tensor([[9, 8, 7, 6]]),
-                  sibling_confidence=torch.tensor([[0.4, 0.2, 0.01, 0.9]]), sibling_parents=(0, 0, 0, 4))
+    draft = Draft(
+        tokens,
+        confidence=torch.tensor([[0.3, 0.5, 0.5]]),
+        sources=["diffusion"],
+        siblings=torch.tensor([[9, 8, 7, 6]]),
+        sibling_confidence=torch.tensor([[0.4, 0.2, 0.01, 0.9]]),
+        sibling_parents=(0, 0, 0, 4),
+    )
     flat = costs({(s, m): 60 for s in range(1, 41) for m in (False, True)})
-    dear = costs({**{(s, False): 60 + 50 * s for s in range(1, 41)}, **{(s, True): 60 + 50 * s for s in range(1, 41)}})
-    d, plan = Planner(4, "cost", slot_budget=40, costs=flat, siblings=3).step(draft, uses_groups=True)
-    assert plan.n_drafts == 4 and plan.parents() == (-1, 0, 1, 2, 0, 0, 0, 4)  # slots are free: every node
+    dear = costs(
+        {
+            **{(s, False): 60 + 50 * s for s in range(1, 41)},
+            **{(s, True): 60 + 50 * s for s in range(1, 41)},
+        }
+    )
+    d, plan = Planner(4, "cost", slot_budget=40, costs=flat, siblings=3).step(
+        draft, uses_groups=True
+    )
+    assert plan.n_drafts == 4 and plan.parents() == (
+        -1,
+        0,
+        1,
+        2,
+        0,
+        0,
+        0,
+        4,
+    )  # slots are free: every node
     assert d.siblings.tolist() == [[9, 8, 7, 6]] and d.sibling_parents == plan.sibling_parents
     assert len(plan.anchors) == 8  # and a group after each
-    d, plan = Planner(4, "adaptive", siblings=3).step(draft, uses_groups=True)  # budget 20, chances >= 5 %
-    assert plan.parents() == (-1, 0, 1, 2, 0, 0, 4) and d.siblings.tolist() == [[9, 8, 6]]  # 7 (1 %) left out; 6 now under slot 4
-    assert plan.slots == 7 + 3 * 4 and 7 in plan.anchors  # the likeliest end (6, 36 %) gets a group: anchor slot + 1
+    d, plan = Planner(4, "adaptive", siblings=3).step(
+        draft, uses_groups=True
+    )  # budget 20, chances >= 5 %
+    assert plan.parents() == (-1, 0, 1, 2, 0, 0, 4) and d.siblings.tolist() == [
+        [9, 8, 6]
+    ]  # 7 (1 %) left out; 6 now under slot 4
+    assert (
+        plan.slots == 7 + 3 * 4 and 7 in plan.anchors
+    )  # the likeliest end (6, 36 %) gets a group: anchor slot + 1
     assert plan.group_start(7) == 7 + plan.anchors.index(7) * 4
-    assert plan.positions(torch.tensor([10])).tolist()[0][:7] == [10, 11, 12, 13, 11, 11, 12]  # each node at its depth
-    assert Planner(4, "cost", costs=dear, siblings=3).step(draft, uses_groups=True)[1].slots == 1  # no slot pays
-    assert Planner(4, "cost", costs=flat).step(draft, uses_groups=True)[1].siblings == 0  # siblings=0: chains only
-    batch = Draft(tokens.repeat(2, 1), confidence=torch.full((2, 3), 0.5), siblings=torch.tensor([[9], [8]]), sibling_confidence=torch.full((2, 1), 0.4))
+    assert plan.positions(torch.tensor([10])).tolist()[0][:7] == [
+        10,
+        11,
+        12,
+        13,
+        11,
+        11,
+        12,
+    ]  # each node at its depth
+    assert (
+        Planner(4, "cost", costs=dear, siblings=3).step(draft, uses_groups=True)[1].slots == 1
+    )  # no slot pays
+    assert (
+        Planner(4, "cost", costs=flat).step(draft, uses_groups=True)[1].siblings == 0
+    )  # siblings=0: chains only
+    batch = Draft(
+        tokens.repeat(2, 1),
+        confidence=torch.full((2, 3), 0.5),
+        siblings=torch.tensor([[9], [8]]),
+        sibling_confidence=torch.full((2, 1), 0.4),
+    )
     assert Planner(4, "adaptive", siblings=3).step(batch, uses_groups=True)[1].siblings == 0
 
 
@@ -648,10 +1008,18 @@ def test_grow_finds_the_likeliest_nodes_of_the_group_best_first():
     from tidar_convert.runtime.tree import grow
 
     draft = Draft(torch.tensor([[1, 5, 6]]), confidence=torch.tensor([[0.5, 0.8]]))
-    grow(draft, torch.tensor([[[7, 8], [9, 10]]]), torch.tensor([[[0.3, 0.1], [0.1, 0.05]]]), most=5)
-    assert draft.siblings.tolist() == [[7, 6, 8]] and draft.sibling_parents == (0, 3, 0)  # 6 under 7 (slot 3)
+    grow(
+        draft, torch.tensor([[[7, 8], [9, 10]]]), torch.tensor([[[0.3, 0.1], [0.1, 0.05]]]), most=5
+    )
+    assert draft.siblings.tolist() == [[7, 6, 8]] and draft.sibling_parents == (
+        0,
+        3,
+        0,
+    )  # 6 under 7 (slot 3)
     assert torch.allclose(draft.sibling_confidence, torch.tensor([[0.3, 0.8, 0.1]]))
-    grow(draft, torch.tensor([[[7, 8], [9, 10]]]), torch.tensor([[[0.3, 0.1], [0.1, 0.05]]]), most=2)
+    grow(
+        draft, torch.tensor([[[7, 8], [9, 10]]]), torch.tensor([[[0.3, 0.1], [0.1, 0.05]]]), most=2
+    )
     assert draft.siblings.shape == (1, 0)  # the two chain nodes are the likeliest
 
 
@@ -663,7 +1031,9 @@ def test_development_example_drafter(trained, monkeypatch):
     from pathlib import Path
 
     text = (Path(__file__).parents[1] / "docs" / "development.md").read_text()
-    cls, test = re.findall(r"```python\n(.*?)```", text[text.index("## Adding a drafter") :], re.S)[:2]
+    cls, test = re.findall(r"```python\n(.*?)```", text[text.index("## Adding a drafter") :], re.S)[
+        :2
+    ]
     namespace = {**vars(drafters), "Counter": Counter}
     exec(cls.replace("DRAFTERS = {", "NEW = {"), namespace)
     monkeypatch.setattr(drafters, "DRAFTERS", namespace["NEW"])

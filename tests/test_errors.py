@@ -22,12 +22,26 @@ def cli_error(capsys, *args) -> str:
     # (pytest closes each test's captured stderr; a log handler Lightning bound to an earlier one may
     # print "--- Logging error ---" noise here: what matters is that the refusal ends the output)
     last = err.splitlines()[-1]
-    assert last.startswith("error: ") and sum(line.startswith("error: ") for line in err.splitlines()) == 1, err
+    assert (
+        last.startswith("error: ")
+        and sum(line.startswith("error: ") for line in err.splitlines()) == 1
+    ), err
     return last
 
 
 def fit_args(tmp_path, model, *extra) -> list[str]:
-    return ["fit", "--config", RECIPE, "--model.model", str(model), "--trainer.default_root_dir", str(tmp_path / "run"), "--trainer.logger", "false", *extra]
+    return [
+        "fit",
+        "--config",
+        RECIPE,
+        "--model.model",
+        str(model),
+        "--trainer.default_root_dir",
+        str(tmp_path / "run"),
+        "--trainer.logger",
+        "false",
+        *extra,
+    ]
 
 
 # --------------------------------------------------------------------------------------------
@@ -42,7 +56,10 @@ def test_tidar_cache_that_cannot_be_made_is_named(tmp_path, monkeypatch, capsys)
     (tmp_path / "file.txt").write_text("a file, not a folder")
     bad = tmp_path / "file.txt" / "cache"
     monkeypatch.setenv("TIDAR_CACHE", str(bad))
-    with pytest.raises(ValueError, match=r"TIDAR_CACHE='.*file.txt/cache' cannot be made a folder .*point TIDAR_CACHE to a writable folder"):
+    with pytest.raises(
+        ValueError,
+        match=r"TIDAR_CACHE='.*file.txt/cache' cannot be made a folder .*point TIDAR_CACHE to a writable folder",
+    ):
         cache_dir()
     line = cli_error(capsys, "eval-ppl", "--model", "default", "--data", "stdlib")
     assert f"TIDAR_CACHE={str(bad)!r}" in line and "point TIDAR_CACHE to a writable folder" in line
@@ -56,15 +73,25 @@ def test_tidar_cache_that_is_not_writable_is_named(tmp_path, monkeypatch, capsys
 
     monkeypatch.setenv("TIDAR_CACHE", str(tmp_path / "cache"))
     assert cache_dir() == tmp_path / "cache"
-    monkeypatch.setattr("tidar_convert.models.loading.os.access", lambda *a, **k: False)  # tests run as root: chmod would not stop writes
-    with pytest.raises(ValueError, match=r"TIDAR_CACHE='.*cache' is not writable; point TIDAR_CACHE to a writable folder"):
+    monkeypatch.setattr(
+        "tidar_convert.models.loading.os.access", lambda *a, **k: False
+    )  # tests run as root: chmod would not stop writes
+    with pytest.raises(
+        ValueError,
+        match=r"TIDAR_CACHE='.*cache' is not writable; point TIDAR_CACHE to a writable folder",
+    ):
         cache_dir()
     monkeypatch.delenv("TIDAR_CACHE")
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
-    with pytest.raises(ValueError, match=r"the cache folder '.*home/.cache/tidar_convert' \(TIDAR_CACHE is unset\) is not writable"):
+    with pytest.raises(
+        ValueError,
+        match=r"the cache folder '.*home/.cache/tidar_convert' \(TIDAR_CACHE is unset\) is not writable",
+    ):
         cache_dir()
     monkeypatch.setenv("TIDAR_CACHE", str(tmp_path / "cache"))
-    assert "is not writable" in cli_error(capsys, "eval-ppl", "--model", "default", "--data", "stdlib")
+    assert "is not writable" in cli_error(
+        capsys, "eval-ppl", "--model", "default", "--data", "stdlib"
+    )
 
 
 # --------------------------------------------------------------------------------------------
@@ -104,7 +131,9 @@ def test_corrupt_config_json_of_a_base_model_is_named(tiny_dirs, tmp_path, capsy
     message = rf"'{bad}/config.json' is not valid JSON \(.*line 1 column 24.*\): the file is damaged; download or save the model again"
     with pytest.raises(ValueError, match=message):
         load_base(str(bad))
-    assert f"{bad}/config.json' is not valid JSON" in cli_error(capsys, "eval-ppl", "--model", str(bad), "--data", "stdlib")
+    assert f"{bad}/config.json' is not valid JSON" in cli_error(
+        capsys, "eval-ppl", "--model", str(bad), "--data", "stdlib"
+    )
     assert f"{bad}/config.json' is not valid JSON" in cli_error(capsys, *fit_args(tmp_path, bad))
 
 
@@ -125,16 +154,24 @@ def test_truncated_safetensors_of_a_base_model_is_named(tiny_dirs, tmp_path, cap
     from tidar_convert.models.loading import load_base
 
     bad = damaged_copy(tiny_dirs["llama"], tmp_path / "base", cut)
-    with pytest.raises(ValueError, match=rf"'{bad}/model.safetensors' is truncated or corrupt \(.*\); download or save the model again"):
+    with pytest.raises(
+        ValueError,
+        match=rf"'{bad}/model.safetensors' is truncated or corrupt \(.*\); download or save the model again",
+    ):
         load_base(str(bad))
-    assert f"{bad}/model.safetensors' is truncated" in cli_error(capsys, "eval-ppl", "--model", str(bad), "--data", "stdlib")
+    assert f"{bad}/model.safetensors' is truncated" in cli_error(
+        capsys, "eval-ppl", "--model", str(bad), "--data", "stdlib"
+    )
 
 
 def test_truncated_safetensors_of_an_export_is_named(export_dir, tmp_path, capsys):
     from tidar_convert.exports.folder import load
 
     bad = damaged_copy(export_dir, tmp_path / "tidar", "data")
-    with pytest.raises(ValueError, match=rf"'{bad}/model.safetensors' is truncated or corrupt \(cut short: \d+ bytes of the \d+ its header describes\); export it again"):
+    with pytest.raises(
+        ValueError,
+        match=rf"'{bad}/model.safetensors' is truncated or corrupt \(cut short: \d+ bytes of the \d+ its header describes\); export it again",
+    ):
         load(bad)
     line = cli_error(capsys, "generate", "--model", str(bad), "--prompt", "x")
     assert f"{bad}/model.safetensors' is truncated" in line and "export it again" in line
@@ -157,7 +194,9 @@ def test_damaged_embedded_default_is_rebuilt(tiny_dirs, tmp_path, monkeypatch, c
     monkeypatch.setattr(loading, "embedded_default", embedded_default)
     assert loading.resolve("default") == str(cached)
     assert model_files._safetensors_problem(cached / "model.safetensors") is None
-    assert "model.safetensors' is truncated or corrupt" in caplog.text and "Rebuilding" in caplog.text
+    assert (
+        "model.safetensors' is truncated or corrupt" in caplog.text and "Rebuilding" in caplog.text
+    )
 
 
 # --------------------------------------------------------------------------------------------
@@ -199,12 +238,27 @@ def test_hub_id_without_network_fails_fast_and_says_pass_a_folder(no_hub, tmp_pa
         load_base("tidar-test/no-such-model")
     assert time.perf_counter() - t0 < 15  # transformers alone retries for about 34 s
     message = str(info.value)
-    assert isinstance(info.value, ConnectionError)  # what transformers' own OSError was: catchable the same way
-    assert "model='tidar-test/no-such-model' is not a local path, so it was taken as a Hugging Face hub id" in message
-    assert "the hub was not reachable (http://127.0.0.1:9: " in message and "not in the local Hugging Face cache" in message
-    assert "hf download tidar-test/no-such-model --local-dir DIR" in message and "--model.model DIR" in message
-    assert "taken as a Hugging Face hub id" in cli_error(capsys, "eval-ppl", "--model", "tidar-test/no-such-model", "--data", "stdlib")
-    assert "taken as a Hugging Face hub id" in cli_error(capsys, *fit_args(tmp_path, "tidar-test/no-such-model"))
+    assert isinstance(
+        info.value, ConnectionError
+    )  # what transformers' own OSError was: catchable the same way
+    assert (
+        "model='tidar-test/no-such-model' is not a local path, so it was taken as a Hugging Face hub id"
+        in message
+    )
+    assert (
+        "the hub was not reachable (http://127.0.0.1:9: " in message
+        and "not in the local Hugging Face cache" in message
+    )
+    assert (
+        "hf download tidar-test/no-such-model --local-dir DIR" in message
+        and "--model.model DIR" in message
+    )
+    assert "taken as a Hugging Face hub id" in cli_error(
+        capsys, "eval-ppl", "--model", "tidar-test/no-such-model", "--data", "stdlib"
+    )
+    assert "taken as a Hugging Face hub id" in cli_error(
+        capsys, *fit_args(tmp_path, "tidar-test/no-such-model")
+    )
 
 
 def test_hub_id_without_network_uses_the_cached_copy(no_hub, tiny_dirs, caplog):
@@ -213,7 +267,10 @@ def test_hub_id_without_network_uses_the_cached_copy(no_hub, tiny_dirs, caplog):
 
     snapshot = hub_cache_entry(no_hub, "tidar-test/tiny", tiny_dirs["llama"])
     assert resolve("tidar-test/tiny") == str(snapshot)
-    assert "hub is not reachable" in caplog.text and "using the cached copy of tidar-test/tiny" in caplog.text
+    assert (
+        "hub is not reachable" in caplog.text
+        and "using the cached copy of tidar-test/tiny" in caplog.text
+    )
     model, tok = load_base("tidar-test/tiny")
     assert model.config.mask_token_id == tok.mask_token_id
 
@@ -228,7 +285,10 @@ def test_hub_id_in_offline_mode(no_hub, tiny_dirs, monkeypatch):
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
     hub_cache_entry(no_hub, "tidar-test/tiny", tiny_dirs["llama"])
     assert resolve("tidar-test/tiny") == "tidar-test/tiny"
-    with pytest.raises(HubUnreachableError, match=r"hub was not reachable \(HF_HUB_OFFLINE is set\) and the model is not in the local Hugging Face cache"):
+    with pytest.raises(
+        HubUnreachableError,
+        match=r"hub was not reachable \(HF_HUB_OFFLINE is set\) and the model is not in the local Hugging Face cache",
+    ):
         resolve("tidar-test/other")
 
 
@@ -237,7 +297,9 @@ def test_hub_id_in_offline_mode(no_hub, tiny_dirs, monkeypatch):
 # --------------------------------------------------------------------------------------------
 
 
-def test_undecodable_text_files_in_a_folder_are_skipped_with_a_warning_naming_each(tmp_path, tiny_dirs, caplog, capsys):
+def test_undecodable_text_files_in_a_folder_are_skipped_with_a_warning_naming_each(
+    tmp_path, tiny_dirs, caplog, capsys
+):
     """A folder of one-document files reads what it can: each bad file is named once, the rest is read."""
     from tidar_convert.data import iter_documents
 
@@ -245,15 +307,31 @@ def test_undecodable_text_files_in_a_folder_are_skipped_with_a_warning_naming_ea
     folder.mkdir()
     (folder / "a.txt").write_text("def good():\n    return 'plain UTF-8 text'\n" * 20)
     (folder / "b.txt").write_bytes("caf\xe9 au lait, written in Latin-1".encode("latin-1"))
-    (folder / "c.py").write_bytes(b"\x7fELF\x02\x01\x01\x00\x00\x00")  # a binary saved with a text suffix
+    (folder / "c.py").write_bytes(
+        b"\x7fELF\x02\x01\x01\x00\x00\x00"
+    )  # a binary saved with a text suffix
     for _ in range(2):  # a second pass (validation, the next epoch) does not repeat the warnings
         assert list(iter_documents(str(folder))) == [(folder / "a.txt").read_text()]
-    skipped = [r.getMessage() for r in caplog.records if r.getMessage().startswith("Skipping data file")]
+    skipped = [
+        r.getMessage() for r in caplog.records if r.getMessage().startswith("Skipping data file")
+    ]
     assert skipped == [
         f"Skipping data file '{folder}/b.txt': it is not UTF-8 text (byte 0xe9 at offset 3). Convert it to UTF-8 text, or remove it, to silence this.",
         f"Skipping data file '{folder}/c.py': it is binary, not text (a NUL byte at offset 7). Convert it to UTF-8 text, or remove it, to silence this.",
     ]
-    main(["eval-ppl", "--model", str(tiny_dirs["llama"]), "--data", str(folder), "--seq_len", "16", "--max_tokens", "64"])
+    main(
+        [
+            "eval-ppl",
+            "--model",
+            str(tiny_dirs["llama"]),
+            "--data",
+            str(folder),
+            "--seq_len",
+            "16",
+            "--max_tokens",
+            "64",
+        ]
+    )
     assert "perplexity" in capsys.readouterr().out
 
 
@@ -272,16 +350,32 @@ def test_undecodable_single_data_files_are_refused_by_name(tmp_path, tiny_dirs, 
     for i in range(2):
         (folder / f"{i}.txt").write_bytes(b"\xff\xfe" + bytes(10))
     cases = [
-        (latin1, rf"data file '{latin1}' is not UTF-8 text \(byte 0xef at offset 2\); convert it to UTF-8 text, or pass another data source."),
-        (rows, rf"data file '{rows}' is not UTF-8 text \(byte 0xe9 at offset 30, line 2\); convert it to UTF-8, or remove it from the data."),
-        (parquet, rf"data file '{parquet}' is not a parquet file \(no PAR1 marks at its start and end\); write it again, or remove it"),
-        (folder, rf"none of the 2 text files of the data source is UTF-8 text \(the last, '{folder}/1.txt', is not UTF-8 text"),
+        (
+            latin1,
+            rf"data file '{latin1}' is not UTF-8 text \(byte 0xef at offset 2\); convert it to UTF-8 text, or pass another data source.",
+        ),
+        (
+            rows,
+            rf"data file '{rows}' is not UTF-8 text \(byte 0xe9 at offset 30, line 2\); convert it to UTF-8, or remove it from the data.",
+        ),
+        (
+            parquet,
+            rf"data file '{parquet}' is not a parquet file \(no PAR1 marks at its start and end\); write it again, or remove it",
+        ),
+        (
+            folder,
+            rf"none of the 2 text files of the data source is UTF-8 text \(the last, '{folder}/1.txt', is not UTF-8 text",
+        ),
     ]
     for source, message in cases:
         with pytest.raises(ValueError, match=message):
             list(iter_documents(str(source)))
-    assert f"data file '{latin1}' is not UTF-8 text" in cli_error(capsys, "eval-ppl", "--model", str(tiny_dirs["llama"]), "--data", str(latin1))
-    assert f"data file '{rows}' is not UTF-8 text" in cli_error(capsys, *fit_args(tmp_path, tiny_dirs["llama"], "--data.source", str(rows)))
+    assert f"data file '{latin1}' is not UTF-8 text" in cli_error(
+        capsys, "eval-ppl", "--model", str(tiny_dirs["llama"]), "--data", str(latin1)
+    )
+    assert f"data file '{rows}' is not UTF-8 text" in cli_error(
+        capsys, *fit_args(tmp_path, tiny_dirs["llama"], "--data.source", str(rows))
+    )
 
 
 @pytest.mark.fit
@@ -291,13 +385,24 @@ def test_jsonl_without_the_text_field_names_the_field_and_the_flag(tmp_path, tin
     from tidar_convert.data import iter_documents
 
     rows = tmp_path / "rows.jsonl"
-    rows.write_text("\n".join(json.dumps({"id": i, "body": f"def f_{i}(x):\n    return x + {i}\n" * 8}) for i in range(40)))
+    rows.write_text(
+        "\n".join(
+            json.dumps({"id": i, "body": f"def f_{i}(x):\n    return x + {i}\n" * 8})
+            for i in range(40)
+        )
+    )
     message = f"data source '{rows}' has no field 'text' holding the text in any of its 40 rows (its rows have: id, body); set the one that does: --data.text_field body (TiDARData(text_field='body') in Python)."
     with pytest.raises(ValueError) as info:
         list(iter_documents(str(rows)))
     assert str(info.value) == message
-    assert cli_error(capsys, *fit_args(tmp_path, tiny_dirs["llama"], "--data.source", str(rows))) == f"error: {message}"
-    assert cli_error(capsys, "eval-ppl", "--model", str(tiny_dirs["llama"]), "--data", str(rows)) == f"error: {message}"
+    assert (
+        cli_error(capsys, *fit_args(tmp_path, tiny_dirs["llama"], "--data.source", str(rows)))
+        == f"error: {message}"
+    )
+    assert (
+        cli_error(capsys, "eval-ppl", "--model", str(tiny_dirs["llama"]), "--data", str(rows))
+        == f"error: {message}"
+    )
 
 
 def test_hub_dataset_without_network_fails_fast_and_says_pass_a_file(no_hub, tiny_dirs, capsys):
@@ -307,10 +412,15 @@ def test_hub_dataset_without_network_fails_fast_and_says_pass_a_file(no_hub, tin
     from tidar_convert.models.loading import HubUnreachableError
 
     t0 = time.perf_counter()
-    with pytest.raises(HubUnreachableError, match=r"data source 'tidar-test/no-such-data' is not a local file or folder, so it was taken as a Hugging Face hub dataset, but the hub was not reachable \(http://127.0.0.1:9: .*\); .*--data.source data/train.jsonl"):
+    with pytest.raises(
+        HubUnreachableError,
+        match=r"data source 'tidar-test/no-such-data' is not a local file or folder, so it was taken as a Hugging Face hub dataset, but the hub was not reachable \(http://127.0.0.1:9: .*\); .*--data.source data/train.jsonl",
+    ):
         list(iter_documents("tidar-test/no-such-data"))
     assert time.perf_counter() - t0 < 15
-    assert "taken as a Hugging Face hub dataset" in cli_error(capsys, "eval-ppl", "--model", str(tiny_dirs["llama"]), "--data", "tidar-test/no-such-data")
+    assert "taken as a Hugging Face hub dataset" in cli_error(
+        capsys, "eval-ppl", "--model", str(tiny_dirs["llama"]), "--data", "tidar-test/no-such-data"
+    )
 
 
 # --------------------------------------------------------------------------------------------
@@ -328,5 +438,15 @@ def test_hub_dataset_without_network_fails_fast_and_says_pass_a_file(no_hub, tin
     ],
 )
 def test_generate_refuses_top_p_outside_0_1_and_negative_top_k(export_dir, capsys, flags, message):
-    line = cli_error(capsys, "generate", "--model", str(export_dir), "--prompt", "x", "--temperature", "0.8", *flags)
+    line = cli_error(
+        capsys,
+        "generate",
+        "--model",
+        str(export_dir),
+        "--prompt",
+        "x",
+        "--temperature",
+        "0.8",
+        *flags,
+    )
     assert line.startswith(message)

@@ -25,12 +25,18 @@ import pytest
 
 from tidar_convert import export
 
-if os.environ.get("CI"):  # CI installs the extra (make test): there a missing lm-eval fails, never skips
+if os.environ.get(
+    "CI"
+):  # CI installs the extra (make test): there a missing lm-eval fails, never skips
     import lm_eval  # noqa: F401
 else:
-    pytest.importorskip("lm_eval", reason='the `eval` extra is not installed: pip install -e ".[eval]"')
+    pytest.importorskip(
+        "lm_eval", reason='the `eval` extra is not installed: pip install -e ".[eval]"'
+    )
 
-CYCLE = "#$%&'()"  # tokens 3..9 of the test tokenizer, one character each: the cycle the model learned
+CYCLE = (
+    "#$%&'()"  # tokens 3..9 of the test tokenizer, one character each: the cycle the model learned
+)
 
 
 def cycle_text(phase: int, n: int) -> str:
@@ -43,7 +49,14 @@ CONTEXTS = [(0, 5), (3, 9), (5, 12), (1, 7), (2, 6), (6, 11), (4, 8), (0, 10)]
 TASKS = {
     # loglikelihood: the right continuation, a plausible wrong one, and one the model never saw
     "tidar_tiny_mc": {
-        "docs": [{"context": cycle_text(p, n), "choices": [cycle_text(p + n, 3), cycle_text(p + n + 2, 3), "abc"], "label": 0} for p, n in CONTEXTS],
+        "docs": [
+            {
+                "context": cycle_text(p, n),
+                "choices": [cycle_text(p + n, 3), cycle_text(p + n + 2, 3), "abc"],
+                "label": 0,
+            }
+            for p, n in CONTEXTS
+        ],
         "yaml": """
             output_type: multiple_choice
             doc_to_text: "{{context}}"
@@ -57,7 +70,9 @@ TASKS = {
     },
     # generate_until, never stopping early: max_gen_toks per row (several TiDAR steps)
     "tidar_tiny_gen": {
-        "docs": [{"context": cycle_text(p, n), "target": cycle_text(p + n, 20)} for p, n in CONTEXTS],
+        "docs": [
+            {"context": cycle_text(p, n), "target": cycle_text(p + n, 20)} for p, n in CONTEXTS
+        ],
         "yaml": """
             output_type: generate_until
             doc_to_text: "{{context}}"
@@ -137,13 +152,15 @@ def runs(trained, tiny_dirs, tmp_path_factory):
 
     root = tmp_path_factory.mktemp("lm_eval")
     exports = {"trained": str(export(*trained["qwen3"], root / "trained", block_size=4, alpha=1.0))}
-    exports["random"] = str(export(*load_base(str(tiny_dirs["qwen3"])), root / "random", block_size=4, alpha=1.0))
+    exports["random"] = str(
+        export(*load_base(str(tiny_dirs["qwen3"])), root / "random", block_size=4, alpha=1.0)
+    )
     tasks = root / "tasks"
     tasks.mkdir()
     for name, task in TASKS.items():
         data = tasks / f"{name}.jsonl"
         data.write_text("".join(json.dumps(d) + "\n" for d in task["docs"]))
-        head = f"task: {name}\ndataset_path: json\ndataset_kwargs:\n  data_files:\n    test: {data}\ntest_split: test\ntarget_delimiter: \"\"\n"
+        head = f'task: {name}\ndataset_path: json\ndataset_kwargs:\n  data_files:\n    test: {data}\ntest_split: test\ntarget_delimiter: ""\n'
         (tasks / f"{name}.yaml").write_text(head + textwrap.dedent(task["yaml"]).lstrip())
     env = {
         **os.environ,
@@ -153,7 +170,9 @@ def runs(trained, tiny_dirs, tmp_path_factory):
         "HF_MODULES_CACHE": str(root / "hf_modules"),
     }
     cmd = [sys.executable, "-c", SCRIPT, json.dumps(exports), str(tasks), ",".join(TASKS)]
-    res = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=env, stdin=subprocess.DEVNULL)
+    res = subprocess.run(
+        cmd, capture_output=True, text=True, timeout=900, env=env, stdin=subprocess.DEVNULL
+    )
     assert res.returncode == 0, res.stderr[-4000:]
     return json.loads(res.stdout.rsplit("RESULT ", 1)[-1])
 
@@ -168,7 +187,10 @@ def test_loglikelihood_identical(runs, model, batch):
     tidar, ar = runs[f"{model}/tidar/{batch}"], runs[f"{model}/ar/{batch}"]
     assert tidar["resps"]["tidar_tiny_mc"] == ar["resps"]["tidar_tiny_mc"]
     if model == "trained":  # and they are real scores: the learned continuation wins every time
-        assert all(max(range(3), key=lambda i: doc[i][0][0]) == 0 for doc in tidar["resps"]["tidar_tiny_mc"])
+        assert all(
+            max(range(3), key=lambda i: doc[i][0][0]) == 0
+            for doc in tidar["resps"]["tidar_tiny_mc"]
+        )
 
 
 @pytest.mark.subprocess
@@ -184,7 +206,9 @@ def test_generate_until_identical(runs, model, batch):
     if model == "trained":
         assert all(len(g) >= 20 for g in gens), gens  # 20 one-character tokens each, no early stop
         stops = [doc[0][0] for doc in tidar["resps"]["tidar_tiny_stop"]]
-        assert len({len(s) for s in stops}) > 1 and all("&'(" not in s for s in stops), stops  # cut where each row met the stop
+        assert len({len(s) for s in stops}) > 1 and all("&'(" not in s for s in stops), (
+            stops
+        )  # cut where each row met the stop
 
 
 @pytest.mark.subprocess
@@ -193,11 +217,23 @@ def test_generate_until_identical(runs, model, batch):
 def test_trust_remote_code_is_what_switches_tidar_on(runs, model, batch):
     """Otherwise "identical" could mean both ran AR: the TiDAR runs must really be TiDAR."""
     tidar, ar = runs[f"{model}/tidar/{batch}"]["calls"], runs[f"{model}/ar/{batch}"]["calls"]
-    assert tidar and all(c["generate"].endswith("custom_generate.generate") and c["tokens_per_nfe"] for c in tidar)
-    assert ar and all(c["generate"] == "transformers.generation.utils" and c["tokens_per_nfe"] is None for c in ar)
+    assert tidar and all(
+        c["generate"].endswith("custom_generate.generate") and c["tokens_per_nfe"] for c in tidar
+    )
+    assert ar and all(
+        c["generate"] == "transformers.generation.utils" and c["tokens_per_nfe"] is None for c in ar
+    )
     assert {c["rows"] for c in tidar} == {batch}
-    if model == "trained":  # drafts accepted: several tokens a forward pass (AR: 1.0; the cost plan, the default, may verify fewer where they would not pay)
-        long = [c for c in tidar if c["new_tokens"] >= 8]  # (a row that meets the stop string at once makes 3 tokens in 2 passes)
-        assert long and all(c["tokens_per_nfe"] > 1.5 for c in long), [(c["new_tokens"], c["rows"], c["tokens_per_nfe"]) for c in tidar]
+    if (
+        model == "trained"
+    ):  # drafts accepted: several tokens a forward pass (AR: 1.0; the cost plan, the default, may verify fewer where they would not pay)
+        long = [
+            c for c in tidar if c["new_tokens"] >= 8
+        ]  # (a row that meets the stop string at once makes 3 tokens in 2 passes)
+        assert long and all(c["tokens_per_nfe"] > 1.5 for c in long), [
+            (c["new_tokens"], c["rows"], c["tokens_per_nfe"]) for c in tidar
+        ]
     if batch == 4:
-        assert any(c["left_padded"] for c in tidar), "lm-eval sent no padded batch: the batch case is not tested"
+        assert any(c["left_padded"] for c in tidar), (
+            "lm-eval sent no padded batch: the batch case is not tested"
+        )

@@ -7,13 +7,12 @@ import textwrap
 
 import pytest
 import torch
+from helpers import cycle_batch
 from transformers import AutoModelForCausalLM
 
 from tidar_convert import export, load
 from tidar_convert.exports.folder import check_export
 from tidar_convert.exports.marker import MARKER, is_export
-
-from helpers import cycle_batch
 
 
 @pytest.fixture(scope="module")
@@ -24,8 +23,19 @@ def exported(trained, tmp_path_factory):
 
 def test_folder_contents(exported):
     names = {p.name for p in exported.iterdir()}
-    assert {"config.json", "model.safetensors", "tokenizer.json", "custom_generate", "README.md", MARKER} <= names
-    assert check_export(exported) == {"block_size": 4, "mask_token_id": json.loads((exported / "config.json").read_text())["mask_token_id"], "alpha": 1.0}
+    assert {
+        "config.json",
+        "model.safetensors",
+        "tokenizer.json",
+        "custom_generate",
+        "README.md",
+        MARKER,
+    } <= names
+    assert check_export(exported) == {
+        "block_size": 4,
+        "mask_token_id": json.loads((exported / "config.json").read_text())["mask_token_id"],
+        "alpha": 1.0,
+    }
     assert not list(exported.parent.glob(".*tmp-*")), "temporary folder left behind"
     listed = json.loads((exported / MARKER).read_text())["files"]
     assert "README.md" in listed and "custom_generate/generate.py" in listed and is_export(exported)
@@ -34,8 +44,13 @@ def test_folder_contents(exported):
 def test_model_card_loads_as_a_hub_card(exported):
     hub = pytest.importorskip("huggingface_hub")
     card = hub.ModelCard.load(exported / "README.md")
-    assert card.data.library_name == "transformers" and {"tidar", "custom_generate"} <= set(card.data.tags)
-    assert "trust_remote_code=True" in card.text and "block size (tokens drafted per step): 4" in card.text
+    assert card.data.library_name == "transformers" and {"tidar", "custom_generate"} <= set(
+        card.data.tags
+    )
+    assert (
+        "trust_remote_code=True" in card.text
+        and "block size (tokens drafted per step): 4" in card.text
+    )
 
 
 @pytest.mark.subprocess
@@ -55,12 +70,17 @@ def test_runs_without_tidar_convert_installed(exported):
         print(json.dumps({{"same": torch.equal(td, ar), "tpn": stats["tokens_per_nfe"], "mod": type(m).__module__, "products": m.tidar_products, "linears": linears}}))
         """
     )
-    res = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    res = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=300
+    )
     assert res.returncode == 0, res.stderr[-3000:]
     out = json.loads(res.stdout.strip().splitlines()[-1])
     assert out["same"] and out["tpn"] > 1.5
     assert out["mod"].startswith("transformers.models.qwen3")
-    assert set(out["products"]) <= {"panels", "onednn", "stock"} and sum(out["products"].values()) == out["linears"]  # which product each layer took
+    assert (
+        set(out["products"]) <= {"panels", "onednn", "stock"}
+        and sum(out["products"].values()) == out["linears"]
+    )  # which product each layer took
 
 
 def test_the_exports_code_builds_the_packages_panel_kernel(exported):
@@ -69,13 +89,19 @@ def test_the_exports_code_builds_the_packages_panel_kernel(exported):
     panel.py reads that copy and builds the same library file as the package's."""
     from pathlib import Path
 
-    from transformers.dynamic_module_utils import HF_MODULES_CACHE, get_cached_module_file, get_class_in_module
+    from transformers.dynamic_module_utils import (
+        HF_MODULES_CACHE,
+        get_cached_module_file,
+        get_class_in_module,
+    )
 
     from tidar_convert.runtime import panel
 
     module = Path(get_cached_module_file(str(exported), "custom_generate/generate.py"))
     cached = Path(HF_MODULES_CACHE) / module.parent
-    assert {"panel.py", "panel_source.py"} <= {p.name for p in cached.iterdir()} and not (cached / "csrc").exists()
+    assert {"panel.py", "panel_source.py"} <= {p.name for p in cached.iterdir()} and not (
+        cached / "csrc"
+    ).exists()
     shipped = module.parent / "panel.py"
     assert get_class_in_module("panel_source", shipped)() == panel.SOURCE_FILE.read_text()
     if panel.panel_library() is None:
@@ -100,8 +126,12 @@ def test_library_load_needs_no_remote_code(exported):
     ids = cycle_batch(1, 5, seed=4)
     td = m.generate(ids, max_new_tokens=20, do_sample=False, eos_token_id=None)
     assert m.tidar_stats["tokens_per_nfe"] > 1.5
-    assert sum(m.tidar_products.values()) == sum(isinstance(x, torch.nn.Linear) for x in m.modules())  # which product each layer took
-    assert torch.equal(td, m.generate(ids, max_new_tokens=20, do_sample=False, eos_token_id=None, tidar=False))
+    assert sum(m.tidar_products.values()) == sum(
+        isinstance(x, torch.nn.Linear) for x in m.modules()
+    )  # which product each layer took
+    assert torch.equal(
+        td, m.generate(ids, max_new_tokens=20, do_sample=False, eos_token_id=None, tidar=False)
+    )
 
 
 def test_not_an_export_is_refused(tiny_dirs, tmp_path):
@@ -117,7 +147,9 @@ def test_lora_is_merged_on_export(tiny_dirs, tmp_path):
     from tidar_convert.models.loading import load_base
 
     model, tok = load_base(str(tiny_dirs["llama"]))
-    peft_model = get_peft_model(model, LoraConfig(r=4, target_modules="all-linear", init_lora_weights=False))
+    peft_model = get_peft_model(
+        model, LoraConfig(r=4, target_modules="all-linear", init_lora_weights=False)
+    )
     ids = torch.tensor([[5, 6, 7]])
     with torch.no_grad():
         expected = peft_model(input_ids=ids).logits
@@ -138,9 +170,13 @@ def test_lora_with_trained_mask_row_is_merged_on_export(tiny_dirs, tmp_path, fam
     model, tok = load_base(str(tiny_dirs[family]))
     mask_id = tok.mask_token_id
     before = model.get_input_embeddings().weight.detach().clone()
-    cfg = LoraConfig(r=4, target_modules="all-linear", trainable_token_indices={"embed_tokens": [mask_id]})
+    cfg = LoraConfig(
+        r=4, target_modules="all-linear", trainable_token_indices={"embed_tokens": [mask_id]}
+    )
     peft_model = get_peft_model(model, cfg)
-    trainable = [p for n, p in peft_model.named_parameters() if p.requires_grad and "trainable_tokens" in n]
+    trainable = [
+        p for n, p in peft_model.named_parameters() if p.requires_grad and "trainable_tokens" in n
+    ]
     assert trainable, "the mask row is not trainable"
     with torch.no_grad():
         for p in trainable:
@@ -178,17 +214,27 @@ def test_continuous_batching_warns_that_tidar_does_not_run(untrained_export):
     tidar_log = logging.getLogger("transformers.cli.tidar")  # decode.py's logger: what serve prints
     tidar_log.addHandler(handler)
     level = tidar_log.level
-    tidar_log.setLevel(logging.WARNING)  # an in-process `fit` earlier in the run sets transformers' verbosity to error
+    tidar_log.setLevel(
+        logging.WARNING
+    )  # an in-process `fit` earlier in the run sets transformers' verbosity to error
     try:
         logging.Logger.warning_once.cache_clear()  # another test may have warned already (once per process)
-        AutoModelForCausalLM.from_pretrained(untrained_export).init_continuous_batching()  # transformers' generate: no word
+        AutoModelForCausalLM.from_pretrained(
+            untrained_export
+        ).init_continuous_batching()  # transformers' generate: no word
         assert said == []
-        remote = AutoModelForCausalLM.from_pretrained(untrained_export, trust_remote_code=True)  # the export's own generate.py
+        remote = AutoModelForCausalLM.from_pretrained(
+            untrained_export, trust_remote_code=True
+        )  # the export's own generate.py
         manager = remote.init_continuous_batching()
         assert said == [CONTINUOUS_BATCHING_WARNING] and "without --continuous-batching" in said[0]
-        assert type(manager).__name__ == "ContinuousBatchingManager"  # the loop still runs, as AR: the server keeps answering
+        assert (
+            type(manager).__name__ == "ContinuousBatchingManager"
+        )  # the loop still runs, as AR: the server keeps answering
         logging.Logger.warning_once.cache_clear()
-        load(untrained_export).init_continuous_batching()  # tidar_convert.load binds the package's generate
+        load(
+            untrained_export
+        ).init_continuous_batching()  # tidar_convert.load binds the package's generate
         assert said == [CONTINUOUS_BATCHING_WARNING] * 2
     finally:
         tidar_log.removeHandler(handler)
@@ -210,12 +256,16 @@ def test_tidar_off_through_a_generation_config(untrained_export):
         assert torch.equal(out, ar)  # greedy: the same tokens either way
         return "draft_sources" in model.tidar_stats  # only TiDAR's stats name draft sources
 
-    off = GenerationConfig(**json.loads('{"tidar": false, "do_sample": false}'))  # as the server builds it
+    off = GenerationConfig(
+        **json.loads('{"tidar": false, "do_sample": false}')
+    )  # as the server builds it
     assert ran_tidar() and not ran_tidar(generation_config=off)
     assert ran_tidar(generation_config=off, tidar=True)
     model.generation_config.tidar = False  # as a generation_config.json with "tidar": false loads
     try:
-        assert not ran_tidar() and ran_tidar(generation_config=GenerationConfig(tidar=True, do_sample=False))
+        assert not ran_tidar() and ran_tidar(
+            generation_config=GenerationConfig(tidar=True, do_sample=False)
+        )
     finally:
         del model.generation_config.tidar
     with pytest.raises(ValueError, match="tidar='false'.*JSON boolean"):

@@ -6,26 +6,41 @@ import json
 import re
 from pathlib import Path
 
+import family_matrix
 import pytest
 import torch
+from family_matrix import read_table, tiny_config
+from helpers import tiny_config as helper_config
 from transformers import AutoConfig
 
-import family_matrix
-from family_matrix import DOC, read_table, tiny_config
-from helpers import tiny_config as helper_config
 from tidar_convert import cli
-from tidar_convert.runtime import layout
 from tidar_convert.models.families import check, require
-from tidar_convert.runtime.forward import forward
 from tidar_convert.models.loading import model_from_config
+from tidar_convert.runtime import layout
+from tidar_convert.runtime.forward import forward
 
 README = Path(__file__).resolve().parent.parent / "README.md"
 # What CI decodes: the families users convert in late 2026 and one of each mechanism (MoE, MLA,
 # partial rotary, scaled logits, NoPE layers, chunked and mixed sliding layers, eager attention).
 # The whole matrix is the slow test below, and `tests/family_matrix.py --write` regenerates the doc.
 CI_ENTRIES = (
-    "llama", "llama4_text", "gpt_oss", "gemma2", "gemma3_text", "gemma4_text", "deepseek_v3", "olmo3", "smollm3",
-    "ministral", "glm4", "granite", "qwen3_moe", "mixtral", "phi3", "cohere2", "gpt_neox",
+    "llama",
+    "llama4_text",
+    "gpt_oss",
+    "gemma2",
+    "gemma3_text",
+    "gemma4_text",
+    "deepseek_v3",
+    "olmo3",
+    "smollm3",
+    "ministral",
+    "glm4",
+    "granite",
+    "qwen3_moe",
+    "mixtral",
+    "phi3",
+    "cohere2",
+    "gpt_neox",
 )
 
 
@@ -46,7 +61,11 @@ def test_eager_equals_sdpa_on_the_training_mask(tokenizer):
     mask_mod = layout.train_mask_mod(16, 4)
     with torch.no_grad():
         out = {
-            impl: m(input_ids=layout.train_inputs(ids, 1), position_ids=layout.train_position_ids(ids), attention_mask=layout.build_mask(mask_mod, 2, 32, 32, impl, "cpu")).logits
+            impl: m(
+                input_ids=layout.train_inputs(ids, 1),
+                position_ids=layout.train_position_ids(ids),
+                attention_mask=layout.build_mask(mask_mod, 2, 32, 32, impl, "cpu"),
+            ).logits
             for impl, m in (("sdpa", sdpa), ("eager", eager))
         }
     torch.testing.assert_close(out["eager"], out["sdpa"], rtol=1e-5, atol=1e-5)
@@ -68,13 +87,17 @@ def test_eager_equals_sdpa_on_a_decode_step(tokenizer):
         for impl, m in (("sdpa", sdpa), ("eager", eager)):
             cache = DynamicCache()
             pos = (valid.cumsum(1) - 1).clamp(min=0)
-            prefill = layout.for_implementation(layout.to_dense(layout.decode_mask_mod(0, 6, 4, 6, valid), 2, 6, 6), impl)
+            prefill = layout.for_implementation(
+                layout.to_dense(layout.decode_mask_mod(0, 6, 4, 6, valid), 2, 6, 6), impl
+            )
             forward(m, cache, prompt, pos, prefill)
             start = valid.sum(1)
             tokens = torch.cat([step, torch.full((2, 4), 1)], 1)
             positions = layout.decode_position_ids(start, 3, 4, 1, (2,))
             mask = layout.decode_step_mask(valid, 3, 4, (2,), impl)
-            results[impl] = forward(m, cache, tokens, positions, mask, read=list(range(7))).rows(0, 7)
+            results[impl] = forward(m, cache, tokens, positions, mask, read=list(range(7))).rows(
+                0, 7
+            )
     torch.testing.assert_close(results["eager"], results["sdpa"], rtol=1e-5, atol=1e-5)
 
 
@@ -85,36 +108,66 @@ def verdict_of(model_type, **kw):
 def test_check_names_the_mechanism():
     assert verdict_of("llama").converts and verdict_of("llama").attn_implementation == "sdpa"
     gemma2 = verdict_of("gemma2")
-    assert gemma2.converts and gemma2.attn_implementation == "eager" and "logit softcapping" in gemma2.mechanisms
+    assert (
+        gemma2.converts
+        and gemma2.attn_implementation == "eager"
+        and "logit softcapping" in gemma2.mechanisms
+    )
     qwen35 = verdict_of("qwen3_5_text")
-    assert not qwen35.converts and re.search(r"model_type='qwen3_5_text' has recurrent layers: .*no attention mask.*costs more than TiDAR gains", qwen35.reason)
-    lfm2 = verdict_of("lfm2", num_hidden_layers=2, full_attn_idxs=[1])  # a short-convolution layer: recurrent state
+    assert not qwen35.converts and re.search(
+        r"model_type='qwen3_5_text' has recurrent layers: .*no attention mask.*costs more than TiDAR gains",
+        qwen35.reason,
+    )
+    lfm2 = verdict_of(
+        "lfm2", num_hidden_layers=2, full_attn_idxs=[1]
+    )  # a short-convolution layer: recurrent state
     assert not lfm2.converts and "recurrent layers" in lfm2.reason
-    assert verdict_of("lfm2", num_hidden_layers=2).converts  # attention layers only: nothing to roll back
+    assert verdict_of(
+        "lfm2", num_hidden_layers=2
+    ).converts  # attention layers only: nothing to roll back
     for model_type in ("mamba", "jamba", "falcon_h1", "zamba", "qwen3_next"):
         assert "recurrent layers" in verdict_of(model_type).reason, model_type
-    gpt2 = verdict_of("gpt2")  # learned absolute positions, looked up by position_ids: repeated like RoPE's
+    gpt2 = verdict_of(
+        "gpt2"
+    )  # learned absolute positions, looked up by position_ids: repeated like RoPE's
     assert gpt2.converts and "absolute positions" in gpt2.mechanisms
     assert "has no position_ids" in verdict_of("bloom").reason  # ALiBi
-    assert "has no KV cache" in verdict_of("openai-gpt").reason  # its forward takes no cache: a permute error if forced
+    assert (
+        "has no KV cache" in verdict_of("openai-gpt").reason
+    )  # its forward takes no cache: a permute error if forced
     bart = verdict_of("bart")
     assert not bart.decoder_only and "not a decoder-only causal LM" in bart.reason
     wrapper = verdict_of("qwen3_5")
-    assert not wrapper.decoder_only and "model_type='qwen3_5_text'" in wrapper.reason  # the fix: its text model
+    assert (
+        not wrapper.decoder_only and "model_type='qwen3_5_text'" in wrapper.reason
+    )  # the fix: its text model
     with pytest.raises(ValueError, match="^model_type='mamba' has recurrent layers"):
         require(AutoConfig.for_model("mamba"))
 
 
 def test_check_command_reads_only_the_config(tmp_path, capsys):
     """A folder with nothing but config.json: the verdict, the parameter count, memory per device."""
-    AutoConfig.for_model("qwen3", hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=1000).save_pretrained(tmp_path / "ok")
+    AutoConfig.for_model(
+        "qwen3",
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        vocab_size=1000,
+    ).save_pretrained(tmp_path / "ok")
     cli.main(["check", "--model", str(tmp_path / "ok"), "--devices", "2", "--json"])
     facts = json.loads(capsys.readouterr().out)
     assert facts["converts"] and facts["mechanisms"] == ["rotary"]
     assert 100_000 < facts["parameters"] < 300_000
-    full = facts["memory_per_device_gib"]["full fine-tune, fp32 (weights, grads, AdamW's two moments)"]
+    full = facts["memory_per_device_gib"][
+        "full fine-tune, fp32 (weights, grads, AdamW's two moments)"
+    ]
     assert full == round(facts["parameters"] * 16 / 2 / 2**30, 2)
-    AutoConfig.for_model("mamba", hidden_size=64, num_hidden_layers=2, vocab_size=1000).save_pretrained(tmp_path / "ssm")
+    AutoConfig.for_model(
+        "mamba", hidden_size=64, num_hidden_layers=2, vocab_size=1000
+    ).save_pretrained(tmp_path / "ssm")
     with pytest.raises(SystemExit) as exit_:
         cli.main(["check", "--model", str(tmp_path / "ssm")])
     assert exit_.value.code == 1 and "has recurrent layers" in capsys.readouterr().out
@@ -123,15 +176,39 @@ def test_check_command_reads_only_the_config(tmp_path, capsys):
 def test_check_scales_decode_speed_from_a_bench_record(tmp_path, capsys):
     """tokens/s of a record's model, scaled by parameter count to the checked one (decode at batch 1
     reads every weight once a forward); the record named; a missing record named with its fix."""
-    AutoConfig.for_model("llama", hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, vocab_size=1000).save_pretrained(tmp_path / "m")
+    AutoConfig.for_model(
+        "llama",
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=1000,
+    ).save_pretrained(tmp_path / "m")
     cli.main(["check", "--model", str(tmp_path / "m"), "--json"])
     n = json.loads(capsys.readouterr().out)["parameters"]
-    record = {"machine": {"parameters": 2 * n, "device": "cpu", "device_name": "x86_64", "dtype": "torch.float32", "threads": 2},
-              "summary": {"ar": {"tokens_per_s": 10.0, "tokens_per_nfe": 1.0}, "tidar": {"tokens_per_s": 18.0, "tokens_per_nfe": 2.2}}}
+    record = {
+        "machine": {
+            "parameters": 2 * n,
+            "device": "cpu",
+            "device_name": "x86_64",
+            "dtype": "torch.float32",
+            "threads": 2,
+        },
+        "summary": {
+            "ar": {"tokens_per_s": 10.0, "tokens_per_nfe": 1.0},
+            "tidar": {"tokens_per_s": 18.0, "tokens_per_nfe": 2.2},
+        },
+    }
     (tmp_path / "r.json").write_text(json.dumps(record))
-    cli.main(["check", "--model", str(tmp_path / "m"), "--json", "--record", str(tmp_path / "r.json")])
+    cli.main(
+        ["check", "--model", str(tmp_path / "m"), "--json", "--record", str(tmp_path / "r.json")]
+    )
     speed = json.loads(capsys.readouterr().out)["expected_speed"]
-    assert speed["tokens_per_s"] == {"ar": 20.0, "tidar": 36.0} and speed["tidar_tokens_per_forward"] == 2.2  # half the parameters: twice the speed
+    assert (
+        speed["tokens_per_s"] == {"ar": 20.0, "tidar": 36.0}
+        and speed["tidar_tokens_per_forward"] == 2.2
+    )  # half the parameters: twice the speed
     cli.main(["check", "--model", str(tmp_path / "m"), "--record", str(tmp_path / "r.json")])
     assert "ar 20 tokens/s, tidar 36 tokens/s" in capsys.readouterr().out
     with pytest.raises(SystemExit):
@@ -143,9 +220,14 @@ def test_fit_refuses_a_sequence_past_gpt_neo_s_window(tmp_path):
     """GPT-Neo's local layers window by index: a training sequence longer than the window is refused, naming the fix."""
     from tidar_convert.train.fit import check_model
 
-    AutoConfig.for_model("gpt_neo", num_layers=2, attention_types=[[["global", "local"], 1]], window_size=128).save_pretrained(tmp_path)
+    AutoConfig.for_model(
+        "gpt_neo", num_layers=2, attention_types=[[["global", "local"], 1]], window_size=128
+    ).save_pretrained(tmp_path)
     check_model(str(tmp_path), 128)
-    with pytest.raises(ValueError, match=r"--data.seq_len 256 is longer than gpt_neo's local attention window \(128\).*--data.seq_len 128 or less"):
+    with pytest.raises(
+        ValueError,
+        match=r"--data.seq_len 256 is longer than gpt_neo's local attention window \(128\).*--data.seq_len 128 or less",
+    ):
         check_model(str(tmp_path), 256)
 
 
@@ -165,7 +247,10 @@ SAMPLED = ("llama", "qwen3_moe", "gemma2", "deepseek_v3", "gpt_oss", "llama4_tex
 
 
 # llama in the quick half (make test-fast); every other entry with make test
-@pytest.mark.parametrize("model_type", [t if t == "llama" else pytest.param(t, marks=pytest.mark.slow) for t in CI_ENTRIES])
+@pytest.mark.parametrize(
+    "model_type",
+    [t if t == "llama" else pytest.param(t, marks=pytest.mark.slow) for t in CI_ENTRIES],
+)
 def test_family_converts_exactly(model_type, tokenizer):
     """Conversion, export and greedy TiDAR from the export equal to AR at k = 2 and 4, one row and a
     left-padded batch of two, drafts both accepted and rejected; as docs/families.md records. SAMPLED
@@ -181,7 +266,13 @@ def test_the_sampling_check_has_teeth(tokenizer, monkeypatch):
     """A verifier that accepts every sampled draft (not only where AR's own draw agrees) fails the check."""
     from tidar_convert.runtime.verify import Sampling, real_slots
 
-    monkeypatch.setattr(Sampling, "verify", lambda self, scores, draft: 1 + (real_slots(draft)[:, : scores.shape[1] - 1]).long().cumprod(1).sum(1))
+    monkeypatch.setattr(
+        Sampling,
+        "verify",
+        lambda self, scores, draft: (
+            1 + (real_slots(draft)[:, : scores.shape[1] - 1]).long().cumprod(1).sum(1)
+        ),
+    )
     result = family_matrix.run("llama", tokenizer, sampling=True)
     assert result.outcome == "fails" and "sampled TiDAR != sampled AR" in result.detail, result
 
@@ -207,7 +298,9 @@ def test_every_family_converts_exactly_or_is_refused(tokenizer):
         if result.outcome not in ("exact", "refused", "out of scope"):
             broken[model_type] = f"{result.outcome}: {result.detail}"
         elif same and result.outcome != documented.get(model_type):
-            broken[model_type] = f"{result.outcome}, documented {documented.get(model_type)}: {result.detail}"
+            broken[model_type] = (
+                f"{result.outcome}, documented {documented.get(model_type)}: {result.detail}"
+            )
     assert not broken, broken
 
 
@@ -216,7 +309,9 @@ def test_documented_refusals_are_what_check_says():
     doc calls refused or out of scope, check refuses; whatever it calls exact, check passes."""
     documented, installed = read_table(), set(family_matrix.entries())
     if same_transformers_as_the_doc():
-        assert set(documented) == installed, "docs/families.md is stale: regenerate it (tests/family_matrix.py --write)"
+        assert set(documented) == installed, (
+            "docs/families.md is stale: regenerate it (tests/family_matrix.py --write)"
+        )
     for model_type, outcome in documented.items():
         if model_type not in installed:
             continue  # an entry of the doc's release that this one dropped
@@ -227,7 +322,9 @@ def test_documented_refusals_are_what_check_says():
         if outcome == "exact":
             assert verdict.converts, model_type
         elif outcome in ("refused", "out of scope"):
-            assert not verdict.converts and verdict.decoder_only == (outcome == "refused"), model_type
+            assert not verdict.converts and verdict.decoder_only == (outcome == "refused"), (
+                model_type
+            )
 
 
 def test_readme_supported_models_agrees_with_the_matrix():
@@ -236,10 +333,25 @@ def test_readme_supported_models_agrees_with_the_matrix():
     section = text.split("## Supported models", 1)[1].split("\n## ", 1)[0]
     documented = read_table()
     exact = sorted(t for t, o in documented.items() if o == "exact")
-    counts = re.search(r"(\d+) families convert exactly, (\d+) are refused .*?, (\d+) are out of scope", section, re.S)
+    counts = re.search(
+        r"(\d+) families convert exactly, (\d+) are refused .*?, (\d+) are out of scope",
+        section,
+        re.S,
+    )
     assert counts, "the README's Supported models section lost its counts line"
-    assert [int(c) for c in counts.groups()] == [len(exact), sum(o == "refused" for o in documented.values()), sum(o == "out of scope" for o in documented.values())]
-    for row in (line for line in section.splitlines() if line.startswith("| exact") or line.startswith("| refused")):
+    assert [int(c) for c in counts.groups()] == [
+        len(exact),
+        sum(o == "refused" for o in documented.values()),
+        sum(o == "out of scope" for o in documented.values()),
+    ]
+    for row in (
+        line
+        for line in section.splitlines()
+        if line.startswith("| exact") or line.startswith("| refused")
+    ):
         named = re.findall(r"`([a-z0-9_\-]+)`", row)
         want = "exact" if row.startswith("| exact") else "refused"
-        assert named and all(documented.get(n) == want for n in named), (want, [n for n in named if documented.get(n) != want])
+        assert named and all(documented.get(n) == want for n in named), (
+            want,
+            [n for n in named if documented.get(n) != want],
+        )

@@ -5,14 +5,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import FAMILIES
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from tidar_convert.runtime import layout
 from tidar_convert.cli import main
 from tidar_convert.data import PackedDocuments
+from tidar_convert.runtime import layout
 from tidar_convert.train.loss import hybrid_loss
-
-from helpers import FAMILIES
 
 RECIPE = str(Path(__file__).parents[1] / "recipes" / "tiny.yaml")
 
@@ -34,7 +33,17 @@ def corpus(tmp_path_factory):
 
 
 def fit(tmp_path, model_dir, *extra, logger=False):
-    args = ["fit", "--config", RECIPE, "--model.model", str(model_dir), "--trainer.default_root_dir", str(tmp_path / "run"), "--out", str(tmp_path / "out")]
+    args = [
+        "fit",
+        "--config",
+        RECIPE,
+        "--model.model",
+        str(model_dir),
+        "--trainer.default_root_dir",
+        str(tmp_path / "run"),
+        "--out",
+        str(tmp_path / "out"),
+    ]
     if not logger:
         args += ["--trainer.logger", "false"]
     main(args + list(extra))
@@ -46,7 +55,9 @@ def held_out_loss(model, tokenizer, source, block_size=4, seq_len=64):
     batch = [x for _, x in zip(range(4), ds)]
     ids = torch.stack([b["input_ids"] for b in batch])
     docs = torch.stack([b["doc_ids"] for b in batch])
-    mask = layout.to_dense(layout.train_mask_mod(seq_len, block_size, docs), 4, 2 * seq_len, 2 * seq_len)
+    mask = layout.to_dense(
+        layout.train_mask_mod(seq_len, block_size, docs), 4, 2 * seq_len, 2 * seq_len
+    )
     with torch.no_grad():
         logits = model(
             input_ids=layout.train_inputs(ids, model.config.mask_token_id),
@@ -58,11 +69,15 @@ def held_out_loss(model, tokenizer, source, block_size=4, seq_len=64):
 
 @pytest.mark.fit
 @pytest.mark.parametrize("family", FAMILIES)
-def test_short_fit_lowers_loss_and_writes_a_loadable_folder(tmp_path, tiny_dirs, corpus, family, monkeypatch):
+def test_short_fit_lowers_loss_and_writes_a_loadable_folder(
+    tmp_path, tiny_dirs, corpus, family, monkeypatch
+):
     from tidar_convert.models.loading import load_base
 
     monkeypatch.chdir(tmp_path)  # (were W&B to follow tiny.yaml's runs/tiny, it would land here)
-    out = fit(tmp_path, tiny_dirs[family], "--data.source", str(corpus), logger=family == "llama")  # one family goes through W&B (offline)
+    out = fit(
+        tmp_path, tiny_dirs[family], "--data.source", str(corpus), logger=family == "llama"
+    )  # one family goes through W&B (offline)
     base, tok = load_base(str(tiny_dirs[family]))
     model = AutoModelForCausalLM.from_pretrained(out)  # no remote code: the plain base architecture
     assert type(model).__name__ == type(base).__name__
@@ -71,11 +86,16 @@ def test_short_fit_lowers_loss_and_writes_a_loadable_folder(tmp_path, tiny_dirs,
     out_tok = AutoTokenizer.from_pretrained(out)
     assert cfg["mask_token_id"] == out_tok.mask_token_id == tok.mask_token_id
     assert (out / "model.safetensors").exists()
-    before, after = held_out_loss(base.eval(), tok, corpus), held_out_loss(model.eval(), out_tok, corpus)
+    before, after = (
+        held_out_loss(base.eval(), tok, corpus),
+        held_out_loss(model.eval(), out_tok, corpus),
+    )
     assert after < before - 0.5, (before, after)
     if family == "llama":
         # the logs follow --trainer.default_root_dir, not the recipe's runs/tiny
-        assert list((tmp_path / "run" / "wandb").glob("offline-run-*/*.wandb")), "no offline W&B run written"
+        assert list((tmp_path / "run" / "wandb").glob("offline-run-*/*.wandb")), (
+            "no offline W&B run written"
+        )
         assert not (tmp_path / "runs").exists()
 
 
@@ -84,12 +104,23 @@ def test_resume_from_last_checkpoint(tmp_path, tiny_dirs):
     fit(tmp_path, tiny_dirs["qwen2"], "--trainer.max_steps", "10")
     last = tmp_path / "run" / "checkpoints" / "last.ckpt"
     assert torch.load(last, weights_only=False)["global_step"] == 10
-    fit(tmp_path, tiny_dirs["qwen2"], "--trainer.max_steps", "20", "--ckpt_path", "last", "--overwrite", "true")  # tiny.yaml sets no dirpath: still found
+    fit(
+        tmp_path,
+        tiny_dirs["qwen2"],
+        "--trainer.max_steps",
+        "20",
+        "--ckpt_path",
+        "last",
+        "--overwrite",
+        "true",
+    )  # tiny.yaml sets no dirpath: still found
     assert torch.load(last, weights_only=False)["global_step"] == 20
 
 
 @pytest.mark.fit
-def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path, tiny_dirs, monkeypatch, capsys):
+def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(
+    tmp_path, tiny_dirs, monkeypatch, capsys
+):
     import tidar_convert.train.module as module
 
     calls = {"n": 0}
@@ -108,7 +139,9 @@ def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path, tiny
     assert "non-finite loss" in err and "last.ckpt" in err
     ckpt = torch.load(tmp_path / "run" / "checkpoints" / "last.ckpt", weights_only=False)
     assert ckpt["global_step"] == 10
-    assert all(torch.isfinite(v).all() for v in ckpt["state_dict"].values() if v.is_floating_point())
+    assert all(
+        torch.isfinite(v).all() for v in ckpt["state_dict"].values() if v.is_floating_point()
+    )
     assert not (tmp_path / "out").exists()
 
 
@@ -148,10 +181,30 @@ def test_empty_or_too_short_data_is_refused(tmp_path, tiny_dirs, capsys):
 def test_validation_logs_real_decoding_acceptance(tmp_path, tiny_dirs):
     from tidar_convert.train.fit import _lightning_cli
 
-    cli = _lightning_cli(["fit", "--config", RECIPE, "--model.model", str(tiny_dirs["llama"]), "--trainer.max_steps", "15", "--trainer.logger", "false", "--trainer.default_root_dir", str(tmp_path)])
+    cli = _lightning_cli(
+        [
+            "fit",
+            "--config",
+            RECIPE,
+            "--model.model",
+            str(tiny_dirs["llama"]),
+            "--trainer.max_steps",
+            "15",
+            "--trainer.logger",
+            "false",
+            "--trainer.default_root_dir",
+            str(tmp_path),
+        ]
+    )
     metrics = cli.trainer.callback_metrics
     assert 1.0 <= metrics["val/tokens_per_nfe"].item() <= 4.0
-    assert {"val/loss", "val/loss_ar", "val/loss_diff", "val/acc_diff_3", "train/acc_diff_0"} <= set(metrics)
+    assert {
+        "val/loss",
+        "val/loss_ar",
+        "val/loss_diff",
+        "val/acc_diff_3",
+        "train/acc_diff_0",
+    } <= set(metrics)
 
 
 # --------------------------------------------------------------------------------------------
@@ -164,25 +217,56 @@ def cli_process(tmp_path, model_dir, *extra):
     import subprocess
     import sys
 
-    cmd = [sys.executable, "-m", "tidar_convert.cli", "fit", "--config", RECIPE, "--model.model", str(model_dir), "--trainer.default_root_dir", str(tmp_path / "run"), *extra]
-    return subprocess.Popen(cmd, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    cmd = [
+        sys.executable,
+        "-m",
+        "tidar_convert.cli",
+        "fit",
+        "--config",
+        RECIPE,
+        "--model.model",
+        str(model_dir),
+        "--trainer.default_root_dir",
+        str(tmp_path / "run"),
+        *extra,
+    ]
+    return subprocess.Popen(
+        cmd, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
 
 
 @pytest.mark.fit
 @pytest.mark.subprocess
-def test_fit_output_is_quiet_and_informative_and_config_stays_in_the_run_folder(tmp_path, tiny_dirs):
-    (tmp_path / "config.yaml").write_text("mine: true\n")  # the user's own file in the working directory
-    proc = cli_process(tmp_path, tiny_dirs["llama"], "--trainer.max_steps", "3", "--out", str(tmp_path / "out"))
+def test_fit_output_is_quiet_and_informative_and_config_stays_in_the_run_folder(
+    tmp_path, tiny_dirs
+):
+    (tmp_path / "config.yaml").write_text(
+        "mine: true\n"
+    )  # the user's own file in the working directory
+    proc = cli_process(
+        tmp_path, tiny_dirs["llama"], "--trainer.max_steps", "3", "--out", str(tmp_path / "out")
+    )
     out, err = proc.communicate(timeout=600)
     assert proc.returncode == 0, err[-3000:]
     assert (tmp_path / "config.yaml").read_text() == "mine: true\n"
     assert "max_steps: 3" in (tmp_path / "run" / "config.yaml").read_text()
     lines = (out + err).splitlines()
-    assert any(line.startswith("train step 1/3 (33%), loss ") and "tok/s" in line and "ETA" in line for line in lines), lines
+    assert any(
+        line.startswith("train step 1/3 (33%), loss ") and "tok/s" in line and "ETA" in line
+        for line in lines
+    ), lines
     assert any(line.startswith("train step 3/3 (100%)") for line in lines), lines
     assert f"exported TiDAR model to {tmp_path / 'out'}" in err
     assert "checkpoint: " in err and "W&B run: " in err
-    for noise in ("wandb: WARNING", "Tip:", "GPU available", "Loading weights", "Seed set", "Deprecat", "Epoch 0"):
+    for noise in (
+        "wandb: WARNING",
+        "Tip:",
+        "GPU available",
+        "Loading weights",
+        "Seed set",
+        "Deprecat",
+        "Epoch 0",
+    ):
         assert noise not in out + err, noise
     assert len(lines) <= 8, lines
 
@@ -193,7 +277,9 @@ def test_sigterm_saves_a_checkpoint_exits_nonzero_and_resumes(tmp_path, tiny_dir
     """What SLURM/Kubernetes send before killing a job: save, exit 143, and --ckpt_path last continues."""
     import signal
 
-    proc = cli_process(tmp_path, tiny_dirs["qwen2"], "--trainer.max_steps", "5000", "--trainer.logger", "false")
+    proc = cli_process(
+        tmp_path, tiny_dirs["qwen2"], "--trainer.max_steps", "5000", "--trainer.logger", "false"
+    )
     for line in proc.stderr:  # wait until training is really running
         if line.startswith("train step 1/"):
             break
@@ -213,7 +299,10 @@ def test_resume_last_without_a_checkpoint_is_an_error(tmp_path, tiny_dirs, capsy
     with pytest.raises(SystemExit):
         fit(tmp_path, tiny_dirs["llama"], "--ckpt_path", "last")
     err = capsys.readouterr().err
-    assert "--ckpt_path last: no last checkpoint in" in err and str(tmp_path / "run" / "checkpoints") in err
+    assert (
+        "--ckpt_path last: no last checkpoint in" in err
+        and str(tmp_path / "run" / "checkpoints") in err
+    )
     assert not (tmp_path / "out").exists()
 
 
@@ -236,8 +325,22 @@ def test_fit_out_is_checked_before_training(tmp_path, tiny_dirs, capsys):
     a_file.write_text("mine")
     for out, extra in ((thesis, []), (thesis, ["--overwrite", "true"]), (a_file, [])):
         with pytest.raises(SystemExit):
-            main(["fit", "--config", RECIPE, "--model.model", str(tiny_dirs["llama"]), "--trainer.logger", "false",
-                  "--trainer.default_root_dir", str(tmp_path / "run"), "--out", str(out), *extra])
+            main(
+                [
+                    "fit",
+                    "--config",
+                    RECIPE,
+                    "--model.model",
+                    str(tiny_dirs["llama"]),
+                    "--trainer.logger",
+                    "false",
+                    "--trainer.default_root_dir",
+                    str(tmp_path / "run"),
+                    "--out",
+                    str(out),
+                    *extra,
+                ]
+            )
         assert str(out) in capsys.readouterr().err
         assert not (tmp_path / "run").exists(), "training started before --out was checked"
     assert (thesis / "thesis.tex").read_text() == "years of work" and a_file.read_text() == "mine"
@@ -253,11 +356,28 @@ def test_make_convert_runs_the_fit_command_it_prints(tmp_path, tiny_dirs):
 
     root = Path(__file__).parents[1]
     out = tmp_path / "out"
-    make = ["make", "-n", "-C", str(root), "convert", f"RECIPE={RECIPE}", f"MODEL={tiny_dirs['llama']}", "MAX_STEPS=2", f"OUT={out}"]
-    printed = subprocess.run(make, capture_output=True, text=True, check=True).stdout.replace("\\\n", " ")
+    make = [
+        "make",
+        "-n",
+        "-C",
+        str(root),
+        "convert",
+        f"RECIPE={RECIPE}",
+        f"MODEL={tiny_dirs['llama']}",
+        "MAX_STEPS=2",
+        f"OUT={out}",
+    ]
+    printed = subprocess.run(make, capture_output=True, text=True, check=True).stdout.replace(
+        "\\\n", " "
+    )
     (line,) = [line for line in printed.splitlines() if "tidar-convert fit" in line]
     args = shlex.split(line, comments=True)
-    args = args[args.index("fit") :] + ["--trainer.default_root_dir", str(tmp_path / "run"), "--trainer.logger", "false"]
+    args = args[args.index("fit") :] + [
+        "--trainer.default_root_dir",
+        str(tmp_path / "run"),
+        "--trainer.logger",
+        "false",
+    ]
     assert "--overwrite" in args
     for steps in ("2", "3"):
         main([*args, "--trainer.max_steps", steps])
@@ -272,7 +392,16 @@ def test_fit_replaces_an_earlier_export_only_with_overwrite(tmp_path, tiny_dirs,
     with pytest.raises(SystemExit):
         fit(tmp_path, tiny_dirs["llama"], "--trainer.max_steps", "3")
     assert "--overwrite" in capsys.readouterr().err
-    fit(tmp_path, tiny_dirs["llama"], "--trainer.max_steps", "3", "--overwrite", "true", "--existing_run", "replace")
+    fit(
+        tmp_path,
+        tiny_dirs["llama"],
+        "--trainer.max_steps",
+        "3",
+        "--overwrite",
+        "true",
+        "--existing_run",
+        "replace",
+    )
     assert "steps: 3" in (out / "README.md").read_text()
 
 
@@ -286,13 +415,36 @@ def test_bf16_on_a_cpu_without_native_bf16_is_flagged(tmp_path, tiny_dirs, capsy
     assert fit_checks.cpu_has_native_bf16(str(info)) is False
     info.write_text("flags\t\t: fpu avx512f avx512_bf16 amx_tile amx_bf16\n")
     assert fit_checks.cpu_has_native_bf16(str(info)) is True
-    assert fit_checks.cpu_has_native_bf16(str(tmp_path / "missing")) is None  # not Linux: no claim either way
+    assert (
+        fit_checks.cpu_has_native_bf16(str(tmp_path / "missing")) is None
+    )  # not Linux: no claim either way
 
     monkeypatch.setattr(fit_checks, "cpu_has_native_bf16", lambda: False)
-    fit(tmp_path, tiny_dirs["llama"], "--trainer.max_steps", "1", "--trainer.precision", "bf16-mixed", "--trainer.accelerator", "cpu")
-    assert "warning: --trainer.precision bf16-mixed on a CPU without native bf16" in capsys.readouterr().err
+    fit(
+        tmp_path,
+        tiny_dirs["llama"],
+        "--trainer.max_steps",
+        "1",
+        "--trainer.precision",
+        "bf16-mixed",
+        "--trainer.accelerator",
+        "cpu",
+    )
+    assert (
+        "warning: --trainer.precision bf16-mixed on a CPU without native bf16"
+        in capsys.readouterr().err
+    )
     monkeypatch.setattr(fit_checks, "cpu_has_native_bf16", lambda: True)
-    fit(tmp_path / "again", tiny_dirs["llama"], "--trainer.max_steps", "1", "--trainer.precision", "bf16-mixed", "--trainer.accelerator", "cpu")
+    fit(
+        tmp_path / "again",
+        tiny_dirs["llama"],
+        "--trainer.max_steps",
+        "1",
+        "--trainer.precision",
+        "bf16-mixed",
+        "--trainer.accelerator",
+        "cpu",
+    )
     assert "without native bf16" not in capsys.readouterr().err
 
 
@@ -306,9 +458,27 @@ def test_each_fit_in_one_process_gets_its_own_wandb_run(tmp_path, tiny_dirs, mon
     monkeypatch.setenv("WANDB_MODE", "offline")
     for name in ("first", "second"):
         loggers = tmp_path / f"{name}.yaml"
-        logger = {"class_path": "lightning.pytorch.loggers.WandbLogger", "init_args": {"save_dir": str(tmp_path / name), "project": "tidar-convert-tests"}}
+        logger = {
+            "class_path": "lightning.pytorch.loggers.WandbLogger",
+            "init_args": {"save_dir": str(tmp_path / name), "project": "tidar-convert-tests"},
+        }
         loggers.write_text(yaml.safe_dump({"trainer": {"logger": [logger]}}))
-        main(["fit", "--config", RECIPE, "--config", str(loggers), "--model.model", str(tiny_dirs["llama"]), "--trainer.max_steps", "2",
-              "--trainer.default_root_dir", str(tmp_path / name / "run")])
-        assert list((tmp_path / name / "wandb").glob("offline-run-*/*.wandb")), f"the {name} fit has no W&B run of its own"
+        main(
+            [
+                "fit",
+                "--config",
+                RECIPE,
+                "--config",
+                str(loggers),
+                "--model.model",
+                str(tiny_dirs["llama"]),
+                "--trainer.max_steps",
+                "2",
+                "--trainer.default_root_dir",
+                str(tmp_path / name / "run"),
+            ]
+        )
+        assert list((tmp_path / name / "wandb").glob("offline-run-*/*.wandb")), (
+            f"the {name} fit has no W&B run of its own"
+        )
         assert wandb.run is None

@@ -10,15 +10,20 @@ import copy
 
 import pytest
 import torch
+from helpers import cycle_batch, train_tiny
+from test_decode import (
+    N_NEW,
+    SAMPLING_SETTINGS,
+    chi_square_p,
+    exact_distribution,
+    sample_counts,
+    small_vocab_model,  # noqa: F401  (a fixture)
+)
 from transformers import CompileConfig, GenerationConfig, StoppingCriteriaList, WatermarkingConfig
 
+from tidar_convert.models.loading import load_base
 from tidar_convert.runtime import generate as decode
 from tidar_convert.runtime.generate import generate
-from tidar_convert.models.loading import load_base
-
-from helpers import cycle_batch, train_tiny
-from test_decode import N_NEW, SAMPLING_SETTINGS, chi_square_p, exact_distribution, sample_counts
-from test_decode import small_vocab_model  # noqa: F401  (a fixture)
 
 EOS = 5  # a token of the training cycle (3..9), so EOS-dependent fields have something to act on
 MODEL_EOS = 0  # tiny_config's eos_token_id
@@ -42,8 +47,12 @@ GREEDY = {
     "begin_suppress_tokens": dict(begin_suppress_tokens=list(range(3, 10))),
     "forced_bos_token_id": dict(forced_bos_token_id=2),  # acts on a one-token prompt
     "forced_eos_token_id": dict(forced_eos_token_id=2),
-    "remove_invalid_values": dict(remove_invalid_values=True, sequence_bias={(6,): -float("inf")}),  # -inf -> finite
-    "exponential_decay_length_penalty": dict(eos_token_id=EOS, exponential_decay_length_penalty=(1, 3.0)),
+    "remove_invalid_values": dict(
+        remove_invalid_values=True, sequence_bias={(6,): -float("inf")}
+    ),  # -inf -> finite
+    "exponential_decay_length_penalty": dict(
+        eos_token_id=EOS, exponential_decay_length_penalty=(1, 3.0)
+    ),
     "renormalize_logits": dict(renormalize_logits=True),
     "max_time": dict(max_time=1e-9),  # stops after the first token, in both
 }
@@ -90,15 +99,29 @@ REFUSED = {
 
 # Irrelevant: {field: (a value, why)}. The test checks that the value changes neither TiDAR's output
 # nor transformers' own greedy output, so "irrelevant" is a fact, not a claim.
-ASSISTED = "read only by assisted decoding, which is refused (assistant_model, prompt_lookup_num_tokens)"
+ASSISTED = (
+    "read only by assisted decoding, which is refused (assistant_model, prompt_lookup_num_tokens)"
+)
 IRRELEVANT = {
-    "use_cache": (False, "TiDAR always decodes with its own KV cache; the output is the same without one"),
-    "cache_config": ({"offloading": False}, "options for cache_implementation, which is refused unless dynamic"),
+    "use_cache": (
+        False,
+        "TiDAR always decodes with its own KV cache; the output is the same without one",
+    ),
+    "cache_config": (
+        {"offloading": False},
+        "options for cache_implementation, which is refused unless dynamic",
+    ),
     "max_cache_len": (64, "the length of a static cache; TiDAR's cache is dynamic"),
     "prefill_chunk_size": (3, "chunked prefill changes peak memory, not the output"),
-    "compile_config": (CompileConfig(fullgraph=False), "torch.compile settings of transformers' own decoding loop"),
+    "compile_config": (
+        CompileConfig(fullgraph=False),
+        "torch.compile settings of transformers' own decoding loop",
+    ),
     "disable_compile": (True, "torch.compile settings of transformers' own decoding loop"),
-    "continuous_batching_config": (None, "read only by generate_batch (continuous batching), never by generate"),
+    "continuous_batching_config": (
+        None,
+        "read only by generate_batch (continuous batching), never by generate",
+    ),
     "early_stopping": (True, "beam search only; transformers ignores it without beams"),
     "length_penalty": (2.0, "beam search only; transformers ignores it without beams"),
     "low_memory": (True, "beam search only; transformers ignores it without beams"),
@@ -122,10 +145,17 @@ def sampled_fields():
 
 def test_every_field_is_honoured_refused_or_irrelevant():
     fields = set(GenerationConfig().to_dict())
-    groups = {"greedy": set(GREEDY), "other": set(OTHER), "refused": set(REFUSED), "irrelevant": set(IRRELEVANT)}
+    groups = {
+        "greedy": set(GREEDY),
+        "other": set(OTHER),
+        "refused": set(REFUSED),
+        "irrelevant": set(IRRELEVANT),
+    }
     sampling_only = sampled_fields() - set(GREEDY) - set(OTHER)
     covered = set().union(*groups.values()) | sampling_only
-    assert not fields - covered, f"GenerationConfig fields nobody checks: {sorted(fields - covered)}"
+    assert not fields - covered, (
+        f"GenerationConfig fields nobody checks: {sorted(fields - covered)}"
+    )
     assert not covered - fields, f"not GenerationConfig fields: {sorted(covered - fields)}"
     names = list(groups)
     for i, a in enumerate(names):
@@ -152,7 +182,14 @@ def prompt_sets():
 
 
 def both_kw(mask, **kw):
-    kw = dict(attention_mask=mask, do_sample=False, return_dict_in_generate=True, output_scores=True, output_logits=True, **kw)
+    kw = dict(
+        attention_mask=mask,
+        do_sample=False,
+        return_dict_in_generate=True,
+        output_scores=True,
+        output_logits=True,
+        **kw,
+    )
     if "max_length" not in kw:
         kw.setdefault("max_new_tokens", 20)
     return kw
@@ -179,14 +216,19 @@ def assert_same(hf, td, prompt_len, eos):
         a, b = getattr(hf, name), getattr(td, name)
         assert len(a) == len(b), name
         for t in range(len(a)):
-            torch.testing.assert_close(b[t][live[t]], a[t][live[t]], atol=1e-4, rtol=1e-4, msg=f"{name}[{t}]")
+            torch.testing.assert_close(
+                b[t][live[t]], a[t][live[t]], atol=1e-4, rtol=1e-4, msg=f"{name}[{t}]"
+            )
 
 
 def differs(a, b, prompt_len, eos):
     if not torch.equal(a.sequences, b.sequences):
         return True
     live = live_rows(a, prompt_len, eos)
-    return any(not torch.allclose(x[live[t]], y[live[t]], atol=1e-4, equal_nan=True) for t, (x, y) in enumerate(zip(a.scores, b.scores)))
+    return any(
+        not torch.allclose(x[live[t]], y[live[t]], atol=1e-4, equal_nan=True)
+        for t, (x, y) in enumerate(zip(a.scores, b.scores))
+    )
 
 
 @pytest.mark.parametrize("field", sorted(GREEDY))
@@ -200,16 +242,27 @@ def test_greedy_field_is_honoured(model, field):
         hf, td = both(m, ids, mask, **kw)
         accepted += m.tidar_stats["accepted"]
         assert_same(hf, td, ids.shape[1], eos)
-        base = m.generate(ids, **{**both_kw(mask), **{key: v for key, v in kw.items() if key != field}})
+        base = m.generate(
+            ids, **{**both_kw(mask), **{key: v for key, v in kw.items() if key != field}}
+        )
         changed = changed or differs(hf, base, ids.shape[1], eos)
-    assert changed, f"{field}={kw[field]} changes nothing in transformers on these prompts: the check has no teeth"
+    assert changed, (
+        f"{field}={kw[field]} changes nothing in transformers on these prompts: the check has no teeth"
+    )
     if field != "max_time":
         assert max(accepted) >= 2, "no draft was ever accepted: exactness under acceptance untested"
 
 
 def test_processors_also_apply_on_a_left_padded_batch_with_several_at_once(model):
     m, _ = model
-    kw = dict(repetition_penalty=30.0, no_repeat_ngram_size=3, suppress_tokens=[6], min_new_tokens=4, eos_token_id=EOS, pad_token_id=2)
+    kw = dict(
+        repetition_penalty=30.0,
+        no_repeat_ngram_size=3,
+        suppress_tokens=[6],
+        min_new_tokens=4,
+        eos_token_id=EOS,
+        pad_token_id=2,
+    )
     ids, mask = prompt_sets()[0]
     hf, td = both(m, ids, mask, **kw)
     assert_same(hf, td, ids.shape[1], [EOS])
@@ -218,13 +271,21 @@ def test_processors_also_apply_on_a_left_padded_batch_with_several_at_once(model
 def test_custom_logits_processor_and_prefix_allowed_tokens_fn(model):
     from transformers import LogitsProcessor, LogitsProcessorList
 
-    class NoTokenAfterItself(LogitsProcessor):  # depends on the prefix: drafts must be processed with theirs
+    class NoTokenAfterItself(
+        LogitsProcessor
+    ):  # depends on the prefix: drafts must be processed with theirs
         def __call__(self, input_ids, scores):
             return scores.scatter(1, input_ids[:, -1:], -float("inf"))
 
     m, _ = model
     ids, mask = prompt_sets()[0]
-    hf, td = both(m, ids, mask, logits_processor=LogitsProcessorList([NoTokenAfterItself()]), prefix_allowed_tokens_fn=lambda b, s: [3, 4, 5, 6, 8] if len(s) % 2 else list(range(3, 10)))
+    hf, td = both(
+        m,
+        ids,
+        mask,
+        logits_processor=LogitsProcessorList([NoTokenAfterItself()]),
+        prefix_allowed_tokens_fn=lambda b, s: [3, 4, 5, 6, 8] if len(s) % 2 else list(range(3, 10)),
+    )
     assert_same(hf, td, ids.shape[1], [MODEL_EOS])
 
 
@@ -240,20 +301,26 @@ def test_sampling_fields_keep_the_ar_distribution(small_vocab_model, settings, m
     gen_kw = dict(do_sample=True, max_new_tokens=N_NEW, **{"eos_token_id": None, **settings})
     bias = torch.zeros(V + 1)
     bias[V] = -float("inf")  # the mask token is never an AR output, as in a converted model
-    monkeypatch.setattr(m.lm_head, "bias", torch.nn.Parameter(bias, requires_grad=False), raising=False)
+    monkeypatch.setattr(
+        m.lm_head, "bias", torch.nn.Parameter(bias, requires_grad=False), raising=False
+    )
 
     def processors(kw):
         gc, _ = m._prepare_generation_config(None, **kw)
         m._prepare_special_tokens(gc, False, device="cpu", batch_size=1)
         gc = m._prepare_generated_length(gc, False, True, "input_ids", prompt.shape[1], prompt)
-        return m._get_logits_processor(gc, input_ids_seq_length=prompt.shape[1], encoder_input_ids=prompt, device="cpu")
+        return m._get_logits_processor(
+            gc, input_ids_seq_length=prompt.shape[1], encoder_input_ids=prompt, device="cpu"
+        )
 
     procs = processors(gen_kw)
     probs = exact_distribution(m, prompt, lambda ids, logits: procs(ids, logits).softmax(-1))
     plain = processors(dict(do_sample=True, max_new_tokens=N_NEW, eos_token_id=None))
     base = exact_distribution(m, prompt, lambda ids, logits: plain(ids, logits).softmax(-1))
     tv = sum(abs(probs.get(s, 0) - base.get(s, 0)) for s in set(probs) | set(base)) / 2
-    assert tv > 0.05, f"{settings} hardly changes the distribution (TV {tv:.3f}): the check has no teeth"
+    assert tv > 0.05, (
+        f"{settings} hardly changes the distribution (TV {tv:.3f}): the check has no teeth"
+    )
     n = 400
     hf = sample_counts(lambda: m.generate(prompt, **gen_kw), n)
     tidar = sample_counts(lambda: generate(prompt, model=m, **gen_kw), n)
@@ -268,18 +335,29 @@ def test_num_return_sequences(model):
     m, _ = model
     ids = cycle_batch(2, 5, seed=3)
     torch.manual_seed(0)
-    out = generate(ids, model=m, do_sample=True, num_return_sequences=3, max_new_tokens=6, temperature=3.0)
+    out = generate(
+        ids, model=m, do_sample=True, num_return_sequences=3, max_new_tokens=6, temperature=3.0
+    )
     assert out.shape == (6, 11)
-    assert torch.equal(out[:, :5], ids.repeat_interleave(3, 0))  # as transformers: a prompt's rows adjacent
+    assert torch.equal(
+        out[:, :5], ids.repeat_interleave(3, 0)
+    )  # as transformers: a prompt's rows adjacent
     assert len({tuple(r) for r in out[:3, 5:].tolist()}) > 1  # independent samples
-    with pytest.raises(ValueError, match="num_return_sequences"):  # transformers' own refusal, under greedy
+    with pytest.raises(
+        ValueError, match="num_return_sequences"
+    ):  # transformers' own refusal, under greedy
         generate(ids, model=m, num_return_sequences=2, max_new_tokens=4)
 
 
 def test_output_switches(model):
     m, _ = model
     ids = cycle_batch(1, 5, seed=4)
-    for kw in (dict(), dict(return_dict_in_generate=True), dict(return_dict_in_generate=True, output_scores=True), dict(return_dict_in_generate=True, output_logits=True)):
+    for kw in (
+        dict(),
+        dict(return_dict_in_generate=True),
+        dict(return_dict_in_generate=True, output_scores=True),
+        dict(return_dict_in_generate=True, output_logits=True),
+    ):
         hf = m.generate(ids, max_new_tokens=8, do_sample=False, **kw)
         td = generate(ids, model=m, max_new_tokens=8, do_sample=False, **kw)
         assert type(td) is type(hf)
@@ -289,7 +367,12 @@ def test_output_switches(model):
         for name in ("scores", "logits"):
             assert (getattr(td, name) is None) == (getattr(hf, name) is None), (kw, name)
             if getattr(hf, name) is not None:
-                torch.testing.assert_close(torch.stack(getattr(td, name)), torch.stack(getattr(hf, name)), atol=1e-4, rtol=1e-4)
+                torch.testing.assert_close(
+                    torch.stack(getattr(td, name)),
+                    torch.stack(getattr(hf, name)),
+                    atol=1e-4,
+                    rtol=1e-4,
+                )
 
 
 def test_stop_strings_with_a_tokenizer(model):
@@ -297,8 +380,12 @@ def test_stop_strings_with_a_tokenizer(model):
     ids = cycle_batch(1, 5, seed=5)
     full = generate(ids, model=m, max_new_tokens=30, eos_token_id=None)
     stop = tok.decode(full[0, 12:14])
-    expected = m.generate(ids, max_new_tokens=30, eos_token_id=None, stop_strings=stop, tokenizer=tok, do_sample=False)
-    got = generate(ids, model=m, max_new_tokens=30, eos_token_id=None, stop_strings=stop, tokenizer=tok)
+    expected = m.generate(
+        ids, max_new_tokens=30, eos_token_id=None, stop_strings=stop, tokenizer=tok, do_sample=False
+    )
+    got = generate(
+        ids, model=m, max_new_tokens=30, eos_token_id=None, stop_strings=stop, tokenizer=tok
+    )
     assert torch.equal(got, expected) and got.shape[1] < full.shape[1]
     with pytest.raises(ValueError, match="tokenizer"):  # transformers' own message
         generate(ids, model=m, max_new_tokens=30, stop_strings=stop)
@@ -307,7 +394,9 @@ def test_stop_strings_with_a_tokenizer(model):
 def test_no_prompt_starts_from_bos(model):
     m, _ = model
     expected = m.generate(max_new_tokens=6, bos_token_id=4, do_sample=False, eos_token_id=None)
-    assert torch.equal(generate(model=m, max_new_tokens=6, bos_token_id=4, eos_token_id=None), expected)
+    assert torch.equal(
+        generate(model=m, max_new_tokens=6, bos_token_id=4, eos_token_id=None), expected
+    )
 
 
 def test_transformers_defaults(model):
@@ -315,7 +404,10 @@ def test_transformers_defaults(model):
     1.0. A generation_config passed in is completed by the model's own (its EOS included)."""
     m, _ = model
     ids = cycle_batch(1, 5, seed=6)
-    assert torch.equal(generate(ids, model=m, eos_token_id=None), m.generate(ids, eos_token_id=None, do_sample=False))
+    assert torch.equal(
+        generate(ids, model=m, eos_token_id=None),
+        m.generate(ids, eos_token_id=None, do_sample=False),
+    )
     assert generate(input_ids=ids, model=m, eos_token_id=None).shape[1] == 25
     assert generate(ids, model=m, do_sample=True, max_new_tokens=4).shape[1] <= 9
     saved = copy.deepcopy(m.generation_config)
@@ -339,8 +431,13 @@ def test_custom_stopping_criteria_merge(model):
     m, _ = model
     ids = cycle_batch(1, 5, seed=7)
     crit = StoppingCriteriaList([Never()])
-    expected = m.generate(ids, max_new_tokens=10, eos_token_id=EOS, stopping_criteria=crit, do_sample=False)
-    assert torch.equal(generate(ids, model=m, max_new_tokens=10, eos_token_id=EOS, stopping_criteria=crit), expected)
+    expected = m.generate(
+        ids, max_new_tokens=10, eos_token_id=EOS, stopping_criteria=crit, do_sample=False
+    )
+    assert torch.equal(
+        generate(ids, model=m, max_new_tokens=10, eos_token_id=EOS, stopping_criteria=crit),
+        expected,
+    )
 
 
 # ---- refused -------------------------------------------------------------------------------------------
@@ -357,7 +454,9 @@ def test_refused_by_name(model, field):
 @pytest.mark.parametrize("name", sorted(decode.REFUSED_ARGS))
 def test_refused_arguments_by_name(model, name):
     m, _ = model
-    value = {"assistant_model": m, "synced_gpus": True, "custom_generate": "x"}.get(name, torch.ones(1, 4, dtype=torch.long))
+    value = {"assistant_model": m, "synced_gpus": True, "custom_generate": "x"}.get(
+        name, torch.ones(1, 4, dtype=torch.long)
+    )
     with pytest.raises(ValueError, match=name):
         generate(cycle_batch(1, 4, seed=0), model=m, max_new_tokens=4, **{name: value})
 

@@ -12,7 +12,9 @@ import torch
 from tidar_convert.runtime import kernels, panel
 from tidar_convert.runtime.generate import generate
 
-pytestmark = pytest.mark.skipif(not kernels.available(), reason="this torch build has no oneDNN packed linear")
+pytestmark = pytest.mark.skipif(
+    not kernels.available(), reason="this torch build has no oneDNN packed linear"
+)
 
 
 def swapped(model) -> list:
@@ -31,9 +33,13 @@ def test_packed_linear_matches_stock_and_is_row_invariant(dtype):
             packed = layer(x)
             # Each row's result is the same whether 1 or 13 rows share the call: bit for bit.
             rows = [layer(x[:, :j]) for j in range(1, 14)]
-    (kind, _), = (packed for _, packed in kernels._PACKED[layer].values())
-    assert kind == ("panels" if panel.panel_library() else "onednn")  # bf16 too: panels are the default where the kernel builds
-    torch.testing.assert_close(packed, stock, **({"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else {}))
+    ((kind, _),) = (packed for _, packed in kernels._PACKED[layer].values())
+    assert kind == (
+        "panels" if panel.panel_library() else "onednn"
+    )  # bf16 too: panels are the default where the kernel builds
+    torch.testing.assert_close(
+        packed, stock, **({"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else {})
+    )
     if dtype == torch.bfloat16 and kind == "onednn":
         return  # oneDNN's bf16 product on AMX gives 1 row other low bits than 2 or more (the module's docstring)
     for j, part in enumerate(rows, start=1):
@@ -61,7 +67,9 @@ def test_a_weight_onednn_refuses_keeps_the_stock_product(monkeypatch):
         raise RuntimeError("no packed layout for this CPU")
 
     monkeypatch.setattr(kernels, "_reorder", refuse)
-    monkeypatch.setattr(panel, "_PANEL_LIB", [None])  # no panel kernel here: fp32 goes to oneDNN, which refuses
+    monkeypatch.setattr(
+        panel, "_PANEL_LIB", [None]
+    )  # no panel kernel here: fp32 goes to oneDNN, which refuses
     layer = torch.nn.Linear(8, 4)
     x = torch.randn(3, 8)
     with torch.no_grad(), kernels.packed_linears(layer):
@@ -74,11 +82,15 @@ def test_gradients_take_the_stock_product():
     x = torch.randn(4, 16)
     with kernels.packed_linears(layer):
         layer(x).sum().backward()
-    assert layer.weight.grad is not None and torch.allclose(layer.weight.grad, x.sum(0).expand(8, -1))
+    assert layer.weight.grad is not None and torch.allclose(
+        layer.weight.grad, x.sum(0).expand(8, -1)
+    )
 
 
 def test_only_cpu_float_layers_are_packed():
-    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 8).half(), torch.nn.Embedding(4, 8))
+    model = torch.nn.Sequential(
+        torch.nn.Linear(8, 8), torch.nn.Linear(8, 8).half(), torch.nn.Embedding(4, 8)
+    )
     with kernels.packed_linears(model) as layers:
         assert layers == [model[0]]
     with kernels.packed_linears(model, enabled=False) as layers:
@@ -97,15 +109,20 @@ def test_generate_gives_the_same_tokens_packed_or_not_and_restores_the_layers(un
     ids = torch.randint(3, 300, (2, 9), generator=torch.Generator().manual_seed(1))
     kw = dict(model=model, max_new_tokens=20, eos_token_id=None, pad_token_id=0, tidar=tidar)
     stock = generate(ids, pack_weights=False, **kw)
-    assert torch.equal(generate(ids, **kw), stock)  # the default: whichever product was timed faster here
+    assert torch.equal(
+        generate(ids, **kw), stock
+    )  # the default: whichever product was timed faster here
     kw["pack_weights"] = True
     assert torch.equal(generate(ids, **kw), stock)
     assert not swapped(model)
+
     def fail(input_ids, scores, **kwargs):
         assert swapped(model)  # while decoding, the packed forwards run
         raise KeyboardInterrupt
 
-    with pytest.raises(KeyboardInterrupt):  # an interrupted generate() still puts the stock forwards back
+    with pytest.raises(
+        KeyboardInterrupt
+    ):  # an interrupted generate() still puts the stock forwards back
         generate(ids, stopping_criteria=[fail], **kw)
     assert not swapped(model)
 
@@ -118,28 +135,50 @@ def test_grouped_attention_attends_in_place_to_the_same_values(untrained, family
     from transformers import DynamicCache
 
     from tidar_convert.runtime.forward import cache_kwargs
-    from tidar_convert.runtime.plan import StepPlan
     from tidar_convert.runtime.layout import decode_step_mask
+    from tidar_convert.runtime.plan import StepPlan
 
     model = untrained[family]
-    assert model.config._attn_implementation == "sdpa" and model.config.num_key_value_heads < model.config.num_attention_heads
+    assert (
+        model.config._attn_implementation == "sdpa"
+        and model.config.num_key_value_heads < model.config.num_attention_heads
+    )
     ids = torch.randint(3, 300, (1, 12), generator=torch.Generator().manual_seed(0))
     plan = StepPlan(2, (1,), 4)
     step = torch.cat([ids[:, -2:], torch.full((1, 4), model.config.mask_token_id)], 1)
 
     def run():
         cache = DynamicCache()
-        model.model(input_ids=ids, **cache_kwargs(model.model, cache))  # the prompt: no mask, grouped either way
+        model.model(
+            input_ids=ids, **cache_kwargs(model.model, cache)
+        )  # the prompt: no mask, grouped either way
         grouped.clear()
-        mask = decode_step_mask(torch.ones(1, 12, dtype=torch.bool), plan.n_drafts, plan.k, plan.anchors, model.config._attn_implementation)
-        return model.model(input_ids=step, position_ids=plan.positions(torch.tensor([12])), attention_mask=mask, **cache_kwargs(model.model, cache)).last_hidden_state
+        mask = decode_step_mask(
+            torch.ones(1, 12, dtype=torch.bool),
+            plan.n_drafts,
+            plan.k,
+            plan.anchors,
+            model.config._attn_implementation,
+        )
+        return model.model(
+            input_ids=step,
+            position_ids=plan.positions(torch.tensor([12])),
+            attention_mask=mask,
+            **cache_kwargs(model.model, cache),
+        ).last_hidden_state
 
     grouped = []
     sdpa = torch.nn.functional.scaled_dot_product_attention
-    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", lambda *a, **k: grouped.append(bool(k.get("enable_gqa"))) or sdpa(*a, **k))
+    monkeypatch.setattr(
+        torch.nn.functional,
+        "scaled_dot_product_attention",
+        lambda *a, **k: grouped.append(bool(k.get("enable_gqa"))) or sdpa(*a, **k),
+    )
     with torch.no_grad():
         stock = run()
-        assert grouped == [False] * model.config.num_hidden_layers  # the step: transformers copies the heads under a mask
+        assert (
+            grouped == [False] * model.config.num_hidden_layers
+        )  # the step: transformers copies the heads under a mask
         with kernels.grouped_attention(model):
             assert model.config._attn_implementation == kernels.GQA_ATTENTION
             in_place = run()
@@ -165,16 +204,29 @@ def fake_timings(monkeypatch, table: dict) -> list:
     return timed
 
 
-@pytest.mark.parametrize("packed_ms,pays", [
-    ({1: 45, 8: 55}, False),  # an AMX Xeon in fp32: stock wins the AR step by more than it loses the TiDAR step
-    ({1: 44, 8: 54}, True),  # a Xeon without AMX, where the stock product of 2 to 13 rows is slow
-])
+@pytest.mark.parametrize(
+    "packed_ms,pays",
+    [
+        (
+            {1: 45, 8: 55},
+            False,
+        ),  # an AMX Xeon in fp32: stock wins the AR step by more than it loses the TiDAR step
+        (
+            {1: 44, 8: 54},
+            True,
+        ),  # a Xeon without AMX, where the stock product of 2 to 13 rows is slow
+    ],
+)
 def test_auto_packs_only_where_a_pass_is_timed_faster(monkeypatch, packed_ms, pays):
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Linear(32, 16))
     model.config = type("Config", (), {"_attn_implementation": "eager"})()
-    kind = kernels.candidates(torch.float32)[0]  # fp32 has one packed product: panels, or oneDNN's without the kernel
-    timed = fake_timings(monkeypatch, {"panels": packed_ms, "onednn": packed_ms, "stock": {1: 35, 8: 64}})
+    kind = kernels.candidates(torch.float32)[
+        0
+    ]  # fp32 has one packed product: panels, or oneDNN's without the kernel
+    timed = fake_timings(
+        monkeypatch, {"panels": packed_ms, "onednn": packed_ms, "stock": {1: 35, 8: 64}}
+    )
     with torch.no_grad():
         with kernels.cpu_kernels(model, True):  # forced: packed whatever the timing
             assert len(swapped(model)) == 2
@@ -183,25 +235,49 @@ def test_auto_packs_only_where_a_pass_is_timed_faster(monkeypatch, packed_ms, pa
         with kernels.cpu_kernels(model):  # the default: "auto"
             assert bool(swapped(model)) == pays
             model(torch.randn(2, 16))
-        assert sorted(set(timed)) == [(1, kind), (1, "stock"), (8, kind), (8, "stock")]  # both products, both row counts
-        assert timed[0] == (1, kind) and len(timed) == 1 + 3 * 4  # one untimed pass packs, then three of each
-        timings = kernels.product_timings(model)  # what the choice compared, as the bench records it
-        assert timings == {str(r): {"stock_ms": pytest.approx({1: 35, 8: 64}[r]), f"{kind}_ms": pytest.approx(packed_ms[r])} for r in (1, 8)}
+        assert sorted(set(timed)) == [
+            (1, kind),
+            (1, "stock"),
+            (8, kind),
+            (8, "stock"),
+        ]  # both products, both row counts
+        assert (
+            timed[0] == (1, kind) and len(timed) == 1 + 3 * 4
+        )  # one untimed pass packs, then three of each
+        timings = kernels.product_timings(
+            model
+        )  # what the choice compared, as the bench records it
+        assert timings == {
+            str(r): {
+                "stock_ms": pytest.approx({1: 35, 8: 64}[r]),
+                f"{kind}_ms": pytest.approx(packed_ms[r]),
+            }
+            for r in (1, 8)
+        }
         # A model where packing does not pay keeps no packed copy (it would be one more copy of every weight).
         assert all(bool(kernels._PACKED.get(layer)) == pays for layer in model)
-        with kernels.cpu_kernels(model, "auto"), kernels.cpu_kernels(model, "auto"):  # timed once per model
+        with (
+            kernels.cpu_kernels(model, "auto"),
+            kernels.cpu_kernels(model, "auto"),
+        ):  # timed once per model
             pass
         assert len(timed) == 13
         with kernels.cpu_kernels(model, False):
             assert not swapped(model)
         model.to(torch.bfloat16)  # another dtype: timed again, every bf16 product
         kernels.packing_pays(model)
-        assert len(timed) == 13 + len(kernels.candidates(torch.bfloat16)) + 3 * 2 * (1 + len(kernels.candidates(torch.bfloat16)))
+        assert len(timed) == 13 + len(kernels.candidates(torch.bfloat16)) + 3 * 2 * (
+            1 + len(kernels.candidates(torch.bfloat16))
+        )
 
 
-@pytest.mark.skipif(len(kernels.candidates(torch.bfloat16)) < 2, reason="bf16 has one packed product here")
+@pytest.mark.skipif(
+    len(kernels.candidates(torch.bfloat16)) < 2, reason="bf16 has one packed product here"
+)
 @pytest.mark.parametrize("winner", ["panels", "onednn", "stock"])
-def test_bf16_takes_the_fastest_of_panels_onednn_and_stock_and_keeps_only_its_copies(monkeypatch, winner):
+def test_bf16_takes_the_fastest_of_panels_onednn_and_stock_and_keeps_only_its_copies(
+    monkeypatch, winner
+):
     """bf16 has two packed products (panels, exact for every row count; oneDNN's, which AMX makes fast
     on many rows): the pass decides, per model, and the loser's copies are dropped."""
     table = {"panels": {1: 30, 8: 40}, "onednn": {1: 40, 8: 35}, "stock": {1: 45, 8: 70}}
@@ -224,7 +300,11 @@ def test_bf16_takes_the_fastest_of_panels_onednn_and_stock_and_keeps_only_its_co
 
 def test_a_timed_pass_runs_each_layer_on_the_product_it_names():
     torch.manual_seed(0)
-    layers = [torch.nn.Linear(16, 32), torch.nn.Linear(32, 16), torch.nn.Linear(16, 32).bfloat16()]  # each input made in its layer's dtype
+    layers = [
+        torch.nn.Linear(16, 32),
+        torch.nn.Linear(32, 16),
+        torch.nn.Linear(16, 32).bfloat16(),
+    ]  # each input made in its layer's dtype
     with torch.no_grad():
         assert kernels.pass_seconds(layers, 8, "stock") > 0
         assert not any(layer in kernels._PACKED for layer in layers)  # stock: nothing packed
@@ -234,7 +314,9 @@ def test_a_timed_pass_runs_each_layer_on_the_product_it_names():
         kind = kernels.candidates(torch.float32)[0]
         kernels.pass_seconds(layers[:2], 8, kind)
         assert [set(kernels._PACKED[layer]) for layer in layers[:2]] == [{kind}, {kind}]
-        assert kernels._PACKED[layers[0]][kind][1] is not None  # really packed (a weight oneDNN refuses would be None: stock)
+        assert (
+            kernels._PACKED[layers[0]][kind][1] is not None
+        )  # really packed (a weight oneDNN refuses would be None: stock)
     for layer in layers:
         kernels.release(layer)
 

@@ -2,12 +2,11 @@
 
 import pytest
 import torch
+from helpers import FAMILIES
 from torch.nn.attention.flex_attention import create_mask
 
-from tidar_convert.runtime import layout
 from tidar_convert.models.loading import load_base, model_from_config
-
-from helpers import FAMILIES, tiny_config
+from tidar_convert.runtime import layout
 
 S, K = 16, 4
 
@@ -49,11 +48,16 @@ def test_mask_small_example_by_hand():
 def test_dense_equals_flex_create_mask():
     doc_ids = torch.tensor([[0] * 5 + [1] * 7 + [2] * 4, [0] * 16])
     train = layout.train_mask_mod(S, K, doc_ids)
-    assert torch.equal(layout.to_dense(train, 2, 2 * S, 2 * S), create_mask(train, 2, None, 2 * S, 2 * S, device="cpu"))
+    assert torch.equal(
+        layout.to_dense(train, 2, 2 * S, 2 * S),
+        create_mask(train, 2, None, 2 * S, 2 * S, device="cpu"),
+    )
     valid = torch.ones(2, 10 + 3 + 9, dtype=torch.bool)
     valid[0, :4] = False
     step = layout.decode_mask_mod(10, 3, 3, 1, valid)
-    assert torch.equal(layout.to_dense(step, 2, 12, 22), create_mask(step, 2, None, 12, 22, device="cpu"))
+    assert torch.equal(
+        layout.to_dense(step, 2, 12, 22), create_mask(step, 2, None, 12, 22, device="cpu")
+    )
 
 
 @pytest.mark.slow  # compiles FlexAttention with inductor (make test runs it; make test-fast skips it)
@@ -89,7 +93,9 @@ def test_masked_block_sees_only_the_clean_prefix_before_it(models, family):
     for changed_pos in (start, start + 2, S - 1):  # at or after the block start: invisible
         other = ids.clone()
         other[0, changed_pos] = (other[0, changed_pos] + 1) % 300
-        torch.testing.assert_close(doubled_forward(model, other)[:, blk], base[:, blk], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(
+            doubled_forward(model, other)[:, blk], base[:, blk], atol=1e-5, rtol=1e-5
+        )
     earlier = ids.clone()
     earlier[0, start - 1] = (earlier[0, start - 1] + 1) % 300
     assert not torch.allclose(doubled_forward(model, earlier)[:, blk], base[:, blk], atol=1e-4)
@@ -130,7 +136,9 @@ def test_positions_and_labels():
 def test_decode_positions():
     # prefill of 3 prompt tokens + a block of 2 masks; step of 2 drafts + 2 groups of 2
     assert layout.decode_position_ids(torch.tensor([0]), 3, 2, 1, 3).tolist() == [[0, 1, 2, 3, 4]]
-    assert layout.decode_position_ids(torch.tensor([5]), 2, 2, 2, 1).tolist() == [[5, 6, 6, 7, 7, 8]]
+    assert layout.decode_position_ids(torch.tensor([5]), 2, 2, 2, 1).tolist() == [
+        [5, 6, 6, 7, 7, 8]
+    ]
 
 
 def test_decode_step_mask_is_the_mask_mod_with_anchors():
@@ -141,19 +149,31 @@ def test_decode_step_mask_is_the_mask_mod_with_anchors():
         Q = T + len(anchors) * k
         valid = torch.cat([cache_valid, torch.ones(2, Q, dtype=torch.bool)], 1)
         expected = layout.to_dense(layout.decode_mask_mod(6, T, k, anchors, valid), 2, Q, 6 + Q)
-        assert torch.equal(layout.decode_step_mask(cache_valid, T, k, anchors, "sdpa"), expected), (T, k, anchors)
-        if anchors:  # the anchored mask_mod also runs under FlexAttention's vmap (its BlockMask path)
+        assert torch.equal(layout.decode_step_mask(cache_valid, T, k, anchors, "sdpa"), expected), (
+            T,
+            k,
+            anchors,
+        )
+        if (
+            anchors
+        ):  # the anchored mask_mod also runs under FlexAttention's vmap (its BlockMask path)
             from torch.nn.attention.flex_attention import create_mask
 
-            flex = create_mask(layout.decode_mask_mod(6, T, k, anchors, valid), 2, 1, Q, 6 + Q, device="cpu")
+            flex = create_mask(
+                layout.decode_mask_mod(6, T, k, anchors, valid), 2, 1, Q, 6 + Q, device="cpu"
+            )
             assert torch.equal(flex, expected), (T, k, anchors)
     valid = torch.ones(1, 6 + 3 + 6, dtype=torch.bool)
     as_int = layout.to_dense(layout.decode_mask_mod(6, 3, 2, 1, valid), 1, 9, 15)
-    assert torch.equal(as_int, layout.to_dense(layout.decode_mask_mod(6, 3, 2, (1, 2, 3), valid), 1, 9, 15))
+    assert torch.equal(
+        as_int, layout.to_dense(layout.decode_mask_mod(6, 3, 2, (1, 2, 3), valid), 1, 9, 15)
+    )
     # a group anchored at j sees drafts 0..j-1 only, and sits at the positions after them
     m = layout.to_dense(layout.decode_mask_mod(0, 4, 2, (3,)), 1, 6, 6)[0, 0]
     assert m[4].tolist() == [True, True, True, False, True, True]
-    assert layout.decode_position_ids(torch.tensor([5]), 3, 2, 2, (1, 3)).tolist() == [[5, 6, 7, 6, 7, 8, 9]]
+    assert layout.decode_position_ids(torch.tensor([5]), 3, 2, 2, (1, 3)).tolist() == [
+        [5, 6, 7, 6, 7, 8, 9]
+    ]
 
 
 @pytest.mark.parametrize(
@@ -173,22 +193,50 @@ def test_tree_mask_sees_each_branch_and_its_ancestors_only():
 
     parents = (-1, 0, 1, 0, 0)  # draft 0, drafts 1-2 (chain), siblings of draft 1 at slots 3 and 4
     anchors, k = (1, 2, 5), 2  # groups after draft 0, after draft 1, after sibling 4
-    m = layout.to_dense(layout.decode_mask_mod(0, 5, k, anchors, parents=parents), 1, 11, 11)[0, 0].int()
-    assert m[:5, :5].tolist() == [[1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [1, 1, 1, 0, 0], [1, 0, 0, 1, 0], [1, 0, 0, 0, 1]]
-    assert m[9, :5].tolist() == [1, 0, 0, 0, 1] and m[9, 5:].tolist() == [0, 0, 0, 0, 1, 1]  # the group after sibling 4
+    m = layout.to_dense(layout.decode_mask_mod(0, 5, k, anchors, parents=parents), 1, 11, 11)[
+        0, 0
+    ].int()
+    assert m[:5, :5].tolist() == [
+        [1, 0, 0, 0, 0],
+        [1, 1, 0, 0, 0],
+        [1, 1, 1, 0, 0],
+        [1, 0, 0, 1, 0],
+        [1, 0, 0, 0, 1],
+    ]
+    assert m[9, :5].tolist() == [1, 0, 0, 0, 1] and m[9, 5:].tolist() == [
+        0,
+        0,
+        0,
+        0,
+        1,
+        1,
+    ]  # the group after sibling 4
     assert m[7, :5].tolist() == [1, 1, 0, 0, 0]  # the group after draft 1: not its siblings
     pos = layout.decode_position_ids(torch.tensor([10]), 5, k, 3, anchors, parents)
     assert pos.tolist() == [[10, 11, 12, 11, 11, 11, 12, 12, 13, 12, 13]]
     chain = (-1, 0, 1, 2)
     for a in ((1, 3), (2,), ()):
         Q = 4 + len(a) * k
-        assert torch.equal(layout.to_dense(layout.decode_mask_mod(3, 4, k, a, parents=chain), 1, Q, 3 + Q), layout.to_dense(layout.decode_mask_mod(3, 4, k, a), 1, Q, 3 + Q))
-        assert torch.equal(layout.decode_position_ids(torch.tensor([4]), 4, k, len(a), a, chain), layout.decode_position_ids(torch.tensor([4]), 4, k, len(a), a))
+        assert torch.equal(
+            layout.to_dense(layout.decode_mask_mod(3, 4, k, a, parents=chain), 1, Q, 3 + Q),
+            layout.to_dense(layout.decode_mask_mod(3, 4, k, a), 1, Q, 3 + Q),
+        )
+        assert torch.equal(
+            layout.decode_position_ids(torch.tensor([4]), 4, k, len(a), a, chain),
+            layout.decode_position_ids(torch.tensor([4]), 4, k, len(a), a),
+        )
     cache_valid = torch.tensor([[0, 1, 1], [1, 1, 1]], dtype=torch.bool)
     valid = torch.cat([cache_valid, torch.ones(2, 11, dtype=torch.bool)], 1)
     expected = layout.to_dense(layout.decode_mask_mod(3, 5, k, anchors, valid, parents), 2, 11, 14)
-    assert torch.equal(layout.decode_step_mask(cache_valid, 5, k, anchors, "sdpa", parents), expected)
-    assert torch.equal(create_mask(layout.decode_mask_mod(3, 5, k, anchors, valid, parents), 2, 1, 11, 14, device="cpu"), expected)
+    assert torch.equal(
+        layout.decode_step_mask(cache_valid, 5, k, anchors, "sdpa", parents), expected
+    )
+    assert torch.equal(
+        create_mask(
+            layout.decode_mask_mod(3, 5, k, anchors, valid, parents), 2, 1, 11, 14, device="cpu"
+        ),
+        expected,
+    )
 
 
 def test_decode_mask_mod_reads_only_tables_already_on_its_device():
@@ -198,8 +246,15 @@ def test_decode_mask_mod_reads_only_tables_already_on_its_device():
     parents, anchors = (-1, 0, 1, 0, 0), (1, 2, 5)
     valid = torch.ones(2, 3 + 11, dtype=torch.bool)
     traced = torch.fx.symbolic_trace(layout.decode_mask_mod(3, 5, 2, anchors, valid, parents))
-    moves = [n for n in traced.graph.nodes if n.op == "call_method" and n.target in ("to", "cuda", "cpu")]
+    moves = [
+        n for n in traced.graph.nodes if n.op == "call_method" and n.target in ("to", "cuda", "cpu")
+    ]
     assert not moves, moves
-    on_meta = layout.decode_mask_mod(3, 5, 2, anchors, valid.to("meta"), parents)  # the device follows kv_valid
+    on_meta = layout.decode_mask_mod(
+        3, 5, 2, anchors, valid.to("meta"), parents
+    )  # the device follows kv_valid
     assert layout.to_dense(on_meta, 2, 11, 14, device="meta").device.type == "meta"
-    assert torch.equal(layout.to_dense(traced, 2, 11, 14), layout.to_dense(layout.decode_mask_mod(3, 5, 2, anchors, valid, parents), 2, 11, 14))  # what was traced is the mask
+    assert torch.equal(
+        layout.to_dense(traced, 2, 11, 14),
+        layout.to_dense(layout.decode_mask_mod(3, 5, 2, anchors, valid, parents), 2, 11, 14),
+    )  # what was traced is the mask

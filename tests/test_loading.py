@@ -1,10 +1,16 @@
 import pytest
 import torch
+from helpers import FAMILIES
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from tidar_convert.models.loading import MASK_TOKEN, PAD_TOKEN, add_tidar_tokens, check_architecture, load_base, resolve
-
-from helpers import FAMILIES
+from tidar_convert.models.loading import (
+    MASK_TOKEN,
+    PAD_TOKEN,
+    add_tidar_tokens,
+    check_architecture,
+    load_base,
+    resolve,
+)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -15,8 +21,13 @@ def test_mask_and_pad_tokens_added(tiny_dirs, family):
     assert tok.mask_token == MASK_TOKEN  # the tiny tokenizer has none
     emb = model.get_input_embeddings().weight
     assert tok.pad_token is not None and model.config.pad_token_id == tok.pad_token_id
-    assert emb.shape[0] == len(tok) == old.shape[0] + len(tok.get_added_vocab()) - 1  # + mask (+ pad), minus <|endoftext|>
-    assert model.config.mask_token_id == tok.mask_token_id and model.config.pad_token_id == tok.pad_token_id
+    assert (
+        emb.shape[0] == len(tok) == old.shape[0] + len(tok.get_added_vocab()) - 1
+    )  # + mask (+ pad), minus <|endoftext|>
+    assert (
+        model.config.mask_token_id == tok.mask_token_id
+        and model.config.pad_token_id == tok.pad_token_id
+    )
     torch.testing.assert_close(emb[: old.shape[0]], old)  # existing rows untouched
     # the new row starts near the mean of the old ones, not at some random far-away point
     assert (emb[tok.mask_token_id] - old.mean(0)).norm() < old.std(0).norm() * 3
@@ -58,7 +69,9 @@ def test_unsupported_architectures_are_refused():
 def test_unsupported_model_folder_is_refused_by_name(tmp_path):
     from transformers import MambaConfig, MambaForCausalLM
 
-    MambaForCausalLM(MambaConfig(num_hidden_layers=1, hidden_size=16, state_size=4, vocab_size=50)).save_pretrained(tmp_path)
+    MambaForCausalLM(
+        MambaConfig(num_hidden_layers=1, hidden_size=16, state_size=4, vocab_size=50)
+    ).save_pretrained(tmp_path)
     with pytest.raises(ValueError, match="MambaForCausalLM .*has recurrent layers"):
         load_base(str(tmp_path))
 
@@ -79,7 +92,11 @@ def test_config_and_tokenizer_alone_agree_with_the_loaded_model(tiny_dirs, famil
     config, tok = load_config_and_tokenizer(str(tiny_dirs[family]))
     model, tok_loaded = load_base(str(tiny_dirs[family]))
     assert config.model_type == model.config.model_type == family
-    assert (tok.mask_token_id, tok.pad_token_id, len(tok)) == (model.config.mask_token_id, model.config.pad_token_id, len(tok_loaded))
+    assert (tok.mask_token_id, tok.pad_token_id, len(tok)) == (
+        model.config.mask_token_id,
+        model.config.pad_token_id,
+        len(tok_loaded),
+    )
     assert len(tok) == model.get_input_embeddings().num_embeddings
 
 
@@ -88,8 +105,20 @@ def test_same_model_reads_each_spelling_of_a_base_model(tiny_dirs, tmp_path, mon
 
     folder = tiny_dirs["llama"]
     monkeypatch.chdir(folder.parent)
-    assert absolute_model(f"./{folder.name}") == str(folder) and absolute_model("Org/model") == "Org/model" and absolute_model(None) is None
-    assert same_model(f"./{folder.name}", str(folder)) and same_model(None, "default") and same_model("embedded", "")
+    assert (
+        absolute_model(f"./{folder.name}") == str(folder)
+        and absolute_model("Org/model") == "Org/model"
+        and absolute_model(None) is None
+    )
+    assert (
+        same_model(f"./{folder.name}", str(folder))
+        and same_model(None, "default")
+        and same_model("embedded", "")
+    )
     (tmp_path / "link").symlink_to(folder)
     assert same_model(str(tmp_path / "link"), str(folder))
-    assert not same_model(str(folder), str(tiny_dirs["qwen2"])) and not same_model(str(folder), None) and not same_model("Org/a", "Org/b")
+    assert (
+        not same_model(str(folder), str(tiny_dirs["qwen2"]))
+        and not same_model(str(folder), None)
+        and not same_model("Org/a", "Org/b")
+    )

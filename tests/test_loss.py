@@ -38,7 +38,13 @@ def test_accuracy_by_offset():
 
 def test_negative_alpha_refused():
     with pytest.raises(ValueError, match="alpha=-1"):
-        hybrid_loss(torch.zeros(1, 4, 3), torch.zeros(1, 2, dtype=torch.long), torch.zeros(1, 2, dtype=torch.long), -1, 2)
+        hybrid_loss(
+            torch.zeros(1, 4, 3),
+            torch.zeros(1, 2, dtype=torch.long),
+            torch.zeros(1, 2, dtype=torch.long),
+            -1,
+            2,
+        )
 
 
 def test_offset_weights_match_hand_computation():
@@ -53,13 +59,25 @@ def test_offset_weights_match_hand_computation():
     weighted = (w[0] * ce[0] + w[1] * ce[1] + w[0] * ce[2]) / (w[0] + w[1] + w[0])
     l_ar = math.log(2)
     assert out["loss"].item() == pytest.approx((l_ar + weighted) / 2, rel=1e-6)
-    assert out["loss_diff"].item() == pytest.approx(sum(ce) / 3, rel=1e-6)  # logged unweighted: comparable across recipes
+    assert out["loss_diff"].item() == pytest.approx(
+        sum(ce) / 3, rel=1e-6
+    )  # logged unweighted: comparable across recipes
     uniform = hybrid_loss(logits, ar_labels, diff_labels, alpha=1.0, block_size=2)
     for scale in (1.0, 7.0):  # uniform weights of any scale are the paper's plain mean
-        same = hybrid_loss(logits, ar_labels, diff_labels, alpha=1.0, block_size=2, offset_weights=[scale, scale])
+        same = hybrid_loss(
+            logits, ar_labels, diff_labels, alpha=1.0, block_size=2, offset_weights=[scale, scale]
+        )
         assert same["loss"].item() == pytest.approx(uniform["loss"].item(), rel=1e-6)
     # with distillation, the weights apply to the soft term too: w = [1, 0] keeps offset 0 only
-    soft = hybrid_loss(logits, ar_labels, diff_labels, alpha=0.0, block_size=2, distill_weight=1.0, offset_weights=[1.0, 0.0])
+    soft = hybrid_loss(
+        logits,
+        ar_labels,
+        diff_labels,
+        alpha=0.0,
+        block_size=2,
+        distill_weight=1.0,
+        offset_weights=[1.0, 0.0],
+    )
     # slot 0 has no AR teacher (hard label); slot 2's teacher is clean slot 1, uniform logits -> KL(u || q)
     q2 = [0.5, 0.5]
     kl2 = sum(0.5 * math.log(0.5 / q) for q in q2)
@@ -71,8 +89,13 @@ def test_bad_offset_weights_are_refused(weights):
     from tidar_convert.train.module import TiDARModule
 
     with pytest.raises(ValueError) as e:
-        TiDARModule(model="/nonexistent", block_size=2, diff_offset_weights=weights)  # refused before anything loads
-    assert f"diff_offset_weights={weights}: give one weight >= 0 per position of a block (block_size=2" in str(e.value)
+        TiDARModule(
+            model="/nonexistent", block_size=2, diff_offset_weights=weights
+        )  # refused before anything loads
+    assert (
+        f"diff_offset_weights={weights}: give one weight >= 0 per position of a block (block_size=2"
+        in str(e.value)
+    )
 
 
 def test_greedy_tokens_are_no_ar_targets_and_send_no_ar_gradient():
@@ -87,19 +110,30 @@ def test_greedy_tokens_are_no_ar_targets_and_send_no_ar_gradient():
     marked[0, 3:] = True  # row 0: a human document, then a greedy one
     ar, diff = layout.train_labels(ids, doc_ids, marked)
     plain, _ = layout.train_labels(ids, doc_ids)
-    assert ar[0].tolist() == [ids[0, 1].item(), ids[0, 2].item()] + [-100] * 6  # slot 2 ends doc 0; 3..7 would predict greedy tokens
+    assert (
+        ar[0].tolist() == [ids[0, 1].item(), ids[0, 2].item()] + [-100] * 6
+    )  # slot 2 ends doc 0; 3..7 would predict greedy tokens
     assert torch.equal(ar[1], plain[1]) and torch.equal(diff, ids)
     logits = torch.randn(2, 16, 9, requires_grad=True)
     out = hybrid_loss(logits, ar, diff, alpha=1.0, block_size=4)
     out["loss_ar"].backward(retain_graph=True)
-    assert torch.count_nonzero(logits.grad[0, 2:8]) == 0 and torch.count_nonzero(logits.grad[0, :2]) > 0
+    assert (
+        torch.count_nonzero(logits.grad[0, 2:8]) == 0
+        and torch.count_nonzero(logits.grad[0, :2]) > 0
+    )
     logits.grad = None
     out["loss_diff"].backward()
-    assert torch.count_nonzero(logits.grad[0, 8 + 3 :]) > 0  # the greedy tokens still train the diffusion half
+    assert (
+        torch.count_nonzero(logits.grad[0, 8 + 3 :]) > 0
+    )  # the greedy tokens still train the diffusion half
     # a chunk of greedy text only: the AR term is 0 (no target), not NaN, and the loss is the diffusion term's
     all_marked = torch.ones(2, 8, dtype=torch.bool)
-    out = hybrid_loss(logits.detach(), *layout.train_labels(ids, None, all_marked), alpha=1.0, block_size=4)
-    assert out["loss_ar"].item() == 0.0 and out["loss"].item() == pytest.approx(out["loss_diff"].item() / 2)
+    out = hybrid_loss(
+        logits.detach(), *layout.train_labels(ids, None, all_marked), alpha=1.0, block_size=4
+    )
+    assert out["loss_ar"].item() == 0.0 and out["loss"].item() == pytest.approx(
+        out["loss_diff"].item() / 2
+    )
 
 
 def test_module_trains_greedy_tokens_in_the_diffusion_loss_only(tiny_dirs):
@@ -125,11 +159,15 @@ def test_module_trains_greedy_tokens_in_the_diffusion_loss_only(tiny_dirs):
         ).logits[:, :S]
     ar, _ = layout.train_labels(ids, doc_ids, marked)
     assert (ar[0, 8:] == -100).all() and (ar[1, :-1] != -100).all()
-    expect = torch.nn.functional.cross_entropy(logits.flatten(0, 1), ar.flatten(), ignore_index=-100)
+    expect = torch.nn.functional.cross_entropy(
+        logits.flatten(0, 1), ar.flatten(), ignore_index=-100
+    )
     assert skip["loss_ar"].item() == pytest.approx(expect.item(), rel=1e-4)
     assert skip["loss_ar"].item() != pytest.approx(full["loss_ar"].item(), rel=1e-4)
     assert skip["loss_diff"].item() == pytest.approx(full["loss_diff"].item(), rel=1e-6)
     # training_step reads the mark from the batch (as TiDARData delivers it): all greedy -> the diffusion term alone
     with pytest.warns(UserWarning, match="self.log"), torch.no_grad():  # no Trainer attached here
-        loss = m.training_step({"input_ids": ids, "doc_ids": doc_ids, "no_ar_target": torch.ones_like(marked)}, 0)
+        loss = m.training_step(
+            {"input_ids": ids, "doc_ids": doc_ids, "no_ar_target": torch.ones_like(marked)}, 0
+        )
     assert loss.item() == pytest.approx(full["loss_diff"].item() / 2, rel=1e-5)

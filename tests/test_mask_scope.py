@@ -9,14 +9,13 @@ import textwrap
 
 import pytest
 import torch
+from helpers import ar, cycle_batch, train_tiny
 
-from tidar_convert.runtime import adapter, layout
 from tidar_convert import export, load
+from tidar_convert.models.lora import add_lora
+from tidar_convert.runtime import adapter, layout
 from tidar_convert.runtime.adapter import ADAPTER_FILE, Gate
 from tidar_convert.runtime.generate import generate
-from tidar_convert.models.lora import add_lora
-
-from helpers import ar, cycle_batch, train_tiny
 
 
 def randomize_adapters(model, seed=0, std=0.3):
@@ -30,9 +29,8 @@ def randomize_adapters(model, seed=0, std=0.3):
 @pytest.fixture(scope="module")
 def moe_dirs(tmp_path_factory, tokenizer):
     """Tiny random mixture-of-experts bases (family_matrix's configs): 4 experts, 2 a token."""
-    from transformers import AutoModelForCausalLM
-
     from family_matrix import tiny_config
+    from transformers import AutoModelForCausalLM
 
     out = {}
     for family in ("qwen3_moe", "mixtral"):
@@ -52,13 +50,18 @@ def test_clean_half_is_the_base_and_takes_no_gradient(tiny_dirs, moe_dirs, famil
     from tidar_convert.train.loss import hybrid_loss
     from tidar_convert.train.module import TiDARModule
 
-    m = TiDARModule(model=str({**tiny_dirs, **moe_dirs}[family]), block_size=4, lora_r=4, lora_scope="masks")
+    m = TiDARModule(
+        model=str({**tiny_dirs, **moe_dirs}[family]), block_size=4, lora_r=4, lora_scope="masks"
+    )
     m.configure_model()
     randomize_adapters(m.model)
     ids = cycle_batch(2, 16, seed=1)
     S = ids.shape[1]
-    kw = dict(input_ids=layout.train_inputs(ids, m.model.config.mask_token_id), position_ids=layout.train_position_ids(ids),
-              attention_mask=layout.to_dense(layout.train_mask_mod(S, 4), 2, 2 * S, 2 * S))
+    kw = dict(
+        input_ids=layout.train_inputs(ids, m.model.config.mask_token_id),
+        position_ids=layout.train_position_ids(ids),
+        attention_mask=layout.to_dense(layout.train_mask_mod(S, 4), 2, 2 * S, 2 * S),
+    )
     logits = m.model(**kw).logits
     with torch.no_grad(), m.model.disable_adapter():
         base = m.model(**kw).logits
@@ -66,9 +69,13 @@ def test_clean_half_is_the_base_and_takes_no_gradient(tiny_dirs, moe_dirs, famil
     assert (logits[:, S:] - base[:, S:]).abs().max() > 1e-2  # the mask slots: adapted
     out = hybrid_loss(logits, *layout.train_labels(ids), alpha=1.0, block_size=4)
     lora = [p for n, p in m.model.named_parameters() if p.requires_grad]
-    assert lora and all("lora_" in n for n, p in m.model.named_parameters() if p.requires_grad)  # no embedding row trained
+    assert lora and all(
+        "lora_" in n for n, p in m.model.named_parameters() if p.requires_grad
+    )  # no embedding row trained
     ar_grads = torch.autograd.grad(out["loss_ar"], lora, allow_unused=True, retain_graph=True)
-    assert all(g is None or g.abs().max() == 0 for g in ar_grads)  # no loss on the AR half can move it
+    assert all(
+        g is None or g.abs().max() == 0 for g in ar_grads
+    )  # no loss on the AR half can move it
     diff_grads = torch.autograd.grad(out["loss_diff"], lora, allow_unused=True)
     assert any(g is not None and g.abs().max() > 0 for g in diff_grads)
 
@@ -77,9 +84,18 @@ def test_clean_half_is_the_base_and_takes_no_gradient(tiny_dirs, moe_dirs, famil
     "kwargs, message",
     [
         (dict(lora_scope="rows"), "lora_scope='rows': choose 'all'"),
-        (dict(lora_scope="masks"), "lora_scope='masks' with lora_r=0: the mask-slot adapters are LoRA; set lora_r > 0"),
-        (dict(lora_scope="masks", lora_r=4, anchor_weight=0.5), "anchor_weight=0.5 with lora_scope='masks': the AR half is the base model exactly"),
-        (dict(lora_scope="masks", lora_r=4, teacher="base", distill_weight=1.0), "teacher='base' with lora_scope='masks'"),
+        (
+            dict(lora_scope="masks"),
+            "lora_scope='masks' with lora_r=0: the mask-slot adapters are LoRA; set lora_r > 0",
+        ),
+        (
+            dict(lora_scope="masks", lora_r=4, anchor_weight=0.5),
+            "anchor_weight=0.5 with lora_scope='masks': the AR half is the base model exactly",
+        ),
+        (
+            dict(lora_scope="masks", lora_r=4, teacher="base", distill_weight=1.0),
+            "teacher='base' with lora_scope='masks'",
+        ),
     ],
 )
 def test_bad_scope_settings_are_refused_by_name(tiny_dirs, kwargs, message):
@@ -106,7 +122,9 @@ def test_gate_slice_and_rows_agree(c_call, monkeypatch):
     assert trailing.start == 3 and trailing.rows is None and scattered.rows is not None
     rows = torch.tensor([[0, 0, 0, 1, 1, 1], [0, 0, 0, 1, 1, 1]], dtype=torch.bool)
     expect = out + delta(x) * rows[..., None]
-    torch.testing.assert_close(trailing.add(out.clone(), x, A, Bt), expect)  # batch 2: torch's products
+    torch.testing.assert_close(
+        trailing.add(out.clone(), x, A, Bt), expect
+    )  # batch 2: torch's products
     one = Gate(9)  # batch 1: the C call, or the in-place addmm path
     one.set(torch.tensor([[1, 2, 3, 9, 9, 9]]))
     got = one.add(out[:1].clone(), x[:1], A, Bt)
@@ -114,14 +132,18 @@ def test_gate_slice_and_rows_agree(c_call, monkeypatch):
     assert torch.equal(got[:, :3], out[:1, :3])  # rows before the masks untouched, bit for bit
     torch.testing.assert_close(trailing.weights(out)[..., 0], rows.float())
     got = scattered.add(out.clone(), x, A, Bt)
-    torch.testing.assert_close(got[0, 1], expect[0, 1] + delta(x)[0, 1])  # the lone mask in row 0 adapted too
+    torch.testing.assert_close(
+        got[0, 1], expect[0, 1] + delta(x)[0, 1]
+    )  # the lone mask in row 0 adapted too
     none = Gate(9)
     none.set(torch.tensor([[1, 2, 3]]))
     assert not none.open and torch.equal(none.add(out.clone(), x, A, Bt), out)
     # A bf16 model with fp32 deltas (attach on CPU): the product runs in fp32 and lands in bf16.
     for gate, n in ((one, 1), (trailing, 2), (scattered, 2)):
         got = gate.add(out[:n].bfloat16(), x[:n].bfloat16(), A, Bt)
-        want = out[:n].bfloat16() + (x[:n].bfloat16().float() @ A.T @ Bt).bfloat16() * gate.weights(out[:n])
+        want = out[:n].bfloat16() + (x[:n].bfloat16().float() @ A.T @ Bt).bfloat16() * gate.weights(
+            out[:n]
+        )
         assert got.dtype == torch.bfloat16
         torch.testing.assert_close(got.float(), want.float(), atol=0.05, rtol=0.02)
 
@@ -148,10 +170,20 @@ def scoped(tiny_dirs, tmp_path_factory):
     base, tok = load_base(str(tiny_dirs["qwen2"]))
     base = ar_only(base)
     base.config.block_size = 4
-    model = add_lora(copy.deepcopy(base), r=8, alpha=16, mask_token_id=tok.mask_token_id, scope="masks")
+    model = add_lora(
+        copy.deepcopy(base), r=8, alpha=16, mask_token_id=tok.mask_token_id, scope="masks"
+    )
     prompt = cycle_batch(1, 6, seed=3)
     with torch.no_grad():
-        generate(prompt, model=model, max_new_tokens=30, do_sample=False, eos_token_id=None, drafter="diffusion", plan="full")
+        generate(
+            prompt,
+            model=model,
+            max_new_tokens=30,
+            do_sample=False,
+            eos_token_id=None,
+            drafter="diffusion",
+            plan="full",
+        )
     before = model.tidar_stats["tokens_per_nfe"]
     train_tiny(model, steps=120, lr=1e-2)
     out = export(model, tok, tmp_path_factory.mktemp("scoped") / "tidar", block_size=4, alpha=1.0)
@@ -166,9 +198,19 @@ def test_a_half_precision_cpu_model_keeps_its_adapter_in_fp32(scoped):
     _, _, out, prompt, _ = scoped
     lm = AutoModelForCausalLM.from_pretrained(out, dtype=torch.bfloat16).eval()
     ensure(lm)
-    assert {m.tidar_lora_A.dtype for m in lm.modules() if hasattr(m, "tidar_lora_A")} == {torch.float32}
+    assert {m.tidar_lora_A.dtype for m in lm.modules() if hasattr(m, "tidar_lora_A")} == {
+        torch.float32
+    }
     with torch.no_grad():
-        generate(prompt, model=lm, max_new_tokens=12, do_sample=False, eos_token_id=None, drafter="diffusion", plan="full")
+        generate(
+            prompt,
+            model=lm,
+            max_new_tokens=12,
+            do_sample=False,
+            eos_token_id=None,
+            drafter="diffusion",
+            plan="full",
+        )
     assert lm.tidar_stats["tokens_per_nfe"] > 1.2  # the fp32 deltas still draft in a bf16 forward
 
 
@@ -187,11 +229,21 @@ def test_a_model_cast_to_bf16_after_its_adapter_is_attached_keeps_the_c_call(sco
     lm = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
     ensure(lm)
     lm.to(torch.bfloat16)
-    assert {m.tidar_lora_A.dtype for m in lm.modules() if hasattr(m, "tidar_lora_A")} == {torch.bfloat16}
+    assert {m.tidar_lora_A.dtype for m in lm.modules() if hasattr(m, "tidar_lora_A")} == {
+        torch.bfloat16
+    }
     taken, real = [], adapter.lora_add
     monkeypatch.setattr(adapter, "lora_add", lambda *args: taken.append(real(*args)) or taken[-1])
     with torch.no_grad():
-        generate(prompt, model=lm, max_new_tokens=12, do_sample=False, eos_token_id=None, drafter="diffusion", plan="full")
+        generate(
+            prompt,
+            model=lm,
+            max_new_tokens=12,
+            do_sample=False,
+            eos_token_id=None,
+            drafter="diffusion",
+            plan="full",
+        )
     assert taken and all(taken)
     assert lm.tidar_stats["tokens_per_nfe"] > 1.2
 
@@ -201,13 +253,22 @@ def test_drafts_learn_while_the_ar_model_stays_the_base(scoped):
     lm = load(out).eval()
     assert hasattr(lm, "_tidar_gate")  # the adapter is attached on load
     with torch.no_grad():
-        td = lm.generate(prompt, max_new_tokens=30, do_sample=False, eos_token_id=None, drafter="diffusion", plan="full")
+        td = lm.generate(
+            prompt,
+            max_new_tokens=30,
+            do_sample=False,
+            eos_token_id=None,
+            drafter="diffusion",
+            plan="full",
+        )
     after = lm.tidar_stats["tokens_per_nfe"]
     assert torch.equal(td, ar(base, prompt, max_new_tokens=30, eos_token_id=None))
     assert after > max(1.5, before + 0.3), (before, after)  # the drafts learned
     ids = cycle_batch(2, 12, seed=5)
     with torch.no_grad():
-        assert torch.equal(lm(input_ids=ids).logits, base(input_ids=ids).logits)  # plain forwards: the base
+        assert torch.equal(
+            lm(input_ids=ids).logits, base(input_ids=ids).logits
+        )  # plain forwards: the base
 
 
 def test_export_keeps_base_weights_and_ships_the_deltas(scoped):
@@ -216,7 +277,11 @@ def test_export_keeps_base_weights_and_ships_the_deltas(scoped):
     base, model, out, prompt, _ = scoped
     cfg = json.loads((out / "config.json").read_text())
     spec = cfg["tidar_adapter"]
-    assert {k: spec[k] for k in ("scope", "file", "energy")} == {"scope": "masks", "file": ADAPTER_FILE, "energy": 0.99}
+    assert {k: spec[k] for k in ("scope", "file", "energy")} == {
+        "scope": "masks",
+        "file": ADAPTER_FILE,
+        "energy": 0.99,
+    }
     weights = load_file(out / "model.safetensors")
     for name, value in base.state_dict().items():
         if name in weights:
@@ -225,12 +290,22 @@ def test_export_keeps_base_weights_and_ships_the_deltas(scoped):
     assert deltas and all(k.endswith((".lora_A", ".lora_B")) for k in deltas)
     ranks = [v.shape[0] for k, v in deltas.items() if k.endswith(".lora_A")]
     assert [min(ranks), max(ranks)] == spec["ranks"] and max(ranks) <= 8
-    adapted = sum(isinstance(m, torch.nn.Linear) for m in base.model.layers.modules())  # "all-linear": every decoder linear
-    assert spec["layers"] == [len(ranks), adapted] and len(ranks) == round(0.75 * adapted)  # lora.ADAPTER_LAYERS
+    adapted = sum(
+        isinstance(m, torch.nn.Linear) for m in base.model.layers.modules()
+    )  # "all-linear": every decoder linear
+    assert spec["layers"] == [len(ranks), adapted] and len(ranks) == round(
+        0.75 * adapted
+    )  # lora.ADAPTER_LAYERS
     assert (out / "custom_generate" / "adapter.py").exists()
     card = (out / "README.md").read_text()
-    assert "act on mask\nslots only" in card and f"99.0% of its squared norm (ranks {spec['ranks'][0]} to {spec['ranks'][1]})" in card
-    assert f"Of the {adapted} adapted layers, the {len(ranks)} whose delta moves their weight most are kept." in card
+    assert (
+        "act on mask\nslots only" in card
+        and f"99.0% of its squared norm (ranks {spec['ranks'][0]} to {spec['ranks'][1]})" in card
+    )
+    assert (
+        f"Of the {adapted} adapted layers, the {len(ranks)} whose delta moves their weight most are kept."
+        in card
+    )
 
 
 def test_export_mask_rows_match_the_trained_model(tiny_dirs, tmp_path):
@@ -239,15 +314,30 @@ def test_export_mask_rows_match_the_trained_model(tiny_dirs, tmp_path):
 
     base, tok = load_base(str(tiny_dirs["mistral"]))
     base.config.block_size = 4
-    model = add_lora(copy.deepcopy(base), r=4, alpha=8, mask_token_id=tok.mask_token_id, scope="masks")
+    model = add_lora(
+        copy.deepcopy(base), r=4, alpha=8, mask_token_id=tok.mask_token_id, scope="masks"
+    )
     randomize_adapters(model, seed=4)
     ids = cycle_batch(2, 8, seed=6)
     S = ids.shape[1]
-    kw = dict(input_ids=layout.train_inputs(ids, tok.mask_token_id), position_ids=layout.train_position_ids(ids),
-              attention_mask=layout.to_dense(layout.train_mask_mod(S, 4), 2, 2 * S, 2 * S))
+    kw = dict(
+        input_ids=layout.train_inputs(ids, tok.mask_token_id),
+        position_ids=layout.train_position_ids(ids),
+        attention_mask=layout.to_dense(layout.train_mask_mod(S, 4), 2, 2 * S, 2 * S),
+    )
     with torch.no_grad():
         trained = model(**kw).logits
-    lm = load(export(model, tok, tmp_path / "tidar", block_size=4, alpha=1.0, adapter_energy=1.0, adapter_layers=1.0)).eval()
+    lm = load(
+        export(
+            model,
+            tok,
+            tmp_path / "tidar",
+            block_size=4,
+            alpha=1.0,
+            adapter_energy=1.0,
+            adapter_layers=1.0,
+        )
+    ).eval()
     with torch.no_grad():
         shipped = lm(**kw).logits
         plain = base(**kw).logits
@@ -262,7 +352,9 @@ def test_export_mask_rows_match_the_trained_model(tiny_dirs, tmp_path):
     adapted = {m: list(m._forward_hooks) for m in lm.modules() if hasattr(m, "tidar_lora_A")}
     one = {k: v[:1] for k, v in kw.items()}
     with torch.no_grad(), packed_linears(lm), packed_linears(base):
-        assert not any(getattr(h, DELTA_HOOK, False) for m in adapted for h in m._forward_hooks.values())
+        assert not any(
+            getattr(h, DELTA_HOOK, False) for m in adapted for h in m._forward_hooks.values()
+        )
         packed1, packed2 = lm(**one).logits, lm(**kw).logits
         base1 = base(**one).logits
     assert torch.equal(packed1[:, :S], base1[:, :S])
@@ -291,20 +383,32 @@ def test_compress_keeps_the_asked_share_of_each_delta():
         assert r == int((share < energy).sum()) + 1 and B_.shape == (12, r)
         assert share[r - 1] >= energy and (r == 1 or share[r - 2] < energy)
         err = (B_ @ A_ - B @ A).square().sum() / (B @ A).square().sum()
-        torch.testing.assert_close(err, 1 - share[r - 1], rtol=1e-3, atol=1e-5)  # Eckart-Young: the dropped values
+        torch.testing.assert_close(
+            err, 1 - share[r - 1], rtol=1e-3, atol=1e-5
+        )  # Eckart-Young: the dropped values
     assert compress(A, B, 1.0) == (A, B)
-    A0, B0 = compress(A, torch.zeros_like(B), 0.99)  # an untrained delta (B = 0) stores one zero rank
+    A0, B0 = compress(
+        A, torch.zeros_like(B), 0.99
+    )  # an untrained delta (B = 0) stores one zero rank
     assert A0.shape == (1, 20) and not (B0 @ A0).any()
 
 
 def test_strongest_keeps_the_layers_whose_delta_moves_their_weight_most():
     from tidar_convert.models.lora import strongest
 
-    weights = {"a": 10 * torch.eye(4), "b": torch.eye(4), "c": torch.eye(4), "d": 100 * torch.eye(4)}  # ||W||: 20, 2, 2, 200
+    weights = {
+        "a": 10 * torch.eye(4),
+        "b": torch.eye(4),
+        "c": torch.eye(4),
+        "d": 100 * torch.eye(4),
+    }  # ||W||: 20, 2, 2, 200
     sizes = {"a": 4.0, "b": 0.3, "c": 1.0, "d": 20.0}  # ||B A||; against ||W||: 0.2, 0.15, 0.5, 0.1
     tensors = {}
     for n, s in sizes.items():
-        tensors[f"{n}.lora_A"], tensors[f"{n}.lora_B"] = torch.tensor([[1.0, 0, 0, 0]]), torch.tensor([[s], [0.0], [0.0], [0.0]])
+        tensors[f"{n}.lora_A"], tensors[f"{n}.lora_B"] = (
+            torch.tensor([[1.0, 0, 0, 0]]),
+            torch.tensor([[s], [0.0], [0.0], [0.0]]),
+        )
     kept = lambda share: sorted({k.rsplit(".", 1)[0] for k in strongest(tensors, weights, share)})
     assert kept(0.5) == ["a", "c"]  # d has the largest delta, but the smallest against its weight
     assert kept(0.75) == ["a", "b", "c"] and kept(1.0) == ["a", "b", "c", "d"]
@@ -312,8 +416,19 @@ def test_strongest_keeps_the_layers_whose_delta_moves_their_weight_most():
     assert strongest(tensors, weights, 0.5)["a.lora_B"] is tensors["a.lora_B"]  # kept as they are
 
 
-@pytest.mark.parametrize("setting,value", [("adapter_energy", 0.0), ("adapter_energy", 1.5), ("adapter_energy", -0.1), ("adapter_layers", 0.0), ("adapter_layers", 1.5)])
-def test_a_bad_adapter_setting_is_refused_before_anything_is_written(scoped, tmp_path, setting, value):
+@pytest.mark.parametrize(
+    "setting,value",
+    [
+        ("adapter_energy", 0.0),
+        ("adapter_energy", 1.5),
+        ("adapter_energy", -0.1),
+        ("adapter_layers", 0.0),
+        ("adapter_layers", 1.5),
+    ],
+)
+def test_a_bad_adapter_setting_is_refused_before_anything_is_written(
+    scoped, tmp_path, setting, value
+):
     base, model, out, prompt, _ = scoped
     from tidar_convert.cli import export_cmd
 
@@ -340,7 +455,9 @@ def test_scoped_export_runs_without_tidar_convert_installed(scoped):
         print(json.dumps({{"same": torch.equal(td, plain), "tpn": stats["tokens_per_nfe"], "gate": hasattr(m, "_tidar_gate")}}))
         """
     )
-    res = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    res = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=300
+    )
     assert res.returncode == 0, res.stderr[-3000:]
     got = json.loads(res.stdout.strip().splitlines()[-1])
     assert got["same"] and got["gate"] and got["tpn"] > 1.5, got
@@ -355,7 +472,9 @@ def test_a_scoped_export_missing_its_adapter_is_named(scoped, tmp_path):
     copy_dir = tmp_path / "copy"
     shutil.copytree(out, copy_dir)
     (copy_dir / ADAPTER_FILE).unlink()
-    with pytest.raises(FileNotFoundError, match=f"lacks {ADAPTER_FILE}, the adapter its drafts come from"):
+    with pytest.raises(
+        FileNotFoundError, match=f"lacks {ADAPTER_FILE}, the adapter its drafts come from"
+    ):
         check_export(copy_dir)
 
 
@@ -370,11 +489,33 @@ def test_fit_with_mask_scope_exports_the_base_weights_and_the_adapter(tmp_path, 
     from tidar_convert.cli import main
 
     recipe = str(Path(__file__).parents[1] / "recipes" / "tiny.yaml")
-    main(["fit", "--config", recipe, "--model.model", str(tiny_dirs["qwen3"]), "--model.lora_r", "4", "--model.lora_scope", "masks",
-          "--model.distill_weight", "1.0", "--trainer.max_steps", "3", "--trainer.logger", "false",
-          "--trainer.default_root_dir", str(tmp_path / "run"), "--out", str(tmp_path / "out")])
+    main(
+        [
+            "fit",
+            "--config",
+            recipe,
+            "--model.model",
+            str(tiny_dirs["qwen3"]),
+            "--model.lora_r",
+            "4",
+            "--model.lora_scope",
+            "masks",
+            "--model.distill_weight",
+            "1.0",
+            "--trainer.max_steps",
+            "3",
+            "--trainer.logger",
+            "false",
+            "--trainer.default_root_dir",
+            str(tmp_path / "run"),
+            "--out",
+            str(tmp_path / "out"),
+        ]
+    )
     out = tmp_path / "out"
-    assert any(v.abs().max() > 0 for k, v in load_file(out / ADAPTER_FILE).items() if k.endswith("lora_B"))  # trained
+    assert any(
+        v.abs().max() > 0 for k, v in load_file(out / ADAPTER_FILE).items() if k.endswith("lora_B")
+    )  # trained
     assert_writes_as_the_base(out, tiny_dirs["qwen3"], cycle_batch(1, 6, seed=1), 12)
 
 
@@ -389,7 +530,10 @@ def assert_writes_as_the_base(out, base_dir, prompt, new_tokens):
     assert all(torch.equal(weights[n], v) for n, v in base.state_dict().items() if n in weights)
     lm = load(out).eval()
     with torch.no_grad():
-        assert torch.equal(lm.generate(prompt, max_new_tokens=new_tokens, do_sample=False, eos_token_id=None), ar(base, prompt, max_new_tokens=new_tokens, eos_token_id=None))
+        assert torch.equal(
+            lm.generate(prompt, max_new_tokens=new_tokens, do_sample=False, eos_token_id=None),
+            ar(base, prompt, max_new_tokens=new_tokens, eos_token_id=None),
+        )
 
 
 def test_split_halves_give_the_one_forward_loss_and_gradients(tiny_dirs, monkeypatch):
@@ -397,7 +541,13 @@ def test_split_halves_give_the_one_forward_loss_and_gradients(tiny_dirs, monkeyp
     half: the same loss and the same adapter gradients as one forward over both halves."""
     from tidar_convert.train.module import TiDARModule
 
-    m = TiDARModule(model=str(tiny_dirs["qwen2"]), block_size=4, lora_r=4, lora_scope="masks", distill_weight=0.5)
+    m = TiDARModule(
+        model=str(tiny_dirs["qwen2"]),
+        block_size=4,
+        lora_r=4,
+        lora_scope="masks",
+        distill_weight=0.5,
+    )
     m.configure_model()
     randomize_adapters(m.model, seed=2)
     ids = cycle_batch(2, 16, seed=4)
@@ -432,8 +582,32 @@ def test_the_default_recipe_keeps_what_the_base_writes(tmp_path, tiny_dirs, monk
     recipe = str(Path(__file__).parents[1] / "recipes" / "smollm2-135m-cpu.yaml")
     monkeypatch.setenv("TIDAR_CACHE", str(tmp_path / "cache"))
     monkeypatch.chdir(tmp_path)  # the recipe's runs/ folder lands here
-    main(["fit", "--config", recipe, "--model.model", str(tiny_dirs["llama"]), "--data.source", "stdlib", "--data.greedy_docs", "8",
-          "--data.greedy_new_tokens", "8", "--trainer.max_steps", "3", "--trainer.val_check_interval", "3", "--data.val_batches", "1",
-          "--model.val_decode_prompts", "1", "--trainer.logger", "false", "--out", str(tmp_path / "out")])
+    main(
+        [
+            "fit",
+            "--config",
+            recipe,
+            "--model.model",
+            str(tiny_dirs["llama"]),
+            "--data.source",
+            "stdlib",
+            "--data.greedy_docs",
+            "8",
+            "--data.greedy_new_tokens",
+            "8",
+            "--trainer.max_steps",
+            "3",
+            "--trainer.val_check_interval",
+            "3",
+            "--data.val_batches",
+            "1",
+            "--model.val_decode_prompts",
+            "1",
+            "--trainer.logger",
+            "false",
+            "--out",
+            str(tmp_path / "out"),
+        ]
+    )
     assert (tmp_path / "out" / ADAPTER_FILE).exists()
     assert_writes_as_the_base(tmp_path / "out", tiny_dirs["llama"], cycle_batch(2, 6, seed=3), 16)

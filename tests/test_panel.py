@@ -11,15 +11,23 @@ import torch.nn.functional as F
 from tidar_convert.runtime import kernels, panel
 from tidar_convert.runtime.generate import generate
 
-pytestmark = pytest.mark.skipif(not kernels.available(), reason="this torch build has no oneDNN packed linear")
+pytestmark = pytest.mark.skipif(
+    not kernels.available(), reason="this torch build has no oneDNN packed linear"
+)
 
-needs_panels = pytest.mark.skipif(panel.panel_library() is None, reason="no C compiler with OpenMP: no panel kernel")
+needs_panels = pytest.mark.skipif(
+    panel.panel_library() is None, reason="no C compiler with OpenMP: no panel kernel"
+)
 
 
 @needs_panels
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("out_features,in_features", [(200, 96), (32, 8), (33, 7), (1, 5), (70, 1536)])
-def test_panel_product_matches_stock_and_each_row_is_the_same_alone_or_among_any_number(out_features, in_features, dtype):
+@pytest.mark.parametrize(
+    "out_features,in_features", [(200, 96), (32, 8), (33, 7), (1, 5), (70, 1536)]
+)
+def test_panel_product_matches_stock_and_each_row_is_the_same_alone_or_among_any_number(
+    out_features, in_features, dtype
+):
     """Every row count: an AR step's one row, a step's few, a prefill's many (16 at a time): the stock
     product's values, and each row's result bit for bit the same whatever the count. In bf16: the
     product of the weights widened to fp32, rounded once (to one bf16 step: the sums' order differs)."""
@@ -41,7 +49,10 @@ def test_panel_product_matches_stock_and_each_row_is_the_same_alone_or_among_any
         torch.testing.assert_close(full, reference(x), **tol)
         assert full.dtype == dtype
         assert layer(x[None, :5]).shape == (1, 5, out_features)  # leading dimensions kept
-        assert layer(x[::2][:4]).shape == (4, out_features)  # a strided input is made contiguous first
+        assert layer(x[::2][:4]).shape == (
+            4,
+            out_features,
+        )  # a strided input is made contiguous first
         torch.testing.assert_close(layer(x[::2][:4]), reference(x[::2][:4]), **tol)
     assert kernels._PACKED[layer]["panels"][1][0] == "panels"
 
@@ -53,9 +64,13 @@ def test_panels_hold_the_weight_by_32_outputs_zero_padded():
     assert p.shape == (2, 3, 32)
     assert torch.equal(p[0, :, 5], w[5]) and torch.equal(p[1, :, 2], w[34])
     assert not p[1, :, 3:].any()
-    with pytest.raises(ValueError, match=r"input of 3 features in the panels' dtype \(torch.float32\)"):
+    with pytest.raises(
+        ValueError, match=r"input of 3 features in the panels' dtype \(torch.float32\)"
+    ):
         panel.panel_linear(torch.randn(2, 4), p, 35)
-    with pytest.raises(ValueError, match=r"in the panels' dtype \(torch.float32\).*got torch.bfloat16 x 3"):
+    with pytest.raises(
+        ValueError, match=r"in the panels' dtype \(torch.float32\).*got torch.bfloat16 x 3"
+    ):
         panel.panel_linear(torch.randn(2, 3).bfloat16(), p, 35)
     assert panel.panel_pack(w.bfloat16()).dtype == torch.bfloat16
 
@@ -74,7 +89,9 @@ def test_without_a_compiler_fp32_takes_onednn_and_says_how_to_fix_it(monkeypatch
     assert not list(tmp_path.rglob("*.so"))
 
 
-def test_an_unwritable_cache_is_named_with_its_fix_not_blamed_on_the_compiler(untrained, monkeypatch, tmp_path):
+def test_an_unwritable_cache_is_named_with_its_fix_not_blamed_on_the_compiler(
+    untrained, monkeypatch, tmp_path
+):
     """TIDAR_CACHE where no folder can be made (a file, so even root cannot write there), then an fp32
     generate: the warning names the kernel folder and TIDAR_CACHE, and decoding still runs."""
     import re
@@ -86,14 +103,25 @@ def test_an_unwritable_cache_is_named_with_its_fix_not_blamed_on_the_compiler(un
     monkeypatch.setenv("TIDAR_CACHE", str(blocker))
     monkeypatch.setenv("CC", "cc")  # any compiler name: the folder is refused before it runs
     folder = re.escape(str(blocker / "kernels"))
-    with pytest.warns(UserWarning, match=rf"cache folder {folder} is not writable .*Set TIDAR_CACHE to a writable folder") as seen:
-        out = generate(torch.tensor([[5, 6, 7]]), model=untrained["llama"], max_new_tokens=3, eos_token_id=None, pack_weights=True)
+    with pytest.warns(
+        UserWarning,
+        match=rf"cache folder {folder} is not writable .*Set TIDAR_CACHE to a writable folder",
+    ) as seen:
+        out = generate(
+            torch.tensor([[5, 6, 7]]),
+            model=untrained["llama"],
+            max_new_tokens=3,
+            eos_token_id=None,
+            pack_weights=True,
+        )
     assert out.shape == (1, 6)
     assert not any("C compiler" in str(w.message) for w in seen)
 
 
 @needs_panels
-def test_the_kernel_is_built_once_per_cpu_and_compiler_then_loaded_from_the_cache(monkeypatch, tmp_path):
+def test_the_kernel_is_built_once_per_cpu_and_compiler_then_loaded_from_the_cache(
+    monkeypatch, tmp_path
+):
     import subprocess
 
     monkeypatch.setenv("TIDAR_CACHE", str(tmp_path))
@@ -101,7 +129,9 @@ def test_the_kernel_is_built_once_per_cpu_and_compiler_then_loaded_from_the_cach
     monkeypatch.setattr(panel, "_PANEL_LIB", [])
     lib = panel.panel_library()
     built = list((tmp_path / "kernels").iterdir())
-    assert lib is not None and len(built) == 1 and built[0].suffix == ".so"  # no temporary folder left behind
+    assert (
+        lib is not None and len(built) == 1 and built[0].suffix == ".so"
+    )  # no temporary folder left behind
 
     def no_compiler(*args, **kwargs):
         raise subprocess.SubprocessError("built again")
@@ -109,7 +139,9 @@ def test_the_kernel_is_built_once_per_cpu_and_compiler_then_loaded_from_the_cach
     monkeypatch.setattr(subprocess, "run", no_compiler)
     monkeypatch.setattr(panel, "_PANEL_LIB", [])
     assert panel.panel_library() is not None
-    monkeypatch.setattr(panel, "_cpu_signature", lambda: "another CPU")  # another machine sharing the cache: its own build
+    monkeypatch.setattr(
+        panel, "_cpu_signature", lambda: "another CPU"
+    )  # another machine sharing the cache: its own build
     monkeypatch.setattr(panel, "_PANEL_LIB", [])
     with pytest.warns(UserWarning, match="built again"):
         assert panel.panel_library() is None
@@ -122,12 +154,21 @@ def test_the_panel_kernel_can_be_turned_off(monkeypatch):
 
 
 @needs_panels
-@pytest.mark.parametrize("rows,start,in_features,out_features,rank", [(10, 6, 576, 1536, 5), (5, 0, 35, 17, 2), (40, 20, 64, 40, 8), (33, 31, 16, 70, 1)])
-def test_panel_linear_adds_an_adapters_delta_in_the_same_pass(rows, start, in_features, out_features, rank):
+@pytest.mark.parametrize(
+    "rows,start,in_features,out_features,rank",
+    [(10, 6, 576, 1536, 5), (5, 0, 35, 17, 2), (40, 20, 64, 40, 8), (33, 31, 16, 70, 1)],
+)
+def test_panel_linear_adds_an_adapters_delta_in_the_same_pass(
+    rows, start, in_features, out_features, rank
+):
     """An adapter's B packed beside W: rows start.. get x @ A.T @ B.T added, the rows before are the
     plain product bit for bit (the extra terms are zeros), with and without a bias."""
     torch.manual_seed(0)
-    x, w, bias = torch.randn(1, rows, in_features), torch.randn(out_features, in_features), torch.randn(out_features)
+    x, w, bias = (
+        torch.randn(1, rows, in_features),
+        torch.randn(out_features, in_features),
+        torch.randn(out_features),
+    )
     A, B = torch.randn(rank, in_features), torch.randn(out_features, rank)
     panels, delta = panel.panel_pack(w), panel.panel_pack(B)
     for b in (None, bias):
@@ -144,14 +185,19 @@ def test_panel_linear_adds_an_adapters_delta_in_the_same_pass(rows, start, in_fe
 def test_lora_add_takes_many_rows_in_blocks():
     torch.manual_seed(0)
     x, out = torch.randn(1, 80, 32), torch.randn(1, 80, 24)
-    A, B = torch.randn(64, 32), torch.randn(24, 64)  # 78 rows x rank 64: more scores than one block holds
+    A, B = (
+        torch.randn(64, 32),
+        torch.randn(24, 64),
+    )  # 78 rows x rank 64: more scores than one block holds
     got = out.clone()
     assert panel.lora_add(got, x, 2, A, B.T.contiguous())
     torch.testing.assert_close(got[:, 2:], out[:, 2:] + x[:, 2:] @ A.T @ B.T, rtol=1e-4, atol=1e-4)
 
 
 @needs_panels
-@pytest.mark.parametrize("in_features,out_features,rank", [(576, 1536, 3), (35, 17, 2), (16, 16, 1), (64, 40, 8)])
+@pytest.mark.parametrize(
+    "in_features,out_features,rank", [(576, 1536, 3), (35, 17, 2), (16, 16, 1), (64, 40, 8)]
+)
 def test_lora_add_is_the_low_rank_delta_on_the_rows_from_start(in_features, out_features, rank):
     torch.manual_seed(0)
     x, out = torch.randn(1, 7, in_features), torch.randn(1, 7, out_features)
@@ -165,7 +211,12 @@ def test_lora_add_is_the_low_rank_delta_on_the_rows_from_start(in_features, out_
     got16, out16, x16 = out.bfloat16(), out.bfloat16(), x.bfloat16()
     assert panel.lora_add(got16, x16, 4, A, B.T.contiguous())
     assert torch.equal(got16[:, :4], out16[:, :4])
-    torch.testing.assert_close(got16[:, 4:].float(), (out16[:, 4:].float() + x16[:, 4:].float() @ A.T @ B.T).bfloat16().float(), rtol=1e-2, atol=1e-2)
+    torch.testing.assert_close(
+        got16[:, 4:].float(),
+        (out16[:, 4:].float() + x16[:, 4:].float() @ A.T @ B.T).bfloat16().float(),
+        rtol=1e-2,
+        atol=1e-2,
+    )
     # bf16 rows with bf16 deltas (a model cast to bf16 after its adapter was attached): the weights
     # widened exactly, the same fp32 sums, so bit for bit the call with them widened to fp32 first.
     A16, Bt16 = A.bfloat16(), B.T.contiguous().bfloat16()
@@ -174,10 +225,19 @@ def test_lora_add_is_the_low_rank_delta_on_the_rows_from_start(in_features, out_
     assert panel.lora_add(got16f, x16, 4, A16.float(), Bt16.float())
     assert torch.equal(got16w, got16f)
     assert torch.equal(got16w[:, :4], out16[:, :4])
-    torch.testing.assert_close(got16w[:, 4:].float(), (out16[:, 4:].float() + x16[:, 4:].float() @ A16.float().T @ Bt16.float()).bfloat16().float(), rtol=1e-2, atol=1e-2)
+    torch.testing.assert_close(
+        got16w[:, 4:].float(),
+        (out16[:, 4:].float() + x16[:, 4:].float() @ A16.float().T @ Bt16.float())
+        .bfloat16()
+        .float(),
+        rtol=1e-2,
+        atol=1e-2,
+    )
     # What it does not take, it leaves to the caller: bf16 deltas on fp32 rows, mixed dtypes, batches, strided views.
     assert not panel.lora_add(out.clone(), x, 4, A16, Bt16)
     assert not panel.lora_add(out16.clone(), x16, 4, A16, B.T.contiguous())
     assert not panel.lora_add(out.bfloat16(), x, 4, A, B.T.contiguous())
     assert not panel.lora_add(torch.cat([out, out]), torch.cat([x, x]), 4, A, B.T.contiguous())
-    assert not panel.lora_add(out.transpose(1, 2).contiguous().transpose(1, 2), x, 4, A, B.T.contiguous())
+    assert not panel.lora_add(
+        out.transpose(1, 2).contiguous().transpose(1, 2), x, 4, A, B.T.contiguous()
+    )

@@ -36,17 +36,34 @@ def uneven_rows(tmp_path_factory):
     workers the readers end their epoch at different batches, with partial batches in between."""
     path = tmp_path_factory.mktemp("uneven")
     for i in range(20):
-        (path / f"{i:03d}.txt").write_text(f"doc {i:03d} " + "word " * (i % 11) + "long " * (15 * (i % 4 == 1)) + "x" * (i % 5))
+        (path / f"{i:03d}.txt").write_text(
+            f"doc {i:03d} " + "word " * (i % 11) + "long " * (15 * (i % 4 == 1)) + "x" * (i % 5)
+        )
     return path
 
 
-@pytest.mark.parametrize("workers", [0, *(pytest.param(w, marks=pytest.mark.slow) for w in (1, 2, 3))])  # worker processes: make test
-def test_a_resumed_loader_yields_exactly_the_batches_that_were_still_to_come(tokenizer, uneven_rows, workers):
+@pytest.mark.parametrize(
+    "workers", [0, *(pytest.param(w, marks=pytest.mark.slow) for w in (1, 2, 3))]
+)  # worker processes: make test
+def test_a_resumed_loader_yields_exactly_the_batches_that_were_still_to_come(
+    tokenizer, uneven_rows, workers
+):
     """The skip arithmetic, checked at every position of an epoch: consume c batches, save, load into
     a new loader: it yields batches c, c+1, ... of the uninterrupted epoch, in order, and nothing else."""
 
     def loader():
-        ds = PackedDocuments(tokenizer, [str(uneven_rows)], 16, "train", 10, "text", None, "train", 0, shuffle_buffer=4)
+        ds = PackedDocuments(
+            tokenizer,
+            [str(uneven_rows)],
+            16,
+            "train",
+            10,
+            "text",
+            None,
+            "train",
+            0,
+            shuffle_buffer=4,
+        )
         return ResumableLoader(ds, batch_size=3, num_workers=workers)
 
     whole = loader()
@@ -56,12 +73,16 @@ def test_a_resumed_loader_yields_exactly_the_batches_that_were_still_to_come(tok
         reference.append(batch["input_ids"])
         states.append(whole.state_dict())
     sizes = [len(b) for b in reference]
-    assert len(reference) >= 12 and (workers < 2 or min(sizes[:-1]) < 3), sizes  # a reader ends before the others
+    assert len(reference) >= 12 and (workers < 2 or min(sizes[:-1]) < 3), (
+        sizes
+    )  # a reader ends before the others
     for c, state in enumerate(states):
         resumed = loader()
         resumed.load_state_dict(state)
         rest = [resumed.count(b)["input_ids"] for b in resumed]
-        assert [fingerprint(b) for b in rest] == [fingerprint(b) for b in reference[c:]], f"resumed after {c} batches"
+        assert [fingerprint(b) for b in rest] == [fingerprint(b) for b in reference[c:]], (
+            f"resumed after {c} batches"
+        )
         # and the count goes on from the loaded position: it ends where the uninterrupted one did
         assert resumed.state_dict() == states[-1]
     again = [whole.count(b)["input_ids"] for b in whole]  # the next epoch starts from its beginning
@@ -70,11 +91,16 @@ def test_a_resumed_loader_yields_exactly_the_batches_that_were_still_to_come(tok
 
 def test_a_position_is_refused_for_other_workers_or_data(tokenizer, uneven_rows):
     def loader(workers=0, seed=0):
-        ds = PackedDocuments(tokenizer, [str(uneven_rows)], 16, "train", 10, "text", None, "train", seed)
+        ds = PackedDocuments(
+            tokenizer, [str(uneven_rows)], 16, "train", 10, "text", None, "train", seed
+        )
         return ResumableLoader(ds, batch_size=3, num_workers=workers)
 
     state = loader(workers=2).state_dict()
-    with pytest.raises(ValueError, match="saved with --data.num_workers 2 and this run has 0.*resume with --data.num_workers 2"):
+    with pytest.raises(
+        ValueError,
+        match="saved with --data.num_workers 2 and this run has 0.*resume with --data.num_workers 2",
+    ):
         loader().load_state_dict(state)
     with pytest.raises(ValueError, match="other data settings"):
         loader(workers=2, seed=1).load_state_dict(state)
@@ -98,7 +124,10 @@ class Killed(Exception):
 def small_corpus(tmp_path_factory):
     """A jsonl of unique documents, a few training steps per epoch: every run below crosses epochs."""
     path = tmp_path_factory.mktemp("small") / "code.jsonl"
-    rows = [{"text": f"def f_{i}(x, y):\n    z = x + {i * 7 % 100}\n    return z * y - {i}\n"} for i in range(36)]
+    rows = [
+        {"text": f"def f_{i}(x, y):\n    z = x + {i * 7 % 100}\n    return z * y - {i}\n"}
+        for i in range(36)
+    ]
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return path
 
@@ -129,7 +158,9 @@ def steps(monkeypatch):
             for _ in range(seen.signal_at[2]):
                 os.kill(os.getpid(), seen.signal_at[1])
         loss = original(module, batch, batch_idx)
-        seen.setdefault(step, []).append((module.current_epoch, [fingerprint(row) for row in batch["input_ids"]], loss.item()))
+        seen.setdefault(step, []).append(
+            (module.current_epoch, [fingerprint(row) for row in batch["input_ids"]], loss.item())
+        )
         return loss
 
     monkeypatch.setattr(TiDARModule, "training_step", recording)
@@ -139,8 +170,12 @@ def steps(monkeypatch):
 def assert_same_steps(name, got, expected, steps):
     """The same chunks in the same epochs, micro-batch by micro-batch, and the same losses."""
     for s in steps:
-        assert [r[:2] for r in got[s]] == [r[:2] for r in expected[s]], f"{name}: step {s} saw other chunks than the uninterrupted run"
-        assert [r[2] for r in got[s]] == pytest.approx([r[2] for r in expected[s]], rel=1e-4, abs=1e-5), f"{name}: losses at step {s}"
+        assert [r[:2] for r in got[s]] == [r[:2] for r in expected[s]], (
+            f"{name}: step {s} saw other chunks than the uninterrupted run"
+        )
+        assert [r[2] for r in got[s]] == pytest.approx(
+            [r[2] for r in expected[s]], rel=1e-4, abs=1e-5
+        ), f"{name}: losses at step {s}"
 
 
 def check_reference(whole, total):
@@ -155,7 +190,9 @@ def check_reference(whole, total):
 
 def saved_step(run, workers) -> int:
     ckpt = torch.load(run / "checkpoints" / "last.ckpt", weights_only=False)
-    [position] = ckpt["loops"]["fit_loop"]["state_dict"]["combined_loader"]  # where Lightning keeps ResumableLoader.state_dict()
+    [position] = ckpt["loops"]["fit_loop"]["state_dict"][
+        "combined_loader"
+    ]  # where Lightning keeps ResumableLoader.state_dict()
     assert position["readers"] == max(1, workers)
     return ckpt["global_step"]
 
@@ -172,21 +209,27 @@ def fit(run, model_dir, corpus, workers, max_steps, *extra):
 
 @pytest.mark.fit
 @pytest.mark.parametrize("workers", [0, 2])
-def test_a_resumed_fit_sees_exactly_the_chunks_of_an_uninterrupted_one(tmp_path, tiny_dirs, small_corpus, steps, workers, capsys):
+def test_a_resumed_fit_sees_exactly_the_chunks_of_an_uninterrupted_one(
+    tmp_path, tiny_dirs, small_corpus, steps, workers, capsys
+):
     total = 20
     model = tiny_dirs["qwen2"]
     fit(tmp_path / "whole", model, small_corpus, workers, total)
     whole = dict(steps)
     epochs = check_reference(whole, total)
     epoch_end = epochs.index(1)  # steps in the first epoch
-    assert 3 <= epoch_end < 10 and epochs[-1] >= 2, epochs  # the runs below cross epoch ends before and after the checkpoint
+    assert 3 <= epoch_end < 10 and epochs[-1] >= 2, (
+        epochs
+    )  # the runs below cross epoch ends before and after the checkpoint
 
     def interrupted(name, stop, kill, every=10):
         """Stop a run at step `stop` (killed, or by max_steps) with checkpoints every `every` steps,
         resume it with --ckpt_path last up to `total` steps: (the step of the checkpoint it resumed
         from, steps trained before, steps after)."""
         run = tmp_path / name
-        checkpoints = tmp_path / f"{name}.yaml"  # replaces tiny.yaml's callbacks (one ModelCheckpoint, every 10 steps)
+        checkpoints = (
+            tmp_path / f"{name}.yaml"
+        )  # replaces tiny.yaml's callbacks (one ModelCheckpoint, every 10 steps)
         checkpoints.write_text(
             "trainer:\n  callbacks:\n    - class_path: lightning.pytorch.callbacks.ModelCheckpoint\n"
             f"      init_args: {{save_last: true, save_top_k: 0, every_n_train_steps: {every}}}\n"
@@ -194,7 +237,15 @@ def test_a_resumed_fit_sees_exactly_the_chunks_of_an_uninterrupted_one(tmp_path,
         steps.clear()
         steps.kill_at = stop if kill else None
         try:
-            fit(run, model, small_corpus, workers, total if kill else stop, "--config", str(checkpoints))
+            fit(
+                run,
+                model,
+                small_corpus,
+                workers,
+                total if kill else stop,
+                "--config",
+                str(checkpoints),
+            )
         except Killed:
             pass
         before = dict(steps)
@@ -202,16 +253,36 @@ def test_a_resumed_fit_sees_exactly_the_chunks_of_an_uninterrupted_one(tmp_path,
         steps.clear()
         steps.kill_at = None
         capsys.readouterr()
-        fit(run, model, small_corpus, workers, total, "--config", str(checkpoints), "--ckpt_path", "last")
-        if epochs[saved] == epochs[saved - 1]:  # resumed inside an epoch: says why its first step takes longer
+        fit(
+            run,
+            model,
+            small_corpus,
+            workers,
+            total,
+            "--config",
+            str(checkpoints),
+            "--ckpt_path",
+            "last",
+        )
+        if (
+            epochs[saved] == epochs[saved - 1]
+        ):  # resumed inside an epoch: says why its first step takes longer
             assert "resuming the training data after the" in capsys.readouterr().err
         after = dict(steps)
-        assert sorted(after) == list(range(saved, total)), f"{name}: the resumed run trained steps {sorted(after)} after a checkpoint at {saved}"
+        assert sorted(after) == list(range(saved, total)), (
+            f"{name}: the resumed run trained steps {sorted(after)} after a checkpoint at {saved}"
+        )
         return saved, before, after
 
     scenarios = (
         ("killed between checkpoints", 13, True, 10, 10),  # steps 10-12 are lost and trained again
-        ("killed after a checkpoint at the end of an epoch", epoch_end + 1, True, epoch_end, epoch_end),
+        (
+            "killed after a checkpoint at the end of an epoch",
+            epoch_end + 1,
+            True,
+            epoch_end,
+            epoch_end,
+        ),
         ("stopped by max_steps at the end of an epoch", epoch_end, False, 10, epoch_end),
     )
     # With workers, the unit test above already resumes at every position of an epoch: here only the
@@ -224,7 +295,9 @@ def test_a_resumed_fit_sees_exactly_the_chunks_of_an_uninterrupted_one(tmp_path,
 
 
 @pytest.mark.fit
-def test_sigterm_during_gradient_accumulation_resumes_on_the_same_chunks(tmp_path, tiny_dirs, small_corpus, steps):
+def test_sigterm_during_gradient_accumulation_resumes_on_the_same_chunks(
+    tmp_path, tiny_dirs, small_corpus, steps
+):
     """The paper recipes accumulate gradients: a SIGTERM while a micro-batch trains saves at the end
     of that optimizer step, and the resumed run goes on from the next one."""
     total, accumulate = 10, ["--trainer.accumulate_grad_batches", "2"]
@@ -232,7 +305,11 @@ def test_sigterm_during_gradient_accumulation_resumes_on_the_same_chunks(tmp_pat
     fit(tmp_path / "whole", model, small_corpus, 0, total, *accumulate)
     whole = dict(steps)
     check_reference(whole, total)
-    assert all(len(whole[s]) == 2 for s in range(total) if s + 1 < total and whole[s + 1][0][0] == whole[s][0][0])
+    assert all(
+        len(whole[s]) == 2
+        for s in range(total)
+        if s + 1 < total and whole[s + 1][0][0] == whole[s][0][0]
+    )
     steps.clear()
     steps.sigterm_at = (5, 0)  # while the first of step 5's two micro-batches trains
     with pytest.raises(SystemExit) as exit:
@@ -295,7 +372,9 @@ class FillsUp:
 
 
 @pytest.mark.fit
-def test_a_full_disk_while_saving_leaves_the_previous_last_ckpt_whole_and_ends_in_one_line(tmp_path, tiny_dirs, small_corpus, monkeypatch, capsys):
+def test_a_full_disk_while_saving_leaves_the_previous_last_ckpt_whole_and_ends_in_one_line(
+    tmp_path, tiny_dirs, small_corpus, monkeypatch, capsys
+):
     """Probe (issue 31): a full disk during fit left a truncated last.ckpt, and resume and export then failed."""
     from tidar_convert.exports import disk
 
@@ -304,7 +383,9 @@ def test_a_full_disk_while_saving_leaves_the_previous_last_ckpt_whole_and_ends_i
     before = (run / "checkpoints" / "last.ckpt").read_bytes()
     files = []
 
-    def full_disk(path, mode="r", *args, **kwargs):  # every checkpoint write finds room for half the checkpoint
+    def full_disk(
+        path, mode="r", *args, **kwargs
+    ):  # every checkpoint write finds room for half the checkpoint
         f = open(path, mode, *args, **kwargs)
         if "w" in mode and str(path).endswith(".ckpt"):
             files.append(FillsUp(f, len(before) // 2))
@@ -318,12 +399,19 @@ def test_a_full_disk_while_saving_leaves_the_previous_last_ckpt_whole_and_ends_i
     assert exit.value.code == 2
     err = capsys.readouterr().err
     assert files and files[0].written == len(before) // 2  # the write got partway
-    assert "Traceback" not in err and sum(line.startswith("error: ") for line in err.splitlines()) == 1, err
+    assert (
+        "Traceback" not in err and sum(line.startswith("error: ") for line in err.splitlines()) == 1
+    ), err
     folder = re.escape(str(run.resolve() / "checkpoints"))
-    assert re.search(rf"error: no space left in {folder} for the checkpoint last.ckpt: it needs about \d.*(and the disk has \d.* free|shows free now\)) "
-                     r"\(last.ckpt there is the earlier one, whole\)\. .*--trainer.default_root_dir.*--ckpt_path last", err), err
+    assert re.search(
+        rf"error: no space left in {folder} for the checkpoint last.ckpt: it needs about \d.*(and the disk has \d.* free|shows free now\)) "
+        r"\(last.ckpt there is the earlier one, whole\)\. .*--trainer.default_root_dir.*--ckpt_path last",
+        err,
+    ), err
     assert (run / "checkpoints" / "last.ckpt").read_bytes() == before
-    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["last.ckpt"]  # no partial file left
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == [
+        "last.ckpt"
+    ]  # no partial file left
     monkeypatch.undo()
     assert last_step(run) == 2
     fit(run, model, small_corpus, 0, 4, *every(tmp_path, 2), "--ckpt_path", "last")
@@ -349,7 +437,9 @@ def test_resuming_in_a_copied_run_folder_writes_its_last_ckpt(tmp_path, tiny_dir
 
 
 @pytest.mark.fit
-def test_ctrl_c_saves_a_checkpoint_says_so_and_resumes(tmp_path, tiny_dirs, small_corpus, steps, capsys):
+def test_ctrl_c_saves_a_checkpoint_says_so_and_resumes(
+    tmp_path, tiny_dirs, small_corpus, steps, capsys
+):
     """Probe (issue 31): SIGINT at step 23 exited 1, without a word, and saved nothing."""
     run, model = tmp_path / "run", tiny_dirs["qwen2"]
     steps.signal_at = (3, signal.SIGINT, 1)
@@ -358,8 +448,14 @@ def test_ctrl_c_saves_a_checkpoint_says_so_and_resumes(tmp_path, tiny_dirs, smal
     assert exit.value.code == 130
     err = capsys.readouterr().err
     last = (run / "checkpoints" / "last.ckpt").resolve()
-    assert "received SIGINT (Ctrl-C): stopping after this step to save a checkpoint; press Ctrl-C again to stop at once without saving." in err
-    assert f"received SIGINT: saved {last} at step 4; run the same command with --ckpt_path last to continue." in err, err
+    assert (
+        "received SIGINT (Ctrl-C): stopping after this step to save a checkpoint; press Ctrl-C again to stop at once without saving."
+        in err
+    )
+    assert (
+        f"received SIGINT: saved {last} at step 4; run the same command with --ckpt_path last to continue."
+        in err
+    ), err
     assert saved_step(run, 0) == 4 and sorted(steps) == [0, 1, 2, 3]
     steps.clear()
     steps.signal_at = None
@@ -368,26 +464,38 @@ def test_ctrl_c_saves_a_checkpoint_says_so_and_resumes(tmp_path, tiny_dirs, smal
 
 
 @pytest.mark.fit
-def test_a_second_ctrl_c_stops_at_once_and_says_nothing_was_saved(tmp_path, tiny_dirs, small_corpus, steps, capsys):
+def test_a_second_ctrl_c_stops_at_once_and_says_nothing_was_saved(
+    tmp_path, tiny_dirs, small_corpus, steps, capsys
+):
     run = tmp_path / "run"
     steps.signal_at = (3, signal.SIGINT, 2)
     with pytest.raises(SystemExit) as exit:
         fit(run, tiny_dirs["qwen2"], small_corpus, 0, 10)
     assert exit.value.code == 130
-    assert "received SIGINT again: stopped at once at step 3; nothing was saved at the interrupt (no checkpoint was written)." in capsys.readouterr().err
+    assert (
+        "received SIGINT again: stopped at once at step 3; nothing was saved at the interrupt (no checkpoint was written)."
+        in capsys.readouterr().err
+    )
     assert not (run / "checkpoints" / "last.ckpt").exists()
 
 
 @pytest.mark.fit
-@pytest.mark.parametrize("when, signum", [("loading", signal.SIGTERM), ("loading", signal.SIGINT), ("sanity check", signal.SIGTERM)])
-def test_a_signal_before_the_first_step_says_nothing_was_saved_and_the_requeue_starts_cleanly(tmp_path, tiny_dirs, small_corpus, steps, monkeypatch, capsys, when, signum):
+@pytest.mark.parametrize(
+    "when, signum",
+    [("loading", signal.SIGTERM), ("loading", signal.SIGINT), ("sanity check", signal.SIGTERM)],
+)
+def test_a_signal_before_the_first_step_says_nothing_was_saved_and_the_requeue_starts_cleanly(
+    tmp_path, tiny_dirs, small_corpus, steps, monkeypatch, capsys, when, signum
+):
     """Probe (issue 31): SIGTERM before step 1 exited 143 without a word, and the documented requeue
     with --ckpt_path last then failed on the missing checkpoint."""
-    from tidar_convert.train.preemption import NOTHING_SAVED
     from tidar_convert.train.module import TiDARModule
+    from tidar_convert.train.preemption import NOTHING_SAVED
 
     run, model = tmp_path / "run", tiny_dirs["qwen2"]
-    hook = "configure_model" if when == "loading" else "validation_step"  # before Lightning listens for SIGTERM, and after
+    hook = (
+        "configure_model" if when == "loading" else "validation_step"
+    )  # before Lightning listens for SIGTERM, and after
     original = getattr(TiDARModule, hook)
 
     def interrupted(module, *args):
@@ -400,17 +508,29 @@ def test_a_signal_before_the_first_step_says_nothing_was_saved_and_the_requeue_s
     assert exit.value.code == 128 + signum
     name = signal.Signals(signum).name
     err = capsys.readouterr().err
-    assert f"received {name} before the first training step: nothing was saved (no step was taken). Run the same command again; with --ckpt_path last it starts from scratch." in err, err
-    assert not steps and not list(run.glob("checkpoints/*.ckpt")) and (run / NOTHING_SAVED).is_file()
+    assert (
+        f"received {name} before the first training step: nothing was saved (no step was taken). Run the same command again; with --ckpt_path last it starts from scratch."
+        in err
+    ), err
+    assert (
+        not steps and not list(run.glob("checkpoints/*.ckpt")) and (run / NOTHING_SAVED).is_file()
+    )
     monkeypatch.setattr(TiDARModule, hook, original)
     fit(run, model, small_corpus, 0, 3, "--ckpt_path", "last")
-    assert f"--ckpt_path last: the run in {run} was stopped by {name} before its first step and saved nothing: starting from scratch." in capsys.readouterr().err
+    assert (
+        f"--ckpt_path last: the run in {run} was stopped by {name} before its first step and saved nothing: starting from scratch."
+        in capsys.readouterr().err
+    )
     assert sorted(steps) == [0, 1, 2] and saved_step(run, 0) == 3
-    assert not (run / NOTHING_SAVED).exists()  # it took a step: a later --ckpt_path last without a checkpoint is refused again
+    assert not (
+        run / NOTHING_SAVED
+    ).exists()  # it took a step: a later --ckpt_path last without a checkpoint is refused again
 
 
 @pytest.mark.fit
-def test_ctrl_c_once_training_ended_is_a_keyboard_interrupt_as_ever(tmp_path, tiny_dirs, small_corpus, monkeypatch, capsys):
+def test_ctrl_c_once_training_ended_is_a_keyboard_interrupt_as_ever(
+    tmp_path, tiny_dirs, small_corpus, monkeypatch, capsys
+):
     """While `fit --out` exports, training is over: Ctrl-C is Python's own KeyboardInterrupt, not a
     "stopped before the first step" (the export is atomic, and last.ckpt is already written)."""
     import sys
@@ -420,10 +540,21 @@ def test_ctrl_c_once_training_ended_is_a_keyboard_interrupt_as_ever(tmp_path, ti
     def interrupted(*args, **kwargs):
         os.kill(os.getpid(), signal.SIGINT)
 
-    monkeypatch.setattr(sys.modules["tidar_convert.exports.folder"], "export", interrupted)  # the package's `export` is the function
+    monkeypatch.setattr(
+        sys.modules["tidar_convert.exports.folder"], "export", interrupted
+    )  # the package's `export` is the function
     run = tmp_path / "run"
     with pytest.raises(KeyboardInterrupt):
-        fit(run, tiny_dirs["qwen2"], small_corpus, 0, 2, *every(tmp_path, 2), "--out", str(tmp_path / "out"))
+        fit(
+            run,
+            tiny_dirs["qwen2"],
+            small_corpus,
+            0,
+            2,
+            *every(tmp_path, 2),
+            "--out",
+            str(tmp_path / "out"),
+        )
     assert "before the first training step" not in capsys.readouterr().err
     assert saved_step(run, 0) == 2 and not (run / NOTHING_SAVED).exists()
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # put back as it was

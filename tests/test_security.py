@@ -24,13 +24,18 @@ import warnings
 from pathlib import Path
 
 import pytest
+from helpers import cycle_batch
 from transformers import AutoModelForCausalLM
 
 from tidar_convert import export, load
 from tidar_convert.bench import cli as bench
-from tidar_convert.exports.folder import TiDARFallbackWarning, custom_generate_problem, fallback_reason, require_tidar, tidar_active
-
-from helpers import cycle_batch
+from tidar_convert.exports.folder import (
+    TiDARFallbackWarning,
+    custom_generate_problem,
+    fallback_reason,
+    require_tidar,
+    tidar_active,
+)
 
 
 @pytest.fixture(scope="module")
@@ -46,7 +51,10 @@ def spiked(exported, tmp_path):
     shutil.copytree(exported, folder)
     sentinel = tmp_path / "custom_generate_ran"
     gen = folder / "custom_generate" / "generate.py"
-    gen.write_text(gen.read_text() + f"\nimport pathlib as _pathlib\n_pathlib.Path({str(sentinel)!r}).write_text('ran')\n")
+    gen.write_text(
+        gen.read_text()
+        + f"\nimport pathlib as _pathlib\n_pathlib.Path({str(sentinel)!r}).write_text('ran')\n"
+    )
     return folder, sentinel
 
 
@@ -74,9 +82,18 @@ def load_in_subprocess(folder: Path, tmp_path: Path, trust: str) -> dict:
         """
     )
     env = {**os.environ, "HF_MODULES_CACHE": str(tmp_path / "hf_modules"), "HF_HUB_OFFLINE": "1"}
-    res = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, env=env, stdin=subprocess.DEVNULL)
+    res = subprocess.run(
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+        stdin=subprocess.DEVNULL,
+    )
     assert res.returncode == 0, res.stderr[-3000:]
-    return json.loads(res.stdout.rsplit("RESULT ", 1)[-1])  # after the [y/N] prompt transformers prints (stdin is empty)
+    return json.loads(
+        res.stdout.rsplit("RESULT ", 1)[-1]
+    )  # after the [y/N] prompt transformers prints (stdin is empty)
 
 
 @pytest.mark.subprocess
@@ -90,7 +107,9 @@ def test_without_trust_remote_code_the_shipped_code_never_runs(spiked, tmp_path,
     assert not out["tidar_stats"] and out["new_tokens"] == 8
     # generate(custom_generate=<local folder>) ran the folder's code without trust_remote_code before
     # transformers 5.12.0 (PR #46483); the lower bound in pyproject.toml is there for this line.
-    assert out["custom_generate_call"].startswith("ValueError: The repository"), out["custom_generate_call"]
+    assert out["custom_generate_call"].startswith("ValueError: The repository"), out[
+        "custom_generate_call"
+    ]
     assert "contains custom generation code" in out["custom_generate_call"]
 
 
@@ -115,7 +134,11 @@ def broken_copy(exported: Path, tmp_path: Path, how: str) -> Path:
     if how == "no_layout":  # e.g. copied by hand without the file beside it
         (folder / "custom_generate" / "layout.py").unlink()
     elif how == "missing_package":
-        gen.write_text(gen.read_text().replace("import torch\n", "import torch\nimport tidar_no_such_package\n", 1))
+        gen.write_text(
+            gen.read_text().replace(
+                "import torch\n", "import torch\nimport tidar_no_such_package\n", 1
+            )
+        )
     elif how == "syntax":
         gen.write_text(gen.read_text() + "\ndef broken(:\n")
     elif how == "no_generate":
@@ -134,14 +157,19 @@ def test_transformers_falls_back_to_ar_silently_and_it_is_detected(exported, tmp
         warnings.simplefilter("always")
         m = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True)
     said = capfd.readouterr()
-    assert "custom_generate" not in said.out + said.err and not caught, "transformers reported the failure after all"
+    assert "custom_generate" not in said.out + said.err and not caught, (
+        "transformers reported the failure after all"
+    )
     ids = cycle_batch(1, 5, seed=1)
     m.generate(ids, max_new_tokens=4, do_sample=False, eos_token_id=None)
     assert not hasattr(m, "tidar_stats")  # it ran transformers' AR generate
     assert not tidar_active(m)
     reason = fallback_reason(m)
     assert "custom_generate/layout.py is missing" in reason and str(folder) in reason
-    with pytest.raises(RuntimeError, match=r"TiDAR decoding not active: transformers fell back to AR \(.*layout\.py is missing"):
+    with pytest.raises(
+        RuntimeError,
+        match=r"TiDAR decoding not active: transformers fell back to AR \(.*layout\.py is missing",
+    ):
         require_tidar(m)
 
 
@@ -160,7 +188,10 @@ def test_tidar_active_on_every_binding(exported):
 @pytest.mark.parametrize(
     "how, message",
     [
-        ("no_layout", "custom_generate/layout.py is missing (imported by custom_generate/generate.py)"),
+        (
+            "no_layout",
+            "custom_generate/layout.py is missing (imported by custom_generate/generate.py)",
+        ),
         ("missing_package", "generate.py imports tidar_no_such_package, not installed here"),
         ("syntax", "generate.py does not parse: SyntaxError"),
         ("no_generate", "generate.py defines no `generate` function"),
@@ -173,7 +204,9 @@ def test_load_warns_when_the_exports_own_code_would_not_load(exported, tmp_path,
     assert message in custom_generate_problem(folder)
     with pytest.warns(TiDARFallbackWarning, match="silently decodes with plain AR") as record:
         m = load(folder)
-    assert str(folder / "custom_generate") in str(record[0].message) and message in str(record[0].message)
+    assert str(folder / "custom_generate") in str(record[0].message) and message in str(
+        record[0].message
+    )
     assert tidar_active(m)
     m.generate(cycle_batch(1, 5, seed=1), max_new_tokens=4, do_sample=False, eos_token_id=None)
     assert "accepted" in m.tidar_stats
@@ -187,11 +220,20 @@ def test_load_is_quiet_on_a_good_export(exported, recwarn):
 
 def test_bench_refuses_to_time_ar_as_tidar(exported, tmp_path, monkeypatch):
     """If the model the bench gets decodes with transformers' AR, it stops with the reason, writing nothing."""
-    export_mod = importlib.import_module("tidar_convert.exports.folder")  # the package's `export` attribute is the function
+    export_mod = importlib.import_module(
+        "tidar_convert.exports.folder"
+    )  # the package's `export` attribute is the function
 
     folder = broken_copy(exported, tmp_path, "no_layout")
-    monkeypatch.setattr(export_mod, "load", lambda path, **kw: AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True, **kw))
-    with pytest.raises(RuntimeError, match=r"TiDAR decoding not active: transformers fell back to AR \(.*layout\.py is missing"):
+    monkeypatch.setattr(
+        export_mod,
+        "load",
+        lambda path, **kw: AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True, **kw),
+    )
+    with pytest.raises(
+        RuntimeError,
+        match=r"TiDAR decoding not active: transformers fell back to AR \(.*layout\.py is missing",
+    ):
         bench.bench_cmd(str(folder), max_new_tokens=4, limit=1, out_dir=str(tmp_path / "out"))
     assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())
 

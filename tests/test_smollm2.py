@@ -40,7 +40,9 @@ def test_tidar_greedy_equals_ar_greedy_on_real_weights(smollm2, k):
     for prompt in PROMPTS:
         ids = tok(prompt, return_tensors="pt").input_ids
         expected = model.generate(ids, max_new_tokens=24, do_sample=False)
-        assert torch.equal(generate(ids, model=model, max_new_tokens=24, block_size=k), expected), prompt
+        assert torch.equal(generate(ids, model=model, max_new_tokens=24, block_size=k), expected), (
+            prompt
+        )
 
 
 def test_batch_on_real_weights(smollm2):
@@ -49,6 +51,14 @@ def test_batch_on_real_weights(smollm2):
     model, tok = smollm2
     tok.padding_side = "left"
     batch = tok(PROMPTS, return_tensors="pt", padding=True)
-    expected = model.generate(**batch, max_new_tokens=16, do_sample=False, pad_token_id=tok.pad_token_id)
-    got = generate(batch.input_ids, model=model, attention_mask=batch.attention_mask, max_new_tokens=16, pad_token_id=tok.pad_token_id)
+    expected = model.generate(
+        **batch, max_new_tokens=16, do_sample=False, pad_token_id=tok.pad_token_id
+    )
+    got = generate(
+        batch.input_ids,
+        model=model,
+        attention_mask=batch.attention_mask,
+        max_new_tokens=16,
+        pad_token_id=tok.pad_token_id,
+    )
     assert torch.equal(got, expected)

@@ -24,7 +24,14 @@ def _configure_wandb() -> None:
     os.environ["WANDB_MODE"] = "offline"
 
 
-def export_cmd(checkpoint: str, out: str, overwrite: bool = False, adapter_energy: float | None = None, adapter_layers: float | None = None, model: str | None = None) -> str:
+def export_cmd(
+    checkpoint: str,
+    out: str,
+    overwrite: bool = False,
+    adapter_energy: float | None = None,
+    adapter_layers: float | None = None,
+    model: str | None = None,
+) -> str:
     """Export a Lightning checkpoint (e.g. runs/.../checkpoints/last.ckpt) as a TiDAR HF folder.
 
     Args:
@@ -53,10 +60,9 @@ def export_cmd(checkpoint: str, out: str, overwrite: bool = False, adapter_energ
         check_layers(adapter_layers)
 
     from tidar_convert.exports.folder import export
+    from tidar_convert.exports.marker import check_export_target
     from tidar_convert.models.loading import absolute_model
     from tidar_convert.train.module import TiDARModule
-    from tidar_convert.exports.marker import check_export_target
-
     from tidar_convert.train.sharding import is_sharded_checkpoint, load_sharded_module
 
     sharded = is_sharded_checkpoint(checkpoint)
@@ -66,16 +72,28 @@ def export_cmd(checkpoint: str, out: str, overwrite: bool = False, adapter_energ
                 f"checkpoint {checkpoint!r} is a folder but not a sharded checkpoint (no .metadata in it); pass a "
                 "checkpoint file or folder from <default_root_dir>/checkpoints/, e.g. last.ckpt."
             )
-        raise FileNotFoundError(f"checkpoint {checkpoint!r} does not exist; `fit` writes them under <default_root_dir>/checkpoints/.")
+        raise FileNotFoundError(
+            f"checkpoint {checkpoint!r} does not exist; `fit` writes them under <default_root_dir>/checkpoints/."
+        )
     check_export_target(out, overwrite)  # before reading anything: a refused --out costs nothing
     if not sharded:
         check_checkpoint_file(checkpoint)
     from lightning.fabric.utilities.load import _METADATA_FILENAME
 
-    saved = torch.load(Path(checkpoint) / _METADATA_FILENAME if sharded else checkpoint, map_location="cpu", mmap=not sharded, weights_only=False)
+    saved = torch.load(
+        Path(checkpoint) / _METADATA_FILENAME if sharded else checkpoint,
+        map_location="cpu",
+        mmap=not sharded,
+        weights_only=False,
+    )
     hparams, steps = saved.get("hyper_parameters") or {}, saved.get("global_step")
     mask_scoped = hparams.get("lora_scope") == "masks" and hparams.get("lora_r", 0) > 0
-    check_adapter_options(adapter_energy, adapter_layers, mask_scoped, f"checkpoint {checkpoint!r} (lora_r={hparams.get('lora_r')}, lora_scope={hparams.get('lora_scope', 'all')!r})")
+    check_adapter_options(
+        adapter_energy,
+        adapter_layers,
+        mask_scoped,
+        f"checkpoint {checkpoint!r} (lora_r={hparams.get('lora_r')}, lora_scope={hparams.get('lora_scope', 'all')!r})",
+    )
     overrides = {"model": absolute_model(model)} if model is not None else {}
     if model is None:
         check_recorded_model(checkpoint, hparams.get("model"))
@@ -85,8 +103,20 @@ def export_cmd(checkpoint: str, out: str, overwrite: bool = False, adapter_energ
         m = TiDARModule.load_from_checkpoint(checkpoint, map_location="cpu", **overrides)
     from tidar_convert.train.fit import training_card
 
-    card = training_card(m.hparams, steps, Path(checkpoint).resolve().parent.parent)  # <run>/checkpoints/x.ckpt
-    path = export(m.model, m.tokenizer, out, m.block_size, m.alpha, overwrite=overwrite, card=card, adapter_energy=adapter_energy, adapter_layers=adapter_layers)
+    card = training_card(
+        m.hparams, steps, Path(checkpoint).resolve().parent.parent
+    )  # <run>/checkpoints/x.ckpt
+    path = export(
+        m.model,
+        m.tokenizer,
+        out,
+        m.block_size,
+        m.alpha,
+        overwrite=overwrite,
+        card=card,
+        adapter_energy=adapter_energy,
+        adapter_layers=adapter_layers,
+    )
     print(f"exported TiDAR model to {path}", file=sys.stderr)
     return str(path)
 
@@ -174,23 +204,37 @@ def generate_cmd(
     if temperature < 0:
         raise ValueError(f"temperature={temperature}: must be >= 0 (0 = greedy).")
     if not 0 < top_p <= 1:
-        raise ValueError(f"top_p={top_p}: must be in (0, 1] (1 = off), the share of probability mass sampled from.")
+        raise ValueError(
+            f"top_p={top_p}: must be in (0, 1] (1 = off), the share of probability mass sampled from."
+        )
     if top_k < 0:
         raise ValueError(f"top_k={top_k}: must be >= 0 (0 = off).")
-    sampling_only = ((f"--top-k {top_k}", top_k != 0), (f"--top-p {top_p}", top_p != 1), (f"--seed {seed}", seed != 0))
+    sampling_only = (
+        (f"--top-k {top_k}", top_k != 0),
+        (f"--top-p {top_p}", top_p != 1),
+        (f"--seed {seed}", seed != 0),
+    )
     if temperature == 0 and any(on for _, on in sampling_only):
         given = " ".join(flag for flag, on in sampling_only if on)
-        raise ValueError(f"{given} applies only when sampling, and --temperature is 0 (greedy); pass --temperature > 0 (e.g. 0.7) to sample, or drop {given}.")
+        raise ValueError(
+            f"{given} applies only when sampling, and --temperature is 0 (greedy); pass --temperature > 0 (e.g. 0.7) to sample, or drop {given}."
+        )
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens={max_new_tokens}: must be >= 1.")
     if block_size is not None and block_size < 2:
-        raise ValueError(f"block_size={block_size}: TiDAR drafts need at least 2 tokens per block; use 2 or more, or leave it out for the trained size.")
+        raise ValueError(
+            f"block_size={block_size}: TiDAR drafts need at least 2 tokens per block; use 2 or more, or leave it out for the trained size."
+        )
     if mode == "ar" and block_size is not None:
-        raise ValueError(f"--block-size {block_size} with --mode ar: plain autoregressive decoding drafts nothing; drop one of them.")
+        raise ValueError(
+            f"--block-size {block_size} with --mode ar: plain autoregressive decoding drafts nothing; drop one of them."
+        )
     if dtype not in ("float32", "bfloat16"):
         raise ValueError(f"dtype={dtype!r}: use float32 or bfloat16.")
     if chat and no_chat_template:
-        raise ValueError("--chat and --no-chat-template contradict each other: pass --chat for the chat template, --no-chat-template for raw text.")
+        raise ValueError(
+            "--chat and --no-chat-template contradict each other: pass --chat for the chat template, --no-chat-template for raw text."
+        )
     lm = load(model, dtype=getattr(torch, dtype))
     tok = load_tokenizer(model)
     if chat and not tok.chat_template:
@@ -198,26 +242,61 @@ def generate_cmd(
             f"--chat: the tokenizer of {model!r} has no chat template (no chat_template.jinja, none in tokenizer_config.json); "
             "drop --chat to feed the prompt as raw text, or export from an Instruct base that has one."
         )
-    ids = chat_ids(tok, prompt) if tok.chat_template and not no_chat_template else tok(prompt, return_tensors="pt").input_ids
-    sampling = {"do_sample": True, "temperature": temperature, "top_p": top_p, "top_k": top_k} if temperature > 0 else {"do_sample": False}
+    ids = (
+        chat_ids(tok, prompt)
+        if tok.chat_template and not no_chat_template
+        else tok(prompt, return_tensors="pt").input_ids
+    )
+    sampling = (
+        {"do_sample": True, "temperature": temperature, "top_p": top_p, "top_k": top_k}
+        if temperature > 0
+        else {"do_sample": False}
+    )
     torch.manual_seed(seed)
     t0 = time.perf_counter()
-    out = lm.generate(ids, max_new_tokens=max_new_tokens, tidar=mode == "tidar", block_size=block_size, pad_token_id=tok.pad_token_id, pack_weights=pack_weights, **sampling)
+    out = lm.generate(
+        ids,
+        max_new_tokens=max_new_tokens,
+        tidar=mode == "tidar",
+        block_size=block_size,
+        pad_token_id=tok.pad_token_id,
+        pack_weights=pack_weights,
+        **sampling,
+    )
     seconds = time.perf_counter() - t0
     text = tok.decode(out[0, ids.shape[1] :], skip_special_tokens=True)
     stats = lm.tidar_stats
     if json:
-        print(jsonlib.dumps({"text": text, "new_tokens": stats["new_tokens"], "nfe": stats["nfe"], "tokens_per_nfe": stats["tokens_per_nfe"], "seconds": seconds}))
+        print(
+            jsonlib.dumps(
+                {
+                    "text": text,
+                    "new_tokens": stats["new_tokens"],
+                    "nfe": stats["nfe"],
+                    "tokens_per_nfe": stats["tokens_per_nfe"],
+                    "seconds": seconds,
+                }
+            )
+        )
     else:
         print(text)
-        print(f"\n[{mode}] {stats['new_tokens']} tokens, {stats['nfe']} forward passes, {stats['tokens_per_nfe']:.2f} tokens/NFE, {seconds:.2f} s", file=sys.stderr)
+        print(
+            f"\n[{mode}] {stats['new_tokens']} tokens, {stats['nfe']} forward passes, {stats['tokens_per_nfe']:.2f} tokens/NFE, {seconds:.2f} s",
+            file=sys.stderr,
+        )
 
 
 def chat_ids(tokenizer, prompt: str):
     """The prompt as one user message, rendered as `transformers serve` renders a chat completion
     request (cli/serving/chat_completion.py: apply_chat_template with add_generation_prompt, tokenized
     there), so the CLI and the server decode the same ids."""
-    return tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True, return_tensors="pt", return_dict=True)["input_ids"]
+    return tokenizer.apply_chat_template(
+        [{"role": "user", "content": prompt}],
+        add_generation_prompt=True,
+        tokenize=True,
+        return_tensors="pt",
+        return_dict=True,
+    )["input_ids"]
 
 
 def check_cmd(model: str, devices: int = 1, json: bool = False, record: str | None = None) -> None:
@@ -240,14 +319,16 @@ def check_cmd(model: str, devices: int = 1, json: bool = False, record: str | No
     path = Path(record) if record else newest_record()
     if record and not path.is_file():
         what = "is a folder" if path.is_dir() else "does not exist"
-        raise FileNotFoundError(f"--record {record!r} {what}; pass a JSON file that `tidar-convert bench` wrote (bench/results/NAME.json).")
+        raise FileNotFoundError(
+            f"--record {record!r} {what}; pass a JSON file that `tidar-convert bench` wrote (bench/results/NAME.json)."
+        )
     data = read_record(path) if path is not None else None
     if record and speed_from_record(1, data) is None:  # checked whatever the model: never ignored
         raise ValueError(
-                f"--record {record!r} is not a bench record with speed figures (it needs machine.parameters and "
-                "summary.ar / summary.tidar with tokens_per_s, and summary.tidar.tokens_per_nfe); pass a JSON that `tidar-convert bench` wrote, or leave "
-                "out --record for the newest under bench/results/."
-            )
+            f"--record {record!r} is not a bench record with speed figures (it needs machine.parameters and "
+            "summary.ar / summary.tidar with tokens_per_s, and summary.tidar.tokens_per_nfe); pass a JSON that `tidar-convert bench` wrote, or leave "
+            "out --record for the newest under bench/results/."
+        )
     facts = describe(read_config(model), devices)
     if data is not None and "parameters" in facts:
         speed = speed_from_record(facts["parameters"], data, str(path))
@@ -259,19 +340,27 @@ def check_cmd(model: str, devices: int = 1, json: bool = False, record: str | No
     if not facts["converts"]:
         print(f"does not convert: {facts['reason']}")
     else:
-        print(f"converts: model_type={facts['model_type']!r} ({', '.join(facts['mechanisms'])}; attention: {facts['attn_implementation']})")
+        print(
+            f"converts: model_type={facts['model_type']!r} ({', '.join(facts['mechanisms'])}; attention: {facts['attn_implementation']})"
+        )
     if "parameters_error" in facts:
-        print(f"parameters: not counted (transformers cannot build this config: {facts['parameters_error']})")
+        print(
+            f"parameters: not counted (transformers cannot build this config: {facts['parameters_error']})"
+        )
     if "parameters" in facts:
         print(f"parameters: {facts['parameters'] / 1e6:,.1f} M")
         for what, gib in facts["memory_per_device_gib"].items():
-            print(f"  {gib:8.2f} GiB per device ({devices} device{'s' if devices > 1 else ''}): {what}")
+            print(
+                f"  {gib:8.2f} GiB per device ({devices} device{'s' if devices > 1 else ''}): {what}"
+            )
     speed = facts.get("expected_speed")
     if speed:
         rates = ", ".join(f"{row} {v:g} tokens/s" for row, v in speed["tokens_per_s"].items())
-        print(f"decode speed to expect, batch 1, on the machine of {speed['record']} ({speed['machine']['device_name']}, {speed['machine']['dtype']}, "
-              f"{speed['machine']['threads']} threads): {rates}; scaled from its {speed['measured_parameters'] / 1e6:,.1f} M-parameter model by parameter count "
-              f"(TiDAR at its {speed['tidar_tokens_per_forward']} tokens per forward). On another machine: `tidar-convert bench`.")
+        print(
+            f"decode speed to expect, batch 1, on the machine of {speed['record']} ({speed['machine']['device_name']}, {speed['machine']['dtype']}, "
+            f"{speed['machine']['threads']} threads): {rates}; scaled from its {speed['measured_parameters'] / 1e6:,.1f} M-parameter model by parameter count "
+            f"(TiDAR at its {speed['tidar_tokens_per_forward']} tokens per forward). On another machine: `tidar-convert bench`."
+        )
     if not facts["converts"]:
         sys.exit(1)
 
@@ -280,16 +369,24 @@ def read_record(path: Path) -> dict:
     try:
         data = jsonlib.loads(path.read_text(encoding="utf-8"))
     except (ValueError, UnicodeDecodeError) as e:
-        raise ValueError(f"--record '{path}' is not JSON ({e}); pass a JSON that `tidar-convert bench` wrote.") from None
+        raise ValueError(
+            f"--record '{path}' is not JSON ({e}); pass a JSON that `tidar-convert bench` wrote."
+        ) from None
     if not isinstance(data, dict):
-        raise ValueError(f"--record '{path}' holds a JSON {type(data).__name__}, not a bench record; pass a JSON that `tidar-convert bench` wrote.")
+        raise ValueError(
+            f"--record '{path}' holds a JSON {type(data).__name__}, not a bench record; pass a JSON that `tidar-convert bench` wrote."
+        )
     return data
 
 
 def newest_record() -> Path | None:
     """The newest bench record with speed figures under this checkout's bench/results/ (none in a wheel)."""
     folder = Path(__file__).resolve().parents[2] / "bench" / "results"
-    records = sorted(folder.glob("*.json"), key=lambda p: (p.stat().st_mtime, p.name), reverse=True) if folder.is_dir() else []
+    records = (
+        sorted(folder.glob("*.json"), key=lambda p: (p.stat().st_mtime, p.name), reverse=True)
+        if folder.is_dir()
+        else []
+    )
     for path in records:
         try:
             data = jsonlib.loads(path.read_text())
@@ -304,7 +401,12 @@ def _unix_flags(args: list[str], functions) -> list[str]:
     """Accept --max-new-tokens for --max_new_tokens, and a bare boolean flag (--json) for --json true."""
     import inspect
 
-    bools = {f"--{n}" for fn in functions for n, p in inspect.signature(fn).parameters.items() if p.annotation in (bool, "bool")}
+    bools = {
+        f"--{n}"
+        for fn in functions
+        for n, p in inspect.signature(fn).parameters.items()
+        if p.annotation in (bool, "bool")
+    }
     out = []
     for i, arg in enumerate(args):
         if arg.startswith("--") and "=" not in arg:
@@ -366,7 +468,9 @@ def main(argv: list[str] | None = None) -> None:
     _configure_wandb()
     try:
         if args and args[0] in ("fit", "validate"):
-            from tidar_convert.train.fit import run  # Lightning is imported only for the commands that use it
+            from tidar_convert.train.fit import (
+                run,
+            )  # Lightning is imported only for the commands that use it
 
             run(argv)
             return
@@ -374,14 +478,33 @@ def main(argv: list[str] | None = None) -> None:
 
         from tidar_convert.bench.cli import bench_cmd
         from tidar_convert.bench.perplexity import eval_ppl_cmd
-        from tidar_convert.bench.serve import bench_serve_cmd
-        from tidar_convert.train.distill import distill_cmd
         from tidar_convert.bench.quality import quality_cmd
+        from tidar_convert.bench.serve import bench_serve_cmd
         from tidar_convert.bench.sweep import sweep_cmd
+        from tidar_convert.train.distill import distill_cmd
 
-        commands = {"check": check_cmd, "export": export_cmd, "generate": generate_cmd, "bench": bench_cmd, "bench-serve": bench_serve_cmd, "eval-ppl": eval_ppl_cmd, "quality": quality_cmd, "sweep": sweep_cmd, "distill": distill_cmd}
-        auto_cli(commands, args=_unix_flags(args, commands.values()), as_positional=False)  # --model X, as the README says
-    except (ValueError, FileNotFoundError, PermissionError, FloatingPointError, ConnectionError, DiskFull) as e:  # bad input, no hub, a full disk: the message says the fix
+        commands = {
+            "check": check_cmd,
+            "export": export_cmd,
+            "generate": generate_cmd,
+            "bench": bench_cmd,
+            "bench-serve": bench_serve_cmd,
+            "eval-ppl": eval_ppl_cmd,
+            "quality": quality_cmd,
+            "sweep": sweep_cmd,
+            "distill": distill_cmd,
+        }
+        auto_cli(
+            commands, args=_unix_flags(args, commands.values()), as_positional=False
+        )  # --model X, as the README says
+    except (
+        ValueError,
+        FileNotFoundError,
+        PermissionError,
+        FloatingPointError,
+        ConnectionError,
+        DiskFull,
+    ) as e:  # bad input, no hub, a full disk: the message says the fix
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
 

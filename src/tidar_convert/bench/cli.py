@@ -9,32 +9,73 @@ from pathlib import Path
 
 import torch
 
-from tidar_convert.train.progress import progress
-from tidar_convert.bench.decoders import DECODERS, SAMPLING, accepted_histogram, bench_prompt, decoder_names, runnable
+from tidar_convert.bench.decoders import (
+    DECODERS,
+    SAMPLING,
+    accepted_histogram,
+    bench_prompt,
+    decoder_names,
+    runnable,
+)
 from tidar_convert.bench.machine import default_device, machine_info
 from tidar_convert.bench.perplexity import compare_perplexity
 from tidar_convert.bench.plots import plot_accepted, plot_slots, plot_tokens_per_s
-from tidar_convert.bench.prompts import CHAT_PROMPTS, HUMANEVAL_PROBLEMS, PROMPT_SETS, TEXT_PROMPTS, check_chat_template, default_limit, prompt_set
-from tidar_convert.bench.slots import SLOT_CACHE_LEN, STEP_KS, decoder_steps, slot_latency, slot_sizes
+from tidar_convert.bench.prompts import (
+    CHAT_PROMPTS,
+    HUMANEVAL_PROBLEMS,
+    PROMPT_SETS,
+    TEXT_PROMPTS,
+    check_chat_template,
+    default_limit,
+    prompt_set,
+)
+from tidar_convert.bench.slots import (
+    SLOT_CACHE_LEN,
+    STEP_KS,
+    decoder_steps,
+    slot_latency,
+    slot_sizes,
+)
 from tidar_convert.bench.steps import PROFILE_PROMPTS, PROFILE_TOKENS, step_breakdown
 from tidar_convert.bench.summary import print_summary, summarize
+from tidar_convert.train.progress import progress
 
 DTYPES = ("float32", "bfloat16")
 
 
-def check_bench_args(k, max_new_tokens, limit, prompt_lookup_tokens, ppl_base, ppl_data, dtype="float32", humaneval_timeout=3.0, prompts="raw") -> None:
+def check_bench_args(
+    k,
+    max_new_tokens,
+    limit,
+    prompt_lookup_tokens,
+    ppl_base,
+    ppl_data,
+    dtype="float32",
+    humaneval_timeout=3.0,
+    prompts="raw",
+) -> None:
     if prompts not in PROMPT_SETS:
-        raise ValueError(f"prompts={prompts!r}: use 'raw' (HumanEval and plain text, no chat template) or 'chat' (instructions through the model's chat template).")
+        raise ValueError(
+            f"prompts={prompts!r}: use 'raw' (HumanEval and plain text, no chat template) or 'chat' (instructions through the model's chat template)."
+        )
     if k is not None and k < 2:
-        raise ValueError(f"k={k}: TiDAR drafts at least 2 tokens per step; use 2 or more, or leave it out for the trained block size.")
+        raise ValueError(
+            f"k={k}: TiDAR drafts at least 2 tokens per step; use 2 or more, or leave it out for the trained block size."
+        )
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens={max_new_tokens}: must be >= 1.")
     if limit is not None and limit < 1:
-        raise ValueError(f"limit={limit}: must be >= 1 (or leave it out for every prompt: {len(TEXT_PROMPTS) + HUMANEVAL_PROBLEMS} raw, {len(CHAT_PROMPTS)} chat).")
+        raise ValueError(
+            f"limit={limit}: must be >= 1 (or leave it out for every prompt: {len(TEXT_PROMPTS) + HUMANEVAL_PROBLEMS} raw, {len(CHAT_PROMPTS)} chat)."
+        )
     if prompt_lookup_tokens < 1:
-        raise ValueError(f"prompt_lookup_tokens={prompt_lookup_tokens}: must be >= 1 (transformers' default is 10; 4 suits short drafts).")
+        raise ValueError(
+            f"prompt_lookup_tokens={prompt_lookup_tokens}: must be >= 1 (transformers' default is 10; 4 suits short drafts)."
+        )
     if (ppl_base is None) != (ppl_data is None):
-        raise ValueError("perplexity needs both --ppl_base (the base model) and --ppl_data (e.g. prose); pass both or neither.")
+        raise ValueError(
+            "perplexity needs both --ppl_base (the base model) and --ppl_data (e.g. prose); pass both or neither."
+        )
     if dtype not in DTYPES:
         raise ValueError(f"dtype={dtype!r}: use float32 or bfloat16.")
     if humaneval_timeout <= 0:
@@ -107,21 +148,40 @@ def bench_cmd(
     from tidar_convert.exports.card import results_section, update_model_card
     from tidar_convert.exports.folder import check_export, load, require_tidar
 
-    check_bench_args(k, max_new_tokens, limit, prompt_lookup_tokens, ppl_base, ppl_data, dtype, humaneval_timeout, prompts)
+    check_bench_args(
+        k,
+        max_new_tokens,
+        limit,
+        prompt_lookup_tokens,
+        ppl_base,
+        ppl_data,
+        dtype,
+        humaneval_timeout,
+        prompts,
+    )
     path = Path(model).expanduser()
     if not path.is_dir():
-        raise FileNotFoundError(f"model={model!r} is not a folder; pass a TiDAR export folder (the OUT of `make convert`).")
+        raise FileNotFoundError(
+            f"model={model!r} is not a folder; pass a TiDAR export folder (the OUT of `make convert`)."
+        )
     trained = check_export(path)
     if quality and base is None:
         base = json.loads((path / "config.json").read_text()).get("tidar_base_model")
         if base is None:
-            print(f"bench: {path} does not record its base model: no quality guard, no base prompt lookup (pass --base to get both)", file=sys.stderr)
+            print(
+                f"bench: {path} does not record its base model: no quality guard, no base prompt lookup (pass --base to get both)",
+                file=sys.stderr,
+            )
             quality = False
     k = k or trained["block_size"]
     name = name or path.resolve().name
     from tidar_convert.exports.outputs import check_record_target
 
-    check_record_target(Path(out_dir) / f"{name}.json", overwrite, "pass --name with a new name for this run (make bench NAME=...)")
+    check_record_target(
+        Path(out_dir) / f"{name}.json",
+        overwrite,
+        "pass --name with a new name for this run (make bench NAME=...)",
+    )
     device = default_device()
     lm = load(path, dtype=getattr(torch, dtype)).to(device).eval()
     require_tidar(lm, path)  # never time transformers' AR generate and call it TiDAR
@@ -140,9 +200,15 @@ def bench_cmd(
             check_chat_template(base_tokenizer, base)
         base_pair = (base_lm.to(device).eval(), base_tokenizer)
         del base_lm  # base_pair holds the only reference: dropping it frees the model
-    set_name, prompts = prompts, prompt_set(prompts, limit if limit is not None else default_limit(device))
+    set_name, prompts = (
+        prompts,
+        prompt_set(prompts, limit if limit is not None else default_limit(device)),
+    )
     if limit is None and device.type != "cuda" and len(prompts) < len(prompt_set(set_name)):
-        print(f"bench: {len(prompts)} of {len(prompt_set(set_name))} prompts (the CPU default; --limit {len(prompt_set(set_name))} for all)", file=sys.stderr)
+        print(
+            f"bench: {len(prompts)} of {len(prompt_set(set_name))} prompts (the CPU default; --limit {len(prompt_set(set_name))} for all)",
+            file=sys.stderr,
+        )
     sampled = {**SAMPLING, "seed": seed} if sampling else None
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -153,10 +219,34 @@ def bench_cmd(
     if base_pair is not None:
         decoders += decoder_names("base")
     # Warm-up (allocator, kernels, the one-time weight packing, lazy imports) so the first timed prompt is not an outlier.
-    bench_prompt(lm, tokenizer, prompts[0], min(max_new_tokens, 8), k, prompt_lookup_tokens, decoders, base_pair, sampled)
+    bench_prompt(
+        lm,
+        tokenizer,
+        prompts[0],
+        min(max_new_tokens, 8),
+        k,
+        prompt_lookup_tokens,
+        decoders,
+        base_pair,
+        sampled,
+    )
     rows = []
-    for prompt in progress(prompts, f"bench {name}", unit="prompt"):  # with an ETA, on a terminal or in a log
-        rows.append(bench_prompt(lm, tokenizer, prompt, max_new_tokens, k, prompt_lookup_tokens, decoders, base_pair, sampled))
+    for prompt in progress(
+        prompts, f"bench {name}", unit="prompt"
+    ):  # with an ETA, on a terminal or in a log
+        rows.append(
+            bench_prompt(
+                lm,
+                tokenizer,
+                prompt,
+                max_new_tokens,
+                k,
+                prompt_lookup_tokens,
+                decoders,
+                base_pair,
+                sampled,
+            )
+        )
     summary = summarize(rows)
     # Per kind of prompt: lookup drafts well on code (HumanEval bodies repeat the prompt's names) and
     # on chat answers that reuse a given text (rewrite, summarise, passage), rarely on prose or new
@@ -165,17 +255,31 @@ def bench_cmd(
     by_kind = {kind: summarize([r for r in rows if r["kind"] == kind]) for kind in kinds}
     sampled_rows = [{**r["sampling"], "kind": r["kind"]} for r in rows] if sampled else None
     summary_sampling = summarize(sampled_rows) if sampled else None
-    sampling_by_kind = {kind: summarize([r for r in sampled_rows if r["kind"] == kind]) for kind in kinds} if sampled else None
+    sampling_by_kind = (
+        {kind: summarize([r for r in sampled_rows if r["kind"] == kind]) for kind in kinds}
+        if sampled
+        else None
+    )
     guard = None
     if base_pair is not None:
-        guard = quality_guard(prompts, rows, lm, tokenizer, base_pair, max_new_tokens, humaneval_timeout)
+        guard = quality_guard(
+            prompts, rows, lm, tokenizer, base_pair, max_new_tokens, humaneval_timeout
+        )
         guard = {"base_model": base, **guard}
         base_pair = None  # free its memory before the slot curve and perplexity
-    breakdown = step_breakdown(lm, tokenizer, prompts[:PROFILE_PROMPTS], k, min(max_new_tokens, PROFILE_TOKENS))
+    breakdown = step_breakdown(
+        lm, tokenizer, prompts[:PROFILE_PROMPTS], k, min(max_new_tokens, PROFILE_TOKENS)
+    )
     points = slot_latency(lm, slot_sizes(device, k))
     # On a CPU also both products alone: what generate()'s default (kernels.packing_pays) chose between.
-    points_stock = slot_latency(lm, slot_sizes(device, k), pack_weights=False) if device.type == "cpu" else None
-    points_packed = slot_latency(lm, slot_sizes(device, k), pack_weights=True) if device.type == "cpu" else None
+    points_stock = (
+        slot_latency(lm, slot_sizes(device, k), pack_weights=False)
+        if device.type == "cpu"
+        else None
+    )
+    points_packed = (
+        slot_latency(lm, slot_sizes(device, k), pack_weights=True) if device.type == "cpu" else None
+    )
     ms = {p["slots"]: p["ms"] for p in points}
     step_vs_ar = {str(kk): ms[kk + kk * kk] / ms[1] for kk in sorted(set(STEP_KS) | {k})}
     steps = decoder_steps(summary, points, points_stock)
@@ -191,7 +295,11 @@ def bench_cmd(
         "prompt_set": set_name,
         "sampling": sampled,
         "machine": machine_info(device, lm),
-        "decoders": {d: DECODERS[d].generate_kwargs(k, prompt_lookup_tokens) | {"weights": DECODERS[d].weights} for d in decoders},
+        "decoders": {
+            d: DECODERS[d].generate_kwargs(k, prompt_lookup_tokens)
+            | {"weights": DECODERS[d].weights}
+            for d in decoders
+        },
         "skipped_decoders": skipped,
         "summary": summary,
         "summary_by_kind": by_kind,
@@ -199,7 +307,15 @@ def bench_cmd(
         "summary_sampling_by_kind": sampling_by_kind,
         "accepted_histogram": accepted_histogram(rows, k),
         "accepted_histogram_sampling": accepted_histogram(sampled_rows, k) if sampled else None,
-        "slot_latency": {"cache_len": SLOT_CACHE_LEN, "tidar_step_slots": k + k * k, "tidar_step_vs_ar_step": step_vs_ar, "decoder_steps": steps, "points": points, "points_stock": points_stock, "points_packed": points_packed},
+        "slot_latency": {
+            "cache_len": SLOT_CACHE_LEN,
+            "tidar_step_slots": k + k * k,
+            "tidar_step_vs_ar_step": step_vs_ar,
+            "decoder_steps": steps,
+            "points": points,
+            "points_stock": points_stock,
+            "points_packed": points_packed,
+        },
         "step_breakdown": breakdown,
         "perplexity": None,
         "quality": guard,
@@ -212,8 +328,20 @@ def bench_cmd(
     title = f"{name} (k={k}, {len(prompts)} prompts, {max_new_tokens} new tokens, {device.type})"
     result["plots"] = {
         "tokens_per_s": str(plot_tokens_per_s(summary, out / f"{name}_tokens_per_s.png", title)),
-        "accepted": str(plot_accepted(result["accepted_histogram"], out / f"{name}_accepted.png", title)),
-        "slots": str(plot_slots(points, out / f"{name}_slots.png", f"{name}: one forward after a {SLOT_CACHE_LEN}-token KV cache ({device.type})", full_step=k + k * k, steps=steps, stock=points_stock, packed=points_packed)),
+        "accepted": str(
+            plot_accepted(result["accepted_histogram"], out / f"{name}_accepted.png", title)
+        ),
+        "slots": str(
+            plot_slots(
+                points,
+                out / f"{name}_slots.png",
+                f"{name}: one forward after a {SLOT_CACHE_LEN}-token KV cache ({device.type})",
+                full_step=k + k * k,
+                steps=steps,
+                stock=points_stock,
+                packed=points_packed,
+            )
+        ),
     }
     json_path = out / f"{name}.json"
     json_path.write_text(json.dumps(result, indent=1))
@@ -222,7 +350,10 @@ def bench_cmd(
     print_summary(summary, result["perplexity"], skipped)
     print_kinds(by_kind)
     if sampled:
-        print(f"  sampled (temperature {sampled['temperature']}, top_p {sampled['top_p']}, seed {seed}):", file=sys.stderr)
+        print(
+            f"  sampled (temperature {sampled['temperature']}, top_p {sampled['top_p']}, seed {seed}):",
+            file=sys.stderr,
+        )
         print_summary(summary_sampling, None)
         print_kinds(sampling_by_kind)
     print_breakdown(breakdown)
@@ -237,22 +368,44 @@ def bench_cmd(
     if card and update_model_card(path, result):  # the export's README.md shows what was measured
         print(f"updated {path / 'README.md'} (results section)", file=sys.stderr)
     elif not card:
-        print(f"left {path / 'README.md'} as it was (a --limit run; --card true writes its figures there)", file=sys.stderr)
+        print(
+            f"left {path / 'README.md'} as it was (a --limit run; --card true writes its figures there)",
+            file=sys.stderr,
+        )
     return str(json_path)
 
 
 def print_kinds(by_kind: dict) -> None:
     for kind, part in by_kind.items():
-        print(f"    {kind} prompts ({next(iter(part.values()))['prompts']}): " + ", ".join(f"{d} {s['tokens_per_s_vs_ar']:.2f}x AR" for d, s in part.items() if d != "ar" and "tokens_per_s_vs_ar" in s), file=sys.stderr)
+        print(
+            f"    {kind} prompts ({next(iter(part.values()))['prompts']}): "
+            + ", ".join(
+                f"{d} {s['tokens_per_s_vs_ar']:.2f}x AR"
+                for d, s in part.items()
+                if d != "ar" and "tokens_per_s_vs_ar" in s
+            ),
+            file=sys.stderr,
+        )
 
 
 def print_breakdown(breakdown: dict) -> None:
     phases = ", ".join(f"{label} {p['share']:.0%}" for label, p in breakdown["phases"].items())
     per = breakdown["ms_per_forward"]
-    print(f"    {breakdown['decoder']} step time ({breakdown['prompts']} prompts, {'-' if per is None else f'{per:.1f}'} ms a forward): {phases}", file=sys.stderr)
+    print(
+        f"    {breakdown['decoder']} step time ({breakdown['prompts']} prompts, {'-' if per is None else f'{per:.1f}'} ms a forward): {phases}",
+        file=sys.stderr,
+    )
 
 
-def quality_guard(prompts: list[dict], rows: list[dict], model, tokenizer, base: tuple, max_new_tokens: int, timeout: float) -> dict:
+def quality_guard(
+    prompts: list[dict],
+    rows: list[dict],
+    model,
+    tokenizer,
+    base: tuple,
+    max_new_tokens: int,
+    timeout: float,
+) -> dict:
     """quality.compare on the bench's own outputs: the export's AR row (greedy TiDAR writes the same
     tokens) against the base's prompt-lookup row (greedy lookup writes the base's greedy tokens), each
     cut at its EOS. The rows' texts go in the bench rows, the metrics and verdict in the result."""
@@ -260,10 +413,15 @@ def quality_guard(prompts: list[dict], rows: list[dict], model, tokenizer, base:
 
     base_model, base_tokenizer = base
     mine = [cut_at_eos(r["ar"]["tokens"], eos_ids(model, tokenizer)) for r in rows]
-    theirs = [cut_at_eos(r["base_prompt_lookup"]["tokens"], eos_ids(base_model, base_tokenizer)) for r in rows]
+    theirs = [
+        cut_at_eos(r["base_prompt_lookup"]["tokens"], eos_ids(base_model, base_tokenizer))
+        for r in rows
+    ]
     report = compare(prompts, mine, theirs, tokenizer, base_tokenizer, timeout=timeout)
     for row, q in zip(rows, report.pop("rows")):
         row["quality"] = {side: q[side] for side in ("converted", "base")}
     if max_new_tokens < 128:
-        report["note"] = f"max_new_tokens={max_new_tokens}: the guard is meant for >= 128 new tokens per prompt"
+        report["note"] = (
+            f"max_new_tokens={max_new_tokens}: the guard is meant for >= 128 new tokens per prompt"
+        )
     return report

@@ -19,9 +19,9 @@ from dataclasses import dataclass
 
 import torch
 
-from tidar_convert.runtime.kernels import cpu_kernels
 from tidar_convert.bench.prompts import prompt_ids
 from tidar_convert.bench.timing import synchronize
+from tidar_convert.runtime.kernels import cpu_kernels
 
 # The sampling mode (`tidar-convert bench --sampling`): what chat users run (about 0.7 and 0.9), seeded.
 SAMPLING = {"temperature": 0.7, "top_p": 0.9}
@@ -52,7 +52,9 @@ class Decoder:
 
     def generate_kwargs(self, k: int | None, prompt_lookup_tokens: int) -> dict:
         kwargs = {}
-        if self.weights == "export":  # the base runs transformers' own generate: no `tidar` argument
+        if (
+            self.weights == "export"
+        ):  # the base runs transformers' own generate: no `tidar` argument
             kwargs["tidar"] = self.tidar
         if self.tidar:
             kwargs["block_size"] = self.block_size or k
@@ -77,11 +79,21 @@ class Decoder:
 
 DECODERS = {
     "ar": Decoder(),  # transformers' generate (tidar=False): the reference every other row is compared with
-    "ar_stock": Decoder(pack_weights=False),  # the same, on PyTorch's stock CPU product: plain transformers
-    "prompt_lookup": Decoder(lookup=True),  # transformers' n-gram drafts from the prompt, same weights
-    "tidar": Decoder(tidar=True),  # TiDAR's defaults: hybrid drafts (lookup where it matches, else diffusion), plan "cost", 3 siblings
-    "tidar_chain": Decoder(tidar=True, siblings=0),  # the defaults without siblings (the default until 2026-12-02)
-    "tidar_adaptive": Decoder(tidar=True, plan="adaptive"),  # the same drafts verified whenever likely, whatever a step costs
+    "ar_stock": Decoder(
+        pack_weights=False
+    ),  # the same, on PyTorch's stock CPU product: plain transformers
+    "prompt_lookup": Decoder(
+        lookup=True
+    ),  # transformers' n-gram drafts from the prompt, same weights
+    "tidar": Decoder(
+        tidar=True
+    ),  # TiDAR's defaults: hybrid drafts (lookup where it matches, else diffusion), plan "cost", 3 siblings
+    "tidar_chain": Decoder(
+        tidar=True, siblings=0
+    ),  # the defaults without siblings (the default until 2026-12-02)
+    "tidar_adaptive": Decoder(
+        tidar=True, plan="adaptive"
+    ),  # the same drafts verified whenever likely, whatever a step costs
     # The diffusion drafter's own acceptance (issue 9's T/NFE): its drafts verified whenever likely,
     # whatever a step costs here (the cost plan may find plain AR steps cheaper, and measure nothing).
     # Chains only, as every record before siblings measured it; tidar_diffusion_tree with siblings.
@@ -89,9 +101,15 @@ DECODERS = {
     "tidar_diffusion_tree": Decoder(tidar=True, drafter="diffusion", plan="adaptive", siblings=3),
     # The same tree at a GPU's width: ~90 query slots a step, about the price of one slot on a GPU
     # (bench/gpu.py's slot curve), many times that on a CPU. Its T/NFE is the GPU's speed-up to expect.
-    "tidar_diffusion_wide": Decoder(tidar=True, drafter="diffusion", plan="adaptive", siblings=7, slot_budget=96),
-    "tidar_lookup": Decoder(tidar=True, drafter="lookup", plan="cost"),  # transformers' prompt lookup, verified where it pays
-    "base_prompt_lookup": Decoder(weights="base", lookup=True, pack_weights=False),  # what a user gets without converting
+    "tidar_diffusion_wide": Decoder(
+        tidar=True, drafter="diffusion", plan="adaptive", siblings=7, slot_budget=96
+    ),
+    "tidar_lookup": Decoder(
+        tidar=True, drafter="lookup", plan="cost"
+    ),  # transformers' prompt lookup, verified where it pays
+    "base_prompt_lookup": Decoder(
+        weights="base", lookup=True, pack_weights=False
+    ),  # what a user gets without converting
 }
 
 
@@ -149,17 +167,37 @@ class ForwardCounter:
         return statistics.fmean(counts[1:]) if len(counts) > 1 else None
 
 
-def run_decoder(model, input_ids, decoder: str, max_new_tokens: int, pad_token_id: int, k: int | None, prompt_lookup_tokens: int, sampling: dict | None = None) -> dict:
+def run_decoder(
+    model,
+    input_ids,
+    decoder: str,
+    max_new_tokens: int,
+    pad_token_id: int,
+    k: int | None,
+    prompt_lookup_tokens: int,
+    sampling: dict | None = None,
+) -> dict:
     """One generation, greedy or with `sampling` (generate() arguments, do_sample implied): new tokens, forwards, wall seconds, query slots and LM-head rows per
     step, and, for TiDAR, the engine's own stats (accepted drafts per step, and where the engine
     reports them, its LM-head rows and draft sources; None where it does not)."""
     spec = DECODERS[decoder]
     device = input_ids.device
     how = {"do_sample": True, **sampling} if sampling else {"do_sample": False}
-    with torch.no_grad(), cpu_kernels(model, enabled=spec.packs_here()), ForwardCounter(model) as count:
+    with (
+        torch.no_grad(),
+        cpu_kernels(model, enabled=spec.packs_here()),
+        ForwardCounter(model) as count,
+    ):
         synchronize(device)
         t0 = time.perf_counter()
-        out = model.generate(input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=max_new_tokens, pad_token_id=pad_token_id, **how, **spec.generate_kwargs(k, prompt_lookup_tokens))
+        out = model.generate(
+            input_ids,
+            attention_mask=torch.ones_like(input_ids),
+            max_new_tokens=max_new_tokens,
+            pad_token_id=pad_token_id,
+            **how,
+            **spec.generate_kwargs(k, prompt_lookup_tokens),
+        )
         synchronize(device)
         seconds = time.perf_counter() - t0
     tokens = out[0, input_ids.shape[1] :].tolist()
@@ -189,7 +227,17 @@ def run_decoder(model, input_ids, decoder: str, max_new_tokens: int, pad_token_i
     return row
 
 
-def bench_prompt(model, tokenizer, prompt: dict, max_new_tokens: int, k: int | None, prompt_lookup_tokens: int, decoders: tuple[str, ...], base=None, sampling: dict | None = None) -> dict:
+def bench_prompt(
+    model,
+    tokenizer,
+    prompt: dict,
+    max_new_tokens: int,
+    k: int | None,
+    prompt_lookup_tokens: int,
+    decoders: tuple[str, ...],
+    base=None,
+    sampling: dict | None = None,
+) -> dict:
     """Each of `decoders` on one prompt, export decoders first; identical_to_ar compares token for
     token with the export's AR output (None for base decoders: another model's text, which
     quality.py compares). base: (base model, its tokenizer), needed for any base decoder.
@@ -211,15 +259,37 @@ def bench_prompt(model, tokenizer, prompt: dict, max_new_tokens: int, k: int | N
             if DECODERS[decoder].weights == "export":
                 if how is not None:
                     torch.manual_seed(sample_seed(sampling["seed"], prompt["id"]))
-                into[decoder] = run_decoder(model, ids, decoder, max_new_tokens, tokenizer.pad_token_id, k, prompt_lookup_tokens, how)
-                into[decoder]["identical_to_ar"] = into[decoder]["tokens"] == row["ar"]["tokens"] if "ar" in row and how is None else None
+                into[decoder] = run_decoder(
+                    model,
+                    ids,
+                    decoder,
+                    max_new_tokens,
+                    tokenizer.pad_token_id,
+                    k,
+                    prompt_lookup_tokens,
+                    how,
+                )
+                into[decoder]["identical_to_ar"] = (
+                    into[decoder]["tokens"] == row["ar"]["tokens"]
+                    if "ar" in row and how is None
+                    else None
+                )
         for decoder in decoders:
             if DECODERS[decoder].weights == "base":
                 base_model, base_tokenizer = base
                 base_ids = prompt_ids(base_tokenizer, prompt).to(device)
                 if how is not None:
                     torch.manual_seed(sample_seed(sampling["seed"], prompt["id"]))
-                into[decoder] = run_decoder(base_model, base_ids, decoder, max_new_tokens, base_tokenizer.pad_token_id, k, prompt_lookup_tokens, how)
+                into[decoder] = run_decoder(
+                    base_model,
+                    base_ids,
+                    decoder,
+                    max_new_tokens,
+                    base_tokenizer.pad_token_id,
+                    k,
+                    prompt_lookup_tokens,
+                    how,
+                )
                 into[decoder]["identical_to_ar"] = None
     return row
 
@@ -229,7 +299,9 @@ def sample_seed(seed: int, prompt_id: str) -> int:
     return (seed * 1_000_003 + zlib.crc32(prompt_id.encode())) % 2**63
 
 
-def runnable(decoders: tuple[str, ...], model, tokenizer, k: int | None, prompt_lookup_tokens: int) -> tuple[tuple[str, ...], dict[str, str]]:
+def runnable(
+    decoders: tuple[str, ...], model, tokenizer, k: int | None, prompt_lookup_tokens: int
+) -> tuple[tuple[str, ...], dict[str, str]]:
     """The decoders this model's generate() can run, and why each other one cannot.
 
     A TiDAR drafter needs a decoding engine that has it: exports load this package's decode.py, and
@@ -240,11 +312,15 @@ def runnable(decoders: tuple[str, ...], model, tokenizer, k: int | None, prompt_
     keep, skipped = [], {}
     for name in decoders:
         spec = DECODERS[name]
-        if spec.weights == "export" and (spec.drafter is not None or not spec.pack_weights or spec.siblings is not None):
+        if spec.weights == "export" and (
+            spec.drafter is not None or not spec.pack_weights or spec.siblings is not None
+        ):
             try:
                 run_decoder(model, ids, name, 2, tokenizer.pad_token_id, k, prompt_lookup_tokens)
             except TypeError as e:
-                argument = next((a for a in ("drafter", "pack_weights", "siblings") if a in str(e)), None)
+                argument = next(
+                    (a for a in ("drafter", "pack_weights", "siblings") if a in str(e)), None
+                )
                 if argument is None:
                     raise
                 skipped[name] = f"this TiDAR engine has no {argument}= ({e})"

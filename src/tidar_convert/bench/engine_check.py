@@ -10,9 +10,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from tidar_convert.bench.timing import median_seconds
 from tidar_convert.runtime import layout
 from tidar_convert.train.loss import hybrid_loss
-from tidar_convert.bench.timing import median_seconds
 
 if TYPE_CHECKING:
     from tidar_convert.bench.gpu import Plan
@@ -24,7 +24,9 @@ def cycles(batch: int, length: int, period: int = 7, offset: int = 3, generator=
     return offset + (phase + torch.arange(length)) % period
 
 
-def engine_model(plan: Plan, impl: str, dtype: torch.dtype, block_size: int = 4, seq_len: int = 128):
+def engine_model(
+    plan: Plan, impl: str, dtype: torch.dtype, block_size: int = 4, seq_len: int = 128
+):
     """A Qwen2 of plan.engine_dims trained with the TiDAR layout and loss on cycle streams (fp32
     weights; bf16: under autocast, as bf16-mixed trains, then cast for decoding). seq_len 128: on
     an H200, torch 2.11's FlexAttention backward found no kernel for 2 x 32 positions (fp32 or bf16),
@@ -35,20 +37,31 @@ def engine_model(plan: Plan, impl: str, dtype: torch.dtype, block_size: int = 4,
     config = Qwen2Config(**dims, mask_token_id=dims["vocab_size"] - 1)
     torch.manual_seed(0)
     with torch.device(device):
-        model = AutoModelForCausalLM.from_config(config, attn_implementation=impl, dtype=torch.float32)
+        model = AutoModelForCausalLM.from_config(
+            config, attn_implementation=impl, dtype=torch.float32
+        )
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    mask = layout.build_mask(layout.train_mask_mod(seq_len, block_size), 8, 2 * seq_len, 2 * seq_len, impl, device)
+    mask = layout.build_mask(
+        layout.train_mask_mod(seq_len, block_size), 8, 2 * seq_len, 2 * seq_len, impl, device
+    )
     model.train()
     for _ in range(plan.engine_steps):
         ids = cycles(8, seq_len).to(device)
         with torch.autocast(device.type, torch.bfloat16, enabled=dtype == torch.bfloat16):
-            logits = model(input_ids=layout.train_inputs(ids, config.mask_token_id), position_ids=layout.train_position_ids(ids), attention_mask=mask, use_cache=False).logits
+            logits = model(
+                input_ids=layout.train_inputs(ids, config.mask_token_id),
+                position_ids=layout.train_position_ids(ids),
+                attention_mask=mask,
+                use_cache=False,
+            ).logits
         loss = hybrid_loss(logits, *layout.train_labels(ids), alpha=1.0, block_size=block_size)
         opt.zero_grad(set_to_none=True)
         loss["loss"].backward()
         opt.step()
     model.config.block_size = block_size
-    return model.to(dtype).eval(), {k: v.item() for k, v in loss.items() if torch.is_tensor(v) and v.numel() == 1}
+    return model.to(dtype).eval(), {
+        k: v.item() for k, v in loss.items() if torch.is_tensor(v) and v.numel() == 1
+    }
 
 
 def engine_check(plan: Plan, impl: str) -> dict:
@@ -63,13 +76,38 @@ def engine_check(plan: Plan, impl: str) -> dict:
     model, loss = engine_model(plan, impl, dtype)
     prompts = cycles(plan.engine_prompts, 12, generator=torch.Generator().manual_seed(1)).to(device)
     n = plan.engine_tokens
-    out = {"attn_implementation": impl, "dtype": str(dtype), "dims": plan.engine_dims or plan.dims, "train_steps": plan.engine_steps, "final_loss": loss, "new_tokens": n, "prompts": []}
+    out = {
+        "attn_implementation": impl,
+        "dtype": str(dtype),
+        "dims": plan.engine_dims or plan.dims,
+        "train_steps": plan.engine_steps,
+        "final_loss": loss,
+        "new_tokens": n,
+        "prompts": [],
+    }
     for ids in prompts[:, None]:
-        ar = lambda: model.generate(ids, do_sample=False, max_new_tokens=n, min_new_tokens=n, eos_token_id=None, pad_token_id=0)  # noqa: E731
-        tidar = lambda: generate(ids, model=model, max_new_tokens=n, eos_token_id=None, pad_token_id=0)  # noqa: E731
+        ar = lambda: model.generate(
+            ids,
+            do_sample=False,
+            max_new_tokens=n,
+            min_new_tokens=n,
+            eos_token_id=None,
+            pad_token_id=0,
+        )  # noqa: E731
+        tidar = lambda: generate(
+            ids, model=model, max_new_tokens=n, eos_token_id=None, pad_token_id=0
+        )  # noqa: E731
         ar_s, tidar_s = median_seconds(ar, device, 3), median_seconds(tidar, device, 3)
         stats = dict(model.tidar_stats)
-        out["prompts"].append({"identical": bool(torch.equal(ar(), tidar())), "tokens_per_nfe": stats["tokens_per_nfe"], "ar_s": ar_s, "tidar_s": tidar_s, "tidar_vs_ar": ar_s / tidar_s})
+        out["prompts"].append(
+            {
+                "identical": bool(torch.equal(ar(), tidar())),
+                "tokens_per_nfe": stats["tokens_per_nfe"],
+                "ar_s": ar_s,
+                "tidar_s": tidar_s,
+                "tidar_vs_ar": ar_s / tidar_s,
+            }
+        )
     rows = out["prompts"]
     out["identical"] = f"{sum(r['identical'] for r in rows)}/{len(rows)}"
     out["tokens_per_nfe"] = sum(r["tokens_per_nfe"] for r in rows) / len(rows)

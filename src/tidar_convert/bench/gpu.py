@@ -41,13 +41,13 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from tidar_convert.runtime import layout
 from tidar_convert.bench.engine_check import engine_check
 from tidar_convert.bench.machine import machine_info
 from tidar_convert.bench.slots import slot_latency
 from tidar_convert.bench.timing import median_seconds, synchronize
-from tidar_convert.train.callbacks import matmul_params, peak_flops
+from tidar_convert.runtime import layout
 from tidar_convert.runtime.forward import cache_kwargs
+from tidar_convert.train.callbacks import matmul_params, peak_flops
 from tidar_convert.train.loss import hybrid_loss
 
 # Qwen2.5-1.5B's dimensions (its config.json), so the numbers transfer to the paper's 1.5B model.
@@ -62,9 +62,25 @@ QWEN25_15B = dict(
     tie_word_embeddings=True,
     rope_theta=1000000.0,
 )
-TINY = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, intermediate_size=128, vocab_size=512, max_position_embeddings=4096)
+TINY = dict(
+    hidden_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    intermediate_size=128,
+    vocab_size=512,
+    max_position_embeddings=4096,
+)
 # The engine check's model: big enough that a GPU step is not all launch overhead, small enough to train in seconds.
-ENGINE = dict(hidden_size=512, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2, intermediate_size=1536, vocab_size=512, max_position_embeddings=1024)
+ENGINE = dict(
+    hidden_size=512,
+    num_hidden_layers=4,
+    num_attention_heads=8,
+    num_key_value_heads=2,
+    intermediate_size=1536,
+    vocab_size=512,
+    max_position_embeddings=1024,
+)
 
 
 @dataclass
@@ -80,16 +96,42 @@ class Plan:
     train_block: int = 16
     repeats: int = 10
     train_repeats: int = 3
-    raise_errors: bool = False  # a failing section is recorded in the JSON on a real run, raised in the dry run
-    budget_s: float = 420.0  # no section starts after this many seconds (the run must end in < 10 min)
+    raise_errors: bool = (
+        False  # a failing section is recorded in the JSON on a real run, raised in the dry run
+    )
+    budget_s: float = (
+        420.0  # no section starts after this many seconds (the run must end in < 10 min)
+    )
     engine_dims: dict | None = None  # the engine check's model (None: the plan's own dims)
     engine_steps: int = 300  # its training steps on cycle streams
     engine_tokens: int = 64  # new tokens per prompt
     engine_prompts: int = 4
 
 
-GPU_PLAN = Plan(QWEN25_15B, "cuda", torch.bfloat16, ("flex_attention", "sdpa"), tuple(2**i for i in range(9)), 1024, engine_dims=ENGINE)
-DRY_PLAN = Plan(TINY, "cpu", torch.float32, ("sdpa",), (1, 2, 4, 8, 16, 32), 32, train_seq=64, repeats=2, train_repeats=1, raise_errors=True, engine_steps=60, engine_tokens=16, engine_prompts=2)
+GPU_PLAN = Plan(
+    QWEN25_15B,
+    "cuda",
+    torch.bfloat16,
+    ("flex_attention", "sdpa"),
+    tuple(2**i for i in range(9)),
+    1024,
+    engine_dims=ENGINE,
+)
+DRY_PLAN = Plan(
+    TINY,
+    "cpu",
+    torch.float32,
+    ("sdpa",),
+    (1, 2, 4, 8, 16, 32),
+    32,
+    train_seq=64,
+    repeats=2,
+    train_repeats=1,
+    raise_errors=True,
+    engine_steps=60,
+    engine_tokens=16,
+    engine_prompts=2,
+)
 
 
 def build_model(plan: Plan):
@@ -99,7 +141,9 @@ def build_model(plan: Plan):
     config = Qwen2Config(**plan.dims)
     torch.manual_seed(0)
     with torch.device(plan.device):
-        model = AutoModelForCausalLM.from_config(copy.deepcopy(config), attn_implementation=plan.impls[0], dtype=plan.dtype)
+        model = AutoModelForCausalLM.from_config(
+            copy.deepcopy(config), attn_implementation=plan.impls[0], dtype=plan.dtype
+        )
     return model.eval()
 
 
@@ -113,9 +157,21 @@ def prefill_cache(model, cache_len: int, device):
 
     cache = DynamicCache()
     tokens = torch.randint(0, model.config.vocab_size, (1, cache_len), device=device)
-    mask = layout.build_mask(layout.decode_mask_mod(0, cache_len, 1, 1), 1, cache_len, cache_len, model.config._attn_implementation, device)
+    mask = layout.build_mask(
+        layout.decode_mask_mod(0, cache_len, 1, 1),
+        1,
+        cache_len,
+        cache_len,
+        model.config._attn_implementation,
+        device,
+    )
     with torch.no_grad():
-        model(input_ids=tokens, position_ids=torch.arange(cache_len, device=device)[None], attention_mask=mask, **cache_kwargs(model, cache))
+        model(
+            input_ids=tokens,
+            position_ids=torch.arange(cache_len, device=device)[None],
+            attention_mask=mask,
+            **cache_kwargs(model, cache),
+        )
     return cache
 
 
@@ -128,7 +184,12 @@ def step_timer(model, cache, tokens, positions, mask_mod, device, prebuilt: bool
     def run():
         mask = fixed if prebuilt else layout.build_mask(mask_mod, 1, n, kv_len, impl, device)
         with torch.no_grad():
-            model(input_ids=tokens, position_ids=positions, attention_mask=mask, **cache_kwargs(model, cache))
+            model(
+                input_ids=tokens,
+                position_ids=positions,
+                attention_mask=mask,
+                **cache_kwargs(model, cache),
+            )
         cache.crop(-n)
 
     return run
@@ -149,7 +210,10 @@ def decode_steps(model, plan: Plan) -> list[dict]:
         ar_pos = start[:, None]
         ar_mask = layout.decode_mask_mod(C, 1, 1, 1)
         row = {"k": k, "slots": k + k * k}
-        for name, args in (("tidar", (tidar_tokens, tidar_pos, tidar_mask)), ("ar", (ar_tokens, ar_pos, ar_mask))):
+        for name, args in (
+            ("tidar", (tidar_tokens, tidar_pos, tidar_mask)),
+            ("ar", (ar_tokens, ar_pos, ar_mask)),
+        ):
             for prebuilt, label in ((False, "step_ms"), (True, "forward_ms")):
                 fn = step_timer(model, cache, *args, device, prebuilt)
                 row[f"{name}_{label}"] = 1000 * median_seconds(fn, device, plan.repeats, warmup=2)
@@ -176,7 +240,9 @@ def train_step_tidar(model, ids, mask, block_size: int, mask_id: int):
     inputs = layout.train_inputs(ids, mask_id)
     positions = layout.train_position_ids(ids)
     ar_labels, diff_labels = layout.train_labels(ids)
-    logits = model(input_ids=inputs, position_ids=positions, attention_mask=mask, use_cache=False).logits
+    logits = model(
+        input_ids=inputs, position_ids=positions, attention_mask=mask, use_cache=False
+    ).logits
     hybrid_loss(logits, ar_labels, diff_labels, 1.0, block_size)["loss"].backward()
 
 
@@ -186,11 +252,21 @@ def train_throughput(model, plan: Plan) -> dict:
     layout.check_train_shape(S, k)
     ids = torch.randint(0, model.config.vocab_size - 1, (1, S), device=device)
     mask_id = model.config.vocab_size - 1
-    mask = layout.build_mask(layout.train_mask_mod(S, k), 1, 2 * S, 2 * S, model.config._attn_implementation, device)
+    mask = layout.build_mask(
+        layout.train_mask_mod(S, k), 1, 2 * S, 2 * S, model.config._attn_implementation, device
+    )
     model.train()
-    out = {"seq_len": S, "block_size": k, "attn_implementation": model.config._attn_implementation, "optimizer_step": False}
+    out = {
+        "seq_len": S,
+        "block_size": k,
+        "attn_implementation": model.config._attn_implementation,
+        "optimizer_step": False,
+    }
     try:
-        for name, fn in (("ar", lambda: train_step_ar(model, ids)), ("tidar", lambda: train_step_tidar(model, ids, mask, k, mask_id))):
+        for name, fn in (
+            ("ar", lambda: train_step_ar(model, ids)),
+            ("tidar", lambda: train_step_tidar(model, ids, mask, k, mask_id)),
+        ):
 
             def step(fn=fn):
                 fn()
@@ -198,7 +274,9 @@ def train_throughput(model, plan: Plan) -> dict:
 
             if device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(device)
-            seconds = median_seconds(step, device, plan.train_repeats, warmup=2 if device.type == "cuda" else 1)
+            seconds = median_seconds(
+                step, device, plan.train_repeats, warmup=2 if device.type == "cuda" else 1
+            )
             out[name] = {"step_ms": 1000 * seconds, "tokens_per_s": S / seconds}
             if device.type == "cuda":
                 out[name]["peak_memory_gb"] = torch.cuda.max_memory_allocated(device) / 2**30
@@ -206,11 +284,17 @@ def train_throughput(model, plan: Plan) -> dict:
         model.eval()
         model.zero_grad(set_to_none=True)
     out["tidar_vs_ar"] = out["tidar"]["tokens_per_s"] / out["ar"]["tokens_per_s"]
-    out["tidar_fsdp"] = fsdp_train_step(model, plan, lambda m: train_step_tidar(m, ids, mask, k, mask_id))
+    out["tidar_fsdp"] = fsdp_train_step(
+        model, plan, lambda m: train_step_tidar(m, ids, mask, k, mask_id)
+    )
     out["tidar_fsdp_vs_tidar"] = out["tidar_fsdp"]["tokens_per_s"] / out["tidar"]["tokens_per_s"]
     peak = peak_flops(device, "bf16" if plan.dtype == torch.bfloat16 else "32")
     n = matmul_params(model)
-    for name, per_token in (("ar", 6 * n), ("tidar", 12 * n), ("tidar_fsdp", 12 * n)):  # TiDAR runs 2S positions per S tokens
+    for name, per_token in (
+        ("ar", 6 * n),
+        ("tidar", 12 * n),
+        ("tidar_fsdp", 12 * n),
+    ):  # TiDAR runs 2S positions per S tokens
         out[name]["tflops"] = out[name]["tokens_per_s"] * per_token / 1e12
         out[name]["mfu"] = out[name]["tokens_per_s"] * per_token / peak if peak else None
     return out
@@ -228,7 +312,9 @@ def fsdp_train_step(model, plan: Plan, step_fn) -> dict:
     own_group = not dist.is_initialized()
     if own_group:
         backend = "nccl" if device.type == "cuda" else "gloo"
-        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+        dist.init_process_group(
+            backend, init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1
+        )
     try:
         sharded = shard(copy.deepcopy(model), init_device_mesh(device.type, (1,)))
         sharded.train()
@@ -239,11 +325,22 @@ def fsdp_train_step(model, plan: Plan, step_fn) -> dict:
 
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
-        seconds = median_seconds(step, device, plan.train_repeats, warmup=2 if device.type == "cuda" else 1)
-        out = {"step_ms": 1000 * seconds, "tokens_per_s": plan.train_seq / seconds, "mesh": [1], "unit": "decoder layer"}
-        if device.type == "cuda":  # the unsharded model of the other rows is still resident beside the copy
+        seconds = median_seconds(
+            step, device, plan.train_repeats, warmup=2 if device.type == "cuda" else 1
+        )
+        out = {
+            "step_ms": 1000 * seconds,
+            "tokens_per_s": plan.train_seq / seconds,
+            "mesh": [1],
+            "unit": "decoder layer",
+        }
+        if (
+            device.type == "cuda"
+        ):  # the unsharded model of the other rows is still resident beside the copy
             out["peak_memory_gb"] = torch.cuda.max_memory_allocated(device) / 2**30
-            out["peak_memory_note"] = "includes the unsharded model the ar/tidar rows use, still resident"
+            out["peak_memory_note"] = (
+                "includes the unsharded model the ar/tidar rows use, still resident"
+            )
         del sharded
         return out
     finally:
@@ -288,7 +385,9 @@ def section(result: dict, key: str, plan: Plan, fn, started: float):
     print(f"[{key}] done in {result['section_seconds'][key]:.1f} s", file=sys.stderr)
 
 
-def run(plan: Plan, dry_run: bool, save=lambda result: None, only: tuple[str, ...] = SECTIONS) -> dict:
+def run(
+    plan: Plan, dry_run: bool, save=lambda result: None, only: tuple[str, ...] = SECTIONS
+) -> dict:
     """The primary attention implementation first (slots, decode, train), then the engine check on
     the reference one (the engine's path in an export), then the reference numbers and the engine
     under the primary, so a tight time budget drops those first. save(result) after each section;
@@ -302,13 +401,22 @@ def run(plan: Plan, dry_run: bool, save=lambda result: None, only: tuple[str, ..
     result = {
         "dry_run": dry_run,
         "machine": machine_info(device, model),
-        "model": {"shape": "Qwen2.5-1.5B" if plan.dims is QWEN25_15B else "tiny", "dims": plan.dims, "dtype": str(plan.dtype), "weights": "random"},
-        "plan": {k: v for k, v in asdict(plan).items() if k not in ("dims", "dtype", "raise_errors")},
+        "model": {
+            "shape": "Qwen2.5-1.5B" if plan.dims is QWEN25_15B else "tiny",
+            "dims": plan.dims,
+            "dtype": str(plan.dtype),
+            "weights": "random",
+        },
+        "plan": {
+            k: v for k, v in asdict(plan).items() if k not in ("dims", "dtype", "raise_errors")
+        },
         "slots": {"cache_len": plan.cache_len, "by_impl": {}},
         "decode": {"cache_len": plan.cache_len, "by_impl": {}},
     }
     result["engine"] = {"by_impl": {}}
-    result["conversion"] = {"skipped": "a real conversion needs base weights from the hub; run `make convert` separately"}
+    result["conversion"] = {
+        "skipped": "a real conversion needs base weights from the hub; run `make convert` separately"
+    }
     result["sections"] = list(only)
     engine_order = plan.impls[1:] + plan.impls[:1]
 
@@ -317,17 +425,47 @@ def run(plan: Plan, dry_run: bool, save=lambda result: None, only: tuple[str, ..
 
     for i, impl in enumerate(plan.impls):
         model.set_attn_implementation(impl)
-        section(result["slots"]["by_impl"], impl, plan, asked("slots", lambda: slot_latency(model, plan.slots, plan.cache_len, plan.repeats)), started)
+        section(
+            result["slots"]["by_impl"],
+            impl,
+            plan,
+            asked("slots", lambda: slot_latency(model, plan.slots, plan.cache_len, plan.repeats)),
+            started,
+        )
         save(result)
-        section(result["decode"]["by_impl"], impl, plan, asked("decode", lambda: decode_steps(model, plan)), started)
+        section(
+            result["decode"]["by_impl"],
+            impl,
+            plan,
+            asked("decode", lambda: decode_steps(model, plan)),
+            started,
+        )
         save(result)
         if i == 0:
-            section(result, "train", plan, asked("train", lambda: train_throughput(model, plan)), started)
+            section(
+                result,
+                "train",
+                plan,
+                asked("train", lambda: train_throughput(model, plan)),
+                started,
+            )
             save(result)
-            section(result["engine"]["by_impl"], engine_order[0], plan, asked("engine", lambda: engine_check(plan, engine_order[0])), started)
+            section(
+                result["engine"]["by_impl"],
+                engine_order[0],
+                plan,
+                asked("engine", lambda: engine_check(plan, engine_order[0])),
+                started,
+            )
             save(result)
     for impl in engine_order[1:]:
-        section(result["engine"]["by_impl"], impl, plan, asked("engine", lambda: engine_check(plan, impl)), started)
+        section(
+            result["engine"]["by_impl"],
+            impl,
+            plan,
+            asked("engine", lambda: engine_check(plan, impl)),
+            started,
+        )
         save(result)
     synchronize(device)
     result["seconds"] = time.perf_counter() - started
@@ -345,29 +483,53 @@ def print_report(result: dict) -> None:
             )
     train = result.get("train", {})
     if "tidar" in train:
-        print(f"train {train['attn_implementation']}: AR {train['ar']['tokens_per_s']:.0f} tok/s, TiDAR {train['tidar']['tokens_per_s']:.0f} tok/s ({train['tidar_vs_ar']:.2f}x)")
+        print(
+            f"train {train['attn_implementation']}: AR {train['ar']['tokens_per_s']:.0f} tok/s, TiDAR {train['tidar']['tokens_per_s']:.0f} tok/s ({train['tidar_vs_ar']:.2f}x)"
+        )
         fsdp = train["tidar_fsdp"]
         mfu = "" if fsdp["mfu"] is None else f", MFU {fsdp['mfu']:.1%}"
-        print(f"train TiDAR under FSDP2 (1 device): {fsdp['tokens_per_s']:.0f} tok/s ({train['tidar_fsdp_vs_tidar']:.2f}x unsharded){mfu}")
+        print(
+            f"train TiDAR under FSDP2 (1 device): {fsdp['tokens_per_s']:.0f} tok/s ({train['tidar_fsdp_vs_tidar']:.2f}x unsharded){mfu}"
+        )
     for impl, e in result.get("engine", {}).get("by_impl", {}).items():
         if "identical" in e:
-            print(f"engine {impl:>14}: TiDAR tokens identical to AR {e['identical']}, T/NFE {e['tokens_per_nfe']:.2f}, {e['tidar_vs_ar']:.2f}x AR (cycle streams)")
+            print(
+                f"engine {impl:>14}: TiDAR tokens identical to AR {e['identical']}, T/NFE {e['tokens_per_nfe']:.2f}, {e['tidar_vs_ar']:.2f}x AR (cycle streams)"
+            )
     print(f"total {result['seconds']:.1f} s")
 
 
 def main(argv: list[str] | None = None) -> Path:
-    parser = argparse.ArgumentParser(prog="python -m tidar_convert.bench.gpu", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--dry-run", action="store_true", help="CPU, tiny shapes, SDPA + dense masks: checks the script in seconds")
-    parser.add_argument("--only", default=",".join(SECTIONS), help=f"comma-separated sections to run, of {', '.join(SECTIONS)} (default: all)")
-    parser.add_argument("--out", default=None, help="JSON to write (default: bench/results/gpu.json, or gpu_dry_run.json with --dry-run)")
+    parser = argparse.ArgumentParser(
+        prog="python -m tidar_convert.bench.gpu", description=__doc__.split("\n\n")[0]
+    )
+    parser.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="CPU, tiny shapes, SDPA + dense masks: checks the script in seconds",
+    )
+    parser.add_argument(
+        "--only",
+        default=",".join(SECTIONS),
+        help=f"comma-separated sections to run, of {', '.join(SECTIONS)} (default: all)",
+    )
+    parser.add_argument(
+        "--out",
+        default=None,
+        help="JSON to write (default: bench/results/gpu.json, or gpu_dry_run.json with --dry-run)",
+    )
     args = parser.parse_args(argv)
     if not args.dry_run and not torch.cuda.is_available():
-        parser.error("no CUDA device here; run on a GPU machine, or pass --dry-run to check the script on CPU.")
+        parser.error(
+            "no CUDA device here; run on a GPU machine, or pass --dry-run to check the script on CPU."
+        )
     only = tuple(name.strip() for name in args.only.split(",") if name.strip())
     unknown = [name for name in only if name not in SECTIONS]
     if unknown or not only:
         parser.error(f"--only {args.only!r}: the sections are {', '.join(SECTIONS)}")
-    out = Path(args.out or ("bench/results/gpu_dry_run.json" if args.dry_run else "bench/results/gpu.json"))
+    out = Path(
+        args.out or ("bench/results/gpu_dry_run.json" if args.dry_run else "bench/results/gpu.json")
+    )
     out.parent.mkdir(parents=True, exist_ok=True)
 
     def save(result: dict) -> None:

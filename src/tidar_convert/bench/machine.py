@@ -26,16 +26,22 @@ def machine_info(device: torch.device, model=None) -> dict:
         # is near 0 before trusting a CPU number.
         "load_avg_1m": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
         "device": str(device),
-        "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or platform.machine(),
+        "device_name": torch.cuda.get_device_name(device)
+        if device.type == "cuda"
+        else platform.processor() or platform.machine(),
     }
     if model is not None:
         info["dtype"] = str(model.dtype)
         info["attn_implementation"] = model.config._attn_implementation
         info["parameters"] = sum(p.numel() for p in model.parameters())
-        if device.type == "cpu":  # generate()'s default product on this machine (kernels.packing_pays)
+        if (
+            device.type == "cpu"
+        ):  # generate()'s default product on this machine (kernels.packing_pays)
             from tidar_convert.runtime.kernels import linear_product, packing_pays, product_timings
 
             info["packed_linears"] = packing_pays(model)
             info["linear_product"] = linear_product(model)  # "panels", "onednn" or "stock"
-            info["product_timings"] = product_timings(model)  # the passes (ms at 1 and 8 rows, per product) that choice compared
+            info["product_timings"] = product_timings(
+                model
+            )  # the passes (ms at 1 and 8 rows, per product) that choice compared
     return info

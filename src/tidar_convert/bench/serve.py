@@ -36,15 +36,21 @@ MODES = ("tidar", "ar")
 TIDAR_LINE = re.compile(r"TiDAR generate: (\d+) new tokens in (\d+) forward passes")
 
 
-def check_serve_args(clients: list[int], requests: int, max_tokens: int, time_limit: float, startup_timeout: float) -> None:
+def check_serve_args(
+    clients: list[int], requests: int, max_tokens: int, time_limit: float, startup_timeout: float
+) -> None:
     if not clients or any(not isinstance(n, int) or n < 1 for n in clients):
-        raise ValueError(f"clients={clients!r}: pass one or more client counts >= 1, e.g. --clients [1,4].")
+        raise ValueError(
+            f"clients={clients!r}: pass one or more client counts >= 1, e.g. --clients [1,4]."
+        )
     if requests < 1:
         raise ValueError(f"requests={requests}: must be >= 1 (requests per mode and client count).")
     if max_tokens < 1:
         raise ValueError(f"max_tokens={max_tokens}: must be >= 1.")
     if time_limit <= 0 or startup_timeout <= 0:
-        raise ValueError(f"time_limit={time_limit}, startup_timeout={startup_timeout}: both must be > 0 seconds.")
+        raise ValueError(
+            f"time_limit={time_limit}, startup_timeout={startup_timeout}: both must be > 0 seconds."
+        )
 
 
 def free_port() -> int:
@@ -53,15 +59,34 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(model: Path, port: int, device: str, log: Path, timeout: float) -> subprocess.Popen:
+def start_server(
+    model: Path, port: int, device: str, log: Path, timeout: float
+) -> subprocess.Popen:
     """`transformers serve --trust-remote-code` on 127.0.0.1:port with the export preloaded, its output
     in `log`; returns once /health answers. Ends the process and raises if it exits or stays silent."""
     cli = Path(sys.executable).with_name("transformers")
     if not cli.exists():
-        raise FileNotFoundError(f"no `transformers` command beside {sys.executable}; install the serve extra: pip install 'tidar-convert[serve]'.")
-    cmd = [str(cli), "serve", "--trust-remote-code", "--host", "127.0.0.1", "--port", str(port), "--device", device, "--log-level", "info", str(model)]
+        raise FileNotFoundError(
+            f"no `transformers` command beside {sys.executable}; install the serve extra: pip install 'tidar-convert[serve]'."
+        )
+    cmd = [
+        str(cli),
+        "serve",
+        "--trust-remote-code",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--device",
+        device,
+        "--log-level",
+        "info",
+        str(model),
+    ]
     with log.open("w") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+        proc = subprocess.Popen(
+            cmd, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "HF_HUB_OFFLINE": "1"}
+        )
     deadline = time.monotonic() + timeout
     while True:
         try:
@@ -71,10 +96,14 @@ def start_server(model: Path, port: int, device: str, log: Path, timeout: float)
         except OSError:
             pass
         if proc.poll() is not None:
-            raise ValueError(f"`transformers serve` exited with {proc.returncode} before answering; its log: {log}")
+            raise ValueError(
+                f"`transformers serve` exited with {proc.returncode} before answering; its log: {log}"
+            )
         if time.monotonic() > deadline:
             stop_server(proc)
-            raise ValueError(f"`transformers serve` did not answer /health in {timeout:.0f} s (raise --startup_timeout); its log: {log}")
+            raise ValueError(
+                f"`transformers serve` did not answer /health in {timeout:.0f} s (raise --startup_timeout); its log: {log}"
+            )
         time.sleep(1)
 
 
@@ -88,7 +117,9 @@ def stop_server(proc: subprocess.Popen) -> None:
             proc.wait()
 
 
-def chat_request(port: int, model: str, text: str, max_tokens: int, tidar: bool, timeout: float) -> dict:
+def chat_request(
+    port: int, model: str, text: str, max_tokens: int, tidar: bool, timeout: float
+) -> dict:
     """One non-streamed, greedy /v1/chat/completions request; its text, completion tokens and seconds."""
     body = {
         "model": model,
@@ -97,19 +128,40 @@ def chat_request(port: int, model: str, text: str, max_tokens: int, tidar: bool,
         "temperature": 0,
         # the call's whole GenerationConfig (transformers serve: GenerationConfig(**json)); generate()
         # completes it with the model's, and reads `tidar` from it (decode.generate)
-        "generation_config": json.dumps({"tidar": tidar, "do_sample": False, "max_new_tokens": max_tokens}),
+        "generation_config": json.dumps(
+            {"tidar": tidar, "do_sample": False, "max_new_tokens": max_tokens}
+        ),
     }
-    req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/chat/completions", data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    req = urllib.request.Request(
+        f"http://127.0.0.1:{port}/v1/chat/completions",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+    )
     t0 = time.perf_counter()
     try:
         with urllib.request.urlopen(req, timeout=timeout) as r:
             answer = json.loads(r.read())
     except urllib.error.HTTPError as e:
-        raise ValueError(f"the server refused a request ({e.code}): {e.read().decode(errors='replace')[:500]}") from e
-    return {"text": answer["choices"][0]["message"]["content"], "completion_tokens": answer["usage"]["completion_tokens"], "seconds": time.perf_counter() - t0}
+        raise ValueError(
+            f"the server refused a request ({e.code}): {e.read().decode(errors='replace')[:500]}"
+        ) from e
+    return {
+        "text": answer["choices"][0]["message"]["content"],
+        "completion_tokens": answer["usage"]["completion_tokens"],
+        "seconds": time.perf_counter() - t0,
+    }
 
 
-def run_load(port: int, model: str, texts: list[str], clients: int, requests: int, max_tokens: int, tidar: bool, deadline: float) -> dict:
+def run_load(
+    port: int,
+    model: str,
+    texts: list[str],
+    clients: int,
+    requests: int,
+    max_tokens: int,
+    tidar: bool,
+    deadline: float,
+) -> dict:
     """`requests` requests from `clients` concurrent clients (prompt i for request i), none started
     past `deadline`: tokens/s over the wall time of the whole load, and each request's figures."""
 
@@ -117,7 +169,12 @@ def run_load(port: int, model: str, texts: list[str], clients: int, requests: in
         left = deadline - time.monotonic()
         if left <= 0:
             return None  # out of time: not started
-        return {"prompt": i % len(texts), **chat_request(port, model, texts[i % len(texts)], max_tokens, tidar, timeout=max(left, 1.0))}
+        return {
+            "prompt": i % len(texts),
+            **chat_request(
+                port, model, texts[i % len(texts)], max_tokens, tidar, timeout=max(left, 1.0)
+            ),
+        }
 
     t0 = time.perf_counter()
     with ThreadPoolExecutor(clients) as pool:
@@ -141,7 +198,12 @@ def served_tidar_steps(log: Path, offset: int = 0) -> dict:
         text = f.read().decode(errors="replace")
     found = [(int(a), int(b)) for a, b in TIDAR_LINE.findall(text)]
     tokens, forwards = sum(a for a, _ in found), sum(b for _, b in found)
-    return {"calls": len(found), "new_tokens": tokens, "forwards": forwards, "tokens_per_forward": tokens / forwards if forwards else None}
+    return {
+        "calls": len(found),
+        "new_tokens": tokens,
+        "forwards": forwards,
+        "tokens_per_forward": tokens / forwards if forwards else None,
+    }
 
 
 def bench_serve_cmd(
@@ -176,14 +238,16 @@ def bench_serve_cmd(
     """
     from transformers import AutoTokenizer
 
-    from tidar_convert.exports.folder import check_export
     from tidar_convert.bench.machine import machine_info
+    from tidar_convert.exports.folder import check_export
 
     clients = list(clients) if clients is not None else [1, 4]
     check_serve_args(clients, requests, max_tokens, time_limit, startup_timeout)
     path = Path(model).expanduser()
     if not path.is_dir():
-        raise FileNotFoundError(f"model={model!r} is not a folder; pass a TiDAR export folder (the OUT of `make convert`).")
+        raise FileNotFoundError(
+            f"model={model!r} is not a folder; pass a TiDAR export folder (the OUT of `make convert`)."
+        )
     check_export(path)
     json_path = Path(out) if out else Path("bench/results") / f"{path.resolve().name}-serve.json"
     from tidar_convert.exports.outputs import check_record_target
@@ -198,20 +262,32 @@ def bench_serve_cmd(
     port = free_port()
     proc = start_server(path.resolve(), port, device, log, startup_timeout)
     try:
-        for tidar in (True, False):  # warm-up: the first request loads the remote code's kernels and timings
+        for tidar in (
+            True,
+            False,
+        ):  # warm-up: the first request loads the remote code's kernels and timings
             chat_request(port, served, texts[0], min(max_tokens, 8), tidar, timeout=startup_timeout)
         offset = log.stat().st_size  # the warm-up's log lines are not the load's
         deadline = time.monotonic() + time_limit
         results = {}
         for n in clients:
-            by_mode = {mode: run_load(port, served, texts, n, requests, max_tokens, mode == "tidar", deadline) for mode in MODES}
+            by_mode = {
+                mode: run_load(
+                    port, served, texts, n, requests, max_tokens, mode == "tidar", deadline
+                )
+                for mode in MODES
+            }
             tidar, ar = by_mode["tidar"], by_mode["ar"]
             same = {r["prompt"]: r["text"] for r in ar["runs"]}
             results[str(n)] = {
                 **by_mode,
-                "tidar_vs_ar": tidar["tokens_per_s"] / ar["tokens_per_s"] if ar["tokens_per_s"] > 0 else None,
+                "tidar_vs_ar": tidar["tokens_per_s"] / ar["tokens_per_s"]
+                if ar["tokens_per_s"] > 0
+                else None,
                 # greedy, so TiDAR's text is AR's: a served check of exactness
-                "identical": sum(r["text"] == same[r["prompt"]] for r in tidar["runs"] if r["prompt"] in same),
+                "identical": sum(
+                    r["text"] == same[r["prompt"]] for r in tidar["runs"] if r["prompt"] in same
+                ),
             }
         cut = time.monotonic() > deadline
     finally:
@@ -236,11 +312,20 @@ def bench_serve_cmd(
     json_path.write_text(json.dumps(result, indent=1))
     for n, r in results.items():
         ratio = "-" if r["tidar_vs_ar"] is None else f"{r['tidar_vs_ar']:.2f}x"
-        print(f"{n} client(s): TiDAR {r['tidar']['tokens_per_s']:.1f} tok/s, AR {r['ar']['tokens_per_s']:.1f} tok/s ({ratio}); identical {r['identical']}/{r['tidar']['requests']}", file=sys.stderr)
+        print(
+            f"{n} client(s): TiDAR {r['tidar']['tokens_per_s']:.1f} tok/s, AR {r['ar']['tokens_per_s']:.1f} tok/s ({ratio}); identical {r['identical']}/{r['tidar']['requests']}",
+            file=sys.stderr,
+        )
     s = result["served_tidar"]
     if s["tokens_per_forward"] is not None:
-        print(f"served TiDAR: {s['calls']} calls, {s['tokens_per_forward']:.2f} tokens per forward", file=sys.stderr)
+        print(
+            f"served TiDAR: {s['calls']} calls, {s['tokens_per_forward']:.2f} tokens per forward",
+            file=sys.stderr,
+        )
     if cut:
-        print(f"bench-serve: the {time_limit:.0f} s limit cut the load; `requests` says how many ran", file=sys.stderr)
+        print(
+            f"bench-serve: the {time_limit:.0f} s limit cut the load; `requests` says how many ran",
+            file=sys.stderr,
+        )
     print(f"wrote {json_path}", file=sys.stderr)
     return str(json_path)

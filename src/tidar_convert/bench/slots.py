@@ -11,17 +11,21 @@ from collections.abc import Iterable
 
 import torch
 
+from tidar_convert.bench.decoders import DECODERS
+from tidar_convert.bench.timing import median_seconds
 from tidar_convert.runtime import layout
 from tidar_convert.runtime.forward import cache_kwargs
 from tidar_convert.runtime.kernels import cpu_kernels
 from tidar_convert.train.progress import progress
-from tidar_convert.bench.decoders import DECODERS
-from tidar_convert.bench.timing import median_seconds
 
 CPU_SLOTS = (1, 2, 4, 8, 16, 32, 64)
 GPU_SLOTS = CPU_SLOTS + (128, 256, 512)
 SLOT_CACHE_LEN = 256
-STEP_KS = (2, 4, 8)  # the usual block sizes, whose full TiDAR step (k + k*k slots) the curve includes
+STEP_KS = (
+    2,
+    4,
+    8,
+)  # the usual block sizes, whose full TiDAR step (k + k*k slots) the curve includes
 
 
 def slot_sizes(device: torch.device, k: int) -> list[int]:
@@ -29,7 +33,13 @@ def slot_sizes(device: torch.device, k: int) -> list[int]:
     return sorted(set(sizes) | {kk + kk * kk for kk in (*STEP_KS, k)})
 
 
-def slot_latency(model, slots: Iterable[int], cache_len: int = SLOT_CACHE_LEN, repeats: int = 7, pack_weights: bool | str = "auto") -> list[dict]:
+def slot_latency(
+    model,
+    slots: Iterable[int],
+    cache_len: int = SLOT_CACHE_LEN,
+    repeats: int = 7,
+    pack_weights: bool | str = "auto",
+) -> list[dict]:
     """Median latency of one forward of n new tokens after a KV cache of `cache_len` tokens, on the
     kernels generate() runs by default (pack_weights: kernels.cpu_kernels) or the stock ones.
 
@@ -48,7 +58,9 @@ def slot_latency(model, slots: Iterable[int], cache_len: int = SLOT_CACHE_LEN, r
         """Random tokens at positions start.., causal after the cache; the mask is built here, outside
         the timed call, so the curve shows the forward alone (mask building is not per-slot work)."""
         tokens = torch.randint(0, vocab, (1, n), generator=gen).to(device)
-        mask = layout.build_mask(layout.decode_mask_mod(start, n, 1, 1), 1, n, start + n, impl, device)
+        mask = layout.build_mask(
+            layout.decode_mask_mod(start, n, 1, 1), 1, n, start + n, impl, device
+        )
         positions = torch.arange(start, start + n, device=device)[None]
         return {"input_ids": tokens, "position_ids": positions, "attention_mask": mask}
 
@@ -65,7 +77,10 @@ def slot_latency(model, slots: Iterable[int], cache_len: int = SLOT_CACHE_LEN, r
             steps[n] = step
         for step in steps.values():  # one untimed sweep first: otherwise the first size measured
             step()  # also pays for warming caches and allocator, and the curve starts high
-        points = [{"slots": n, "ms": 1000 * median_seconds(step, device, repeats, warmup=1)} for n, step in progress(list(steps.items()), "slot latency", unit="size")]
+        points = [
+            {"slots": n, "ms": 1000 * median_seconds(step, device, repeats, warmup=1)}
+            for n, step in progress(list(steps.items()), "slot latency", unit="size")
+        ]
     base = points[0]["ms"] if points else 0.0
     for p in points:
         p["vs_first"] = p["ms"] / base if base > 0 else 0.0
@@ -98,5 +113,11 @@ def decoder_steps(summary: dict, points: list[dict], stock: list[dict] | None = 
         if slots is None or not curve:
             continue
         ms, one = latency_at(curve, slots), latency_at(curve, 1)
-        out[decoder] = {"slots_per_step": slots, "ms": ms, "vs_one_slot": ms / one if one > 0 else 0.0, "beyond_curve": slots > curve[-1]["slots"], "curve": "stock" if on_stock else "default"}
+        out[decoder] = {
+            "slots_per_step": slots,
+            "ms": ms,
+            "vs_one_slot": ms / one if one > 0 else 0.0,
+            "beyond_curve": slots > curve[-1]["slots"],
+            "curve": "stock" if on_stock else "default",
+        }
     return out

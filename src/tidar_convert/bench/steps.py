@@ -46,8 +46,12 @@ def phase_shares(events: list[tuple[str, int, int, int]]) -> dict:
     runs on its own: the shares of the keys without " > ", and other, add up to 1."""
     total = sum(end - start for name, start, end, _ in events if name == REGION)
     labelled, covered, open_labels = defaultdict(int), 0, defaultdict(list)
-    for name, start, end, thread in sorted((e for e in events if e[0] != REGION), key=lambda e: (e[1], -e[2])):
-        stack = open_labels[thread]  # (label, end) of the labels still open at `start`, outermost first
+    for name, start, end, thread in sorted(
+        (e for e in events if e[0] != REGION), key=lambda e: (e[1], -e[2])
+    ):
+        stack = open_labels[
+            thread
+        ]  # (label, end) of the labels still open at `start`, outermost first
         while stack and stack[-1][1] <= start:
             stack.pop()
         labelled[" > ".join([label for label, _ in stack] + [name])] += end - start
@@ -56,10 +60,23 @@ def phase_shares(events: list[tuple[str, int, int, int]]) -> dict:
         stack.append((name, end))
     phases = dict(sorted(labelled.items()))
     phases["other"] = max(0, total - covered)
-    return {"total_ms": total / 1e6, "phases": {name: {"ms": ns / 1e6, "share": ns / total if total > 0 else 0.0} for name, ns in phases.items()}}
+    return {
+        "total_ms": total / 1e6,
+        "phases": {
+            name: {"ms": ns / 1e6, "share": ns / total if total > 0 else 0.0}
+            for name, ns in phases.items()
+        },
+    }
 
 
-def step_breakdown(model, tokenizer, prompts: list[dict], k: int | None, max_new_tokens: int = PROFILE_TOKENS, decoder: str = "tidar") -> dict:
+def step_breakdown(
+    model,
+    tokenizer,
+    prompts: list[dict],
+    k: int | None,
+    max_new_tokens: int = PROFILE_TOKENS,
+    decoder: str = "tidar",
+) -> dict:
     """Profile `decoder` (greedy, batch 1) on `prompts`, `max_new_tokens` each; keep it to a couple
     of short ones, as the profiler records every operator. Call it after a warm-up generation, so
     no one-time cost lands in a phase."""
@@ -71,7 +88,14 @@ def step_breakdown(model, tokenizer, prompts: list[dict], k: int | None, max_new
         for prompt in prompts:
             ids = prompt_ids(tokenizer, prompt).to(device)
             with ForwardCounter(model) as count, record_function(REGION):
-                out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=tokenizer.pad_token_id, **kwargs)
+                out = model.generate(
+                    ids,
+                    attention_mask=torch.ones_like(ids),
+                    max_new_tokens=max_new_tokens,
+                    do_sample=False,
+                    pad_token_id=tokenizer.pad_token_id,
+                    **kwargs,
+                )
                 synchronize(device)
             new_tokens += out.shape[1] - ids.shape[1]
             forwards += count.forwards

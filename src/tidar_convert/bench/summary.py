@@ -18,7 +18,12 @@ REFERENCES = (
     ("base_prompt_lookup", "tokens_per_s_vs_base_prompt_lookup"),
     ("ar_stock", "tokens_per_s_vs_ar_stock"),
 )
-SHORT = {"ar": "AR", "prompt_lookup": "lookup", "base_prompt_lookup": "base lookup", "ar_stock": "stock AR"}
+SHORT = {
+    "ar": "AR",
+    "prompt_lookup": "lookup",
+    "base_prompt_lookup": "base lookup",
+    "ar_stock": "stock AR",
+}
 
 
 def per_step(runs: list[dict], key: str) -> float | None:
@@ -58,7 +63,9 @@ def acceptance_by_offset(runs: list[dict]) -> dict | None:
                     into[name][i] += c
     for table in total.values():
         table["acceptance"] = [a / j for a, j in zip(table["accepted"], table["judged"])]
-        table["expected"] = [p / n if n else None for p, n in zip(table.pop("predicted"), table["rated"])]
+        table["expected"] = [
+            p / n if n else None for p, n in zip(table.pop("predicted"), table["rated"])
+        ]
     return total or None
 
 
@@ -68,7 +75,9 @@ def summarize(rows: list[dict]) -> dict:
     summary = {}
     for decoder in [d for d in DECODERS if rows and d in rows[0]]:
         runs = [r[decoder] for r in rows]
-        tokens, nfe, seconds = (sum(r[key] for r in runs) for key in ("new_tokens", "nfe", "seconds"))
+        tokens, nfe, seconds = (
+            sum(r[key] for r in runs) for key in ("new_tokens", "nfe", "seconds")
+        )
         base = DECODERS[decoder].weights == "base"
         unmatched = any(r.get("identical_to_ar") is None for r in runs)
         summary[decoder] = {
@@ -78,11 +87,15 @@ def summarize(rows: list[dict]) -> dict:
             "seconds": seconds,
             "tokens_per_s": tokens / seconds if seconds > 0 else 0.0,
             "tokens_per_nfe": tokens / nfe if nfe else 0.0,
-            "mean_tokens_per_nfe": statistics.fmean(r["tokens_per_nfe"] for r in runs) if runs else 0.0,
+            "mean_tokens_per_nfe": statistics.fmean(r["tokens_per_nfe"] for r in runs)
+            if runs
+            else 0.0,
             "slots_per_step": per_step(runs, "slots_per_step"),
             "lm_head_rows_per_step": per_step(runs, "lm_head_rows_per_step"),
             # not the export's weights, or sampled (other draws of the same distribution): None
-            "identical": None if base or unmatched else sum(bool(r["identical_to_ar"]) for r in runs),
+            "identical": None
+            if base or unmatched
+            else sum(bool(r["identical_to_ar"]) for r in runs),
             "all_identical": None if base or unmatched else all(r["identical_to_ar"] for r in runs),
         }
         if DECODERS[decoder].tidar:
@@ -106,7 +119,11 @@ def summary_line(decoder: str, s: dict) -> str:
     if DECODERS[decoder].weights == "base":
         same = "base weights"
     else:
-        same = "sampled (not compared token for token)" if s["identical"] is None else f"identical to AR {s['identical']}/{s['prompts']}"
+        same = (
+            "sampled (not compared token for token)"
+            if s["identical"] is None
+            else f"identical to AR {s['identical']}/{s['prompts']}"
+        )
     return (
         f"{decoder:>18}: {s['tokens_per_s']:8.1f} tok/s ({vs}), {s['tokens_per_nfe']:.2f} T/NFE, "
         f"{_num(s.get('slots_per_step'), '.1f')} slots and {_num(s.get('lm_head_rows_per_step'), '.1f')} LM-head rows a step, {same}"
@@ -115,7 +132,13 @@ def summary_line(decoder: str, s: dict) -> str:
 
 def offsets_line(table: dict, most: int = 8) -> str:
     """The first `most` offsets' acceptance, and what the plan expected, as `0.81 (0.77) ...`."""
-    return " ".join(f"{a:.2f} ({_num(e)})" for a, e in zip(table["acceptance"][:most], table["expected"][:most])) + ", plan's chance in ()"
+    return (
+        " ".join(
+            f"{a:.2f} ({_num(e)})"
+            for a, e in zip(table["acceptance"][:most], table["expected"][:most])
+        )
+        + ", plan's chance in ()"
+    )
 
 
 def print_summary(summary: dict, ppl: dict | None, skipped: dict[str, str] | None = None) -> None:
@@ -126,4 +149,7 @@ def print_summary(summary: dict, ppl: dict | None, skipped: dict[str, str] | Non
     for decoder, why in (skipped or {}).items():
         print(f"{decoder:>18}: not run: {why}", file=sys.stderr)
     if ppl:
-        print(f"    perplexity: base {ppl['base']:.3f} -> converted {ppl['converted']:.3f} ({ppl['change_pct']:+.1f}%) on {ppl['data']}", file=sys.stderr)
+        print(
+            f"    perplexity: base {ppl['base']:.3f} -> converted {ppl['converted']:.3f} ({ppl['change_pct']:+.1f}%) on {ppl['data']}",
+            file=sys.stderr,
+        )

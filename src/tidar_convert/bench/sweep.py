@@ -28,7 +28,14 @@ from tidar_convert.bench.sweep_curves import collect, plot, tokens_per_step
 
 # Flags the sweep sets for every arm: an arm or --fit_args setting them would break the arm's
 # isolation (its folder, its metrics, resuming), so they are refused.
-MANAGED = ("--trainer.default_root_dir", "--trainer.logger", "--trainer.callbacks", "--out", "--overwrite", "--ckpt_path")
+MANAGED = (
+    "--trainer.default_root_dir",
+    "--trainer.logger",
+    "--trainer.callbacks",
+    "--out",
+    "--overwrite",
+    "--ckpt_path",
+)
 ARM_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.+-]*$")
 EXAMPLE = "recipes/sweeps/smollm2-cpu-levers.yaml"
 
@@ -67,24 +74,38 @@ def load_spec(path: str) -> dict[str, list[str]]:
     spec = Path(path)
     fix = f"write one `name: [--flag, value, ...]` per arm (see {EXAMPLE})"
     if not spec.is_file():
-        raise FileNotFoundError(f"sweep spec {path!r} does not exist{' (it is a folder)' if spec.is_dir() else ''}; pass --spec a YAML file: {fix}.")
+        raise FileNotFoundError(
+            f"sweep spec {path!r} does not exist{' (it is a folder)' if spec.is_dir() else ''}; pass --spec a YAML file: {fix}."
+        )
     try:
         raw = yaml.safe_load(spec.read_text())
     except yaml.YAMLError as e:
-        raise ValueError(f"sweep spec {path}: not valid YAML ({' '.join(str(e).split())}); {fix}.") from None
+        raise ValueError(
+            f"sweep spec {path}: not valid YAML ({' '.join(str(e).split())}); {fix}."
+        ) from None
     if not raw:
-        raise ValueError(f"sweep spec {path} holds no arms; {fix}, e.g. `baseline: []` runs the recipe as it is.")
+        raise ValueError(
+            f"sweep spec {path} holds no arms; {fix}, e.g. `baseline: []` runs the recipe as it is."
+        )
     if not isinstance(raw, dict):
-        raise ValueError(f"sweep spec {path} is a {type(raw).__name__}, not a mapping of arm name -> list of flags; {fix}.")
+        raise ValueError(
+            f"sweep spec {path} is a {type(raw).__name__}, not a mapping of arm name -> list of flags; {fix}."
+        )
     arms = {}
     for name, flags in raw.items():
         name = str(name)
         if not ARM_NAME.match(name):
-            raise ValueError(f"arm name {name!r} in {path}: use letters, digits and . _ + - (it names the arm's folder), e.g. 'lora-16'.")
+            raise ValueError(
+                f"arm name {name!r} in {path}: use letters, digits and . _ + - (it names the arm's folder), e.g. 'lora-16'."
+            )
         if flags is None:
             flags = []
         if not isinstance(flags, list):
-            words = str(flags).split() if isinstance(flags, str) and flags.strip() else ["--model.alpha", "'0.5'"]
+            words = (
+                str(flags).split()
+                if isinstance(flags, str) and flags.strip()
+                else ["--model.alpha", "'0.5'"]
+            )
             raise ValueError(
                 f"arm {name!r} in {path} is a {type(flags).__name__} ({flags!r}), not a list of flags; "
                 f"write it as {name}: [{', '.join(words)}] (one item per word), or {name}: [] for the recipe as it is."
@@ -155,7 +176,9 @@ def sweep_cmd(
     arm_flags = load_spec(spec)
     recipe_path = Path(recipe)
     if not recipe_path.is_file():
-        raise FileNotFoundError(f"recipe {recipe!r} does not exist; pass --recipe a fit recipe such as recipes/smollm2-135m-cpu-lora.yaml.")
+        raise FileNotFoundError(
+            f"recipe {recipe!r} does not exist; pass --recipe a fit recipe such as recipes/smollm2-135m-cpu-lora.yaml."
+        )
     for value, flag in ((max_steps, "--max_steps"), (val_check_interval, "--val_check_interval")):
         if value is not None and value < 1:
             raise ValueError(f"{flag} {value}: must be >= 1 (leave it out to use the recipe's).")
@@ -164,14 +187,22 @@ def sweep_cmd(
     selected = list(arm_flags) if not arms else list(arms)
     unknown = [a for a in selected if a not in arm_flags]
     if unknown:
-        raise ValueError(f"--arms {', '.join(unknown)}: not in {spec} (its arms: {', '.join(arm_flags)}).")
+        raise ValueError(
+            f"--arms {', '.join(unknown)}: not in {spec} (its arms: {', '.join(arm_flags)})."
+        )
     out_dir = Path(out) if out else Path("runs") / "sweeps" / Path(spec).stem
     if out_dir.exists() and not out_dir.is_dir():
-        raise ValueError(f"--out {out_dir} is a file; pass a new folder, or an earlier sweep's folder to continue it.")
+        raise ValueError(
+            f"--out {out_dir} is a file; pass a new folder, or an earlier sweep's folder to continue it."
+        )
     if out_dir.is_dir() and any(out_dir.iterdir()) and not (out_dir / "sweep.json").is_file():
-        raise ValueError(f"--out {out_dir} is a folder with other files and no sweep.json: not an earlier sweep; pass a new or empty folder.")
+        raise ValueError(
+            f"--out {out_dir} is a folder with other files and no sweep.json: not an earlier sweep; pass a new or empty folder."
+        )
     if (out_dir / "sweep.json").is_file() and not _sweep_record(out_dir / "sweep.json"):
-        raise ValueError(f"--out {out_dir} holds a sweep.json that no sweep wrote (not JSON with its spec and arms): it is never replaced; pass a new or empty folder.")
+        raise ValueError(
+            f"--out {out_dir} holds a sweep.json that no sweep wrote (not JSON with its spec and arms): it is never replaced; pass a new or empty folder."
+        )
     recipe_cfg = yaml.safe_load(recipe_path.read_text()) or {}
     sweep_name = out_dir.name
     shared = []
@@ -183,13 +214,36 @@ def sweep_cmd(
     steps = max_steps or (recipe_cfg.get("trainer") or {}).get("max_steps")
     every = val_check_interval or (recipe_cfg.get("trainer") or {}).get("val_check_interval")
     if isinstance(steps, int) and isinstance(every, int) and steps % every:
-        print(f"note: max_steps {steps} is not a multiple of val_check_interval {every}: the last {steps % every} steps of each arm are never measured.", file=sys.stderr)
+        print(
+            f"note: max_steps {steps} is not a multiple of val_check_interval {every}: the last {steps % every} steps of each arm are never measured.",
+            file=sys.stderr,
+        )
 
-    settings = {name: {"recipe": str(recipe), "recipe_sha256": _sha256(recipe_path), "flags": shared + flags} for name, flags in arm_flags.items()}
+    settings = {
+        name: {
+            "recipe": str(recipe),
+            "recipe_sha256": _sha256(recipe_path),
+            "flags": shared + flags,
+        }
+        for name, flags in arm_flags.items()
+    }
     if dry_run:
         for name in selected:
             arm_dir = (out_dir / "arms" / name).resolve()
-            print(shlex.join(arm_command(recipe, settings[name]["flags"], arm_dir, name, sweep_name, keep_loggers, recipe_cfg, resume=False)))
+            print(
+                shlex.join(
+                    arm_command(
+                        recipe,
+                        settings[name]["flags"],
+                        arm_dir,
+                        name,
+                        sweep_name,
+                        keep_loggers,
+                        recipe_cfg,
+                        resume=False,
+                    )
+                )
+            )
         return str(out_dir)
 
     # Settings of finished or resumable arms must match this run's: refuse before training anything.
@@ -199,10 +253,13 @@ def sweep_cmd(
         resumable = (arm_dir / "checkpoints" / "last.ckpt").is_file()
         was = (state or {}).get("settings") or {}
         now = settings[name]
-        same = was.get("flags") == now["flags"] and was.get("recipe_sha256") == now["recipe_sha256"]  # the recipe's path may be spelled differently
+        same = (
+            was.get("flags") == now["flags"] and was.get("recipe_sha256") == now["recipe_sha256"]
+        )  # the recipe's path may be spelled differently
         if state and (state.get("status") == "done" or resumable) and not same:
             what = (
-                f"flags {was.get('flags')}, now {now['flags']}" if was.get("flags") != now["flags"]
+                f"flags {was.get('flags')}, now {now['flags']}"
+                if was.get("flags") != now["flags"]
                 else f"recipe {was.get('recipe')} had other contents than {now['recipe']} has now"
             )
             raise ValueError(
@@ -215,16 +272,31 @@ def sweep_cmd(
     title = f"{Path(spec).name} on {recipe_path.name}"
 
     def write_summary() -> list[dict]:
-        results = [collect(name, settings[name]["flags"], out_dir / "arms" / name, _read_json(out_dir / "arms" / name / "arm.json")) for name in arm_flags]
-        _write_json(json_path, {
-            "spec": str(spec), "recipe": str(recipe), "max_steps": max_steps, "val_check_interval": val_check_interval,
-            "fit_args": common, "metric": "val/tokens_per_nfe: greedy TiDAR decoding of held-out validation prompts",
-            "tokens": "clean training tokens = steps x batch_size x seq_len x accumulate_grad_batches x devices x num_nodes",
-            "curve_fields": "step: optimizer steps; tokens: training tokens at that step; wall_s: seconds since the arm started "
-            "(all its attempts); tokens_per_nfe and every other val/* metric, e.g. loss_ar (AR cross-entropy), loss_diff "
-            "(hard-label diffusion loss), loss (the arm's own objective: not comparable across distill_weight or alpha)",
-            "arms": results,
-        })
+        results = [
+            collect(
+                name,
+                settings[name]["flags"],
+                out_dir / "arms" / name,
+                _read_json(out_dir / "arms" / name / "arm.json"),
+            )
+            for name in arm_flags
+        ]
+        _write_json(
+            json_path,
+            {
+                "spec": str(spec),
+                "recipe": str(recipe),
+                "max_steps": max_steps,
+                "val_check_interval": val_check_interval,
+                "fit_args": common,
+                "metric": "val/tokens_per_nfe: greedy TiDAR decoding of held-out validation prompts",
+                "tokens": "clean training tokens = steps x batch_size x seq_len x accumulate_grad_batches x devices x num_nodes",
+                "curve_fields": "step: optimizer steps; tokens: training tokens at that step; wall_s: seconds since the arm started "
+                "(all its attempts); tokens_per_nfe and every other val/* metric, e.g. loss_ar (AR cross-entropy), loss_diff "
+                "(hard-label diffusion loss), loss (the arm's own objective: not comparable across distill_weight or alpha)",
+                "arms": results,
+            },
+        )
         plot(results, png_path, title)
         return results
 
@@ -237,26 +309,57 @@ def sweep_cmd(
             arm_dir = out_dir / "arms" / name
             state = _read_json(arm_dir / "arm.json") or {}
             if state.get("status") == "done":
-                print(f"[{i}/{len(selected)}] {name}: done earlier ({arm_dir}), skipped", file=sys.stderr)
+                print(
+                    f"[{i}/{len(selected)}] {name}: done earlier ({arm_dir}), skipped",
+                    file=sys.stderr,
+                )
                 continue
             arm_dir.mkdir(parents=True, exist_ok=True)
             resume = (arm_dir / "checkpoints" / "last.ckpt").is_file()
             wall_before = float(state.get("wall_s") or 0.0) if resume else 0.0
             times = state.get("val_times", {}) if resume else {}
-            if not resume:  # a fresh start: what an earlier attempt that saved no checkpoint left is stale
+            if (
+                not resume
+            ):  # a fresh start: what an earlier attempt that saved no checkpoint left is stale
                 for old in [*arm_dir.glob("csv/version_*/metrics.csv"), arm_dir / "config.yaml"]:
                     old.unlink(missing_ok=True)
-            cmd = arm_command(recipe, settings[name]["flags"], arm_dir.resolve(), name, sweep_name, keep_loggers, recipe_cfg, resume)
+            cmd = arm_command(
+                recipe,
+                settings[name]["flags"],
+                arm_dir.resolve(),
+                name,
+                sweep_name,
+                keep_loggers,
+                recipe_cfg,
+                resume,
+            )
             how = f"resuming from {arm_dir / 'checkpoints' / 'last.ckpt'}" if resume else "starting"
-            print(f"[{i}/{len(selected)}] {name}: {how}, log {arm_dir / 'fit.log'}", file=sys.stderr)
+            print(
+                f"[{i}/{len(selected)}] {name}: {how}, log {arm_dir / 'fit.log'}", file=sys.stderr
+            )
             ran = run_arm(name, cmd, arm_dir, wall_before, forward)
             _, used = tokens_per_step(arm_dir / "config.yaml")
             target = used.get("max_steps")
-            finished = ran["rc"] == 0 and ran["trained_steps"] is not None and (not isinstance(target, int) or target < 0 or ran["trained_steps"] >= target)
-            status = "done" if finished else "interrupted" if forward.received or ran["rc"] in (130, 143) else "failed"  # 143: SIGTERM, 130: Ctrl-C; each saved last.ckpt
+            finished = (
+                ran["rc"] == 0
+                and ran["trained_steps"] is not None
+                and (not isinstance(target, int) or target < 0 or ran["trained_steps"] >= target)
+            )
+            status = (
+                "done"
+                if finished
+                else "interrupted"
+                if forward.received or ran["rc"] in (130, 143)
+                else "failed"
+            )  # 143: SIGTERM, 130: Ctrl-C; each saved last.ckpt
             new_state = {
-                "status": status, "settings": settings[name], "command": cmd, "rc": ran["rc"], "wall_s": ran["wall_s"],
-                "trained_steps": ran["trained_steps"], "val_times": {**times, **{str(k): v for k, v in ran["val_times"].items()}},
+                "status": status,
+                "settings": settings[name],
+                "command": cmd,
+                "rc": ran["rc"],
+                "wall_s": ran["wall_s"],
+                "trained_steps": ran["trained_steps"],
+                "val_times": {**times, **{str(k): v for k, v in ran["val_times"].items()}},
             }
             if status != "done":
                 new_state["error"] = error_line(ran["last_lines"]) or f"exit status {ran['rc']}"
@@ -269,7 +372,11 @@ def sweep_cmd(
             last = r["curve"][-1] if r["curve"] else {}
             print(
                 f"[{i}/{len(selected)}] {name}: {status} in {r['wall_s']:.0f} s, {len(r['curve'])} curve points"
-                + (f", last T/NFE {last['tokens_per_nfe']:.3f} at {last['tokens']} tokens" if last.get("tokens_per_nfe") is not None else "")
+                + (
+                    f", last T/NFE {last['tokens_per_nfe']:.3f} at {last['tokens']} tokens"
+                    if last.get("tokens_per_nfe") is not None
+                    else ""
+                )
                 + (f"; {new_state['error']}" if status != "done" else ""),
                 file=sys.stderr,
             )
@@ -278,7 +385,9 @@ def sweep_cmd(
                 break
 
     results = write_summary()
-    print("\narm            status       steps   tokens      T/NFE    AR loss   wall", file=sys.stderr)
+    print(
+        "\narm            status       steps   tokens      T/NFE    AR loss   wall", file=sys.stderr
+    )
     for r in results:
         last = r["curve"][-1] if r["curve"] else {}
         fmt = lambda v, f: format(v, f) if v is not None else "-"  # noqa: E731
@@ -292,10 +401,16 @@ def sweep_cmd(
         if r["status"] != "not run":
             print(f"arm {r['arm']}: {r['run_dir']} (log {r['log']})", file=sys.stderr)
     if interrupted:
-        print("interrupted: run the same command again to resume (finished arms are skipped).", file=sys.stderr)
+        print(
+            "interrupted: run the same command again to resume (finished arms are skipped).",
+            file=sys.stderr,
+        )
         sys.exit(143 if interrupted == signal.SIGTERM else 130)
     failed = [r["arm"] for r in results if r["arm"] in selected and r["status"] != "done"]
     if failed:
-        print(f"{len(failed)} arm(s) did not finish: {', '.join(failed)}; see their fit.log. Running the same command again retries them and skips the rest.", file=sys.stderr)
+        print(
+            f"{len(failed)} arm(s) did not finish: {', '.join(failed)}; see their fit.log. Running the same command again retries them and skips the rest.",
+            file=sys.stderr,
+        )
         sys.exit(1)
     return str(json_path)

@@ -14,34 +14,72 @@ from pathlib import Path
 from tidar_convert.bench.sweep_curves import metric_files, read_clock
 
 
-def arm_command(recipe: str, flags: list[str], arm_dir: Path, name: str, sweep_name: str, keep_loggers: bool, recipe_cfg: dict, resume: bool) -> list[str]:
+def arm_command(
+    recipe: str,
+    flags: list[str],
+    arm_dir: Path,
+    name: str,
+    sweep_name: str,
+    keep_loggers: bool,
+    recipe_cfg: dict,
+    resume: bool,
+) -> list[str]:
     """`python -m tidar_convert.cli fit --config RECIPE <flags> <this arm's folders>`: the folder flags
     come last, so they win over anything the recipe sets."""
-    csv_logger = {"class_path": "lightning.pytorch.loggers.CSVLogger", "init_args": {"save_dir": str(arm_dir), "name": "csv", "flush_logs_every_n_steps": 1}}
+    csv_logger = {
+        "class_path": "lightning.pytorch.loggers.CSVLogger",
+        "init_args": {"save_dir": str(arm_dir), "name": "csv", "flush_logs_every_n_steps": 1},
+    }
     loggers = [csv_logger]
     trainer = recipe_cfg.get("trainer") or {}
     if keep_loggers:
         recipe_loggers = trainer.get("logger")
-        recipe_loggers = recipe_loggers if isinstance(recipe_loggers, list) else [recipe_loggers] if isinstance(recipe_loggers, dict) else []
+        recipe_loggers = (
+            recipe_loggers
+            if isinstance(recipe_loggers, list)
+            else [recipe_loggers]
+            if isinstance(recipe_loggers, dict)
+            else []
+        )
         for lg in recipe_loggers:
             path = str(lg.get("class_path", ""))
             if path.endswith("CSVLogger"):
                 continue
             args = dict(lg.get("init_args") or {})
-            args["save_dir"] = str(arm_dir)  # W&B, TensorBoard...: into the arm's folder, named after the arm
+            args["save_dir"] = str(
+                arm_dir
+            )  # W&B, TensorBoard...: into the arm's folder, named after the arm
             if path.endswith("WandbLogger"):
                 args["name"] = f"{sweep_name}-{name}"
             loggers.append({"class_path": path, "init_args": args})
     # The recipe's callbacks stay, except checkpoints: one last.ckpt in the arm's folder, saved right
     # after each validation (so a resumed arm never skips the measurement of the step it resumes from).
     callbacks = trainer.get("callbacks") or []
-    callbacks = [c for c in (callbacks if isinstance(callbacks, list) else [callbacks]) if isinstance(c, dict) and not str(c.get("class_path", "")).endswith("ModelCheckpoint")]
-    callbacks.append({
-        "class_path": "lightning.pytorch.callbacks.ModelCheckpoint",
-        "init_args": {"dirpath": str(arm_dir / "checkpoints"), "save_last": True, "save_top_k": 0, "save_on_train_epoch_end": False},
-    })
+    callbacks = [
+        c
+        for c in (callbacks if isinstance(callbacks, list) else [callbacks])
+        if isinstance(c, dict) and not str(c.get("class_path", "")).endswith("ModelCheckpoint")
+    ]
+    callbacks.append(
+        {
+            "class_path": "lightning.pytorch.callbacks.ModelCheckpoint",
+            "init_args": {
+                "dirpath": str(arm_dir / "checkpoints"),
+                "save_last": True,
+                "save_top_k": 0,
+                "save_on_train_epoch_end": False,
+            },
+        }
+    )
     cmd = [sys.executable, "-m", "tidar_convert.cli", "fit", "--config", recipe, *flags]
-    cmd += ["--trainer.default_root_dir", str(arm_dir), "--trainer.logger", json.dumps(loggers), "--trainer.callbacks", json.dumps(callbacks)]
+    cmd += [
+        "--trainer.default_root_dir",
+        str(arm_dir),
+        "--trainer.logger",
+        json.dumps(loggers),
+        "--trainer.callbacks",
+        json.dumps(callbacks),
+    ]
     if resume:
         cmd += ["--ckpt_path", "last"]
     return cmd
@@ -78,7 +116,9 @@ def run_arm(name: str, cmd: list[str], arm_dir: Path, wall_before: float, forwar
     with (arm_dir / "fit.log").open("a") as log:
         log.write(f"$ {shlex.join(cmd)}\n")
         log.flush()
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
+        proc = subprocess.Popen(
+            cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1
+        )
         forward.proc = proc
         try:
             for line in proc.stdout:
@@ -86,7 +126,9 @@ def run_arm(name: str, cmd: list[str], arm_dir: Path, wall_before: float, forwar
                 log.flush()
                 print(f"[{name}] {line.rstrip()}", file=sys.stderr, flush=True)
             rc = proc.wait()
-        except KeyboardInterrupt:  # Ctrl-C on a terminal reaches the arm too (same process group): let it stop
+        except (
+            KeyboardInterrupt
+        ):  # Ctrl-C on a terminal reaches the arm too (same process group): let it stop
             try:
                 try:
                     rc = proc.wait(timeout=5)
@@ -100,10 +142,18 @@ def run_arm(name: str, cmd: list[str], arm_dir: Path, wall_before: float, forwar
         finally:
             forward.proc = None
     times, trained = {}, None
-    if new := [p for p in metric_files(arm_dir) if p not in earlier]:  # this attempt's own metrics, if it got that far
+    if new := [
+        p for p in metric_files(arm_dir) if p not in earlier
+    ]:  # this attempt's own metrics, if it got that far
         clock, trained = read_clock(new[-1])
         times = {step: wall_before + seconds for step, seconds in clock.items()}
-    return {"rc": rc, "wall_s": wall_before + time.perf_counter() - start, "val_times": times, "trained_steps": trained, "last_lines": _tail(arm_dir / "fit.log")}
+    return {
+        "rc": rc,
+        "wall_s": wall_before + time.perf_counter() - start,
+        "val_times": times,
+        "trained_steps": trained,
+        "last_lines": _tail(arm_dir / "fit.log"),
+    }
 
 
 def _tail(path: Path, n: int = 5) -> list[str]:

@@ -37,7 +37,13 @@ def tokens_per_step(config_path: Path) -> tuple[int | None, dict]:
     }
     if notes:
         used["notes"] = notes
-    n = used["batch_size"] * used["seq_len"] * used["accumulate_grad_batches"] * used["devices"] * used["num_nodes"]
+    n = (
+        used["batch_size"]
+        * used["seq_len"]
+        * used["accumulate_grad_batches"]
+        * used["devices"]
+        * used["num_nodes"]
+    )
     return n or None, used
 
 
@@ -69,7 +75,11 @@ def read_curve(arm_dir: Path) -> dict[int, dict]:
     for path in metric_files(arm_dir):
         with path.open(newline="") as f:
             for row in csv.DictReader(f):
-                values = {k[4:]: _finite(v) for k, v in row.items() if k and k.startswith("val/") and v not in (None, "")}
+                values = {
+                    k[4:]: _finite(v)
+                    for k, v in row.items()
+                    if k and k.startswith("val/") and v not in (None, "")
+                }
                 if not values or not (row.get("step") or "").isdigit():
                     continue
                 points.setdefault(int(row["step"]) + 1, {}).update(values)
@@ -100,7 +110,11 @@ def collect(name: str, flags: list[str], arm_dir: Path, state: dict | None) -> d
     times = {int(k): v for k, v in (state.get("val_times") or {}).items()}
     curve = []
     for step, point in read_curve(arm_dir).items():
-        first = {"step": step, "tokens": step * per_step if per_step else None, "wall_s": round(times[step], 1) if step in times else None}
+        first = {
+            "step": step,
+            "tokens": step * per_step if per_step else None,
+            "wall_s": round(times[step], 1) if step in times else None,
+        }
         curve.append({**first, "tokens_per_nfe": point.pop("tokens_per_nfe", None), **point})
     result = {
         "arm": name,
@@ -128,21 +142,42 @@ def plot(results: list[dict], path: Path, title: str) -> None:
     fig, axes = plt.subplots(2, 2, figsize=(13, 9))
     axes = axes.ravel()
     panels = [
-        (axes[0], "tokens", "tokens_per_nfe", "training tokens", "val T/NFE (TiDAR decoding of held-out prompts)"),
-        (axes[1], "wall_s", "tokens_per_nfe", "wall-clock minutes since the arm started", "val T/NFE"),
+        (
+            axes[0],
+            "tokens",
+            "tokens_per_nfe",
+            "training tokens",
+            "val T/NFE (TiDAR decoding of held-out prompts)",
+        ),
+        (
+            axes[1],
+            "wall_s",
+            "tokens_per_nfe",
+            "wall-clock minutes since the arm started",
+            "val T/NFE",
+        ),
         (axes[2], "tokens", "loss_ar", "training tokens", "val AR loss (held-out documents)"),
         (axes[3], "tokens", "loss_diff", "training tokens", "val diffusion loss, hard labels"),
     ]
     for ax, xkey, ykey, xlabel, ylabel in panels:
         for r in results:
-            pts = [(p[xkey], p[ykey]) for p in r["curve"] if p.get(xkey) is not None and p.get(ykey) is not None]
+            pts = [
+                (p[xkey], p[ykey])
+                for p in r["curve"]
+                if p.get(xkey) is not None and p.get(ykey) is not None
+            ]
             if not pts:
                 continue
             xs, ys = zip(*pts)
             if xkey == "wall_s":
                 xs = [x / 60 for x in xs]
             done = r["status"] == "done"
-            ax.plot(xs, ys, "o-" if done else "o--", label=r["arm"] + ("" if done else f" ({r['status']})"))
+            ax.plot(
+                xs,
+                ys,
+                "o-" if done else "o--",
+                label=r["arm"] + ("" if done else f" ({r['status']})"),
+            )
         ax.set_xlabel(xlabel)
         ax.set_ylabel(ylabel)
         ax.grid(alpha=0.3)

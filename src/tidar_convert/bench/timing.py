@@ -14,7 +14,9 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def median_seconds(fn: Callable[[], object], device: torch.device, repeats: int = 5, warmup: int = 1) -> float:
+def median_seconds(
+    fn: Callable[[], object], device: torch.device, repeats: int = 5, warmup: int = 1
+) -> float:
     """Median wall time of `fn()` (synchronized on CUDA), after `warmup` untimed calls."""
     for _ in range(warmup):
         fn()

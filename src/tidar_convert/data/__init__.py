@@ -30,17 +30,65 @@ from pathlib import Path
 import lightning as L
 from torch.utils.data import DataLoader
 
-from tidar_convert.data.greedy import PROMPT_TOKENS, cache_path, check_corpus, check_greedy
-from tidar_convert.data.packing import STDLIB_HELDOUT_EVERY, is_validation, pack, pack_marked, shuffled, tokenize_document
-from tidar_convert.data.sources import PROSE_DOC_CHARS, PROSE_HELDOUT_BOOK, PROSE_HELDOUT_EVERY, PROSE_MEMBER, PROSE_PARTS, PROSE_WHEEL, TEXT_SUFFIXES, gutenberg_books, iter_documents, prose_corpus, prose_documents, split_prose, split_text, stdlib_files, whole
 from tidar_convert.data.checks import check_sources
+from tidar_convert.data.greedy import PROMPT_TOKENS, cache_path, check_corpus, check_greedy
+from tidar_convert.data.packing import (
+    STDLIB_HELDOUT_EVERY,
+    is_validation,
+    pack,
+    pack_marked,
+    shuffled,
+    tokenize_document,
+)
+from tidar_convert.data.prose import (
+    PROSE_DOC_CHARS,
+    PROSE_HELDOUT_BOOK,
+    PROSE_HELDOUT_EVERY,
+    PROSE_MEMBER,
+    PROSE_PARTS,
+    PROSE_WHEEL,
+    gutenberg_books,
+    prose_corpus,
+    prose_documents,
+    split_prose,
+)
+from tidar_convert.data.sources import (
+    TEXT_SUFFIXES,
+    iter_documents,
+    split_text,
+    stdlib_files,
+    whole,
+)
 from tidar_convert.data.stream import PackedDocuments, ResumableLoader, _Take, shard
 
 __all__ = [
-    "PROSE_DOC_CHARS", "PROSE_HELDOUT_BOOK", "PROSE_HELDOUT_EVERY", "PROSE_MEMBER", "PROSE_PARTS", "PROSE_WHEEL", "STDLIB_HELDOUT_EVERY",
-    "TEXT_SUFFIXES", "PackedDocuments", "ResumableLoader", "TiDARData", "check_greedy", "gutenberg_books", "is_validation", "iter_documents",
-    "pack", "pack_marked", "prose_corpus", "prose_documents", "shard", "shuffled", "split_prose", "stdlib_files", "tokenize_document", "whole",
-    "check_sources", "split_text",
+    "PROSE_DOC_CHARS",
+    "PROSE_HELDOUT_BOOK",
+    "PROSE_HELDOUT_EVERY",
+    "PROSE_MEMBER",
+    "PROSE_PARTS",
+    "PROSE_WHEEL",
+    "STDLIB_HELDOUT_EVERY",
+    "TEXT_SUFFIXES",
+    "PackedDocuments",
+    "ResumableLoader",
+    "TiDARData",
+    "check_greedy",
+    "gutenberg_books",
+    "is_validation",
+    "iter_documents",
+    "pack",
+    "pack_marked",
+    "prose_corpus",
+    "prose_documents",
+    "shard",
+    "shuffled",
+    "split_prose",
+    "stdlib_files",
+    "tokenize_document",
+    "whole",
+    "check_sources",
+    "split_text",
 ]
 
 
@@ -102,16 +150,44 @@ class TiDARData(L.LightningDataModule):
         if not self.sources:
             raise ValueError("source=[]: name at least one data source, e.g. 'stdlib'.")
         if not text_field:
-            raise ValueError(f"text_field={text_field!r}: name the field of each json/parquet/hub row that holds its text (the default is text), e.g. --data.text_field text.")
-        self.seq_len, self.batch_size, self.val_every, self.val_batches = seq_len, batch_size, val_every, val_batches
-        self.text_field, self.name, self.split, self.seed, self.num_workers = text_field, name, split, seed, num_workers
-        self.shuffle_buffer, self.greedy_docs, self.greedy_new_tokens = shuffle_buffer, greedy_docs, greedy_new_tokens
+            raise ValueError(
+                f"text_field={text_field!r}: name the field of each json/parquet/hub row that holds its text (the default is text), e.g. --data.text_field text."
+            )
+        self.seq_len, self.batch_size, self.val_every, self.val_batches = (
+            seq_len,
+            batch_size,
+            val_every,
+            val_batches,
+        )
+        self.text_field, self.name, self.split, self.seed, self.num_workers = (
+            text_field,
+            name,
+            split,
+            seed,
+            num_workers,
+        )
+        self.shuffle_buffer, self.greedy_docs, self.greedy_new_tokens = (
+            shuffle_buffer,
+            greedy_docs,
+            greedy_new_tokens,
+        )
         check_greedy(greedy_docs, greedy_share, greedy_dtype)
-        self.greedy_corpus, self.greedy_share, self.greedy_ar_loss, self.greedy_dtype = greedy_corpus, greedy_share, greedy_ar_loss, greedy_dtype
-        self.base_model = None  # the base model's name, set by the module: it writes the greedy documents
+        self.greedy_corpus, self.greedy_share, self.greedy_ar_loss, self.greedy_dtype = (
+            greedy_corpus,
+            greedy_share,
+            greedy_ar_loss,
+            greedy_dtype,
+        )
+        self.base_model = (
+            None  # the base model's name, set by the module: it writes the greedy documents
+        )
         self.tokenizer = None  # set by the module (it owns the tokenizer with the mask token)
-        if greedy_corpus and greedy_docs == 0:  # the corpus would never be read: refuse, after checking it
-            rows = check_corpus(greedy_corpus, val_every, 0)  # a missing or foreign file is named first
+        if (
+            greedy_corpus and greedy_docs == 0
+        ):  # the corpus would never be read: refuse, after checking it
+            rows = check_corpus(
+                greedy_corpus, val_every, 0
+            )  # a missing or foreign file is named first
             raise ValueError(
                 f"--data.greedy_corpus {greedy_corpus!r} with --data.greedy_docs 0: none of its {rows} documents would be trained on; "
                 f"set --data.greedy_docs to how many to mix in (at most {rows}), or leave out --data.greedy_corpus."
@@ -125,18 +201,39 @@ class TiDARData(L.LightningDataModule):
 
     def _dataset(self, part: str) -> PackedDocuments:
         if self.tokenizer is None:
-            raise RuntimeError("TiDARData.tokenizer is not set; the TiDARModule sets it in setup().")
-        rank, world = (self.trainer.global_rank, self.trainer.world_size) if self.trainer else (0, 1)
+            raise RuntimeError(
+                "TiDARData.tokenizer is not set; the TiDARModule sets it in setup()."
+            )
+        rank, world = (
+            (self.trainer.global_rank, self.trainer.world_size) if self.trainer else (0, 1)
+        )
         buffer = self.shuffle_buffer if part == "train" else 0
         sources, greedy = self.sources, {}
         if part == "train" and self.greedy_docs > 0 and self.greedy_share != 0:
             g = len(sources)  # greedy text continues training prompts: it never goes to validation
-            sources, greedy = sources + [self._greedy_path()], {"train_only": (g,), "max_docs": {g: self.greedy_docs}}
+            sources, greedy = (
+                sources + [self._greedy_path()],
+                {"train_only": (g,), "max_docs": {g: self.greedy_docs}},
+            )
             if self.greedy_share is not None:
                 greedy["weights"] = (*[(1 - self.greedy_share) / g] * g, self.greedy_share)
             if not self.greedy_ar_loss:
                 greedy["no_ar"] = (g,)
-        return PackedDocuments(self.tokenizer, sources, self.seq_len, part, self.val_every, self.text_field, self.name, self.split, self.seed, rank, world, buffer, **greedy)
+        return PackedDocuments(
+            self.tokenizer,
+            sources,
+            self.seq_len,
+            part,
+            self.val_every,
+            self.text_field,
+            self.name,
+            self.split,
+            self.seed,
+            rank,
+            world,
+            buffer,
+            **greedy,
+        )
 
     def _greedy_path(self) -> str:
         """The greedy corpus to read: the given --data.greedy_corpus, or fit's cached one, which
@@ -145,8 +242,17 @@ class TiDARData(L.LightningDataModule):
             check_corpus(self.greedy_corpus, self.val_every, self.greedy_docs, self.base_model)
             return str(Path(self.greedy_corpus).expanduser().absolute())
         path = cache_path(
-            self.base_model, self.sources, self.greedy_docs, self.val_every, PROMPT_TOKENS, self.greedy_new_tokens,
-            self.text_field, self.name, self.split, self.seed, self.greedy_dtype,
+            self.base_model,
+            self.sources,
+            self.greedy_docs,
+            self.val_every,
+            PROMPT_TOKENS,
+            self.greedy_new_tokens,
+            self.text_field,
+            self.name,
+            self.split,
+            self.seed,
+            self.greedy_dtype,
         )
         if not path.is_file():
             raise FileNotFoundError(
@@ -156,7 +262,9 @@ class TiDARData(L.LightningDataModule):
         return str(path)
 
     def train_dataloader(self):
-        self._train_loader = ResumableLoader(self._dataset("train"), batch_size=self.batch_size, num_workers=self.num_workers)
+        self._train_loader = ResumableLoader(
+            self._dataset("train"), batch_size=self.batch_size, num_workers=self.num_workers
+        )
         return self._train_loader
 
     def on_before_batch_transfer(self, batch, dataloader_idx: int):
@@ -175,4 +283,3 @@ class TiDARData(L.LightningDataModule):
     def val_dataloader(self):
         ds = self._dataset("val")
         return DataLoader(_Take(ds, self.val_batches * self.batch_size), batch_size=self.batch_size)
-

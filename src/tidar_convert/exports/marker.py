@@ -57,11 +57,17 @@ def write_marker(folder: str | os.PathLike) -> Path:
     """Write tidar_export.json: every file now in folder with its size and sha256, what makes the
     folder replaceable later (`check_export_target`), as long as every one is still as written."""
     folder = Path(folder)
-    paths = sorted((p for p in walk(folder) if p.is_symlink() or not p.is_dir()), key=lambda p: p.relative_to(folder).as_posix())
+    paths = sorted(
+        (p for p in walk(folder) if p.is_symlink() or not p.is_dir()),
+        key=lambda p: p.relative_to(folder).as_posix(),
+    )
     files = {p.relative_to(folder).as_posix(): file_record(p) for p in paths}
     files.pop(MARKER, None)
     marker = folder / MARKER
-    marker.write_text(json.dumps({"tool": "tidar-convert", "version": _tool_version(), "files": files}, indent=1) + "\n")
+    marker.write_text(
+        json.dumps({"tool": "tidar-convert", "version": _tool_version(), "files": files}, indent=1)
+        + "\n"
+    )
     return marker
 
 
@@ -106,7 +112,9 @@ def foreign_files(folder: str | os.PathLike) -> list[str] | None:
         allowed.update(Path(*parts[:i]).as_posix() for i in range(1, len(parts)))
     foreign: list[str] = []
     for p in sorted(p.relative_to(folder).as_posix() for p in walk(folder)):
-        if p not in allowed and not any(p.startswith(f + "/") for f in foreign):  # a foreign folder, not each file in it
+        if p not in allowed and not any(
+            p.startswith(f + "/") for f in foreign
+        ):  # a foreign folder, not each file in it
             foreign.append(p)
     return foreign
 
@@ -125,7 +133,12 @@ def changed_files(folder: str | os.PathLike) -> list[str] | None:
         path = folder / name
         if not os.path.lexists(path):
             continue
-        if "size" in record and not path.is_symlink() and path.is_file() and path.stat().st_size != record["size"]:
+        if (
+            "size" in record
+            and not path.is_symlink()
+            and path.is_file()
+            and path.stat().st_size != record["size"]
+        ):
             changed.append(name)  # cheap: no need to read it
         elif file_record(path) != record:
             changed.append(name)
@@ -142,7 +155,9 @@ def _listing(names: list[str], n: int = 5) -> str:
     return ", ".join(names[:n]) + more
 
 
-def check_export_target(out: str | os.PathLike, overwrite: bool = False, cleanup: bool = True) -> Path:
+def check_export_target(
+    out: str | os.PathLike, overwrite: bool = False, cleanup: bool = True
+) -> Path:
     """Validate an export destination before any work; the absolute path to write.
 
     Fine: a new path (under a writable folder), an empty folder, or an earlier export when
@@ -155,17 +170,25 @@ def check_export_target(out: str | os.PathLike, overwrite: bool = False, cleanup
     """
     given = str(out)
     out = Path(out).expanduser().resolve()
-    shown = repr(given) if given == str(out) else f"{given!r} ({out})"  # what was typed, and where it leads
+    shown = (
+        repr(given) if given == str(out) else f"{given!r} ({out})"
+    )  # what was typed, and where it leads
     if cleanup:
         recover(out)
     if out.exists() and not out.is_dir():
-        raise ValueError(f"--out {shown} is an existing file, not a folder; choose a new folder name.")
+        raise ValueError(
+            f"--out {shown} is an existing file, not a folder; choose a new folder name."
+        )
     if out.is_dir():
         entries = list(out.iterdir())
         foreign = foreign_files(out) if entries else []
         here = " (the current directory)" if out == Path.cwd().resolve() else ""
         if foreign is None or foreign:
-            what = f"it holds {_listing(sorted(p.name for p in entries))}" if foreign is None else f"besides an earlier export it holds {_listing(foreign)}"
+            what = (
+                f"it holds {_listing(sorted(p.name for p in entries))}"
+                if foreign is None
+                else f"besides an earlier export it holds {_listing(foreign)}"
+            )
             raise ValueError(
                 f"--out {shown}{here} is not empty and not a tidar-convert export: {what}. "
                 "Nothing was written or deleted. Choose a new or empty folder; --overwrite only replaces earlier exports."
@@ -178,8 +201,12 @@ def check_export_target(out: str | os.PathLike, overwrite: bool = False, cleanup
                 "delete it yourself, or choose a new folder."
             )
         if entries and not overwrite:
-            raise ValueError(f"--out {shown} holds an earlier export; pass --overwrite to replace it, or choose a new folder.")
-        changed = changed_files(out) if entries else []  # reads every file: only once it would be replaced
+            raise ValueError(
+                f"--out {shown} holds an earlier export; pass --overwrite to replace it, or choose a new folder."
+            )
+        changed = (
+            changed_files(out) if entries else []
+        )  # reads every file: only once it would be replaced
         if changed:
             were = "was" if len(changed) == 1 else "were"
             raise ValueError(
@@ -188,12 +215,18 @@ def check_export_target(out: str | os.PathLike, overwrite: bool = False, cleanup
                 "Move what you want to keep out of the folder, or choose a new folder; --overwrite only replaces an export as it was written."
             )
         if os.path.ismount(out):
-            raise ValueError(f"--out {shown} is a mount point, which cannot be replaced atomically; export into a folder inside it.")
+            raise ValueError(
+                f"--out {shown} is a mount point, which cannot be replaced atomically; export into a folder inside it."
+            )
     parent = out.parent
     while not parent.exists():
         parent = parent.parent
     if not parent.is_dir():
-        raise ValueError(f"--out {shown}: {parent} is a file, so no folder can be made under it; choose another path.")
+        raise ValueError(
+            f"--out {shown}: {parent} is a file, so no folder can be made under it; choose another path."
+        )
     if not os.access(parent, os.W_OK | os.X_OK):
-        raise PermissionError(f"--out {shown}: {parent} is not writable by this user; choose a folder you can write to.")
+        raise PermissionError(
+            f"--out {shown}: {parent} is not writable by this user; choose a folder you can write to."
+        )
     return out

@@ -87,7 +87,12 @@ def _exchange(a: Path, b: Path) -> bool:
     if _renameat2(AT_FDCWD, os.fsencode(a), AT_FDCWD, os.fsencode(b), RENAME_EXCHANGE) == 0:
         return True
     err = ctypes.get_errno()
-    if err in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOTSUP):  # kernel or filesystem without it
+    if err in (
+        errno.EINVAL,
+        errno.ENOSYS,
+        errno.EOPNOTSUPP,
+        errno.ENOTSUP,
+    ):  # kernel or filesystem without it
         return False
     raise OSError(err, f"renameat2(RENAME_EXCHANGE) {a} <-> {b}: {os.strerror(err)}")
 
@@ -137,23 +142,36 @@ def recover(dest: str | os.PathLike) -> list[Path]:
     delete the other leftovers. Leftovers locked by a live process are skipped. Returns what it touched."""
     dest = Path(dest)
     touched = []
-    for path in sorted(leftovers(dest), key=lambda p: (".old-" not in p.name, -_mtime(p))):  # newest old first
+    for path in sorted(
+        leftovers(dest), key=lambda p: (".old-" not in p.name, -_mtime(p))
+    ):  # newest old first
         try:
             fd = _lock(path, blocking=False) if fcntl is not None else -1
         except FileNotFoundError:  # removed meanwhile by another cleaner
             continue
         except OSError as e:
-            log.warning("Cannot clean up %s, left behind by an interrupted write of %s: %s", path, dest.name, e)
+            log.warning(
+                "Cannot clean up %s, left behind by an interrupted write of %s: %s",
+                path,
+                dest.name,
+                e,
+            )
             continue
         if fd is None:
             log.debug("%s is in use by a running process; left alone", path)
             continue
         try:
             if ".old-" in path.name and not os.path.lexists(dest):
-                log.warning("%s is missing but a complete earlier version %s was set aside by an interrupted run: restoring it", dest, path.name)
+                log.warning(
+                    "%s is missing but a complete earlier version %s was set aside by an interrupted run: restoring it",
+                    dest,
+                    path.name,
+                )
                 _rename(path, dest)
             else:
-                log.warning("Removing %s, left behind by an interrupted write of %s", path, dest.name)
+                log.warning(
+                    "Removing %s, left behind by an interrupted write of %s", path, dest.name
+                )
                 _rmtree(path)
             touched.append(path)
         finally:

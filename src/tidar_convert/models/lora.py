@@ -22,9 +22,13 @@ ADAPTER = "default"  # PEFT's name for the one adapter
 
 def check_scope(scope: str, lora_r: int) -> None:
     if scope not in SCOPES:
-        raise ValueError(f"lora_scope={scope!r}: choose 'all' (adapters on every row, the paper) or 'masks' (mask slots only: the AR half stays the base model).")
+        raise ValueError(
+            f"lora_scope={scope!r}: choose 'all' (adapters on every row, the paper) or 'masks' (mask slots only: the AR half stays the base model)."
+        )
     if scope == "masks" and lora_r <= 0:
-        raise ValueError(f"lora_scope='masks' with lora_r={lora_r}: the mask-slot adapters are LoRA; set lora_r > 0 (e.g. 64).")
+        raise ValueError(
+            f"lora_scope='masks' with lora_r={lora_r}: the mask-slot adapters are LoRA; set lora_r > 0 (e.g. 64)."
+        )
 
 
 def add_lora(model, r: int, alpha: int, mask_token_id: int, scope: str = "all"):
@@ -34,9 +38,13 @@ def add_lora(model, r: int, alpha: int, mask_token_id: int, scope: str = "all"):
     (the first layers' adapters see the mask embedding and can move it as far as a trained row would)."""
     from peft import LoraConfig, get_peft_model
 
-    tokens = {"trainable_token_indices": {"embed_tokens": [mask_token_id]}} if scope == "all" else {}
+    tokens = (
+        {"trainable_token_indices": {"embed_tokens": [mask_token_id]}} if scope == "all" else {}
+    )
     targets = in_order_linears(model) if scope == "masks" and out_of_order(model) else "all-linear"
-    model = get_peft_model(model, LoraConfig(r=r, lora_alpha=alpha, target_modules=targets, **tokens))
+    model = get_peft_model(
+        model, LoraConfig(r=r, lora_alpha=alpha, target_modules=targets, **tokens)
+    )
     if scope == "masks":
         gate_to_masks(model, mask_token_id)
     return model
@@ -47,8 +55,16 @@ def out_of_order(model) -> list[str]:
     tokens flattened to (B * T, H) or gathered per expert, not as (B, T, H). The mask-slot gate picks
     rows by their place in (B, T), so under lora_scope='masks' these get no adapter: on them it would
     move real tokens' routes and expert outputs, and the AR half would no longer be the base's."""
-    roots = [name for name, module in model.named_modules() if name and isinstance(getattr(module, "experts", None), torch.nn.Module)]  # the mixture blocks
-    return [name for name, _ in model.named_modules() if any(name == r or name.startswith(r + ".") for r in roots)]
+    roots = [
+        name
+        for name, module in model.named_modules()
+        if name and isinstance(getattr(module, "experts", None), torch.nn.Module)
+    ]  # the mixture blocks
+    return [
+        name
+        for name, _ in model.named_modules()
+        if any(name == r or name.startswith(r + ".") for r in roots)
+    ]
 
 
 def in_order_linears(model) -> list[str]:
@@ -57,20 +73,30 @@ def in_order_linears(model) -> list[str]:
     from transformers.pytorch_utils import Conv1D
 
     skip, head = set(out_of_order(model)), model.get_output_embeddings()
-    return [name for name, m in model.named_modules() if isinstance(m, (torch.nn.Linear, Conv1D)) and name not in skip and m is not head]
+    return [
+        name
+        for name, m in model.named_modules()
+        if isinstance(m, (torch.nn.Linear, Conv1D)) and name not in skip and m is not head
+    ]
 
 
 def lora_layers(model):
     """(name without PEFT's prefix, layer) of every LoRA-adapted layer."""
     for name, module in model.named_modules():
-        if hasattr(module, "lora_B") and isinstance(module.lora_B, torch.nn.ModuleDict) and ADAPTER in module.lora_B:
+        if (
+            hasattr(module, "lora_B")
+            and isinstance(module.lora_B, torch.nn.ModuleDict)
+            and ADAPTER in module.lora_B
+        ):
             yield name.removeprefix("base_model.model."), module
 
 
 def gate_to_masks(model, mask_token_id: int) -> None:
     gate = install_gate(model, mask_token_id)
     for _, layer in lora_layers(model):
-        layer.lora_B[ADAPTER].register_forward_hook(lambda module, args, out: out * gate.weights(out))
+        layer.lora_B[ADAPTER].register_forward_hook(
+            lambda module, args, out: out * gate.weights(out)
+        )
 
 
 def is_mask_scoped(model) -> bool:
@@ -97,18 +123,28 @@ ADAPTER_LAYERS = 0.75
 
 def check_energy(energy: float) -> None:
     if not 0 < energy <= 1:
-        raise ValueError(f"adapter_energy={energy}: must be in (0, 1], the share of each adapter delta's squared norm the export keeps (1.0 = the trained rank, 0.99 the default).")
+        raise ValueError(
+            f"adapter_energy={energy}: must be in (0, 1], the share of each adapter delta's squared norm the export keeps (1.0 = the trained rank, 0.99 the default)."
+        )
 
 
 def check_layers(share: float) -> None:
     if not 0 < share <= 1:
-        raise ValueError(f"adapter_layers={share}: must be in (0, 1], the share of adapted layers the export keeps, strongest first (1.0 = all, {ADAPTER_LAYERS} the default).")
+        raise ValueError(
+            f"adapter_layers={share}: must be in (0, 1], the share of adapted layers the export keeps, strongest first (1.0 = all, {ADAPTER_LAYERS} the default)."
+        )
 
 
-def check_adapter_options(adapter_energy: float | None, adapter_layers: float | None, mask_scoped: bool, what: str) -> None:
+def check_adapter_options(
+    adapter_energy: float | None, adapter_layers: float | None, mask_scoped: bool, what: str
+) -> None:
     """Refuse adapter_energy / adapter_layers for a model with no mask-slot adapter to compress: they
     would be ignored (`what`: the model's training, as the user knows it)."""
-    given = [f"adapter_{name}={value}" for name, value in (("energy", adapter_energy), ("layers", adapter_layers)) if value is not None]
+    given = [
+        f"adapter_{name}={value}"
+        for name, value in (("energy", adapter_energy), ("layers", adapter_layers))
+        if value is not None
+    ]
     if given and not mask_scoped:
         raise ValueError(
             f"{' and '.join(given)}: {what} has no mask-slot adapter to compress (only lora_scope='masks' keeps one apart; "
@@ -116,12 +152,20 @@ def check_adapter_options(adapter_energy: float | None, adapter_layers: float | 
         )
 
 
-def strongest(tensors: dict[str, torch.Tensor], weights: dict[str, torch.Tensor], share: float) -> dict[str, torch.Tensor]:
+def strongest(
+    tensors: dict[str, torch.Tensor], weights: dict[str, torch.Tensor], share: float
+) -> dict[str, torch.Tensor]:
     """The deltas (attach's '<layer>.lora_A' / '.lora_B') of the `share` of layers, at least one, whose
     delta is largest against their weight: ||B A|| / ||W||."""
     check_layers(share)
     names = sorted({key.rsplit(".", 1)[0] for key in tensors})
-    strength = {n: float(torch.linalg.norm(tensors[f"{n}.lora_B"] @ tensors[f"{n}.lora_A"]) / torch.linalg.norm(weights[n].float())) for n in names}
+    strength = {
+        n: float(
+            torch.linalg.norm(tensors[f"{n}.lora_B"] @ tensors[f"{n}.lora_A"])
+            / torch.linalg.norm(weights[n].float())
+        )
+        for n in names
+    }
     keep = set(sorted(names, key=lambda n: -strength[n])[: max(1, round(share * len(names)))])
     return {key: t for key, t in tensors.items() if key.rsplit(".", 1)[0] in keep}
 
@@ -140,7 +184,9 @@ def compress(A: torch.Tensor, B: torch.Tensor, energy: float) -> tuple[torch.Ten
     return (vh[:rank] @ qa.T).contiguous(), (qb @ u[:, :rank] * s[:rank]).contiguous()
 
 
-def split_mask_adapter(model, energy: float = ADAPTER_ENERGY, layers: float = ADAPTER_LAYERS) -> dict[str, torch.Tensor]:
+def split_mask_adapter(
+    model, energy: float = ADAPTER_ENERGY, layers: float = ADAPTER_LAYERS
+) -> dict[str, torch.Tensor]:
     """For export under scope 'masks': the deltas as adapter.attach reads them (scaling folded into B,
     float32, compressed to `energy`) of the `layers` share of layers they move most (`strongest`), and
     the model's LoRA B zeroed so that merging leaves the base weights as they were (the mask token's
@@ -151,11 +197,28 @@ def split_mask_adapter(model, energy: float = ADAPTER_ENERGY, layers: float = AD
     with torch.no_grad():
         for name, layer in lora_layers(model):
             A, B = layer.lora_A[ADAPTER].weight, layer.lora_B[ADAPTER].weight
-            A_, B_ = compress(A.detach().float().cpu(), B.detach().float().cpu() * layer.scaling[ADAPTER], energy)
+            A_, B_ = compress(
+                A.detach().float().cpu(), B.detach().float().cpu() * layer.scaling[ADAPTER], energy
+            )
             tensors[f"{name}.lora_A"], tensors[f"{name}.lora_B"] = A_.contiguous(), B_.contiguous()
             weights[name] = layer.get_base_layer().weight.detach().cpu()
             B.zero_()
     return strongest(tensors, weights, layers)
 
 
-__all__ = ["ADAPTER_ENERGY", "ADAPTER_FILE", "ADAPTER_LAYERS", "SCOPES", "add_lora", "check_adapter_options", "check_energy", "check_layers", "check_scope", "compress", "gate_to_masks", "is_mask_scoped", "split_mask_adapter", "strongest"]
+__all__ = [
+    "ADAPTER_ENERGY",
+    "ADAPTER_FILE",
+    "ADAPTER_LAYERS",
+    "SCOPES",
+    "add_lora",
+    "check_adapter_options",
+    "check_energy",
+    "check_layers",
+    "check_scope",
+    "compress",
+    "gate_to_masks",
+    "is_mask_scoped",
+    "split_mask_adapter",
+    "strongest",
+]

@@ -12,9 +12,15 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-
 # The files of a model folder that transformers parses as JSON.
-MODEL_JSON_FILES = ("config.json", "generation_config.json", "tokenizer_config.json", "tokenizer.json", "special_tokens_map.json", "model.safetensors.index.json")
+MODEL_JSON_FILES = (
+    "config.json",
+    "generation_config.json",
+    "tokenizer_config.json",
+    "tokenizer.json",
+    "special_tokens_map.json",
+    "model.safetensors.index.json",
+)
 
 
 def check_model_files(folder: str | os.PathLike) -> None:
@@ -32,14 +38,18 @@ def check_model_files(folder: str | os.PathLike) -> None:
             raise FileNotFoundError(f"{str(folder)!r} has a config.json but {missing}; {fix}")
         problem = config_problem(folder)
         if problem:
-            raise ValueError(f"{str(folder / 'config.json')!r} is not a config transformers accepts ({problem}); restore the config.json saved with these weights, or {fix}")
+            raise ValueError(
+                f"{str(folder / 'config.json')!r} is not a config transformers accepts ({problem}); restore the config.json saved with these weights, or {fix}"
+            )
 
 
 def check_json_files(folder: Path) -> str:
     """Refuse a model folder whose JSON files do not parse, naming the file; returns the fix the other
     checks give (export again, or download again)."""
     if (folder / "custom_generate" / "generate.py").exists():
-        fix = "export it again (`tidar-convert export --checkpoint CKPT --out DIR` or `make convert`)"
+        fix = (
+            "export it again (`tidar-convert export --checkpoint CKPT --out DIR` or `make convert`)"
+        )
     else:
         fix = "download or save the model again"
     for name in MODEL_JSON_FILES:
@@ -48,7 +58,9 @@ def check_json_files(folder: Path) -> str:
             try:
                 json.loads(f.read_bytes())
             except ValueError as e:  # JSONDecodeError, UnicodeDecodeError
-                raise ValueError(f"{str(f)!r} is not valid JSON ({e}): the file is damaged; {fix}") from None
+                raise ValueError(
+                    f"{str(f)!r} is not valid JSON ({e}): the file is damaged; {fix}"
+                ) from None
     return fix
 
 
@@ -57,7 +69,9 @@ def _missing_weights(folder: Path) -> str | None:
     for index in ("model.safetensors.index.json", "pytorch_model.bin.index.json"):
         if (folder / index).is_file():
             try:
-                shards = sorted(set(json.loads((folder / index).read_bytes())["weight_map"].values()))
+                shards = sorted(
+                    set(json.loads((folder / index).read_bytes())["weight_map"].values())
+                )
             except (ValueError, KeyError, TypeError, AttributeError):
                 return f"its {index} lists no weight files"
             gone = [name for name in shards if not (folder / name).is_file()]
@@ -71,7 +85,9 @@ def config_problem(folder: Path) -> str | None:
     """Why transformers refuses a folder's config.json (say, a hidden size that its heads do not divide), or None."""
     from huggingface_hub import errors
 
-    strict = getattr(errors, "StrictDataclassError", ValueError)  # (how transformers 5 validates configs)
+    strict = getattr(
+        errors, "StrictDataclassError", ValueError
+    )  # (how transformers 5 validates configs)
     try:
         AutoConfig.from_pretrained(folder)
     except (ValueError, KeyError, TypeError, strict) as e:
@@ -85,13 +101,20 @@ def first_mismatch(source: str) -> str:
     if not folder.is_dir():
         return "tensor shapes differ"
     with torch.device("meta"):
-        expected = {k: list(v.shape) for k, v in AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(folder)).state_dict().items()}
+        expected = {
+            k: list(v.shape)
+            for k, v in AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(folder))
+            .state_dict()
+            .items()
+        }
     for f in sorted(folder.glob("*.safetensors")):
         with f.open("rb") as fh:
             header = json.loads(fh.read(int.from_bytes(fh.read(8), "little")))
         for key, t in header.items():
             if key in expected and t["shape"] != expected[key]:
-                return f"{key} is {t['shape']} in {f.name}, and config.json makes it {expected[key]}"
+                return (
+                    f"{key} is {t['shape']} in {f.name}, and config.json makes it {expected[key]}"
+                )
     return "tensor shapes differ"
 
 
@@ -110,7 +133,9 @@ def _safetensors_problem(path: Path) -> str | None:
             return f"its header should be {n} bytes long but only {size - 8} follow"
         try:
             header = json.loads(f.read(n))
-            end = max((t["data_offsets"][1] for k, t in header.items() if k != "__metadata__"), default=0)
+            end = max(
+                (t["data_offsets"][1] for k, t in header.items() if k != "__metadata__"), default=0
+            )
         except (ValueError, TypeError, KeyError, IndexError, AttributeError):
             return "its header is not a valid safetensors header"
     if size < 8 + n + end:

@@ -63,9 +63,13 @@ class Gate:
     def weights(self, like: torch.Tensor) -> torch.Tensor:
         """(B, T, 1) ones on mask rows, zeros elsewhere, in like's dtype (training: multiplies the LoRA branch)."""
         B, T = like.shape[:2]
-        if self.open and like.dim() == 3 and (B, T) != self.shape:  # tokens out of sequence order: which are mask rows is unknown
-            raise RuntimeError(f"a mask-slot adapter saw {tuple(like.shape)} where the input ids are {tuple(self.shape)}: a layer that runs on "
-                               "tokens out of sequence order (lora.out_of_order) has an adapter; lora_scope='masks' cannot gate it.")
+        if (
+            self.open and like.dim() == 3 and (B, T) != self.shape
+        ):  # tokens out of sequence order: which are mask rows is unknown
+            raise RuntimeError(
+                f"a mask-slot adapter saw {tuple(like.shape)} where the input ids are {tuple(self.shape)}: a layer that runs on "
+                "tokens out of sequence order (lora.out_of_order) has an adapter; lora_scope='masks' cannot gate it."
+            )
         key = (B, T, like.dtype, like.device)
         if key not in self._weights:
             w = torch.zeros(B, T, 1, dtype=like.dtype, device=like.device)
@@ -76,20 +80,29 @@ class Gate:
             self._weights[key] = w
         return self._weights[key]
 
-    def add(self, out: torch.Tensor, x: torch.Tensor, A: torch.Tensor, Bt: torch.Tensor) -> torch.Tensor:
+    def add(
+        self, out: torch.Tensor, x: torch.Tensor, A: torch.Tensor, Bt: torch.Tensor
+    ) -> torch.Tensor:
         """out += x @ A.T @ Bt on the mask rows only (inference: the saved adapter's hook, or the
         packed forward where the panel pass did not add it); A (r, in), Bt (r, out), in their own
         dtype (attach: fp32 on CPU). A decoding step of one row has its mask rows as one contiguous
         block: on CPU, in fp32 or bf16, one C call there (panel.lora_add), else one mm and one
         in-place addmm; this runs on every adapted layer, ~150 a forward, and its overhead, not its
         FLOPs, is its cost (torch's products and their slicing took 35-60 us a layer)."""
-        if self.start is not None and out.device.type == "cpu" and lora_add(out, x, self.start, A, Bt):
+        if (
+            self.start is not None
+            and out.device.type == "cpu"
+            and lora_add(out, x, self.start, A, Bt)
+        ):
             return out
         At = A.T
         delta = lambda v: (v.to(At.dtype) @ At @ Bt).to(out.dtype)
         if self.start is not None:
             if out.shape[0] == 1 and out.is_contiguous() and x.is_contiguous():
-                rows, xs = out.view(-1, out.shape[-1])[self.start :], x.view(-1, x.shape[-1])[self.start :]
+                rows, xs = (
+                    out.view(-1, out.shape[-1])[self.start :],
+                    x.view(-1, x.shape[-1])[self.start :],
+                )
                 if At.dtype == out.dtype:
                     rows.addmm_(xs.mm(At), Bt)
                 else:
@@ -106,7 +119,9 @@ def install_gate(model, mask_id: int) -> Gate:
     gate = getattr(model, GATE_ATTR, None)
     if gate is None:
         gate = Gate(mask_id)
-        model.get_input_embeddings().register_forward_pre_hook(lambda module, args: gate.set(args[0]) if args else None)
+        model.get_input_embeddings().register_forward_pre_hook(
+            lambda module, args: gate.set(args[0]) if args else None
+        )
         object.__setattr__(model, GATE_ATTR, gate)  # a plain attribute, not a submodule
     return gate
 
@@ -119,7 +134,9 @@ def attach(model, tensors: dict[str, torch.Tensor], mask_id: int) -> Gate:
     names = sorted({key.rsplit(".", 1)[0] for key in tensors})
     missing = [n for n in names if n not in modules]
     if missing:
-        raise ValueError(f"{ADAPTER_FILE} names layers this model does not have ({', '.join(missing[:3])}, ...): it belongs to another model; re-export.")
+        raise ValueError(
+            f"{ADAPTER_FILE} names layers this model does not have ({', '.join(missing[:3])}, ...): it belongs to another model; re-export."
+        )
     for name in names:
         layer = modules[name]
         weight = layer.weight
@@ -128,10 +145,24 @@ def attach(model, tensors: dict[str, torch.Tensor], mask_id: int) -> Gate:
         # in fp32 whatever the model's dtype: a bf16 product of these thin matrices costs more there
         # than converting the mask rows (SmolLM2-135M in bf16 on a 2-core AMX Xeon: a step of 20
         # slots with 16 mask slots took 60 ms with bf16 deltas, 52 ms with fp32, 38 ms without).
-        dtype = torch.float32 if weight.device.type == "cpu" and weight.dtype in (torch.bfloat16, torch.float16) else weight.dtype
-        layer.register_buffer(LORA_A, tensors[f"{name}.lora_A"].to(weight.device, dtype).contiguous(), persistent=False)
-        layer.register_buffer(LORA_BT, tensors[f"{name}.lora_B"].t().to(weight.device, dtype).contiguous(), persistent=False)
-        object.__setattr__(layer, LORA_GATE, gate)  # kernels.packed_forward adds the delta itself, the hook set aside
+        dtype = (
+            torch.float32
+            if weight.device.type == "cpu" and weight.dtype in (torch.bfloat16, torch.float16)
+            else weight.dtype
+        )
+        layer.register_buffer(
+            LORA_A,
+            tensors[f"{name}.lora_A"].to(weight.device, dtype).contiguous(),
+            persistent=False,
+        )
+        layer.register_buffer(
+            LORA_BT,
+            tensors[f"{name}.lora_B"].t().to(weight.device, dtype).contiguous(),
+            persistent=False,
+        )
+        object.__setattr__(
+            layer, LORA_GATE, gate
+        )  # kernels.packed_forward adds the delta itself, the hook set aside
 
         def hook(module, args, out):
             if gate.open:

@@ -11,7 +11,13 @@ class Mean:
     because they looked poor sees no more group drafts; without forgetting it would never try again."""
 
     def __init__(self, prior: float, forget: float = 0.99, weight: float = 1.0):
-        self.prior, self.forget, self.weight, self.total, self.count = prior, forget, weight, 0.0, 0.0
+        self.prior, self.forget, self.weight, self.total, self.count = (
+            prior,
+            forget,
+            weight,
+            0.0,
+            0.0,
+        )
 
     def add(self, x: float) -> None:
         self.total += x
@@ -59,7 +65,13 @@ class StepCosts:
         seen = 1 if self.is_stale(key) else self.seen.get(key, 0)
         self.steps += 1
         self.when[key] = self.steps
-        self.ms[key] = ms if seen == 0 else min(self.ms[key], ms) if seen == 1 else (1 - self.decay) * self.ms[key] + self.decay * ms
+        self.ms[key] = (
+            ms
+            if seen == 0
+            else min(self.ms[key], ms)
+            if seen == 1
+            else (1 - self.decay) * self.ms[key] + self.decay * ms
+        )
         self.seen[key] = seen + 1
 
     def is_stale(self, key) -> bool:

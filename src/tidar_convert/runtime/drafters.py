@@ -24,23 +24,31 @@ from typing import Callable, Protocol
 import torch
 
 from .costs import Mean
-from .tree import beside, first_siblings, grow, group_siblings
+from .tree import beside, first_siblings, group_siblings, grow
 from .verify import process_one
 
 
 @dataclass
 class Draft:
     tokens: torch.Tensor  # (B, m); tokens[:, 0] is already committed
-    length: torch.Tensor | None = None  # (B,) real tokens per row (rows may draft fewer; the rest is filler)
-    confidence: torch.Tensor | None = None  # (B, m - 1) estimated chance each proposal is accepted (the plan reads it)
+    length: torch.Tensor | None = (
+        None  # (B,) real tokens per row (rows may draft fewer; the rest is filler)
+    )
+    confidence: torch.Tensor | None = (
+        None  # (B, m - 1) estimated chance each proposal is accepted (the plan reads it)
+    )
     sources: list = field(default_factory=list)  # per row: "lookup", "diffusion" or "none"
-    raw_confidence: torch.Tensor | None = None  # the drafter's own confidence, before any calibration
+    raw_confidence: torch.Tensor | None = (
+        None  # the drafter's own confidence, before any calibration
+    )
     # Branches off the chain (greedy, batch 1): a step may verify them beside it, one query slot each,
     # as a tree (plan.StepPlan.sibling_parents). Sibling i hangs under slot sibling_parents[i]: 0..m-1 the
     # chain (draft 0, the proposals), m + j an earlier sibling j; None: all under draft 0
     # (alternatives to tokens[:, 1]). Best first.
     siblings: torch.Tensor | None = None  # (B, s)
-    sibling_confidence: torch.Tensor | None = None  # (B, s) chance each is accepted where its parent is
+    sibling_confidence: torch.Tensor | None = (
+        None  # (B, s) chance each is accepted where its parent is
+    )
     sibling_parents: tuple[int, ...] | None = None
 
     def __post_init__(self):
@@ -54,7 +62,11 @@ class Draft:
         """Each sibling's parent slot: sibling_parents, or draft 0 for every one where it is None."""
         if self.siblings is None:
             return ()
-        return self.sibling_parents if self.sibling_parents is not None else (0,) * self.siblings.shape[1]
+        return (
+            self.sibling_parents
+            if self.sibling_parents is not None
+            else (0,) * self.siblings.shape[1]
+        )
 
 
 @dataclass
@@ -104,10 +116,16 @@ def make_draft(pick, processors, seqs, y, diff_slots) -> Draft:
     sources = ["diffusion"] * y.shape[0]
     if not processors:  # no prefix to thread through: all slots at once
         scores = diff_slots.float()
-        return Draft(torch.cat([y[:, None], pick.token(scores)], 1), confidence=pick.confidence(scores), sources=sources)
+        return Draft(
+            torch.cat([y[:, None], pick.token(scores)], 1),
+            confidence=pick.confidence(scores),
+            sources=sources,
+        )
     tokens, conf = [y], []
     for i in range(diff_slots.shape[1]):  # slot i's guess is in slot i + 1's prefix
-        scores = process_one(processors, torch.cat([seqs] + [t[:, None] for t in tokens[1:]], 1), diff_slots[:, i])
+        scores = process_one(
+            processors, torch.cat([seqs] + [t[:, None] for t in tokens[1:]], 1), diff_slots[:, i]
+        )
         tokens.append(pick.token(scores, i))  # slot i: the i-th position after y
         conf.append(pick.confidence(scores))
     confidence = torch.stack(conf, 1) if conf else None
@@ -126,9 +144,13 @@ class DiffusionDrafter(Drafter):
     uses_groups = True
 
     def __init__(self):
-        self.predicted = self.taken = 0.0  # summed raw confidence of the judged proposals, and those accepted
+        self.predicted = self.taken = (
+            0.0  # summed raw confidence of the judged proposals, and those accepted
+        )
 
-    def observe(self, draft: Draft, accepted: torch.Tensor, committed: torch.Tensor | None = None) -> None:
+    def observe(
+        self, draft: Draft, accepted: torch.Tensor, committed: torch.Tensor | None = None
+    ) -> None:
         _, taken, predicted = observed(draft, accepted, "diffusion")
         self.taken += taken
         self.predicted += predicted
@@ -139,8 +161,14 @@ class DiffusionDrafter(Drafter):
             return None
         draft = make_draft(ctx.pick, ctx.processors, ctx.seqs, ctx.y, group[:, : ctx.max_proposals])
         if ctx.siblings and draft.tokens.shape[0] == 1 and draft.tokens.shape[1] > 1:
-            grow(draft, *group_siblings(ctx, group, draft.tokens[:, 1:], ctx.siblings), ctx.nodes or draft.tokens.shape[1] - 1)
-        if have is not None:  # per row, the proposals its group gives (plan.StepPlan.group_read; 0: none)
+            grow(
+                draft,
+                *group_siblings(ctx, group, draft.tokens[:, 1:], ctx.siblings),
+                ctx.nodes or draft.tokens.shape[1] - 1,
+            )
+        if (
+            have is not None
+        ):  # per row, the proposals its group gives (plan.StepPlan.group_read; 0: none)
             draft.length = torch.minimum(draft.length, 1 + have)
             draft.sources = [s if h else "none" for s, h in zip(draft.sources, have.tolist())]
         return self.calibrate(draft)
@@ -186,7 +214,11 @@ class LookupDrafter(Drafter):
     uses_groups = False
 
     # P(proposal accepted | the ones before it were), by n-gram length (1, 2, 3+) and depth (0..3, 4+).
-    PRIORS = {1: (0.25, 0.5, 0.7, 0.7, 0.85), 2: (0.7, 0.8, 0.8, 0.9, 0.9), 3: (0.85, 0.9, 0.8, 0.9, 0.9)}
+    PRIORS = {
+        1: (0.25, 0.5, 0.7, 0.7, 0.85),
+        2: (0.7, 0.8, 0.8, 0.9, 0.9),
+        3: (0.85, 0.9, 0.8, 0.9, 0.9),
+    }
     PRIOR_WEIGHT = 10.0
     # P(a branch's first token is accepted | its parent was reached), by n-gram length (1, 2+), where
     # it leaves the chain (at the first proposal, further down) and whether it is the first branch
@@ -206,8 +238,12 @@ class LookupDrafter(Drafter):
 
     def __init__(self, num_tokens: int = 10, max_ngram: int = 2):
         self.num_tokens, self.max_ngram = num_tokens, max_ngram
-        self.seen: dict[tuple[int, int], Mean] = {}  # (n, depth) -> decayed share of proposals accepted
-        self.ngram: list[int] = []  # per row of the last proposal: the matched n-gram's length (0: none)
+        self.seen: dict[
+            tuple[int, int], Mean
+        ] = {}  # (n, depth) -> decayed share of proposals accepted
+        self.ngram: list[
+            int
+        ] = []  # per row of the last proposal: the matched n-gram's length (0: none)
 
     @staticmethod
     def key(n: int, depth: int) -> tuple[int, int]:
@@ -221,12 +257,16 @@ class LookupDrafter(Drafter):
     def prior(self, key: tuple[int, int]) -> Mean:
         return Mean(self.PRIORS[key[0]][key[1]], self.FORGET, self.PRIOR_WEIGHT)
 
-    def observe(self, draft: Draft, accepted: torch.Tensor, committed: torch.Tensor | None = None) -> None:
+    def observe(
+        self, draft: Draft, accepted: torch.Tensor, committed: torch.Tensor | None = None
+    ) -> None:
         """Learns the chain's chances only: what a step verifies off the chain is not fed back."""
         for b, source in enumerate(draft.sources):
             if source == "lookup" and b < len(self.ngram) and self.ngram[b]:
                 taken = int(accepted[b]) - 1
-                for depth in range(min(taken + 1, int(draft.length[b]) - 1)):  # the accepted ones and the first miss
+                for depth in range(
+                    min(taken + 1, int(draft.length[b]) - 1)
+                ):  # the accepted ones and the first miss
                     key = self.key(self.ngram[b], depth)
                     self.seen.setdefault(key, self.prior(key)).add(float(depth < taken))
 
@@ -239,7 +279,9 @@ class LookupDrafter(Drafter):
                 return seq[starts[0] : starts[0] + min(self.num_tokens, limit)], n, starts
         return None
 
-    def add_siblings(self, draft: Draft, seq: torch.Tensor, n: int, starts: list[int], limit: int, width: int) -> Draft:
+    def add_siblings(
+        self, draft: Draft, seq: torch.Tensor, n: int, starts: list[int], limit: int, width: int
+    ) -> Draft:
         """The draft (batch 1) with the other occurrences' continuations as its tree: the SCAN most
         recent, latest first, each walks down the tree while its tokens are there, and from its first
         new token on hangs as a branch, up to `width` branches. A continuation that only runs on past
@@ -260,7 +302,11 @@ class LookupDrafter(Drafter):
                 if off or not kids[slot]:  # on down its own branch, or past a leaf
                     c = self.chance(n, depth)
                 else:  # leaves the tree here: a branch (at most one per continuation)
-                    c, off, width = self.BRANCH_PRIORS[min(n, 2)][depth > 0][min(kids[slot] - 1, 1)], True, width - 1
+                    c, off, width = (
+                        self.BRANCH_PRIORS[min(n, 2)][depth > 0][min(kids[slot] - 1, 1)],
+                        True,
+                        width - 1,
+                    )
                 child[(slot, t)] = m + len(tokens)
                 kids[slot] += 1
                 kids.append(0)
@@ -279,7 +325,10 @@ class LookupDrafter(Drafter):
         self.ngram = []
         if ctx.max_proposals < 1:
             return None
-        found = [self.match(ctx.seqs[b][ctx.kv_valid[b]], ctx.max_proposals) for b in range(ctx.seqs.shape[0])]
+        found = [
+            self.match(ctx.seqs[b][ctx.kv_valid[b]], ctx.max_proposals)
+            for b in range(ctx.seqs.shape[0])
+        ]
         self.ngram = [f[1] if f is not None else 0 for f in found]
         if all(f is None for f in found):
             return None
@@ -297,14 +346,23 @@ class LookupDrafter(Drafter):
         sources = ["lookup" if f is not None else "none" for f in found]
         draft = Draft(tokens, length, confidence.to(tokens.device), sources)
         if ctx.siblings and B == 1:
-            self.add_siblings(draft, ctx.seqs[0][ctx.kv_valid[0]], found[0][1], found[0][2], ctx.max_proposals, ctx.siblings)
+            self.add_siblings(
+                draft,
+                ctx.seqs[0][ctx.kv_valid[0]],
+                found[0][1],
+                found[0][2],
+                ctx.max_proposals,
+                ctx.siblings,
+            )
         return draft
 
 
 def occurrences(seq: torch.Tensor, n: int) -> list[int]:
     """Where the tokens after each earlier occurrence of seq's last n-gram start, first first."""
     L = seq.shape[0]
-    hits = (seq.unfold(0, n, 1)[: L - n] == seq[L - n :]).all(1).nonzero()  # the n-gram itself excluded
+    hits = (
+        (seq.unfold(0, n, 1)[: L - n] == seq[L - n :]).all(1).nonzero()
+    )  # the n-gram itself excluded
     return (hits[:, 0] + n).tolist()
 
 
@@ -328,18 +386,25 @@ class HybridDrafter(Drafter):
     name = "hybrid"
     uses_groups = True
     FORGET = 0.99  # per judged draft of a source
-    PRIORS = {"lookup": (2.0, 5.0), "diffusion": (1.0, 1.0)}  # (mean proposals accepted, worth in drafts)
+    PRIORS = {
+        "lookup": (2.0, 5.0),
+        "diffusion": (1.0, 1.0),
+    }  # (mean proposals accepted, worth in drafts)
 
     def __init__(self, num_tokens: int = 10, max_ngram: int = 2):
         self.lookup, self.diffusion = LookupDrafter(num_tokens, max_ngram), DiffusionDrafter()
         # Decayed proposals accepted per draft, by source.
-        self.gains = {source: Mean(mean, self.FORGET, worth) for source, (mean, worth) in self.PRIORS.items()}
+        self.gains = {
+            source: Mean(mean, self.FORGET, worth) for source, (mean, worth) in self.PRIORS.items()
+        }
 
     def gain(self, source: str) -> float:
         """Mean proposals accepted per draft of this source so far, from its prior."""
         return self.gains[source].value
 
-    def observe(self, draft: Draft, accepted: torch.Tensor, committed: torch.Tensor | None = None) -> None:
+    def observe(
+        self, draft: Draft, accepted: torch.Tensor, committed: torch.Tensor | None = None
+    ) -> None:
         """accepted: (B,) the chain's drafts each row accepted (what the chances predicted); committed:
         what the step committed, down a branch of the tree where it took one (what the draft brought)."""
         self.lookup.observe(draft, accepted)
@@ -355,12 +420,17 @@ class HybridDrafter(Drafter):
         return (look.length > 1) & (self.gain("lookup") >= self.gain("diffusion"))
 
     def propose(self, ctx: DraftContext) -> Draft | None:
-        look, diff = self.lookup.propose(ctx), self.diffusion.propose(ctx)  # diff's chances calibrated by its drafter
+        look, diff = (
+            self.lookup.propose(ctx),
+            self.diffusion.propose(ctx),
+        )  # diff's chances calibrated by its drafter
         if look is None or diff is None:
             return look or diff
         use_look = self.choose(look, diff)
         if use_look.all():
-            if diff.siblings is not None:  # the diffusion draft's first choices, beside the lookup chain
+            if (
+                diff.siblings is not None
+            ):  # the diffusion draft's first choices, beside the lookup chain
                 look = beside(look, *first_siblings(look, diff))
             return look
         if not use_look.any():
@@ -398,11 +468,18 @@ def merge(use_a: torch.Tensor, a: Draft, b: Draft) -> Draft:
     (ta, ca), (tb, cb) = pad(a), pad(b)
     pick = use_a[:, None]
     sources = [sa if u else sb for u, sa, sb in zip(use_a.tolist(), a.sources, b.sources)]
-    return Draft(torch.where(pick, ta, tb), torch.where(use_a, a.length, b.length), torch.where(pick, ca, cb), sources, raw_confidence=_raw(a, b, use_a, m))
+    return Draft(
+        torch.where(pick, ta, tb),
+        torch.where(use_a, a.length, b.length),
+        torch.where(pick, ca, cb),
+        sources,
+        raw_confidence=_raw(a, b, use_a, m),
+    )
 
 
 def _raw(a: Draft, b: Draft, use_a: torch.Tensor, m: int):
     """The merged draft's uncalibrated confidence (what `observed` compares acceptance with)."""
+
     def padded(d):
         c = d.raw_confidence if d.raw_confidence is not None else d.confidence
         return torch.cat([c, c.new_zeros(c.shape[0], m - c.shape[1])], 1)
@@ -415,10 +492,13 @@ DRAFTERS = {"hybrid": HybridDrafter, "diffusion": DiffusionDrafter, "lookup": Lo
 
 def make_drafter(name: str):
     if name not in DRAFTERS:
-        raise ValueError(f"drafter={name!r}: choose one of {', '.join(repr(n) for n in DRAFTERS)} (default 'hybrid').")
+        raise ValueError(
+            f"drafter={name!r}: choose one of {', '.join(repr(n) for n in DRAFTERS)} (default 'hybrid')."
+        )
     drafter = DRAFTERS[name]()
     missing = [m for m in ("name", "uses_groups", "propose", "observe") if not hasattr(drafter, m)]
     if missing:
-        raise TypeError(f"drafter {name!r} ({type(drafter).__name__}) lacks {', '.join(missing)}: subclass drafters.Drafter, which declares them (observe: a no-op).")
+        raise TypeError(
+            f"drafter {name!r} ({type(drafter).__name__}) lacks {', '.join(missing)}: subclass drafters.Drafter, which declares them (observe: a no-op)."
+        )
     return drafter
-

@@ -41,7 +41,14 @@ from transformers import DynamicCache, StoppingCriteriaList
 
 from .drafters import Draft, DraftContext, Drafter, fresh
 from .forward import Output, forward
-from .layout import Local, build_mask, decode_mask_mod, decode_position_ids, decode_step_mask, local_kinds
+from .layout import (
+    Local,
+    build_mask,
+    decode_mask_mod,
+    decode_position_ids,
+    decode_step_mask,
+    local_kinds,
+)
 from .plan import Planner, StepPlan
 from .tree import keep_slots, walk
 from .verify import mix, process
@@ -52,21 +59,35 @@ class DecodeState:
     seqs: torch.Tensor  # (B, L) committed tokens; the cache holds all but the last
     kv_valid: torch.Tensor  # (B, L) False at left padding
     active: torch.Tensor  # (B,) rows not yet stopped
-    cache_valid: torch.Tensor | None = None  # (B, C) False at the cache's left padding and holes (rows that accepted less)
+    cache_valid: torch.Tensor | None = (
+        None  # (B, C) False at the cache's left padding and holes (rows that accepted less)
+    )
     cache: DynamicCache = field(default_factory=DynamicCache)
     nfe: int = 0
     new: torch.Tensor | None = None  # (B, max_new) each row's new tokens (pad after a row stops)
     n_new: torch.Tensor | None = None  # (B,) how many each row has
-    row_nfe: torch.Tensor | None = None  # (B,) forwards while each row was active (per-row acceptance)
+    row_nfe: torch.Tensor | None = (
+        None  # (B,) forwards while each row was active (per-row acceptance)
+    )
     accepted: list = field(default_factory=list)  # drafts committed at each step
     slots: list = field(default_factory=list)  # query slots of each decoding forward
-    head_rows: list = field(default_factory=list)  # vocabulary-head rows (per batch row) of each decoding forward
+    head_rows: list = field(
+        default_factory=list
+    )  # vocabulary-head rows (per batch row) of each decoding forward
     sources: Counter = field(default_factory=Counter)  # row-steps drafted by each source
     sibling_steps: int = 0  # steps that committed a sibling instead of the chain
-    offsets: dict = field(default_factory=dict)  # source -> the chain's proposals judged by offset (judge)
-    last: Output | None = None  # the last step's forward, until its vocabulary-head rows are all known
-    rows: torch.Tensor | None = None  # (B,) each working row's index in the caller's batch (drop_finished)
-    dropped: dict = field(default_factory=dict)  # caller's row -> (its new tokens, their count, its forwards)
+    offsets: dict = field(
+        default_factory=dict
+    )  # source -> the chain's proposals judged by offset (judge)
+    last: Output | None = (
+        None  # the last step's forward, until its vocabulary-head rows are all known
+    )
+    rows: torch.Tensor | None = (
+        None  # (B,) each working row's index in the caller's batch (drop_finished)
+    )
+    dropped: dict = field(
+        default_factory=dict
+    )  # caller's row -> (its new tokens, their count, its forwards)
 
     def record(self, accepted: int, plan: StepPlan, draft: Draft, out: Output) -> None:
         self.finish()
@@ -86,7 +107,9 @@ class DecodeState:
             judged = min(taken[b] + 1, offered[b])
             if judged == 0:
                 continue
-            table = self.offsets.setdefault(draft.sources[b], {"judged": [], "accepted": [], "predicted": [], "rated": []})
+            table = self.offsets.setdefault(
+                draft.sources[b], {"judged": [], "accepted": [], "predicted": [], "rated": []}
+            )
             for counts in table.values():
                 counts.extend([0] * (judged - len(counts)))
             for i in range(judged):
@@ -113,8 +136,11 @@ class DecodeState:
         steps = max(1, len(self.slots))
         extra = {}
         if self.row_nfe is not None:
-            extra["tokens_per_nfe_per_row"] = (self.n_new.float() / self.row_nfe.clamp(min=1)).tolist()
-        return {**extra,
+            extra["tokens_per_nfe_per_row"] = (
+                self.n_new.float() / self.row_nfe.clamp(min=1)
+            ).tolist()
+        return {
+            **extra,
             "nfe": self.nfe,
             "new_tokens": n_new,
             "tokens_per_nfe": n_new / self.nfe,
@@ -131,7 +157,9 @@ def position_limit(model) -> int | None:
     return getattr(model.config, "max_position_embeddings", None)
 
 
-def prefill(model, state: DecodeState, k: int, mask_id: int, groups: bool) -> tuple[torch.Tensor, callable]:
+def prefill(
+    model, state: DecodeState, k: int, mask_id: int, groups: bool
+) -> tuple[torch.Tensor, callable]:
     """The prompt (causal), plus one mask group after it when the drafter uses groups (and its
     positions exist). Returns the AR logits of the first new token (B, V) and a function giving the
     group's draft logits (B, k - 1, V), or None."""
@@ -142,10 +170,24 @@ def prefill(model, state: DecodeState, k: int, mask_id: int, groups: bool) -> tu
     g = k if groups and (limit is None or int(n.max()) + k <= limit) else 0
     with record_function("tidar.mask"):
         tokens = torch.cat([prompt, torch.full((B, g), mask_id, device=prompt.device)], 1)
-        positions = torch.cat([(valid.cumsum(1) - 1).clamp(min=0), decode_position_ids(n - P, P, k, 1, P)[:, P : P + g]], 1)
+        positions = torch.cat(
+            [
+                (valid.cumsum(1) - 1).clamp(min=0),
+                decode_position_ids(n - P, P, k, 1, P)[:, P : P + g],
+            ],
+            1,
+        )
         all_valid = torch.cat([valid, torch.ones(B, g, dtype=torch.bool, device=prompt.device)], 1)
         local = Local.of(model.config, positions)  # sliding windows and chunks, by position
-        mask = build_mask(decode_mask_mod(0, P, k, P, all_valid), B, P + g, P + g, model.config._attn_implementation, prompt.device, local)
+        mask = build_mask(
+            decode_mask_mod(0, P, k, P, all_valid),
+            B,
+            P + g,
+            P + g,
+            model.config._attn_implementation,
+            prompt.device,
+            local,
+        )
     out = forward(model, state.cache, tokens, positions, mask, read=[P - 1, *range(P + 1, P + g)])
     state.nfe += 1
     if g:
@@ -162,9 +204,27 @@ def run_step(model, state: DecodeState, draft: Draft, plan: StepPlan, mask_id: i
         masks = torch.full((B, plan.slots - plan.causal), mask_id, device=draft.tokens.device)
         tokens = torch.cat([causal_tokens(draft, plan), masks], 1)
         positions = plan.positions(state.start)
-        kinds = local_kinds(model.config)  # sliding windows and chunks; a cache column's position: the real tokens before it in its row
-        local = None if kinds is None else Local(kinds, torch.cat([state.cache_valid.cumsum(1) - 1, positions], 1), q_offset=state.cache_valid.shape[1])
-        mask = decode_step_mask(state.cache_valid, plan.causal, plan.k, plan.anchors, model.config._attn_implementation, plan.parents(), local)
+        kinds = local_kinds(
+            model.config
+        )  # sliding windows and chunks; a cache column's position: the real tokens before it in its row
+        local = (
+            None
+            if kinds is None
+            else Local(
+                kinds,
+                torch.cat([state.cache_valid.cumsum(1) - 1, positions], 1),
+                q_offset=state.cache_valid.shape[1],
+            )
+        )
+        mask = decode_step_mask(
+            state.cache_valid,
+            plan.causal,
+            plan.k,
+            plan.anchors,
+            model.config._attn_implementation,
+            plan.parents(),
+            local,
+        )
     out = forward(model, state.cache, tokens, positions, mask, read=plan.read())
     state.nfe += 1
     return out
@@ -172,10 +232,16 @@ def run_step(model, state: DecodeState, draft: Draft, plan: StepPlan, mask_id: i
 
 def causal_tokens(draft: Draft, plan: StepPlan) -> torch.Tensor:
     """The tokens of the step's causal slots: the chain, then the siblings the plan kept."""
-    return torch.cat([draft.tokens, draft.siblings[:, : plan.siblings]], 1) if plan.siblings else draft.tokens
+    return (
+        torch.cat([draft.tokens, draft.siblings[:, : plan.siblings]], 1)
+        if plan.siblings
+        else draft.tokens
+    )
 
 
-def decode(model, run, drafter: Drafter, planner: Planner, beta: float = 1.0, record=None) -> DecodeState:
+def decode(
+    model, run, drafter: Drafter, planner: Planner, beta: float = 1.0, record=None
+) -> DecodeState:
     """Prefill, then steps until every row stops. run: decode.Run (the merged arguments). record:
     None, or (scores, logits) lists that receive one (B, V) tensor per new token.
 
@@ -187,7 +253,11 @@ def decode(model, run, drafter: Drafter, planner: Planner, beta: float = 1.0, re
     B, P = run.input_ids.shape
     device = run.input_ids.device
     # Per row, max_new_tokens is counted per row (a row's seqs length is not its own): the length criterion goes.
-    criteria = StoppingCriteriaList([c for c in run.criteria if type(c).__name__ != "MaxLengthCriteria"]) if per_row else run.criteria
+    criteria = (
+        StoppingCriteriaList([c for c in run.criteria if type(c).__name__ != "MaxLengthCriteria"])
+        if per_row
+        else run.criteria
+    )
     state = DecodeState(run.input_ids, run.kv_valid, torch.ones(B, dtype=torch.bool, device=device))
     state.new = torch.full((B, run.max_new), run.pad, dtype=run.input_ids.dtype, device=device)
     state.n_new = torch.zeros(B, dtype=torch.long, device=device)
@@ -207,18 +277,49 @@ def decode(model, run, drafter: Drafter, planner: Planner, beta: float = 1.0, re
     kept = Kept(y[:, None], torch.ones(B, dtype=torch.long, device=device), [], group)
     while True:
         with record_function("tidar.commit"):
-            commit(run, criteria, state, kept.tokens, kept.counts, record[0] if record is not None and run.gc.output_scores else None)
+            commit(
+                run,
+                criteria,
+                state,
+                kept.tokens,
+                kept.counts,
+                record[0] if record is not None and run.gc.output_scores else None,
+            )
         if not state.active.any():
             break
-        if per_row and not state.active.all() and not run.gc.return_dict_in_generate:  # a returned cache keeps every row
+        if (
+            per_row and not state.active.all() and not run.gc.return_dict_in_generate
+        ):  # a returned cache keeps every row
             kept = drop_finished(state, kept, pick)
         pick.seek(state.n_new)  # each row's own count: sampling draws by each row's position
         with record_function("tidar.draft"):
-            remaining = run.max_new - int(state.n_new[state.active].min())  # y of the next step is one of them
-            room = None if limit is None else limit - 1 - int(state.start.max())  # positions left after draft 0
-            most = min(remaining - 1, planner.max_proposals(drafter.uses_groups), room if room is not None else remaining)
-            ctx = DraftContext(state.seqs, state.kv_valid, most, pick, processors, memo(kept.group), planner.siblings if B == 1 else 0, planner.budget - 1)
-            draft, plan = planner.step(drafter.propose(ctx) or fresh(state.seqs[:, -1]), drafter.uses_groups, room, per_row=per_row)
+            remaining = run.max_new - int(
+                state.n_new[state.active].min()
+            )  # y of the next step is one of them
+            room = (
+                None if limit is None else limit - 1 - int(state.start.max())
+            )  # positions left after draft 0
+            most = min(
+                remaining - 1,
+                planner.max_proposals(drafter.uses_groups),
+                room if room is not None else remaining,
+            )
+            ctx = DraftContext(
+                state.seqs,
+                state.kv_valid,
+                most,
+                pick,
+                processors,
+                memo(kept.group),
+                planner.siblings if B == 1 else 0,
+                planner.budget - 1,
+            )
+            draft, plan = planner.step(
+                drafter.propose(ctx) or fresh(state.seqs[:, -1]),
+                drafter.uses_groups,
+                room,
+                per_row=per_row,
+            )
         state.finish()
         started = time.perf_counter()
         out = run_step(model, state, draft, plan, run.mask_id)
@@ -226,12 +327,16 @@ def decode(model, run, drafter: Drafter, planner: Planner, beta: float = 1.0, re
             state.row_nfe += state.active.long()
         with record_function("tidar.verify"):
             ar = out.rows(0, plan.n_drafts)
-            scores = process(processors, state.seqs, draft.tokens[:, 1:], ar)  # row i: after seqs ++ drafts 1..i
+            scores = process(
+                processors, state.seqs, draft.tokens[:, 1:], ar
+            )  # row i: after seqs ++ drafts 1..i
             accepted = pick.verify(scores, draft)
             state.judge(draft, accepted)
             accept = accept_each if per_row else accept_together
             kept = accept(state, draft, plan, out, scores, ar, accepted, pick, processors, beta, k)
-            planner.timed(plan, time.perf_counter() - started, draft, kept.brought, kept.ends)  # accept() waited for the device
+            planner.timed(
+                plan, time.perf_counter() - started, draft, kept.brought, kept.ends
+            )  # accept() waited for the device
             drafter.observe(draft, accepted, kept.brought)
         if record is not None:
             record[0].extend(kept.scores)
@@ -256,7 +361,11 @@ def drop_finished(state: DecodeState, kept: "Kept", pick) -> "Kept":
     more than the dropped rows saved, bench/LOG.md)."""
     keep = state.active.nonzero()[:, 0]
     for i in (~state.active).nonzero()[:, 0].tolist():
-        state.dropped[int(state.rows[i])] = (state.new[i], int(state.n_new[i]), int(state.row_nfe[i]))
+        state.dropped[int(state.rows[i])] = (
+            state.new[i],
+            int(state.n_new[i]),
+            int(state.row_nfe[i]),
+        )
     for name in ("seqs", "kv_valid", "active", "cache_valid", "new", "n_new", "row_nfe", "rows"):
         setattr(state, name, getattr(state, name)[keep])
     state.cache.batch_select_indices(keep)
@@ -267,7 +376,12 @@ def drop_finished(state: DecodeState, kept: "Kept", pick) -> "Kept":
         logits, have = group()
         return logits[keep], None if have is None else have[keep]
 
-    return Kept(kept.tokens[keep], kept.counts[keep], kept.slots, memo(kept_rows) if group is not no_group else no_group)
+    return Kept(
+        kept.tokens[keep],
+        kept.counts[keep],
+        kept.slots,
+        memo(kept_rows) if group is not no_group else no_group,
+    )
 
 
 def restore_rows(state: DecodeState) -> None:
@@ -288,12 +402,18 @@ def restore_rows(state: DecodeState) -> None:
 class Kept:
     """What a step keeps, by the commit policy (accept_together, accept_each)."""
 
-    tokens: torch.Tensor  # (B, n) each row's new tokens: its accepted proposals, then the token after them
+    tokens: (
+        torch.Tensor
+    )  # (B, n) each row's new tokens: its accepted proposals, then the token after them
     counts: torch.Tensor  # (B,) how many of them row b commits
     slots: list  # the step's slots the cache keeps, from draft 0 (a prefix, or a tree's path)
     group: Callable  # the next draft's group logits (DraftContext.group)
-    brought: torch.Tensor | None = None  # (B,) drafts each row's draft got committed (a tree: its path): what drafters and the plan learn
-    ends: torch.Tensor | None = None  # (B,) the slot each row's next group is read after (StepPlan.group_start)
+    brought: torch.Tensor | None = (
+        None  # (B,) drafts each row's draft got committed (a tree: its path): what drafters and the plan learn
+    )
+    ends: torch.Tensor | None = (
+        None  # (B,) the slot each row's next group is read after (StepPlan.group_start)
+    )
     scores: tuple = ()  # the processed scores of each committed position (recorded for output_scores)
     raw: tuple = ()  # and the raw logits
 
@@ -302,7 +422,19 @@ def no_group():
     return None, None
 
 
-def accept_together(state: DecodeState, draft: Draft, plan: StepPlan, out: Output, scores, ar, accepted, pick, processors, beta: float, k: int) -> Kept:
+def accept_together(
+    state: DecodeState,
+    draft: Draft,
+    plan: StepPlan,
+    out: Output,
+    scores,
+    ar,
+    accepted,
+    pick,
+    processors,
+    beta: float,
+    k: int,
+) -> Kept:
     """Every row commits the fewest drafts any active row accepted, so the rows share one cache length.
     A tree (batch 1) commits the path the AR's tokens take down it (walk)."""
     B = accepted.shape[0]
@@ -318,30 +450,68 @@ def accept_together(state: DecodeState, draft: Draft, plan: StepPlan, out: Outpu
         g = plan.group_start(j)
         target = scores[:, j - 1]
         if beta != 1.0 and g is not None:
-            target = process(processors, state.seqs, draft.tokens[:, 1:j], mix(ar[:, j - 1], out.rows(g, g + 1)[:, 0], beta)[:, None])[:, 0]
+            target = process(
+                processors,
+                state.seqs,
+                draft.tokens[:, 1:j],
+                mix(ar[:, j - 1], out.rows(g, g + 1)[:, 0], beta)[:, None],
+            )[:, 0]
         y = pick.next_token(target, draft, accepted, j, exact=beta == 1.0)
     if plan.siblings:  # a tree's groups hang after its nodes: only the one at the path's end
         g = plan.group_start(path[-1] + 1)
         read = None if g is None else (g, k - 1)
     else:
         read = plan.group_read(j)
-    group = (lambda: (out.rows(read[0] + 1, read[0] + 1 + read[1]), None)) if read is not None else no_group
+    group = (
+        (lambda: (out.rows(read[0] + 1, read[0] + 1 + read[1]), None))
+        if read is not None
+        else no_group
+    )
     new = torch.cat([tokens[:, path[1:]], y[:, None]], 1)
-    return Kept(new, torch.full((B,), j, dtype=torch.long, device=accepted.device), path, group, brought, ends, tuple(scored), tuple(raw))
+    return Kept(
+        new,
+        torch.full((B,), j, dtype=torch.long, device=accepted.device),
+        path,
+        group,
+        brought,
+        ends,
+        tuple(scored),
+        tuple(raw),
+    )
 
 
-def accept_each(state: DecodeState, draft: Draft, plan: StepPlan, out: Output, scores, ar, accepted, pick, processors, beta: float, k: int) -> Kept:
+def accept_each(
+    state: DecodeState,
+    draft: Draft,
+    plan: StepPlan,
+    out: Output,
+    scores,
+    ar,
+    accepted,
+    pick,
+    processors,
+    beta: float,
+    k: int,
+) -> Kept:
     """Each row commits what it accepted. The cache keeps the most drafts any row accepted; a row's
     drafts beyond its own count stay in the cache as holes (cache_valid False), which its later
     queries never attend to, and its positions count only what it committed."""
     y = pick.next_token_rows(scores, draft, accepted)
-    counts = torch.where(state.active, accepted, torch.ones_like(accepted))  # finished rows commit nothing
+    counts = torch.where(
+        state.active, accepted, torch.ones_like(accepted)
+    )  # finished rows commit nothing
     J = int(counts.max())
     filler = torch.cat([draft.tokens[:, 1:], draft.tokens[:, :1]], 1)[:, :J]
-    tokens = filler.scatter(1, (counts - 1)[:, None], y[:, None])  # row b: its accepted proposals, then y
+    tokens = filler.scatter(
+        1, (counts - 1)[:, None], y[:, None]
+    )  # row b: its accepted proposals, then y
     reads = [plan.group_read(a) for a in counts.tolist()]
-    have = torch.tensor([r[1] if r is not None else 0 for r in reads], device=accepted.device)  # proposals per row
-    at = torch.tensor([r[0] if r is not None else -1 for r in reads], device=accepted.device)  # none: slot 0, an AR row (computed)
+    have = torch.tensor(
+        [r[1] if r is not None else 0 for r in reads], device=accepted.device
+    )  # proposals per row
+    at = torch.tensor(
+        [r[0] if r is not None else -1 for r in reads], device=accepted.device
+    )  # none: slot 0, an AR row (computed)
     group = (lambda: (out.rows_at(at + 1, k - 1, have), have)) if bool(have.any()) else no_group
     return Kept(tokens, counts, list(range(J)), group, accepted, accepted)
 
@@ -364,13 +534,21 @@ def commit(run, criteria, state: DecodeState, tokens, counts, scores=None) -> No
         if not adv.any():
             break
         token = tokens[:, r]
-        seqs = torch.where(adv[:, None], torch.cat([seqs, token[:, None]], 1), torch.cat([pad, seqs], 1))
+        seqs = torch.where(
+            adv[:, None], torch.cat([seqs, token[:, None]], 1), torch.cat([pad, seqs], 1)
+        )
         valid = torch.where(adv[:, None], torch.cat([valid, yes], 1), torch.cat([~yes, valid], 1))
         if run.streamer is not None:
             run.streamer.put(torch.where(adv, token, pad[:, 0]).cpu())
         state.new[rows[adv], n_new[adv]] = token[adv]
         n_new += adv.long()
-        done = criteria(seqs, tuple(scores[: int(n_new.max())]) if scores is not None else None).to(active.device) if len(criteria) else torch.zeros_like(active)
+        done = (
+            criteria(seqs, tuple(scores[: int(n_new.max())]) if scores is not None else None).to(
+                active.device
+            )
+            if len(criteria)
+            else torch.zeros_like(active)
+        )
         active = active & ~(done & adv) & (n_new < run.max_new)
     state.seqs, state.kv_valid, state.active = seqs, valid, active
 
@@ -402,8 +580,21 @@ def memo(fn):
 # Processors that act on each row's scores alone, whatever its prefix or batch index; and stopping
 # criteria that read each row's own last tokens (max_length is applied per row here). With anything
 # else (a prefix- or length-dependent processor, a custom criterion), rows share one commit length.
-ROWWISE_PROCESSORS = {"TemperatureLogitsWarper", "TopKLogitsWarper", "TopPLogitsWarper", "MinPLogitsWarper", "TypicalLogitsWarper", "EpsilonLogitsWarper", "EtaLogitsWarper"}
-ROWWISE_CRITERIA = {"MaxLengthCriteria", "EosTokenCriteria", "StopStringCriteria", "MaxTimeCriteria"}
+ROWWISE_PROCESSORS = {
+    "TemperatureLogitsWarper",
+    "TopKLogitsWarper",
+    "TopPLogitsWarper",
+    "MinPLogitsWarper",
+    "TypicalLogitsWarper",
+    "EpsilonLogitsWarper",
+    "EtaLogitsWarper",
+}
+ROWWISE_CRITERIA = {
+    "MaxLengthCriteria",
+    "EosTokenCriteria",
+    "StopStringCriteria",
+    "MaxTimeCriteria",
+}
 
 
 def rowwise(run, beta: float, record) -> bool:

@@ -16,7 +16,11 @@ READ_ROWS_ONLY = True
 
 def cache_kwargs(model, cache) -> dict:
     """transformers 5.24 renamed `past_key_values` to `cache` (the old name goes in 5.40)."""
-    name = "cache" if "cache" in inspect.signature(type(model).forward).parameters else "past_key_values"
+    name = (
+        "cache"
+        if "cache" in inspect.signature(type(model).forward).parameters
+        else "past_key_values"
+    )
     return {name: cache, "use_cache": True}
 
 
@@ -30,7 +34,13 @@ def head_is_plain(model) -> bool:
     # A module named lm_head that is not the output embeddings is a prediction head before them
     # (ModernBERT-decoder: dense, activation, norm): only the model's own forward applies it.
     head = getattr(model, "lm_head", None)
-    return READ_ROWS_ONLY and (head is None or head is model.get_output_embeddings()) and not any(getattr(model.config, f, None) not in (None, 1, 1.0) for f in OTHER_HEAD_TRANSFORMS)
+    return (
+        READ_ROWS_ONLY
+        and (head is None or head is model.get_output_embeddings())
+        and not any(
+            getattr(model.config, f, None) not in (None, 1, 1.0) for f in OTHER_HEAD_TRANSFORMS
+        )
+    )
 
 
 class Output:
@@ -47,7 +57,9 @@ class Output:
         self.cached = self.where = None
         if hidden is not None and read:
             self.where = torch.full((hidden.shape[1],), -1, dtype=torch.long, device=hidden.device)
-            self.where[read] = torch.arange(len(read), device=hidden.device)  # slot -> row of `cached`
+            self.where[read] = torch.arange(
+                len(read), device=hidden.device
+            )  # slot -> row of `cached`
             self.cached = self.head(hidden[:, read])
             self.head_rows = len(read)
 
@@ -59,18 +71,26 @@ class Output:
         self.head_rows += stop - start
         return self.head(self.hidden[:, start:stop])
 
-    def rows_at(self, starts: torch.Tensor, n: int, counts: torch.Tensor | None = None) -> torch.Tensor:
+    def rows_at(
+        self, starts: torch.Tensor, n: int, counts: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """Slots starts[b] .. starts[b] + n - 1 of each row b (rows that read different groups); a row
         with counts[b] < n gets its first slot again past those (filler, already computed)."""
         index = starts[:, None] + torch.arange(n, device=starts.device)
         if counts is not None:
-            index = torch.where(torch.arange(n, device=starts.device) < counts[:, None], index, starts[:, None])
+            index = torch.where(
+                torch.arange(n, device=starts.device) < counts[:, None], index, starts[:, None]
+            )
         if self.logits is not None:
             return self.logits.gather(1, index[..., None].expand(-1, -1, self.logits.shape[-1]))
         if self.where is not None and bool((self.where[index] >= 0).all()):
-            return self.cached.gather(1, self.where[index][..., None].expand(-1, -1, self.cached.shape[-1]))
+            return self.cached.gather(
+                1, self.where[index][..., None].expand(-1, -1, self.cached.shape[-1])
+            )
         self.head_rows += n
-        return self.head(self.hidden.gather(1, index[..., None].expand(-1, -1, self.hidden.shape[-1])))
+        return self.head(
+            self.hidden.gather(1, index[..., None].expand(-1, -1, self.hidden.shape[-1]))
+        )
 
     def head(self, hidden):
         with record_function("tidar.lm_head"):
@@ -85,7 +105,11 @@ def decoder_body(model):
     last_hidden_state), and ModernBERT-decoder's LM head (a Linear named `decoder`)."""
     for get in (lambda: model.base_model, model.get_decoder, lambda: getattr(model, "model", None)):
         body = get()
-        if body is not None and body is not model and "input_ids" in inspect.signature(body.forward).parameters:
+        if (
+            body is not None
+            and body is not model
+            and "input_ids" in inspect.signature(body.forward).parameters
+        ):
             return body
     return model.get_decoder()
 
@@ -95,9 +119,19 @@ def forward(model, cache, tokens, positions, mask, read: list[int] | None = None
     with record_function("tidar.forward"):
         if head_is_plain(model):
             body = decoder_body(model)
-            out = body(input_ids=tokens, position_ids=positions, attention_mask=mask, **cache_kwargs(body, cache))
+            out = body(
+                input_ids=tokens,
+                position_ids=positions,
+                attention_mask=mask,
+                **cache_kwargs(body, cache),
+            )
             return Output(model, hidden=out.last_hidden_state, read=read)
-        out = model(input_ids=tokens, position_ids=positions, attention_mask=mask, **cache_kwargs(model, cache))
+        out = model(
+            input_ids=tokens,
+            position_ids=positions,
+            attention_mask=mask,
+            **cache_kwargs(model, cache),
+        )
         result = Output(model, logits=out.logits)
         result.head_rows = tokens.shape[1]
         return result

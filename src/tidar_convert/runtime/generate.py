@@ -29,16 +29,22 @@ import inspect
 from dataclasses import dataclass
 
 import torch
-from transformers import GenerationConfig, GenerationMixin, LogitsProcessorList, StoppingCriteriaList
+from transformers import (
+    GenerationConfig,
+    GenerationMixin,
+    LogitsProcessorList,
+    StoppingCriteriaList,
+)
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 from transformers.utils import logging
 
 # Relative, so the same lines work in the package and in an export's custom_generate/ folder.
 from .adapter import ensure as ensure_adapter
-from .drafters import Draft, make_drafter  # noqa: F401  (Draft: for callers that build drafts by hand)
 from .costs import costs_of
+from .drafters import Draft, make_drafter  # noqa: F401  (Draft: for callers that build drafts by hand)
 from .engine import decode
-from .kernels import cpu_kernels, resolve as resolve_kernels
+from .kernels import cpu_kernels
+from .kernels import resolve as resolve_kernels
 from .layout import decode_mask_mod  # noqa: F401  (imported here so a missing layout.py is named as generate.py's import)
 from .plan import Planner
 from .verify import Greedy, Sampling, draw_seed
@@ -71,7 +77,11 @@ def binds_tidar(model) -> bool:
     an export of any version: the same test as tidar_convert.exports.folder.tidar_active)."""
     gen = model.__dict__.get("generate")
     fn = getattr(gen, "func", None)
-    if fn is None or getattr(fn, "__name__", None) != "generate" or gen.keywords.get("model") is not model:
+    if (
+        fn is None
+        or getattr(fn, "__name__", None) != "generate"
+        or gen.keywords.get("model") is not model
+    ):
         return False
     try:
         return {"tidar", "block_size", "beta"} <= set(inspect.signature(fn).parameters)
@@ -85,7 +95,9 @@ def warn_under_continuous_batching() -> None:
     except ImportError:  # a transformers without continuous batching: nothing bypasses generate()
         return
     original = ContinuousMixin.init_continuous_batching
-    if getattr(original, "tidar_warns", False):  # the package's decode.py and an export's both import this
+    if getattr(
+        original, "tidar_warns", False
+    ):  # the package's decode.py and an export's both import this
         return
 
     @functools.wraps(original)
@@ -98,7 +110,9 @@ def warn_under_continuous_batching() -> None:
     ContinuousMixin.init_continuous_batching = init_continuous_batching
 
 
-if not __name__.startswith("tidar_convert."):  # an export's copy, imported by transformers as it loads the export
+if not __name__.startswith(
+    "tidar_convert."
+):  # an export's copy, imported by transformers as it loads the export
     warn_under_continuous_batching()
 
 
@@ -118,7 +132,10 @@ REFUSED = {
     "force_words_ids": ((), "constrained beam search"),
     "penalty_alpha": ((0.0,), "contrastive search"),
     "dola_layers": ((), "DoLa decoding"),
-    "guidance_scale": ((1, 1.0), "classifier-free guidance runs a second, unconditional model pass per token"),
+    "guidance_scale": (
+        (1, 1.0),
+        "classifier-free guidance runs a second, unconditional model pass per token",
+    ),
     "watermarking_config": ((), "watermarking processors keep per-call state"),
     "token_healing": ((False,), "token healing rewrites the prompt with a nested generate()"),
     "output_attentions": ((False,), "a TiDAR step attends over drafts and masks, not AR positions"),
@@ -144,7 +161,9 @@ REFUSED_ARGS = {
 def refuse(name, value, why):
     if not isinstance(value, (bool, int, float, str, list, tuple, dict)):
         value = f"<{type(value).__name__}>"
-    raise ValueError(f"{name}={value!r} is not supported by TiDAR decoding ({why}); pass tidar=False for plain AR decoding (transformers' generate).")
+    raise ValueError(
+        f"{name}={value!r} is not supported by TiDAR decoding ({why}); pass tidar=False for plain AR decoding (transformers' generate)."
+    )
 
 
 def check_refused(gc: GenerationConfig) -> None:
@@ -166,7 +185,9 @@ class Run:
     kv_valid: torch.Tensor  # (B, P) False at left padding
     gc: GenerationConfig  # merged: arguments > generation_config > model.generation_config > defaults
     processors: LogitsProcessorList  # transformers' own, plus `logits_processor`
-    criteria: StoppingCriteriaList  # max_length, max_time, stop_strings, EOS, plus `stopping_criteria`
+    criteria: (
+        StoppingCriteriaList  # max_length, max_time, stop_strings, EOS, plus `stopping_criteria`
+    )
     pick: Greedy | Sampling
     k: int
     mask_id: int
@@ -193,32 +214,54 @@ def prepare(model, input_ids, generation_config, block_size, beta, kwargs) -> Ru
     tokenizer = kwargs.pop("tokenizer", None)
     generator = kwargs.pop("generator", None)
     kwargs.pop("trust_remote_code", None)
-    if kwargs.get("max_new_tokens") is not None and kwargs["max_new_tokens"] <= 0:  # before transformers' own, vaguer check
+    if (
+        kwargs.get("max_new_tokens") is not None and kwargs["max_new_tokens"] <= 0
+    ):  # before transformers' own, vaguer check
         raise ValueError(f"max_new_tokens={kwargs['max_new_tokens']}: must be >= 1.")
     # A given generation_config is completed by the model's, then by the global defaults
     # (max_length=20, temperature=1.0, ...); keyword arguments override both.
-    has_default_max_length = kwargs.get("max_length") is None and (generation_config is None or generation_config.max_length is None) and model.generation_config.max_length is None
-    has_default_min_length = kwargs.get("min_length") is None and (generation_config is None or generation_config.min_length is None) and model.generation_config.min_length is None
+    has_default_max_length = (
+        kwargs.get("max_length") is None
+        and (generation_config is None or generation_config.max_length is None)
+        and model.generation_config.max_length is None
+    )
+    has_default_min_length = (
+        kwargs.get("min_length") is None
+        and (generation_config is None or generation_config.min_length is None)
+        and model.generation_config.min_length is None
+    )
     gc, unused = GenerationMixin._prepare_generation_config(model, generation_config, **kwargs)
     check_refused(gc)
     if unused:
         raise TypeError(f"TiDAR generate() got unsupported arguments: {', '.join(sorted(unused))}.")
-    if input_ids is None and gc.bos_token_id is not None:  # as transformers: no prompt -> one BOS token
+    if (
+        input_ids is None and gc.bos_token_id is not None
+    ):  # as transformers: no prompt -> one BOS token
         input_ids = torch.full((1, 1), gc.bos_token_id, dtype=torch.long, device=model.device)
-    k = block_size if block_size is not None else getattr(model.config, "block_size", None)  # 0 is refused, not the default
+    k = (
+        block_size if block_size is not None else getattr(model.config, "block_size", None)
+    )  # 0 is refused, not the default
     mask_id = getattr(model.config, "mask_token_id", None)
     check_inputs(model, gc, input_ids, attention_mask, k, mask_id, beta)
-    input_ids = input_ids.long()  # int32 ids (numpy, ONNX tokenizers) index the caches as int64 does
+    input_ids = (
+        input_ids.long()
+    )  # int32 ids (numpy, ONNX tokenizers) index the caches as int64 does
 
     prompt_ids, n = input_ids, gc.num_return_sequences or 1
     if n > 1:  # as transformers: each prompt repeated n times, the rows of one prompt adjacent
         input_ids = input_ids.repeat_interleave(n, 0)
-        attention_mask = attention_mask.repeat_interleave(n, 0) if attention_mask is not None else None
+        attention_mask = (
+            attention_mask.repeat_interleave(n, 0) if attention_mask is not None else None
+        )
     B, P = input_ids.shape
     device = input_ids.device
     padded = attention_mask is not None and not attention_mask.bool().all()
-    GenerationMixin._prepare_special_tokens(model, gc, attention_mask is not None, device=device, batch_size=B)
-    gc = GenerationMixin._prepare_generated_length(model, gc, has_default_max_length, has_default_min_length, "input_ids", P, input_ids)
+    GenerationMixin._prepare_special_tokens(
+        model, gc, attention_mask is not None, device=device, batch_size=B
+    )
+    gc = GenerationMixin._prepare_generated_length(
+        model, gc, has_default_max_length, has_default_min_length, "input_ids", P, input_ids
+    )
     GenerationMixin._validate_generated_length(model, gc, P, has_default_max_length)
     check_length(model, P, gc.max_length - P, k)
     processors = GenerationMixin._get_logits_processor(
@@ -227,14 +270,23 @@ def prepare(model, input_ids, generation_config, block_size, beta, kwargs) -> Ru
         input_ids_seq_length=P,
         encoder_input_ids=prompt_ids,
         prefix_allowed_tokens_fn=prefix_allowed_tokens_fn,
-        logits_processor=logits_processor if logits_processor is not None else LogitsProcessorList(),
+        logits_processor=logits_processor
+        if logits_processor is not None
+        else LogitsProcessorList(),
         device=device,
         model_kwargs={"attention_mask": attention_mask if padded else None},
     )
-    criteria = GenerationMixin._get_stopping_criteria(model, gc, stopping_criteria if stopping_criteria is not None else StoppingCriteriaList(), tokenizer=tokenizer)
+    criteria = GenerationMixin._get_stopping_criteria(
+        model,
+        gc,
+        stopping_criteria if stopping_criteria is not None else StoppingCriteriaList(),
+        tokenizer=tokenizer,
+    )
     return Run(
         input_ids=input_ids,
-        kv_valid=attention_mask.bool() if attention_mask is not None else torch.ones_like(input_ids, dtype=torch.bool),
+        kv_valid=attention_mask.bool()
+        if attention_mask is not None
+        else torch.ones_like(input_ids, dtype=torch.bool),
         gc=gc,
         processors=processors,
         criteria=criteria,
@@ -320,21 +372,48 @@ def generate(
     """
     input_ids = inputs if inputs is not None else kwargs.pop("input_ids", None)
     if tidar is None:
-        tidar = next((t for t in (getattr(generation_config, "tidar", None), getattr(model.generation_config, "tidar", None)) if t is not None), True)
+        tidar = next(
+            (
+                t
+                for t in (
+                    getattr(generation_config, "tidar", None),
+                    getattr(model.generation_config, "tidar", None),
+                )
+                if t is not None
+            ),
+            True,
+        )
     if not isinstance(tidar, bool):  # "false" from a JSON string would read as true
-        raise ValueError(f"tidar={tidar!r}: pass true or false (a JSON boolean in a generation config).")
+        raise ValueError(
+            f"tidar={tidar!r}: pass true or false (a JSON boolean in a generation config)."
+        )
     if not tidar:
         with cpu_kernels(model, enabled=pack_weights):
             return ar_generate(model, input_ids, generation_config, kwargs)
     chosen = make_drafter(drafter)
     ensure_adapter(model)  # an export trained with lora_scope='masks': its drafts' adapter, once
     run = prepare(model, input_ids, generation_config, block_size, beta, kwargs)
-    setting = (resolve_kernels(model, pack_weights), model.dtype, model.device.type, run.input_ids.shape[0])  # what a step's price depends on
-    tree = isinstance(run.pick, Greedy) and beta == 1.0 and run.input_ids.shape[0] == 1  # where siblings are exact
+    setting = (
+        resolve_kernels(model, pack_weights),
+        model.dtype,
+        model.device.type,
+        run.input_ids.shape[0],
+    )  # what a step's price depends on
+    tree = (
+        isinstance(run.pick, Greedy) and beta == 1.0 and run.input_ids.shape[0] == 1
+    )  # where siblings are exact
     # siblings < 0 goes through, for Planner to refuse by name
-    planner = Planner(run.k, plan, slot_budget, costs=costs_of(model, setting), siblings=siblings if tree or siblings < 0 else 0)
+    planner = Planner(
+        run.k,
+        plan,
+        slot_budget,
+        costs=costs_of(model, setting),
+        siblings=siblings if tree or siblings < 0 else 0,
+    )
     gc = run.gc
-    record = ([], []) if gc.return_dict_in_generate and (gc.output_scores or gc.output_logits) else None
+    record = (
+        ([], []) if gc.return_dict_in_generate and (gc.output_scores or gc.output_logits) else None
+    )
     if run.streamer is not None:
         run.streamer.put(run.input_ids.cpu())
     with torch.no_grad(), cpu_kernels(model, enabled=pack_weights):
@@ -346,7 +425,10 @@ def generate(
     # An operator serving the export (`transformers serve --log-level info`) sees that TiDAR ran.
     log.info(
         "TiDAR generate: %d new tokens in %d forward passes (%.2f tokens per forward; drafts by source %s)",
-        stats["new_tokens"], stats["nfe"], stats["tokens_per_nfe"], stats["draft_sources"],
+        stats["new_tokens"],
+        stats["nfe"],
+        stats["tokens_per_nfe"],
+        stats["draft_sources"],
     )
     if gc.return_dict_in_generate:
         n_new = state.seqs.shape[1] - P
@@ -360,7 +442,9 @@ def generate(
 
 
 # transformers 5.24 renamed the output's `past_key_values` to `cache` (the old name warns); older releases know only the old.
-CACHE_FIELD = "cache" if "cache" in GenerateDecoderOnlyOutput.__dataclass_fields__ else "past_key_values"
+CACHE_FIELD = (
+    "cache" if "cache" in GenerateDecoderOnlyOutput.__dataclass_fields__ else "past_key_values"
+)
 ASSISTED = ("assistant_model", "prompt_lookup_num_tokens", "assistant_early_exit")
 
 
@@ -368,12 +452,20 @@ def ar_generate(model, input_ids, generation_config, kwargs):
     """tidar=False: transformers' own generate on the same weights. Plain AR decoding runs one forward
     per new position, so that is its nfe; assisted decoding (prompt lookup, an assistant) makes fewer,
     which only a forward hook can count (the bench keeps its own): nfe is None there."""
-    assisted = any(kwargs.get(n) is not None or getattr(generation_config, n, None) is not None for n in ASSISTED)
+    assisted = any(
+        kwargs.get(n) is not None or getattr(generation_config, n, None) is not None
+        for n in ASSISTED
+    )
     out = GenerationMixin.generate(model, input_ids, generation_config, **kwargs)
     seqs = out if isinstance(out, torch.Tensor) else out.sequences
     new = seqs.shape[1] - (input_ids.shape[1] if input_ids is not None else 0)
     nfe = None if assisted else new
-    model.tidar_stats = {"nfe": nfe, "new_tokens": new, "tokens_per_nfe": new / nfe if nfe else None, "accepted": []}
+    model.tidar_stats = {
+        "nfe": nfe,
+        "new_tokens": new,
+        "tokens_per_nfe": new / nfe if nfe else None,
+        "accepted": [],
+    }
     return out
 
 
@@ -381,7 +473,9 @@ def check_length(model, P, max_new, k) -> None:
     """Only what AR itself could not do is refused: near the position limit a step drafts less and
     leaves out the mask groups that would not fit (plan.Planner), down to plain AR steps."""
     if max_new <= 0:
-        raise ValueError(f"max_length={P + max_new} leaves no room after the {P}-token prompt; raise it or pass max_new_tokens.")
+        raise ValueError(
+            f"max_length={P + max_new} leaves no room after the {P}-token prompt; raise it or pass max_new_tokens."
+        )
     limit = getattr(model.config, "max_position_embeddings", None)
     if limit and P + max_new > limit:
         if P < limit:
@@ -390,12 +484,16 @@ def check_length(model, P, max_new, k) -> None:
             fix = f"shorten the prompt to at most {limit - max_new} tokens ({limit - 1} with max_new_tokens=1)"
         else:
             fix = f"lower max_new_tokens below {limit} and shorten the prompt to at most {limit} - max_new_tokens tokens"
-        raise ValueError(f"prompt ({P} tokens) + max_new_tokens ({max_new}) exceeds the model's {limit} positions; {fix}.")
+        raise ValueError(
+            f"prompt ({P} tokens) + max_new_tokens ({max_new}) exceeds the model's {limit} positions; {fix}."
+        )
     # Sliding windows and chunks are applied by the layout (layout.Local); GPT-Neo's local layers apply
     # theirs by index inside the model, where TiDAR's slots are not at their positions.
     window = getattr(model.config, "window_size", None)
     if window and P + max_new > window:
-        raise ValueError(f"prompt ({P} tokens) + max_new_tokens ({max_new}) exceeds {type(model).__name__}'s local attention window ({window}), which its layers apply by index, not by position: TiDAR decoding cannot follow it past the window; shorten the prompt or lower max_new_tokens to {max(window - P, 0)}.")
+        raise ValueError(
+            f"prompt ({P} tokens) + max_new_tokens ({max_new}) exceeds {type(model).__name__}'s local attention window ({window}), which its layers apply by index, not by position: TiDAR decoding cannot follow it past the window; shorten the prompt or lower max_new_tokens to {max(window - P, 0)}."
+        )
 
 
 def check_inputs(model, gc, input_ids, attention_mask, k, mask_id, beta) -> None:
@@ -405,27 +503,52 @@ def check_inputs(model, gc, input_ids, attention_mask, k, mask_id, beta) -> None
             "Convert it first (`make convert MODEL=...`), or pass tidar=False for plain AR decoding."
         )
     if k < 2:
-        raise ValueError(f"block_size={k}: TiDAR drafts at least 2 tokens per step; use 2 or more (trained: {model.config.block_size}).")
+        raise ValueError(
+            f"block_size={k}: TiDAR drafts at least 2 tokens per step; use 2 or more (trained: {model.config.block_size})."
+        )
     for name, value in (("input_ids", input_ids), ("attention_mask", attention_mask)):
         if value is not None and not isinstance(value, torch.Tensor):
-            raise ValueError(f"{name} is a {type(value).__name__}: pass a LongTensor of shape (batch, length), e.g. torch.tensor([ids]).")
+            raise ValueError(
+                f"{name} is a {type(value).__name__}: pass a LongTensor of shape (batch, length), e.g. torch.tensor([ids])."
+            )
     if input_ids is not None and input_ids.ndim != 2:
-        raise ValueError(f"input_ids has shape {tuple(input_ids.shape)}: pass shape (batch, length), e.g. ids[None] for one prompt.")
-    if input_ids is not None and (input_ids.is_floating_point() or input_ids.is_complex() or input_ids.dtype == torch.bool):
-        raise ValueError(f"input_ids are {input_ids.dtype}: token ids must be integers; pass input_ids.long().")
+        raise ValueError(
+            f"input_ids has shape {tuple(input_ids.shape)}: pass shape (batch, length), e.g. ids[None] for one prompt."
+        )
+    if input_ids is not None and (
+        input_ids.is_floating_point() or input_ids.is_complex() or input_ids.dtype == torch.bool
+    ):
+        raise ValueError(
+            f"input_ids are {input_ids.dtype}: token ids must be integers; pass input_ids.long()."
+        )
     if input_ids is None or input_ids.shape[1] == 0:
-        raise ValueError("the prompt is empty: TiDAR generate() needs input_ids of shape (batch, length >= 1).")
+        raise ValueError(
+            "the prompt is empty: TiDAR generate() needs input_ids of shape (batch, length >= 1)."
+        )
     if not 0.0 <= beta <= 1.0:
         raise ValueError(f"beta={beta}: must be in [0, 1] (1 = trust AR, exact).")
-    if attention_mask is None and input_ids.shape[0] > 1 and gc.pad_token_id is not None and (input_ids == gc.pad_token_id).any():
-        raise ValueError("the batch contains pad tokens but no attention_mask was given; pass the tokenizer's attention_mask (left padding).")
+    if (
+        attention_mask is None
+        and input_ids.shape[0] > 1
+        and gc.pad_token_id is not None
+        and (input_ids == gc.pad_token_id).any()
+    ):
+        raise ValueError(
+            "the batch contains pad tokens but no attention_mask was given; pass the tokenizer's attention_mask (left padding)."
+        )
     if attention_mask is not None and attention_mask.shape != input_ids.shape:
-        raise ValueError(f"attention_mask has shape {tuple(attention_mask.shape)} but input_ids {tuple(input_ids.shape)}; pass the mask the tokenizer returned with these ids.")
-    empty = [] if attention_mask is None else (~attention_mask.bool().any(1)).nonzero()[:, 0].tolist()
+        raise ValueError(
+            f"attention_mask has shape {tuple(attention_mask.shape)} but input_ids {tuple(input_ids.shape)}; pass the mask the tokenizer returned with these ids."
+        )
+    empty = (
+        [] if attention_mask is None else (~attention_mask.bool().any(1)).nonzero()[:, 0].tolist()
+    )
     if empty:
         raise ValueError(
             f"attention_mask row {empty[0]} attends to no token (all zeros); pass 1 at each real prompt token "
             "(the tokenizer's attention_mask), or no attention_mask for unpadded prompts."
         )
     if attention_mask is not None and not attention_mask[:, -1].bool().all():
-        raise ValueError("the attention_mask has right padding; TiDAR batches need left padding (tokenizer.padding_side = 'left').")
+        raise ValueError(
+            "the attention_mask has right padding; TiDAR batches need left padding (tokenizer.padding_side = 'left')."
+        )

@@ -61,7 +61,9 @@ import torch.nn.functional as F
 from .panel import attention as panel_attention
 from .panel import panel_library, panel_linear, panel_pack
 
-log = logging.getLogger("transformers.cli.tidar")  # transformers' logger, as decode.py's: `transformers serve --log-level info` shows it
+log = logging.getLogger(
+    "transformers.cli.tidar"
+)  # transformers' logger, as decode.py's: `transformers serve --log-level info` shows it
 DTYPES = (torch.float32, torch.bfloat16)
 PRODUCTS = ("panels", "onednn", "stock")  # the products a linear layer can take, packed first
 PACK_ROWS = 8  # oneDNN's hint of the rows a call will have: a decoding step's slots
@@ -69,17 +71,28 @@ PACK_ROWS = 8  # oneDNN's hint of the rows a call will have: a decoding step's s
 # module would break deepcopy, pickling and state_dict; it goes with the layer. One kind, except
 # while packing_pays times them.
 _PACKED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-_CHOSEN: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # layer -> (dtype, the packed kind it takes in that dtype)
+_CHOSEN: weakref.WeakKeyDictionary = (
+    weakref.WeakKeyDictionary()
+)  # layer -> (dtype, the packed kind it takes in that dtype)
 CHOICE_ROWS = (1, 8)  # the rows of an AR step and of a typical TiDAR step, timed with equal weight
-_DELTA_PANELS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # layer -> (its adapter's B, B's panels)
-_PAYS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> (its linear layers' dtype and count, packing pays)
+_DELTA_PANELS: weakref.WeakKeyDictionary = (
+    weakref.WeakKeyDictionary()
+)  # layer -> (its adapter's B, B's panels)
+_PAYS: weakref.WeakKeyDictionary = (
+    weakref.WeakKeyDictionary()
+)  # model -> (its linear layers' dtype and count, packing pays)
 # A layer may carry a mask-slot adapter (adapter.attach): its down-projection A (r, in) and its
 # up-projection transposed (r, out) as buffers, and the model's gate, whose `start` is the first mask
 # row of a batch-1 forward (None: none, or not one trailing block), and whose `add` adds the delta
 # to a product's mask rows. The adapter's forward hook (marked DELTA_HOOK) adds it on the stock
 # product; packed_linears sets that hook aside and packed_forward adds it instead, within the panel
 # pass where it can (a hook's Python call per layer adds up to a noticeable share of a forward).
-LORA_A, LORA_BT, LORA_GATE, DELTA_HOOK = "tidar_lora_A", "tidar_lora_Bt", "_tidar_lora_gate", "_tidar_delta_hook"
+LORA_A, LORA_BT, LORA_GATE, DELTA_HOOK = (
+    "tidar_lora_A",
+    "tidar_lora_Bt",
+    "_tidar_lora_gate",
+    "_tidar_delta_hook",
+)
 
 
 def available() -> bool:
@@ -101,7 +114,13 @@ def can_pack() -> bool:
 
 def eligible(layer) -> bool:
     w = getattr(layer, "weight", None)
-    return isinstance(layer, torch.nn.Linear) and w is not None and w.ndim == 2 and w.device.type == "cpu" and w.dtype in DTYPES
+    return (
+        isinstance(layer, torch.nn.Linear)
+        and w is not None
+        and w.ndim == 2
+        and w.device.type == "cpu"
+        and w.dtype in DTYPES
+    )
 
 
 def _reorder(weight: torch.Tensor) -> torch.Tensor:
@@ -170,7 +189,9 @@ def delta_panels(layer) -> torch.Tensor:
     return cached[1]
 
 
-def packed_product(layer, x: torch.Tensor, bias: torch.Tensor | None, kind: str | None = None) -> torch.Tensor:
+def packed_product(
+    layer, x: torch.Tensor, bias: torch.Tensor | None, kind: str | None = None
+) -> torch.Tensor:
     """The layer's packed product on x (the stock one where its weight has none). Panels take every
     row count, an AR step's one row and a prefill's many too: one product, so a row's result never
     depends on the rows beside it."""
@@ -180,7 +201,9 @@ def packed_product(layer, x: torch.Tensor, bias: torch.Tensor | None, kind: str 
     kind, w = packed
     if kind == "panels":
         return panel_linear(x, w, layer.out_features, bias)
-    return torch.ops.mkldnn._linear_pointwise(x, w, None if bias is None else bias.detach(), "none", [], "")
+    return torch.ops.mkldnn._linear_pointwise(
+        x, w, None if bias is None else bias.detach(), "none", [], ""
+    )
 
 
 def packed_forward(layer):
@@ -191,7 +214,11 @@ def packed_forward(layer):
 
     def product(x):
         w = layer.weight
-        if x.dtype != w.dtype or x.device != w.device or (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad)):
+        if (
+            x.dtype != w.dtype
+            or x.device != w.device
+            or (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad))
+        ):
             return F.linear(x, w, layer.bias)  # the packed products have no backward and one dtype
         return packed_product(layer, x, layer.bias)
 
@@ -200,10 +227,22 @@ def packed_forward(layer):
         return product
 
     def forward(x):
-        if gate.start is not None and x.ndim == 3 and x.shape[0] == 1 and x.dtype == torch.float32 and not torch.is_grad_enabled():
+        if (
+            gate.start is not None
+            and x.ndim == 3
+            and x.shape[0] == 1
+            and x.dtype == torch.float32
+            and not torch.is_grad_enabled()
+        ):
             packed = packed_weight(layer)
             if packed is not None and packed[0] == "panels":
-                return panel_linear(x, packed[1], layer.out_features, layer.bias, (layer._buffers[LORA_A], delta_panels(layer), gate.start))
+                return panel_linear(
+                    x,
+                    packed[1],
+                    layer.out_features,
+                    layer.bias,
+                    (layer._buffers[LORA_A], delta_panels(layer), gate.start),
+                )
         y = product(x)
         return gate.add(y, x, layer._buffers[LORA_A], layer._buffers[LORA_BT]) if gate.open else y
 
@@ -214,8 +253,13 @@ def packed_forward(layer):
 def pass_seconds(layers, rows: int, product: str) -> float:
     """One pass of `rows` random rows through each layer on `product` ("stock" or a packed kind), one
     layer at a time, as a forward runs them."""
-    g = torch.Generator().manual_seed(0)  # not torch's global one: a seeded generate() after this timing must sample as one without
-    inputs = {(n, dtype): torch.randn(rows, n, dtype=dtype, generator=g) for n, dtype in {(layer.in_features, layer.weight.dtype) for layer in layers}}
+    g = torch.Generator().manual_seed(
+        0
+    )  # not torch's global one: a seeded generate() after this timing must sample as one without
+    inputs = {
+        (n, dtype): torch.randn(rows, n, dtype=dtype, generator=g)
+        for n, dtype in {(layer.in_features, layer.weight.dtype) for layer in layers}
+    }
     start = time.perf_counter()
     for layer in layers:
         x = inputs[layer.in_features, layer.weight.dtype]
@@ -234,7 +278,11 @@ def packing_pays(model, repeats: int = 3) -> bool:
     others' packed copies are dropped. Timed once per model and dtype (again after a cast). A sharded
     model (FSDP) is not timed: stock."""
     # Plain tensors only: a sharded weight (FSDP's DTensor) is whole only inside its forward.
-    layers = [layer for layer in model.modules() if eligible(layer) and type(layer.weight.data) is torch.Tensor]
+    layers = [
+        layer
+        for layer in model.modules()
+        if eligible(layer) and type(layer.weight.data) is torch.Tensor
+    ]
     kinds = candidates(layers[0].weight.dtype) if layers else ()
     if not kinds:
         return False
@@ -246,12 +294,16 @@ def packing_pays(model, repeats: int = 3) -> bool:
     best = {product: [float("inf")] * len(CHOICE_ROWS) for product in products}
     with torch.no_grad():
         for kind in kinds:
-            pass_seconds(layers, 1, kind)  # packs every weight (or learns that oneDNN refuses it), untimed
+            pass_seconds(
+                layers, 1, kind
+            )  # packs every weight (or learns that oneDNN refuses it), untimed
         for _ in range(repeats):
             for i, rows in enumerate(CHOICE_ROWS):
                 for product in products:
                     best[product][i] = min(best[product][i], pass_seconds(layers, rows, product))
-    fastest = min(products, key=lambda product: sum(best[product]))  # a tie keeps the earlier: stock, then the default
+    fastest = min(
+        products, key=lambda product: sum(best[product])
+    )  # a tie keeps the earlier: stock, then the default
     for layer in layers:
         kept = _PACKED.get(layer, {})
         for kind in [k for k in kept if k != fastest]:
@@ -259,7 +311,10 @@ def packing_pays(model, repeats: int = 3) -> bool:
         if fastest != "stock":
             _CHOSEN[layer] = (layer.weight.dtype, fastest)
     pays = fastest != "stock"
-    timings = {str(rows): {f"{product}_ms": 1e3 * best[product][i] for product in products} for i, rows in enumerate(CHOICE_ROWS)}
+    timings = {
+        str(rows): {f"{product}_ms": 1e3 * best[product][i] for product in products}
+        for i, rows in enumerate(CHOICE_ROWS)
+    }
     _PAYS[model] = (key, pays, timings)
     return pays
 
@@ -277,7 +332,11 @@ def linear_product(model) -> str:
     ("panels", "onednn", or both joined by "+")."""
     if not packing_pays(model):
         return "stock"
-    kinds = {packed[0] for layer in model.modules() if eligible(layer) and (packed := packed_weight(layer)) is not None}
+    kinds = {
+        packed[0]
+        for layer in model.modules()
+        if eligible(layer) and (packed := packed_weight(layer)) is not None
+    }
     return "+".join(sorted(kinds)) or "stock"
 
 
@@ -307,9 +366,19 @@ def report_products(model, packed: bool) -> dict[str, int]:
     model's first generate(), and after a cast or a move that changes its products."""
     products = linear_products(model, packed)
     if getattr(model, "tidar_products", None) != products:
-        weight = next((layer.weight for layer in model.modules() if isinstance(layer, torch.nn.Linear)), None)
-        where = "" if weight is None else f" ({str(weight.dtype).removeprefix('torch.')} on {weight.device.type})"
-        log.info("TiDAR linear products%s: %s", where, ", ".join(f"{n} layers {kind}" for kind, n in products.items()) or "no linear layers")
+        weight = next(
+            (layer.weight for layer in model.modules() if isinstance(layer, torch.nn.Linear)), None
+        )
+        where = (
+            ""
+            if weight is None
+            else f" ({str(weight.dtype).removeprefix('torch.')} on {weight.device.type})"
+        )
+        log.info(
+            "TiDAR linear products%s: %s",
+            where,
+            ", ".join(f"{n} layers {kind}" for kind, n in products.items()) or "no linear layers",
+        )
     model.tidar_products = products
     return products
 
@@ -319,7 +388,9 @@ def resolve(model, enabled: bool | str) -> bool:
     if enabled == "auto":
         return packing_pays(model)
     if not isinstance(enabled, bool):
-        raise ValueError(f"pack_weights={enabled!r}: use True, False or 'auto' (pack where it is measured faster).")
+        raise ValueError(
+            f"pack_weights={enabled!r}: use True, False or 'auto' (pack where it is measured faster)."
+        )
     return enabled
 
 
@@ -331,13 +402,21 @@ def packed_linears(model, enabled: bool = True):
     if enabled and can_pack():
         for layer in model.modules():
             if not eligible(layer):
-                _PACKED.pop(layer, None)  # moved to a GPU or another dtype: its CPU copies are dead weight
+                _PACKED.pop(
+                    layer, None
+                )  # moved to a GPU or another dtype: its CPU copies are dead weight
                 _DELTA_PANELS.pop(layer, None)
             elif not getattr(layer.__dict__.get("forward"), "_tidar_packed", False):
                 layer.forward = packed_forward(layer)
                 swapped.append(layer)
-                if LORA_GATE in layer.__dict__:  # the packed forward adds the adapter's delta: its hook waits outside
-                    aside[layer] = {key: hook for key, hook in layer._forward_hooks.items() if getattr(hook, DELTA_HOOK, False)}
+                if (
+                    LORA_GATE in layer.__dict__
+                ):  # the packed forward adds the adapter's delta: its hook waits outside
+                    aside[layer] = {
+                        key: hook
+                        for key, hook in layer._forward_hooks.items()
+                        if getattr(hook, DELTA_HOOK, False)
+                    }
                     for key in aside[layer]:
                         del layer._forward_hooks[key]
     try:
@@ -345,7 +424,10 @@ def packed_linears(model, enabled: bool = True):
     finally:
         for layer in swapped:
             del layer.forward
-        for layer, hooks in aside.items():  # back in registration order (a hook's key is its handle's rising id)
+        for (
+            layer,
+            hooks,
+        ) in aside.items():  # back in registration order (a hook's key is its handle's rising id)
             merged = sorted({**layer._forward_hooks, **hooks}.items())
             layer._forward_hooks.clear()
             layer._forward_hooks.update(merged)
@@ -366,16 +448,43 @@ GQA_ATTENTION = "tidar_sdpa_gqa"
 EXACT_ATTENTION = "tidar_sdpa_exact"
 
 
-def sdpa_gqa(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None, **kwargs):
+def sdpa_gqa(
+    module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None, **kwargs
+):
     """transformers' `sdpa` attention function, except that on CPU, under a mask, with several
     queries and grouped key/value heads, the groups are attended in place. Anything else (no mask,
     one query, a position bias, softcapping, another device) goes to transformers' own function."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     grouped = key.shape[1] != query.shape[1]
-    if attention_mask is None or not grouped or query.shape[2] == 1 or query.device.type != "cpu" or kwargs.get("position_bias") is not None or kwargs.get("softcap") is not None:
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal, **kwargs)
-    out = F.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask, dropout_p=dropout, scale=scaling, enable_gqa=True)
+    if (
+        attention_mask is None
+        or not grouped
+        or query.shape[2] == 1
+        or query.device.type != "cpu"
+        or kwargs.get("position_bias") is not None
+        or kwargs.get("softcap") is not None
+    ):
+        return sdpa_attention_forward(
+            module,
+            query,
+            key,
+            value,
+            attention_mask,
+            dropout=dropout,
+            scaling=scaling,
+            is_causal=is_causal,
+            **kwargs,
+        )
+    out = F.scaled_dot_product_attention(
+        query,
+        key,
+        value,
+        attn_mask=attention_mask,
+        dropout_p=dropout,
+        scale=scaling,
+        enable_gqa=True,
+    )
     return out.transpose(1, 2).contiguous(), None
 
 
@@ -386,28 +495,56 @@ NOT_EXACT = ("position_bias", "softcap", "s_aux", "sinks")
 
 def exact_applies(query, key, value, attention_mask, dropout) -> bool:
     return (
-        query.device.type == "cpu" and query.dtype == key.dtype == value.dtype and query.dtype in DTYPES and dropout == 0
-        and query.shape[-1] % 16 == 0 and value.shape[-1] == query.shape[-1] and query.shape[1] % key.shape[1] == 0
-        and (attention_mask is None or attention_mask.dtype == torch.bool) and not torch.is_grad_enabled()
+        query.device.type == "cpu"
+        and query.dtype == key.dtype == value.dtype
+        and query.dtype in DTYPES
+        and dropout == 0
+        and query.shape[-1] % 16 == 0
+        and value.shape[-1] == query.shape[-1]
+        and query.shape[1] % key.shape[1] == 0
+        and (attention_mask is None or attention_mask.dtype == torch.bool)
+        and not torch.is_grad_enabled()
     )
 
 
-def sdpa_exact(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None, **kwargs):
+def sdpa_exact(
+    module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None, **kwargs
+):
     """sdpa_gqa on the kernel library's attention (panel.attention): each query's output is a function
     of its query and the keys it sees alone, bit for bit, however many queries share the step and
     wherever in the cache its keys sit. With panels for every linear layer, a decoding step's row is
     then computed as an AR step computes it: TiDAR's verify rows equal AR's logits exactly. fp32 or
     bf16 (widened, exactly, and each output rounded once) on CPU, masks of bools (sdpa's); anything
     else goes to sdpa_gqa."""
-    if not exact_applies(query, key, value, attention_mask, dropout) or any(kwargs.get(name) is not None for name in NOT_EXACT) or kwargs.get("output_attentions"):
-        return sdpa_gqa(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal, **kwargs)
+    if (
+        not exact_applies(query, key, value, attention_mask, dropout)
+        or any(kwargs.get(name) is not None for name in NOT_EXACT)
+        or kwargs.get("output_attentions")
+    ):
+        return sdpa_gqa(
+            module,
+            query,
+            key,
+            value,
+            attention_mask,
+            dropout=dropout,
+            scaling=scaling,
+            is_causal=is_causal,
+            **kwargs,
+        )
     # transformers' sdpa rule: causal for several queries without a mask (top-left, keys cropped to the queries)
-    causal = query.shape[2] > 1 and attention_mask is None and (is_causal if is_causal is not None else getattr(module, "is_causal", True))
+    causal = (
+        query.shape[2] > 1
+        and attention_mask is None
+        and (is_causal if is_causal is not None else getattr(module, "is_causal", True))
+    )
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     dtype = query.dtype
     if dtype != torch.float32:
         query, key, value = query.float(), key.float(), value.float()
-    return panel_attention(query, key, value, attention_mask, bool(causal), float(scale)).to(dtype), None
+    return panel_attention(query, key, value, attention_mask, bool(causal), float(scale)).to(
+        dtype
+    ), None
 
 
 def _register() -> None:
@@ -425,11 +562,18 @@ def grouped_attention(model, enabled: bool = True, exact: bool = False):
     `exact` `sdpa_exact`; restored on exit."""
     config = model.config
     parameter = next(model.parameters(), None)
-    if not enabled or getattr(config, "_attn_implementation", None) != "sdpa" or parameter is None or parameter.device.type != "cpu":
+    if (
+        not enabled
+        or getattr(config, "_attn_implementation", None) != "sdpa"
+        or parameter is None
+        or parameter.device.type != "cpu"
+    ):
         yield
         return
     _register()
-    config._attn_implementation = EXACT_ATTENTION if exact and panel_library() is not None else GQA_ATTENTION
+    config._attn_implementation = (
+        EXACT_ATTENTION if exact and panel_library() is not None else GQA_ATTENTION
+    )
     try:
         yield
     finally:

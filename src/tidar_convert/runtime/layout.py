@@ -49,7 +49,9 @@ def train_inputs(input_ids: torch.Tensor, mask_token_id: int) -> torch.Tensor:
     return torch.cat([input_ids, torch.full_like(input_ids, mask_token_id)], dim=1)
 
 
-def train_position_ids(input_ids: torch.Tensor, doc_ids: torch.Tensor | None = None) -> torch.Tensor:
+def train_position_ids(
+    input_ids: torch.Tensor, doc_ids: torch.Tensor | None = None
+) -> torch.Tensor:
     """Positions of the doubled sequence: the masked half repeats the clean positions.
 
     With packed documents each document starts again at 0, as it would on its own.
@@ -65,7 +67,11 @@ def train_position_ids(input_ids: torch.Tensor, doc_ids: torch.Tensor | None = N
     return torch.cat([pos, pos], dim=1)
 
 
-def train_labels(input_ids: torch.Tensor, doc_ids: torch.Tensor | None = None, no_ar_target: torch.Tensor | None = None):
+def train_labels(
+    input_ids: torch.Tensor,
+    doc_ids: torch.Tensor | None = None,
+    no_ar_target: torch.Tensor | None = None,
+):
     """(ar_labels, diff_labels), each (B, S).
 
     AR: clean token i predicts x_{i+1} (ignored at the chunk end and across a document boundary,
@@ -87,9 +93,13 @@ def train_labels(input_ids: torch.Tensor, doc_ids: torch.Tensor | None = None, n
 
 def check_train_shape(seq_len: int, block_size: int) -> None:
     if block_size < 2:
-        raise ValueError(f"block_size={block_size}: TiDAR needs at least 2 tokens per block; use 2 or more (the paper uses 4, 8 or 16).")
+        raise ValueError(
+            f"block_size={block_size}: TiDAR needs at least 2 tokens per block; use 2 or more (the paper uses 4, 8 or 16)."
+        )
     if block_size > seq_len:
-        raise ValueError(f"block_size={block_size} is larger than seq_len={seq_len}; lower block_size or raise seq_len.")
+        raise ValueError(
+            f"block_size={block_size} is larger than seq_len={seq_len}; lower block_size or raise seq_len."
+        )
     if seq_len % block_size:
         raise ValueError(
             f"seq_len={seq_len} is not a multiple of block_size={block_size}; use seq_len={seq_len - seq_len % block_size} or {seq_len + block_size - seq_len % block_size}."
@@ -119,7 +129,15 @@ def tree_ancestors(parents) -> torch.Tensor:
     return anc
 
 
-def decode_mask_mod(cache_len: int, n_causal: int, block_size: int, first_group_sees, kv_valid: torch.Tensor | None = None, parents=None, device=None):
+def decode_mask_mod(
+    cache_len: int,
+    n_causal: int,
+    block_size: int,
+    first_group_sees,
+    kv_valid: torch.Tensor | None = None,
+    parents=None,
+    device=None,
+):
     """Queries: `n_causal` causal tokens, then groups of `block_size` mask tokens.
 
     Every query sees the whole cache (minus padding). Group g sees the first `sees[g]` causal tokens
@@ -141,7 +159,9 @@ def decode_mask_mod(cache_len: int, n_causal: int, block_size: int, first_group_
     """
     C, T, k = cache_len, n_causal, block_size
     device = device if device is not None else kv_valid.device if kv_valid is not None else "cpu"
-    anchors = None if isinstance(first_group_sees, int) else group_anchors(first_group_sees).to(device)
+    anchors = (
+        None if isinstance(first_group_sees, int) else group_anchors(first_group_sees).to(device)
+    )
     anc = None if parents is None else tree_ancestors(parents).to(device)
 
     def sees_token(node, kv_new):  # causal token kv_new is node itself or one of its ancestors
@@ -170,7 +190,14 @@ def decode_mask_mod(cache_len: int, n_causal: int, block_size: int, first_group_
     return mask_mod
 
 
-def decode_position_ids(start: torch.Tensor, n_causal: int, block_size: int, n_groups: int, first_group_sees, parents=None) -> torch.Tensor:
+def decode_position_ids(
+    start: torch.Tensor,
+    n_causal: int,
+    block_size: int,
+    n_groups: int,
+    first_group_sees,
+    parents=None,
+) -> torch.Tensor:
     """Positions for one decode forward. start: (B,) position of the first causal token.
 
     Group g sits right after the causal tokens it sees: its slot 0 is the next token to predict.
@@ -191,7 +218,15 @@ def decode_position_ids(start: torch.Tensor, n_causal: int, block_size: int, n_g
 _OWN_MASKS: dict = {}  # the (Q, Q) block among a step's own queries, by plan
 
 
-def decode_step_mask(cache_valid: torch.Tensor, n_causal: int, block_size: int, anchors, attn_implementation: str | None, parents=None, local: "Local | None" = None):
+def decode_step_mask(
+    cache_valid: torch.Tensor,
+    n_causal: int,
+    block_size: int,
+    anchors,
+    attn_implementation: str | None,
+    parents=None,
+    local: "Local | None" = None,
+):
     """The attention_mask of one decode step after a cache, for this attention implementation.
 
     cache_valid: (B, C) False at the cache's left padding. Dense masks are built from two reusable
@@ -206,17 +241,33 @@ def decode_step_mask(cache_valid: torch.Tensor, n_causal: int, block_size: int, 
         valid = torch.cat([cache_valid, torch.ones(B, Q, dtype=torch.bool, device=device)], 1)
         mask_mod = decode_mask_mod(C, n_causal, block_size, anchors, valid, parents)
         if local is not None:
-            return local.masks(attn_implementation, mask_mod=mask_mod, shape=(B, Q, C + Q), device=device)
+            return local.masks(
+                attn_implementation, mask_mod=mask_mod, shape=(B, Q, C + Q), device=device
+            )
         return to_block_mask(mask_mod, B, Q, C + Q, device=device)
     parents = None if parents is None else tuple(int(p) for p in parents)
     key = (n_causal, block_size, anchors, parents, str(device))
     own = _OWN_MASKS.get(key)
     if own is None:
-        if len(_OWN_MASKS) > 512:  # plans vary with draft length and anchors; keep the memory bounded
+        if (
+            len(_OWN_MASKS) > 512
+        ):  # plans vary with draft length and anchors; keep the memory bounded
             _OWN_MASKS.clear()
-        own = _OWN_MASKS[key] = to_dense(decode_mask_mod(0, n_causal, block_size, anchors, parents=parents, device=device), 1, Q, Q, device=device)
-    dense = torch.cat([cache_valid[:, None, None, :].expand(B, 1, Q, C), own.expand(B, 1, Q, Q)], -1)
-    return for_implementation(dense, attn_implementation) if local is None else local.masks(attn_implementation, dense=dense)
+        own = _OWN_MASKS[key] = to_dense(
+            decode_mask_mod(0, n_causal, block_size, anchors, parents=parents, device=device),
+            1,
+            Q,
+            Q,
+            device=device,
+        )
+    dense = torch.cat(
+        [cache_valid[:, None, None, :].expand(B, 1, Q, C), own.expand(B, 1, Q, Q)], -1
+    )
+    return (
+        for_implementation(dense, attn_implementation)
+        if local is None
+        else local.masks(attn_implementation, dense=dense)
+    )
 
 
 # --------------------------------------------------------------------------------------------
@@ -239,15 +290,35 @@ def to_block_mask(mask_mod, batch: int, q_len: int, kv_len: int, device="cuda"):
     return create_block_mask(mask_mod, batch, None, q_len, kv_len, device=device)
 
 
-def build_mask(mask_mod, batch: int, q_len: int, kv_len: int, attn_implementation: str | None, device, local: "Local | None" = None):
+def build_mask(
+    mask_mod,
+    batch: int,
+    q_len: int,
+    kv_len: int,
+    attn_implementation: str | None,
+    device,
+    local: "Local | None" = None,
+):
     """The attention_mask transformers should receive for this model's attention implementation:
     one mask, or {layer kind: mask} where `local` restricts some kinds (see Local)."""
     if local is not None:
-        dense = None if attn_implementation == "flex_attention" else to_dense(mask_mod, batch, q_len, kv_len, device=device)
-        return local.masks(attn_implementation, dense=dense, mask_mod=mask_mod, shape=(batch, q_len, kv_len), device=device)
+        dense = (
+            None
+            if attn_implementation == "flex_attention"
+            else to_dense(mask_mod, batch, q_len, kv_len, device=device)
+        )
+        return local.masks(
+            attn_implementation,
+            dense=dense,
+            mask_mod=mask_mod,
+            shape=(batch, q_len, kv_len),
+            device=device,
+        )
     if attn_implementation == "flex_attention":
         return to_block_mask(mask_mod, batch, q_len, kv_len, device=device)
-    return for_implementation(to_dense(mask_mod, batch, q_len, kv_len, device=device), attn_implementation)
+    return for_implementation(
+        to_dense(mask_mod, batch, q_len, kv_len, device=device), attn_implementation
+    )
 
 
 # --------------------------------------------------------------------------------------------
@@ -263,17 +334,25 @@ def local_kinds(config) -> dict | None:
     """{layer kind: allowed(q_pos, k_pos), or None for a kind that sees the whole prefix} for a model
     with sliding windows or attention chunks; the key "" when one kind covers every layer (Mistral's
     window: the model takes one mask). None when every layer sees the whole prefix."""
-    window = getattr(config, "sliding_window", None) if getattr(config, "use_sliding_window", True) else None
+    window = (
+        getattr(config, "sliding_window", None)
+        if getattr(config, "use_sliding_window", True)
+        else None
+    )
     chunk = getattr(config, "attention_chunk_size", None)
     local = {}
     if window:
         local["sliding_attention"] = lambda q, k: q - k < window
     if chunk:
-        local["chunked_attention"] = lambda q, k: torch.div(q, chunk, rounding_mode="floor") == torch.div(k, chunk, rounding_mode="floor")
+        local["chunked_attention"] = lambda q, k: (
+            torch.div(q, chunk, rounding_mode="floor") == torch.div(k, chunk, rounding_mode="floor")
+        )
     kinds = list(dict.fromkeys(getattr(config, "layer_types", None) or []))
     if not kinds:  # no per-layer kinds: a window (or chunk) on every layer
         if len(local) > 1:
-            raise ValueError(f"model_type={getattr(config, 'model_type', '?')!r} sets both sliding_window and attention_chunk_size without layer_types: which layers take which is not known, so TiDAR cannot mask them.")
+            raise ValueError(
+                f"model_type={getattr(config, 'model_type', '?')!r} sets both sliding_window and attention_chunk_size without layer_types: which layers take which is not known, so TiDAR cannot mask them."
+            )
         return {"": next(iter(local.values()))} if local else None
     if not set(kinds) & set(local):
         return None
@@ -304,15 +383,24 @@ class Local:
             if attn_implementation == "flex_attention":
                 if allowed is None:
                     mod = mask_mod
-                elif off == 0 and torch.device(device).type != "cpu":  # training, prefill: positions looked up lazily
-                    mod = lambda b, h, q, kv, a=allowed: mask_mod(b, h, q, kv) & a(k_pos[b, q], k_pos[b, kv])
+                elif (
+                    off == 0 and torch.device(device).type != "cpu"
+                ):  # training, prefill: positions looked up lazily
+                    mod = lambda b, h, q, kv, a=allowed: (
+                        mask_mod(b, h, q, kv) & a(k_pos[b, q], k_pos[b, kv])
+                    )
                 else:  # evaluated once over (B, Q, K): torch 2.13's CPU FlexAttention template fails to compile position lookups in a mask_mod
                     near = allowed(k_pos[:, off : off + shape[1], None], k_pos[:, None, :])
                     mod = lambda b, h, q, kv, near=near: mask_mod(b, h, q, kv) & near[b, q, kv]
                 out[kind] = to_block_mask(mod, *shape, device=device)
             else:
                 Q = dense.shape[2]
-                m = dense if allowed is None else dense & allowed(k_pos[:, None, off : off + Q, None], k_pos[:, None, None, :])
+                m = (
+                    dense
+                    if allowed is None
+                    else dense
+                    & allowed(k_pos[:, None, off : off + Q, None], k_pos[:, None, None, :])
+                )
                 out[kind] = for_implementation(m, attn_implementation)
         return out.pop("") if "" in out else out
 
@@ -323,4 +411,6 @@ def for_implementation(dense: torch.Tensor, attn_implementation: str | None) -> 
     elsewhere (transformers' own additive masks; every query sees itself, so no row is all minimum)."""
     if attn_implementation != "eager":
         return dense
-    return torch.zeros(dense.shape, dtype=torch.float32, device=dense.device).masked_fill(~dense, torch.finfo(torch.float32).min)
+    return torch.zeros(dense.shape, dtype=torch.float32, device=dense.device).masked_fill(
+        ~dense, torch.finfo(torch.float32).min
+    )

@@ -39,9 +39,17 @@ PANEL = 32  # outputs per panel: two 16-float vectors, times up to 16 rows (one 
 # count: a row's result is the same bit for bit alone or among any number (a prefill's rows are taken
 # 16 at a time). The prefetch keeps the weight stream ahead of the arithmetic, so 8 rows cost little
 # more than 2 (the weights are read once).
-PANEL_FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")  # no -ffast-math: k stays in order
+PANEL_FLAGS = (
+    "-O3",
+    "-march=native",
+    "-fopenmp",
+    "-shared",
+    "-fPIC",
+)  # no -ffast-math: k stays in order
 _PANEL_LIB: list = []  # [the loaded library, or None where it cannot be built]
-SOURCE_FILE = Path(__file__).parent / "csrc" / "panel.c"  # in the package; an export has panel_source.py instead
+SOURCE_FILE = (
+    Path(__file__).parent / "csrc" / "panel.c"
+)  # in the package; an export has panel_source.py instead
 
 
 def panel_source() -> str:
@@ -51,7 +59,9 @@ def panel_source() -> str:
     try:
         from .panel_source import SOURCE
     except ImportError as err:
-        raise OSError(f"no kernel source: neither {SOURCE_FILE} nor panel_source.py beside {Path(__file__).name}") from err
+        raise OSError(
+            f"no kernel source: neither {SOURCE_FILE} nor panel_source.py beside {Path(__file__).name}"
+        ) from err
     return SOURCE
 
 
@@ -85,12 +95,18 @@ def panel_library():
         try:
             lib = _build_panel_library()
         except CacheUnwritable as err:
-            warnings.warn(f"TiDAR's fp32 panel kernel could not be built: its cache folder {err.folder} is not writable ({err.__cause__}); "
-                          "fp32 linear layers take oneDNN's packed product or the stock one. Set TIDAR_CACHE to a writable folder "
-                          "(default ~/.cache/tidar_convert); TIDAR_PANEL_KERNEL=0 silences this.", stacklevel=3)
+            warnings.warn(
+                f"TiDAR's fp32 panel kernel could not be built: its cache folder {err.folder} is not writable ({err.__cause__}); "
+                "fp32 linear layers take oneDNN's packed product or the stock one. Set TIDAR_CACHE to a writable folder "
+                "(default ~/.cache/tidar_convert); TIDAR_PANEL_KERNEL=0 silences this.",
+                stacklevel=3,
+            )
         except (OSError, subprocess.SubprocessError) as err:
-            warnings.warn(f"TiDAR's fp32 panel kernel could not be built ({err}); fp32 linear layers take oneDNN's packed product "
-                          "or the stock one. Install a C compiler with OpenMP (gcc) or set CC to one; TIDAR_PANEL_KERNEL=0 silences this.", stacklevel=3)
+            warnings.warn(
+                f"TiDAR's fp32 panel kernel could not be built ({err}); fp32 linear layers take oneDNN's packed product "
+                "or the stock one. Install a C compiler with OpenMP (gcc) or set CC to one; TIDAR_PANEL_KERNEL=0 silences this.",
+                stacklevel=3,
+            )
     _PANEL_LIB.append(lib)
     return lib
 
@@ -108,8 +124,12 @@ def _build_panel_library():
     if cc is None:
         raise OSError("no C compiler on PATH")
     source = panel_source()
-    key = hashlib.sha256("\0".join((source, cc, *PANEL_FLAGS, _cpu_signature())).encode()).hexdigest()[:16]
-    folder = Path(os.environ.get("TIDAR_CACHE") or Path.home() / ".cache" / "tidar_convert") / "kernels"
+    key = hashlib.sha256(
+        "\0".join((source, cc, *PANEL_FLAGS, _cpu_signature())).encode()
+    ).hexdigest()[:16]
+    folder = (
+        Path(os.environ.get("TIDAR_CACHE") or Path.home() / ".cache" / "tidar_convert") / "kernels"
+    )
     path = folder / f"panels-{key}.so"
     if not path.exists():
         try:
@@ -117,10 +137,17 @@ def _build_panel_library():
             build = tempfile.TemporaryDirectory(dir=folder)
         except OSError as err:
             raise CacheUnwritable(folder) from err
-        with build as tmp:  # built aside, then renamed: a concurrent build or a kill leaves no half file
+        with (
+            build as tmp
+        ):  # built aside, then renamed: a concurrent build or a kill leaves no half file
             src, out = Path(tmp) / "panels.c", Path(tmp) / "panels.so"
             src.write_text(source)
-            done = subprocess.run([cc, *PANEL_FLAGS, str(src), "-o", str(out)], capture_output=True, text=True, timeout=300)
+            done = subprocess.run(
+                [cc, *PANEL_FLAGS, str(src), "-o", str(out)],
+                capture_output=True,
+                text=True,
+                timeout=300,
+            )
             if done.returncode != 0:
                 raise OSError(f"{cc} exited {done.returncode}: {done.stderr.strip()[-500:]}")
             os.replace(out, path)
@@ -134,7 +161,25 @@ def _build_panel_library():
     lib.tidar_lora_add.restype = None
     lib.tidar_lora_add_bf16.argtypes = [P, L, L, P, L, P, L, P, ctypes.c_int, ctypes.c_int]
     lib.tidar_lora_add_bf16.restype = ctypes.c_int
-    lib.tidar_attention.argtypes = [P, P, P, P, L, L, L, ctypes.c_int, L, L, L, L, L, L, ctypes.c_float, P, ctypes.c_int]
+    lib.tidar_attention.argtypes = [
+        P,
+        P,
+        P,
+        P,
+        L,
+        L,
+        L,
+        ctypes.c_int,
+        L,
+        L,
+        L,
+        L,
+        L,
+        L,
+        ctypes.c_float,
+        P,
+        ctypes.c_int,
+    ]
     lib.tidar_attention.restype = None
     return lib
 
@@ -143,12 +188,19 @@ def panel_pack(weight: torch.Tensor) -> torch.Tensor:
     """[N, K] -> panels [ceil(N / 32), K, 32], the outputs past N zero; bf16 stays bf16, anything
     else is fp32."""
     n, k = weight.shape
-    padded = F.pad(weight if weight.dtype == torch.bfloat16 else weight.float(), (0, 0, 0, -n % PANEL))
+    padded = F.pad(
+        weight if weight.dtype == torch.bfloat16 else weight.float(), (0, 0, 0, -n % PANEL)
+    )
     return padded.view(-1, PANEL, k).transpose(1, 2).contiguous()
 
 
-def panel_linear(x: torch.Tensor, panels: torch.Tensor, out_features: int, bias: torch.Tensor | None = None,
-                 lora: tuple[torch.Tensor, torch.Tensor, int] | None = None) -> torch.Tensor:
+def panel_linear(
+    x: torch.Tensor,
+    panels: torch.Tensor,
+    out_features: int,
+    bias: torch.Tensor | None = None,
+    lora: tuple[torch.Tensor, torch.Tensor, int] | None = None,
+) -> torch.Tensor:
     """x @ W.T (+ bias) on W's panels (panel_pack), on this CPU's panel kernel: fp32, or bf16 rows on
     bf16 panels (summed in fp32, rounded once). Lean: it runs for every linear layer of every decoding
     step, where a microsecond a call is 1 % of a forward. lora (fp32 only): (A (R, K), B's panels
@@ -156,9 +208,16 @@ def panel_linear(x: torch.Tensor, panels: torch.Tensor, out_features: int, bias:
     x @ A.T @ B.T, in the same pass."""
     k = x.shape[-1]
     lib = panel_library()
-    if lib is None or x.dtype != panels.dtype or x.dtype not in (torch.float32, torch.bfloat16) or panels.shape[1] != k:
-        raise ValueError(f"panel_linear: input of {panels.shape[1]} features in the panels' dtype ({panels.dtype}) and a built kernel needed, "
-                         f"got {x.dtype} x {k}")
+    if (
+        lib is None
+        or x.dtype != panels.dtype
+        or x.dtype not in (torch.float32, torch.bfloat16)
+        or panels.shape[1] != k
+    ):
+        raise ValueError(
+            f"panel_linear: input of {panels.shape[1]} features in the panels' dtype ({panels.dtype}) and a built kernel needed, "
+            f"got {x.dtype} x {k}"
+        )
     if not x.is_contiguous():
         x = x.contiguous()
     if bias is not None and (bias.dtype != x.dtype or not bias.is_contiguous()):
@@ -166,22 +225,52 @@ def panel_linear(x: torch.Tensor, panels: torch.Tensor, out_features: int, bias:
     y = torch.empty(*x.shape[:-1], out_features, dtype=x.dtype)
     if x.dtype == torch.bfloat16:
         if lora is not None:
-            raise ValueError("panel_linear: a bf16 product takes no adapter in its pass (lora_add adds it after)")
-        if lib.tidar_panel_linear_bf16(x.data_ptr(), x.numel() // k, k, panels.data_ptr(), out_features,
-                                       None if bias is None else bias.data_ptr(), y.data_ptr(), torch.get_num_threads()):
+            raise ValueError(
+                "panel_linear: a bf16 product takes no adapter in its pass (lora_add adds it after)"
+            )
+        if lib.tidar_panel_linear_bf16(
+            x.data_ptr(),
+            x.numel() // k,
+            k,
+            panels.data_ptr(),
+            out_features,
+            None if bias is None else bias.data_ptr(),
+            y.data_ptr(),
+            torch.get_num_threads(),
+        ):
             raise MemoryError(f"panel_linear: no memory for {x.numel()} widened input values")
         return y
     A, pb, start = (None, None, 0) if lora is None else lora
-    if A is not None and not (A.dtype == torch.float32 and A.is_contiguous() and A.shape == (pb.shape[1], k) and pb.shape[0] == panels.shape[0]):
-        raise ValueError(f"panel_linear: an adapter's A (R, {k}) in fp32, contiguous, and B's panels ({panels.shape[0]}, R, {PANEL}) needed, "
-                         f"got {A.dtype} {tuple(A.shape)} and {tuple(pb.shape)}")
-    lib.tidar_panel_linear(x.data_ptr(), x.numel() // k, k, panels.data_ptr(), out_features, None if bias is None else bias.data_ptr(),
-                           y.data_ptr(), torch.get_num_threads(), None if A is None else A.data_ptr(), 0 if A is None else A.shape[0],
-                           None if pb is None else pb.data_ptr(), start)
+    if A is not None and not (
+        A.dtype == torch.float32
+        and A.is_contiguous()
+        and A.shape == (pb.shape[1], k)
+        and pb.shape[0] == panels.shape[0]
+    ):
+        raise ValueError(
+            f"panel_linear: an adapter's A (R, {k}) in fp32, contiguous, and B's panels ({panels.shape[0]}, R, {PANEL}) needed, "
+            f"got {A.dtype} {tuple(A.shape)} and {tuple(pb.shape)}"
+        )
+    lib.tidar_panel_linear(
+        x.data_ptr(),
+        x.numel() // k,
+        k,
+        panels.data_ptr(),
+        out_features,
+        None if bias is None else bias.data_ptr(),
+        y.data_ptr(),
+        torch.get_num_threads(),
+        None if A is None else A.data_ptr(),
+        0 if A is None else A.shape[0],
+        None if pb is None else pb.data_ptr(),
+        start,
+    )
     return y
 
 
-def lora_add(out: torch.Tensor, x: torch.Tensor, start: int, A: torch.Tensor, Bt: torch.Tensor) -> bool:
+def lora_add(
+    out: torch.Tensor, x: torch.Tensor, start: int, A: torch.Tensor, Bt: torch.Tensor
+) -> bool:
     """out[0, start:] += x[0, start:] @ A.T @ Bt in place, in one C call: a batch-1 step's trailing
     mask rows (adapter.Gate). out and x fp32 with A and Bt fp32; or out and x bf16 with A and Bt fp32
     or bf16 (the delta summed in fp32, each output rounded once); all contiguous. False (nothing done)
@@ -193,7 +282,17 @@ def lora_add(out: torch.Tensor, x: torch.Tensor, start: int, A: torch.Tensor, Bt
         return False
     k, n, size = x.shape[-1], out.shape[-1], out.element_size()
     rows = out.numel() // n - start
-    args = (x.data_ptr() + size * start * k, rows, k, A.data_ptr(), A.shape[0], Bt.data_ptr(), n, out.data_ptr() + size * start * n, torch.get_num_threads())
+    args = (
+        x.data_ptr() + size * start * k,
+        rows,
+        k,
+        A.data_ptr(),
+        A.shape[0],
+        Bt.data_ptr(),
+        n,
+        out.data_ptr() + size * start * n,
+        torch.get_num_threads(),
+    )
     if out.dtype == torch.float32 and A.dtype == torch.float32:
         lib.tidar_lora_add(*args)
     elif out.dtype == torch.bfloat16 and A.dtype in (torch.float32, torch.bfloat16):
@@ -204,9 +303,14 @@ def lora_add(out: torch.Tensor, x: torch.Tensor, start: int, A: torch.Tensor, Bt
     return True
 
 
-
-
-def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None, causal: bool, scale: float) -> torch.Tensor:
+def attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    mask: torch.Tensor | None,
+    causal: bool,
+    scale: float,
+) -> torch.Tensor:
     """Softmax attention on the kernel library's `tidar_attention`: each output a function of its query
     and the keys it sees alone, bit for bit (csrc/panel.c). query (B, Hq, Q, D), key and value (B, Hkv,
     L, D), fp32; mask: bool, broadcastable to (B, Hq, Q, L), True = attend; or None: every key, or
@@ -223,6 +327,21 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask:
             mask = mask.contiguous()
         strides = tuple(0 if mask.shape[i] == 1 else mask.stride(i) for i in range(3))
     out = torch.empty(B, Q, Hq, D, dtype=torch.float32)
-    lib.tidar_attention(query.data_ptr(), key.data_ptr(), value.data_ptr(), None if mask is None else mask.data_ptr(), *strides,
-                        int(causal), B, Hq, Hkv, Q, L, D, scale, out.data_ptr(), torch.get_num_threads())
+    lib.tidar_attention(
+        query.data_ptr(),
+        key.data_ptr(),
+        value.data_ptr(),
+        None if mask is None else mask.data_ptr(),
+        *strides,
+        int(causal),
+        B,
+        Hq,
+        Hkv,
+        Q,
+        L,
+        D,
+        scale,
+        out.data_ptr(),
+        torch.get_num_threads(),
+    )
     return out

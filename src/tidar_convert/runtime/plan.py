@@ -63,11 +63,15 @@ class StepPlan:
         return self.group_start(a) + j - a, self.k - 1 - (j - a)
 
     def positions(self, start: torch.Tensor) -> torch.Tensor:
-        return decode_position_ids(start, self.causal, self.k, len(self.anchors), self.anchors, self.parents())
+        return decode_position_ids(
+            start, self.causal, self.k, len(self.anchors), self.anchors, self.parents()
+        )
 
     def read(self) -> list[int]:
         """Slots whose logits a step may read: the AR rows, and each group's draft slots (1..k-1)."""
-        return list(range(self.causal)) + [self.causal + g * self.k + o for g in range(len(self.anchors)) for o in range(1, self.k)]
+        return list(range(self.causal)) + [
+            self.causal + g * self.k + o for g in range(len(self.anchors)) for o in range(1, self.k)
+        ]
 
 
 class Planner:
@@ -92,32 +96,57 @@ class Planner:
     products: the bench's slot curve); on a GPU slots are nearly free, and a wide budget (say 96)
     with its lower min_chance keeps rarer nodes and groups."""
 
-    def __init__(self, k: int, mode: str = "cost", slot_budget: int | None = None, min_chance: float | None = None, costs: "StepCosts | None" = None, siblings: int = 0):
+    def __init__(
+        self,
+        k: int,
+        mode: str = "cost",
+        slot_budget: int | None = None,
+        min_chance: float | None = None,
+        costs: "StepCosts | None" = None,
+        siblings: int = 0,
+    ):
         if mode not in PLANS:
             raise ValueError(f"plan={mode!r}: choose 'cost', 'adaptive' or 'full'.")
         if slot_budget is not None and slot_budget < 1 + k:
-            raise ValueError(f"slot_budget={slot_budget}: a step needs at least 1 + block_size = {1 + k} query slots.")
+            raise ValueError(
+                f"slot_budget={slot_budget}: a step needs at least 1 + block_size = {1 + k} query slots."
+            )
         if siblings < 0:
-            raise ValueError(f"siblings={siblings}: the alternatives to each drafted token a step may verify; use 0 (chains only) or more.")
+            raise ValueError(
+                f"siblings={siblings}: the alternatives to each drafted token a step may verify; use 0 (chains only) or more."
+            )
         self.k, self.mode, self.siblings = k, mode, siblings
         self.costs = costs if costs is not None else StepCosts()
         self.group_gain = self.costs.group_gain
-        self.offered: list | None = None  # per row of the last step: its draft's source where a group was computed at the length it accepted
+        self.offered: list | None = (
+            None  # per row of the last step: its draft's source where a group was computed at the length it accepted
+        )
         # Default: the paper's step (k + k*k), or room for a full lookup draft (10) + y + one group.
         self.budget = slot_budget if slot_budget is not None else max(k + k * k, 11 + k)
         # A slot's share of the budget: 5 % at the default 20 slots; a GPU's wide budget keeps rarer nodes.
         self.min_chance = min_chance if min_chance is not None else 1 / self.budget
 
-    def step(self, draft: Draft, uses_groups: bool, room: int | None = None, per_row: bool = False) -> tuple[Draft, "StepPlan"]:
+    def step(
+        self, draft: Draft, uses_groups: bool, room: int | None = None, per_row: bool = False
+    ) -> tuple[Draft, "StepPlan"]:
         """The draft as the step will verify it, and the step's plan."""
-        if self.siblings and self.mode != "full" and not per_row and draft.siblings is not None and draft.tokens.shape[0] == 1 and draft.confidence is not None:
+        if (
+            self.siblings
+            and self.mode != "full"
+            and not per_row
+            and draft.siblings is not None
+            and draft.tokens.shape[0] == 1
+            and draft.confidence is not None
+        ):
             return self.tree(draft, uses_groups, room)
         if self.mode == "cost" and (draft.confidence is not None or draft.tokens.shape[1] == 1):
             return self.cheapest(draft, uses_groups, room, per_row)
         draft = self.trim(draft, per_row)
         return draft, self.plan(draft, uses_groups, room, per_row)
 
-    def cheapest(self, draft: Draft, uses_groups: bool, room: int | None, per_row: bool) -> tuple[Draft, "StepPlan"]:
+    def cheapest(
+        self, draft: Draft, uses_groups: bool, room: int | None, per_row: bool
+    ) -> tuple[Draft, "StepPlan"]:
         """plan='cost': of every (proposals kept, groups) within the budget, the step with the most
         expected tokens per measured second. Expected tokens: y, plus each kept proposal's chance of
         being accepted, plus for each group its length's chance times what a group is worth
@@ -129,13 +158,17 @@ class Planner:
         best = None
         for n in range(1, m + 1):  # drafts kept: draft 0 and n - 1 proposals
             r = reach[:, :n] if per_row else reach[:, :n].prod(0, keepdim=True)
-            exact = r - torch.cat([r[:, 1:], r.new_zeros(r.shape[0], 1)], 1)  # P(accepts exactly j drafts), j = 1..n
+            exact = r - torch.cat(
+                [r[:, 1:], r.new_zeros(r.shape[0], 1)], 1
+            )  # P(accepts exactly j drafts), j = 1..n
             tokens, lengths = 1 + float(r[:, 1:].sum(1).mean()), exact.mean(0).tolist()
             fits = n if room is None else min(n, room - k + 1)
             order = sorted(range(max(fits, 0)), key=lambda i: -lengths[i]) if uses_groups else []
             most = min(len(order), max(0, (self.budget - n) // k))
             for g in range(most + 1):
-                score = (tokens + worth * sum(lengths[i] for i in order[:g])) / self.costs.price(n + g * k, g > 0)
+                score = (tokens + worth * sum(lengths[i] for i in order[:g])) / self.costs.price(
+                    n + g * k, g > 0
+                )
                 if best is None or score > best[0]:
                     best = (score, n, tuple(sorted(i + 1 for i in order[:g])))
         _, n, anchors = best
@@ -162,21 +195,29 @@ class Planner:
         k, m, cost = self.k, draft.tokens.shape[1], self.mode == "cost"
         chances = draft.sibling_confidence[0].float().clamp(0, 1).tolist()
         parents = [-1, *range(m - 1), *draft.parents()]
-        reach, depth = reach_chances(draft)[0].tolist() + [0.0] * len(chances), list(range(m)) + [0] * len(chances)
+        reach, depth = (
+            reach_chances(draft)[0].tolist() + [0.0] * len(chances),
+            list(range(m)) + [0] * len(chances),
+        )
         for i, c in enumerate(chances):
             reach[m + i], depth[m + i] = reach[parents[m + i]] * c, depth[parents[m + i]] + 1
         order = sorted(range(1, len(reach)), key=lambda s: (-reach[s], depth[s], s))
         if not cost:
             order = [s for s in order if reach[s] >= self.min_chance]
         worth = self.group_worth(draft) if cost else self.group_gain.value
-        deepest = None if room is None else room - k  # a group after a node at depth d uses offsets d + 1 .. d + k
+        deepest = (
+            None if room is None else room - k
+        )  # a group after a node at depth d uses offsets d + 1 .. d + k
         ends, tokens, best = {0: 1.0}, 1.0, None
         for t in range(min(len(order), self.budget - 1) + 1):  # the t likeliest nodes
             if t:
                 s = order[t - 1]
                 ends[s], tokens = reach[s], tokens + reach[s]
                 ends[parents[s]] -= reach[s]
-            where = sorted((s for s in ends if uses_groups and (deepest is None or depth[s] <= deepest)), key=lambda s: -ends[s])
+            where = sorted(
+                (s for s in ends if uses_groups and (deepest is None or depth[s] <= deepest)),
+                key=lambda s: -ends[s],
+            )
             if not cost:
                 where = where[:1] + [s for s in where[1:] if ends[s] >= self.min_chance]
             most = min(len(where), (self.budget - 1 - t) // k)
@@ -193,8 +234,15 @@ class Planner:
         sibling_parents = tuple(slot[parents[s]] for s in off)
         cut_draft = cut(draft, n)
         index = [s - m for s in off]
-        cut_draft = replace(cut_draft, siblings=draft.siblings[:, index], sibling_confidence=draft.sibling_confidence[:, index], sibling_parents=sibling_parents)
-        return cut_draft, StepPlan(n, tuple(sorted(slot[s] + 1 for s in groups)), k, sibling_parents)
+        cut_draft = replace(
+            cut_draft,
+            siblings=draft.siblings[:, index],
+            sibling_confidence=draft.sibling_confidence[:, index],
+            sibling_parents=sibling_parents,
+        )
+        return cut_draft, StepPlan(
+            n, tuple(sorted(slot[s] + 1 for s in groups)), k, sibling_parents
+        )
 
     def verify_cost(self) -> float:
         """What verifying a group's draft costs the next step, in tokens: the time a step with
@@ -206,7 +254,14 @@ class Planner:
         verify = min(self.costs.price(n, False) for n in range(2, self.k + 1))
         return max(0.0, verify - one) / one
 
-    def timed(self, plan: "StepPlan", seconds: float, draft: Draft, accepted: torch.Tensor, committed: torch.Tensor | None = None) -> None:
+    def timed(
+        self,
+        plan: "StepPlan",
+        seconds: float,
+        draft: Draft,
+        accepted: torch.Tensor,
+        committed: torch.Tensor | None = None,
+    ) -> None:
         """A step's time by its shape; the proposals accepted on rows drafted from a group; and whether
         the rows offered a group by the last step drafted from it. committed: (B,) the drafts each row
         commits, where the next draft reads its group (default: accepted)."""
@@ -222,8 +277,12 @@ class Planner:
                 if was is not None:
                     self.costs.group_use[was].add(float(source == "diffusion"))
         at = (accepted if committed is None else committed).tolist()
-        offers = plan.group_start if plan.siblings else plan.group_read  # a tree reads only the group at its path's end
-        self.offered = [source_key(s) if offers(int(j)) is not None else None for s, j in zip(draft.sources, at)]
+        offers = (
+            plan.group_start if plan.siblings else plan.group_read
+        )  # a tree reads only the group at its path's end
+        self.offered = [
+            source_key(s) if offers(int(j)) is not None else None for s, j in zip(draft.sources, at)
+        ]
 
     def max_proposals(self, uses_groups: bool) -> int:
         """Most proposals a draft may hold, leaving room for one group when the drafter uses them."""
@@ -242,11 +301,15 @@ class Planner:
         keep = max(1, int((reach >= self.min_chance).sum()))  # reach only falls with i: a prefix
         return cut(draft, keep + 1)
 
-    def plan(self, draft: Draft, uses_groups: bool, room: int | None = None, per_row: bool = False) -> StepPlan:
+    def plan(
+        self, draft: Draft, uses_groups: bool, room: int | None = None, per_row: bool = False
+    ) -> StepPlan:
         """room: the largest position offset from draft 0 the model has (near max_position_embeddings
         a group that would not fit is left out; the last tokens are then drafted by lookup or none)."""
         m = draft.tokens.shape[1]
-        fits = m if room is None else min(m, room - self.k + 1)  # a group at j uses offsets j .. j + k - 1
+        fits = (
+            m if room is None else min(m, room - self.k + 1)
+        )  # a group at j uses offsets j .. j + k - 1
         if not uses_groups or fits < 1:
             return StepPlan(m, (), self.k)
         most = max(1, (self.budget - m) // self.k)
@@ -266,8 +329,13 @@ def cut(draft: Draft, n: int) -> Draft:
     if n >= draft.tokens.shape[1]:
         return draft
     keep = lambda t: None if t is None else t[:, : n - 1]
-    return replace(draft, tokens=draft.tokens[:, :n], length=draft.length.clamp(max=n),
-                   confidence=keep(draft.confidence), raw_confidence=keep(draft.raw_confidence))
+    return replace(
+        draft,
+        tokens=draft.tokens[:, :n],
+        length=draft.length.clamp(max=n),
+        confidence=keep(draft.confidence),
+        raw_confidence=keep(draft.raw_confidence),
+    )
 
 
 def accepted_length_chances(draft: Draft, per_row: bool = False) -> list[float]:
@@ -275,7 +343,11 @@ def accepted_length_chances(draft: Draft, per_row: bool = False) -> list[float]:
     per row, the expected share of rows that accept exactly j (each reads the group at its own j)."""
     reach = reach_chances(draft)
     if per_row:
-        return (reach - torch.cat([reach[:, 1:], reach.new_zeros(reach.shape[0], 1)], 1)).mean(0).tolist()
+        return (
+            (reach - torch.cat([reach[:, 1:], reach.new_zeros(reach.shape[0], 1)], 1))
+            .mean(0)
+            .tolist()
+        )
     reach = reach.prod(0)
     return (reach - torch.cat([reach[1:], reach.new_zeros(1)])).tolist()
 

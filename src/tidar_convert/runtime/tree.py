@@ -32,11 +32,22 @@ def group_siblings(ctx: DraftContext, slots: torch.Tensor, chain: torch.Tensor, 
     its first 4 at 69 % (README, bench/results/wide-draft-offline.json)."""
     scores = process(ctx.processors, ctx.seqs, chain, slots[:, : chain.shape[1]])
     top = scores.softmax(-1).topk(n + 1, -1)
-    tokens, chances = zip(*(without(top.indices[:, i], top.values[:, i], chain[:, i], n) for i in range(scores.shape[1])))
+    tokens, chances = zip(
+        *(
+            without(top.indices[:, i], top.values[:, i], chain[:, i], n)
+            for i in range(scores.shape[1])
+        )
+    )
     return torch.stack(tokens, 1), torch.stack(chances, 1)
 
 
-def grow(draft: Draft, alt_tokens: torch.Tensor, alt_chances: torch.Tensor, most: int, floor: float = 1e-3) -> Draft:
+def grow(
+    draft: Draft,
+    alt_tokens: torch.Tensor,
+    alt_chances: torch.Tensor,
+    most: int,
+    floor: float = 1e-3,
+) -> Draft:
     """The draft's tree (batch 1): the chain's proposals and, at every node, the alternatives at the
     next offset, best first by the chance the step reaches them (the product of the chances along
     the path; a group's offsets are drafted in parallel, so a branch's later tokens are the same
@@ -44,7 +55,11 @@ def grow(draft: Draft, alt_tokens: torch.Tensor, alt_chances: torch.Tensor, most
     become draft.siblings, in the order found (a parent before its children)."""
     m = draft.tokens.shape[1]
     conf = draft.confidence[0, : m - 1].float().clamp(0, 1).tolist()
-    chain, alts, chances = draft.tokens[0, 1:].tolist(), alt_tokens[0].tolist(), alt_chances[0].float().clamp(0, 1).tolist()
+    chain, alts, chances = (
+        draft.tokens[0, 1:].tolist(),
+        alt_tokens[0].tolist(),
+        alt_chances[0].float().clamp(0, 1).tolist(),
+    )
     tokens, parents, conditional = [], [], []
     heap, count, found = [], 0, 0
 
@@ -52,7 +67,9 @@ def grow(draft: Draft, alt_tokens: torch.Tensor, alt_chances: torch.Tensor, most
         nonlocal count
         if depth >= m - 1:
             return
-        options = [(chain[depth], conf[depth], on_chain)] + [(t, c, False) for t, c in zip(alts[depth], chances[depth])]
+        options = [(chain[depth], conf[depth], on_chain)] + [
+            (t, c, False) for t, c in zip(alts[depth], chances[depth])
+        ]
         for token, c, chained in options:
             if reach * c >= floor:
                 count += 1
@@ -95,20 +112,39 @@ def first_siblings(look: Draft, diff: Draft):
 
 def beside(draft: Draft, tokens: torch.Tensor, chances: torch.Tensor) -> Draft:
     """The draft (batch 1) with `tokens` (1, s) added under draft 0, those it has there already left out."""
-    have = set() if draft.siblings is None else {t for t, p in zip(draft.siblings[0].tolist(), draft.parents()) if p == 0}
+    have = (
+        set()
+        if draft.siblings is None
+        else {t for t, p in zip(draft.siblings[0].tolist(), draft.parents()) if p == 0}
+    )
     keep = [i for i, t in enumerate(tokens[0].tolist()) if t not in have]
     if not keep:
         return draft
     if draft.siblings is None:
-        draft.siblings, draft.sibling_confidence, draft.sibling_parents = tokens[:, keep], chances[:, keep], None
+        draft.siblings, draft.sibling_confidence, draft.sibling_parents = (
+            tokens[:, keep],
+            chances[:, keep],
+            None,
+        )
         return draft
     draft.sibling_parents = (*draft.parents(), *(0,) * len(keep))
     draft.siblings = torch.cat([draft.siblings, tokens[:, keep]], 1)
-    draft.sibling_confidence = torch.cat([draft.sibling_confidence, chances[:, keep].to(draft.sibling_confidence.dtype)], 1)
+    draft.sibling_confidence = torch.cat(
+        [draft.sibling_confidence, chances[:, keep].to(draft.sibling_confidence.dtype)], 1
+    )
     return draft
 
 
-def walk(plan: StepPlan, tokens: torch.Tensor, out: Output, seqs, processors, pick, chain_scores, chain_ar):
+def walk(
+    plan: StepPlan,
+    tokens: torch.Tensor,
+    out: Output,
+    seqs,
+    processors,
+    pick,
+    chain_scores,
+    chain_ar,
+):
     """Greedy verification of a tree (batch 1): from draft 0, the AR's token at each node picks the
     child that holds it, until none does. Returns the path (slots from draft 0), and the processed
     scores and raw logits of each node on it, which AR would have produced for the same tokens: each
@@ -126,7 +162,9 @@ def walk(plan: StepPlan, tokens: torch.Tensor, out: Output, seqs, processors, pi
             scores, ar = chain_scores[:, s], chain_ar[:, s]
         else:
             ar = out.rows(s, s + 1)[:, 0]
-            scores = process(processors, torch.cat([seqs, tokens[:, path[1:]]], 1), seqs[:, :0], ar[:, None])[:, 0]
+            scores = process(
+                processors, torch.cat([seqs, tokens[:, path[1:]]], 1), seqs[:, :0], ar[:, None]
+            )[:, 0]
         scored.append(scores)
         raw.append(ar)
         y = int(pick.token(scores)[0])
@@ -143,4 +181,7 @@ def keep_slots(cache, cache_len: int, slots: list[int]) -> None:
     for layer in cache.layers:
         if getattr(layer, "keys", None) is not None and layer.keys.numel():
             i = index.to(layer.keys.device)
-            layer.keys, layer.values = layer.keys.index_select(-2, i), layer.values.index_select(-2, i)
+            layer.keys, layer.values = (
+                layer.keys.index_select(-2, i),
+                layer.values.index_select(-2, i),
+            )

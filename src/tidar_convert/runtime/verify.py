@@ -112,21 +112,29 @@ class Sampling(Verifier):
         rows = self.rows or range(len(at))
         first = {row: at[i] for i, row in enumerate(rows)} if len(at) > 1 else None
         # a row's committed indices are never drawn again; a dropped row's draws go with it
-        self._draws = {(b, t): e for (b, t), e in self._draws.items() if (t >= at[0] if first is None else b in first and t >= first[b])}
+        self._draws = {
+            (b, t): e
+            for (b, t), e in self._draws.items()
+            if (t >= at[0] if first is None else b in first and t >= first[b])
+        }
 
     def draws(self, b: int, t: int, V: int, device) -> torch.Tensor:
         """Row b's exponential draws (V,) for its new-token index t."""
         e = self._draws.get((b, t))
         if e is None:
             g = torch.Generator(device=device).manual_seed(stream_seed(self.seed, b, t))
-            e = torch.rand(V, generator=g, device=device).log_().neg_()  # u = 0 gives inf: that token never wins
+            e = (
+                torch.rand(V, generator=g, device=device).log_().neg_()
+            )  # u = 0 gives inf: that token never wins
             self._draws[(b, t)] = e
         return e
 
     @staticmethod
     def probs(scores):
         scores = scores.float()
-        dead = ~torch.isfinite(scores).any(-1, keepdim=True)  # a processor removed every token (only in a draft)
+        dead = ~torch.isfinite(scores).any(
+            -1, keepdim=True
+        )  # a processor removed every token (only in a draft)
         return scores.masked_fill(dead, 0.0).softmax(-1)
 
     def token(self, scores, offset=0):
@@ -139,7 +147,12 @@ class Sampling(Verifier):
             return probs.new_zeros((B, 0), dtype=torch.long)
         index = self.at.expand(B) + torch.as_tensor(offset, dtype=torch.long).cpu()
         rows = self.rows or range(B)
-        noise = torch.stack([torch.stack([self.draws(rows[b], t + i, V, probs.device) for i in range(n)]) for b, t in enumerate(index.tolist())])
+        noise = torch.stack(
+            [
+                torch.stack([self.draws(rows[b], t + i, V, probs.device) for i in range(n)])
+                for b, t in enumerate(index.tolist())
+            ]
+        )
         y = (probs / noise).argmax(-1)
         return y[:, 0] if one else y
 
@@ -187,7 +200,9 @@ def mix(ar_logits, diff_logits, beta):
     """beta = 1: trust AR (exact). beta < 1 mixes in the diffusion head's log-probs (faster, not exact)."""
     if beta == 1.0 or diff_logits is None:
         return ar_logits
-    return beta * ar_logits.float().log_softmax(-1) + (1 - beta) * diff_logits.float().log_softmax(-1)
+    return beta * ar_logits.float().log_softmax(-1) + (1 - beta) * diff_logits.float().log_softmax(
+        -1
+    )
 
 
 def process(processors, seqs, extra, logits):
@@ -198,7 +213,13 @@ def process(processors, seqs, extra, logits):
     see exactly the sequence AR would have had at that position."""
     if not processors:
         return logits.float()
-    return torch.stack([process_one(processors, torch.cat([seqs, extra[:, :i]], 1), logits[:, i]) for i in range(logits.shape[1])], 1)
+    return torch.stack(
+        [
+            process_one(processors, torch.cat([seqs, extra[:, :i]], 1), logits[:, i])
+            for i in range(logits.shape[1])
+        ],
+        1,
+    )
 
 
 def process_one(processors, prefix, logits):

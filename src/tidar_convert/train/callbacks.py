@@ -14,7 +14,9 @@ from lightning.pytorch.callbacks import Callback, ProgressBar
 
 from tidar_convert.train.progress import duration, is_tty
 
-STARTED = time.perf_counter()  # about when the process started: fit imports this module before any work
+STARTED = (
+    time.perf_counter()
+)  # about when the process started: fit imports this module before any work
 
 
 class TrainProgress(ProgressBar):
@@ -52,7 +54,13 @@ class TrainProgress(ProgressBar):
         if is_tty():
             from tqdm.auto import tqdm
 
-            self.bar = tqdm(total=self.total, initial=trainer.global_step, desc="train", unit="step", dynamic_ncols=True)
+            self.bar = tqdm(
+                total=self.total,
+                initial=trainer.global_step,
+                desc="train",
+                unit="step",
+                dynamic_ncols=True,
+            )
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         if not (self._enabled and trainer.is_global_zero):
@@ -67,7 +75,9 @@ class TrainProgress(ProgressBar):
             self.bar.set_postfix(loss=f"{self.loss:.3f}", tok_s=f"{tok_s:.0f}", refresh=False)
             self.bar.refresh()
             return
-        done = step - self.start_step  # this run's steps only: a resumed run must not look instantly fast
+        done = (
+            step - self.start_step
+        )  # this run's steps only: a resumed run must not look instantly fast
         last = self.total is not None and step >= self.total
         if step == self.shown:  # accumulating: this step was already reported
             return
@@ -94,8 +104,14 @@ class TrainProgress(ProgressBar):
         metrics = trainer.callback_metrics
         shown = {k: float(metrics[k]) for k in ("val/loss", "val/tokens_per_nfe") if k in metrics}
         if shown:
-            text = f"validation at step {trainer.global_step}: " + ", ".join(f"{k} {v:.3f}" for k, v in shown.items())
-            (self.bar.write if self.bar is not None else lambda s: print(s, file=sys.stderr, flush=True))(text)
+            text = f"validation at step {trainer.global_step}: " + ", ".join(
+                f"{k} {v:.3f}" for k, v in shown.items()
+            )
+            (
+                self.bar.write
+                if self.bar is not None
+                else lambda s: print(s, file=sys.stderr, flush=True)
+            )(text)
 
 
 class RunClock(Callback):
@@ -124,7 +140,9 @@ def matmul_params(model) -> int:
     from transformers import AutoModelForCausalLM
 
     with torch.device("meta"):
-        base = AutoModelForCausalLM.from_config(copy.deepcopy(model.config))  # from_config mutates its config
+        base = AutoModelForCausalLM.from_config(
+            copy.deepcopy(model.config)
+        )  # from_config mutates its config
     n = sum(p.numel() for p in base.parameters())  # tied weights are counted once
     inp, out = base.get_input_embeddings(), base.get_output_embeddings()
     return n if out is not None and out.weight is inp.weight else n - inp.weight.numel()
@@ -134,8 +152,18 @@ def peak_flops(device: torch.device, precision: str) -> float | None:
     """The device's dense peak FLOP/s at the training precision; None where unknown (CPUs): no MFU then."""
     from lightning.fabric.utilities.throughput import get_available_flops
 
-    dtype = torch.bfloat16 if "bf16" in precision else torch.float16 if precision.startswith("16") else torch.float32
-    if device.type == "cuda" and "h200" in torch.cuda.get_device_name(device).lower() and dtype != torch.float32:
+    dtype = (
+        torch.bfloat16
+        if "bf16" in precision
+        else torch.float16
+        if precision.startswith("16")
+        else torch.float32
+    )
+    if (
+        device.type == "cuda"
+        and "h200" in torch.cuda.get_device_name(device).lower()
+        and dtype != torch.float32
+    ):
         return 989e12  # Lightning knows H200s only by variant names, at the 2:4-sparse figure; dense = H100 SXM
     return get_available_flops(device, dtype)
 
@@ -153,14 +181,23 @@ class Throughput(Callback):
     """
 
     def setup(self, trainer, pl_module, stage) -> None:
-        self.peak = peak_flops(trainer.strategy.root_device, str(trainer.precision)) if stage == "fit" else None
+        self.peak = (
+            peak_flops(trainer.strategy.root_device, str(trainer.precision))
+            if stage == "fit"
+            else None
+        )
 
     def on_train_start(self, trainer, pl_module) -> None:
         full = all(p.requires_grad for p in pl_module.model.parameters())
         per_position = 6 if full else 4
         clean = 2 if getattr(pl_module, "split_halves", False) else per_position  # forward only
         self.flops_per_token = (clean + per_position) * matmul_params(pl_module.model)
-        self.step, self.tokens, self.seconds, self.last = trainer.global_step, 0, 0.0, self._now(trainer)
+        self.step, self.tokens, self.seconds, self.last = (
+            trainer.global_step,
+            0,
+            0.0,
+            self._now(trainer),
+        )
 
     def _now(self, trainer) -> float:
         if trainer.strategy.root_device.type == "cuda":
@@ -189,12 +226,21 @@ class Throughput(Callback):
 
     def metrics(self, trainer, pl_module) -> dict[str, float]:
         cuda = trainer.strategy.root_device.type == "cuda"
-        rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)  # KiB on Linux
+        rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (
+            1 if sys.platform == "darwin" else 1024
+        )  # KiB on Linux
         gpu = torch.cuda.max_memory_allocated(trainer.strategy.root_device) if cuda else 0
-        mine = torch.tensor([self.tokens / self.seconds, rss / 2**30, gpu / 2**30], dtype=torch.float32, device=pl_module.device)  # float32: MPS has no float64
+        mine = torch.tensor(
+            [self.tokens / self.seconds, rss / 2**30, gpu / 2**30],
+            dtype=torch.float32,
+            device=pl_module.device,
+        )  # float32: MPS has no float64
         ranks = trainer.strategy.all_gather(mine).reshape(-1, 3).tolist()  # one row per rank
         per_device = sum(r[0] for r in ranks) / len(ranks)
-        metrics = {"perf/tokens_per_sec": per_device * len(ranks), "perf/tokens_per_sec_per_device": per_device}
+        metrics = {
+            "perf/tokens_per_sec": per_device * len(ranks),
+            "perf/tokens_per_sec_per_device": per_device,
+        }
         metrics["perf/tflops_per_device"] = per_device * self.flops_per_token / 1e12
         if self.peak:
             metrics["perf/mfu_per_device"] = per_device * self.flops_per_token / self.peak

@@ -13,7 +13,9 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 def checkpoint_fix(dest) -> str:
     """What to do after a full disk: continue from the checkpoint there is, or, where none was saved
     yet, start again (a --ckpt_path last would find nothing to continue)."""
-    move = "move the run folder to a disk with room (pass its new place as --trainer.default_root_dir)"
+    move = (
+        "move the run folder to a disk with room (pass its new place as --trainer.default_root_dir)"
+    )
     if any(Path(dest).parent.glob("last*.ckpt")):  # what --ckpt_path last finds
         return f"{move}; then run the same command with --ckpt_path last to continue."
     return f"{move}; then run the same command again (no last checkpoint was saved yet, so it starts from step 0)."
@@ -32,7 +34,13 @@ class AtomicCheckpointIO(TorchCheckpointIO):
             return super().save_checkpoint(checkpoint, path, storage_options)
         from tidar_convert.exports.disk import save_file_atomically, tensor_bytes
 
-        save_file_atomically(path, lambda f: torch.save(checkpoint, f), tensor_bytes(checkpoint), "the checkpoint", checkpoint_fix(path))
+        save_file_atomically(
+            path,
+            lambda f: torch.save(checkpoint, f),
+            tensor_bytes(checkpoint),
+            "the checkpoint",
+            checkpoint_fix(path),
+        )
 
 
 def atomic_checkpoints(strategy) -> None:
@@ -57,27 +65,45 @@ def _atomic_sharded_save(strategy, save):
         import secrets
 
         dest = Path(strategy.broadcast(str(Path(filepath).absolute())))
-        tmp = dest.parent / strategy.broadcast(f".{dest.name}.tmp-{secrets.token_hex(4)}")  # one name, chosen by rank 0
+        tmp = dest.parent / strategy.broadcast(
+            f".{dest.name}.tmp-{secrets.token_hex(4)}"
+        )  # one name, chosen by rank 0
         if strategy.is_global_zero:
             recover(dest)
         strategy.barrier("checkpoint-tmp")
-        needed = tensor_bytes(checkpoint) * strategy.world_size  # about: every rank holds a shard of the same size
+        needed = (
+            tensor_bytes(checkpoint) * strategy.world_size
+        )  # about: every rank holds a shard of the same size
         failed = None
         try:
             save(checkpoint, tmp)
-        except Exception as e:  # still reach the barrier below, so no rank waits there for one that failed
+        except (
+            Exception
+        ) as e:  # still reach the barrier below, so no rank waits there for one that failed
             failed = e
-        failures = strategy.all_gather(torch.tensor([int(failed is not None)], device=strategy.root_device)).sum().item()
+        failures = (
+            strategy.all_gather(
+                torch.tensor([int(failed is not None)], device=strategy.root_device)
+            )
+            .sum()
+            .item()
+        )
         if failures:
             if strategy.is_global_zero:
                 from tidar_convert.exports.outputs import _rmtree
 
                 _rmtree(tmp)
             if failed is not None and no_space(failed):
-                raise disk_full(dest, needed, "the sharded checkpoint", checkpoint_fix(dest)) from failed
-            raise failed or RuntimeError(f"another rank failed to write its shard of {dest}; its error says why")
+                raise disk_full(
+                    dest, needed, "the sharded checkpoint", checkpoint_fix(dest)
+                ) from failed
+            raise failed or RuntimeError(
+                f"another rank failed to write its shard of {dest}; its error says why"
+            )
         if strategy.is_global_zero:
-            _swap_in(tmp, dest)  # over a folder of shards, or a single-file checkpoint of the same name
+            _swap_in(
+                tmp, dest
+            )  # over a folder of shards, or a single-file checkpoint of the same name
         strategy.barrier("checkpoint-swap")
 
     return atomic_save

@@ -17,7 +17,9 @@ def check_fit_config(cfg) -> None:
             "pass the number of optimizer steps to train (>= 1), or -1 to stop after --trainer.max_epochs."
         )
     if cfg.get("overwrite") and not cfg.get("out"):
-        raise ValueError("--overwrite replaces an earlier export at --out, and no --out is given; pass --out DIR, or drop --overwrite.")
+        raise ValueError(
+            "--overwrite replaces an earlier export at --out, and no --out is given; pass --out DIR, or drop --overwrite."
+        )
     if cfg.get("out"):
         from tidar_convert.exports.marker import check_export_target
 
@@ -68,7 +70,9 @@ def check_model(model, seq_len: int | None = None, block_size: int | None = None
     # layers apply theirs by index inside the model, which the mask half's indices would break.
     window = getattr(config, "window_size", None)
     if window and seq_len and seq_len > window:
-        raise ValueError(f"--data.seq_len {seq_len} is longer than {config.model_type}'s local attention window ({window}), which its layers apply by token index, not by position: the mask half would lose its context; pass --data.seq_len {window} or less.")
+        raise ValueError(
+            f"--data.seq_len {seq_len} is longer than {config.model_type}'s local attention window ({window}), which its layers apply by token index, not by position: the mask half would lose its context; pass --data.seq_len {window} or less."
+        )
 
 
 def check_data(data) -> None:
@@ -76,7 +80,9 @@ def check_data(data) -> None:
     from tidar_convert.data.checks import check_sources
 
     sources = [data.source] if isinstance(data.source, str) else list(data.source or [])
-    check_sources(sources, data.get("text_field") or "text", data.get("name"), data.get("split") or "train")
+    check_sources(
+        sources, data.get("text_field") or "text", data.get("name"), data.get("split") or "train"
+    )
 
 
 def check_accelerator(accelerator) -> None:
@@ -86,9 +92,13 @@ def check_accelerator(accelerator) -> None:
 
     name = str(accelerator)
     if name in ("gpu", "cuda") and not torch.cuda.is_available():
-        raise ValueError(f"--trainer.accelerator {name}: no CUDA GPU is visible on this machine (torch.cuda.is_available() is False); pass --trainer.accelerator cpu, or auto to take a GPU where there is one.")
+        raise ValueError(
+            f"--trainer.accelerator {name}: no CUDA GPU is visible on this machine (torch.cuda.is_available() is False); pass --trainer.accelerator cpu, or auto to take a GPU where there is one."
+        )
     if name == "mps" and not torch.backends.mps.is_available():
-        raise ValueError("--trainer.accelerator mps: this machine has no Apple GPU (torch.backends.mps.is_available() is False); pass --trainer.accelerator cpu, or auto.")
+        raise ValueError(
+            "--trainer.accelerator mps: this machine has no Apple GPU (torch.backends.mps.is_available() is False); pass --trainer.accelerator cpu, or auto."
+        )
 
 
 def training_on_cpu(accelerator) -> bool:
@@ -121,7 +131,14 @@ def device_count(devices) -> int | None:
     return int(text) if int(text) > 0 else None  # 0: the Trainer's own error says it
 
 
-def accumulation(global_batch_tokens: int | None, batch_size: int, seq_len: int, devices: int, nodes: int, accumulate: int | None) -> int:
+def accumulation(
+    global_batch_tokens: int | None,
+    batch_size: int,
+    seq_len: int,
+    devices: int,
+    nodes: int,
+    accumulate: int | None,
+) -> int:
     """Gradient accumulation a with micro-batch x seq_len x devices x nodes x a = the global batch.
 
     `accumulate` is `trainer.accumulate_grad_batches` when the user set it (None = derive it). Without a
@@ -148,6 +165,8 @@ def accumulation(global_batch_tokens: int | None, batch_size: int, seq_len: int,
     return needed
 
 
-def global_batch_line(batch_size: int, seq_len: int, devices: int, nodes: int, accumulate: int) -> str:
+def global_batch_line(
+    batch_size: int, seq_len: int, devices: int, nodes: int, accumulate: int
+) -> str:
     total = batch_size * seq_len * devices * nodes * accumulate
     return f"global batch {total} tokens = micro-batch {batch_size} x seq_len {seq_len} x devices {devices} x nodes {nodes} x accumulation {accumulate}"

@@ -23,7 +23,14 @@ from pathlib import Path
 
 import torch
 
-from tidar_convert.data.greedy import DTYPES, MADE_BY, PROMPT_TOKENS, cache_path, check_corpus, first_row  # noqa: F401 (check_corpus: the reading side, kept importable from here)
+from tidar_convert.data.greedy import (
+    DTYPES,
+    MADE_BY,
+    PROMPT_TOKENS,
+    cache_path,
+    check_corpus,  # noqa: F401  (the reading side, kept importable from here)
+    first_row,
+)
 from tidar_convert.data.stream import PackedDocuments
 from tidar_convert.exports.marker import file_sha256
 from tidar_convert.exports.outputs import atomic_file
@@ -31,10 +38,22 @@ from tidar_convert.exports.outputs import atomic_file
 BATCH = 64  # prompts generated together (equal lengths, no padding): 1.4x the tokens/s of 32 on 2 CPU cores
 
 
-def training_prompts(tokenizer, sources: list[str], n_docs: int, prompt_tokens: int, val_every: int, text_field: str = "text", name: str | None = None, split: str = "train", seed: int = 0) -> list[list[int]]:
+def training_prompts(
+    tokenizer,
+    sources: list[str],
+    n_docs: int,
+    prompt_tokens: int,
+    val_every: int,
+    text_field: str = "text",
+    name: str | None = None,
+    split: str = "train",
+    seed: int = 0,
+) -> list[list[int]]:
     """The first `prompt_tokens` tokens of the first `n_docs` training documents longer than that."""
     prompts = []
-    docs = PackedDocuments(tokenizer, sources, prompt_tokens, "train", val_every, text_field, name, split, seed)
+    docs = PackedDocuments(
+        tokenizer, sources, prompt_tokens, "train", val_every, text_field, name, split, seed
+    )
     for doc in docs.tokenized():  # the training part only: never a validation document
         if len(doc) > prompt_tokens:
             prompts.append(doc[:prompt_tokens])
@@ -47,7 +66,15 @@ def training_prompts(tokenizer, sources: list[str], n_docs: int, prompt_tokens: 
 
 
 @torch.no_grad()
-def write_corpus(model, tokenizer, prompts: list[list[int]], out: str | Path, new_tokens: int, batch_size: int, meta: dict) -> Path:
+def write_corpus(
+    model,
+    tokenizer,
+    prompts: list[list[int]],
+    out: str | Path,
+    new_tokens: int,
+    batch_size: int,
+    meta: dict,
+) -> Path:
     """Write one row per prompt, `{"text": prompt + greedy continuation, **meta}`, atomically, and
     its checksum beside it (`record_corpus`)."""
     from tidar_convert.runtime.kernels import cpu_kernels
@@ -64,10 +91,23 @@ def write_corpus(model, tokenizer, prompts: list[list[int]], out: str | Path, ne
         # 160 tokens took 16 min at batch 32 with stock kernels, 9 min at batch 64 packed.
         with atomic_file(out) as tmp, tmp.open("w") as f, cpu_kernels(model, True):
             for i in progress(batches, "greedy continuations", total=len(batches), unit="batch"):
-                ids = torch.tensor(prompts[i : i + batch_size], device=device)  # equal lengths: no padding
-                rows = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, do_sample=False, pad_token_id=tokenizer.pad_token_id)
+                ids = torch.tensor(
+                    prompts[i : i + batch_size], device=device
+                )  # equal lengths: no padding
+                rows = model.generate(
+                    input_ids=ids,
+                    attention_mask=torch.ones_like(ids),
+                    max_new_tokens=new_tokens,
+                    do_sample=False,
+                    pad_token_id=tokenizer.pad_token_id,
+                )
                 for row in rows:
-                    f.write(json.dumps({"text": tokenizer.decode(row, skip_special_tokens=True), **meta}) + "\n")
+                    f.write(
+                        json.dumps(
+                            {"text": tokenizer.decode(row, skip_special_tokens=True), **meta}
+                        )
+                        + "\n"
+                    )
     finally:
         model.train(was_training)
     out = Path(out).expanduser().absolute()
@@ -99,13 +139,30 @@ def corpus_as_written(corpus: str | Path) -> bool | None:
     return recorded == file_sha256(corpus)
 
 
-def make_corpus(model: str | None, sources: list[str], out: str | Path, n_docs: int, val_every: int, prompt_tokens: int, new_tokens: int, batch_size: int, text_field: str, name: str | None, split: str, seed: int, dtype: str, device: str | torch.device) -> Path:
+def make_corpus(
+    model: str | None,
+    sources: list[str],
+    out: str | Path,
+    n_docs: int,
+    val_every: int,
+    prompt_tokens: int,
+    new_tokens: int,
+    batch_size: int,
+    text_field: str,
+    name: str | None,
+    split: str,
+    seed: int,
+    dtype: str,
+    device: str | torch.device,
+) -> Path:
     """Load the base model (its own full copy, in `dtype` on `device`), write the corpus, free the model."""
     from tidar_convert.models.loading import absolute_model, load_base
 
     base, tokenizer = load_base(model, dtype=getattr(torch, dtype))
     base.to(device)
-    prompts = training_prompts(tokenizer, sources, n_docs, prompt_tokens, val_every, text_field, name, split, seed)
+    prompts = training_prompts(
+        tokenizer, sources, n_docs, prompt_tokens, val_every, text_field, name, split, seed
+    )
     meta = {"made_by": MADE_BY, "val_every": val_every, "model": absolute_model(model) or "default"}
     return write_corpus(base, tokenizer, prompts, out, new_tokens, batch_size, meta)
 
@@ -115,13 +172,19 @@ def check_out(out: str, overwrite: bool) -> None:
     overwrite) a corpus written by this command and unchanged since (its `.sha256` file says), may be written."""
     path = Path(out).expanduser()
     if path.is_dir():
-        raise ValueError(f"--out {out!r} is a folder; name a .jsonl file to write, e.g. --out {Path(out) / 'greedy.jsonl'}.")
+        raise ValueError(
+            f"--out {out!r} is a folder; name a .jsonl file to write, e.g. --out {Path(out) / 'greedy.jsonl'}."
+        )
     if not path.exists():
         return
     if (first_row(path) or {}).get("made_by") != MADE_BY:
-        raise ValueError(f"--out {out!r} exists and is not a corpus written by `tidar-convert distill`; nothing was written. Choose a new file name.")
+        raise ValueError(
+            f"--out {out!r} exists and is not a corpus written by `tidar-convert distill`; nothing was written. Choose a new file name."
+        )
     if not overwrite:
-        raise ValueError(f"--out {out!r} holds an earlier corpus of `tidar-convert distill`; pass --overwrite to replace it, or choose a new file name.")
+        raise ValueError(
+            f"--out {out!r} holds an earlier corpus of `tidar-convert distill`; pass --overwrite to replace it, or choose a new file name."
+        )
     same = corpus_as_written(path)
     if same is None:
         raise ValueError(
@@ -135,28 +198,75 @@ def check_out(out: str, overwrite: bool) -> None:
         )
 
 
-def corpus_for_fit(trainer, model: str | None, sources: list[str], n_docs: int, val_every: int, prompt_tokens: int, new_tokens: int, batch_size: int, text_field: str, name: str | None, split: str, seed: int, dtype: str) -> Path:
+def corpus_for_fit(
+    trainer,
+    model: str | None,
+    sources: list[str],
+    n_docs: int,
+    val_every: int,
+    prompt_tokens: int,
+    new_tokens: int,
+    batch_size: int,
+    text_field: str,
+    name: str | None,
+    split: str,
+    seed: int,
+    dtype: str,
+) -> Path:
     """The cached corpus for a training run, made once: rank 0 first, the other ranks after a barrier.
 
     Every rank must read the same file (the documents are dealt to ranks by their position in the
     stream), so only rank 0 generates; the cache must be on a filesystem all nodes see (TIDAR_CACHE),
     or made beforehand with `distill` and passed as --data.greedy_corpus.
     """
-    path = cache_path(model, sources, n_docs, val_every, prompt_tokens, new_tokens, text_field, name, split, seed, dtype)
+    path = cache_path(
+        model,
+        sources,
+        n_docs,
+        val_every,
+        prompt_tokens,
+        new_tokens,
+        text_field,
+        name,
+        split,
+        seed,
+        dtype,
+    )
     world = trainer.world_size if trainer is not None else 1
     rank = trainer.global_rank if trainer is not None else 0
     failed = None
     if rank == 0 and not path.is_file():
         device = trainer.strategy.root_device if trainer is not None else "cpu"
-        print(f"self-distillation: generating {n_docs} greedy documents with {model if model not in (None, 'default') else 'the default model'} ({dtype}) into {path}", file=sys.stderr, flush=True)
+        print(
+            f"self-distillation: generating {n_docs} greedy documents with {model if model not in (None, 'default') else 'the default model'} ({dtype}) into {path}",
+            file=sys.stderr,
+            flush=True,
+        )
         try:
-            make_corpus(model, sources, path, n_docs, val_every, prompt_tokens, new_tokens, batch_size, text_field, name, split, seed, dtype, device)
+            make_corpus(
+                model,
+                sources,
+                path,
+                n_docs,
+                val_every,
+                prompt_tokens,
+                new_tokens,
+                batch_size,
+                text_field,
+                name,
+                split,
+                seed,
+                dtype,
+                device,
+            )
         except Exception as e:  # still reach the barrier: the other ranks would otherwise wait there until the timeout
             if world == 1:
                 raise
             failed = e
     if world > 1:
-        trainer.strategy.barrier("greedy_corpus")  # rank 0 has written the file (or found it, or failed) past this point
+        trainer.strategy.barrier(
+            "greedy_corpus"
+        )  # rank 0 has written the file (or found it, or failed) past this point
         if failed is not None:
             raise failed
         if not path.is_file():
@@ -180,8 +290,19 @@ def corpus_for_data(trainer, dm) -> Path | None:
     if dm.greedy_docs == 0 or dm.greedy_share == 0 or dm.greedy_corpus:
         return None
     return corpus_for_fit(
-        trainer, dm.base_model, dm.sources, dm.greedy_docs, dm.val_every, PROMPT_TOKENS, dm.greedy_new_tokens, BATCH,
-        dm.text_field, dm.name, dm.split, dm.seed, dm.greedy_dtype,
+        trainer,
+        dm.base_model,
+        dm.sources,
+        dm.greedy_docs,
+        dm.val_every,
+        PROMPT_TOKENS,
+        dm.greedy_new_tokens,
+        BATCH,
+        dm.text_field,
+        dm.name,
+        dm.split,
+        dm.seed,
+        dm.greedy_dtype,
     )
 
 
@@ -229,12 +350,33 @@ def distill_cmd(
         raise ValueError("--sources []: name at least one data source, e.g. stdlib.")
     if dtype not in DTYPES:
         raise ValueError(f"--dtype {dtype!r}: use one of {', '.join(DTYPES)}.")
-    for flag, value, least in (("n_docs", n_docs, 1), ("prompt_tokens", prompt_tokens, 1), ("new_tokens", new_tokens, 1), ("batch_size", batch_size, 1), ("val_every", val_every, 2)):
+    for flag, value, least in (
+        ("n_docs", n_docs, 1),
+        ("prompt_tokens", prompt_tokens, 1),
+        ("new_tokens", new_tokens, 1),
+        ("batch_size", batch_size, 1),
+        ("val_every", val_every, 2),
+    ):
         if value < least:
             raise ValueError(f"--{flag} {value}: must be >= {least}.")
     check_out(out, overwrite)
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
-    path = make_corpus(model, sources, out, n_docs, val_every, prompt_tokens, new_tokens, batch_size, text_field, name, split, seed, dtype, device)
+    path = make_corpus(
+        model,
+        sources,
+        out,
+        n_docs,
+        val_every,
+        prompt_tokens,
+        new_tokens,
+        batch_size,
+        text_field,
+        name,
+        split,
+        seed,
+        dtype,
+        device,
+    )
     print(f"wrote {n_docs} greedy documents to {path}", file=sys.stderr)
     return str(path)

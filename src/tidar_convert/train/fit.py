@@ -18,7 +18,16 @@ from lightning.pytorch.cli import LightningCLI, SaveConfigCallback
 
 from tidar_convert.train.callbacks import RunClock, Throughput, TrainProgress
 from tidar_convert.train.checkpoints import FinalCheckpoint, atomic_checkpoints
-from tidar_convert.train.checks import accumulation, check_accelerator, check_data, check_fit_config, check_model, check_out_beside_run, device_count, global_batch_line
+from tidar_convert.train.checks import (
+    accumulation,
+    check_accelerator,
+    check_data,
+    check_fit_config,
+    check_model,
+    check_out_beside_run,
+    device_count,
+    global_batch_line,
+)
 from tidar_convert.train.preemption import Preemption
 
 
@@ -44,30 +53,47 @@ class RunFolderConfig(SaveConfigCallback):
 class TiDARCLI(LightningCLI):
     def __init__(self, *args, signals=None, **kwargs):
         self.signals = signals  # preemption.Signals of this fit; set first: LightningCLI.__init__ parses, instantiates and runs
-        self.resume_path = None  # the checkpoint --ckpt_path names, once resolved (_parse_ckpt_path)
+        self.resume_path = (
+            None  # the checkpoint --ckpt_path names, once resolved (_parse_ckpt_path)
+        )
         super().__init__(*args, **kwargs)
 
     def add_arguments_to_parser(self, parser):
-        parser.add_argument("--out", type=str | None, default=None, help="export the trained model to this folder after fit")
+        parser.add_argument(
+            "--out",
+            type=str | None,
+            default=None,
+            help="export the trained model to this folder after fit",
+        )
         parser.add_argument(
             # A bare `--overwrite` (as `export` and `distill` take it, and `make convert` passes it) or a value.
-            "--overwrite", type=bool, nargs="?", const=True, default=False,
+            "--overwrite",
+            type=bool,
+            nargs="?",
+            const=True,
+            default=False,
             help="let --out replace an earlier export of this tool (anything else in that folder is never replaced)",
         )
         # Top level, not under data: it ties the data (micro-batch, seq_len) to the trainer (devices,
         # nodes, accumulation), and belongs to neither.
         parser.add_argument(
-            "--global_batch_tokens", type=int | None, default=None,
+            "--global_batch_tokens",
+            type=int | None,
+            default=None,
             help="tokens per optimizer step over all devices and nodes; trainer.accumulate_grad_batches is derived from it",
         )
         # None = "not set": then it is derived from global_batch_tokens, and a value the user did
         # set can be checked against it (a default of 1 could not be told apart from an explicit 1).
         parser.add_argument(
-            "--existing_run", type=Literal["refuse", "new", "replace"], default="refuse",
+            "--existing_run",
+            type=Literal["refuse", "new", "replace"],
+            default="refuse",
             help="a run folder holding another run's checkpoints: refuse (default; --ckpt_path last "
             "continues it), new (this run goes to <folder>-v2, -v3...) or replace (its checkpoints go)",
         )
-        parser.set_defaults({"trainer.default_root_dir": "runs/tidar", "trainer.accumulate_grad_batches": None})
+        parser.set_defaults(
+            {"trainer.default_root_dir": "runs/tidar", "trainer.accumulate_grad_batches": None}
+        )
 
     def _parse_ckpt_path(self):
         # Lightning would replace the model settings with those the --ckpt_path file was trained
@@ -95,18 +121,31 @@ class TiDARCLI(LightningCLI):
             check_fit_config(cfg)
             settings.check_config(cfg)
             old_root = Path(cfg.trainer.get("default_root_dir") or ".")
-            moved = check_run_folder(cfg, cfg.get("existing_run") or "refuse", resuming=bool(cfg.get("ckpt_path")))
+            moved = check_run_folder(
+                cfg, cfg.get("existing_run") or "refuse", resuming=bool(cfg.get("ckpt_path"))
+            )
             if moved is not None:
                 cfg.trainer.default_root_dir = str(moved)
                 if cfg.get("out"):
                     check_out_beside_run(cfg.out, str(moved))
             place_outputs(cfg, old_root if moved is not None else None)
             if self.signals is not None:
-                self.signals.run_dir = cfg.trainer.get("default_root_dir")  # where to say that a run stopped before its first step
+                self.signals.run_dir = cfg.trainer.get(
+                    "default_root_dir"
+                )  # where to say that a run stopped before its first step
                 self.signals.new_run_dir = not Path(cfg.trainer.default_root_dir).exists()
             devices = device_count(cfg.trainer.get("devices", "auto"))
-            if devices is not None:  # refuse before the model loads; auto is checked once the Trainer resolved it
-                accumulation(cfg.get("global_batch_tokens"), cfg.data.batch_size, cfg.data.seq_len, devices, cfg.trainer.get("num_nodes") or 1, self.accumulate)
+            if (
+                devices is not None
+            ):  # refuse before the model loads; auto is checked once the Trainer resolved it
+                accumulation(
+                    cfg.get("global_batch_tokens"),
+                    cfg.data.batch_size,
+                    cfg.data.seq_len,
+                    devices,
+                    cfg.trainer.get("num_nodes") or 1,
+                    self.accumulate,
+                )
             # The settings' own arithmetic first (no I/O), then the data, then the model's config:
             # all before any work.
             model, data = cfg.get("model"), cfg.get("data")
@@ -127,14 +166,20 @@ class TiDARCLI(LightningCLI):
             settings.check_config(cfg)
             if cfg.get("data") is not None:
                 check_data(cfg.data)
-        cfg.trainer.accumulate_grad_batches = self.accumulate or 1  # placeholder for the Trainer; set in after_instantiate
+        cfg.trainer.accumulate_grad_batches = (
+            self.accumulate or 1
+        )  # placeholder for the Trainer; set in after_instantiate
         if cfg.trainer.get("enable_progress_bar") is False:  # Lightning refuses a bar callback then
-            self.trainer_defaults["callbacks"] = [cb for cb in self.trainer_defaults["callbacks"] if not isinstance(cb, TrainProgress)]
+            self.trainer_defaults["callbacks"] = [
+                cb for cb in self.trainer_defaults["callbacks"] if not isinstance(cb, TrainProgress)
+            ]
 
     def after_instantiate_classes(self):
         trainer = self.trainer
         root = Path(trainer.default_root_dir)
-        atomic_checkpoints(trainer.strategy)  # a full disk or a kill while saving leaves the previous checkpoint whole
+        atomic_checkpoints(
+            trainer.strategy
+        )  # a full disk or a kill while saving leaves the previous checkpoint whole
         for cb in trainer.checkpoint_callbacks:
             # Without a dirpath, Lightning puts checkpoints under the logger's per-run folder, which a
             # new run cannot find again: --ckpt_path last would then start from scratch.
@@ -150,7 +195,9 @@ class TiDARCLI(LightningCLI):
         if self.subcommand in ("fit", "validate"):
             given = self.config[self.subcommand].get("ckpt_path")
             resume = check_resume(trainer, given, self.subcommand, self.resume_path)
-            if resume != given:  # the file `last` names, or None: the earlier run stopped before its first step
+            if (
+                resume != given
+            ):  # the file `last` names, or None: the earlier run stopped before its first step
                 self.config_init[self.subcommand]["ckpt_path"] = resume
             if self.signals is not None:
                 self.signals.resume_from = resume
@@ -161,35 +208,72 @@ class TiDARCLI(LightningCLI):
         """Derive accumulation from the global batch with the devices the Trainer resolved, and say it."""
         cfg, trainer, data = self.config[self.subcommand], self.trainer, self.datamodule
         shape = (data.batch_size, data.seq_len, trainer.num_devices, trainer.num_nodes)
-        trainer.accumulate_grad_batches = accumulation(cfg.get("global_batch_tokens"), *shape, self.accumulate)
+        trainer.accumulate_grad_batches = accumulation(
+            cfg.get("global_batch_tokens"), *shape, self.accumulate
+        )
         # config.yaml keeps a derived accumulation unset (null): rerun on other devices, it is derived again
-        cfg.trainer.accumulate_grad_batches = self.accumulate if cfg.get("global_batch_tokens") else trainer.accumulate_grad_batches
+        cfg.trainer.accumulate_grad_batches = (
+            self.accumulate if cfg.get("global_batch_tokens") else trainer.accumulate_grad_batches
+        )
         if trainer.is_global_zero:
-            print(global_batch_line(*shape, trainer.accumulate_grad_batches), file=sys.stderr, flush=True)
+            print(
+                global_batch_line(*shape, trainer.accumulate_grad_batches),
+                file=sys.stderr,
+                flush=True,
+            )
 
     def after_fit(self):
         trainer = self.trainer
-        saved = [cb.last_model_path for cb in trainer.checkpoint_callbacks if getattr(cb, "last_model_path", "")]
+        saved = [
+            cb.last_model_path
+            for cb in trainer.checkpoint_callbacks
+            if getattr(cb, "last_model_path", "")
+        ]
         if trainer.is_global_zero:
-            print(f"trained {trainer.global_step} steps; run folder {Path(trainer.default_root_dir).resolve()}", file=sys.stderr)
+            print(
+                f"trained {trainer.global_step} steps; run folder {Path(trainer.default_root_dir).resolve()}",
+                file=sys.stderr,
+            )
             for path in saved:
                 print(f"checkpoint: {path}{saved_step(path, trainer.global_step)}", file=sys.stderr)
             for logger in trainer.loggers:
                 run = getattr(logger, "_experiment", None)  # only a run that was started
                 if run is not None and getattr(run, "dir", None):
-                    offline = getattr(run.settings, "_offline", False) or os.environ.get("WANDB_MODE") == "offline"
+                    offline = (
+                        getattr(run.settings, "_offline", False)
+                        or os.environ.get("WANDB_MODE") == "offline"
+                    )
                     where = Path(run.dir).parent
-                    print(f"W&B run: {where}" + (f" (offline; upload with `wandb sync {where}`)" if offline else f" ({run.url})"), file=sys.stderr)
+                    print(
+                        f"W&B run: {where}"
+                        + (
+                            f" (offline; upload with `wandb sync {where}`)"
+                            if offline
+                            else f" ({run.url})"
+                        ),
+                        file=sys.stderr,
+                    )
         cfg = self.config[self.subcommand]
         if cfg.get("out"):
             m = self.model
-            model = m.unsharded_model()  # sharded: every rank takes part in gathering it onto rank 0
+            model = (
+                m.unsharded_model()
+            )  # sharded: every rank takes part in gathering it onto rank 0
             if trainer.is_global_zero:
                 from tidar_convert.exports.folder import export
 
                 card = training_card(m.hparams, trainer.global_step, Path(trainer.default_root_dir))
-                path = export(model, m.tokenizer, cfg.out, m.block_size, m.alpha, overwrite=bool(cfg.get("overwrite")), card=card)
+                path = export(
+                    model,
+                    m.tokenizer,
+                    cfg.out,
+                    m.block_size,
+                    m.alpha,
+                    overwrite=bool(cfg.get("overwrite")),
+                    card=card,
+                )
                 print(f"exported TiDAR model to {path}", file=sys.stderr)
+
 
 def saved_step(path: str, final: int) -> str:
     """' (step N)' as read back from the checkpoint itself, and a warning where N is not the final step."""
@@ -198,23 +282,34 @@ def saved_step(path: str, final: int) -> str:
     from tidar_convert.train.run_folder import checkpoint_step
 
     step = checkpoint_step(Path(path))
-    return f" (step {step})" if step == final else f" (step {step}: the final step {final} is in no checkpoint)"
+    return (
+        f" (step {step})"
+        if step == final
+        else f" (step {step}: the final step {final} is in no checkpoint)"
+    )
 
 
 def _lightning_cli(args: list[str] | None, signals=None) -> TiDARCLI:
     # imported here, after run() quieted the libraries: their import-time warnings stay silenced
     from tidar_convert.data import TiDARData
     from tidar_convert.train.module import TiDARModule
-
     from tidar_convert.train.recipe import TiDARParser, check_recipe, config_files
 
     for path in config_files(list(sys.argv[1:] if args is None else args)):
-        check_recipe(path)  # a duplicate key or a tab, named by file and line (jsonargparse would not)
+        check_recipe(
+            path
+        )  # a duplicate key or a tab, named by file and line (jsonargparse would not)
     # every recipe logs throughput, memory and its clock
     callbacks = [TrainProgress(), Preemption(signals), Throughput(), RunClock(), FinalCheckpoint()]
     return TiDARCLI(
-        TiDARModule, TiDARData, args=args, save_config_callback=RunFolderConfig, parser_class=TiDARParser,
-        save_config_kwargs={"overwrite": True}, trainer_defaults={"callbacks": callbacks}, signals=signals,
+        TiDARModule,
+        TiDARData,
+        args=args,
+        save_config_callback=RunFolderConfig,
+        parser_class=TiDARParser,
+        save_config_kwargs={"overwrite": True},
+        trainer_defaults={"callbacks": callbacks},
+        signals=signals,
     )
 
 
@@ -229,17 +324,23 @@ def _run_lightning(argv: list[str] | None) -> None:
     with Signals(active=command == ["fit"]) as signals:
         try:
             _lightning_cli(argv, signals)  # None: LightningCLI reads sys.argv itself
-        except SIGTERMException:  # the Preemption callback saved last.ckpt (or found nothing to save) and said so
+        except (
+            SIGTERMException
+        ):  # the Preemption callback saved last.ckpt (or found nothing to save) and said so
             # 128 + the signal: "killed", so a scheduler requeues instead of marking it done
             sys.exit(128 + (signals.signum or signal.SIGTERM))
         except Interrupted as e:  # before training ran: nothing to save
             signals.nothing_saved()
             sys.exit(128 + e.signum)
         except SystemExit:
-            if signals.count > 1:  # a second Ctrl-C: Lightning stopped at once (Preemption said so) and exits 1
+            if (
+                signals.count > 1
+            ):  # a second Ctrl-C: Lightning stopped at once (Preemption said so) and exits 1
                 sys.exit(128 + signal.SIGINT)
             raise
-        except Exception:  # refused or failed before it saved anything: no empty run folder left behind
+        except (
+            Exception
+        ):  # refused or failed before it saved anything: no empty run folder left behind
             trained = signals.trainer is not None and signals.trainer.global_step > 0
             if signals.new_run_dir and signals.run_dir and not trained:
                 from tidar_convert.train.run_folder import discard_if_unused
@@ -262,7 +363,9 @@ def check_resume(trainer, ckpt_path, command: str = "fit", resolved: Path | None
     from lightning.pytorch.callbacks import ModelCheckpoint
 
     if ckpt_path == "last":
-        dirs = [cb.dirpath for cb in trainer.checkpoint_callbacks if isinstance(cb, ModelCheckpoint)]
+        dirs = [
+            cb.dirpath for cb in trainer.checkpoint_callbacks if isinstance(cb, ModelCheckpoint)
+        ]
         if resolved is None:
             from tidar_convert.train.preemption import NOTHING_SAVED
 
@@ -273,10 +376,18 @@ def check_resume(trainer, ckpt_path, command: str = "fit", resolved: Path | None
                 except (OSError, ValueError, KeyError, TypeError):
                     how = "a signal"
                 if trainer.is_global_zero:
-                    print(f"--ckpt_path last: the run in {trainer.default_root_dir} was stopped by {how} before its first step and saved nothing: starting from scratch.", file=sys.stderr, flush=True)
+                    print(
+                        f"--ckpt_path last: the run in {trainer.default_root_dir} was stopped by {how} before its first step and saved nothing: starting from scratch.",
+                        file=sys.stderr,
+                        flush=True,
+                    )
                 return None
-            where = ", ".join(map(str, dirs)) or "nowhere: no ModelCheckpoint callback is configured"
-            instead = "train from scratch" if command == "fit" else "validate the base model as it is"
+            where = (
+                ", ".join(map(str, dirs)) or "nowhere: no ModelCheckpoint callback is configured"
+            )
+            instead = (
+                "train from scratch" if command == "fit" else "validate the base model as it is"
+            )
             raise FileNotFoundError(
                 f"--ckpt_path last: no last checkpoint in {where}. Leave out --ckpt_path to {instead}, "
                 "or pass a checkpoint file (--ckpt_path runs/.../checkpoints/last.ckpt)."
@@ -284,12 +395,18 @@ def check_resume(trainer, ckpt_path, command: str = "fit", resolved: Path | None
     elif ckpt_path in ("best", "hpc"):
         return ckpt_path
     elif resolved is None:
-        raise FileNotFoundError(f"--ckpt_path {ckpt_path}: no such checkpoint; `fit` writes them under <default_root_dir>/checkpoints/.")
+        raise FileNotFoundError(
+            f"--ckpt_path {ckpt_path}: no such checkpoint; `fit` writes them under <default_root_dir>/checkpoints/."
+        )
     check_checkpoint_format([resolved], trainer.strategy)
     if trainer.is_global_zero and ckpt_path == "last":
         from tidar_convert.train.run_folder import checkpoint_step
 
-        print(f"--ckpt_path last: resuming {resolved} (step {checkpoint_step(resolved)}).", file=sys.stderr, flush=True)
+        print(
+            f"--ckpt_path last: resuming {resolved} (step {checkpoint_step(resolved)}).",
+            file=sys.stderr,
+            flush=True,
+        )
     return str(resolved)
 
 
@@ -313,9 +430,19 @@ def check_checkpoint_format(paths, strategy) -> None:
 def training_card(hparams, steps: int | None, run_dir: Path) -> dict:
     """What an export's model card says about its training: base model, steps, LoRA and schedule
     settings, and the full config (`fit` saves it as <run folder>/config.yaml)."""
-    card = {k: hparams[k] for k in ("lora_r", "lora_alpha", "warmup_ratio", "min_lr_ratio") if k in hparams}
+    card = {
+        k: hparams[k]
+        for k in ("lora_r", "lora_alpha", "warmup_ratio", "min_lr_ratio")
+        if k in hparams
+    }
     if hparams.get("distill_weight", 0) > 0:
-        card.update({k: hparams[k] for k in ("distill_weight", "distill_temperature", "teacher") if k in hparams})
+        card.update(
+            {
+                k: hparams[k]
+                for k in ("distill_weight", "distill_temperature", "teacher")
+                if k in hparams
+            }
+        )
     if hparams.get("anchor_weight", 0) > 0:
         card["anchor_weight"] = hparams["anchor_weight"]
     card["base_model"] = hparams.get("model")

@@ -16,16 +16,24 @@ TEACHERS = ("self", "base")
 def check_distill(distill_weight: float, distill_temperature: float, teacher: str = "self") -> None:
     """One-line errors for the distillation settings (docs/method.md §2)."""
     if not 0 <= distill_weight <= 1:
-        raise ValueError(f"distill_weight={distill_weight}: must be in [0, 1] (0 = hard labels only, 1 = AR soft targets only).")
+        raise ValueError(
+            f"distill_weight={distill_weight}: must be in [0, 1] (0 = hard labels only, 1 = AR soft targets only)."
+        )
     if not distill_temperature > 0:
-        raise ValueError(f"distill_temperature={distill_temperature}: must be > 0 (1.0 = the AR distribution as is; near 0 = its argmax).")
+        raise ValueError(
+            f"distill_temperature={distill_temperature}: must be > 0 (1.0 = the AR distribution as is; near 0 = its argmax)."
+        )
     if teacher not in TEACHERS:
-        raise ValueError(f"teacher={teacher!r}: use 'self' (the model's own AR head) or 'base' (the frozen base model, LoRA only).")
+        raise ValueError(
+            f"teacher={teacher!r}: use 'self' (the model's own AR head) or 'base' (the frozen base model, LoRA only)."
+        )
 
 
 def check_anchor(anchor_weight: float) -> None:
     if not 0 <= anchor_weight <= 1:
-        raise ValueError(f"anchor_weight={anchor_weight}: must be in [0, 1] (0 = the AR half learns the text, 1 = it keeps the base model's distribution).")
+        raise ValueError(
+            f"anchor_weight={anchor_weight}: must be in [0, 1] (0 = the AR half learns the text, 1 = it keeps the base model's distribution)."
+        )
 
 
 def check_offset_weights(weights: Sequence[float] | None, block_size: int) -> None:
@@ -88,17 +96,33 @@ def hybrid_loss(
     check_offset_weights(offset_weights, block_size)
     check_anchor(anchor_weight)
     if anchor_weight > 0 and anchor_logits is None:
-        raise ValueError(f"anchor_weight={anchor_weight} needs the base model's AR logits (anchor_logits); the module computes them with LoRA (lora_r > 0).")
+        raise ValueError(
+            f"anchor_weight={anchor_weight} needs the base model's AR logits (anchor_logits); the module computes them with LoRA (lora_r > 0)."
+        )
     S = ar_labels.shape[1]
     ar_logits, diff_logits = logits[:, :S], logits[:, S:]
-    ar_sum = F.cross_entropy(ar_logits.flatten(0, 1).float(), ar_labels.flatten(), ignore_index=IGNORE_INDEX, reduction="sum")
+    ar_sum = F.cross_entropy(
+        ar_logits.flatten(0, 1).float(),
+        ar_labels.flatten(),
+        ignore_index=IGNORE_INDEX,
+        reduction="sum",
+    )
     loss_ar = ar_sum / (ar_labels != IGNORE_INDEX).sum().clamp(min=1)
-    hard = F.cross_entropy(diff_logits.flatten(0, 1).float(), diff_labels.flatten(), ignore_index=IGNORE_INDEX, reduction="none").view_as(diff_labels)
+    hard = F.cross_entropy(
+        diff_logits.flatten(0, 1).float(),
+        diff_labels.flatten(),
+        ignore_index=IGNORE_INDEX,
+        reduction="none",
+    ).view_as(diff_labels)
     valid = diff_labels != IGNORE_INDEX
     offset = torch.arange(S, device=logits.device) % block_size
     loss_diff = mean_over(hard, valid.float())
     # The objective's per-slot weights: the offset's weight on valid slots (plain validity when uniform).
-    slot_w = valid.float() if offset_weights is None else torch.tensor(offset_weights, dtype=torch.float32, device=logits.device)[offset] * valid
+    slot_w = (
+        valid.float()
+        if offset_weights is None
+        else torch.tensor(offset_weights, dtype=torch.float32, device=logits.device)[offset] * valid
+    )
     # Mask slot i (i >= 1) guesses x_i, which clean slot i - 1 predicts too (its AR label is x_i), unless
     # a document starts at i: then that AR label is ignored and the slot has no AR teacher.
     has_teacher = torch.zeros_like(valid)
@@ -106,18 +130,29 @@ def hybrid_loss(
     term_diff, extra = (loss_diff if offset_weights is None else mean_over(hard, slot_w)), {}
     if distill_weight > 0:
         teacher = logits[:, : S - 1] if teacher_logits is None else teacher_logits[:, : S - 1]
-        per_slot = distill_per_slot(diff_logits, diff_labels, teacher, has_teacher, distill_temperature)
+        per_slot = distill_per_slot(
+            diff_logits, diff_labels, teacher, has_teacher, distill_temperature
+        )
         extra["loss_distill"] = mean_over(per_slot, valid.float())
-        term_distill = extra["loss_distill"] if offset_weights is None else mean_over(per_slot, slot_w)
+        term_distill = (
+            extra["loss_distill"] if offset_weights is None else mean_over(per_slot, slot_w)
+        )
         term_diff = (1 - distill_weight) * term_diff + distill_weight * term_distill
     term_ar = loss_ar
     if anchor_weight > 0:
         has_target = (ar_labels != IGNORE_INDEX).float()
         logp = anchor_logits.detach().float().log_softmax(-1)
-        kl = F.kl_div(ar_logits.float().log_softmax(-1), logp, reduction="none", log_target=True).sum(-1)
+        kl = F.kl_div(
+            ar_logits.float().log_softmax(-1), logp, reduction="none", log_target=True
+        ).sum(-1)
         extra["loss_anchor"] = mean_over(kl, has_target)
         term_ar = (1 - anchor_weight) * loss_ar + anchor_weight * extra["loss_anchor"]
-    out = {"loss": (alpha * term_ar + term_diff) / (1 + alpha), "loss_ar": loss_ar, "loss_diff": loss_diff, **extra}
+    out = {
+        "loss": (alpha * term_ar + term_diff) / (1 + alpha),
+        "loss_ar": loss_ar,
+        "loss_diff": loss_diff,
+        **extra,
+    }
     with torch.no_grad():
         diff_pred = diff_logits.argmax(-1)
         correct = (diff_pred == diff_labels).float()
@@ -137,12 +172,27 @@ def mean_over(per_slot: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     return (per_slot * weights).sum() / weights.sum().clamp(min=torch.finfo(weights.dtype).tiny)
 
 
-def distill_loss(diff_logits: torch.Tensor, diff_labels: torch.Tensor, teacher: torch.Tensor, has_teacher: torch.Tensor, temperature: float) -> torch.Tensor:
+def distill_loss(
+    diff_logits: torch.Tensor,
+    diff_labels: torch.Tensor,
+    teacher: torch.Tensor,
+    has_teacher: torch.Tensor,
+    temperature: float,
+) -> torch.Tensor:
     """Mean over valid diffusion slots of KL(softmax(teacher / T) || softmax(diff)); see `distill_per_slot`."""
-    return mean_over(distill_per_slot(diff_logits, diff_labels, teacher, has_teacher, temperature), (diff_labels != IGNORE_INDEX).float())
+    return mean_over(
+        distill_per_slot(diff_logits, diff_labels, teacher, has_teacher, temperature),
+        (diff_labels != IGNORE_INDEX).float(),
+    )
 
 
-def distill_per_slot(diff_logits: torch.Tensor, diff_labels: torch.Tensor, teacher: torch.Tensor, has_teacher: torch.Tensor, temperature: float) -> torch.Tensor:
+def distill_per_slot(
+    diff_logits: torch.Tensor,
+    diff_labels: torch.Tensor,
+    teacher: torch.Tensor,
+    has_teacher: torch.Tensor,
+    temperature: float,
+) -> torch.Tensor:
     """(B, S): KL(softmax(teacher / T) || softmax(diff)) per diffusion slot (0 on invalid slots).
 
     diff_logits (B, S, V); teacher (B, S-1, V) is the AR prediction for slots 1..S-1 (detached here);
@@ -158,7 +208,9 @@ def distill_per_slot(diff_logits: torch.Tensor, diff_labels: torch.Tensor, teach
     valid = diff_labels != IGNORE_INDEX
     logq = diff_logits.float().log_softmax(-1)
     hard = -logq.gather(-1, diff_labels.clamp(min=0).unsqueeze(-1)).squeeze(-1)
-    logp = (teacher.detach().float() / temperature).log_softmax(-1)  # finite even as T -> 0 (logits are)
+    logp = (teacher.detach().float() / temperature).log_softmax(
+        -1
+    )  # finite even as T -> 0 (logits are)
     kl = F.kl_div(logq[:, 1:], logp, reduction="none", log_target=True).sum(-1)
     per_slot = hard.clone()
     per_slot[:, 1:] = torch.where(has_teacher[:, 1:], kl, hard[:, 1:])

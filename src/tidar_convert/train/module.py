@@ -9,8 +9,8 @@ from typing import Callable, Iterable
 import lightning as L
 import torch
 
-from tidar_convert.runtime import layout
 from tidar_convert.models.lora import add_lora, check_scope
+from tidar_convert.runtime import layout
 from tidar_convert.train.loss import check_distill, check_offset_weights, hybrid_loss
 
 OptimizerCallable = Callable[[Iterable], torch.optim.Optimizer]
@@ -99,20 +99,40 @@ class TiDARModule(L.LightningModule):
         check_distill(distill_weight, distill_temperature, teacher)
         if distill_weight == 0 and (teacher != "self" or distill_temperature != 1.0):
             # both shape the distillation term only: with distill_weight 0 they would do nothing
-            given = " ".join(f for f, on in ((f"--model.teacher {teacher}", teacher != "self"), (f"--model.distill_temperature {distill_temperature}", distill_temperature != 1.0)) if on)
-            raise ValueError(f"{given} with --model.distill_weight 0: they apply to the distillation term, which is off; set --model.distill_weight > 0 (e.g. 1.0), or leave them out.")
+            given = " ".join(
+                f
+                for f, on in (
+                    (f"--model.teacher {teacher}", teacher != "self"),
+                    (
+                        f"--model.distill_temperature {distill_temperature}",
+                        distill_temperature != 1.0,
+                    ),
+                )
+                if on
+            )
+            raise ValueError(
+                f"{given} with --model.distill_weight 0: they apply to the distillation term, which is off; set --model.distill_weight > 0 (e.g. 1.0), or leave them out."
+            )
         check_offset_weights(diff_offset_weights, block_size)
         if anchor_weight > 0 and lora_r <= 0:
-            raise ValueError(f"anchor_weight={anchor_weight} with lora_r={lora_r}: the base-model anchor needs LoRA (the base is the weights with the adapters off); set lora_r > 0 (e.g. 64), or anchor_weight 0.")
+            raise ValueError(
+                f"anchor_weight={anchor_weight} with lora_r={lora_r}: the base-model anchor needs LoRA (the base is the weights with the adapters off); set lora_r > 0 (e.g. 64), or anchor_weight 0."
+            )
         if teacher == "base" and lora_r <= 0:
             # Full fine-tuning would need a frozen copy of every weight (twice the memory, and in every
             # checkpoint); with LoRA the base model is the same weights with the adapters switched off.
-            raise ValueError(f"teacher='base' with lora_r={lora_r}: the frozen-base teacher needs LoRA; set lora_r > 0 (e.g. 16), or use teacher='self'.")
+            raise ValueError(
+                f"teacher='base' with lora_r={lora_r}: the frozen-base teacher needs LoRA; set lora_r > 0 (e.g. 16), or use teacher='self'."
+            )
         check_scope(lora_scope, lora_r)
         if lora_scope == "masks" and anchor_weight > 0:
-            raise ValueError(f"anchor_weight={anchor_weight} with lora_scope='masks': the AR half is the base model exactly, there is nothing to anchor; set anchor_weight 0.")
+            raise ValueError(
+                f"anchor_weight={anchor_weight} with lora_scope='masks': the AR half is the base model exactly, there is nothing to anchor; set anchor_weight 0."
+            )
         if lora_scope == "masks" and teacher == "base":
-            raise ValueError("teacher='base' with lora_scope='masks': the AR half is the frozen base already; use teacher='self' (the same distribution, no extra forward).")
+            raise ValueError(
+                "teacher='base' with lora_scope='masks': the AR half is the frozen base already; use teacher='self' (the same distribution, no extra forward)."
+            )
         from tidar_convert.models.families import attention_implementation
         from tidar_convert.models.loading import absolute_model, load_config_and_tokenizer
 
@@ -124,11 +144,21 @@ class TiDARModule(L.LightningModule):
         # The config and tokenizer only: the weights are loaded in configure_model(), where the strategy
         # wants them (sharded from the start under ModelParallelStrategy) and in the training dtype.
         self.config, self.tokenizer = load_config_and_tokenizer(model)
-        self.attn_implementation = attn_implementation or attention_implementation(self.config, "cuda" if torch.cuda.is_available() else "cpu")
+        self.attn_implementation = attn_implementation or attention_implementation(
+            self.config, "cuda" if torch.cuda.is_available() else "cpu"
+        )
         self.model = None
         self.block_size, self.alpha, self.optimizer_factory = block_size, alpha, optimizer or adamw
-        self.warmup_ratio, self.min_lr_ratio, self.val_decode_prompts = warmup_ratio, min_lr_ratio, val_decode_prompts
-        self.distill_weight, self.distill_temperature, self.teacher = distill_weight, distill_temperature, teacher
+        self.warmup_ratio, self.min_lr_ratio, self.val_decode_prompts = (
+            warmup_ratio,
+            min_lr_ratio,
+            val_decode_prompts,
+        )
+        self.distill_weight, self.distill_temperature, self.teacher = (
+            distill_weight,
+            distill_temperature,
+            teacher,
+        )
         self.val_decode_block_size = val_decode_block_size or block_size
         self.diff_offset_weights, self.anchor_weight = diff_offset_weights, anchor_weight
 
@@ -148,14 +178,26 @@ class TiDARModule(L.LightningModule):
         from tidar_convert.models.loading import load_base
 
         dtype = torch.get_default_dtype()
-        mesh = self._device_mesh  # set by ModelParallelStrategy before this hook; None under any other
+        mesh = (
+            self._device_mesh
+        )  # set by ModelParallelStrategy before this hook; None under any other
         if mesh is None:
-            self.model = self._prepare(load_base(self.hparams.model, attn_implementation=self.attn_implementation, dtype=dtype)[0])
+            self.model = self._prepare(
+                load_base(
+                    self.hparams.model, attn_implementation=self.attn_implementation, dtype=dtype
+                )[0]
+            )
         else:
             from tidar_convert.train.sharding import build_sharded
 
             def full():  # rank 0: the checkpoint's own dtype (bf16 for Qwen: half of float32), nothing rounded
-                return self._prepare(load_base(self.hparams.model, attn_implementation=self.attn_implementation, dtype="auto")[0])
+                return self._prepare(
+                    load_base(
+                        self.hparams.model,
+                        attn_implementation=self.attn_implementation,
+                        dtype="auto",
+                    )[0]
+                )
 
             self.model = build_sharded(full, lambda: self._prepare(self._empty_model(dtype)), mesh)
         self.model.train()  # from_pretrained returns eval mode; Lightning keeps whatever mode it finds
@@ -167,8 +209,14 @@ class TiDARModule(L.LightningModule):
         from tidar_convert.models.loading import add_tidar_tokens
 
         with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(copy.deepcopy(self.config), dtype=dtype, attn_implementation=self.attn_implementation)
-            add_tidar_tokens(model, self.tokenizer, mean_resizing=False)  # the values come from rank 0
+            model = AutoModelForCausalLM.from_config(
+                copy.deepcopy(self.config),
+                dtype=dtype,
+                attn_implementation=self.attn_implementation,
+            )
+            add_tidar_tokens(
+                model, self.tokenizer, mean_resizing=False
+            )  # the values come from rank 0
         return model
 
     def _prepare(self, model):
@@ -178,7 +226,13 @@ class TiDARModule(L.LightningModule):
         if self.hparams.gradient_checkpointing:
             model.gradient_checkpointing_enable()
         if self.hparams.lora_r > 0:
-            model = add_lora(model, self.hparams.lora_r, self.hparams.lora_alpha, self.tokenizer.mask_token_id, self.hparams.get("lora_scope", "all"))
+            model = add_lora(
+                model,
+                self.hparams.lora_r,
+                self.hparams.lora_alpha,
+                self.tokenizer.mask_token_id,
+                self.hparams.get("lora_scope", "all"),
+            )
         return model
 
     def unsharded_model(self):
@@ -188,17 +242,25 @@ class TiDARModule(L.LightningModule):
             return self.model
         from tidar_convert.train.sharding import gather_full
 
-        return gather_full(self.model, lambda: self._prepare(self._empty_model(next(self.model.parameters()).dtype)))
+        return gather_full(
+            self.model,
+            lambda: self._prepare(self._empty_model(next(self.model.parameters()).dtype)),
+        )
 
     def setup(self, stage: str) -> None:
         dm = getattr(self.trainer, "datamodule", None) if self._trainer is not None else None
         if dm is not None:
             layout.check_train_shape(dm.seq_len, self.block_size)
             check_positions(dm.seq_len, self.block_size, self.config)
-            dm.tokenizer, dm.base_model = self.tokenizer, self.hparams.model or "default"  # the base model writes the greedy documents
+            dm.tokenizer, dm.base_model = (
+                self.tokenizer,
+                self.hparams.model or "default",
+            )  # the base model writes the greedy documents
             if hasattr(dm, "check_greedy_corpus"):
                 dm.check_greedy_corpus()
-                if stage == "fit":  # generated here, before configure_model loads this module's own weights
+                if (
+                    stage == "fit"
+                ):  # generated here, before configure_model loads this module's own weights
                     from tidar_convert.train.distill import corpus_for_data
 
                     corpus_for_data(self.trainer, dm)
@@ -209,12 +271,21 @@ class TiDARModule(L.LightningModule):
         key or shape mismatch deep in torch)."""
         saved = checkpoint.get("hyper_parameters") or {}
         ours = {"lora_r": self.hparams.lora_r, "lora_scope": self.hparams.get("lora_scope", "all")}
-        theirs = {"lora_r": saved.get("lora_r", ours["lora_r"]), "lora_scope": saved.get("lora_scope", "all")}
-        if ours["lora_r"] == theirs["lora_r"] == 0 or ours == theirs:  # (a full fine-tune has no scope)
+        theirs = {
+            "lora_r": saved.get("lora_r", ours["lora_r"]),
+            "lora_scope": saved.get("lora_scope", "all"),
+        }
+        if (
+            ours["lora_r"] == theirs["lora_r"] == 0 or ours == theirs
+        ):  # (a full fine-tune has no scope)
             apply_optimizer_settings(checkpoint, self.optimizer_factory)
             return
         where = getattr(self._trainer, "ckpt_path", None) if self._trainer is not None else None
-        kind = lambda s: f"lora_r={s['lora_r']}, lora_scope={s['lora_scope']!r}" if s["lora_r"] > 0 else "lora_r=0 (a full fine-tune)"  # noqa: E731
+        kind = lambda s: (
+            f"lora_r={s['lora_r']}, lora_scope={s['lora_scope']!r}"
+            if s["lora_r"] > 0
+            else "lora_r=0 (a full fine-tune)"
+        )  # noqa: E731
         flags = " ".join(f"--model.{k} {v}" for k, v in theirs.items() if v != ours[k])
         raise ValueError(
             f"{f'checkpoint {str(where)!r}' if where else 'the checkpoint'} was trained with {kind(theirs)} and this run has {kind(ours)}: "
@@ -222,7 +293,12 @@ class TiDARModule(L.LightningModule):
             "(`tidar-convert export --checkpoint CKPT --out DIR`, then --model.model DIR without --ckpt_path)."
         )
 
-    def forward_tidar(self, input_ids: torch.Tensor, doc_ids: torch.Tensor | None = None, no_ar_target: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+    def forward_tidar(
+        self,
+        input_ids: torch.Tensor,
+        doc_ids: torch.Tensor | None = None,
+        no_ar_target: torch.Tensor | None = None,
+    ) -> dict[str, torch.Tensor]:
         """The hybrid loss and metrics of a batch; `no_ar_target` (B, S) marks tokens the AR loss does not
         learn to predict (self-distilled text with --data.greedy_ar_loss false): they train the diffusion
         half only."""
@@ -234,24 +310,48 @@ class TiDARModule(L.LightningModule):
         if self.split_halves:
             logits = self.forward_halves(inputs, positions, mask_mod)
         else:
-            local = layout.Local.of(self.model.config, positions)  # sliding windows and chunks, by position
-            mask = layout.build_mask(mask_mod, B, 2 * S, 2 * S, self.attn_implementation, input_ids.device, local)
-            logits = self.model(input_ids=inputs, position_ids=positions, attention_mask=mask, use_cache=False).logits
+            local = layout.Local.of(
+                self.model.config, positions
+            )  # sliding windows and chunks, by position
+            mask = layout.build_mask(
+                mask_mod, B, 2 * S, 2 * S, self.attn_implementation, input_ids.device, local
+            )
+            logits = self.model(
+                input_ids=inputs, position_ids=positions, attention_mask=mask, use_cache=False
+            ).logits
         ar_labels, diff_labels = layout.train_labels(input_ids, doc_ids, no_ar_target)
         base_teacher = self.teacher == "base" and self.distill_weight > 0
-        base_logits = self.base_ar_logits(input_ids, doc_ids) if base_teacher or self.anchor_weight > 0 else None
+        base_logits = (
+            self.base_ar_logits(input_ids, doc_ids)
+            if base_teacher or self.anchor_weight > 0
+            else None
+        )
         return hybrid_loss(
-            logits, ar_labels, diff_labels, self.alpha, self.block_size, self.distill_weight, self.distill_temperature,
-            base_logits if base_teacher else None, self.diff_offset_weights, self.anchor_weight, base_logits,
+            logits,
+            ar_labels,
+            diff_labels,
+            self.alpha,
+            self.block_size,
+            self.distill_weight,
+            self.distill_temperature,
+            base_logits if base_teacher else None,
+            self.diff_offset_weights,
+            self.anchor_weight,
+            base_logits,
         )
 
     @property
     def split_halves(self) -> bool:
         """lora_scope='masks' (without activation checkpointing, which drops the cache): the clean half
         runs once without autograd and hands its keys and values to the mask half."""
-        return self.hparams.get("lora_scope", "all") == "masks" and not self.hparams.gradient_checkpointing
+        return (
+            self.hparams.get("lora_scope", "all") == "masks"
+            and not self.hparams.gradient_checkpointing
+        )
 
-    def forward_halves(self, inputs: torch.Tensor, positions: torch.Tensor, mask_mod) -> torch.Tensor:
+    def forward_halves(
+        self, inputs: torch.Tensor, positions: torch.Tensor, mask_mod
+    ) -> torch.Tensor:
         """(B, 2S, V) logits of the doubled sequence in two forwards: the clean half under no_grad (under
         lora_scope='masks' nothing trainable reaches it, so it needs no graph), then the mask half with
         the clean half's keys and values as its cache. The same logits as one forward over both halves,
@@ -266,14 +366,28 @@ class TiDARModule(L.LightningModule):
         cache = DynamicCache()
         with torch.no_grad():
             local = layout.Local.of(self.model.config, positions[:, :S])
-            clean = self.model(input_ids=inputs[:, :S], position_ids=positions[:, :S], attention_mask=layout.build_mask(mask_mod, B, S, S, impl, device, local), **cache_kwargs(self.model, cache)).logits
-        half_mod = lambda b, h, q, kv: mask_mod(b, h, q + S, kv)  # the mask half's rows of the same layout
+            clean = self.model(
+                input_ids=inputs[:, :S],
+                position_ids=positions[:, :S],
+                attention_mask=layout.build_mask(mask_mod, B, S, S, impl, device, local),
+                **cache_kwargs(self.model, cache),
+            ).logits
+        half_mod = lambda b, h, q, kv: mask_mod(
+            b, h, q + S, kv
+        )  # the mask half's rows of the same layout
         local = layout.Local.of(self.model.config, positions, q_offset=S)
-        masks = self.model(input_ids=inputs[:, S:], position_ids=positions[:, S:], attention_mask=layout.build_mask(half_mod, B, S, S2, impl, device, local), **cache_kwargs(self.model, cache)).logits
+        masks = self.model(
+            input_ids=inputs[:, S:],
+            position_ids=positions[:, S:],
+            attention_mask=layout.build_mask(half_mod, B, S, S2, impl, device, local),
+            **cache_kwargs(self.model, cache),
+        ).logits
         return torch.cat([clean, masks], 1)
 
     @torch.no_grad()
-    def base_ar_logits(self, input_ids: torch.Tensor, doc_ids: torch.Tensor | None = None) -> torch.Tensor:
+    def base_ar_logits(
+        self, input_ids: torch.Tensor, doc_ids: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """(B, S, V) AR logits of the frozen base model (LoRA adapters off) on the clean tokens alone.
 
         The clean half never sees a mask slot, so a plain causal forward over the S clean tokens (with the
@@ -282,7 +396,15 @@ class TiDARModule(L.LightningModule):
         B, S = input_ids.shape
         positions = layout.train_position_ids(input_ids, doc_ids)[:, :S]
         local = layout.Local.of(self.model.config, positions)
-        mask = layout.build_mask(layout.train_mask_mod(S, self.block_size, doc_ids), B, S, S, self.attn_implementation, input_ids.device, local)
+        mask = layout.build_mask(
+            layout.train_mask_mod(S, self.block_size, doc_ids),
+            B,
+            S,
+            S,
+            self.attn_implementation,
+            input_ids.device,
+            local,
+        )
         with self.model.disable_adapter():
             return self.model(
                 input_ids=input_ids,
@@ -292,15 +414,23 @@ class TiDARModule(L.LightningModule):
             ).logits
 
     def training_step(self, batch, batch_idx):
-        out = self.forward_tidar(batch["input_ids"], batch.get("doc_ids"), batch.get("no_ar_target"))
+        out = self.forward_tidar(
+            batch["input_ids"], batch.get("doc_ids"), batch.get("no_ar_target")
+        )
         if not torch.isfinite(out["loss"]):
-            ckpt = getattr(self.trainer.checkpoint_callback, "last_model_path", "") or "none saved yet"
+            ckpt = (
+                getattr(self.trainer.checkpoint_callback, "last_model_path", "") or "none saved yet"
+            )
             raise FloatingPointError(
                 f"non-finite loss ({out['loss'].item()}) at step {self.global_step}; stopped before the update, "
                 f"so the weights and the last checkpoint ({ckpt}) are still good. Lower the learning rate, "
                 "or use bf16-mixed instead of 16-mixed precision."
             )
-        self.log_dict({f"train/{k}": v for k, v in out.items()}, prog_bar=False, batch_size=batch["input_ids"].shape[0])
+        self.log_dict(
+            {f"train/{k}": v for k, v in out.items()},
+            prog_bar=False,
+            batch_size=batch["input_ids"].shape[0],
+        )
         self.log("loss", out["loss"], prog_bar=True, logger=False)
         return out["loss"]
 
@@ -308,13 +438,19 @@ class TiDARModule(L.LightningModule):
         out = self.forward_tidar(batch["input_ids"], batch.get("doc_ids"))
         if batch_idx < self.val_decode_prompts:
             chunk = batch["input_ids"][:1]
-            if self._device_mesh is not None:  # sharded: each forward all-gathers, so every rank decodes rank 0's chunk (same forwards)
+            if (
+                self._device_mesh is not None
+            ):  # sharded: each forward all-gathers, so every rank decodes rank 0's chunk (same forwards)
                 chunk = self.trainer.strategy.broadcast(chunk)
             out["tokens_per_nfe"] = torch.tensor(self.decode_tokens_per_nfe(chunk))
-        self.log_dict({f"val/{k}": v for k, v in out.items()}, batch_size=batch["input_ids"].shape[0])
+        self.log_dict(
+            {f"val/{k}": v for k, v in out.items()}, batch_size=batch["input_ids"].shape[0]
+        )
 
     @torch.no_grad()
-    def decode_tokens_per_nfe(self, chunk: torch.Tensor, prompt_len: int = 32, new_tokens: int = 32) -> float:
+    def decode_tokens_per_nfe(
+        self, chunk: torch.Tensor, prompt_len: int = 32, new_tokens: int = 32
+    ) -> float:
         """Greedy TiDAR decoding from the start of a held-out chunk: the real acceptance, not a proxy.
         Diffusion drafts only, a group at every acceptance length: what is measured is the diffusion
         head being trained (lookup drafts would credit it with the text's own repeats)."""
@@ -324,7 +460,16 @@ class TiDARModule(L.LightningModule):
         was_training = model.training
         model.eval()
         try:
-            generate(chunk[:, :prompt_len], model=model, max_new_tokens=new_tokens, do_sample=False, eos_token_id=None, block_size=self.val_decode_block_size, drafter="diffusion", plan="full")
+            generate(
+                chunk[:, :prompt_len],
+                model=model,
+                max_new_tokens=new_tokens,
+                do_sample=False,
+                eos_token_id=None,
+                block_size=self.val_decode_block_size,
+                drafter="diffusion",
+                plan="full",
+            )
             return model.tidar_stats["tokens_per_nfe"]
         finally:
             model.train(was_training)
@@ -332,17 +477,27 @@ class TiDARModule(L.LightningModule):
     def configure_optimizers(self):
         params = [p for p in self.model.parameters() if p.requires_grad]
         optimizer = self.optimizer_factory(params)
-        total = max(1, self.trainer.max_steps if self.trainer.max_steps > 0 else self.trainer.estimated_stepping_batches)
+        total = max(
+            1,
+            self.trainer.max_steps
+            if self.trainer.max_steps > 0
+            else self.trainer.estimated_stepping_batches,
+        )
         warmup = int(self.warmup_ratio * total)
 
         def schedule(step: int) -> float:  # linear warmup, then cosine from 1 to min_lr_ratio
             if step < warmup:
                 return (step + 1) / (warmup + 1)
             progress = min(1.0, (step - warmup) / max(1, total - warmup))
-            return self.min_lr_ratio + (1 - self.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+            return self.min_lr_ratio + (1 - self.min_lr_ratio) * 0.5 * (
+                1 + math.cos(math.pi * progress)
+            )
 
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
-        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+        return {
+            "optimizer": optimizer,
+            "lr_scheduler": {"scheduler": scheduler, "interval": "step"},
+        }
 
 
 def apply_optimizer_settings(checkpoint: dict, factory) -> None:
@@ -357,7 +512,11 @@ def apply_optimizer_settings(checkpoint: dict, factory) -> None:
         for group in state.get("param_groups", []):
             old_lr = group.get("initial_lr", group.get("lr"))
             for key, value in probe.items():
-                if key in group and key not in ("lr", "initial_lr") and isinstance(value, (int, float, bool, tuple, type(None))):
+                if (
+                    key in group
+                    and key not in ("lr", "initial_lr")
+                    and isinstance(value, (int, float, bool, tuple, type(None)))
+                ):
                     group[key] = value
             new_lr = probe.get("lr")
             if isinstance(new_lr, (int, float)) and old_lr and new_lr != old_lr:

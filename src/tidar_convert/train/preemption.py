@@ -14,7 +14,6 @@ from pathlib import Path
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
-
 NOTHING_SAVED = "interrupted_before_first_step.json"  # in the run folder: `--ckpt_path last` may then start from scratch
 
 
@@ -47,11 +46,15 @@ class Signals:
         self.signum = None  # the first signal received
         self.count = 0  # SIGINTs received while training
         self.trainer = self.run_dir = self.resume_from = None
-        self.new_run_dir = False  # the run folder did not exist before this fit: a failed fit removes it
+        self.new_run_dir = (
+            False  # the run folder did not exist before this fit: a failed fit removes it
+        )
         self.done = False
         self.old: dict = {}
         self.pid = os.getpid()
-        self.handler = self.handle  # one bound method: Lightning's composed handler is told apart from it by identity
+        self.handler = (
+            self.handle
+        )  # one bound method: Lightning's composed handler is told apart from it by identity
 
     def __enter__(self):
         if self.active and threading.current_thread() is threading.main_thread():
@@ -67,7 +70,9 @@ class Signals:
     def handle(self, signum, frame) -> None:
         if os.getpid() != self.pid:
             return
-        lightning_listens = self.trainer is not None and signal.getsignal(signal.SIGTERM) is not self.handler
+        lightning_listens = (
+            self.trainer is not None and signal.getsignal(signal.SIGTERM) is not self.handler
+        )
         if self.done:  # as if this handler had never been installed
             old = self.old.get(signum, signal.SIG_DFL)
             if callable(old):
@@ -82,13 +87,17 @@ class Signals:
                 self.count += 1
                 if self.count > 1:
                     raise KeyboardInterrupt
-                self.trainer._signal_connector.received_sigterm = True  # stop as SIGTERM stops: at the next step boundary
+                self.trainer._signal_connector.received_sigterm = (
+                    True  # stop as SIGTERM stops: at the next step boundary
+                )
                 if self.trainer.is_global_zero:
                     text = "received SIGINT (Ctrl-C): stopping after this step to save a checkpoint; press Ctrl-C again to stop at once without saving.\n"
                     try:
                         sys.stderr.write(text)
                         sys.stderr.flush()
-                    except RuntimeError:  # the signal landed inside another write to stderr ("reentrant call")
+                    except (
+                        RuntimeError
+                    ):  # the signal landed inside another write to stderr ("reentrant call")
                         os.write(2, text.encode())
             return  # SIGTERM: Lightning's own handler, called just before this one, has set its flag
         self.signum = signum
@@ -106,21 +115,30 @@ class Signals:
         if rank_zero_only.rank != 0:
             return
         # Interrupted while the model loads, a run resuming is not yet told from a new one: its checkpoints say it.
-        earlier = self.run_dir is not None and any((Path(self.run_dir) / "checkpoints").glob("last*.ckpt"))
+        earlier = self.run_dir is not None and any(
+            (Path(self.run_dir) / "checkpoints").glob("last*.ckpt")
+        )
         if self.resume_from or earlier:
             print(
                 f"received {self.name} before this run's first training step: nothing was saved, and the checkpoints it "
-                "would continue from are unchanged. Run the same command again.", file=sys.stderr, flush=True,
+                "would continue from are unchanged. Run the same command again.",
+                file=sys.stderr,
+                flush=True,
             )
             return
         if self.run_dir is not None:
             from tidar_convert.exports.outputs import atomic_file
 
             with atomic_file(Path(self.run_dir) / NOTHING_SAVED) as tmp:
-                tmp.write_text(json.dumps({"signal": self.name, "time": time.strftime("%Y-%m-%dT%H:%M:%S%z")}) + "\n")
+                tmp.write_text(
+                    json.dumps({"signal": self.name, "time": time.strftime("%Y-%m-%dT%H:%M:%S%z")})
+                    + "\n"
+                )
         print(
             f"received {self.name} before the first training step: nothing was saved (no step was taken). Run the same "
-            "command again; with --ckpt_path last it starts from scratch.", file=sys.stderr, flush=True,
+            "command again; with --ckpt_path last it starts from scratch.",
+            file=sys.stderr,
+            flush=True,
         )
 
 
@@ -158,16 +176,32 @@ class Preemption(Callback):
     def on_exception(self, trainer, pl_module, exception) -> None:
         if isinstance(exception, KeyboardInterrupt):  # a second Ctrl-C
             if trainer.is_global_zero:
-                last = [cb.last_model_path for cb in trainer.checkpoint_callbacks if getattr(cb, "last_model_path", "")]
-                kept = f"the last checkpoint written is {last[0]}" if last else "no checkpoint was written"
-                print(f"received SIGINT again: stopped at once at step {trainer.global_step}; nothing was saved at the interrupt ({kept}).", file=sys.stderr, flush=True)
+                last = [
+                    cb.last_model_path
+                    for cb in trainer.checkpoint_callbacks
+                    if getattr(cb, "last_model_path", "")
+                ]
+                kept = (
+                    f"the last checkpoint written is {last[0]}"
+                    if last
+                    else "no checkpoint was written"
+                )
+                print(
+                    f"received SIGINT again: stopped at once at step {trainer.global_step}; nothing was saved at the interrupt ({kept}).",
+                    file=sys.stderr,
+                    flush=True,
+                )
             return
         if not isinstance(exception, SIGTERMException):
             return
         if trainer.global_step == 0:
             self.signals.nothing_saved()
             return
-        savers = [cb for cb in trainer.checkpoint_callbacks if isinstance(cb, ModelCheckpoint) and cb.dirpath]
+        savers = [
+            cb
+            for cb in trainer.checkpoint_callbacks
+            if isinstance(cb, ModelCheckpoint) and cb.dirpath
+        ]
         if savers:
             # Named and recorded as the ModelCheckpoint's own last checkpoint, so the resumed run
             # overwrites it instead of writing last-v1.ckpt beside it.
@@ -177,7 +211,11 @@ class Preemption(Callback):
             path = str(Path(trainer.default_root_dir) / "checkpoints" / "last.ckpt")
         trainer.save_checkpoint(path)  # every rank: sharded strategies save collectively
         if trainer.is_global_zero:
-            print(f"received {self.signals.name}: saved {path} at step {trainer.global_step}; run the same command with --ckpt_path last to continue.", file=sys.stderr, flush=True)
+            print(
+                f"received {self.signals.name}: saved {path} at step {trainer.global_step}; run the same command with --ckpt_path last to continue.",
+                file=sys.stderr,
+                flush=True,
+            )
 
 
 def one_last_checkpoint(trainer) -> None:
@@ -192,7 +230,12 @@ def one_last_checkpoint(trainer) -> None:
     if not resumed or "://" in str(resumed):
         return
     for cb in trainer.checkpoint_callbacks:
-        if isinstance(cb, ModelCheckpoint) and cb.save_last and cb.dirpath and Path(resumed).resolve().parent == Path(cb.dirpath).resolve():
+        if (
+            isinstance(cb, ModelCheckpoint)
+            and cb.save_last
+            and cb.dirpath
+            and Path(resumed).resolve().parent == Path(cb.dirpath).resolve()
+        ):
             cb.last_model_path = cb.format_checkpoint_name({}, cb.CHECKPOINT_NAME_LAST)
 
 
@@ -210,7 +253,9 @@ def hold_sigterm_until_step_end(trainer) -> None:
     if isinstance(connector, _HeldSigterm):
         return
     received = connector.__dict__.pop("received_sigterm", False)
-    connector.__class__ = type("HeldSigterm" + type(connector).__name__, (_HeldSigterm, type(connector)), {})
+    connector.__class__ = type(
+        "HeldSigterm" + type(connector).__name__, (_HeldSigterm, type(connector)), {}
+    )
     connector.received_sigterm = received
 
 

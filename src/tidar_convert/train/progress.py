@@ -11,7 +11,6 @@ import time
 from collections.abc import Iterable, Iterator
 
 
-
 def is_tty(stream=None) -> bool:
     stream = stream or sys.stderr
     return hasattr(stream, "isatty") and stream.isatty()
@@ -30,7 +29,9 @@ def duration(seconds: float) -> str:
 class LogLines:
     """Says `desc: done/total (pct) rate, ETA` at most every `interval` seconds, and at the end."""
 
-    def __init__(self, desc: str, total: int | None, unit: str, interval: float = 30.0, stream=None):
+    def __init__(
+        self, desc: str, total: int | None, unit: str, interval: float = 30.0, stream=None
+    ):
         self.desc, self.total, self.unit, self.interval = desc, total, unit, interval
         self.stream = stream or sys.stderr
         self.start = self.last = time.perf_counter()
@@ -46,7 +47,11 @@ class LogLines:
         if extra:
             parts.append(extra)
         if self.total and rate > 0:
-            parts.append(f"ETA {duration((self.total - done) / rate)}" if done < self.total else f"took {duration(elapsed)}")
+            parts.append(
+                f"ETA {duration((self.total - done) / rate)}"
+                if done < self.total
+                else f"took {duration(elapsed)}"
+            )
         return ", ".join(parts)
 
     def update(self, done: int, extra: str = "", force: bool = False) -> None:
@@ -57,7 +62,9 @@ class LogLines:
             print(self.line(done, extra), file=self.stream, flush=True)
 
 
-def progress(items: Iterable, desc: str, total: int | None = None, unit: str = "it", interval: float = 30.0) -> Iterator:
+def progress(
+    items: Iterable, desc: str, total: int | None = None, unit: str = "it", interval: float = 30.0
+) -> Iterator:
     """`for x in progress(items, "bench")`: tqdm on a terminal, LogLines otherwise."""
     if total is None and hasattr(items, "__len__"):
         total = len(items)

@@ -51,7 +51,9 @@ def shard(model: nn.Module, mesh) -> nn.Module:
     return model
 
 
-def build_sharded(make_full: Callable[[], nn.Module], make_empty: Callable[[], nn.Module], mesh) -> nn.Module:
+def build_sharded(
+    make_full: Callable[[], nn.Module], make_empty: Callable[[], nn.Module], mesh
+) -> nn.Module:
     """A model sharded over `mesh`, with rank 0's weights.
 
     make_full: the real model, with its weights (called on rank 0 only).
@@ -67,7 +69,11 @@ def build_sharded(make_full: Callable[[], nn.Module], make_empty: Callable[[], n
     model.to_empty(device=torch.device(mesh.device_type))
     # Buffers outside the state dict (rotary inv_freq) are not broadcast by set_model_state_dict, and
     # to_empty left them uninitialised: rank 0 sends its own (a few KB).
-    buffers = [{name: b for name, b in full.named_buffers() if name not in full.state_dict()} if full is not None else None]
+    buffers = [
+        {name: b for name, b in full.named_buffers() if name not in full.state_dict()}
+        if full is not None
+        else None
+    ]
     dist.broadcast_object_list(buffers, src=0)
     for name, value in buffers[0].items():
         model.get_buffer(name).copy_(value)
@@ -99,7 +105,10 @@ def load_sharded_module(cls, path: str | Path, **overrides):
     with warnings.catch_warnings():
         # Lightning: "keys in the model but not in the checkpoint" (all of them: they are read next);
         # torch: "torch.distributed is ... uninitialized, assuming ... a single process" (it is).
-        warnings.filterwarnings("ignore", message=r".*(not in the checkpoint|assuming the intent is to load in a single process).*")
+        warnings.filterwarnings(
+            "ignore",
+            message=r".*(not in the checkpoint|assuming the intent is to load in a single process).*",
+        )
         module = _load_state(cls, {**meta, "state_dict": {}}, strict=False, **overrides)
         state = {"state_dict": module.state_dict()}
         dcp.load(state, checkpoint_id=path)  # fills the module's own tensors
@@ -116,7 +125,9 @@ def gather_full(model: nn.Module, make_empty: Callable[[], nn.Module]) -> nn.Mod
     import torch.distributed as dist
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    state = get_model_state_dict(
+        model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+    )
     if dist.get_rank() != 0:
         return None
     plain = make_empty()
