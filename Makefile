@@ -1,6 +1,6 @@
 # tidar-convert. `make convert` and `make test` each set up .venv on first use.
 #   make convert [MODEL=hub-id|folder|file.gguf] [RECIPE=recipes/x.yaml] [OUT=folder] [MAX_STEPS=n] [RESUME=1]
-#   make test | make test-fast | make bench MODEL=out/... [NAME=record] [OVERWRITE=1] [K=4] [DTYPE=bfloat16] [PROMPTS=chat] [SAMPLING=1] | make bench-serve MODEL=out/... [CLIENTS=[1,4]] | make bench-gpu
+#   make test | make test-fast | make lint | make bench MODEL=out/... [NAME=record] [OVERWRITE=1] [DRAFT_LENGTH=4] [DTYPE=bfloat16] [PROMPTS=chat] [SAMPLING=1] | make bench-serve MODEL=out/... [CLIENTS=[1,4]] | make bench-gpu
 #   make sweep SWEEP=recipes/sweeps/x.yaml RECIPE=recipes/y.yaml [MAX_STEPS=n] [VAL=n] [ARMS='[a, b]'] [SWEEP_OUT=folder]
 #   make distill [MODEL=...] [DISTILL_OUT=runs/greedy.jsonl] [N_DOCS=n] [DTYPE=bfloat16]
 
@@ -17,7 +17,7 @@ MODEL ?=
 OUT ?= out/$(basename $(notdir $(RECIPE)))
 MAX_STEPS ?=
 RESUME ?=
-K ?=
+DRAFT_LENGTH ?=
 
 SWEEP ?= recipes/sweeps/smollm2-cpu-levers.yaml
 # The lever sweep varies issue 4's LoRA recipe: that is its base unless RECIPE is given.
@@ -35,7 +35,7 @@ NEW_TOKENS ?= 160
 VAL_EVERY ?= 50
 DTYPE ?= float32
 
-.PHONY: convert test test-fast bench bench-serve ppl bench-gpu sweep distill clean
+.PHONY: convert test test-fast lint bench bench-serve ppl bench-gpu sweep distill clean
 
 $(BIN)/.installed: pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv --system-site-packages $(VENV)
@@ -56,11 +56,16 @@ convert: $(BIN)/.installed
 test: $(BIN)/.installed
 	$(BIN)/python -m pytest -q --durations=15 tests
 
+# What CI checks besides the tests: the formatter's output and the linter ([tool.ruff] in pyproject.toml).
+lint: $(BIN)/.installed
+	$(BIN)/python -m ruff format --check .
+	$(BIN)/python -m ruff check .
+
 test-fast: $(BIN)/.installed
 	$(BIN)/python -m pytest -q -m "not slow and not fit and not subprocess" tests
 
 bench: $(BIN)/.installed
-	$(BIN)/tidar-convert bench --model $(or $(MODEL),$(OUT)) $(if $(K),--k $(K)) $(if $(LIMIT),--limit $(LIMIT)) $(if $(BASE),--base $(BASE)) $(if $(DTYPE),--dtype $(DTYPE)) $(if $(PROMPTS),--prompts $(PROMPTS)) $(if $(SAMPLING),--sampling) $(if $(NAME),--name $(NAME)) $(if $(OVERWRITE),--overwrite)
+	$(BIN)/tidar-convert bench --model $(or $(MODEL),$(OUT)) $(if $(DRAFT_LENGTH),--draft-length $(DRAFT_LENGTH)) $(if $(LIMIT),--limit $(LIMIT)) $(if $(BASE),--base $(BASE)) $(if $(DTYPE),--dtype $(DTYPE)) $(if $(PROMPTS),--prompts $(PROMPTS)) $(if $(SAMPLING),--sampling) $(if $(NAME),--name $(NAME)) $(if $(OVERWRITE),--overwrite)
 
 bench-serve: $(BIN)/.installed
 	$(BIN)/tidar-convert bench-serve --model $(or $(MODEL),$(OUT)) $(if $(CLIENTS),--clients '$(CLIENTS)') $(if $(REQUESTS),--requests $(REQUESTS)) $(if $(OVERWRITE),--overwrite)

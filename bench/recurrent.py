@@ -47,7 +47,7 @@ LINEAR_SIZE = dict(
 )
 
 
-def leak(model_type: str, seq_len: int = 16, block_size: int = 4) -> dict:
+def leak(model_type: str, seq_len: int = 16, draft_length: int = 4) -> dict:
     from family_matrix import tiny_config
 
     from tidar_convert.models.families import attention_implementation, check
@@ -62,7 +62,7 @@ def leak(model_type: str, seq_len: int = 16, block_size: int = 4) -> dict:
     ids = torch.randint(1, 300, (1, seq_len))
     changed = ids.clone()
     changed[0, -1] = (ids[0, -1] + 1) % 300 + 1
-    dense = layout.to_dense(layout.train_mask_mod(seq_len, block_size), 1, 2 * seq_len, 2 * seq_len)
+    dense = layout.to_dense(layout.train_mask_mod(seq_len, draft_length), 1, 2 * seq_len, 2 * seq_len)
     out = {"model_type": model_type, "mechanisms": check(config).mechanisms}
     try:
         with torch.no_grad():
@@ -73,7 +73,7 @@ def leak(model_type: str, seq_len: int = 16, block_size: int = 4) -> dict:
                     attention_mask=layout.for_implementation(
                         dense, attention_implementation(config)
                     ),
-                ).logits[0, seq_len : seq_len + block_size]
+                ).logits[0, seq_len : seq_len + draft_length]
                 for x in (ids, changed)
             ]
         out["first_mask_block_change"] = float((first_block[0] - first_block[1]).abs().max())

@@ -8,6 +8,8 @@ import pytest
 import torch
 from helpers import FAMILIES, tiny_config, tiny_tokenizer, train_tiny
 
+from tidar_convert.runtime.spec import TiDARSpec
+
 os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
@@ -47,12 +49,12 @@ def trained(tiny_dirs):
 
 @pytest.fixture(scope="module")
 def untrained(tiny_dirs):
-    """{family: model}: tiny models with untrained diffusion heads (one copy per test module, which may set block_size)."""
+    """{family: model}: tiny models with untrained diffusion heads (one copy per test module, which may set draft_length)."""
     from tidar_convert.models.loading import load_base
 
     models = {f: load_base(str(tiny_dirs[f]))[0].eval() for f in FAMILIES}
     for m in models.values():
-        m.config.block_size = 4
+        TiDARSpec(4, m.config.mask_token_id).write(m.config)
     return models
 
 

@@ -23,6 +23,8 @@ from pathlib import Path
 import torch
 from helpers import cycle_batch, tiny_tokenizer, train_tiny
 
+from tidar_convert.runtime.spec import TiDARSpec
+
 DOC = Path(__file__).resolve().parent.parent / "docs" / "families.md"
 MAX_PARAMETERS = 6_000_000
 STEPS = 60  # enough for lookup and diffusion drafts to be accepted on a 7-token cycle
@@ -305,7 +307,7 @@ def convert_and_decode(
         tokenizer.save_pretrained(Path(tmp) / "base")
         model, tok = load_base(str(Path(tmp) / "base"))
         train_tiny(model, steps=steps, seq_len=16)
-        model = load(export(model, tok, Path(tmp) / "export", block_size=4, alpha=1.0))
+        model = load(export(model, tok, Path(tmp) / "export", TiDARSpec(4)))
         model.eval()
         nfe = new = 0
         outputs = []
@@ -317,7 +319,7 @@ def convert_and_decode(
                     )
                     expected = model.generate(ids, tidar=False, **kw)
                     got = model.generate(
-                        ids, block_size=k, plan="adaptive", **kw
+                        ids, draft_length=k, plan="adaptive", **kw
                     )  # T/NFE that does not depend on step timings
                     if not torch.equal(got, expected):
                         row = int((got != expected).any(1).nonzero()[0])
@@ -327,7 +329,7 @@ def convert_and_decode(
                         )
                     nfe += model.tidar_stats["nfe"]
                     new += model.tidar_stats["new_tokens"] * ids.shape[0]
-                    outputs.append((ids, dict(block_size=k, plan="adaptive", **kw), got))
+                    outputs.append((ids, dict(draft_length=k, plan="adaptive", **kw), got))
         result.tokens_per_nfe = new / nfe
         remote_code_decodes_the_same(Path(tmp) / "export", outputs)
         if sampling:
@@ -350,7 +352,7 @@ def remote_code_decodes_the_same(export_dir: Path, outputs) -> None:
             for ids, kw, expected in outputs:
                 if not torch.equal(remote.generate(ids, **kw), expected):
                     raise AssertionError(
-                        f"the export's remote code decodes otherwise than the package at {kw['block_size']=}, batch {ids.shape[0]}"
+                        f"the export's remote code decodes otherwise than the package at {kw['draft_length']=}, batch {ids.shape[0]}"
                     )
         if not getattr(remote, "tidar_stats", None):
             raise AssertionError(
@@ -391,7 +393,7 @@ def sample_check(model, pad: int, seed: int = 11) -> str:
                     attention_mask=mask,
                     max_new_tokens=new_tokens,
                     eos_token_id=None,
-                    block_size=k,
+                    draft_length=k,
                     drafter=drafter,
                     plan="adaptive",
                     **SAMPLING,

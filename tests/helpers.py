@@ -7,6 +7,8 @@ from pathlib import Path
 
 import torch
 
+from tidar_convert.runtime.spec import TiDARSpec
+
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
 
 
@@ -66,7 +68,7 @@ def cycle_batch(batch: int, seq_len: int, period: int = 7, offset: int = 3, seed
     )
 
 
-def train_tiny(model, steps: int = 150, block_size: int = 4, seq_len: int = 32, lr: float = 3e-3):
+def train_tiny(model, steps: int = 150, draft_length: int = 4, seq_len: int = 32, lr: float = 3e-3):
     """A plain TiDAR training loop (no Lightning) on cycle data: layout + loss, nothing else."""
     from tidar_convert.runtime import layout
     from tidar_convert.train.loss import hybrid_loss
@@ -79,7 +81,7 @@ def train_tiny(model, steps: int = 150, block_size: int = 4, seq_len: int = 32, 
         positions = layout.train_position_ids(ids)
         local = layout.Local.of(model.config, positions)  # sliding windows and chunks, by position
         mask = layout.build_mask(
-            layout.train_mask_mod(seq_len, block_size),
+            layout.train_mask_mod(seq_len, draft_length),
             8,
             2 * seq_len,
             2 * seq_len,
@@ -92,13 +94,13 @@ def train_tiny(model, steps: int = 150, block_size: int = 4, seq_len: int = 32, 
             position_ids=positions,
             attention_mask=mask,
         ).logits
-        loss = hybrid_loss(logits, *layout.train_labels(ids), alpha=1.0, block_size=block_size)[
+        loss = hybrid_loss(logits, *layout.train_labels(ids), alpha=1.0, draft_length=draft_length)[
             "loss"
         ]
         opt.zero_grad()
         loss.backward()
         opt.step()
-    model.config.block_size = block_size
+    TiDARSpec(draft_length, model.config.mask_token_id).write(model.config)
     return model.eval()
 
 

@@ -28,7 +28,7 @@ def main(model_dir: str, out: str, mode: str) -> None:
     if mode == "sharded":
         dist.init_process_group("gloo")
         rank = dist.get_rank()
-    module = TiDARModule(model=model_dir, block_size=4)  # config and tokenizer only
+    module = TiDARModule(model=model_dir, draft_length=4)  # config and tokenizer only
     before = peak_gib()
     if mode == "sharded":
         module._device_mesh = init_device_mesh(

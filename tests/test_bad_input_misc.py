@@ -12,6 +12,8 @@ import pytest
 import torch
 from test_errors import cli_error, export_dir  # noqa: F401 (a fixture)
 
+from tidar_convert.runtime.spec import TiDARSpec
+
 
 @pytest.mark.parametrize(
     "flags,given",
@@ -29,7 +31,7 @@ def test_sampling_settings_without_a_temperature_are_refused(export_dir, capsys,
     )
 
 
-def test_block_size_with_mode_ar_is_refused(export_dir, capsys):  # noqa: F811
+def test_draft_length_with_mode_ar_is_refused(export_dir, capsys):  # noqa: F811
     line = cli_error(
         capsys,
         "generate",
@@ -39,10 +41,10 @@ def test_block_size_with_mode_ar_is_refused(export_dir, capsys):  # noqa: F811
         "x",
         "--mode",
         "ar",
-        "--block-size",
+        "--draft-length",
         "3",
     )
-    assert "--block-size 3 with --mode ar: plain autoregressive decoding drafts nothing" in line
+    assert "--draft-length 3 with --mode ar: plain autoregressive decoding drafts nothing" in line
 
 
 @pytest.mark.parametrize("dtype,modes", [(torch.int32, (True, False)), (torch.int16, (True,))])
@@ -193,7 +195,7 @@ def test_a_smoke_bench_leaves_the_card_and_an_earlier_record_alone(tiny_dirs, tm
     from tidar_convert.models.loading import load_base
 
     m, tok = load_base(str(tiny_dirs["llama"]))
-    out = export(m, tok, tmp_path / "tiny", block_size=4, alpha=1.0)
+    out = export(m, tok, tmp_path / "tiny", TiDARSpec(4))
     card = (out / "README.md").read_bytes()
     record = Path(
         bench.bench_cmd(

@@ -52,7 +52,7 @@ def test_a_config_yaml_fit_did_not_write_is_never_replaced(
 ):
     project = tmp_path / "userproj"
     project.mkdir()
-    mine = "# my own notes\nmodel: {block_size: 8}\n"
+    mine = "# my own notes\nmodel: {draft_length: 8}\n"
     (project / "config.yaml").write_text(mine)
     monkeypatch.chdir(project)
     root = project if where == "folder" else Path(".")
@@ -275,7 +275,7 @@ def test_a_recipe_with_a_key_twice_or_a_tab_is_refused_by_file_and_line(
         f"error: recipe '{twice}' line 6, column 3: key 'alpha' is given twice (first at line 5); keep one of them"
     )
     tab = tmp_path / "tab.yaml"
-    tab.write_text(RECIPE.read_text().replace("  block_size: 4\n", "\tblock_size: 4\n"))
+    tab.write_text(RECIPE.read_text().replace("  draft_length: 4\n", "\tdraft_length: 4\n"))
     line = cli_error(capsys, *fit_args(tmp_path / "run", tiny_dirs["llama"], recipe=tab))
     assert (
         line.startswith(f"error: recipe '{tab}' line 4, column 1:")
@@ -294,7 +294,7 @@ def test_a_resume_refuses_what_changes_the_checkpoint_and_applies_what_may_chang
     saved = last.read_bytes()
     capsys.readouterr()
     for flag, value, old in [
-        ("--model.block_size", "8", "4"),
+        ("--model.draft_length", "8", "4"),
         ("--data.val_every", "10", "20"),
         ("--model.lora_r", "8", "0"),
     ]:
@@ -381,7 +381,7 @@ def test_out_as_the_run_folder_is_refused_before_training(
 @pytest.mark.parametrize(
     "extra,expected",
     [
-        (["--model.blok_size", "8"], "did you mean --model.block_size?"),
+        (["--model.draft_lenght", "8"], "did you mean --model.draft_length?"),
         (
             ["--trainer.max_step", "3"],
             "did you mean --trainer.max_steps?",

@@ -33,7 +33,7 @@ def tiny_export(tiny_dirs, tmp_path_factory):
         m,
         tok,
         tmp_path_factory.mktemp("bench") / "tiny",
-        block_size=4,
+        draft_length=4,
         alpha=1.0,
         card={"base_model": str(tiny_dirs["llama"])},
     )
@@ -64,7 +64,7 @@ def test_bench_json_and_plots(tiny_dirs, tiny_export, tmp_path, capsys):
     )  # the slot curve says how far it is (not a terminal: log lines)
     r = json.loads(path.read_text())
 
-    assert r["block_size"] == 4 and r["prompts"] == 3 and r["perplexity"] is None
+    assert r["draft_length"] == 4 and r["prompts"] == 3 and r["perplexity"] is None
     kinds = r["summary_by_kind"]  # 2 code prompts and 1 text prompt, summarised apart
     assert (
         set(kinds) == {"code", "text"}
@@ -80,7 +80,7 @@ def test_bench_json_and_plots(tiny_dirs, tiny_export, tmp_path, capsys):
     assert set(r["summary"]) | set(r["skipped_decoders"]) == set(DECODERS)
     assert {"ar", "prompt_lookup", "tidar", "base_prompt_lookup"} <= set(r["summary"])
     assert all("drafter" in why for why in r["skipped_decoders"].values())
-    assert r["decoders"]["tidar"] == {"tidar": True, "block_size": 4, "weights": "export"}
+    assert r["decoders"]["tidar"] == {"tidar": True, "draft_length": 4, "weights": "export"}
     for decoder in (d for d in r["summary"] if DECODERS[d].weights == "export"):
         s = r["summary"][decoder]
         for key in (
@@ -197,7 +197,7 @@ def test_export_records_its_base_and_bench_says_when_it_cannot(
     export that does not record one is benched without the guard, and the output says so."""
     from tidar_convert.exports.card import base_source
 
-    assert json.loads((tiny_export / "config.json").read_text())["tidar_base_model"] == str(
+    assert json.loads((tiny_export / "config.json").read_text())["tidar"]["base_model"] == str(
         tiny_dirs["llama"].resolve()
     )
     assert (
@@ -205,7 +205,7 @@ def test_export_records_its_base_and_bench_says_when_it_cannot(
     )
     folder = shutil.copytree(tiny_export, tmp_path / "nobase")
     cfg = json.loads((folder / "config.json").read_text())
-    del cfg["tidar_base_model"]
+    del cfg["tidar"]["base_model"]
     (folder / "config.json").write_text(json.dumps(cfg))
     r = json.loads(
         Path(
@@ -260,7 +260,7 @@ def chat_export(tiny_dirs, tmp_path_factory):
         m,
         tok,
         tmp_path_factory.mktemp("bench-chat") / "chat",
-        block_size=4,
+        draft_length=4,
         alpha=1.0,
         card={"base_model": str(base)},
     )
@@ -600,11 +600,11 @@ def test_decoder_table_says_weights_and_generate_arguments():
     assert kw["ar"] == {"tidar": False}
     assert kw["ar_stock"] == {"tidar": False, "pack_weights": False}
     assert kw["prompt_lookup"] == {"tidar": False, "prompt_lookup_num_tokens": 3}
-    assert kw["tidar"] == {"tidar": True, "block_size": 4}  # the engine's default drafter
-    assert kw["tidar_adaptive"] == {"tidar": True, "block_size": 4, "plan": "adaptive"}
+    assert kw["tidar"] == {"tidar": True, "draft_length": 4}  # the engine's default drafter
+    assert kw["tidar_adaptive"] == {"tidar": True, "draft_length": 4, "plan": "adaptive"}
     assert kw["tidar_diffusion"] == {
         "tidar": True,
-        "block_size": 4,
+        "draft_length": 4,
         "drafter": "diffusion",
         "plan": "adaptive",
         "siblings": 0,
@@ -615,7 +615,7 @@ def test_decoder_table_says_weights_and_generate_arguments():
     assert kw["tidar_diffusion_wide"] == kw["tidar_diffusion"] | {"siblings": 7, "slot_budget": 96}
     assert kw["tidar_lookup"] == {
         "tidar": True,
-        "block_size": 4,
+        "draft_length": 4,
         "drafter": "lookup",
         "plan": "cost",
     }
@@ -647,7 +647,7 @@ def test_a_new_decoder_is_one_table_entry(tiny_export, monkeypatch):
     from tidar_convert.exports.folder import load
 
     monkeypatch.setitem(
-        DECODERS, "tidar_k2", Decoder(tidar=True, block_size=2, plan="adaptive")
+        DECODERS, "tidar_k2", Decoder(tidar=True, draft_length=2, plan="adaptive")
     )  # the one line
     lm, tok = load(tiny_export), AutoTokenizer.from_pretrained(tiny_export)
     row = decoders.bench_prompt(

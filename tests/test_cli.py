@@ -10,12 +10,13 @@ from helpers import cycle_batch
 
 from tidar_convert import export
 from tidar_convert.cli import main
+from tidar_convert.runtime.spec import TiDARSpec
 
 
 @pytest.fixture(scope="module")
 def exported(trained, tmp_path_factory):
     model, tok = trained["llama"]
-    return export(model, tok, tmp_path_factory.mktemp("cli") / "tidar", block_size=4, alpha=1.0)
+    return export(model, tok, tmp_path_factory.mktemp("cli") / "tidar", TiDARSpec(4))
 
 
 def run_json(capsys, *args):
@@ -69,9 +70,7 @@ def chat_export(trained, tmp_path_factory):
     model, tok = trained["llama"]
     tok.chat_template = CHAT_TEMPLATE  # the tiny tokenizer has none
     try:
-        return export(
-            model, tok, tmp_path_factory.mktemp("cli-chat") / "tidar", block_size=4, alpha=1.0
-        )
+        return export(model, tok, tmp_path_factory.mktemp("cli-chat") / "tidar", TiDARSpec(4))
     finally:
         tok.chat_template = None
 
@@ -195,7 +194,7 @@ def test_export_from_checkpoint(tmp_path, tiny_dirs, capsys):
         (["--prompt", ""], "prompt is empty"),
         (["--prompt", "x", "--max_new_tokens", "0"], "max_new_tokens=0"),
         (["--prompt", "x", "--mode", "fast"], "mode='fast'"),
-        (["--prompt", "x", "--block_size", "1"], "block_size=1"),
+        (["--prompt", "x", "--draft-length", "1"], "--draft-length=1"),
     ],
 )
 def test_generate_errors(exported, capsys, args, message):
@@ -278,12 +277,12 @@ def test_a_checkpoint_records_its_base_model_absolute(tmp_path, tiny_dirs, monke
     assert torch.load(ckpt, weights_only=False)["global_step"] == 2
     monkeypatch.chdir(tmp_path)
     main(["export", "--checkpoint", str(ckpt), "--out", str(tmp_path / "out")])
-    assert json.loads((tmp_path / "out" / "config.json").read_text())["tidar_base_model"] == str(
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["tidar"]["base_model"] == str(
         folder
     )
     copy = tmp_path / "base"
     shutil.copytree(folder, copy)
     main(["export", "--checkpoint", str(ckpt), "--out", str(tmp_path / "out2"), "--model", "base"])
-    assert json.loads((tmp_path / "out2" / "config.json").read_text())["tidar_base_model"] == str(
-        copy
-    )
+    assert json.loads((tmp_path / "out2" / "config.json").read_text())["tidar"][
+        "base_model"
+    ] == str(copy)

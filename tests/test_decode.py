@@ -9,6 +9,7 @@ from helpers import FAMILIES, ar, cycle_batch, tiny_config
 from transformers import StoppingCriteria, StoppingCriteriaList
 
 from tidar_convert.runtime.generate import CACHE_FIELD, Sampling, generate
+from tidar_convert.runtime.spec import TiDARSpec
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -16,7 +17,7 @@ from tidar_convert.runtime.generate import CACHE_FIELD, Sampling, generate
 def test_greedy_equals_ar_untrained_head(untrained, family, k):
     """An untrained diffusion head only lowers acceptance; the output stays AR greedy."""
     model = untrained[family]
-    model.config.block_size = k
+    TiDARSpec(k, model.config.mask_token_id).write(model.config)
     g = torch.Generator().manual_seed(k)
     for length in (1, 3, 9):
         ids = torch.randint(1, 300, (1, length), generator=g)
@@ -41,7 +42,7 @@ def test_greedy_equals_ar_trained_head(trained, family, k):
                 model=model,
                 max_new_tokens=40,
                 eos_token_id=None,
-                block_size=k,
+                draft_length=k,
                 plan="adaptive",
             ),
             expected,
@@ -187,7 +188,8 @@ def small_vocab_model():
 
     torch.manual_seed(1)
     cfg = tiny_config("llama", V + 1)
-    cfg.mask_token_id, cfg.block_size, cfg.pad_token_id = V, K, 0
+    cfg.pad_token_id = 0
+    TiDARSpec(K, mask_token_id=V).write(cfg)
     model = AutoModelForCausalLM.from_config(cfg).eval()
     with torch.no_grad():  # sharper, varied distributions so a wrong acceptance rule shows
         model.lm_head.weight.mul_(6)
@@ -530,8 +532,8 @@ def test_bad_inputs(trained, untrained):
             generate(ids, model=model, max_new_tokens=n)
     with pytest.raises(ValueError, match="exceeds the model's 1024 positions"):
         generate(torch.ones(1, 1020, dtype=torch.long), model=model, max_new_tokens=10)
-    with pytest.raises(ValueError, match="block_size=1"):
-        generate(ids, model=model, max_new_tokens=4, block_size=1)
+    with pytest.raises(ValueError, match="draft_length=1"):
+        generate(ids, model=model, max_new_tokens=4, draft_length=1)
     with pytest.raises(ValueError, match="temperature"):
         generate(ids, model=model, max_new_tokens=4, do_sample=True, temperature=0.0)
     padded = torch.tensor([[0, 0, 5, 6], [3, 4, 5, 6]])

@@ -24,7 +24,7 @@ def test_distill_loss_matches_hand_computation():
         ar_labels,
         diff_labels,
         alpha=1.0,
-        block_size=2,
+        draft_length=2,
         distill_weight=w,
         distill_temperature=T,
     )
@@ -176,10 +176,10 @@ def test_agree_ar_matches_a_direct_count(tiny_dirs):
     from tidar_convert.train.module import TiDARModule
 
     k = 4
-    m = TiDARModule(model=str(tiny_dirs["llama"]), block_size=k)
+    m = TiDARModule(model=str(tiny_dirs["llama"]), draft_length=k)
     m.configure_model()  # outside a Trainer the module builds its model when asked
     train_tiny(
-        m.model, steps=40, block_size=k
+        m.model, steps=40, draft_length=k
     )  # so the diffusion head agrees often, not only by chance
     ids = cycle_batch(3, 32, seed=1)
     doc_ids = torch.zeros_like(ids)
@@ -225,7 +225,7 @@ def test_base_teacher_is_the_base_model_with_adapters_off(tiny_dirs):
     from tidar_convert.train.module import TiDARModule
 
     m = TiDARModule(
-        model=str(tiny_dirs["qwen2"]), block_size=4, lora_r=4, teacher="base", distill_weight=0.5
+        model=str(tiny_dirs["qwen2"]), draft_length=4, lora_r=4, teacher="base", distill_weight=0.5
     )
     m.configure_model()  # outside a Trainer the module builds its model when asked
     torch.manual_seed(0)
@@ -375,7 +375,7 @@ def test_module_anchors_to_the_base_with_the_teacher_forward_shared(tiny_dirs, m
 
     m = TiDARModule(
         model=str(tiny_dirs["qwen2"]),
-        block_size=4,
+        draft_length=4,
         lora_r=4,
         anchor_weight=0.5,
         teacher="base",

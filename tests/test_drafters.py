@@ -36,7 +36,7 @@ def test_every_drafter_every_k_equals_ar_greedy(trained, untrained, family):
         expected = ar(model, ids, **kw)
         for name in DRAFTERS:
             for k in range(2, 9):
-                got = generate(ids, model=model, block_size=k, drafter=name, **kw)
+                got = generate(ids, model=model, draft_length=k, drafter=name, **kw)
                 assert torch.equal(got, expected), (name, k)
     model = trained[family][0]
     # plan="adaptive": the cost plan's acceptance depends on step timings (its first call explores)
@@ -657,7 +657,7 @@ def test_a_prompt_near_the_position_limit_still_decodes(untrained):
                     max_new_tokens=n,
                     eos_token_id=None,
                     drafter=name,
-                    block_size=8,
+                    draft_length=8,
                 ),
                 expected,
             ), (P, name)

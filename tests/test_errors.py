@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from tidar_convert.cli import main
+from tidar_convert.runtime.spec import TiDARSpec
 
 RECIPE = str(Path(__file__).parents[1] / "recipes" / "tiny.yaml")
 
@@ -105,7 +106,7 @@ def export_dir(tiny_dirs, tmp_path_factory):
     from tidar_convert.models.loading import load_base
 
     model, tok = load_base(str(tiny_dirs["llama"]))
-    return export(model, tok, tmp_path_factory.mktemp("errors") / "tidar", block_size=4, alpha=1.0)
+    return export(model, tok, tmp_path_factory.mktemp("errors") / "tidar", TiDARSpec(4))
 
 
 def damaged_copy(src, dest, what: str) -> Path:

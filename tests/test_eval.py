@@ -24,6 +24,7 @@ import textwrap
 import pytest
 
 from tidar_convert import export
+from tidar_convert.runtime.spec import TiDARSpec
 
 if os.environ.get(
     "CI"
@@ -151,9 +152,9 @@ def runs(trained, tiny_dirs, tmp_path_factory):
     from tidar_convert.models.loading import load_base
 
     root = tmp_path_factory.mktemp("lm_eval")
-    exports = {"trained": str(export(*trained["qwen3"], root / "trained", block_size=4, alpha=1.0))}
+    exports = {"trained": str(export(*trained["qwen3"], root / "trained", TiDARSpec(4)))}
     exports["random"] = str(
-        export(*load_base(str(tiny_dirs["qwen3"])), root / "random", block_size=4, alpha=1.0)
+        export(*load_base(str(tiny_dirs["qwen3"])), root / "random", TiDARSpec(4))
     )
     tasks = root / "tasks"
     tasks.mkdir()

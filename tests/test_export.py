@@ -13,12 +13,13 @@ from transformers import AutoModelForCausalLM
 from tidar_convert import export, load
 from tidar_convert.exports.folder import check_export
 from tidar_convert.exports.marker import MARKER, is_export
+from tidar_convert.runtime.spec import TiDARSpec
 
 
 @pytest.fixture(scope="module")
 def exported(trained, tmp_path_factory):
     model, tok = trained["qwen3"]
-    return export(model, tok, tmp_path_factory.mktemp("export") / "tidar", block_size=4, alpha=1.0)
+    return export(model, tok, tmp_path_factory.mktemp("export") / "tidar", TiDARSpec(4))
 
 
 def test_folder_contents(exported):
@@ -31,11 +32,11 @@ def test_folder_contents(exported):
         "README.md",
         MARKER,
     } <= names
-    assert check_export(exported) == {
-        "block_size": 4,
-        "mask_token_id": json.loads((exported / "config.json").read_text())["mask_token_id"],
-        "alpha": 1.0,
-    }
+    assert check_export(exported) == TiDARSpec(
+        draft_length=4,
+        mask_token_id=json.loads((exported / "config.json").read_text())["mask_token_id"],
+        alpha=1.0,
+    )
     assert not list(exported.parent.glob(".*tmp-*")), "temporary folder left behind"
     listed = json.loads((exported / MARKER).read_text())["files"]
     assert "README.md" in listed and "custom_generate/generate.py" in listed and is_export(exported)
@@ -49,7 +50,7 @@ def test_model_card_loads_as_a_hub_card(exported):
     )
     assert (
         "trust_remote_code=True" in card.text
-        and "block size (tokens drafted per step): 4" in card.text
+        and "draft length (tokens drafted per step): 4" in card.text
     )
 
 
@@ -153,7 +154,7 @@ def test_lora_is_merged_on_export(tiny_dirs, tmp_path):
     ids = torch.tensor([[5, 6, 7]])
     with torch.no_grad():
         expected = peft_model(input_ids=ids).logits
-    out = export(peft_model, tok, tmp_path / "lora", block_size=4, alpha=1.0)
+    out = export(peft_model, tok, tmp_path / "lora", TiDARSpec(4))
     reloaded = AutoModelForCausalLM.from_pretrained(out)
     assert not any("lora" in n for n in reloaded.state_dict())
     with torch.no_grad():
@@ -183,7 +184,7 @@ def test_lora_with_trained_mask_row_is_merged_on_export(tiny_dirs, tmp_path, fam
             p.add_(1.0)
         ids = torch.tensor([[5, mask_id, 7]])
         expected = peft_model(input_ids=ids).logits
-    out = export(peft_model, tok, tmp_path / "lora", block_size=4, alpha=1.0)
+    out = export(peft_model, tok, tmp_path / "lora", TiDARSpec(4))
     reloaded = AutoModelForCausalLM.from_pretrained(out)
     after = reloaded.get_input_embeddings().weight.detach()
     assert not torch.allclose(after[mask_id], before[mask_id])
@@ -197,7 +198,7 @@ def untrained_export(tiny_dirs, tmp_path_factory):
     from tidar_convert.models.loading import load_base
 
     m, tok = load_base(str(tiny_dirs["llama"]))
-    return export(m, tok, tmp_path_factory.mktemp("cb") / "tidar", block_size=4, alpha=1.0)
+    return export(m, tok, tmp_path_factory.mktemp("cb") / "tidar", TiDARSpec(4))
 
 
 def test_continuous_batching_warns_that_tidar_does_not_run(untrained_export):

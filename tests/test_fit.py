@@ -50,13 +50,13 @@ def fit(tmp_path, model_dir, *extra, logger=False):
     return tmp_path / "out"
 
 
-def held_out_loss(model, tokenizer, source, block_size=4, seq_len=64):
+def held_out_loss(model, tokenizer, source, draft_length=4, seq_len=64):
     ds = PackedDocuments(tokenizer, [str(source)], seq_len, "val", 20, "text", None, "train", 0)
     batch = [x for _, x in zip(range(4), ds)]
     ids = torch.stack([b["input_ids"] for b in batch])
     docs = torch.stack([b["doc_ids"] for b in batch])
     mask = layout.to_dense(
-        layout.train_mask_mod(seq_len, block_size, docs), 4, 2 * seq_len, 2 * seq_len
+        layout.train_mask_mod(seq_len, draft_length, docs), 4, 2 * seq_len, 2 * seq_len
     )
     with torch.no_grad():
         logits = model(
@@ -64,7 +64,7 @@ def held_out_loss(model, tokenizer, source, block_size=4, seq_len=64):
             position_ids=layout.train_position_ids(ids, docs),
             attention_mask=mask,
         ).logits
-    return hybrid_loss(logits, *layout.train_labels(ids, docs), 1.0, block_size)["loss"].item()
+    return hybrid_loss(logits, *layout.train_labels(ids, docs), 1.0, draft_length)["loss"].item()
 
 
 @pytest.mark.fit
@@ -82,7 +82,11 @@ def test_short_fit_lowers_loss_and_writes_a_loadable_folder(
     model = AutoModelForCausalLM.from_pretrained(out)  # no remote code: the plain base architecture
     assert type(model).__name__ == type(base).__name__
     cfg = json.loads((out / "config.json").read_text())
-    assert cfg["model_type"] == family and cfg["block_size"] == 4 and cfg["alpha"] == 1.0
+    assert (
+        cfg["model_type"] == family
+        and cfg["tidar"]["draft_length"] == 4
+        and cfg["tidar"]["alpha"] == 1.0
+    )
     out_tok = AutoTokenizer.from_pretrained(out)
     assert cfg["mask_token_id"] == out_tok.mask_token_id == tok.mask_token_id
     assert (out / "model.safetensors").exists()
@@ -149,9 +153,9 @@ def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(
 @pytest.mark.parametrize(
     "extra,message",
     [
-        (["--data.seq_len", "30"], "seq_len=30 is not a multiple of block_size=4"),
-        (["--model.block_size", "1"], "block_size=1"),
-        (["--model.block_size", "128"], "block_size=128 is larger than seq_len=64"),
+        (["--data.seq_len", "30"], "seq_len=30 is not a multiple of draft_length=4"),
+        (["--model.draft_length", "1"], "draft_length=1"),
+        (["--model.draft_length", "128"], "draft_length=128 is larger than seq_len=64"),
         (["--model.alpha", "-0.5"], "alpha=-0.5"),
     ],
 )

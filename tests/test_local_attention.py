@@ -12,6 +12,7 @@ from tidar_convert.models.loading import load_base, model_from_config
 from tidar_convert.runtime import layout
 from tidar_convert.runtime.forward import cache_kwargs
 from tidar_convert.runtime.generate import generate
+from tidar_convert.runtime.spec import TiDARSpec
 
 S, K, V = 16, 4, 320
 SIZES = dict(
@@ -207,7 +208,8 @@ def test_greedy_tidar_past_the_window_is_ar(model_type, tmp_path, tokenizer):
     base.save_pretrained(tmp_path)
     tokenizer.save_pretrained(tmp_path)
     model, _ = load_base(str(tmp_path))
-    model.eval().config.block_size = K
+    model.eval()
+    TiDARSpec(K, model.config.mask_token_id).write(model.config)
     prompt = torch.tensor(
         [[5, 9, 3, 5, 9, 3, 5, 9, 3, 7, 8, 2]]
     )  # repeats: lookup drafts from the first step
@@ -233,7 +235,7 @@ def test_the_lightning_module_trains_within_the_windows(tmp_path, tokenizer, mon
 
     local_model("gemma3_text").save_pretrained(tmp_path)
     tokenizer.save_pretrained(tmp_path)
-    m = TiDARModule(model=str(tmp_path), block_size=K, lora_r=4, lora_scope="masks")
+    m = TiDARModule(model=str(tmp_path), draft_length=K, lora_r=4, lora_scope="masks")
     m.configure_model()
     ids = cycle_batch(2, S, seed=3)
     ids[:, ::3] = torch.randint(
@@ -267,7 +269,8 @@ def test_gpt_neo_s_index_window_is_refused_past_it(tmp_path, tokenizer):
     model_from_config(config).save_pretrained(tmp_path)
     tokenizer.save_pretrained(tmp_path)
     model, _ = load_base(str(tmp_path))
-    model.eval().config.block_size = K
+    model.eval()
+    TiDARSpec(K, model.config.mask_token_id).write(model.config)
     ids = torch.tensor([[5, 9, 3, 5, 9, 3]])
     assert (
         generate(ids, model=model, max_new_tokens=6, do_sample=False, eos_token_id=None).shape[1]

@@ -11,7 +11,7 @@ def test_loss_matches_hand_computation():
     logits = torch.tensor([[[0.0, 0.0], [2.0, 0.0], [1.0, 0.0], [0.0, 3.0]]])
     ar_labels = torch.tensor([[1, -100]])  # clean 0 predicts x1 = 1; clean 1 has no next token
     diff_labels = torch.tensor([[0, 1]])
-    out = hybrid_loss(logits, ar_labels, diff_labels, alpha=1.0, block_size=2)
+    out = hybrid_loss(logits, ar_labels, diff_labels, alpha=1.0, draft_length=2)
     l_ar = math.log(2)  # uniform over 2
     l_diff = (-(1 - math.log(math.e + 1)) - (3 - math.log(1 + math.e**3))) / 2
     assert out["loss_ar"].item() == pytest.approx(l_ar, rel=1e-6)
@@ -19,7 +19,7 @@ def test_loss_matches_hand_computation():
     assert out["loss"].item() == pytest.approx((l_ar + l_diff) / 2, rel=1e-6)
     assert out["acc_diff_0"].item() == 1.0 and out["acc_diff_1"].item() == 1.0
     for alpha in (0.0, 0.5, 3.0):
-        o = hybrid_loss(logits, ar_labels, diff_labels, alpha=alpha, block_size=2)
+        o = hybrid_loss(logits, ar_labels, diff_labels, alpha=alpha, draft_length=2)
         assert o["loss"].item() == pytest.approx((alpha * l_ar + l_diff) / (1 + alpha), rel=1e-6)
 
 
@@ -31,7 +31,7 @@ def test_accuracy_by_offset():
     logits[0, 4 + 1, 0] = 5  # offset 1 wrong
     logits[0, 4 + 2, 3] = 5  # offset 0 right
     logits[0, 4 + 3, 4] = 5  # offset 1 right
-    out = hybrid_loss(logits, labels, labels, alpha=1.0, block_size=2)
+    out = hybrid_loss(logits, labels, labels, alpha=1.0, draft_length=2)
     assert out["acc_diff_0"].item() == 1.0
     assert out["acc_diff_1"].item() == 0.5
 
@@ -55,17 +55,17 @@ def test_offset_weights_match_hand_computation():
     diff_labels = torch.tensor([[0, 1, 1, -100]])
     ce = [math.log(1 + math.e) - 1, math.log(math.e**2 + 1), math.log(2)]  # slots 0, 1, 2
     w = [3.0, 0.5]
-    out = hybrid_loss(logits, ar_labels, diff_labels, alpha=1.0, block_size=2, offset_weights=w)
+    out = hybrid_loss(logits, ar_labels, diff_labels, alpha=1.0, draft_length=2, offset_weights=w)
     weighted = (w[0] * ce[0] + w[1] * ce[1] + w[0] * ce[2]) / (w[0] + w[1] + w[0])
     l_ar = math.log(2)
     assert out["loss"].item() == pytest.approx((l_ar + weighted) / 2, rel=1e-6)
     assert out["loss_diff"].item() == pytest.approx(
         sum(ce) / 3, rel=1e-6
     )  # logged unweighted: comparable across recipes
-    uniform = hybrid_loss(logits, ar_labels, diff_labels, alpha=1.0, block_size=2)
+    uniform = hybrid_loss(logits, ar_labels, diff_labels, alpha=1.0, draft_length=2)
     for scale in (1.0, 7.0):  # uniform weights of any scale are the paper's plain mean
         same = hybrid_loss(
-            logits, ar_labels, diff_labels, alpha=1.0, block_size=2, offset_weights=[scale, scale]
+            logits, ar_labels, diff_labels, alpha=1.0, draft_length=2, offset_weights=[scale, scale]
         )
         assert same["loss"].item() == pytest.approx(uniform["loss"].item(), rel=1e-6)
     # with distillation, the weights apply to the soft term too: w = [1, 0] keeps offset 0 only
@@ -74,7 +74,7 @@ def test_offset_weights_match_hand_computation():
         ar_labels,
         diff_labels,
         alpha=0.0,
-        block_size=2,
+        draft_length=2,
         distill_weight=1.0,
         offset_weights=[1.0, 0.0],
     )
@@ -90,10 +90,10 @@ def test_bad_offset_weights_are_refused(weights):
 
     with pytest.raises(ValueError) as e:
         TiDARModule(
-            model="/nonexistent", block_size=2, diff_offset_weights=weights
+            model="/nonexistent", draft_length=2, diff_offset_weights=weights
         )  # refused before anything loads
     assert (
-        f"diff_offset_weights={weights}: give one weight >= 0 per position of a block (block_size=2"
+        f"diff_offset_weights={weights}: give one weight >= 0 per position of a block (draft_length=2"
         in str(e.value)
     )
 
@@ -115,7 +115,7 @@ def test_greedy_tokens_are_no_ar_targets_and_send_no_ar_gradient():
     )  # slot 2 ends doc 0; 3..7 would predict greedy tokens
     assert torch.equal(ar[1], plain[1]) and torch.equal(diff, ids)
     logits = torch.randn(2, 16, 9, requires_grad=True)
-    out = hybrid_loss(logits, ar, diff, alpha=1.0, block_size=4)
+    out = hybrid_loss(logits, ar, diff, alpha=1.0, draft_length=4)
     out["loss_ar"].backward(retain_graph=True)
     assert (
         torch.count_nonzero(logits.grad[0, 2:8]) == 0
@@ -129,7 +129,7 @@ def test_greedy_tokens_are_no_ar_targets_and_send_no_ar_gradient():
     # a chunk of greedy text only: the AR term is 0 (no target), not NaN, and the loss is the diffusion term's
     all_marked = torch.ones(2, 8, dtype=torch.bool)
     out = hybrid_loss(
-        logits.detach(), *layout.train_labels(ids, None, all_marked), alpha=1.0, block_size=4
+        logits.detach(), *layout.train_labels(ids, None, all_marked), alpha=1.0, draft_length=4
     )
     assert out["loss_ar"].item() == 0.0 and out["loss"].item() == pytest.approx(
         out["loss_diff"].item() / 2
@@ -142,7 +142,7 @@ def test_module_trains_greedy_tokens_in_the_diffusion_loss_only(tiny_dirs):
     from tidar_convert.runtime import layout
     from tidar_convert.train.module import TiDARModule
 
-    m = TiDARModule(model=str(tiny_dirs["llama"]), block_size=4)
+    m = TiDARModule(model=str(tiny_dirs["llama"]), draft_length=4)
     m.configure_model()  # outside a Trainer the module builds its model when asked
     ids = cycle_batch(2, 16, seed=3)
     S = ids.shape[1]

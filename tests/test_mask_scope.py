@@ -16,6 +16,7 @@ from tidar_convert.models.lora import add_lora
 from tidar_convert.runtime import adapter, layout
 from tidar_convert.runtime.adapter import ADAPTER_FILE, Gate
 from tidar_convert.runtime.generate import generate
+from tidar_convert.runtime.spec import TiDARSpec
 
 
 def randomize_adapters(model, seed=0, std=0.3):
@@ -51,7 +52,7 @@ def test_clean_half_is_the_base_and_takes_no_gradient(tiny_dirs, moe_dirs, famil
     from tidar_convert.train.module import TiDARModule
 
     m = TiDARModule(
-        model=str({**tiny_dirs, **moe_dirs}[family]), block_size=4, lora_r=4, lora_scope="masks"
+        model=str({**tiny_dirs, **moe_dirs}[family]), draft_length=4, lora_r=4, lora_scope="masks"
     )
     m.configure_model()
     randomize_adapters(m.model)
@@ -67,7 +68,7 @@ def test_clean_half_is_the_base_and_takes_no_gradient(tiny_dirs, moe_dirs, famil
         base = m.model(**kw).logits
     assert torch.equal(logits[:, :S], base[:, :S])  # the AR half: the base model, bit for bit
     assert (logits[:, S:] - base[:, S:]).abs().max() > 1e-2  # the mask slots: adapted
-    out = hybrid_loss(logits, *layout.train_labels(ids), alpha=1.0, block_size=4)
+    out = hybrid_loss(logits, *layout.train_labels(ids), alpha=1.0, draft_length=4)
     lora = [p for n, p in m.model.named_parameters() if p.requires_grad]
     assert lora and all(
         "lora_" in n for n, p in m.model.named_parameters() if p.requires_grad
@@ -102,7 +103,7 @@ def test_bad_scope_settings_are_refused_by_name(tiny_dirs, kwargs, message):
     from tidar_convert.train.module import TiDARModule
 
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
-        TiDARModule(model=str(tiny_dirs["qwen2"]), block_size=4, **kwargs)
+        TiDARModule(model=str(tiny_dirs["qwen2"]), draft_length=4, **kwargs)
 
 
 @pytest.mark.parametrize("c_call", [True, False])
@@ -169,7 +170,7 @@ def scoped(tiny_dirs, tmp_path_factory):
 
     base, tok = load_base(str(tiny_dirs["qwen2"]))
     base = ar_only(base)
-    base.config.block_size = 4
+    TiDARSpec(4, base.config.mask_token_id).write(base.config)
     model = add_lora(
         copy.deepcopy(base), r=8, alpha=16, mask_token_id=tok.mask_token_id, scope="masks"
     )
@@ -186,7 +187,7 @@ def scoped(tiny_dirs, tmp_path_factory):
         )
     before = model.tidar_stats["tokens_per_nfe"]
     train_tiny(model, steps=120, lr=1e-2)
-    out = export(model, tok, tmp_path_factory.mktemp("scoped") / "tidar", block_size=4, alpha=1.0)
+    out = export(model, tok, tmp_path_factory.mktemp("scoped") / "tidar", TiDARSpec(4))
     return base, model, out, prompt, before
 
 
@@ -276,7 +277,7 @@ def test_export_keeps_base_weights_and_ships_the_deltas(scoped):
 
     base, model, out, prompt, _ = scoped
     cfg = json.loads((out / "config.json").read_text())
-    spec = cfg["tidar_adapter"]
+    spec = cfg["tidar"]["adapter"]
     assert {k: spec[k] for k in ("scope", "file", "energy")} == {
         "scope": "masks",
         "file": ADAPTER_FILE,
@@ -313,7 +314,7 @@ def test_export_mask_rows_match_the_trained_model(tiny_dirs, tmp_path):
     from tidar_convert.models.loading import load_base
 
     base, tok = load_base(str(tiny_dirs["mistral"]))
-    base.config.block_size = 4
+    TiDARSpec(4, base.config.mask_token_id).write(base.config)
     model = add_lora(
         copy.deepcopy(base), r=4, alpha=8, mask_token_id=tok.mask_token_id, scope="masks"
     )
@@ -332,7 +333,7 @@ def test_export_mask_rows_match_the_trained_model(tiny_dirs, tmp_path):
             model,
             tok,
             tmp_path / "tidar",
-            block_size=4,
+            draft_length=4,
             alpha=1.0,
             adapter_energy=1.0,
             adapter_layers=1.0,
@@ -433,7 +434,7 @@ def test_a_bad_adapter_setting_is_refused_before_anything_is_written(
     from tidar_convert.cli import export_cmd
 
     with pytest.raises(ValueError, match=rf"{setting}={value}.*\(0, 1\]"):
-        export(model, None, tmp_path / "x", block_size=4, alpha=1.0, **{setting: value})
+        export(model, None, tmp_path / "x", TiDARSpec(4), **{setting: value})
     with pytest.raises(ValueError, match=rf"{setting}={value}"):
         export_cmd("no-such.ckpt", str(tmp_path / "y"), **{setting: value})
     assert not (tmp_path / "x").exists() and not (tmp_path / "y").exists()
@@ -543,7 +544,7 @@ def test_split_halves_give_the_one_forward_loss_and_gradients(tiny_dirs, monkeyp
 
     m = TiDARModule(
         model=str(tiny_dirs["qwen2"]),
-        block_size=4,
+        draft_length=4,
         lora_r=4,
         lora_scope="masks",
         distill_weight=0.5,

@@ -19,6 +19,7 @@ from tidar_convert.exports.card import base_model_id, update_model_card
 from tidar_convert.exports.folder import export
 from tidar_convert.exports.marker import MARKER, check_export_target, is_export, write_marker
 from tidar_convert.exports.outputs import atomic_dir, atomic_file, leftovers, recover
+from tidar_convert.runtime.spec import TiDARSpec
 
 OUTPUTS_PY = Path(outputs.__file__)
 
@@ -60,7 +61,7 @@ def test_a_folder_of_user_files_is_refused_and_left_byte_identical(tiny, thesis,
         ValueError,
         match=r"not empty and not a tidar-convert export.*thesis\.tex.*--overwrite only replaces earlier exports",
     ):
-        export(model, tok, thesis, block_size=4, alpha=1.0, overwrite=overwrite)
+        export(model, tok, thesis, TiDARSpec(4), overwrite=overwrite)
     assert snapshot(thesis) == before
     assert not leftovers(thesis)
 
@@ -88,15 +89,15 @@ def test_out_dot_is_refused_by_the_cli(tmp_path, monkeypatch, capsys, overwrite)
 
 def test_an_earlier_export_is_replaced_only_with_overwrite(tiny, tmp_path, caplog):
     model, tok = tiny
-    out = export(model, tok, tmp_path / "tidar", block_size=4, alpha=1.0)
+    out = export(model, tok, tmp_path / "tidar", TiDARSpec(4))
     assert is_export(out)
     first = snapshot(out)
     with pytest.raises(ValueError, match="holds an earlier export; pass --overwrite"):
-        export(model, tok, out, block_size=8, alpha=1.0)
+        export(model, tok, out, TiDARSpec(8))
     assert snapshot(out) == first
     with caplog.at_level(logging.WARNING, logger="tidar_convert.exports.outputs"):
-        assert export(model, tok, out, block_size=8, alpha=1.0, overwrite=True) == out
-    assert json.loads((out / "config.json").read_text())["block_size"] == 8
+        assert export(model, tok, out, TiDARSpec(8), overwrite=True) == out
+    assert json.loads((out / "config.json").read_text())["draft_length"] == 8
     assert is_export(out) and not leftovers(out)
     assert not [
         r for r in caplog.records if r.name == "tidar_convert.exports.outputs"
@@ -113,14 +114,14 @@ def test_an_earlier_export_is_replaced_only_with_overwrite(tiny, tmp_path, caplo
 )
 def test_an_export_with_anything_else_inside_is_refused(tiny, tmp_path, extra, named):
     model, tok = tiny
-    out = export(model, tok, tmp_path / "tidar", block_size=4, alpha=1.0)
+    out = export(model, tok, tmp_path / "tidar", TiDARSpec(4))
     (out / extra).parent.mkdir(exist_ok=True)
     (out / extra).write_text("user data")
     before = snapshot(out)
     with pytest.raises(
         ValueError, match=f"besides an earlier export it holds {named}\\. Nothing was written"
     ):
-        export(model, tok, out, block_size=4, alpha=1.0, overwrite=True)
+        export(model, tok, out, TiDARSpec(4), overwrite=True)
     assert snapshot(out) == before
 
 
@@ -134,7 +135,7 @@ def test_overwrite_refuses_an_export_whose_files_were_edited_and_names_them(tiny
     model, tok = tiny
     tok = copy.deepcopy(tok)
     tok.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
-    out = export(model, tok, tmp_path / "tidar", block_size=4, alpha=1.0)
+    out = export(model, tok, tmp_path / "tidar", TiDARSpec(4))
     path = out / edited
     path.write_text(path.read_text() + "\n{# my own change #}\n")
     before = snapshot(out)
@@ -142,19 +143,19 @@ def test_overwrite_refuses_an_export_whose_files_were_edited_and_names_them(tiny
         ValueError,
         match=rf"holds an earlier export, but {edited} was changed after the export wrote it.*Nothing was written or deleted",
     ):
-        export(model, tok, out, block_size=8, alpha=1.0, overwrite=True)
+        export(model, tok, out, TiDARSpec(8), overwrite=True)
     assert snapshot(out) == before and not leftovers(out)
     assert not is_export(out)
 
 
 def test_overwrite_replaces_an_export_as_written_even_with_files_of_it_removed(tiny, tmp_path):
     model, tok = tiny
-    out = export(model, tok, tmp_path / "tidar", block_size=4, alpha=1.0)
+    out = export(model, tok, tmp_path / "tidar", TiDARSpec(4))
     (out / "README.md").unlink()  # nothing of anyone's is lost by replacing a file that is gone
     assert is_export(out)
-    export(model, tok, out, block_size=8, alpha=1.0, overwrite=True)
+    export(model, tok, out, TiDARSpec(8), overwrite=True)
     assert (
-        json.loads((out / "config.json").read_text())["block_size"] == 8
+        json.loads((out / "config.json").read_text())["draft_length"] == 8
         and (out / "README.md").is_file()
     )
 
@@ -162,7 +163,7 @@ def test_overwrite_replaces_an_export_as_written_even_with_files_of_it_removed(t
 def test_a_marker_listing_a_file_the_user_wrote_deletes_nothing(tiny, tmp_path):
     """Probe (issue 31): a tidar_export.json listing the user's own file let --overwrite delete it."""
     model, tok = tiny
-    out = export(model, tok, tmp_path / "tidar", block_size=4, alpha=1.0)
+    out = export(model, tok, tmp_path / "tidar", TiDARSpec(4))
     (out / "notes.txt").write_text("mine")
     marker = json.loads((out / MARKER).read_text())
     marker["files"]["notes.txt"] = {
@@ -178,7 +179,7 @@ def test_a_marker_listing_a_file_the_user_wrote_deletes_nothing(tiny, tmp_path):
 def test_an_export_with_a_marker_of_names_only_is_refused_with_the_fix(tiny, tmp_path):
     """A marker from before sizes and hashes were recorded cannot tell an edited file: refused, never guessed."""
     model, tok = tiny
-    out = export(model, tok, tmp_path / "tidar", block_size=4, alpha=1.0)
+    out = export(model, tok, tmp_path / "tidar", TiDARSpec(4))
     marker = json.loads((out / MARKER).read_text())
     (out / MARKER).write_text(json.dumps({**marker, "files": sorted(marker["files"])}))
     before = snapshot(out)
@@ -187,7 +188,7 @@ def test_an_export_with_a_marker_of_names_only_is_refused_with_the_fix(tiny, tmp
             ValueError,
             match=r"export by an older tidar-convert.*records no sizes or hashes.*Check the folder and delete it yourself, or choose a new folder",
         ):
-            export(model, tok, out, block_size=8, alpha=1.0, overwrite=overwrite)
+            export(model, tok, out, TiDARSpec(8), overwrite=overwrite)
     assert snapshot(out) == before
 
 
@@ -198,7 +199,7 @@ def test_export_overwrite_onto_a_full_disk_keeps_the_earlier_export_and_says_wha
     from safetensors import SafetensorError
 
     model, tok = tiny
-    out = export(model, tok, tmp_path / "tidar", block_size=4, alpha=1.0)
+    out = export(model, tok, tmp_path / "tidar", TiDARSpec(4))
     before = snapshot(out)
     weights = (out / "model.safetensors").stat().st_size
 
@@ -212,7 +213,7 @@ def test_export_overwrite_onto_a_full_disk_keeps_the_earlier_export_and_says_wha
 
     monkeypatch.setattr("transformers.modeling_utils.safe_save_file", full)
     with pytest.raises(disk.DiskFull) as info:
-        export(model, tok, out, block_size=8, alpha=1.0, overwrite=True)
+        export(model, tok, out, TiDARSpec(8), overwrite=True)
     message = str(info.value)
     assert "\n" not in message and message.startswith(
         f"no space left in {tmp_path} for the export tidar: it needs about "
@@ -418,7 +419,7 @@ def test_an_error_inside_the_block_leaves_dest_untouched(tmp_path):
 
 def test_an_interrupted_export_keeps_the_earlier_one(tiny, tmp_path, monkeypatch):
     model, tok = tiny
-    out = export(model, tok, tmp_path / "tidar", block_size=4, alpha=1.0)
+    out = export(model, tok, tmp_path / "tidar", TiDARSpec(4))
     before = snapshot(out)
 
     def dies(*args, **kwargs):
@@ -426,7 +427,7 @@ def test_an_interrupted_export_keeps_the_earlier_one(tiny, tmp_path, monkeypatch
 
     monkeypatch.setattr(tok, "save_pretrained", dies)
     with pytest.raises(KeyboardInterrupt):
-        export(model, tok, out, block_size=8, alpha=1.0, overwrite=True)
+        export(model, tok, out, TiDARSpec(8), overwrite=True)
     assert snapshot(out) == before and not leftovers(out)
 
 
@@ -454,11 +455,11 @@ def test_a_killed_export_is_restored_before_it_is_checked(tiny, tmp_path):
     """The old export set aside (fallback path), the process killed: the next export puts it back,
     then treats it as the earlier export it is (so without --overwrite it is kept)."""
     model, tok = tiny
-    out = export(model, tok, tmp_path / "tidar", block_size=4, alpha=1.0)
+    out = export(model, tok, tmp_path / "tidar", TiDARSpec(4))
     before = snapshot(out)
     out.rename(tmp_path / ".tidar.old-abcdef12")
     with pytest.raises(ValueError, match="pass --overwrite"):
-        export(model, tok, out, block_size=8, alpha=1.0)
+        export(model, tok, out, TiDARSpec(8))
     assert snapshot(out) == before and not leftovers(out)
 
 
@@ -483,7 +484,7 @@ def modes(folder: Path) -> dict[str, int]:
 
 def test_an_export_is_readable_by_others(tiny, tmp_path, umask):
     model, tok = tiny
-    out = export(model, tok, tmp_path / "tidar", block_size=4, alpha=1.0)
+    out = export(model, tok, tmp_path / "tidar", TiDARSpec(4))
     got = modes(out)
     assert got["."] == got["custom_generate"] == 0o755
     assert got["model.safetensors"] == 0o644  # safetensors itself writes 0600
@@ -512,12 +513,12 @@ def test_permissions_follow_another_umask(tmp_path, umask):
 
 def test_the_model_card(tiny, tmp_path):
     model, tok = tiny
-    recipe = "model:\n  block_size: 4\ntrainer:\n  max_steps: 20\n"
+    recipe = "model:\n  draft_length: 4\ntrainer:\n  max_steps: 20\n"
     out = export(
         model,
         tok,
         tmp_path / "tidar",
-        block_size=4,
+        draft_length=4,
         alpha=0.5,
         card={"base_model": "Qwen/Qwen3-0.6B", "recipe": recipe, "steps": 20},
     )
@@ -535,7 +536,7 @@ def test_the_model_card(tiny, tmp_path):
         "trust_remote_code=True" in text and "from_pretrained(model_id)" in text
     )  # both ways to load it
     assert (
-        "block size (tokens drafted per step): 4" in text
+        "draft length (tokens drafted per step): 4" in text
         and "alpha" in text
         and "steps: 20" in text
     )
@@ -564,12 +565,12 @@ def test_the_card_of_an_embedded_default_export_names_its_hub_origin(tiny, tmp_p
     monkeypatch.setattr(
         model.config, "name_or_path", str(tmp_path / "cache" / "SmolLM2-135M-Instruct")
     )
-    out = export(model, tok, tmp_path / "tidar", block_size=4, alpha=1.0)
+    out = export(model, tok, tmp_path / "tidar", TiDARSpec(4))
     assert 'base_model: "HuggingFaceTB/SmolLM2-135M-Instruct"' in (out / "README.md").read_text()
 
 
 BENCH = {
-    "block_size": 4,
+    "draft_length": 4,
     "prompts": 169,
     "max_new_tokens": 64,
     "machine": {"device": "cpu", "dtype": "torch.float32"},
@@ -596,7 +597,7 @@ BENCH = {
 
 def test_bench_results_go_into_the_card(tiny, tmp_path):
     model, tok = tiny
-    out = export(model, tok, tmp_path / "tidar", block_size=4, alpha=1.0)
+    out = export(model, tok, tmp_path / "tidar", TiDARSpec(4))
     assert update_model_card(out, BENCH)
     text = (out / "README.md").read_text()
     # a result from before the per-step columns: "-" there
@@ -629,7 +630,7 @@ def test_bench_results_go_into_the_card(tiny, tmp_path):
 def test_bench_results_in_an_edited_card_keep_it_recorded_as_changed(tiny, tmp_path):
     """bench rewrites the card's Results section; the user's own edits elsewhere in it must still stop --overwrite."""
     model, tok = tiny
-    out = export(model, tok, tmp_path / "tidar", block_size=4, alpha=1.0)
+    out = export(model, tok, tmp_path / "tidar", TiDARSpec(4))
     readme = out / "README.md"
     readme.write_text(readme.read_text().replace("## Usage", "My notes on this model.\n\n## Usage"))
     assert update_model_card(out, BENCH)

@@ -152,7 +152,7 @@ def export_full_ft(env: Env, **kw):
     from tidar_convert.models.loading import load_base
 
     model, tok = load_base(str(env.model))
-    export(model, tok, env.tmp / "out", block_size=4, alpha=1.0, **kw)
+    export(model, tok, env.tmp / "out", TiDARSpec(4), **kw)
 
 
 NO_GPU = pytest.mark.skipif(
@@ -441,7 +441,7 @@ def export_onto_a_full_disk(env: Env):
     model, tok = load_base(str(env.model))
     out = copied_export(env)
     with mock.patch("transformers.modeling_utils.safe_save_file", full):
-        export(model, tok, out, block_size=4, alpha=1.0, overwrite=True)
+        export(model, tok, out, TiDARSpec(4), overwrite=True)
 
 
 def appended_corpus(env: Env) -> list[str]:
@@ -517,6 +517,8 @@ OUTPUT_CASES: list = [
 
 import torch  # noqa: E402  (kept in this section: its rows build tensors)
 
+from tidar_convert.runtime.spec import TiDARSpec
+
 _LOADED: dict = {}
 
 
@@ -562,12 +564,14 @@ PROMPT = torch.tensor([[5, 6, 7, 8]])
 
 GENERATE_CASES: list = [
     pytest.param(
-        lambda env: cli_generate(env, "--block_size", "0"),
-        r"block_size=0: .*use 2 or more",
+        lambda env: cli_generate(env, "--draft_length", "0"),
+        r"draft_length=0: .*use 2 or more",
         id="cli-block-size-0",
     ),
     pytest.param(
-        lm_generate(PROMPT, block_size=0), r"block_size=0: .*use 2 or more", id="api-block-size-0"
+        lm_generate(PROMPT, draft_length=0),
+        r"draft_length=0: .*use 2 or more",
+        id="api-block-size-0",
     ),
     pytest.param(
         long_prompt(3),
@@ -612,7 +616,7 @@ def probe_export(tiny_dirs, tmp_path_factory):
     from tidar_convert.models.loading import load_base
 
     model, tok = load_base(str(tiny_dirs["llama"]))
-    return export(model, tok, tmp_path_factory.mktemp("probe") / "tidar", block_size=4, alpha=1.0)
+    return export(model, tok, tmp_path_factory.mktemp("probe") / "tidar", TiDARSpec(4))
 
 
 @pytest.mark.parametrize("run, pattern", CASES)

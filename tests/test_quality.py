@@ -7,6 +7,7 @@ import time
 import pytest
 
 from tidar_convert.bench import quality as q
+from tidar_convert.runtime.spec import TiDARSpec
 
 # ---------------------------------------------------------------------------------------------
 # distinct-2 and the loop detector.
@@ -193,7 +194,7 @@ def test_quality_cli_writes_a_report(tiny_dirs, tmp_path, capsys):
     from tidar_convert.models.loading import load_base
 
     m, tok = load_base(str(tiny_dirs["llama"]))
-    path = export(m, tok, tmp_path / "tiny", block_size=4, alpha=1.0)
+    path = export(m, tok, tmp_path / "tiny", TiDARSpec(4))
     out = tmp_path / "report.json"
     main(
         [
@@ -234,7 +235,7 @@ def test_quality_cli_defaults_to_the_base_the_export_records(tiny_dirs, tmp_path
         m,
         tok,
         tmp_path / "tiny",
-        block_size=4,
+        draft_length=4,
         alpha=1.0,
         card={"base_model": str(tiny_dirs["qwen2"])},
     )

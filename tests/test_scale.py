@@ -92,7 +92,7 @@ def test_every_recipe_parses_and_reaches_its_global_batch(recipe, capsys):
         assert t["val_check_interval"] == 500 * a  # counts micro-batches: every 500 optimizer steps
     blocks = {"qwen2.5-1.5b": 4, "qwen2.5-1.5b-k8": 8, "qwen2.5-1.5b-k16": 16, "qwen3-8b": 16}
     if recipe.stem in blocks:
-        assert cfg["model"]["block_size"] == blocks[recipe.stem]
+        assert cfg["model"]["draft_length"] == blocks[recipe.stem]
 
 
 @pytest.mark.fit

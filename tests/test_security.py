@@ -36,12 +36,13 @@ from tidar_convert.exports.folder import (
     require_tidar,
     tidar_active,
 )
+from tidar_convert.runtime.spec import TiDARSpec
 
 
 @pytest.fixture(scope="module")
 def exported(trained, tmp_path_factory):
     model, tok = trained["qwen3"]
-    return export(model, tok, tmp_path_factory.mktemp("sec") / "tidar", block_size=4, alpha=1.0)
+    return export(model, tok, tmp_path_factory.mktemp("sec") / "tidar", TiDARSpec(4))
 
 
 @pytest.fixture

@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from tidar_convert.bench.serve import stop_server
+from tidar_convert.runtime.spec import TiDARSpec
 
 pytestmark = pytest.mark.subprocess
 
@@ -34,9 +35,7 @@ def served_export(trained, tmp_path_factory):
     model, tok = trained["llama"]  # drafts the cycle the prompt below starts
     tok.chat_template = CHAT_TEMPLATE
     try:
-        return export(
-            model, tok, tmp_path_factory.mktemp("serve") / "tidar", block_size=4, alpha=1.0
-        )
+        return export(model, tok, tmp_path_factory.mktemp("serve") / "tidar", TiDARSpec(4))
     finally:
         tok.chat_template = None
 

@@ -3,6 +3,8 @@
 import pytest
 import torch
 
+from tidar_convert.runtime.spec import TiDARSpec
+
 pytestmark = pytest.mark.slow
 
 PROMPTS = [
@@ -18,7 +20,7 @@ def smollm2():
     from tidar_convert.models.loading import load_base
 
     model, tok = load_base(None)  # the embedded default: fetched and converted once into the cache
-    model.config.block_size = 4
+    TiDARSpec(4, model.config.mask_token_id).write(model.config)
     return model.eval(), tok
 
 
@@ -40,9 +42,9 @@ def test_tidar_greedy_equals_ar_greedy_on_real_weights(smollm2, k):
     for prompt in PROMPTS:
         ids = tok(prompt, return_tensors="pt").input_ids
         expected = model.generate(ids, max_new_tokens=24, do_sample=False)
-        assert torch.equal(generate(ids, model=model, max_new_tokens=24, block_size=k), expected), (
-            prompt
-        )
+        assert torch.equal(
+            generate(ids, model=model, max_new_tokens=24, draft_length=k), expected
+        ), prompt
 
 
 def test_batch_on_real_weights(smollm2):

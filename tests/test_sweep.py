@@ -251,11 +251,11 @@ def test_curve_merges_resumed_attempts_and_counts_every_token(tmp_path):
         8: {"loss": None},
     }
     (arm / "config.yaml").write_text(
-        "model: {block_size: 8, val_decode_block_size: 4}\ndata: {batch_size: 2, seq_len: 256}\n"
+        "model: {draft_length: 8, val_decode_draft_length: 4}\ndata: {batch_size: 2, seq_len: 256}\n"
         "trainer: {accumulate_grad_batches: 4, devices: [0, 1], num_nodes: 2, max_steps: 100}\n"
     )
     n, used = tokens_per_step(arm / "config.yaml")
-    assert n == 2 * 256 * 4 * 2 * 2 and used["block_size"] == 8 and used["decode_block_size"] == 4
+    assert n == 2 * 256 * 4 * 2 * 2 and used["draft_length"] == 8 and used["decode_draft_length"] == 4
 
 
 def test_an_attempts_clock_comes_from_its_metrics_not_its_log(tmp_path):
@@ -278,7 +278,7 @@ def test_dry_run_prints_each_arms_command_and_writes_nothing(tmp_path, capsys):
     import shlex
 
     (tmp_path / "spec.yaml").write_text(
-        "hard: []\nk8: [--model.block_size, 8, --model.val_decode_block_size, 4]\n"
+        "hard: []\nk8: [--model.draft_length, 8, --model.val_decode_draft_length, 4]\n"
     )
     main(
         [
@@ -299,7 +299,7 @@ def test_dry_run_prints_each_arms_command_and_writes_nothing(tmp_path, capsys):
     k8 = shlex.split(lines[1])
     assert (
         k8[k8.index("--trainer.max_steps") + 1] == "7"
-        and k8[k8.index("--model.block_size") + 1] == "8"
+        and k8[k8.index("--model.draft_length") + 1] == "8"
     )
     assert k8[k8.index("--trainer.default_root_dir") + 1] == str(
         (tmp_path / "sweep" / "arms" / "k8").resolve()
@@ -313,7 +313,7 @@ def test_the_smollm2_lever_spec_is_valid():
     arms = load_spec(str(SPEC))
     assert {"lora", "soft", "greedy-0", "full-ft", "block-8"} <= set(arms)
     assert (
-        arms["block-8"][arms["block-8"].index("--model.val_decode_block_size") + 1] == "4"
+        arms["block-8"][arms["block-8"].index("--model.val_decode_draft_length") + 1] == "4"
     )  # compared at the same decode k
     assert {
         "greedy-2of3",
@@ -339,16 +339,16 @@ def test_the_smollm2_lever_spec_is_valid():
         if "--model.diff_offset_weights" in value:  # one weight per offset of the recipe's block
             assert (
                 len(yaml.safe_load(value["--model.diff_offset_weights"]))
-                == recipe["model"]["block_size"]
+                == recipe["model"]["draft_length"]
             ), name
 
 
-def test_val_decode_block_size_decodes_at_that_k(tiny_dirs):
+def test_val_decode_draft_length_decodes_at_that_k(tiny_dirs):
     import torch
 
     from tidar_convert.train.module import TiDARModule
 
-    m = TiDARModule(model=str(tiny_dirs["llama"]), block_size=8, val_decode_block_size=2)
+    m = TiDARModule(model=str(tiny_dirs["llama"]), draft_length=8, val_decode_draft_length=2)
     m.configure_model()  # outside a Trainer the module builds its model when asked
     assert (
         1.0
@@ -356,5 +356,5 @@ def test_val_decode_block_size_decodes_at_that_k(tiny_dirs):
         <= 2.0
     )
     assert max(m.model.tidar_stats["accepted"]) <= 2
-    with pytest.raises(ValueError, match="val_decode_block_size=1"):
-        TiDARModule(model=str(tiny_dirs["llama"]), val_decode_block_size=1)
+    with pytest.raises(ValueError, match="val_decode_draft_length=1"):
+        TiDARModule(model=str(tiny_dirs["llama"]), val_decode_draft_length=1)

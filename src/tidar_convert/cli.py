@@ -1,6 +1,6 @@
 """`tidar-convert fit | validate | check | export | generate | bench | bench-serve | eval-ppl | quality | sweep | distill`.
 
-fit/validate are LightningCLI (train.py: every key of a recipe is a flag: --model.block_size 8,
+fit/validate are LightningCLI (train.py: every key of a recipe is a flag: --model.draft_length 8,
 --trainer.max_steps 20, --ckpt_path last); the others are typed functions whose signatures are
 their flags.
 """
@@ -86,7 +86,9 @@ def export_cmd(
         mmap=not sharded,
         weights_only=False,
     )
-    hparams, steps = saved.get("hyper_parameters") or {}, saved.get("global_step")
+    from tidar_convert.train.resume import RENAMED, migrate
+
+    hparams, steps = migrate(saved.get("hyper_parameters") or {}), saved.get("global_step")
     mask_scoped = hparams.get("lora_scope") == "masks" and hparams.get("lora_r", 0) > 0
     check_adapter_options(
         adapter_energy,
@@ -94,7 +96,10 @@ def export_cmd(
         mask_scoped,
         f"checkpoint {checkpoint!r} (lora_r={hparams.get('lora_r')}, lora_scope={hparams.get('lora_scope', 'all')!r})",
     )
-    overrides = {"model": absolute_model(model)} if model is not None else {}
+    # renamed hyper-parameters passed under today's names (Lightning would drop the old ones)
+    overrides = {k: hparams[k] for k in RENAMED.values() if k in hparams}
+    if model is not None:
+        overrides["model"] = absolute_model(model)
     if model is None:
         check_recorded_model(checkpoint, hparams.get("model"))
     if sharded:
@@ -110,8 +115,7 @@ def export_cmd(
         m.model,
         m.tokenizer,
         out,
-        m.block_size,
-        m.alpha,
+        m.spec,
         overwrite=overwrite,
         card=card,
         adapter_energy=adapter_energy,
@@ -163,7 +167,7 @@ def generate_cmd(
     seed: int = 0,
     chat: bool = False,
     no_chat_template: bool = False,
-    block_size: int | None = None,
+    draft_length: int | None = None,
     dtype: str = "float32",
     pack_weights: bool | str = "auto",
     json: bool = False,
@@ -184,7 +188,7 @@ def generate_cmd(
             /v1/chat/completions request; refused for a tokenizer without a chat template. Without
             --chat or --no-chat-template the template is applied where the tokenizer has one.
         no_chat_template: feed the prompt as raw text even if the tokenizer has a chat template.
-        block_size: drafts per step (default: the trained block size).
+        draft_length: drafts per step (default: the trained draft length).
         dtype: float32 or bfloat16 (bf16 is faster; float32 keeps greedy TiDAR token-identical to AR).
         pack_weights: on CPU, auto (default) runs linear layers on weights packed once (fp32: for a
             small C kernel built on first use; bf16: for oneDNN) where that is measured faster on this machine, at one more copy of the weights in memory; true
@@ -221,13 +225,13 @@ def generate_cmd(
         )
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens={max_new_tokens}: must be >= 1.")
-    if block_size is not None and block_size < 2:
+    if draft_length is not None:
+        from tidar_convert.runtime.spec import check_draft_length
+
+        check_draft_length(draft_length, "--draft-length")
+    if mode == "ar" and draft_length is not None:
         raise ValueError(
-            f"block_size={block_size}: TiDAR drafts need at least 2 tokens per block; use 2 or more, or leave it out for the trained size."
-        )
-    if mode == "ar" and block_size is not None:
-        raise ValueError(
-            f"--block-size {block_size} with --mode ar: plain autoregressive decoding drafts nothing; drop one of them."
+            f"--draft-length {draft_length} with --mode ar: plain autoregressive decoding drafts nothing; drop one of them."
         )
     if dtype not in ("float32", "bfloat16"):
         raise ValueError(f"dtype={dtype!r}: use float32 or bfloat16.")
@@ -258,7 +262,7 @@ def generate_cmd(
         ids,
         max_new_tokens=max_new_tokens,
         tidar=mode == "tidar",
-        block_size=block_size,
+        draft_length=draft_length,
         pad_token_id=tok.pad_token_id,
         pack_weights=pack_weights,
         **sampling,

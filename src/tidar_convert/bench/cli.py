@@ -38,13 +38,14 @@ from tidar_convert.bench.slots import (
 )
 from tidar_convert.bench.steps import PROFILE_PROMPTS, PROFILE_TOKENS, step_breakdown
 from tidar_convert.bench.summary import print_summary, summarize
+from tidar_convert.runtime.spec import check_draft_length
 from tidar_convert.train.progress import progress
 
 DTYPES = ("float32", "bfloat16")
 
 
 def check_bench_args(
-    k,
+    draft_length,
     max_new_tokens,
     limit,
     prompt_lookup_tokens,
@@ -58,10 +59,8 @@ def check_bench_args(
         raise ValueError(
             f"prompts={prompts!r}: use 'raw' (HumanEval and plain text, no chat template) or 'chat' (instructions through the model's chat template)."
         )
-    if k is not None and k < 2:
-        raise ValueError(
-            f"k={k}: TiDAR drafts at least 2 tokens per step; use 2 or more, or leave it out for the trained block size."
-        )
+    if draft_length is not None:
+        check_draft_length(draft_length, "--draft-length")
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens={max_new_tokens}: must be >= 1.")
     if limit is not None and limit < 1:
@@ -84,7 +83,7 @@ def check_bench_args(
 
 def bench_cmd(
     model: str,
-    k: int | None = None,
+    draft_length: int | None = None,
     max_new_tokens: int = 128,
     out_dir: str = "bench/results",
     name: str | None = None,
@@ -115,7 +114,7 @@ def bench_cmd(
 
     Args:
         model: TiDAR export folder (from `make convert` or `tidar-convert export`).
-        k: TiDAR block size (drafts per step); default: the trained block size.
+        draft_length: TiDAR's k, drafts per mask group; default: the trained draft length.
         max_new_tokens: tokens generated per prompt and decoder.
         out_dir: folder for the JSON, the Markdown and the plots.
         name: file name stem; default: the model folder's name.
@@ -149,7 +148,7 @@ def bench_cmd(
     from tidar_convert.exports.folder import check_export, load, require_tidar
 
     check_bench_args(
-        k,
+        draft_length,
         max_new_tokens,
         limit,
         prompt_lookup_tokens,
@@ -166,14 +165,14 @@ def bench_cmd(
         )
     trained = check_export(path)
     if quality and base is None:
-        base = json.loads((path / "config.json").read_text()).get("tidar_base_model")
+        base = trained.base_model
         if base is None:
             print(
                 f"bench: {path} does not record its base model: no quality guard, no base prompt lookup (pass --base to get both)",
                 file=sys.stderr,
             )
             quality = False
-    k = k or trained["block_size"]
+    k = draft_length or trained.draft_length
     name = name or path.resolve().name
     from tidar_convert.exports.outputs import check_record_target
 
@@ -287,8 +286,8 @@ def bench_cmd(
     result = {
         "model": str(path.resolve()),
         "name": name,
-        "block_size": k,
-        "trained_block_size": trained["block_size"],
+        "draft_length": k,
+        "trained_draft_length": trained.draft_length,
         "max_new_tokens": max_new_tokens,
         "prompt_lookup_tokens": prompt_lookup_tokens,
         "prompts": len(prompts),

@@ -31,7 +31,7 @@ SAMPLING = {"temperature": 0.7, "top_p": 0.9}
 class Decoder:
     """weights: "export" or "base". tidar: TiDAR decoding, else transformers' own generate.
     drafter: the TiDAR drafter (None: the engine's default). lookup: transformers' prompt lookup.
-    block_size: TiDAR's k for this decoder alone (None: the run's `--k`). plan: TiDAR's step plan
+    draft_length: TiDAR's k for this decoder alone (None: the run's `--draft-length`). plan: TiDAR's step plan
     (None: the engine's default, 'cost'). pack_weights: the CPU kernels of kernels.cpu_kernels
     ("auto": linear layers on weights packed for oneDNN where that is measured faster, grouped
     key/value heads attended in place; the export's generate() runs them by default, the base's
@@ -44,7 +44,7 @@ class Decoder:
     tidar: bool = False
     drafter: str | None = None
     lookup: bool = False
-    block_size: int | None = None
+    draft_length: int | None = None
     plan: str | None = None
     pack_weights: bool | str = "auto"
     siblings: int | None = None
@@ -57,7 +57,7 @@ class Decoder:
         ):  # the base runs transformers' own generate: no `tidar` argument
             kwargs["tidar"] = self.tidar
         if self.tidar:
-            kwargs["block_size"] = self.block_size or k
+            kwargs["draft_length"] = self.draft_length or k
         if self.drafter is not None:
             kwargs["drafter"] = self.drafter
         if self.plan is not None:

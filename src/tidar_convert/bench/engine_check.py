@@ -12,6 +12,7 @@ import torch
 
 from tidar_convert.bench.timing import median_seconds
 from tidar_convert.runtime import layout
+from tidar_convert.runtime.spec import TiDARSpec
 from tidar_convert.train.loss import hybrid_loss
 
 if TYPE_CHECKING:
@@ -25,7 +26,7 @@ def cycles(batch: int, length: int, period: int = 7, offset: int = 3, generator=
 
 
 def engine_model(
-    plan: Plan, impl: str, dtype: torch.dtype, block_size: int = 4, seq_len: int = 128
+    plan: Plan, impl: str, dtype: torch.dtype, draft_length: int = 4, seq_len: int = 128
 ):
     """A Qwen2 of plan.engine_dims trained with the TiDAR layout and loss on cycle streams (fp32
     weights; bf16: under autocast, as bf16-mixed trains, then cast for decoding). seq_len 128: on
@@ -42,7 +43,7 @@ def engine_model(
         )
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     mask = layout.build_mask(
-        layout.train_mask_mod(seq_len, block_size), 8, 2 * seq_len, 2 * seq_len, impl, device
+        layout.train_mask_mod(seq_len, draft_length), 8, 2 * seq_len, 2 * seq_len, impl, device
     )
     model.train()
     for _ in range(plan.engine_steps):
@@ -54,11 +55,11 @@ def engine_model(
                 attention_mask=mask,
                 use_cache=False,
             ).logits
-        loss = hybrid_loss(logits, *layout.train_labels(ids), alpha=1.0, block_size=block_size)
+        loss = hybrid_loss(logits, *layout.train_labels(ids), alpha=1.0, draft_length=draft_length)
         opt.zero_grad(set_to_none=True)
         loss["loss"].backward()
         opt.step()
-    model.config.block_size = block_size
+    TiDARSpec(draft_length, model.config.mask_token_id).write(model.config)
     return model.to(dtype).eval(), {
         k: v.item() for k, v in loss.items() if torch.is_tensor(v) and v.numel() == 1
     }

@@ -235,7 +235,7 @@ def train_step_ar(model, ids):
     loss.backward()
 
 
-def train_step_tidar(model, ids, mask, block_size: int, mask_id: int):
+def train_step_tidar(model, ids, mask, draft_length: int, mask_id: int):
     """TiDAR step: [x | M..M] with repeated positions and the training mask, hybrid loss (alpha 1)."""
     inputs = layout.train_inputs(ids, mask_id)
     positions = layout.train_position_ids(ids)
@@ -243,7 +243,7 @@ def train_step_tidar(model, ids, mask, block_size: int, mask_id: int):
     logits = model(
         input_ids=inputs, position_ids=positions, attention_mask=mask, use_cache=False
     ).logits
-    hybrid_loss(logits, ar_labels, diff_labels, 1.0, block_size)["loss"].backward()
+    hybrid_loss(logits, ar_labels, diff_labels, 1.0, draft_length)["loss"].backward()
 
 
 def train_throughput(model, plan: Plan) -> dict:
@@ -258,7 +258,7 @@ def train_throughput(model, plan: Plan) -> dict:
     model.train()
     out = {
         "seq_len": S,
-        "block_size": k,
+        "draft_length": k,
         "attn_implementation": model.config._attn_implementation,
         "optimizer_step": False,
     }

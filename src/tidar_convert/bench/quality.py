@@ -302,7 +302,7 @@ def quality_cmd(
     Args:
         model: TiDAR export folder (from `make convert` or `tidar-convert export`).
         base: the base model it was converted from: folder, hub id or .gguf; default: the one the
-            export records (`tidar_base_model`), else the embedded SmolLM2-135M-Instruct.
+            export records (config.json: `tidar.base_model`), else the embedded SmolLM2-135M-Instruct.
         limit: only the first N prompts (code and text interleaved); default: all 169. pass@1 is then
             over the HumanEval problems among them (the pass rule is meant for all 164).
         max_new_tokens: tokens per generation (>= 128 for a meaningful loop check).
@@ -339,9 +339,9 @@ def quality_cmd(
     if dtype not in ("float32", "bfloat16"):
         raise ValueError(f"dtype={dtype!r}: use float32 or bfloat16.")
     path = Path(model).expanduser()
-    check_export(path)
+    spec = check_export(path)
     if base is None:
-        base = json.loads((path / "config.json").read_text()).get("tidar_base_model", "embedded")
+        base = spec.base_model or "embedded"
     json_path = Path(out) if out else Path("bench/results") / f"{path.resolve().name}-quality.json"
     from tidar_convert.exports.outputs import check_record_target
 

@@ -25,7 +25,7 @@ STEP_KS = (
     2,
     4,
     8,
-)  # the usual block sizes, whose full TiDAR step (k + k*k slots) the curve includes
+)  # the usual draft lengths, whose full TiDAR step (k + k*k slots) the curve includes
 
 
 def slot_sizes(device: torch.device, k: int) -> list[int]:

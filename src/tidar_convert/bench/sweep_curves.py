@@ -32,8 +32,8 @@ def tokens_per_step(config_path: Path) -> tuple[int | None, dict]:
         "devices": devices,
         "num_nodes": int(trainer.get("num_nodes") or 1),
         "max_steps": trainer.get("max_steps"),
-        "block_size": model.get("block_size"),
-        "decode_block_size": model.get("val_decode_block_size") or model.get("block_size"),
+        "draft_length": model.get("draft_length"),
+        "decode_draft_length": model.get("val_decode_draft_length") or model.get("draft_length"),
     }
     if notes:
         used["notes"] = notes

@@ -11,6 +11,7 @@ from pathlib import Path
 from tidar_convert.exports.marker import file_record, marker_files, record_file
 from tidar_convert.exports.outputs import scratch_dir
 from tidar_convert.models.loading import EMBEDDED_NAME
+from tidar_convert.runtime.spec import TiDARSpec
 
 log = logging.getLogger(__name__)
 
@@ -45,11 +46,12 @@ def base_model_id(name_or_path: str | None) -> str | None:
     return name
 
 
-def model_card(name: str, config, block_size: int, alpha: float, card: dict | None = None) -> str:
-    """README.md of an export. card: optional facts; `base_model` (hub id; default: told from
+def model_card(name: str, config, card: dict | None = None) -> str:
+    """README.md of an export, whose config holds its TiDAR spec (spec.TiDARSpec). card: optional facts; `base_model` (hub id; default: told from
     config.name_or_path), `recipe` (the YAML config it was trained with), anything else (steps,
     data, lora_r, ...) is listed as is."""
     card = dict(card or {})
+    spec = TiDARSpec.from_config(config)
     base = base_model_id(card.pop("base_model", None)) or base_model_id(
         getattr(config, "name_or_path", None)
     )
@@ -71,33 +73,37 @@ def model_card(name: str, config, block_size: int, alpha: float, card: dict | No
         else f"`{Path(str(getattr(config, 'name_or_path', '') or '?')).name}` (a local model)"
     )
     facts = [
-        f"- block size (tokens drafted per step): {block_size}",
-        f"- alpha (AR loss weight, `L = (alpha * L_AR + L_Diff) / (1 + alpha)`): {alpha}",
+        f"- draft length (tokens drafted per step): {spec.draft_length}",
+        f"- alpha (AR loss weight, `L = (alpha * L_AR + L_Diff) / (1 + alpha)`): {spec.alpha}",
     ]
     facts += [
-        f"- mask token id: {getattr(config, 'mask_token_id', None)}",
+        f"- mask token id: {spec.mask_token_id}",
         f"- model type: `{getattr(config, 'model_type', '?')}`",
     ]
     facts += [f"- {key}: {value}" for key, value in card.items()]
     scoped_note = ""
-    if getattr(config, "tidar_adapter", None):
+    if spec.mask_scoped:
+        adapter = spec.adapter
         scoped_note = (
-            f"\n\nThe weights are the base model's, unchanged: the drafts come from low-rank adapters that act on mask\n"
-            f"slots only (`{config.tidar_adapter['file']}`, added by `custom_generate/adapter.py`), so the AR model,\n"
-            "and everything it writes, is the base model's bit for bit."
+            "\n\nThe weights are the base model's, unchanged: the drafts come from low-rank "
+            "adapters that act on mask\n"
+            f"slots only (`{adapter['file']}`, added by `custom_generate/adapter.py`), so the AR "
+            "model,\nand everything it writes, is the base model's bit for bit."
         )
-        spec = config.tidar_adapter
-        if "ranks" in spec:
-            low, high = spec["ranks"]
-            scoped_note += f" Each delta is stored at the rank that keeps {spec['energy']:.1%} of its squared norm (ranks {low} to {high})."
-        if "layers" in spec:
-            kept, adapted = spec["layers"]
+        if "ranks" in adapter:
+            low, high = adapter["ranks"]
+            scoped_note += (
+                f" Each delta is stored at the rank that keeps {adapter['energy']:.1%} of its "
+                f"squared norm (ranks {low} to {high})."
+            )
+        if "layers" in adapter:
+            kept, adapted = adapter["layers"]
             scoped_note += f" Of the {adapted} adapted layers, the {kept} whose delta moves their weight most are kept."
     body = f"""
 # {name}
 
 A [TiDAR](https://arxiv.org/abs/2511.08923) conversion of {source}, made with tidar-convert: each
-forward pass drafts up to {block_size} tokens with diffusion (mask blocks) and verifies them
+forward pass drafts up to {spec.draft_length} tokens with diffusion (mask blocks) and verifies them
 autoregressively in the same pass. Greedy output is the AR
 model's, token for token; sampling follows the AR distribution exactly.{scoped_note}
 
@@ -123,7 +129,7 @@ print(tokenizer.decode(out[0]), model.tidar_stats)  # tokens per forward pass in
 ```
 
 With tidar-convert installed, `tidar_convert.load(model_id)` gives the same without remote code;
-`model.generate(..., tidar=False)` decodes plain AR, `block_size=k` drafts k tokens per step.
+`model.generate(..., tidar=False)` decodes plain AR, `draft_length=k` drafts k tokens per step.
 
 ## Training
 
@@ -144,7 +150,7 @@ def results_section(metrics: dict) -> str:
     setting = ", ".join(
         s
         for s in (
-            f"k={metrics['block_size']}" if "block_size" in metrics else "",
+            f"k={metrics['draft_length']}" if "draft_length" in metrics else "",
             f"{metrics['prompts']} prompts" if "prompts" in metrics else "",
             f"{metrics['max_new_tokens']} new tokens each" if "max_new_tokens" in metrics else "",
             "chat prompts through the chat template" if metrics.get("prompt_set") == "chat" else "",
@@ -223,7 +229,7 @@ def results_section(metrics: dict) -> str:
 
 def update_model_card(path: str | os.PathLike, metrics: dict) -> bool:
     """Rewrite the Results section of an export's README.md with a bench result (the dict `bench`
-    writes: summary, perplexity, block_size, prompts, max_new_tokens, machine). Atomic; the marker
+    writes: summary, perplexity, draft_length, prompts, max_new_tokens, machine). Atomic; the marker
     records the new card's size and hash if the old one was as the export wrote it. False (and a
     warning) if path is not an export with a card, or cannot be written."""
     path = Path(path)

@@ -9,6 +9,7 @@ uses it as `model.generate`: TiDAR decoding with nothing but transformers instal
 from __future__ import annotations
 
 import ast
+import dataclasses
 import importlib.util
 import inspect
 import json
@@ -25,10 +26,10 @@ from tidar_convert.exports.marker import check_export_target, write_marker
 from tidar_convert.exports.outputs import atomic_dir
 from tidar_convert.runtime import adapter, panel
 from tidar_convert.runtime import generate as decode
+from tidar_convert.runtime.spec import TiDARSpec
 
 log = logging.getLogger(__name__)
 
-TIDAR_FIELDS = ("block_size", "mask_token_id", "alpha")
 
 
 def shipped_code() -> dict[str, Path]:
@@ -59,14 +60,15 @@ def export(
     model,
     tokenizer,
     out: str | os.PathLike,
-    block_size: int,
-    alpha: float,
+    spec: TiDARSpec | None = None,
+    *,
     overwrite: bool = False,
     card: dict | None = None,
     adapter_energy: float | None = None,
     adapter_layers: float | None = None,
 ) -> Path:
-    """Save weights (safetensors), tokenizer and config with the TiDAR fields, the decode code, a
+    """Save weights (safetensors), tokenizer and config with the TiDAR spec (`spec`, else the one
+    TiDARModule wrote on model.config; its mask token is the tokenizer's), the decode code, a
     README.md model card and the tidar_export.json marker listing every file written, with its
     size and sha256.
 
@@ -97,6 +99,12 @@ def export(
     check_energy(energy)
     check_layers(layers)
     check_adapter_options(adapter_energy, adapter_layers, is_mask_scoped(model), "this model")
+    spec = spec or TiDARSpec.from_config(model.config)
+    if spec is None:
+        raise ValueError(
+            "this model's config holds no TiDAR spec: pass spec=TiDARSpec(draft_length=...), or "
+            "export a model that TiDARModule built."
+        )
     out = check_export_target(out, overwrite)
     deltas, adapted = None, 0
     if is_mask_scoped(model):
@@ -104,21 +112,25 @@ def export(
         deltas = split_mask_adapter(model, energy, layers)
     if hasattr(model, "merge_and_unload"):
         model = model.merge_and_unload()
-    model.config.block_size = block_size
-    model.config.alpha = alpha
-    model.config.mask_token_id = tokenizer.mask_token_id
-    model.config.pad_token_id = tokenizer.pad_token_id
+    adapter_fields = None
     if deltas:
         ranks = [t.shape[0] for name, t in deltas.items() if name.endswith(".lora_A")]
-        model.config.tidar_adapter = {
+        adapter_fields = {
             "scope": "masks",
             "file": adapter.ADAPTER_FILE,
             "energy": energy,
             "ranks": [min(ranks), max(ranks)],
             "layers": [len(ranks), adapted],
         }
-    if card and "base_model" in card:  # bench and quality compare against it by default
-        model.config.tidar_base_model = base_source(card["base_model"])
+    spec = dataclasses.replace(
+        spec,
+        mask_token_id=tokenizer.mask_token_id,
+        adapter=adapter_fields,
+        # bench and quality compare against it by default
+        base_model=base_source(card["base_model"]) if card and "base_model" in card else None,
+    )
+    spec.write(model.config)
+    model.config.pad_token_id = tokenizer.pad_token_id
     state = model.state_dict()
     # safetensors writes each tensor's bytes and a JSON header entry of about 100 bytes
     weights = (
@@ -135,7 +147,7 @@ def export(
             for name, text in generated_code().items():
                 (tmp / "custom_generate" / name).write_text(text)
             (tmp / "README.md").write_text(
-                model_card(out.name, model.config, block_size, alpha, card)
+                model_card(out.name, model.config, card)
             )
             small["bytes"] = sum(f.stat().st_size for f in tmp.rglob("*") if f.is_file())
             model.save_pretrained(tmp, safe_serialization=True)
@@ -159,7 +171,7 @@ def export(
 
 
 def check_export(path: str | os.PathLike) -> dict:
-    """The TiDAR fields of an export's config.json; a clear error if the folder is not one."""
+    """The TiDAR spec of an export's config.json; a clear error if the folder is not one."""
     path = Path(path)
     cfg_file = path / "config.json"
     if not cfg_file.exists():
@@ -171,19 +183,27 @@ def check_export(path: str | os.PathLike) -> dict:
     check_model_files(
         path
     )  # config.json parses, safetensors are whole: else the file and the fix, by name
-    cfg = json.loads(cfg_file.read_text())
-    missing = [f for f in TIDAR_FIELDS if f not in cfg]
-    spec = cfg.get("tidar_adapter")
-    if spec and not (path / spec["file"]).exists():
+    spec = TiDARSpec.from_config(json.loads(cfg_file.read_text()))
+    if spec is not None and spec.mask_scoped and not (path / spec.adapter["file"]).exists():
         raise FileNotFoundError(
-            f"{str(path)!r} lacks {spec['file']}, the adapter its drafts come from (config.json tidar_adapter); copy the whole export folder, or export again."
+            f"{str(path)!r} lacks {spec.adapter['file']}, the adapter its drafts come from "
+            "(config.json: tidar.adapter); copy the whole export folder, or export again."
         )
-    if missing or not (path / "custom_generate" / "generate.py").exists():
+    missing = [
+        what
+        for what, gone in (
+            ("the TiDAR fields of config.json (tidar, mask_token_id)", spec is None),
+            ("mask_token_id in config.json", spec is not None and spec.mask_token_id is None),
+            ("custom_generate/generate.py", not (path / "custom_generate" / "generate.py").exists()),
+        )
+        if gone
+    ]
+    if missing:
         raise ValueError(
-            f"{str(path)!r} is not a TiDAR export (missing {', '.join(missing) or 'custom_generate/generate.py'}); "
-            "convert it first with `make convert MODEL=...` (a plain model decodes with AR only)."
+            f"{str(path)!r} is not a TiDAR export (missing {', '.join(missing)}); convert it "
+            "first with `make convert MODEL=...` (a plain model decodes with AR only)."
         )
-    return {f: cfg[f] for f in TIDAR_FIELDS}
+    return spec
 
 
 def load(path: str | os.PathLike, **kwargs):
@@ -247,10 +267,11 @@ def tidar_active(model) -> bool:
     ):
         return False
     try:
-        params = inspect.signature(fn).parameters
+        params = set(inspect.signature(fn).parameters)
     except (TypeError, ValueError):
         return False
-    return {"tidar", "block_size", "beta"} <= set(params)
+    # exports written before 2026-12-06 name the draft length block_size
+    return {"tidar", "beta"} <= params and bool({"draft_length", "block_size"} & params)
 
 
 def custom_generate_problem(path: str | os.PathLike) -> str | None:

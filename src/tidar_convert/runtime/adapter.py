@@ -27,6 +27,7 @@ import torch
 
 from .kernels import DELTA_HOOK, LORA_A, LORA_BT, LORA_GATE
 from .panel import lora_add
+from .spec import TiDARSpec
 
 ADAPTER_FILE = "tidar_adapter.safetensors"
 GATE_ATTR = "_tidar_gate"
@@ -174,19 +175,21 @@ def attach(model, tensors: dict[str, torch.Tensor], mask_id: int) -> Gate:
 
 
 def ensure(model) -> None:
-    """Attach an export's mask-slot adapter once, if its config names one (config.tidar_adapter),
-    from the folder or hub repo the model was loaded from."""
-    spec = getattr(model.config, "tidar_adapter", None)
-    if not spec or getattr(model, GATE_ATTR, None) is not None:
+    """Attach an export's mask-slot adapter once, if its TiDAR spec names one (spec.TiDARSpec:
+    `adapter`), from the folder or hub repo the model was loaded from."""
+    tidar = TiDARSpec.from_config(model.config)
+    if tidar is None or not tidar.mask_scoped or getattr(model, GATE_ATTR, None) is not None:
         return
     from safetensors.torch import load_file
     from transformers.utils import cached_file
 
+    file = tidar.adapter["file"]
     source = getattr(model, "name_or_path", None) or getattr(model.config, "_name_or_path", None)
-    path = cached_file(source, spec["file"]) if source else None
+    path = cached_file(source, file) if source else None
     if path is None:
         raise FileNotFoundError(
-            f"this export's drafts need {spec['file']} (config.tidar_adapter), which was not found beside the model "
-            f"({source!r}); copy the whole export folder, or pass tidar=False for plain AR decoding."
+            f"this export's drafts need {file} (config.json: tidar.adapter), which was not found "
+            f"beside the model ({source!r}); copy the whole export folder, or pass tidar=False for "
+            "plain AR decoding."
         )
-    attach(model, load_file(path), model.config.mask_token_id)
+    attach(model, load_file(path), tidar.mask_token_id)

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -47,6 +48,7 @@ from .kernels import cpu_kernels
 from .kernels import resolve as resolve_kernels
 from .layout import decode_mask_mod  # noqa: F401  (imported here so a missing layout.py is named as generate.py's import)
 from .plan import Planner
+from .spec import TiDARSpec, check_draft_length
 from .verify import Greedy, Sampling, draw_seed
 
 # Under transformers' `cli` logger, so that `transformers serve --log-level info` shows it with its own lines
@@ -84,9 +86,11 @@ def binds_tidar(model) -> bool:
     ):
         return False
     try:
-        return {"tidar", "block_size", "beta"} <= set(inspect.signature(fn).parameters)
+        params = set(inspect.signature(fn).parameters)
     except (TypeError, ValueError):
         return False
+    # exports written before 2026-12-06 name the draft length block_size
+    return {"tidar", "beta"} <= params and bool({"draft_length", "block_size"} & params)
 
 
 def warn_under_continuous_batching() -> None:
@@ -199,7 +203,7 @@ class Run:
         return self.gc.max_length - self.input_ids.shape[1]
 
 
-def prepare(model, input_ids, generation_config, block_size, beta, kwargs) -> Run:
+def prepare(model, input_ids, generation_config, draft_length, beta, kwargs) -> Run:
     """Merge and check the arguments, and build the logits processors and stopping criteria, through
     transformers' own GenerationMixin helpers so every field means what it means there."""
     for name, why in REFUSED_ARGS.items():
@@ -238,10 +242,16 @@ def prepare(model, input_ids, generation_config, block_size, beta, kwargs) -> Ru
         input_ids is None and gc.bos_token_id is not None
     ):  # as transformers: no prompt -> one BOS token
         input_ids = torch.full((1, 1), gc.bos_token_id, dtype=torch.long, device=model.device)
-    k = (
-        block_size if block_size is not None else getattr(model.config, "block_size", None)
-    )  # 0 is refused, not the default
-    mask_id = getattr(model.config, "mask_token_id", None)
+    spec = TiDARSpec.from_config(model.config)
+    if spec is None or spec.mask_token_id is None:
+        raise ValueError(
+            "this model's config holds no TiDAR fields (`tidar`, `mask_token_id`): it is not a "
+            "TiDAR export. Convert it first (`make convert MODEL=...`), or pass tidar=False for "
+            "plain AR decoding."
+        )
+    # 0 is refused, not taken for the default
+    k = spec.draft_length if draft_length is None else check_draft_length(draft_length)
+    mask_id = spec.mask_token_id
     check_inputs(model, gc, input_ids, attention_mask, k, mask_id, beta)
     input_ids = (
         input_ids.long()
@@ -304,7 +314,7 @@ def generate(
     *,
     model,
     tidar: bool | None = None,
-    block_size: int | None = None,
+    draft_length: int | None = None,
     beta: float = 1.0,
     drafter: str = "hybrid",
     plan: str = "cost",
@@ -319,7 +329,7 @@ def generate(
         default): a `tidar` field of `generation_config`, else of the model's generation_config
         (generation_config.json), else True. So a server that passes a request's generation config
         (`transformers serve`: the request's `generation_config` JSON) can turn TiDAR off per request.
-    block_size: tokens per mask group (diffusion drafts); defaults to the trained `config.block_size`.
+    draft_length: tokens per mask group (diffusion drafts); defaults to the trained one (spec.TiDARSpec).
         Any value >= 2 keeps the output exact (only acceptance changes); the diffusion head is only
         trained for the trained one.
     beta: 1.0 (default) trusts AR and is exact; < 1 mixes diffusion logits into the committed token.
@@ -371,6 +381,13 @@ def generate(
     fit the verify rule is refused by name (REFUSED, REFUSED_ARGS).
     """
     input_ids = inputs if inputs is not None else kwargs.pop("input_ids", None)
+    if "block_size" in kwargs:  # the draft length's name until 2026-12-06
+        if draft_length is not None:
+            raise ValueError("pass draft_length only (block_size is its old name).")
+        warnings.warn(
+            "generate(block_size=...) is renamed draft_length=...", FutureWarning, stacklevel=2
+        )
+        draft_length = kwargs.pop("block_size")
     if tidar is None:
         tidar = next(
             (
@@ -392,7 +409,7 @@ def generate(
             return ar_generate(model, input_ids, generation_config, kwargs)
     chosen = make_drafter(drafter)
     ensure_adapter(model)  # an export trained with lora_scope='masks': its drafts' adapter, once
-    run = prepare(model, input_ids, generation_config, block_size, beta, kwargs)
+    run = prepare(model, input_ids, generation_config, draft_length, beta, kwargs)
     setting = (
         resolve_kernels(model, pack_weights),
         model.dtype,
@@ -497,15 +514,6 @@ def check_length(model, P, max_new, k) -> None:
 
 
 def check_inputs(model, gc, input_ids, attention_mask, k, mask_id, beta) -> None:
-    if mask_id is None or k is None:
-        raise ValueError(
-            "this model has no `mask_token_id`/`block_size` in its config: it is not a TiDAR export. "
-            "Convert it first (`make convert MODEL=...`), or pass tidar=False for plain AR decoding."
-        )
-    if k < 2:
-        raise ValueError(
-            f"block_size={k}: TiDAR drafts at least 2 tokens per step; use 2 or more (trained: {model.config.block_size})."
-        )
     for name, value in (("input_ids", input_ids), ("attention_mask", attention_mask)):
         if value is not None and not isinstance(value, torch.Tensor):
             raise ValueError(

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import torch
 
+from .spec import check_draft_length
+
 IGNORE_INDEX = -100
 
 
@@ -22,13 +24,13 @@ IGNORE_INDEX = -100
 # --------------------------------------------------------------------------------------------
 
 
-def train_mask_mod(seq_len: int, block_size: int, doc_ids: torch.Tensor | None = None):
+def train_mask_mod(seq_len: int, draft_length: int, doc_ids: torch.Tensor | None = None):
     """Clean half causal; masked block b sees the clean prefix before it and itself.
 
     doc_ids: (B, seq_len) document index per clean token; a query never sees another document.
     The masked slot S + i belongs to the document of clean token i.
     """
-    S, k = seq_len, block_size
+    S, k = seq_len, draft_length
 
     def mask_mod(b, h, q, kv):
         q_clean, kv_clean = q < S, kv < S
@@ -91,18 +93,22 @@ def train_labels(
     return ar, input_ids.clone()
 
 
-def check_train_shape(seq_len: int, block_size: int) -> None:
-    if block_size < 2:
+def check_train_shape(seq_len: int, draft_length: int) -> None:
+    """Training chunks are whole mask blocks: seq_len a multiple of draft_length."""
+    check_draft_length(draft_length)
+    if draft_length > seq_len:
         raise ValueError(
-            f"block_size={block_size}: TiDAR needs at least 2 tokens per block; use 2 or more (the paper uses 4, 8 or 16)."
+            f"draft_length={draft_length} is larger than seq_len={seq_len}; "
+            "lower draft_length or raise seq_len."
         )
-    if block_size > seq_len:
-        raise ValueError(
-            f"block_size={block_size} is larger than seq_len={seq_len}; lower block_size or raise seq_len."
+    if seq_len % draft_length:
+        lower, higher = (
+            seq_len - seq_len % draft_length,
+            seq_len + draft_length - seq_len % draft_length,
         )
-    if seq_len % block_size:
         raise ValueError(
-            f"seq_len={seq_len} is not a multiple of block_size={block_size}; use seq_len={seq_len - seq_len % block_size} or {seq_len + block_size - seq_len % block_size}."
+            f"seq_len={seq_len} is not a multiple of draft_length={draft_length}; "
+            f"use seq_len={lower} or {higher}."
         )
 
 
@@ -132,13 +138,13 @@ def tree_ancestors(parents) -> torch.Tensor:
 def decode_mask_mod(
     cache_len: int,
     n_causal: int,
-    block_size: int,
+    draft_length: int,
     first_group_sees,
     kv_valid: torch.Tensor | None = None,
     parents=None,
     device=None,
 ):
-    """Queries: `n_causal` causal tokens, then groups of `block_size` mask tokens.
+    """Queries: `n_causal` causal tokens, then groups of `draft_length` mask tokens.
 
     Every query sees the whole cache (minus padding). Group g sees the first `sees[g]` causal tokens
     and its own group bidirectionally, no other group; `first_group_sees` is an int (sees[g] =
@@ -157,7 +163,7 @@ def decode_mask_mod(
     device: where the mask is evaluated (default: kv_valid's, else the CPU). The tables it reads are
     put there now: a compiled FlexAttention kernel cannot move a tensor the mask_mod captured.
     """
-    C, T, k = cache_len, n_causal, block_size
+    C, T, k = cache_len, n_causal, draft_length
     device = device if device is not None else kv_valid.device if kv_valid is not None else "cpu"
     anchors = (
         None if isinstance(first_group_sees, int) else group_anchors(first_group_sees).to(device)
@@ -193,7 +199,7 @@ def decode_mask_mod(
 def decode_position_ids(
     start: torch.Tensor,
     n_causal: int,
-    block_size: int,
+    draft_length: int,
     n_groups: int,
     first_group_sees,
     parents=None,
@@ -211,7 +217,7 @@ def decode_position_ids(
         causal = (tree_ancestors(parents).sum(1) - 1).to(device)
     anchors = group_anchors(first_group_sees, n_groups).to(device)
     groups = causal[anchors - 1] + 1 if parents is not None and len(anchors) else anchors
-    groups = groups[:, None] + torch.arange(block_size, device=device)
+    groups = groups[:, None] + torch.arange(draft_length, device=device)
     return start[:, None] + torch.cat([causal, groups.flatten()])
 
 
@@ -221,7 +227,7 @@ _OWN_MASKS: dict = {}  # the (Q, Q) block among a step's own queries, by plan
 def decode_step_mask(
     cache_valid: torch.Tensor,
     n_causal: int,
-    block_size: int,
+    draft_length: int,
     anchors,
     attn_implementation: str | None,
     parents=None,
@@ -235,18 +241,18 @@ def decode_step_mask(
     the plan alone, so it is evaluated once per plan and kept."""
     B, C = cache_valid.shape
     anchors = tuple(int(a) for a in anchors)
-    Q = n_causal + len(anchors) * block_size
+    Q = n_causal + len(anchors) * draft_length
     device = cache_valid.device
     if attn_implementation == "flex_attention":
         valid = torch.cat([cache_valid, torch.ones(B, Q, dtype=torch.bool, device=device)], 1)
-        mask_mod = decode_mask_mod(C, n_causal, block_size, anchors, valid, parents)
+        mask_mod = decode_mask_mod(C, n_causal, draft_length, anchors, valid, parents)
         if local is not None:
             return local.masks(
                 attn_implementation, mask_mod=mask_mod, shape=(B, Q, C + Q), device=device
             )
         return to_block_mask(mask_mod, B, Q, C + Q, device=device)
     parents = None if parents is None else tuple(int(p) for p in parents)
-    key = (n_causal, block_size, anchors, parents, str(device))
+    key = (n_causal, draft_length, anchors, parents, str(device))
     own = _OWN_MASKS.get(key)
     if own is None:
         if (
@@ -254,7 +260,7 @@ def decode_step_mask(
         ):  # plans vary with draft length and anchors; keep the memory bounded
             _OWN_MASKS.clear()
         own = _OWN_MASKS[key] = to_dense(
-            decode_mask_mod(0, n_causal, block_size, anchors, parents=parents, device=device),
+            decode_mask_mod(0, n_causal, draft_length, anchors, parents=parents, device=device),
             1,
             Q,
             Q,

@@ -109,7 +109,7 @@ class Planner:
             raise ValueError(f"plan={mode!r}: choose 'cost', 'adaptive' or 'full'.")
         if slot_budget is not None and slot_budget < 1 + k:
             raise ValueError(
-                f"slot_budget={slot_budget}: a step needs at least 1 + block_size = {1 + k} query slots."
+                f"slot_budget={slot_budget}: a step needs at least 1 + draft_length = {1 + k} query slots."
             )
         if siblings < 0:
             raise ValueError(

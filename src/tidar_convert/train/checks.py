@@ -55,7 +55,7 @@ def check_out_beside_run(out: str, root: str) -> None:
         )
 
 
-def check_model(model, seq_len: int | None = None, block_size: int | None = None) -> None:
+def check_model(model, seq_len: int | None = None, draft_length: int | None = None) -> None:
     """Refuse a model TiDAR cannot convert from its config alone, before greedy documents, data or
     weights (`tidar-convert check` says the same, with the mechanisms and the memory it needs)."""
     from tidar_convert.models.families import require
@@ -64,8 +64,8 @@ def check_model(model, seq_len: int | None = None, block_size: int | None = None
 
     config = read_config(model)
     require(config)
-    if seq_len and block_size:
-        check_positions(seq_len, block_size, config)
+    if seq_len and draft_length:
+        check_positions(seq_len, draft_length, config)
     # Sliding windows and chunks are applied by the layout, by position (layout.Local); GPT-Neo's local
     # layers apply theirs by index inside the model, which the mask half's indices would break.
     window = getattr(config, "window_size", None)

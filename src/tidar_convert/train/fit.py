@@ -152,13 +152,13 @@ class TiDARCLI(LightningCLI):
             if model is not None and data is not None:
                 from tidar_convert.runtime.layout import check_train_shape
 
-                check_train_shape(data.seq_len, model.block_size)
+                check_train_shape(data.seq_len, model.draft_length)
             if data is not None:
                 check_data(data)
             check_model(
                 model.get("model") if model is not None else None,
                 data.get("seq_len") if data is not None else None,
-                model.get("block_size") if model is not None else None,
+                model.get("draft_length") if model is not None else None,
             )
         else:
             from tidar_convert.train import settings
@@ -267,8 +267,7 @@ class TiDARCLI(LightningCLI):
                     model,
                     m.tokenizer,
                     cfg.out,
-                    m.block_size,
-                    m.alpha,
+                    m.spec,
                     overwrite=bool(cfg.get("overwrite")),
                     card=card,
                 )

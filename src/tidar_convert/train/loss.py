@@ -36,13 +36,13 @@ def check_anchor(anchor_weight: float) -> None:
         )
 
 
-def check_offset_weights(weights: Sequence[float] | None, block_size: int) -> None:
+def check_offset_weights(weights: Sequence[float] | None, draft_length: int) -> None:
     if weights is None:
         return
-    if len(weights) != block_size or min(weights) < 0 or not sum(weights) > 0:
+    if len(weights) != draft_length or min(weights) < 0 or not sum(weights) > 0:
         raise ValueError(
-            f"diff_offset_weights={list(weights)}: give one weight >= 0 per position of a block (block_size={block_size}: "
-            f"{block_size} numbers), not all 0, e.g. {[1.0] * block_size} (uniform, the default)."
+            f"diff_offset_weights={list(weights)}: give one weight >= 0 per position of a block (draft_length={draft_length}: "
+            f"{draft_length} numbers), not all 0, e.g. {[1.0] * draft_length} (uniform, the default)."
         )
 
 
@@ -51,7 +51,7 @@ def hybrid_loss(
     ar_labels: torch.Tensor,
     diff_labels: torch.Tensor,
     alpha: float,
-    block_size: int,
+    draft_length: int,
     distill_weight: float = 0.0,
     distill_temperature: float = 1.0,
     teacher_logits: torch.Tensor | None = None,
@@ -93,7 +93,7 @@ def hybrid_loss(
     if alpha < 0:
         raise ValueError(f"alpha={alpha}: the AR weight must be >= 0 (the paper uses 1.0).")
     check_distill(distill_weight, distill_temperature)
-    check_offset_weights(offset_weights, block_size)
+    check_offset_weights(offset_weights, draft_length)
     check_anchor(anchor_weight)
     if anchor_weight > 0 and anchor_logits is None:
         raise ValueError(
@@ -115,7 +115,7 @@ def hybrid_loss(
         reduction="none",
     ).view_as(diff_labels)
     valid = diff_labels != IGNORE_INDEX
-    offset = torch.arange(S, device=logits.device) % block_size
+    offset = torch.arange(S, device=logits.device) % draft_length
     loss_diff = mean_over(hard, valid.float())
     # The objective's per-slot weights: the offset's weight on valid slots (plain validity when uniform).
     slot_w = (
@@ -158,10 +158,10 @@ def hybrid_loss(
         correct = (diff_pred == diff_labels).float()
         agree = torch.zeros_like(correct)
         agree[:, 1:] = (diff_pred[:, 1:] == ar_logits[:, :-1].argmax(-1)).float()
-        for i in range(block_size):
+        for i in range(draft_length):
             sel = valid[:, offset == i].float()
             out[f"acc_diff_{i}"] = (correct[:, offset == i] * sel).sum() / sel.sum().clamp(min=1)
-        for i in range(block_size):
+        for i in range(draft_length):
             sel = has_teacher[:, offset == i].float()
             out[f"agree_ar_{i}"] = (agree[:, offset == i] * sel).sum() / sel.sum().clamp(min=1)
     return out

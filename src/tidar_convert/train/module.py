@@ -11,6 +11,7 @@ import torch
 
 from tidar_convert.models.lora import add_lora, check_scope
 from tidar_convert.runtime import layout
+from tidar_convert.runtime.spec import TiDARSpec
 from tidar_convert.train.loss import check_distill, check_offset_weights, hybrid_loss
 
 OptimizerCallable = Callable[[Iterable], torch.optim.Optimizer]
@@ -21,15 +22,15 @@ def adamw(params):
     return torch.optim.AdamW(params, lr=1e-5, weight_decay=0.0)
 
 
-def check_positions(seq_len: int, block_size: int, config) -> None:
+def check_positions(seq_len: int, draft_length: int, config) -> None:
     """Refuse training chunks longer than the base model's positions: the clean half takes positions
     0..seq_len-1 and the mask half repeats them, so seq_len itself is the limit."""
     positions = getattr(config, "max_position_embeddings", None)
     if positions and seq_len > positions:
-        fits = positions - positions % block_size
+        fits = positions - positions % draft_length
         raise ValueError(
             f"--data.seq_len {seq_len} is longer than the base model's {positions} positions (max_position_embeddings in its config.json): "
-            f"tokens past them have positions the model never learned; pass --data.seq_len {fits} or less (a multiple of block_size {block_size})."
+            f"tokens past them have positions the model never learned; pass --data.seq_len {fits} or less (a multiple of draft_length {draft_length})."
         )
 
 
@@ -37,7 +38,7 @@ class TiDARModule(L.LightningModule):
     def __init__(
         self,
         model: str | None = None,
-        block_size: int = 4,
+        draft_length: int = 4,
         alpha: float = 1.0,
         optimizer: OptimizerCallable | None = None,
         warmup_ratio: float = 0.01,
@@ -50,7 +51,7 @@ class TiDARModule(L.LightningModule):
         distill_weight: float = 0.0,
         distill_temperature: float = 1.0,
         teacher: str = "self",
-        val_decode_block_size: int | None = None,
+        val_decode_draft_length: int | None = None,
         diff_offset_weights: list[float] | None = None,
         anchor_weight: float = 0.0,
         lora_scope: str = "all",
@@ -58,7 +59,7 @@ class TiDARModule(L.LightningModule):
         """
         Args:
             model: base checkpoint: hub id, local folder or .gguf file; None = embedded SmolLM2-135M-Instruct.
-            block_size: k, tokens drafted per step (and the size of each masked training block).
+            draft_length: k, tokens drafted per step (and the size of each masked training block).
             alpha: weight of the AR loss: L = (alpha * L_AR + L_Diff) / (1 + alpha).
             optimizer: optimizer factory (YAML: class_path torch.optim.AdamW, init_args lr ...);
                 None = `adamw` (AdamW, lr 1e-5, no weight decay).
@@ -77,9 +78,9 @@ class TiDARModule(L.LightningModule):
             teacher: 'self' = this forward's own AR half (no extra forward); 'base' = the frozen base model
                 (adapters disabled, one extra no-grad causal forward of the clean half), so the student's drift
                 cannot move the target. 'base' needs LoRA (lora_r > 0).
-            val_decode_block_size: k used by the `val/tokens_per_nfe` decoding (None = block_size). Set it to
-                compare runs trained at different block sizes at the same decode k (train at 8, decode at 4).
-            diff_offset_weights: one weight per position in a block (block_size numbers) for the diffusion
+            val_decode_draft_length: k used by the `val/tokens_per_nfe` decoding (None = draft_length). Set it to
+                compare runs trained at different draft lengths at the same decode k (train at 8, decode at 4).
+            diff_offset_weights: one weight per position in a block (draft_length numbers) for the diffusion
                 loss; None = uniform (the paper). Decoding drafts from offsets 1..k-1 only (offset 0 sits where
                 the AR token goes) and draft 1 gates the acceptance of the others, so the spread is a lever.
             anchor_weight: a in [0, 1]; the AR term becomes (1 - a) * L_AR + a * KL(base || AR): the AR half is
@@ -113,7 +114,7 @@ class TiDARModule(L.LightningModule):
             raise ValueError(
                 f"{given} with --model.distill_weight 0: they apply to the distillation term, which is off; set --model.distill_weight > 0 (e.g. 1.0), or leave them out."
             )
-        check_offset_weights(diff_offset_weights, block_size)
+        check_offset_weights(diff_offset_weights, draft_length)
         if anchor_weight > 0 and lora_r <= 0:
             raise ValueError(
                 f"anchor_weight={anchor_weight} with lora_r={lora_r}: the base-model anchor needs LoRA (the base is the weights with the adapters off); set lora_r > 0 (e.g. 64), or anchor_weight 0."
@@ -148,7 +149,9 @@ class TiDARModule(L.LightningModule):
             self.config, "cuda" if torch.cuda.is_available() else "cpu"
         )
         self.model = None
-        self.block_size, self.alpha, self.optimizer_factory = block_size, alpha, optimizer or adamw
+        # What makes the model a TiDAR model, written on its config in _prepare (and so exported)
+        self.spec = TiDARSpec(draft_length, self.tokenizer.mask_token_id, alpha)
+        self.optimizer_factory = optimizer or adamw
         self.warmup_ratio, self.min_lr_ratio, self.val_decode_prompts = (
             warmup_ratio,
             min_lr_ratio,
@@ -159,7 +162,7 @@ class TiDARModule(L.LightningModule):
             distill_temperature,
             teacher,
         )
-        self.val_decode_block_size = val_decode_block_size or block_size
+        self.val_decode_draft_length = val_decode_draft_length or draft_length
         self.diff_offset_weights, self.anchor_weight = diff_offset_weights, anchor_weight
 
     def configure_model(self) -> None:
@@ -221,8 +224,7 @@ class TiDARModule(L.LightningModule):
 
     def _prepare(self, model):
         """TiDAR settings, gradient checkpointing and LoRA on a freshly loaded (or meta) base model."""
-        model.config.block_size = self.block_size
-        model.config.alpha = self.alpha
+        self.spec.write(model.config)
         if self.hparams.gradient_checkpointing:
             model.gradient_checkpointing_enable()
         if self.hparams.lora_r > 0:
@@ -250,8 +252,8 @@ class TiDARModule(L.LightningModule):
     def setup(self, stage: str) -> None:
         dm = getattr(self.trainer, "datamodule", None) if self._trainer is not None else None
         if dm is not None:
-            layout.check_train_shape(dm.seq_len, self.block_size)
-            check_positions(dm.seq_len, self.block_size, self.config)
+            layout.check_train_shape(dm.seq_len, self.spec.draft_length)
+            check_positions(dm.seq_len, self.spec.draft_length, self.config)
             dm.tokenizer, dm.base_model = (
                 self.tokenizer,
                 self.hparams.model or "default",
@@ -303,8 +305,8 @@ class TiDARModule(L.LightningModule):
         learn to predict (self-distilled text with --data.greedy_ar_loss false): they train the diffusion
         half only."""
         B, S = input_ids.shape
-        layout.check_train_shape(S, self.block_size)
-        mask_mod = layout.train_mask_mod(S, self.block_size, doc_ids)
+        layout.check_train_shape(S, self.spec.draft_length)
+        mask_mod = layout.train_mask_mod(S, self.spec.draft_length, doc_ids)
         inputs = layout.train_inputs(input_ids, self.model.config.mask_token_id)
         positions = layout.train_position_ids(input_ids, doc_ids)
         if self.split_halves:
@@ -330,8 +332,8 @@ class TiDARModule(L.LightningModule):
             logits,
             ar_labels,
             diff_labels,
-            self.alpha,
-            self.block_size,
+            self.spec.alpha,
+            self.spec.draft_length,
             self.distill_weight,
             self.distill_temperature,
             base_logits if base_teacher else None,
@@ -397,7 +399,7 @@ class TiDARModule(L.LightningModule):
         positions = layout.train_position_ids(input_ids, doc_ids)[:, :S]
         local = layout.Local.of(self.model.config, positions)
         mask = layout.build_mask(
-            layout.train_mask_mod(S, self.block_size, doc_ids),
+            layout.train_mask_mod(S, self.spec.draft_length, doc_ids),
             B,
             S,
             S,
@@ -466,7 +468,7 @@ class TiDARModule(L.LightningModule):
                 max_new_tokens=new_tokens,
                 do_sample=False,
                 eos_token_id=None,
-                block_size=self.val_decode_block_size,
+                draft_length=self.val_decode_draft_length,
                 drafter="diffusion",
                 plan="full",
             )

@@ -14,6 +14,8 @@ from pathlib import Path
 import yaml
 from lightning.pytorch.cli import LightningArgumentParser
 
+from tidar_convert.train.resume import RENAMED
+
 
 def config_files(args: list[str]) -> list[str]:
     """The files given to --config / -c on a command line."""
@@ -115,7 +117,7 @@ def known_keys(parser) -> list[str]:
 
 
 def suggestion(message: str, keys: list[str]) -> str:
-    """'; did you mean --model.block_size?' for the first unknown name in an argparse or
+    """'; did you mean --model.draft_length?' for the first unknown name in an argparse or
     jsonargparse message that is close to a known one ('' where none is)."""
     for pattern in (
         r"unrecognized arguments: (--[\w.-]+)",
@@ -125,6 +127,9 @@ def suggestion(message: str, keys: list[str]) -> str:
         m = re.search(pattern, message)
         if m:
             name = "--" + m.group(1).lstrip("-")
+            group, _, key = name.rpartition(".")
+            if key in RENAMED:  # a recipe or a command written before the rename
+                return f"; {name} is now {group}.{RENAMED[key]} (renamed 2026-12-06)"
             close = difflib.get_close_matches(name, keys, n=1, cutoff=0.75)
             return f"; did you mean {close[0]}?" if close else ""
     m = re.search(r"Option '(\w+)' is not accepted.*class_path='([\w.]+)'", message)

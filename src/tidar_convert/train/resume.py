@@ -15,11 +15,25 @@ MODEL_FREE = {
     "warmup_ratio",
     "min_lr_ratio",
     "val_decode_prompts",
-    "val_decode_block_size",
+    "val_decode_draft_length",
     "gradient_checkpointing",
     "attn_implementation",
 }
 DATA_FREE = {"val_batches"}
+# Hyper-parameters renamed since checkpoints were first written: old name -> new.
+RENAMED = {"block_size": "draft_length", "val_decode_block_size": "val_decode_draft_length"}
+
+
+def migrate(hparams: dict) -> dict:
+    """A checkpoint's hyper-parameters under today's names (a checkpoint from before 2026-12-06
+    says block_size). Lightning drops names TiDARModule does not take without a word, so a k = 8
+    checkpoint would load as the default k = 4: every reader of hyper-parameters goes through here."""
+    out = dict(hparams)
+    for old, new in RENAMED.items():
+        if old in out:
+            value = out.pop(old)
+            out.setdefault(new, value)
+    return out
 
 
 def resolve(cfg) -> Path | None:
@@ -47,7 +61,7 @@ def check_settings(path: Path, cfg) -> list[str]:
         _compare(
             "model",
             _plain(model),
-            saved.get("hyper_parameters") or {},
+            migrate(saved.get("hyper_parameters") or {}),
             MODEL_FREE,
             changed,
             refused,

@@ -3,7 +3,7 @@
 `fit` and `validate` check the whole parsed config here before anything is instantiated (no model,
 tokenizer or data is read yet); TiDARModule and TiDARData check their own group with the same table,
 so the Python API refuses the same values with the same words. Rules that tie settings together
-(an anchor needs LoRA, seq_len a multiple of block_size) stay with the code they concern.
+(an anchor needs LoRA, seq_len a multiple of draft_length) stay with the code they concern.
 """
 
 from __future__ import annotations
@@ -11,6 +11,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from typing import Any, Mapping
+
+from tidar_convert.runtime.spec import check_draft_length
 
 
 @dataclass(frozen=True)
@@ -61,7 +63,6 @@ def _share(**kw) -> Range:  # a fraction of something, both ends allowed
 
 
 MODEL = {
-    "block_size": _int(2, why="tokens drafted per step; the paper uses 4, 8 or 16"),
     "alpha": Range(lo=0, why="the AR loss weight; the paper uses 1.0"),
     "warmup_ratio": Range(lo=0, hi=1, hi_open=True, why="the share of max_steps spent warming up"),
     "min_lr_ratio": _share(why="the cosine decay ends at lr x min_lr_ratio; the paper's is 0.3"),
@@ -70,7 +71,6 @@ MODEL = {
     "val_decode_prompts": _int(0, why="held-out prompts decoded at each validation; 0 = off"),
     "distill_weight": _share(why="0 = hard labels only, 1 = AR soft targets only"),
     "distill_temperature": Range(lo=0, lo_open=True, why="1 = the AR distribution as is"),
-    "val_decode_block_size": _int(2, none=True, why="null = block_size"),
     "anchor_weight": _share(why="0 = the AR half learns the text"),
 }
 DATA = {
@@ -111,6 +111,7 @@ OPTIMIZER = {
     "momentum": Range(lo=0, hi=1, hi_open=True),
 }
 GROUPS = {"model": MODEL, "data": DATA, "trainer": TRAINER}
+DRAFT_LENGTHS = ("draft_length", "val_decode_draft_length")  # model settings checked by the spec
 
 
 def out_of_range(flag: str, value, rule: Range) -> ValueError:
@@ -123,6 +124,10 @@ def check_group(group: str, values: Mapping[str, Any]) -> None:
     for name, rule in GROUPS[group].items():
         if name in values and not rule.holds(values[name]):
             raise out_of_range(f"--{group}.{name}", values[name], rule)
+    if group == "model":  # the draft length has one check, the TiDAR spec's
+        for name in DRAFT_LENGTHS:
+            if values.get(name) is not None:
+                check_draft_length(values[name], f"--model.{name}")
     if group == "model" and values.get("diff_offset_weights") is not None:
         weights = values["diff_offset_weights"]
         if not all(isinstance(w, (int, float)) and math.isfinite(w) for w in weights):
@@ -182,7 +187,7 @@ def check_config(cfg) -> None:
     for group, table in GROUPS.items():
         section = cfg.get(group)
         if section is not None:
-            keys = (*table, *BATCHES, "diff_offset_weights")
+            keys = (*table, *BATCHES, *DRAFT_LENGTHS, "diff_offset_weights")
             check_group(group, {k: section.get(k) for k in keys if k in section})
     if cfg.get("model") is not None:
         check_optimizer(cfg.model.get("optimizer"))
