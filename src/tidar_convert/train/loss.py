@@ -211,9 +211,10 @@ def distill_per_slot(
     KL rather than cross-entropy: the two differ by the teacher's entropy, a constant for the
     student, so the gradients are the same; KL is 0 exactly when the diffusion head reproduces the
     teacher, so `loss_distill` reads the same at every temperature and along training (CE would
-    carry the teacher's own, varying, entropy). Only the teacher is tempered: the student keeps T = 1, the
-    distribution decoding drafts from, so T -> 0 gives plain CE on the AR argmax (greedy acceptance)
-    and T = 1 matches the AR distribution itself (what sampling verification accepts against).
+    carry the teacher's own, varying, entropy). Only the teacher is tempered: the student keeps
+    T = 1, the distribution decoding drafts from, so T -> 0 gives plain CE on the AR argmax (greedy
+    acceptance) and T = 1 matches the AR distribution itself (what sampling verification accepts
+    against).
     """
     valid = diff_labels != IGNORE_INDEX
     logq = diff_logits.float().log_softmax(-1)
