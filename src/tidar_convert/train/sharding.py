@@ -5,8 +5,9 @@ device mesh; the module calls `build_sharded` there. Every rank builds the model
 (no memory), shards each decoder layer and the root with `fully_shard`, and receives only its shard
 of the weights, broadcast from rank 0. Rank 0 alone reads the checkpoint, in the checkpoint's own
 dtype (bf16 for the Qwen models: half of float32); the other ranks only ever hold their shard.
-Measured (a 1.0 GiB float32 llama saved in bf16, 2 ranks): configure_model adds 1.03 GiB to rank 0's
-peak RSS and 0.53 GiB to rank 1's, against 1.51 GiB for one process loading it whole.
+So configure_model adds to rank 0's peak RSS about the checkpoint (in its own dtype) and rank 0's
+shard, and to the other ranks' only their shard, against the checkpoint and the whole model for one
+process loading it whole.
 """
 
 from __future__ import annotations
