@@ -19,8 +19,8 @@ Sources (`TiDARData(source=...)`):
   not exist is refused, never looked up on the hub; `check_sources` checks a list before any work.
 
 Documents are streamed and tokenized on the fly, so a 20-step run reads 20 steps of data. One
-document in about every `val_every` goes to validation, chosen by a hash of its text (`is_validation`):
-never to training, whatever the mix or the number of ranks and workers.
+document in about every `val_every` goes to validation, chosen by a hash of its text
+(`is_validation`): never to training, whatever the mix or the number of ranks and workers.
 """
 
 from __future__ import annotations
@@ -125,23 +125,25 @@ class TiDARData(L.LightningDataModule):
             name: hub dataset configuration name.
             split: hub dataset split.
             seed: order of the stdlib files and of the shuffle buffer.
-            shuffle_buffer: training chunks drawn at random from a buffer of this many (0 = in order).
+            shuffle_buffer: training chunks drawn at random from a buffer of this many
+                (0 = in order).
             greedy_docs: mix in this many documents made of a real prompt (32 tokens of a training
-                document) and the base model's own greedy continuation (self-distillation; made once,
-                by rank 0, and cached; see `tidar_convert.train.distill`). 0 = none.
+                document) and the base model's own greedy continuation (self-distillation; made
+                once, by rank 0, and cached; see `tidar_convert.train.distill`). 0 = none.
             greedy_new_tokens: length of each greedy continuation.
             greedy_corpus: take the greedy documents (the first greedy_docs) from this file, written
                 by `tidar-convert distill` with the same val_every, instead of generating them.
             greedy_share: the greedy documents' share of the training text, in [0, 1], while they
                 last (the other sources share the rest equally); None = an equal share with each
                 source. Raise greedy_docs to make them last the whole run.
-            greedy_ar_loss: False = greedy tokens train the diffusion loss only, never as AR targets,
-                so the AR half is not sharpened toward its own greedy loops.
+            greedy_ar_loss: False = greedy tokens train the diffusion loss only, never as AR
+                targets, so the AR half is not sharpened toward its own greedy loops.
             greedy_dtype: float32, bfloat16 or float16 weights for generating the greedy documents.
             num_workers: DataLoader workers (0 = tokenize in the training process).
         """
         super().__init__()
-        # in every checkpoint (datamodule_hyper_parameters): a resumed run is refused other data (resume.py)
+        # in every checkpoint (datamodule_hyper_parameters): a resumed run is refused other data
+        # (resume.py)
         self.save_hyperparameters()
         from tidar_convert.train.settings import check_group
 
@@ -151,7 +153,8 @@ class TiDARData(L.LightningDataModule):
             raise ValueError("source=[]: name at least one data source, e.g. 'stdlib'.")
         if not text_field:
             raise ValueError(
-                f"text_field={text_field!r}: name the field of each json/parquet/hub row that holds its text (the default is text), e.g. --data.text_field text."
+                f"text_field={text_field!r}: name the field of each json/parquet/hub row that "
+                "holds its text (the default is text), e.g. --data.text_field text."
             )
         self.seq_len, self.batch_size, self.val_every, self.val_batches = (
             seq_len,
@@ -178,24 +181,23 @@ class TiDARData(L.LightningDataModule):
             greedy_ar_loss,
             greedy_dtype,
         )
-        self.base_model = (
-            None  # the base model's name, set by the module: it writes the greedy documents
-        )
+        # the base model's name, set by the module: it writes the greedy documents
+        self.base_model = None
         self.tokenizer = None  # set by the module (it owns the tokenizer with the mask token)
-        if (
-            greedy_corpus and greedy_docs == 0
-        ):  # the corpus would never be read: refuse, after checking it
-            rows = check_corpus(
-                greedy_corpus, val_every, 0
-            )  # a missing or foreign file is named first
+        # the corpus would never be read: refuse, after checking it
+        if greedy_corpus and greedy_docs == 0:
+            # a missing or foreign file is named first
+            rows = check_corpus(greedy_corpus, val_every, 0)
             raise ValueError(
-                f"--data.greedy_corpus {greedy_corpus!r} with --data.greedy_docs 0: none of its {rows} documents would be trained on; "
-                f"set --data.greedy_docs to how many to mix in (at most {rows}), or leave out --data.greedy_corpus."
+                f"--data.greedy_corpus {greedy_corpus!r} with --data.greedy_docs 0: none of its "
+                f"{rows} documents would be trained on; "
+                f"set --data.greedy_docs to how many to mix in (at most {rows}), "
+                "or leave out --data.greedy_corpus."
             )
 
     def check_greedy_corpus(self) -> None:
-        """Refuse a --data.greedy_corpus this run cannot train on (see greedy.check_corpus), once the
-        base model is known: the module calls this in setup, before any weight is loaded."""
+        """Refuse a --data.greedy_corpus this run cannot train on (see greedy.check_corpus), once
+        the base model is known: the module calls this in setup, before any weight is loaded."""
         if self.greedy_corpus and self.greedy_docs > 0:
             check_corpus(self.greedy_corpus, self.val_every, self.greedy_docs, self.base_model)
 
@@ -237,7 +239,8 @@ class TiDARData(L.LightningDataModule):
 
     def _greedy_path(self) -> str:
         """The greedy corpus to read: the given --data.greedy_corpus, or fit's cached one, which
-        `distill.corpus_for_data` has made before training starts (this class never loads a model)."""
+        `distill.corpus_for_data` has made before training starts (this class never loads a
+        model)."""
         if self.greedy_corpus:
             check_corpus(self.greedy_corpus, self.val_every, self.greedy_docs, self.base_model)
             return str(Path(self.greedy_corpus).expanduser().absolute())
@@ -256,8 +259,10 @@ class TiDARData(L.LightningDataModule):
         )
         if not path.is_file():
             raise FileNotFoundError(
-                f"--data.greedy_docs {self.greedy_docs}: the greedy corpus {path} has not been made; `fit` makes it before training "
-                "(tidar_convert.train.distill.corpus_for_data(trainer, datamodule)), or make one with `tidar-convert distill` and pass --data.greedy_corpus."
+                f"--data.greedy_docs {self.greedy_docs}: the greedy corpus {path} has not been "
+                "made; `fit` makes it before training "
+                "(tidar_convert.train.distill.corpus_for_data(trainer, datamodule)), "
+                "or make one with `tidar-convert distill` and pass --data.greedy_corpus."
             )
         return str(path)
 

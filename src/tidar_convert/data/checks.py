@@ -65,9 +65,9 @@ def check_sources(
     )
     if text_field != "text" and not rows:
         raise ValueError(
-            f"--data.text_field {text_field}: it names the field of json, parquet and hub rows, and no "
-            f"data source has rows ({', '.join(map(str, sources))}: one document per text file); "
-            "leave it out."
+            f"--data.text_field {text_field}: it names the field of json, parquet and hub rows, "
+            f"and no data source has rows ({', '.join(map(str, sources))}: "
+            "one document per text file); leave it out."
         )
     if not hub_ids and (name is not None or split != "train"):
         given = " ".join(
@@ -76,7 +76,8 @@ def check_sources(
             if v not in (None, "train")
         )
         raise ValueError(
-            f"{given}: these choose a configuration and split of a hub dataset, and no data source is one "
+            f"{given}: these choose a configuration and split of a hub dataset, "
+            "and no data source is one "
             f"({', '.join(map(str, sources))}); leave them out, or choose the file that holds that "
             "split."
         )

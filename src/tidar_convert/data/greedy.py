@@ -1,4 +1,5 @@
-"""The greedy-document side of the data: the settings checked, and the corpus file the DataModule reads."""
+"""The greedy-document side of the data: the settings checked, and the corpus file the DataModule
+reads."""
 
 from __future__ import annotations
 
@@ -8,9 +9,8 @@ from pathlib import Path
 
 from tidar_convert.models.loading import cache_dir, same_model
 
-MADE_BY = (
-    "tidar-convert distill"  # in every row: what marks a file as a corpus this tool may replace
-)
+# in every row: what marks a file as a corpus this tool may replace
+MADE_BY = "tidar-convert distill"
 DTYPES = ("float32", "bfloat16", "float16")
 PROMPT_TOKENS = 32  # tokens of a training document that start each of fit's greedy documents
 
@@ -22,11 +22,13 @@ def check_greedy(greedy_docs: int, greedy_share: float | None, greedy_dtype: str
         )
     if greedy_share is not None and not 0 <= greedy_share <= 1:
         raise ValueError(
-            f"greedy_share={greedy_share}: must be in [0, 1] (the greedy documents' share of the training text), or null for an equal share."
+            f"greedy_share={greedy_share}: must be in [0, 1] (the greedy documents' share of the "
+            "training text), or null for an equal share."
         )
     if greedy_share and greedy_docs == 0:
         raise ValueError(
-            f"greedy_share={greedy_share} with greedy_docs=0: there are no greedy documents to mix in; set --data.greedy_docs (e.g. 384)."
+            f"greedy_share={greedy_share} with greedy_docs=0: there are no greedy documents to mix "
+            "in; set --data.greedy_docs (e.g. 384)."
         )
     if greedy_dtype not in DTYPES:
         raise ValueError(f"greedy_dtype={greedy_dtype!r}: use one of {', '.join(DTYPES)}.")
@@ -47,31 +49,40 @@ def check_corpus(path: str, val_every: int, n_docs: int, model: str | None = Non
     is missing, was not written by `distill`, was split with another val_every, is too short, or
     (given the run's base `model`; None = not known) was written by another base model, whose greedy
     text is not what this model's drafts are verified against."""
-    fix = f"make one with `tidar-convert distill --model {model or 'M'} --sources ... --val_every {val_every} --out {path}`"
+    fix = (
+        f"make one with `tidar-convert distill --model {model or 'M'} --sources ... "
+        f"--val_every {val_every} --out {path}`"
+    )
     if not Path(path).is_file():
         raise FileNotFoundError(f"--data.greedy_corpus {path!r} does not exist; {fix}.")
     first = first_row(path)
     if first is None or first.get("made_by") != MADE_BY:
         raise ValueError(
-            f"--data.greedy_corpus {path!r} was not written by `tidar-convert distill`, so nothing says its prompts are training documents; {fix}."
+            f"--data.greedy_corpus {path!r} was not written by `tidar-convert distill`, so nothing "
+            f"says its prompts are training documents; {fix}."
         )
     if first.get("val_every") != val_every:
         raise ValueError(
-            f"--data.greedy_corpus {path!r} took its prompts from a split with val_every={first.get('val_every')}, and this run holds out "
-            f"documents with val_every={val_every}: some prompts could be this run's validation documents. Pass --data.val_every "
+            f"--data.greedy_corpus {path!r} took its prompts from a split with "
+            f"val_every={first.get('val_every')}, and this run holds out "
+            f"documents with val_every={val_every}: some prompts could be this run's validation "
+            "documents. Pass --data.val_every "
             f"{first.get('val_every')}, or {fix}."
         )
     made_by = first.get("model")
     if model is not None and made_by is not None and not same_model(made_by, model):
         raise ValueError(
-            f"--data.greedy_corpus {path!r} holds the greedy text of the base model {made_by!r}, and this run trains {model!r}: "
-            f"its drafts would learn another model's text, which verification then rejects; pass --model.model {made_by}, or {fix}."
+            f"--data.greedy_corpus {path!r} holds the greedy text of the base model {made_by!r}, "
+            f"and this run trains {model!r}: "
+            "its drafts would learn another model's text, which verification then rejects; "
+            f"pass --model.model {made_by}, or {fix}."
         )
     with open(path, encoding="utf-8") as f:
         rows = sum(1 for line in f if line.strip())
     if rows < n_docs:
         raise ValueError(
-            f"--data.greedy_corpus {path!r} holds {rows} documents and --data.greedy_docs asks for {n_docs}; lower --data.greedy_docs to {rows}, or make a larger corpus."
+            f"--data.greedy_corpus {path!r} holds {rows} documents and --data.greedy_docs asks "
+            f"for {n_docs}; lower --data.greedy_docs to {rows}, or make a larger corpus."
         )
     return rows
 
@@ -89,7 +100,8 @@ def cache_path(
     seed: int,
     dtype: str,
 ) -> Path:
-    """Where `fit` keeps the corpus of these settings: computed alike on every rank, without the model."""
+    """Where `fit` keeps the corpus of these settings: computed alike on every rank, without the
+    model."""
     key = json.dumps(
         [
             model or "default",

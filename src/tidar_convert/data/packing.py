@@ -1,4 +1,5 @@
-"""Documents into training chunks: tokenized, packed with doc ids, shuffled, and split by content hash."""
+"""Documents into training chunks: tokenized, packed with doc ids, shuffled, and split by content
+hash."""
 
 from __future__ import annotations
 
@@ -60,7 +61,8 @@ def pack_marked(
 
 
 def shuffled(items, buffer: int, seed: int):
-    """Yield items from a random buffer: one long file would otherwise fill hundreds of steps in a row."""
+    """Yield items from a random buffer: one long file would otherwise fill hundreds of steps in a
+    row."""
     rng = random.Random(seed)
     pool = []
     for item in items:
@@ -71,14 +73,15 @@ def shuffled(items, buffer: int, seed: int):
     yield from pool
 
 
-# "stdlib-heldout" is the validation part at this val_every: a document held out at 50 is held out at
-# every divisor of 50 too (hash % 50 == 0 implies hash % d == 0), so no recipe with such a
+# "stdlib-heldout" is the validation part at this val_every: a document held out at 50 is held out
+# at every divisor of 50 too (hash % 50 == 0 implies hash % d == 0), so no recipe with such a
 # val_every trains on it.
 STDLIB_HELDOUT_EVERY = 50
 
 
 def is_validation(text: str, val_every: int) -> bool:
     """A document is held out by its own content (a stable hash), never by its position in a stream:
-    the same text is on the same side whatever the source order, the mix, or the process reading it."""
+    the same text is on the same side whatever the source order, the mix, or the process reading
+    it."""
     digest = hashlib.blake2b(text.encode("utf-8", "surrogatepass"), digest_size=8).digest()
     return int.from_bytes(digest, "little") % val_every == 0

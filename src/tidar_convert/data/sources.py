@@ -135,9 +135,8 @@ def iter_documents(
         source = str(prose_corpus() / source.split("-")[1])
     if source in ("stdlib", "stdlib-heldout"):
         files = stdlib_files()
-        random.Random(seed).shuffle(
-            files
-        )  # mix modules instead of reading the stdlib alphabetically
+        # mix modules instead of reading the stdlib alphabetically
+        random.Random(seed).shuffle(files)
         streams = [(_text_rows(files), "text", None)]
         if source == "stdlib-heldout":
             streams = [
@@ -224,8 +223,8 @@ def _check_source_name(source: str) -> None:
     hub), or a name that cannot be a hub dataset id either."""
     if not source.strip():
         raise ValueError(
-            f"data source {source!r} is empty (an unset shell variable?); name a file, a folder, a hub "
-            "dataset or stdlib, e.g. --data.source data/train.jsonl."
+            f"data source {source!r} is empty (an unset shell variable?); name a file, a folder, "
+            "a hub dataset or stdlib, e.g. --data.source data/train.jsonl."
         )
     if source != source.strip():  # no hub id has spaces; a path with them is missing as given
         raise ValueError(
@@ -294,7 +293,8 @@ def _check_json_file(path: str, field: str | None = None) -> tuple[int, int, int
                 line = raw.decode("utf-8")
             except UnicodeDecodeError as e:
                 raise ValueError(
-                    f"data file {path!r} is not UTF-8 text (byte 0x{raw[e.start]:02x} at offset {offset + e.start}, "
+                    f"data file {path!r} is not UTF-8 text "
+                    f"(byte 0x{raw[e.start]:02x} at offset {offset + e.start}, "
                     f"line {n}); convert it to UTF-8, or remove it from the data."
                 ) from None
             offset += len(raw)
@@ -320,8 +320,8 @@ def _check_json_file(path: str, field: str | None = None) -> tuple[int, int, int
             first = False
             if not isinstance(row, dict):
                 raise ValueError(
-                    f"data file {path!r} line {n} is a JSON {type(row).__name__}, not an object; write one JSON "
-                    f'object a line ({{"text": "..."}}), or remove that line.'
+                    f"data file {path!r} line {n} is a JSON {type(row).__name__}, not an object; "
+                    f'write one JSON object a line ({{"text": "..."}}), or remove that line.'
                 )
             counts = tuple(a + b for a, b in zip(counts, _field_counts([row], field)))
     return counts
@@ -340,7 +340,8 @@ def _bad_rows(
     source: str, field: str, row: dict, n: int, local: tuple[str, list[str]] | None
 ) -> str:
     """The one-line refusal of a source whose row `n` (1-based) has no string in `field`: how many
-    rows are like it (local files are read again to count them), the fields rows do have, the fix."""
+    rows are like it (local files are read again to count them), the fields rows do have, the
+    fix."""
     keys, strings = (
         dict.fromkeys(row),
         dict.fromkeys(k for k, v in row.items() if isinstance(v, str)),
@@ -374,7 +375,10 @@ def _bad_rows(
     )
     have = ", ".join(keys)
     if counts is not None and counts[0] == counts[1] == counts[2]:  # no row has it: the wrong field
-        return f"data source {source!r} has no field {field!r} holding the text in any of its {counts[1]} rows (its rows have: {have}); set the one that does: {fix}."
+        return (
+            f"data source {source!r} has no field {field!r} holding the text in any of its "
+            f"{counts[1]} rows (its rows have: {have}); set the one that does: {fix}."
+        )
     what = (
         "null or no such field"
         if value is None
@@ -383,7 +387,8 @@ def _bad_rows(
     share = f"{counts[0]} of its {counts[1]} rows have" if counts is not None else "a row has"
     other = f", or set the field that holds it: {fix}" if hint else ""
     return (
-        f"data source {source!r}: {share} no text in field {field!r} (the first, {where}, has {what}; its rows have: {have}); "
+        f"data source {source!r}: {share} no text in field {field!r} "
+        f"(the first, {where}, has {what}; its rows have: {have}); "
         f"give each row its text as a string in {field!r} (or remove those rows){other}."
     )
 
@@ -397,9 +402,8 @@ def whole(stream, batch: int = 256) -> Iterator[dict]:
             yield {k: v[i] for k, v in rows.items()}
 
 
-_WARNED: set[str] = (
-    set()
-)  # data files already reported as skipped: once per file, not per epoch or split
+# data files already reported as skipped: once per file, not per epoch or split
+_WARNED: set[str] = set()
 
 
 def _decode(path: str) -> tuple[str | None, str | None]:
@@ -431,7 +435,8 @@ def _text_rows(files: list[str]) -> Iterator[dict]:
         skipped += 1
         if skipped == len(files):
             raise ValueError(
-                f"none of the {len(files)} text files of the data source is UTF-8 text (the last, {f!r}, is {why}); convert them to UTF-8."
+                f"none of the {len(files)} text files of the data source is UTF-8 text "
+                f"(the last, {f!r}, is {why}); convert them to UTF-8."
             )
         _skip_warning(f, why)
 
@@ -448,13 +453,12 @@ def _skip_warning(path: str, why: str) -> None:
 
 
 def _rows(builder: str, files: list[str]) -> Iterator[dict]:
-    """Rows of json/parquet files; a file that cannot be decoded is refused by name (a bad file would
-    otherwise end the stream in a pyarrow error naming no file)."""
+    """Rows of json/parquet files; a file that cannot be decoded is refused by name (a bad file
+    would otherwise end the stream in a pyarrow error naming no file)."""
     from datasets import load_dataset
 
-    if (
-        builder == "json"
-    ):  # datasets cannot read an empty one ("generator raised StopIteration"); it holds no row to lose
+    # datasets cannot read an empty one ("generator raised StopIteration"); it holds no row to lose
+    if builder == "json":
         empty = [f for f in files if _blank(f)]
         files = [f for f in files if f not in empty]
         if not files:
@@ -464,7 +468,8 @@ def _rows(builder: str, files: list[str]) -> Iterator[dict]:
                 else f"the {len(empty)} data files ({', '.join(map(repr, empty))}) are all empty"
             )
             raise ValueError(
-                f'{what}: there are no rows to read; write one JSON object a line with the text in it ({{"text": "..."}}), or pass another data source.'
+                f"{what}: there are no rows to read; write one JSON object a line with the text "
+                'in it ({"text": "..."}), or pass another data source.'
             )
     try:
         yield from whole(load_dataset(builder, data_files=files, split="train", streaming=True))
@@ -475,7 +480,9 @@ def _rows(builder: str, files: list[str]) -> Iterator[dict]:
             why = _parquet_problem(f) if builder == "parquet" else _decode(f)[1]
             if why:
                 raise ValueError(
-                    f"data file {f!r} is {why}; {'write it again' if builder == 'parquet' else 'convert it to UTF-8'}, or remove it from the data."
+                    f"data file {f!r} is {why}; "
+                    f"{'write it again' if builder == 'parquet' else 'convert it to UTF-8'}, "
+                    "or remove it from the data."
                 ) from e
         raise
 
@@ -502,13 +509,16 @@ def _parquet_problem(path: str) -> str | None:
 
 
 def _check_hub_dataset(source: str) -> None:
-    """A name that is no local path is a hub dataset: refuse at once when the hub cannot be reached."""
+    """A name that is no local path is a hub dataset: refuse at once when the hub cannot be
+    reached."""
     from tidar_convert.models.loading import HubUnreachableError, hub_unreachable
 
     why = hub_unreachable()
     if why:
         raise HubUnreachableError(
-            f"data source {source!r} is not a local file or folder, so it was taken as a Hugging Face hub dataset, but the hub "
-            f"was not reachable ({why}); download the data where the hub is reachable and pass a local file or folder "
-            "(.txt/.md/.py one document per file, .jsonl/.parquet one per row), e.g. --data.source data/train.jsonl."
+            f"data source {source!r} is not a local file or folder, so it was taken as a "
+            f"Hugging Face hub dataset, but the hub was not reachable ({why}); download the data "
+            "where the hub is reachable and pass a local file or folder "
+            "(.txt/.md/.py one document per file, .jsonl/.parquet one per row), "
+            "e.g. --data.source data/train.jsonl."
         )

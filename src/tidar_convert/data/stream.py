@@ -30,9 +30,9 @@ class PackedDocuments(IterableDataset):
     prompts) never go to validation.
 
     `weights` (one per source, >= 0; default equal) set each source's share of this part's text
-    while all sources last; `max_docs` ({source: n}) reads only the first n documents of a source; the tokens
-    of sources in `no_ar` are marked in each item's `no_ar_target` (bool per token): the AR loss does
-    not train on them as targets (TiDARModule), only the diffusion loss does.
+    while all sources last; `max_docs` ({source: n}) reads only the first n documents of a source;
+    the tokens of sources in `no_ar` are marked in each item's `no_ar_target` (bool per token): the
+    AR loss does not train on them as targets (TiDARModule), only the diffusion loss does.
     """
 
     def __init__(
@@ -72,12 +72,15 @@ class PackedDocuments(IterableDataset):
             len(weights) != len(sources) or min(weights) < 0 or not sum(weights) > 0
         ):
             raise ValueError(
-                f"weights={list(weights)}: give one share >= 0 per source ({len(sources)}: {', '.join(sources)}), not all 0."
+                f"weights={list(weights)}: give one share >= 0 per source "
+                f"({len(sources)}: {', '.join(sources)}), not all 0."
             )
         self.weights, self.max_docs, self.no_ar = weights, dict(max_docs or {}), set(no_ar)
         self.split_files = [j for j, s in enumerate(sources) if is_split_file(s)]
-        self.tag_reader = False  # add "reader" (the reader index on this rank) to each item: ResumableLoader counts by it
-        self.resume = None  # {"next": reader, "consumed": [chunks per reader]}: set by ResumableLoader for one iter()
+        # add "reader" (the reader index on this rank) to each item: ResumableLoader counts by it
+        self.tag_reader = False
+        # {"next": reader, "consumed": [chunks per reader]}: set by ResumableLoader for one iter()
+        self.resume = None
 
     def stream_key(self) -> list:
         """The settings that decide which chunks come in which order: a saved position is only
@@ -95,9 +98,8 @@ class PackedDocuments(IterableDataset):
             self.shuffle_buffer,
             sorted(self.train_only),
         ]
-        if (
-            self.weights is not None or self.max_docs or self.no_ar
-        ):  # (absent when unused: older checkpoints still resume)
+        # (absent when unused: older checkpoints still resume)
+        if self.weights is not None or self.max_docs or self.no_ar:
             key += [
                 self.weights and list(self.weights),
                 sorted(self.max_docs.items()),
@@ -109,10 +111,11 @@ class PackedDocuments(IterableDataset):
         return key
 
     def documents(self, worker: int | None = None) -> Iterator[str]:
-        """This reader's documents of all sources, interleaved so each source gets an equal share of
-        the text (by characters; or the share `weights` gives it): a list of sources is a mix from the
-        first step, whatever the document sizes. `worker` is the reader this process plays on its rank
-        (default: its DataLoader worker index; a resumed loader rotates it, see `ResumableLoader`)."""
+        """This reader's documents of all sources, interleaved so each source gets an equal share
+        of the text (by characters; or the share `weights` gives it): a list of sources is a mix
+        from the first step, whatever the document sizes. `worker` is the reader this process plays
+        on its rank (default: its DataLoader worker index; a resumed loader rotates it, see
+        `ResumableLoader`)."""
         for _, doc in self.sourced_documents(worker):
             yield doc
 
@@ -121,7 +124,8 @@ class PackedDocuments(IterableDataset):
         index, workers = shard()
         worker = index if worker is None else worker
         readers, me = self.world_size * workers, self.rank * workers + worker
-        # train_only sources are self-distilled corpora: `distill` writes their text under "text", whatever the data's field
+        # train_only sources are self-distilled corpora: `distill` writes their text under "text",
+        # whatever the data's field
         streams = {
             j: iter_documents(
                 s,
@@ -135,12 +139,16 @@ class PackedDocuments(IterableDataset):
         for j, n_max in self.max_docs.items():
             streams[j] = itertools.islice(streams[j], n_max)
         chars = dict.fromkeys(streams, 0)
-        if self.weights is None:
-            turn = lambda j: (chars[j], j)  # noqa: E731
-        else:  # the source furthest below its share; a 0-share source only once the others have run out
-            turn = lambda j: (
-                (0, chars[j] / self.weights[j], j) if self.weights[j] > 0 else (1, chars[j], j)
-            )  # noqa: E731
+
+        def turn(j):
+            if self.weights is None:
+                return (chars[j], j)
+            # the source furthest below its share; a 0-share source only once the others have
+            # run out
+            if self.weights[j] > 0:
+                return (0, chars[j] / self.weights[j], j)
+            return (1, chars[j], j)
+
         n = 0  # documents of this part seen so far, by every reader alike
         # [documents, characters] of each part, for the message when a reader gets no chunk
         self.split_counts = {"train": [0, 0], "val": [0, 0]}
@@ -154,7 +162,8 @@ class PackedDocuments(IterableDataset):
             tally = self.split_counts["val" if is_val else "train"]
             tally[0], tally[1] = tally[0] + 1, tally[1] + len(doc)
             # Equal shares count the text the stream reads (the order older runs saw, so their saved
-            # positions still hold); explicit shares count this part's text, so they are exact in it.
+            # positions still hold); explicit shares count this part's text, so they are exact in
+            # it.
             if self.weights is None or is_val == (self.part == "val"):
                 chars[j] += len(doc)
             if is_val != (self.part == "val"):
@@ -179,9 +188,8 @@ class PackedDocuments(IterableDataset):
         resume = self.resume
         if resume is None:
             return self._chunks(index, 0)
-        worker = (
-            index + resume["next"]
-        ) % workers  # DataLoader worker 0 plays the reader whose turn is next
+        # DataLoader worker 0 plays the reader whose turn is next
+        worker = (index + resume["next"]) % workers
         return self._chunks(worker, resume["consumed"][worker])
 
     def _chunks(self, worker: int, skip: int):
@@ -268,7 +276,8 @@ class ResumableLoader(DataLoader):
     Limits: the position must be resumed with the same data settings and num_workers (refused
     otherwise). With several ranks, the checkpoint holds rank 0's position and every rank resumes
     from it: exact while no reader has run out in the current epoch (all ranks then consume
-    alike). `persistent_workers=True` is refused (a worker would keep the position for later epochs).
+    alike). `persistent_workers=True` is refused (a worker would keep the position for later
+    epochs).
     """
 
     def __init__(self, dataset: PackedDocuments, **kwargs):
@@ -276,8 +285,9 @@ class ResumableLoader(DataLoader):
             # Persistent workers keep the dataset copy they were started with, resume position
             # included, and would skip the same chunks again at the start of every later epoch.
             raise ValueError(
-                "ResumableLoader(persistent_workers=True) is not supported: the workers would keep the resumed "
-                "position for every later epoch; leave persistent_workers off (each epoch starts its workers again)."
+                "ResumableLoader(persistent_workers=True) is not supported: the workers would "
+                "keep the resumed position for every later epoch; leave persistent_workers off "
+                "(each epoch starts its workers again)."
             )
         super().__init__(dataset, **kwargs)
         dataset.tag_reader = True
@@ -310,23 +320,28 @@ class ResumableLoader(DataLoader):
         if state["readers"] != self.readers:
             saved = state["readers"] if state["readers"] > 1 else 0
             raise ValueError(
-                f"the checkpoint's data position was saved with --data.num_workers {saved} and this run has {self.num_workers}: "
-                f"each worker reads its own share of the documents, so the position only holds for the same number; "
+                f"the checkpoint's data position was saved with --data.num_workers {saved} and "
+                f"this run has {self.num_workers}: "
+                "each worker reads its own share of the documents, so the position only holds "
+                "for the same number; "
                 f"resume with --data.num_workers {saved}."
             )
         if state["stream"] != self.dataset.stream_key():
             raise ValueError(
-                "the checkpoint's data position was saved for other data settings (sources, seq_len, seed, shuffle_buffer, "
-                f"val_every, text_field or number of devices: {state['stream']}, now {self.dataset.stream_key()}); "
-                "resume with the settings of the run that wrote it (its config.yaml in the run folder)."
+                "the checkpoint's data position was saved for other data settings "
+                "(sources, seq_len, seed, shuffle_buffer, "
+                f"val_every, text_field or number of devices: {state['stream']}, "
+                f"now {self.dataset.stream_key()}); "
+                "resume with the settings of the run that wrote it "
+                "(its config.yaml in the run folder)."
             )
         self.consumed, self.next_reader = list(state["consumed"]), state["next"]
         self._resume = {"next": self.next_reader, "consumed": list(self.consumed)}
-        if (
-            sum(self.consumed) and self.dataset.rank == 0
-        ):  # says why the first step of a resumed run is slow
+        # says why the first step of a resumed run is slow
+        if sum(self.consumed) and self.dataset.rank == 0:
             print(
-                f"resuming the training data after the {sum(self.consumed)} chunks already trained on in this epoch (read again, not trained on)",
+                f"resuming the training data after the {sum(self.consumed)} chunks already "
+                "trained on in this epoch (read again, not trained on)",
                 file=sys.stderr,
                 flush=True,
             )

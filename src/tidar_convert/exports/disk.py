@@ -28,9 +28,8 @@ def no_space(exc: BaseException) -> bool:
         seen.add(id(exc))
         if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
             return True
-        if os.strerror(errno.ENOSPC) in str(exc) or "os error 28" in str(
-            exc
-        ):  # safetensors: "... No space left on device (os error 28)"
+        # safetensors: "... No space left on device (os error 28)"
+        if os.strerror(errno.ENOSPC) in str(exc) or "os error 28" in str(exc):
             return True
         exc = exc.__cause__ or exc.__context__
     return False
@@ -45,8 +44,9 @@ def size_text(n: float) -> str:
 
 
 def disk_full(dest: str | os.PathLike, needed: int, what: str, fix: str) -> DiskFull:
-    """The one-line error for `what` (e.g. "the checkpoint") at dest not fitting on its disk. Call it
-    once the partial write is removed, so the free space it states is what there is to work with."""
+    """The one-line error for `what` (e.g. "the checkpoint") at dest not fitting on its disk. Call
+    it once the partial write is removed, so the free space it states is what there is to work
+    with."""
     dest = Path(dest)
     folder = dest.parent
     free = shutil.disk_usage(folder).free
@@ -60,9 +60,13 @@ def disk_full(dest: str | os.PathLike, needed: int, what: str, fix: str) -> Disk
             f"it needs about {size_text(needed)} and the disk has {size_text(free)} free",
             f"Free {size_text(needed - free)} or more there",
         )
-    else:  # the disk filled while writing (another writer, a quota, reserved blocks): no amount to name
+    else:
+        # the disk filled while writing (another writer, a quota, reserved blocks): no amount to
+        # name
         size, room = (
-            f"it needs about {size_text(needed)}, more than there was room for while writing it (a quota or another writer can leave less than the {size_text(free)} the disk shows free now)",
+            f"it needs about {size_text(needed)}, more than there was room for while writing it "
+            "(a quota or another writer can leave less than the "
+            f"{size_text(free)} the disk shows free now)",
             "Free space there (or raise the quota)",
         )
     return DiskFull(
@@ -72,7 +76,8 @@ def disk_full(dest: str | os.PathLike, needed: int, what: str, fix: str) -> Disk
 
 def tensor_bytes(obj) -> int:
     """Bytes of the tensors in a nested dict/list (a state dict, a checkpoint), each storage counted
-    once (tied weights, views): about what torch.save or safetensors writes. Duck-typed: no torch import."""
+    once (tied weights, views): about what torch.save or safetensors writes. Duck-typed: no torch
+    import."""
     seen: set[int] = set()
     total = 0
     todo = [obj]
@@ -96,15 +101,15 @@ def tensor_bytes(obj) -> int:
 
 def save_file_atomically(dest: str | os.PathLike, write, needed: int, what: str, fix: str) -> Path:
     """`write(f)` into a temporary file beside dest, flushed to disk, then renamed over dest: a full
-    disk, a kill or a crash leaves dest as it was. A full disk is then DiskFull (see `disk_full`)."""
+    disk, a kill or a crash leaves dest as it was. A full disk is then DiskFull (see
+    `disk_full`)."""
     dest = Path(dest).expanduser().absolute()
     try:
         with atomic_file(dest) as tmp, open(tmp, "wb") as f:
             write(f)
             f.flush()
-            os.fsync(
-                f.fileno()
-            )  # on disk before the rename: some filesystems report a full disk only here
+            # on disk before the rename: some filesystems report a full disk only here
+            os.fsync(f.fileno())
     except Exception as e:
         if no_space(e):
             raise disk_full(dest, needed, what, fix) from e

@@ -1,6 +1,7 @@
-"""Export folders: the marker, `tidar_export.json`, listing every file an export holds with its size
-and sha256, and what may be replaced: a folder may take a new export only if it is an earlier export,
-every file still as written, and nothing else (`check_export_target`). Nothing but the standard library."""
+"""Export folders: the marker, `tidar_export.json`, listing every file an export holds with its
+size and sha256, and what may be replaced: a folder may take a new export only if it is an earlier
+export, every file still as written, and nothing else (`check_export_target`). Nothing but the
+standard library."""
 
 from __future__ import annotations
 
@@ -72,8 +73,8 @@ def write_marker(folder: str | os.PathLike) -> Path:
 
 
 def marker_files(folder: str | os.PathLike) -> dict[str, dict | None] | None:
-    """The files a folder's tidar_export.json lists, each with its record (None: a marker from before
-    records were kept, a plain list of names); None if the folder has no valid marker."""
+    """The files a folder's tidar_export.json lists, each with its record (None: a marker from
+    before records were kept, a plain list of names); None if the folder has no valid marker."""
     try:
         listed = json.loads((Path(folder) / MARKER).read_text())["files"]
     except (OSError, ValueError, KeyError, TypeError):
@@ -101,7 +102,8 @@ def record_file(folder: str | os.PathLike, name: str) -> None:
 
 def foreign_files(folder: str | os.PathLike) -> list[str] | None:
     """What in an existing folder is not part of an earlier export: None if it has no valid marker,
-    else the paths (relative) that the marker does not list (empty: the folder is an export and only that)."""
+    else the paths (relative) that the marker does not list (empty: the folder is an export and
+    only that)."""
     folder = Path(folder)
     listed = marker_files(folder)
     if listed is None:
@@ -112,9 +114,8 @@ def foreign_files(folder: str | os.PathLike) -> list[str] | None:
         allowed.update(Path(*parts[:i]).as_posix() for i in range(1, len(parts)))
     foreign: list[str] = []
     for p in sorted(p.relative_to(folder).as_posix() for p in walk(folder)):
-        if p not in allowed and not any(
-            p.startswith(f + "/") for f in foreign
-        ):  # a foreign folder, not each file in it
+        # a foreign folder, not each file in it
+        if p not in allowed and not any(p.startswith(f + "/") for f in foreign):
             foreign.append(p)
     return foreign
 
@@ -146,7 +147,8 @@ def changed_files(folder: str | os.PathLike) -> list[str] | None:
 
 
 def is_export(folder: str | os.PathLike) -> bool:
-    """An earlier export of this tool, as it wrote it, and nothing else (so it may be replaced with overwrite)."""
+    """An earlier export of this tool, as it wrote it, and nothing else (so it may be replaced with
+    overwrite)."""
     return Path(folder).is_dir() and foreign_files(folder) == [] and changed_files(folder) == []
 
 
@@ -170,9 +172,8 @@ def check_export_target(
     """
     given = str(out)
     out = Path(out).expanduser().resolve()
-    shown = (
-        repr(given) if given == str(out) else f"{given!r} ({out})"
-    )  # what was typed, and where it leads
+    # what was typed, and where it leads
+    shown = repr(given) if given == str(out) else f"{given!r} ({out})"
     if cleanup:
         recover(out)
     if out.exists() and not out.is_dir():
@@ -191,42 +192,50 @@ def check_export_target(
             )
             raise ValueError(
                 f"--out {shown}{here} is not empty and not a tidar-convert export: {what}. "
-                "Nothing was written or deleted. Choose a new or empty folder; --overwrite only replaces earlier exports."
+                "Nothing was written or deleted. Choose a new or empty folder; "
+                "--overwrite only replaces earlier exports."
             )
         listed = marker_files(out) if entries else {}
         if None in listed.values():
             raise ValueError(
-                f"--out {shown}{here} holds an export by an older tidar-convert, whose {MARKER} records no sizes or hashes, so "
-                "whether you changed any of its files cannot be told. Nothing was written or deleted. Check the folder and "
-                "delete it yourself, or choose a new folder."
+                f"--out {shown}{here} holds an export by an older tidar-convert, whose {MARKER} "
+                "records no sizes or hashes, so "
+                "whether you changed any of its files cannot be told. Nothing was written or "
+                "deleted. Check the folder and delete it yourself, or choose a new folder."
             )
         if entries and not overwrite:
             raise ValueError(
-                f"--out {shown} holds an earlier export; pass --overwrite to replace it, or choose a new folder."
+                f"--out {shown} holds an earlier export; pass --overwrite to replace it, "
+                "or choose a new folder."
             )
-        changed = (
-            changed_files(out) if entries else []
-        )  # reads every file: only once it would be replaced
+        # reads every file: only once it would be replaced
+        changed = changed_files(out) if entries else []
         if changed:
             were = "was" if len(changed) == 1 else "were"
             raise ValueError(
-                f"--out {shown}{here} holds an earlier export, but {_listing(changed)} {were} changed after the export wrote "
-                f"{'it' if len(changed) == 1 else 'them'} (size or sha256 differ from {MARKER}). Nothing was written or deleted. "
-                "Move what you want to keep out of the folder, or choose a new folder; --overwrite only replaces an export as it was written."
+                f"--out {shown}{here} holds an earlier export, but {_listing(changed)} {were} "
+                "changed after the export wrote "
+                f"{'it' if len(changed) == 1 else 'them'} (size or sha256 differ from {MARKER}). "
+                "Nothing was written or deleted. "
+                "Move what you want to keep out of the folder, or choose a new folder; "
+                "--overwrite only replaces an export as it was written."
             )
         if os.path.ismount(out):
             raise ValueError(
-                f"--out {shown} is a mount point, which cannot be replaced atomically; export into a folder inside it."
+                f"--out {shown} is a mount point, which cannot be replaced atomically; "
+                "export into a folder inside it."
             )
     parent = out.parent
     while not parent.exists():
         parent = parent.parent
     if not parent.is_dir():
         raise ValueError(
-            f"--out {shown}: {parent} is a file, so no folder can be made under it; choose another path."
+            f"--out {shown}: {parent} is a file, so no folder can be made under it; "
+            "choose another path."
         )
     if not os.access(parent, os.W_OK | os.X_OK):
         raise PermissionError(
-            f"--out {shown}: {parent} is not writable by this user; choose a folder you can write to."
+            f"--out {shown}: {parent} is not writable by this user; "
+            "choose a folder you can write to."
         )
     return out

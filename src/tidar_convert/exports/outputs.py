@@ -1,4 +1,5 @@
-"""Writing output folders safely: never over someone's files, never half-written, readable by others.
+"""Writing output folders safely: never over someone's files, never half-written, readable by
+others.
 
 Every folder or file this package writes (exports, the embedded model, the prose corpus, greedy
 corpora, files fetched from wheels, fit's checkpoints) goes through `atomic_dir` / `atomic_file`:
@@ -13,8 +14,8 @@ corpora, files fetched from wheels, fit's checkpoints) goes through `atomic_dir`
     process (each run holds a flock on its temporary) is left alone.
   - permissions follow the umask, like any ordinary write (not mkdtemp's 0700).
 
-A full disk ends a write in one line (disk.py); an export's marker says what may be replaced (marker.py).
-This module needs nothing but the standard library.
+A full disk ends a write in one line (disk.py); an export's marker says what may be replaced
+(marker.py). This module needs nothing but the standard library.
 """
 
 from __future__ import annotations
@@ -87,12 +88,8 @@ def _exchange(a: Path, b: Path) -> bool:
     if _renameat2(AT_FDCWD, os.fsencode(a), AT_FDCWD, os.fsencode(b), RENAME_EXCHANGE) == 0:
         return True
     err = ctypes.get_errno()
-    if err in (
-        errno.EINVAL,
-        errno.ENOSYS,
-        errno.EOPNOTSUPP,
-        errno.ENOTSUP,
-    ):  # kernel or filesystem without it
+    # kernel or filesystem without it
+    if err in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOTSUP):
         return False
     raise OSError(err, f"renameat2(RENAME_EXCHANGE) {a} <-> {b}: {os.strerror(err)}")
 
@@ -139,12 +136,12 @@ def _unlock(fd: int | None) -> None:
 
 def recover(dest: str | os.PathLike) -> list[Path]:
     """Clean up after killed runs writing dest: restore a set-aside old version if dest is missing,
-    delete the other leftovers. Leftovers locked by a live process are skipped. Returns what it touched."""
+    delete the other leftovers. Leftovers locked by a live process are skipped. Returns what it
+    touched."""
     dest = Path(dest)
     touched = []
-    for path in sorted(
-        leftovers(dest), key=lambda p: (".old-" not in p.name, -_mtime(p))
-    ):  # newest old first
+    # newest old first
+    for path in sorted(leftovers(dest), key=lambda p: (".old-" not in p.name, -_mtime(p))):
         try:
             fd = _lock(path, blocking=False) if fcntl is not None else -1
         except FileNotFoundError:  # removed meanwhile by another cleaner
@@ -163,7 +160,8 @@ def recover(dest: str | os.PathLike) -> list[Path]:
         try:
             if ".old-" in path.name and not os.path.lexists(dest):
                 log.warning(
-                    "%s is missing but a complete earlier version %s was set aside by an interrupted run: restoring it",
+                    "%s is missing but a complete earlier version %s was set aside by an "
+                    "interrupted run: restoring it",
                     dest,
                     path.name,
                 )
@@ -205,7 +203,8 @@ def walk(root: Path) -> list[Path]:
 
 
 def _follow_umask(root: Path) -> None:
-    """Modes as an ordinary write gives them (0666 / 0777 less the umask), whatever wrote the files."""
+    """Modes as an ordinary write gives them (0666 / 0777 less the umask), whatever wrote the
+    files."""
     mask = _umask()
     for p in [root, *walk(root)]:
         if p.is_symlink():
@@ -235,14 +234,16 @@ def scratch_dir(dest: str | os.PathLike) -> Iterator[Path]:
 
 
 def _swap_in(new: Path, dest: Path) -> None:
-    """Put the complete folder `new` at dest; dest is never half-written and, on Linux, never missing."""
+    """Put the complete folder `new` at dest; dest is never half-written and, on Linux, never
+    missing."""
     if not os.path.lexists(dest):
         _rename(new, dest)
         return
     if _exchange(new, dest):
         _rmtree(new)  # the old version, now under the temporary name
         return
-    # No exchange: set the old one aside first; `recover` restores it if we die before the next rename.
+    # No exchange: set the old one aside first; `recover` restores it if we die before the next
+    # rename.
     old = dest.parent / f".{dest.name}.old-{secrets.token_hex(4)}"
     fd = _lock(dest) if dest.is_dir() else None
     try:

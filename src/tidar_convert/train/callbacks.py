@@ -1,4 +1,5 @@
-"""Lightning callbacks that report: progress by optimizer step, the run's clock for sweeps, throughput and memory.
+"""Lightning callbacks that report: progress by optimizer step, the run's clock for sweeps,
+throughput and memory.
 
 Saving on preemption is in preemption.py, checkpoints written whole in checkpoints.py."""
 
@@ -14,13 +15,13 @@ from lightning.pytorch.callbacks import Callback, ProgressBar
 
 from tidar_convert.train.progress import duration, is_tty
 
-STARTED = (
-    time.perf_counter()
-)  # about when the process started: fit imports this module before any work
+# about when the process started: fit imports this module before any work
+STARTED = time.perf_counter()
 
 
 class TrainProgress(ProgressBar):
-    """Training progress by optimizer step, not by epoch: `step 40/100 (40%), loss 2.31, 812 tok/s, ETA 3m10s`.
+    """Training progress by optimizer step, not by epoch:
+    `step 40/100 (40%), loss 2.31, 812 tok/s, ETA 3m10s`.
 
     Replaces Lightning's bar, whose main line reads "Epoch 0/-2" when a run is bounded by max_steps
     and which prints nothing at all when output is redirected. Tokens are the clean tokens of the
@@ -75,9 +76,8 @@ class TrainProgress(ProgressBar):
             self.bar.set_postfix(loss=f"{self.loss:.3f}", tok_s=f"{tok_s:.0f}", refresh=False)
             self.bar.refresh()
             return
-        done = (
-            step - self.start_step
-        )  # this run's steps only: a resumed run must not look instantly fast
+        # this run's steps only: a resumed run must not look instantly fast
+        done = step - self.start_step
         last = self.total is not None and step >= self.total
         if step == self.shown:  # accumulating: this step was already reported
             return
@@ -115,8 +115,8 @@ class TrainProgress(ProgressBar):
 
 
 class RunClock(Callback):
-    """What a sweep reads back from the loggers' metrics rather than from log text: seconds since the
-    process started at each validation (`time/val_s`), and the optimizer steps trained once fit
+    """What a sweep reads back from the loggers' metrics rather than from log text: seconds since
+    the process started at each validation (`time/val_s`), and the optimizer steps trained once fit
     succeeded (`time/steps_done`; also when a resumed run had no step left, where no training hook
     runs). Both go in the row of the step they follow, as Lightning logs a step."""
 
@@ -134,22 +134,22 @@ class RunClock(Callback):
 
 
 def matmul_params(model) -> int:
-    """N, the parameters a token multiplies: all but the input embedding (a lookup), unless it is tied to
-    the output layer. Counted on a meta-device copy built from the config: under FSDP the live
-    parameters are shards, and with LoRA they include the adapters."""
+    """N, the parameters a token multiplies: all but the input embedding (a lookup), unless it is
+    tied to the output layer. Counted on a meta-device copy built from the config: under FSDP the
+    live parameters are shards, and with LoRA they include the adapters."""
     from transformers import AutoModelForCausalLM
 
     with torch.device("meta"):
-        base = AutoModelForCausalLM.from_config(
-            copy.deepcopy(model.config)
-        )  # from_config mutates its config
+        # from_config mutates its config
+        base = AutoModelForCausalLM.from_config(copy.deepcopy(model.config))
     n = sum(p.numel() for p in base.parameters())  # tied weights are counted once
     inp, out = base.get_input_embeddings(), base.get_output_embeddings()
     return n if out is not None and out.weight is inp.weight else n - inp.weight.numel()
 
 
 def peak_flops(device: torch.device, precision: str) -> float | None:
-    """The device's dense peak FLOP/s at the training precision; None where unknown (CPUs): no MFU then."""
+    """The device's dense peak FLOP/s at the training precision; None where unknown (CPUs): no MFU
+    then."""
     from lightning.fabric.utilities.throughput import get_available_flops
 
     dtype = (
@@ -164,20 +164,23 @@ def peak_flops(device: torch.device, precision: str) -> float | None:
         and "h200" in torch.cuda.get_device_name(device).lower()
         and dtype != torch.float32
     ):
-        return 989e12  # Lightning knows H200s only by variant names, at the 2:4-sparse figure; dense = H100 SXM
+        # Lightning knows H200s only by variant names, at the 2:4-sparse figure; dense = H100 SXM
+        return 989e12
     return get_available_flops(device, dtype)
 
 
 class Throughput(Callback):
-    """Tokens/s and MFU per device, and peak memory of every rank, to the loggers every log_every_n_steps.
+    """Tokens/s and MFU per device, and peak memory of every rank, to the loggers every
+    log_every_n_steps.
 
-    Tokens are training tokens, S per sequence: the unit of the global batch. TiDAR's forward runs 2S
-    positions for them (the clean half and the mask half), so with the usual 6N FLOPs per position
-    (forward 2N, backward 4N) a training token costs 12N; with LoRA the frozen weights get no weight
-    gradient, so 8N; with the halves split (lora_scope='masks': the clean half runs without autograd)
-    2N + 4N = 6N. Attention's own FLOPs and activation-checkpointing recompute are left out, as in
-    the MFU convention (model FLOPs, not hardware FLOPs). Time is training time: validation is excluded.
-    Memory: peak allocated GPU memory on CUDA, and the process's peak RSS (host memory) always.
+    Tokens are training tokens, S per sequence: the unit of the global batch. TiDAR's forward runs
+    2S positions for them (the clean half and the mask half), so with the usual 6N FLOPs per
+    position (forward 2N, backward 4N) a training token costs 12N; with LoRA the frozen weights get
+    no weight gradient, so 8N; with the halves split (lora_scope='masks': the clean half runs
+    without autograd) 2N + 4N = 6N. Attention's own FLOPs and activation-checkpointing recompute are
+    left out, as in the MFU convention (model FLOPs, not hardware FLOPs). Time is training time:
+    validation is excluded. Memory: peak allocated GPU memory on CUDA, and the process's peak RSS
+    (host memory) always.
     """
 
     def setup(self, trainer, pl_module, stage) -> None:
@@ -221,20 +224,23 @@ class Throughput(Callback):
         metrics = self.metrics(trainer, pl_module)
         self.tokens, self.seconds = 0, 0.0
         for logger in trainer.loggers:  # the loggers write on rank 0 only
-            # Lightning logs a step's loss under its 0-based index: put these figures in the same row.
+            # Lightning logs a step's loss under its 0-based index: put these figures in the same
+            # row.
             logger.log_metrics(metrics, step=trainer.global_step - 1)
 
     def metrics(self, trainer, pl_module) -> dict[str, float]:
         cuda = trainer.strategy.root_device.type == "cuda"
+        # KiB on Linux
         rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (
             1 if sys.platform == "darwin" else 1024
-        )  # KiB on Linux
+        )
         gpu = torch.cuda.max_memory_allocated(trainer.strategy.root_device) if cuda else 0
+        # float32: MPS has no float64
         mine = torch.tensor(
             [self.tokens / self.seconds, rss / 2**30, gpu / 2**30],
             dtype=torch.float32,
             device=pl_module.device,
-        )  # float32: MPS has no float64
+        )
         ranks = trainer.strategy.all_gather(mine).reshape(-1, 3).tolist()  # one row per rank
         per_device = sum(r[0] for r in ranks) / len(ranks)
         metrics = {

@@ -1,5 +1,5 @@
-"""Checkpoints written whole or not at all, single-file and sharded: a full disk or a kill leaves the
-previous one loadable, and a full disk ends the run in one line."""
+"""Checkpoints written whole or not at all, single-file and sharded: a full disk or a kill leaves
+the previous one loadable, and a full disk ends the run in one line."""
 
 from __future__ import annotations
 
@@ -18,16 +18,19 @@ def checkpoint_fix(dest) -> str:
     )
     if any(Path(dest).parent.glob("last*.ckpt")):  # what --ckpt_path last finds
         return f"{move}; then run the same command with --ckpt_path last to continue."
-    return f"{move}; then run the same command again (no last checkpoint was saved yet, so it starts from step 0)."
+    return (
+        f"{move}; then run the same command again (no last checkpoint was saved yet, "
+        "so it starts from step 0)."
+    )
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):
-    """Checkpoints written whole or not at all: torch.save into a temporary file beside the checkpoint,
-    flushed to disk, then renamed over it (disk.save_file_atomically). A full disk or a kill leaves
-    the previous last.ckpt loadable. Lightning's own writes a temporary in the system's temp folder and
-    moves it: across filesystems that is a copy into the checkpoint itself, which a full disk cuts
-    short. A full disk ends the run with one line (disk.DiskFull). Remote paths (s3://...) go
-    through Lightning's."""
+    """Checkpoints written whole or not at all: torch.save into a temporary file beside the
+    checkpoint, flushed to disk, then renamed over it (disk.save_file_atomically). A full disk or a
+    kill leaves the previous last.ckpt loadable. Lightning's own writes a temporary in the system's
+    temp folder and moves it: across filesystems that is a copy into the checkpoint itself, which a
+    full disk cuts short. A full disk ends the run with one line (disk.DiskFull). Remote paths
+    (s3://...) go through Lightning's."""
 
     def save_checkpoint(self, checkpoint, path, storage_options=None) -> None:
         if storage_options is not None or "://" in str(path):
@@ -44,9 +47,9 @@ class AtomicCheckpointIO(TorchCheckpointIO):
 
 
 def atomic_checkpoints(strategy) -> None:
-    """Make the strategy write checkpoints atomically: single files through AtomicCheckpointIO (unless
-    the user configured a CheckpointIO of their own); a sharded checkpoint (a folder of one file per
-    rank, ModelParallelStrategy) is written under a temporary name and swapped in whole."""
+    """Make the strategy write checkpoints atomically: single files through AtomicCheckpointIO
+    (unless the user configured a CheckpointIO of their own); a sharded checkpoint (a folder of one
+    file per rank, ModelParallelStrategy) is written under a temporary name and swapped in whole."""
     if type(strategy.checkpoint_io) is TorchCheckpointIO:
         strategy.checkpoint_io = AtomicCheckpointIO()
     if hasattr(strategy, "_save_distributed_checkpoint"):
@@ -54,8 +57,9 @@ def atomic_checkpoints(strategy) -> None:
 
 
 def _atomic_sharded_save(strategy, save):
-    """`save` (ModelParallelStrategy.save_checkpoint) into a fresh folder beside the checkpoint, which
-    rank 0 swaps in (outputs: renameat2 exchange where available) once every rank wrote its shard."""
+    """`save` (ModelParallelStrategy.save_checkpoint) into a fresh folder beside the checkpoint,
+    which rank 0 swaps in (outputs: renameat2 exchange where available) once every rank wrote its
+    shard."""
     from tidar_convert.exports.disk import disk_full, no_space, tensor_bytes
     from tidar_convert.exports.outputs import _swap_in, recover
 
@@ -65,21 +69,18 @@ def _atomic_sharded_save(strategy, save):
         import secrets
 
         dest = Path(strategy.broadcast(str(Path(filepath).absolute())))
-        tmp = dest.parent / strategy.broadcast(
-            f".{dest.name}.tmp-{secrets.token_hex(4)}"
-        )  # one name, chosen by rank 0
+        # one name, chosen by rank 0
+        tmp = dest.parent / strategy.broadcast(f".{dest.name}.tmp-{secrets.token_hex(4)}")
         if strategy.is_global_zero:
             recover(dest)
         strategy.barrier("checkpoint-tmp")
-        needed = (
-            tensor_bytes(checkpoint) * strategy.world_size
-        )  # about: every rank holds a shard of the same size
+        # about: every rank holds a shard of the same size
+        needed = tensor_bytes(checkpoint) * strategy.world_size
         failed = None
         try:
             save(checkpoint, tmp)
-        except (
-            Exception
-        ) as e:  # still reach the barrier below, so no rank waits there for one that failed
+        except Exception as e:
+            # still reach the barrier below, so no rank waits there for one that failed
             failed = e
         failures = (
             strategy.all_gather(
@@ -101,9 +102,8 @@ def _atomic_sharded_save(strategy, save):
                 f"another rank failed to write its shard of {dest}; its error says why"
             )
         if strategy.is_global_zero:
-            _swap_in(
-                tmp, dest
-            )  # over a folder of shards, or a single-file checkpoint of the same name
+            # over a folder of shards, or a single-file checkpoint of the same name
+            _swap_in(tmp, dest)
         strategy.barrier("checkpoint-swap")
 
     return atomic_save

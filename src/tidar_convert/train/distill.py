@@ -1,4 +1,5 @@
-"""Self-distillation data: the base model's own greedy continuations of training-document prefixes.
+"""Self-distillation data: the base model's own greedy continuations of training-document
+prefixes.
 
 Under greedy verification a draft is accepted exactly when it equals the AR argmax, so the base
 model's own greedy text is what the diffusion half should learn to draft. Three ways to get it:
@@ -10,9 +11,10 @@ model's own greedy text is what the diffusion half should learn to draft. Three 
     greedy documents and the generation runs on one full (never sharded) copy of the base model;
   - `fit --data.greedy_corpus corpus.jsonl` trains on a corpus made earlier by `distill`.
 
-Prompts are the first `prompt_tokens` tokens of *training* documents only (`data.packing.is_validation`
-decides by a hash of each document's text). Every row records the `val_every` it was split with, and
-`fit` refuses a corpus split with another one: a prompt could then be a validation document.
+Prompts are the first `prompt_tokens` tokens of *training* documents only
+(`data.packing.is_validation` decides by a hash of each document's text). Every row records the
+`val_every` it was split with, and `fit` refuses a corpus split with another one: a prompt could
+then be a validation document.
 """
 
 from __future__ import annotations
@@ -35,7 +37,9 @@ from tidar_convert.data.stream import PackedDocuments
 from tidar_convert.exports.marker import file_sha256
 from tidar_convert.exports.outputs import atomic_file
 
-BATCH = 64  # prompts generated together (equal lengths, no padding): 1.4x the tokens/s of 32 on 2 CPU cores
+# prompts generated together (equal lengths, no padding): more tokens/s than 32 a step on CPU
+# (bench/LOG.md, "2026-12-01: self-distillation on the decoding kernels")
+BATCH = 64
 
 
 def training_prompts(
@@ -49,7 +53,8 @@ def training_prompts(
     split: str = "train",
     seed: int = 0,
 ) -> list[list[int]]:
-    """The first `prompt_tokens` tokens of the first `n_docs` training documents longer than that."""
+    """The first `prompt_tokens` tokens of the first `n_docs` training documents longer than
+    that."""
     prompts = []
     docs = PackedDocuments(
         tokenizer, sources, prompt_tokens, "train", val_every, text_field, name, split, seed
@@ -60,8 +65,10 @@ def training_prompts(
             if len(prompts) == n_docs:
                 return prompts
     raise ValueError(
-        f"the training documents of {', '.join(sources)} give {len(prompts)} prompts of more than {prompt_tokens} tokens, "
-        f"fewer than the {n_docs} greedy documents asked for; lower the number (--n_docs, or --data.greedy_docs in fit) or add documents."
+        f"the training documents of {', '.join(sources)} give {len(prompts)} prompts of more "
+        f"than {prompt_tokens} tokens, "
+        f"fewer than the {n_docs} greedy documents asked for; lower the number "
+        "(--n_docs, or --data.greedy_docs in fit) or add documents."
     )
 
 
@@ -85,15 +92,14 @@ def write_corpus(
     model.eval()  # no dropout: the continuation is the one greedy decoding gives
     batches = range(0, len(prompts), batch_size)
     try:
-        # Packed weights on CPU (nothing on a GPU), not generate()'s choice timed at 1 and 8 rows: at
-        # 64 rows a step packing cost the same as stock on a 2-core AMX Xeon (87 vs 86 ms a pass
-        # through SmolLM2-135M's layers, fp32) and far less on one without AMX, where 832 documents of
-        # 160 tokens took 16 min at batch 32 with stock kernels, 9 min at batch 64 packed.
+        # Packed weights on CPU (nothing on a GPU), not generate()'s choice timed at 1 and 8 rows:
+        # at 64 rows a step packing costs about the same as stock kernels on an AMX Xeon and far
+        # less on a CPU without AMX, with batch 64 faster than 32 there too (bench/LOG.md,
+        # "2026-12-01: self-distillation on the decoding kernels").
         with atomic_file(out) as tmp, tmp.open("w") as f, cpu_kernels(model, True):
             for i in progress(batches, "greedy continuations", total=len(batches), unit="batch"):
-                ids = torch.tensor(
-                    prompts[i : i + batch_size], device=device
-                )  # equal lengths: no padding
+                # equal lengths: no padding
+                ids = torch.tensor(prompts[i : i + batch_size], device=device)
                 rows = model.generate(
                     input_ids=ids,
                     attention_mask=torch.ones_like(ids),
@@ -116,7 +122,8 @@ def write_corpus(
 
 
 def checksum_path(corpus: str | Path) -> Path:
-    """`<corpus>.sha256`, in `sha256sum` format: what `distill --overwrite` checks the corpus against."""
+    """`<corpus>.sha256`, in `sha256sum` format: what `distill --overwrite` checks the corpus
+    against."""
     corpus = Path(corpus)
     return corpus.with_name(corpus.name + ".sha256")
 
@@ -155,7 +162,8 @@ def make_corpus(
     dtype: str,
     device: str | torch.device,
 ) -> Path:
-    """Load the base model (its own full copy, in `dtype` on `device`), write the corpus, free the model."""
+    """Load the base model (its own full copy, in `dtype` on `device`), write the corpus, free the
+    model."""
     from tidar_convert.models.loading import absolute_model, load_base
 
     base, tokenizer = load_base(model, dtype=getattr(torch, dtype))
@@ -169,32 +177,40 @@ def make_corpus(
 
 def check_out(out: str, overwrite: bool) -> None:
     """Refuse, before any model loads, an --out that is not ours to write: only a new path, or (with
-    overwrite) a corpus written by this command and unchanged since (its `.sha256` file says), may be written."""
+    overwrite) a corpus written by this command and unchanged since (its `.sha256` file says), may
+    be written."""
     path = Path(out).expanduser()
     if path.is_dir():
         raise ValueError(
-            f"--out {out!r} is a folder; name a .jsonl file to write, e.g. --out {Path(out) / 'greedy.jsonl'}."
+            f"--out {out!r} is a folder; name a .jsonl file to write, "
+            f"e.g. --out {Path(out) / 'greedy.jsonl'}."
         )
     if not path.exists():
         return
     if (first_row(path) or {}).get("made_by") != MADE_BY:
         raise ValueError(
-            f"--out {out!r} exists and is not a corpus written by `tidar-convert distill`; nothing was written. Choose a new file name."
+            f"--out {out!r} exists and is not a corpus written by `tidar-convert distill`; "
+            "nothing was written. Choose a new file name."
         )
     if not overwrite:
         raise ValueError(
-            f"--out {out!r} holds an earlier corpus of `tidar-convert distill`; pass --overwrite to replace it, or choose a new file name."
+            f"--out {out!r} holds an earlier corpus of `tidar-convert distill`; "
+            "pass --overwrite to replace it, or choose a new file name."
         )
     same = corpus_as_written(path)
     if same is None:
         raise ValueError(
-            f"--out {out!r} holds a corpus of `tidar-convert distill` without its checksum file {checksum_path(path).name}, so whether "
-            "rows were added or edited since it was written cannot be told; nothing was written. Check it and delete it yourself, or choose a new file name."
+            f"--out {out!r} holds a corpus of `tidar-convert distill` without its checksum file "
+            f"{checksum_path(path).name}, so whether "
+            "rows were added or edited since it was written cannot be told; nothing was written. "
+            "Check it and delete it yourself, or choose a new file name."
         )
     if not same:
         raise ValueError(
-            f"--out {out!r} was changed after `tidar-convert distill` wrote it (its sha256 differs from {checksum_path(path).name}); "
-            "nothing was written. Move what you want to keep elsewhere, or choose a new file name; --overwrite only replaces a corpus as it was written."
+            f"--out {out!r} was changed after `tidar-convert distill` wrote it "
+            f"(its sha256 differs from {checksum_path(path).name}); "
+            "nothing was written. Move what you want to keep elsewhere, or choose a new file name; "
+            "--overwrite only replaces a corpus as it was written."
         )
 
 
@@ -213,11 +229,12 @@ def corpus_for_fit(
     seed: int,
     dtype: str,
 ) -> Path:
-    """The cached corpus for a training run, made once: rank 0 first, the other ranks after a barrier.
+    """The cached corpus for a training run, made once: rank 0 first, the other ranks after a
+    barrier.
 
     Every rank must read the same file (the documents are dealt to ranks by their position in the
-    stream), so only rank 0 generates; the cache must be on a filesystem all nodes see (TIDAR_CACHE),
-    or made beforehand with `distill` and passed as --data.greedy_corpus.
+    stream), so only rank 0 generates; the cache must be on a filesystem all nodes see
+    (TIDAR_CACHE), or made beforehand with `distill` and passed as --data.greedy_corpus.
     """
     path = cache_path(
         model,
@@ -238,7 +255,9 @@ def corpus_for_fit(
     if rank == 0 and not path.is_file():
         device = trainer.strategy.root_device if trainer is not None else "cpu"
         print(
-            f"self-distillation: generating {n_docs} greedy documents with {model if model not in (None, 'default') else 'the default model'} ({dtype}) into {path}",
+            f"self-distillation: generating {n_docs} greedy documents with "
+            f"{model if model not in (None, 'default') else 'the default model'} ({dtype}) "
+            f"into {path}",
             file=sys.stderr,
             flush=True,
         )
@@ -259,21 +278,23 @@ def corpus_for_fit(
                 dtype,
                 device,
             )
-        except Exception as e:  # still reach the barrier: the other ranks would otherwise wait there until the timeout
+        except Exception as e:
+            # still reach the barrier: the other ranks would otherwise wait there until the timeout
             if world == 1:
                 raise
             failed = e
     if world > 1:
-        trainer.strategy.barrier(
-            "greedy_corpus"
-        )  # rank 0 has written the file (or found it, or failed) past this point
+        # rank 0 has written the file (or found it, or failed) past this point
+        trainer.strategy.barrier("greedy_corpus")
         if failed is not None:
             raise failed
         if not path.is_file():
             raise FileNotFoundError(
-                f"rank {rank}: the greedy corpus {path} is not here after rank 0's turn: either rank 0 failed to make it (its error "
-                "says why), or it is on a filesystem this node does not see; point TIDAR_CACHE at one every node shares, or make "
-                "the corpus once with `tidar-convert distill` and pass --data.greedy_corpus."
+                f"rank {rank}: the greedy corpus {path} is not here after rank 0's turn: "
+                "either rank 0 failed to make it (its error says why), "
+                "or it is on a filesystem this node does not see; point TIDAR_CACHE at one every "
+                "node shares, or make the corpus once with `tidar-convert distill` and pass "
+                "--data.greedy_corpus."
             )
         # One write: print() writes the text and its newline separately, and two ranks' lines on one
         # stderr then interleave as "...jsonlrank 1: ..." (seen in CI).
@@ -283,10 +304,10 @@ def corpus_for_fit(
 
 
 def corpus_for_data(trainer, dm) -> Path | None:
-    """Make the greedy corpus a TiDARData will read in this fit, before it reads any (the module calls
-    this in setup, before its own weights load): the DataModule only reads a ready file, never a model.
-    None when the run trains on no generated greedy documents (none asked for, a share of 0, or a
-    --data.greedy_corpus made by `distill`)."""
+    """Make the greedy corpus a TiDARData will read in this fit, before it reads any (the module
+    calls this in setup, before its own weights load): the DataModule only reads a ready file, never
+    a model. None when the run trains on no generated greedy documents (none asked for, a share of
+    0, or a --data.greedy_corpus made by `distill`)."""
     if dm.greedy_docs == 0 or dm.greedy_share == 0 or dm.greedy_corpus:
         return None
     return corpus_for_fit(
@@ -323,27 +344,32 @@ def distill_cmd(
     device: str = "auto",
     overwrite: bool = False,
 ) -> str:
-    """Write self-distillation documents: real prompts, then the base model's own greedy continuation.
+    """Write self-distillation documents: real prompts, then the base model's own greedy
+    continuation.
 
     Train on them with `fit --data.greedy_corpus OUT --data.greedy_docs N`, with the same
     --data.val_every (so no prompt is a validation document of the run).
 
     Args:
         out: the .jsonl file to write (new, or an earlier corpus of this command with --overwrite).
-        model: base checkpoint: hub id, local folder or .gguf file; None = embedded SmolLM2-135M-Instruct.
+        model: base checkpoint: hub id, local folder or .gguf file; None = embedded
+            SmolLM2-135M-Instruct.
         sources: data sources the prompts come from, as `fit --data.source` takes them.
         n_docs: documents to write.
         prompt_tokens: tokens of a training document that start each one.
         new_tokens: greedy tokens generated after the prompt.
         batch_size: prompts generated together.
-        val_every: the training run's --data.val_every: prompts come from its training documents only.
+        val_every: the training run's --data.val_every: prompts come from its training documents
+            only.
         text_field: column holding the text in json/parquet/hub sources.
         name: hub dataset configuration name.
         split: hub dataset split.
-        seed: the training run's --data.seed (it orders the stdlib files, so it decides which documents come first).
+        seed: the training run's --data.seed (it orders the stdlib files, so it decides which
+            documents come first).
         dtype: float32, bfloat16 or float16 weights for generation.
         device: auto (cuda if available), cpu, cuda, cuda:1, ...
-        overwrite: replace an earlier corpus of this command at `out`, if unchanged since (never any other file).
+        overwrite: replace an earlier corpus of this command at `out`, if unchanged since (never
+            any other file).
     """
     sources = [sources] if isinstance(sources, str) else list(sources)
     if not sources:

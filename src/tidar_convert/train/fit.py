@@ -52,10 +52,11 @@ class RunFolderConfig(SaveConfigCallback):
 
 class TiDARCLI(LightningCLI):
     def __init__(self, *args, signals=None, **kwargs):
-        self.signals = signals  # preemption.Signals of this fit; set first: LightningCLI.__init__ parses, instantiates and runs
-        self.resume_path = (
-            None  # the checkpoint --ckpt_path names, once resolved (_parse_ckpt_path)
-        )
+        # preemption.Signals of this fit; set first: LightningCLI.__init__ parses, instantiates
+        # and runs
+        self.signals = signals
+        # the checkpoint --ckpt_path names, once resolved (_parse_ckpt_path)
+        self.resume_path = None
         super().__init__(*args, **kwargs)
 
     def add_arguments_to_parser(self, parser):
@@ -66,21 +67,24 @@ class TiDARCLI(LightningCLI):
             help="export the trained model to this folder after fit",
         )
         parser.add_argument(
-            # A bare `--overwrite` (as `export` and `distill` take it, and `make convert` passes it) or a value.
+            # A bare `--overwrite` (as `export` and `distill` take it, and `make convert` passes it)
+            # or a value.
             "--overwrite",
             type=bool,
             nargs="?",
             const=True,
             default=False,
-            help="let --out replace an earlier export of this tool (anything else in that folder is never replaced)",
+            help="let --out replace an earlier export of this tool "
+            "(anything else in that folder is never replaced)",
         )
-        # Top level, not under data: it ties the data (micro-batch, seq_len) to the trainer (devices,
-        # nodes, accumulation), and belongs to neither.
+        # Top level, not under data: it ties the data (micro-batch, seq_len) to the trainer
+        # (devices, nodes, accumulation), and belongs to neither.
         parser.add_argument(
             "--global_batch_tokens",
             type=int | None,
             default=None,
-            help="tokens per optimizer step over all devices and nodes; trainer.accumulate_grad_batches is derived from it",
+            help="tokens per optimizer step over all devices and nodes; "
+            "trainer.accumulate_grad_batches is derived from it",
         )
         # None = "not set": then it is derived from global_batch_tokens, and a value the user did
         # set can be checked against it (a default of 1 could not be told apart from an explicit 1).
@@ -88,8 +92,9 @@ class TiDARCLI(LightningCLI):
             "--existing_run",
             type=Literal["refuse", "new", "replace"],
             default="refuse",
-            help="a run folder holding another run's checkpoints: refuse (default; --ckpt_path last "
-            "continues it), new (this run goes to <folder>-v2, -v3...) or replace (its checkpoints go)",
+            help="a run folder holding another run's checkpoints: refuse "
+            "(default; --ckpt_path last continues it), new (this run goes to <folder>-v2, -v3...) "
+            "or replace (its checkpoints go)",
         )
         parser.set_defaults(
             {"trainer.default_root_dir": "runs/tidar", "trainer.accumulate_grad_batches": None}
@@ -130,14 +135,12 @@ class TiDARCLI(LightningCLI):
                     check_out_beside_run(cfg.out, str(moved))
             place_outputs(cfg, old_root if moved is not None else None)
             if self.signals is not None:
-                self.signals.run_dir = cfg.trainer.get(
-                    "default_root_dir"
-                )  # where to say that a run stopped before its first step
+                # where to say that a run stopped before its first step
+                self.signals.run_dir = cfg.trainer.get("default_root_dir")
                 self.signals.new_run_dir = not Path(cfg.trainer.default_root_dir).exists()
             devices = device_count(cfg.trainer.get("devices", "auto"))
-            if (
-                devices is not None
-            ):  # refuse before the model loads; auto is checked once the Trainer resolved it
+            # refuse before the model loads; auto is checked once the Trainer resolved it
+            if devices is not None:
                 accumulation(
                     cfg.get("global_batch_tokens"),
                     cfg.data.batch_size,
@@ -166,9 +169,8 @@ class TiDARCLI(LightningCLI):
             settings.check_config(cfg)
             if cfg.get("data") is not None:
                 check_data(cfg.data)
-        cfg.trainer.accumulate_grad_batches = (
-            self.accumulate or 1
-        )  # placeholder for the Trainer; set in after_instantiate
+        # placeholder for the Trainer; set in after_instantiate
+        cfg.trainer.accumulate_grad_batches = self.accumulate or 1
         if cfg.trainer.get("enable_progress_bar") is False:  # Lightning refuses a bar callback then
             self.trainer_defaults["callbacks"] = [
                 cb for cb in self.trainer_defaults["callbacks"] if not isinstance(cb, TrainProgress)
@@ -177,12 +179,11 @@ class TiDARCLI(LightningCLI):
     def after_instantiate_classes(self):
         trainer = self.trainer
         root = Path(trainer.default_root_dir)
-        atomic_checkpoints(
-            trainer.strategy
-        )  # a full disk or a kill while saving leaves the previous checkpoint whole
+        # a full disk or a kill while saving leaves the previous checkpoint whole
+        atomic_checkpoints(trainer.strategy)
         for cb in trainer.checkpoint_callbacks:
-            # Without a dirpath, Lightning puts checkpoints under the logger's per-run folder, which a
-            # new run cannot find again: --ckpt_path last would then start from scratch.
+            # Without a dirpath, Lightning puts checkpoints under the logger's per-run folder, which
+            # a new run cannot find again: --ckpt_path last would then start from scratch.
             if isinstance(cb, ModelCheckpoint) and cb.dirpath is None:
                 cb.dirpath = str((root / "checkpoints").resolve())
             if isinstance(cb, ModelCheckpoint):
@@ -195,9 +196,8 @@ class TiDARCLI(LightningCLI):
         if self.subcommand in ("fit", "validate"):
             given = self.config[self.subcommand].get("ckpt_path")
             resume = check_resume(trainer, given, self.subcommand, self.resume_path)
-            if (
-                resume != given
-            ):  # the file `last` names, or None: the earlier run stopped before its first step
+            # the file `last` names, or None: the earlier run stopped before its first step
+            if resume != given:
                 self.config_init[self.subcommand]["ckpt_path"] = resume
             if self.signals is not None:
                 self.signals.resume_from = resume
@@ -205,13 +205,15 @@ class TiDARCLI(LightningCLI):
             self.set_accumulation()
 
     def set_accumulation(self):
-        """Derive accumulation from the global batch with the devices the Trainer resolved, and say it."""
+        """Derive accumulation from the global batch with the devices the Trainer resolved, and say
+        it."""
         cfg, trainer, data = self.config[self.subcommand], self.trainer, self.datamodule
         shape = (data.batch_size, data.seq_len, trainer.num_devices, trainer.num_nodes)
         trainer.accumulate_grad_batches = accumulation(
             cfg.get("global_batch_tokens"), *shape, self.accumulate
         )
-        # config.yaml keeps a derived accumulation unset (null): rerun on other devices, it is derived again
+        # config.yaml keeps a derived accumulation unset (null): rerun on other devices, it is
+        # derived again
         cfg.trainer.accumulate_grad_batches = (
             self.accumulate if cfg.get("global_batch_tokens") else trainer.accumulate_grad_batches
         )
@@ -231,7 +233,8 @@ class TiDARCLI(LightningCLI):
         ]
         if trainer.is_global_zero:
             print(
-                f"trained {trainer.global_step} steps; run folder {Path(trainer.default_root_dir).resolve()}",
+                f"trained {trainer.global_step} steps; "
+                f"run folder {Path(trainer.default_root_dir).resolve()}",
                 file=sys.stderr,
             )
             for path in saved:
@@ -256,9 +259,8 @@ class TiDARCLI(LightningCLI):
         cfg = self.config[self.subcommand]
         if cfg.get("out"):
             m = self.model
-            model = (
-                m.unsharded_model()
-            )  # sharded: every rank takes part in gathering it onto rank 0
+            # sharded: every rank takes part in gathering it onto rank 0
+            model = m.unsharded_model()
             if trainer.is_global_zero:
                 from tidar_convert.exports.folder import export
 
@@ -275,7 +277,8 @@ class TiDARCLI(LightningCLI):
 
 
 def saved_step(path: str, final: int) -> str:
-    """' (step N)' as read back from the checkpoint itself, and a warning where N is not the final step."""
+    """' (step N)' as read back from the checkpoint itself, and a warning where N is not the final
+    step."""
     if "://" in path or not Path(path).exists():
         return ""
     from tidar_convert.train.run_folder import checkpoint_step
@@ -295,9 +298,8 @@ def _lightning_cli(args: list[str] | None, signals=None) -> TiDARCLI:
     from tidar_convert.train.recipe import TiDARParser, check_recipe, config_files
 
     for path in config_files(list(sys.argv[1:] if args is None else args)):
-        check_recipe(
-            path
-        )  # a duplicate key or a tab, named by file and line (jsonargparse would not)
+        # a duplicate key or a tab, named by file and line (jsonargparse would not)
+        check_recipe(path)
     # every recipe logs throughput, memory and its clock
     callbacks = [TrainProgress(), Preemption(signals), Throughput(), RunClock(), FinalCheckpoint()]
     return TiDARCLI(
@@ -323,23 +325,20 @@ def _run_lightning(argv: list[str] | None) -> None:
     with Signals(active=command == ["fit"]) as signals:
         try:
             _lightning_cli(argv, signals)  # None: LightningCLI reads sys.argv itself
-        except (
-            SIGTERMException
-        ):  # the Preemption callback saved last.ckpt (or found nothing to save) and said so
+        except SIGTERMException:
+            # the Preemption callback saved last.ckpt (or found nothing to save) and said so;
             # 128 + the signal: "killed", so a scheduler requeues instead of marking it done
             sys.exit(128 + (signals.signum or signal.SIGTERM))
         except Interrupted as e:  # before training ran: nothing to save
             signals.nothing_saved()
             sys.exit(128 + e.signum)
         except SystemExit:
-            if (
-                signals.count > 1
-            ):  # a second Ctrl-C: Lightning stopped at once (Preemption said so) and exits 1
+            # a second Ctrl-C: Lightning stopped at once (Preemption said so) and exits 1
+            if signals.count > 1:
                 sys.exit(128 + signal.SIGINT)
             raise
-        except (
-            Exception
-        ):  # refused or failed before it saved anything: no empty run folder left behind
+        except Exception:
+            # refused or failed before it saved anything: no empty run folder left behind
             trained = signals.trainer is not None and signals.trainer.global_step > 0
             if signals.new_run_dir and signals.run_dir and not trained:
                 from tidar_convert.train.run_folder import discard_if_unused
@@ -376,7 +375,8 @@ def check_resume(trainer, ckpt_path, command: str = "fit", resolved: Path | None
                     how = "a signal"
                 if trainer.is_global_zero:
                     print(
-                        f"--ckpt_path last: the run in {trainer.default_root_dir} was stopped by {how} before its first step and saved nothing: starting from scratch.",
+                        f"--ckpt_path last: the run in {trainer.default_root_dir} was stopped by "
+                        f"{how} before its first step and saved nothing: starting from scratch.",
                         file=sys.stderr,
                         flush=True,
                     )
@@ -388,14 +388,16 @@ def check_resume(trainer, ckpt_path, command: str = "fit", resolved: Path | None
                 "train from scratch" if command == "fit" else "validate the base model as it is"
             )
             raise FileNotFoundError(
-                f"--ckpt_path last: no last checkpoint in {where}. Leave out --ckpt_path to {instead}, "
+                f"--ckpt_path last: no last checkpoint in {where}. "
+                f"Leave out --ckpt_path to {instead}, "
                 "or pass a checkpoint file (--ckpt_path runs/.../checkpoints/last.ckpt)."
             )
     elif ckpt_path in ("best", "hpc"):
         return ckpt_path
     elif resolved is None:
         raise FileNotFoundError(
-            f"--ckpt_path {ckpt_path}: no such checkpoint; `fit` writes them under <default_root_dir>/checkpoints/."
+            f"--ckpt_path {ckpt_path}: no such checkpoint; `fit` writes them under "
+            "<default_root_dir>/checkpoints/."
         )
     check_checkpoint_format([resolved], trainer.strategy)
     if trainer.is_global_zero and ckpt_path == "last":
@@ -410,8 +412,8 @@ def check_resume(trainer, ckpt_path, command: str = "fit", resolved: Path | None
 
 
 def check_checkpoint_format(paths, strategy) -> None:
-    """A folder of shards resumes only under the strategy that reads them; any other would fail deep in
-    torch.load (a directory) or load nothing."""
+    """A folder of shards resumes only under the strategy that reads them; any other would fail deep
+    in torch.load (a directory) or load nothing."""
     from lightning.pytorch.strategies import ModelParallelStrategy
 
     from tidar_convert.train.sharding import is_sharded_checkpoint
@@ -419,10 +421,14 @@ def check_checkpoint_format(paths, strategy) -> None:
     for path in paths:
         if is_sharded_checkpoint(path) and not isinstance(strategy, ModelParallelStrategy):
             raise ValueError(
-                f"--ckpt_path {path} is a sharded checkpoint (a folder of one file per rank, written by ModelParallelStrategy), "
-                f"and this run's strategy is {type(strategy).__name__}; resume it with the strategy that wrote it "
-                "(--trainer.strategy lightning.pytorch.strategies.ModelParallelStrategy, as the paper recipes set it), "
-                "or turn it into a model folder with `tidar-convert export --checkpoint PATH --out DIR` and train from that."
+                f"--ckpt_path {path} is a sharded checkpoint (a folder of one file per rank, "
+                "written by ModelParallelStrategy), "
+                f"and this run's strategy is {type(strategy).__name__}; "
+                "resume it with the strategy that wrote it "
+                "(--trainer.strategy lightning.pytorch.strategies.ModelParallelStrategy, "
+                "as the paper recipes set it), "
+                "or turn it into a model folder with "
+                "`tidar-convert export --checkpoint PATH --out DIR` and train from that."
             )
 
 
@@ -468,12 +474,14 @@ def _quiet_libraries() -> None:
 
     for name in ("lightning.pytorch", "lightning.fabric"):
         logging.getLogger(name).setLevel(logging.WARNING)
-    transformers.logging.set_verbosity_error()  # "new embeddings will be initialized ..." on every run
+    # "new embeddings will be initialized ..." on every run
+    transformers.logging.set_verbosity_error()
     transformers.logging.disable_progress_bar()  # weight loading/saving bars of a few ms each
     for category in (DeprecationWarning, FutureWarning, PendingDeprecationWarning):
         warnings.filterwarnings("ignore", category=category)
     for pattern in (
-        r".*does not have many workers.*",  # streaming data: extra workers would read the same stream
+        # streaming data: extra workers would read the same stream
+        r".*does not have many workers.*",
         r".*`IterableDataset` has `__len__`.*",
         r".*Total length of `DataLoader` across ranks is zero.*",
         r".*The number of training batches .* is smaller than the logging interval.*",

@@ -14,13 +14,14 @@ from pathlib import Path
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
-NOTHING_SAVED = "interrupted_before_first_step.json"  # in the run folder: `--ckpt_path last` may then start from scratch
+# in the run folder: `--ckpt_path last` may then start from scratch
+NOTHING_SAVED = "interrupted_before_first_step.json"
 
 
 class Interrupted(BaseException):
-    """SIGTERM or SIGINT while `fit` loads and sets up, before Lightning listens for signals: there is
-    no training state to save. A BaseException, like KeyboardInterrupt, so no `except Exception` in
-    loading code takes it for an error of its own."""
+    """SIGTERM or SIGINT while `fit` loads and sets up, before Lightning listens for signals: there
+    is no training state to save. A BaseException, like KeyboardInterrupt, so no `except Exception`
+    in loading code takes it for an error of its own."""
 
     def __init__(self, signum: int):
         super().__init__(signal.Signals(signum).name)
@@ -38,7 +39,8 @@ class Signals:
       saves last.ckpt); a first SIGINT does the same, a second stops at once without saving;
     - once training ended (exporting, say), and in any other process (DataLoader workers inherit the
       handler: they leave the decision to the main process), as without this.
-    Used as a context manager; `trainer`, `run_dir` and `resume_from` are filled in as they become known.
+    Used as a context manager; `trainer`, `run_dir` and `resume_from` are filled in as they become
+    known.
     """
 
     def __init__(self, active: bool = True):
@@ -46,15 +48,13 @@ class Signals:
         self.signum = None  # the first signal received
         self.count = 0  # SIGINTs received while training
         self.trainer = self.run_dir = self.resume_from = None
-        self.new_run_dir = (
-            False  # the run folder did not exist before this fit: a failed fit removes it
-        )
+        # the run folder did not exist before this fit: a failed fit removes it
+        self.new_run_dir = False
         self.done = False
         self.old: dict = {}
         self.pid = os.getpid()
-        self.handler = (
-            self.handle
-        )  # one bound method: Lightning's composed handler is told apart from it by identity
+        # one bound method: Lightning's composed handler is told apart from it by identity
+        self.handler = self.handle
 
     def __enter__(self):
         if self.active and threading.current_thread() is threading.main_thread():
@@ -87,19 +87,21 @@ class Signals:
                 self.count += 1
                 if self.count > 1:
                     raise KeyboardInterrupt
-                self.trainer._signal_connector.received_sigterm = (
-                    True  # stop as SIGTERM stops: at the next step boundary
-                )
+                # stop as SIGTERM stops: at the next step boundary
+                self.trainer._signal_connector.received_sigterm = True
                 if self.trainer.is_global_zero:
-                    text = "received SIGINT (Ctrl-C): stopping after this step to save a checkpoint; press Ctrl-C again to stop at once without saving.\n"
+                    text = (
+                        "received SIGINT (Ctrl-C): stopping after this step to save a checkpoint; "
+                        "press Ctrl-C again to stop at once without saving.\n"
+                    )
                     try:
                         sys.stderr.write(text)
                         sys.stderr.flush()
-                    except (
-                        RuntimeError
-                    ):  # the signal landed inside another write to stderr ("reentrant call")
+                    except RuntimeError:
+                        # the signal landed inside another write to stderr ("reentrant call")
                         os.write(2, text.encode())
-            return  # SIGTERM: Lightning's own handler, called just before this one, has set its flag
+            # SIGTERM: Lightning's own handler, called just before this one, has set its flag
+            return
         self.signum = signum
         raise Interrupted(signum)
 
@@ -114,14 +116,16 @@ class Signals:
 
         if rank_zero_only.rank != 0:
             return
-        # Interrupted while the model loads, a run resuming is not yet told from a new one: its checkpoints say it.
+        # Interrupted while the model loads, a run resuming is not yet told from a new one: its
+        # checkpoints say it.
         earlier = self.run_dir is not None and any(
             (Path(self.run_dir) / "checkpoints").glob("last*.ckpt")
         )
         if self.resume_from or earlier:
             print(
-                f"received {self.name} before this run's first training step: nothing was saved, and the checkpoints it "
-                "would continue from are unchanged. Run the same command again.",
+                f"received {self.name} before this run's first training step: nothing was saved, "
+                "and the checkpoints it would continue from are unchanged. "
+                "Run the same command again.",
                 file=sys.stderr,
                 flush=True,
             )
@@ -135,21 +139,24 @@ class Signals:
                     + "\n"
                 )
         print(
-            f"received {self.name} before the first training step: nothing was saved (no step was taken). Run the same "
-            "command again; with --ckpt_path last it starts from scratch.",
+            f"received {self.name} before the first training step: nothing was saved "
+            "(no step was taken). Run the same command again; "
+            "with --ckpt_path last it starts from scratch.",
             file=sys.stderr,
             flush=True,
         )
 
 
 class Preemption(Callback):
-    """SIGTERM (what SLURM and Kubernetes send), or SIGINT (Ctrl-C), saves last.ckpt, so a requeued job resumes.
+    """SIGTERM (what SLURM and Kubernetes send), or SIGINT (Ctrl-C), saves last.ckpt, so a requeued
+    job resumes.
 
     Lightning turns SIGTERM into a SIGTERMException at the next step boundary, after the optimizer
     step, so what is saved is a consistent state (with gradient accumulation, only once the step's
     last micro-batch is trained: see `hold_sigterm_until_step_end`); `Signals` makes a first SIGINT
     do the same. Lightning then exits 0, which a scheduler reads as "finished": `cli.main` exits 143
-    (128 + SIGTERM) or 130 (SIGINT) instead. Before the first step there is nothing to save, and it says so.
+    (128 + SIGTERM) or 130 (SIGINT) instead. Before the first step there is nothing to save, and it
+    says so.
     """
 
     def __init__(self, signals: Signals | None = None):
@@ -166,7 +173,9 @@ class Preemption(Callback):
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         if not self.stepped and trainer.global_step >= 1:
-            self.stepped = True  # a step was taken: "stopped before its first step" is no longer true of this run folder
+            # a step was taken: "stopped before its first step" is no longer true of this run
+            # folder
+            self.stepped = True
             if trainer.is_global_zero:
                 (Path(trainer.default_root_dir) / NOTHING_SAVED).unlink(missing_ok=True)
 
@@ -187,7 +196,8 @@ class Preemption(Callback):
                     else "no checkpoint was written"
                 )
                 print(
-                    f"received SIGINT again: stopped at once at step {trainer.global_step}; nothing was saved at the interrupt ({kept}).",
+                    f"received SIGINT again: stopped at once at step {trainer.global_step}; "
+                    f"nothing was saved at the interrupt ({kept}).",
                     file=sys.stderr,
                     flush=True,
                 )
@@ -212,15 +222,16 @@ class Preemption(Callback):
         trainer.save_checkpoint(path)  # every rank: sharded strategies save collectively
         if trainer.is_global_zero:
             print(
-                f"received {self.signals.name}: saved {path} at step {trainer.global_step}; run the same command with --ckpt_path last to continue.",
+                f"received {self.signals.name}: saved {path} at step {trainer.global_step}; "
+                "run the same command with --ckpt_path last to continue.",
                 file=sys.stderr,
                 flush=True,
             )
 
 
 def one_last_checkpoint(trainer) -> None:
-    """A run resumed from its own checkpoint folder writes its last checkpoint over last.ckpt, the one
-    `export .../last.ckpt` and the next `--ckpt_path last` take.
+    """A run resumed from its own checkpoint folder writes its last checkpoint over last.ckpt, the
+    one `export .../last.ckpt` and the next `--ckpt_path last` take.
 
     Lightning writes last-v1.ckpt beside a last.ckpt that its callback did not write itself, and it
     tells "itself" by the folder path saved in the checkpoint: in a copied or moved run folder, the

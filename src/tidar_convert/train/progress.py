@@ -1,7 +1,8 @@
 """Progress a person can read: a bar on a terminal, a periodic log line when output goes to a file.
 
-A tqdm bar redirected to a file is one line of carriage returns that says nothing until the job ends;
-a SLURM log or `make convert > log` needs plain lines with the step, the rate and an ETA instead.
+A tqdm bar redirected to a file is one line of carriage returns that says nothing until the job
+ends; a SLURM log or `make convert > log` needs plain lines with the step, the rate and an ETA
+instead.
 """
 
 from __future__ import annotations

@@ -22,9 +22,8 @@ CONFIG_MARK = "# tidar-convert fit: this run's resolved config (the tool rewrite
 # Before the mark existed, fit wrote LightningCLI's own dump, which starts with this header.
 LEGACY_MARK = "# lightning.pytorch=="
 EXISTING_RUN = ("refuse", "new", "replace")
-CHOSEN = (
-    "TIDAR_RUN_FOLDER"  # the folder --existing_run new chose, for the rank processes started later
-)
+# the folder --existing_run new chose, for the rank processes started later
+CHOSEN = "TIDAR_RUN_FOLDER"
 
 
 def written_by_fit(path: Path) -> bool:
@@ -50,7 +49,8 @@ def checkpoint_dirs(cfg) -> list[Path]:
 
 
 def saved_checkpoints(dirs: list[Path]) -> list[Path]:
-    """The checkpoints in `dirs`: .ckpt files, and the folders sharded strategies write under that name."""
+    """The checkpoints in `dirs`: .ckpt files, and the folders sharded strategies write under that
+    name."""
     found = []
     for d in dirs:
         if d.is_dir():
@@ -61,15 +61,16 @@ def saved_checkpoints(dirs: list[Path]) -> list[Path]:
 
 
 def read_checkpoint(path: Path) -> dict:
-    """A checkpoint's contents, its tensors memory-mapped, not read (a sharded one: its metadata)."""
+    """A checkpoint's contents, its tensors memory-mapped, not read (a sharded one: its
+    metadata)."""
     import torch
 
     from tidar_convert.train.sharding import is_sharded_checkpoint
 
     if path.is_dir() and not is_sharded_checkpoint(path):
         raise ValueError(
-            f"checkpoint '{path}' is a folder but not a sharded checkpoint (no .metadata in it); pass "
-            "a checkpoint file or folder from <default_root_dir>/checkpoints/, e.g. last.ckpt."
+            f"checkpoint '{path}' is a folder but not a sharded checkpoint (no .metadata in it); "
+            "pass a checkpoint file or folder from <default_root_dir>/checkpoints/, e.g. last.ckpt."
         )
     try:
         if is_sharded_checkpoint(path):
@@ -79,7 +80,8 @@ def read_checkpoint(path: Path) -> dict:
         return torch.load(path, map_location="cpu", mmap=True, weights_only=False)
     except Exception as e:  # a cut-short zip, a pickle of something else
         raise ValueError(
-            f"checkpoint '{path}' does not load ({type(e).__name__}: {str(e).splitlines()[0][:160]}): "
+            f"checkpoint '{path}' does not load "
+            f"({type(e).__name__}: {str(e).splitlines()[0][:160]}): "
             "it is cut short or damaged; remove it (or pass another one as --ckpt_path) "
             "and run the same command again."
         ) from e
@@ -120,13 +122,13 @@ def check_run_folder(cfg, existing_run: str, resuming: bool) -> Path | None:
     root = Path(cfg.trainer.get("default_root_dir") or ".").expanduser()
     if root.exists() and not root.is_dir():
         raise ValueError(
-            f"--trainer.default_root_dir '{root}' is a file, not a folder; pass the folder for this "
-            "run's config, checkpoints and logs (say runs/NAME)."
+            f"--trainer.default_root_dir '{root}' is a file, not a folder; pass the folder for "
+            "this run's config, checkpoints and logs (say runs/NAME)."
         )
     if resuming and existing_run != "refuse":
         raise ValueError(
-            f"--existing_run {existing_run} with --ckpt_path {cfg.ckpt_path}: a resumed run continues "
-            "in its own folder; drop one of them."
+            f"--existing_run {existing_run} with --ckpt_path {cfg.ckpt_path}: a resumed run "
+            "continues in its own folder; drop one of them."
         )
     config = root / CONFIG
     if config.exists() and not written_by_fit(config):
@@ -197,8 +199,8 @@ def _rebase(path: Path, old: Path, new: Path) -> Path:
         return new / path.expanduser().absolute().relative_to(old.expanduser().absolute())
     except ValueError:
         raise ValueError(
-            f"--existing_run new: '{path}' (a logger's save_dir or a checkpoint dirpath) is outside "
-            f"the run folder '{old}', so it cannot move with the run; pass "
+            f"--existing_run new: '{path}' (a logger's save_dir or a checkpoint dirpath) is "
+            f"outside the run folder '{old}', so it cannot move with the run; pass "
             "--trainer.default_root_dir with a new folder instead."
         ) from None
 

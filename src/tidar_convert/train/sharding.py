@@ -5,8 +5,9 @@ device mesh; the module calls `build_sharded` there. Every rank builds the model
 (no memory), shards each decoder layer and the root with `fully_shard`, and receives only its shard
 of the weights, broadcast from rank 0. Rank 0 alone reads the checkpoint, in the checkpoint's own
 dtype (bf16 for the Qwen models: half of float32); the other ranks only ever hold their shard.
-Measured (a 1.0 GiB float32 llama saved in bf16, 2 ranks): configure_model adds 1.03 GiB to rank 0's
-peak RSS and 0.53 GiB to rank 1's, against 1.51 GiB for one process loading it whole.
+So configure_model adds to rank 0's peak RSS about the checkpoint (in its own dtype) and rank 0's
+shard, and to the other ranks' only their shard, against the checkpoint and the whole model for one
+process loading it whole.
 """
 
 from __future__ import annotations
@@ -22,8 +23,8 @@ from torch import nn
 def decoder_layer_class(model: nn.Module) -> type[nn.Module]:
     """The class of the model's decoder layers, the FSDP unit: whatever the family calls it.
 
-    transformers lists it in `_no_split_modules` (the module that must stay on one device); the class
-    actually present in the model is taken, so a LoRA-wrapped or renamed model works too.
+    transformers lists it in `_no_split_modules` (the module that must stay on one device); the
+    class actually present in the model is taken, so a LoRA-wrapped or renamed model works too.
     """
     names = set(getattr(model, "_no_split_modules", None) or [])
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
@@ -32,8 +33,9 @@ def decoder_layer_class(model: nn.Module) -> type[nn.Module]:
     if len(found) != 1:
         what = ", ".join(sorted(c.__name__ for c in found)) or "none of them is in the model"
         raise ValueError(
-            f"{type(base).__name__}: cannot tell its decoder layer class for sharding (its _no_split_modules are "
-            f"{sorted(names) or 'empty'}; {what}); this family cannot be sharded per layer, train it with --trainer.strategy ddp."
+            f"{type(base).__name__}: cannot tell its decoder layer class for sharding "
+            f"(its _no_split_modules are {sorted(names) or 'empty'}; {what}); "
+            "this family cannot be sharded per layer, train it with --trainer.strategy ddp."
         )
     return found.pop()
 
@@ -65,10 +67,11 @@ def build_sharded(
     rank = dist.get_rank()
     full = make_full() if rank == 0 else None
     model = shard(make_empty(), mesh)
-    # On the mesh's device ("cuda": this rank's GPU, which Lightning has set): NCCL broadcasts only GPU tensors.
+    # On the mesh's device ("cuda": this rank's GPU, which Lightning has set): NCCL broadcasts only
+    # GPU tensors.
     model.to_empty(device=torch.device(mesh.device_type))
-    # Buffers outside the state dict (rotary inv_freq) are not broadcast by set_model_state_dict, and
-    # to_empty left them uninitialised: rank 0 sends its own (a few KB).
+    # Buffers outside the state dict (rotary inv_freq) are not broadcast by set_model_state_dict,
+    # and to_empty left them uninitialised: rank 0 sends its own (a few KB).
     buffers = [
         {name: b for name, b in full.named_buffers() if name not in full.state_dict()}
         if full is not None
@@ -84,17 +87,20 @@ def build_sharded(
 
 
 def is_sharded_checkpoint(path: str | Path) -> bool:
-    """A folder written by a sharded strategy (torch.distributed.checkpoint), not a single .ckpt file."""
+    """A folder written by a sharded strategy (torch.distributed.checkpoint), not a single .ckpt
+    file."""
     return Path(path).is_dir() and (Path(path) / ".metadata").is_file()
 
 
 def load_sharded_module(cls, path: str | Path, **overrides):
-    """(module, global_step) from a sharded checkpoint folder, in one process and without a process group.
+    """(module, global_step) from a sharded checkpoint folder, in one process and without a process
+    group.
 
-    The module is made from the checkpoint's hyper_parameters the way `load_from_checkpoint` makes it
-    (Lightning's own `_load_state`, which also calls configure_model), then only its own weights are
-    read from the shards, in place (not the optimizer's): the memory of the model once, whatever the
-    number of ranks that wrote it. `overrides`: hyper_parameters to replace, as load_from_checkpoint takes them.
+    The module is made from the checkpoint's hyper_parameters the way `load_from_checkpoint` makes
+    it (Lightning's own `_load_state`, which also calls configure_model), then only its own weights
+    are read from the shards, in place (not the optimizer's): the memory of the model once, whatever
+    the number of ranks that wrote it. `overrides`: hyper_parameters to replace, as
+    load_from_checkpoint takes them.
     """
     import torch.distributed.checkpoint as dcp
     from lightning.fabric.utilities.load import _METADATA_FILENAME
@@ -103,11 +109,13 @@ def load_sharded_module(cls, path: str | Path, **overrides):
     path = Path(path)
     meta = torch.load(path / _METADATA_FILENAME, map_location="cpu", weights_only=False)
     with warnings.catch_warnings():
-        # Lightning: "keys in the model but not in the checkpoint" (all of them: they are read next);
-        # torch: "torch.distributed is ... uninitialized, assuming ... a single process" (it is).
+        # Lightning: "keys in the model but not in the checkpoint" (all of them: they are read
+        # next); torch: "torch.distributed is ... uninitialized, assuming ... a single process"
+        # (it is).
         warnings.filterwarnings(
             "ignore",
-            message=r".*(not in the checkpoint|assuming the intent is to load in a single process).*",
+            message=r".*(not in the checkpoint"
+            r"|assuming the intent is to load in a single process).*",
         )
         module = _load_state(cls, {**meta, "state_dict": {}}, strict=False, **overrides)
         state = {"state_dict": module.state_dict()}
