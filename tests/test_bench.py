@@ -18,6 +18,7 @@ from tidar_convert.bench import gpu as bench_gpu
 from tidar_convert.bench.decoders import DECODERS, Decoder
 from tidar_convert.runtime import forward
 from tidar_convert.runtime import generate as decode
+from tidar_convert.runtime.spec import TiDARSpec
 
 PNG = b"\x89PNG"
 
@@ -33,8 +34,7 @@ def tiny_export(tiny_dirs, tmp_path_factory):
         m,
         tok,
         tmp_path_factory.mktemp("bench") / "tiny",
-        draft_length=4,
-        alpha=1.0,
+        TiDARSpec(4),
         card={"base_model": str(tiny_dirs["llama"])},
     )
 
@@ -260,8 +260,7 @@ def chat_export(tiny_dirs, tmp_path_factory):
         m,
         tok,
         tmp_path_factory.mktemp("bench-chat") / "chat",
-        draft_length=4,
-        alpha=1.0,
+        TiDARSpec(4),
         card={"base_model": str(base)},
     )
 

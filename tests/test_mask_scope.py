@@ -333,8 +333,7 @@ def test_export_mask_rows_match_the_trained_model(tiny_dirs, tmp_path):
             model,
             tok,
             tmp_path / "tidar",
-            draft_length=4,
-            alpha=1.0,
+            TiDARSpec(4),
             adapter_energy=1.0,
             adapter_layers=1.0,
         )

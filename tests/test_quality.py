@@ -235,8 +235,7 @@ def test_quality_cli_defaults_to_the_base_the_export_records(tiny_dirs, tmp_path
         m,
         tok,
         tmp_path / "tiny",
-        draft_length=4,
-        alpha=1.0,
+        TiDARSpec(4),
         card={"base_model": str(tiny_dirs["qwen2"])},
     )
     out = tmp_path / "report.json"
