@@ -407,8 +407,8 @@ def test_bench_eos_at_once(tiny_export, tmp_path):
 
 
 def test_bench_rejects_bad_input(tiny_dirs, tiny_export):
-    with pytest.raises(ValueError, match="k=1"):
-        bench.bench_cmd(str(tiny_export), k=1)
+    with pytest.raises(ValueError, match="--draft-length=1"):
+        bench.bench_cmd(str(tiny_export), draft_length=1)
     with pytest.raises(ValueError, match="ppl_data"):
         bench.bench_cmd(str(tiny_export), ppl_base=str(tiny_dirs["llama"]))
     with pytest.raises(ValueError, match="not a TiDAR export"):

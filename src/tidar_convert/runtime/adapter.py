@@ -14,11 +14,12 @@ In training the gate multiplies PEFT's LoRA branch (lora.gate_to_masks); in an e
 saved deltas (ADAPTER_FILE, attach). The engine lays out a step's mask groups after its drafts and a
 training sequence's masks after its clean half, so the rows are one trailing block: a slice, no gather.
 
-On generate()'s fp32 panel products the deltas of a step's mask rows run inside each weight's pass
-(kernels.packed_forward: B packed beside W, the hook set aside); elsewhere the hook adds them.
+On generate()'s panel products (fp32 and bf16) the deltas of a batch-1 step's mask rows run inside
+each weight's pass (kernels.packed_forward: B packed beside W, the hook set aside); elsewhere the
+hook adds them.
 
-Shipped in every export's custom_generate/ folder (see export.shipped_code): imports nothing but torch,
-transformers (safetensors comes with transformers) and kernels.py and panel.py beside it.
+Shipped in every export's custom_generate/ folder with the rest of runtime/: imports nothing but
+torch, transformers (safetensors comes with transformers) and its neighbours.
 """
 
 from __future__ import annotations
