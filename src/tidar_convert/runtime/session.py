@@ -1,0 +1,85 @@
+"""A model's decoding session: everything TiDAR decoding keeps between generate() calls, in one
+object, so that nothing of it hides in module globals or in stray attributes of the model.
+
+Lifetime: the first generate() on a model makes it (`session_of`) and keeps it on the model as
+`model.tidar_session`, a plain attribute (not a submodule: it is never saved, moved or copied with
+the weights). It lives as long as the model, or until `reset()`.
+
+What it holds, and why each is kept rather than made again per call:
+- `costs`: the step-cost tables (costs.StepCosts), one per setting (kernels, dtype, device, batch
+  size): the cost planner prices step shapes from what they took on this model and machine, and
+  learning them takes a call's worth of steps.
+- `own_masks`: the (Q, Q) attention block among a step's own query slots, by plan
+  (layout.decode_step_mask): it depends on the plan alone, and plans repeat.
+- `kernels`: which product each linear layer takes, the packed copies of its weight, the packed
+  mask-slot deltas and the timing that chose them (kernels.py): packing costs a pass over every
+  weight, and timing the products another few.
+
+`reset()` forgets all of it: the next generate() measures and packs afresh, as the first call on a
+fresh model does. No output depends on any of it (every plan and every product gives the same
+tokens, sampled ones included); the speed and the T/NFE of the calls that follow do, so a caller
+comparing runs (a benchmark, a test of the planner) resets between them.
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass, field
+
+from .costs import StepCosts
+
+ATTR = "tidar_session"
+OWN_MASKS_KEPT = 512  # plans vary with the draft length and anchors: the memory stays bounded
+
+
+@dataclass
+class KernelState:
+    """The CPU kernels' per-layer choices and copies (kernels.py), keyed by the layer module."""
+
+    packed: weakref.WeakKeyDictionary = field(default_factory=weakref.WeakKeyDictionary)
+    chosen: weakref.WeakKeyDictionary = field(default_factory=weakref.WeakKeyDictionary)
+    delta_panels: weakref.WeakKeyDictionary = field(default_factory=weakref.WeakKeyDictionary)
+    # (weights key, whether packing pays, the timings that said so): kernels.packing_pays
+    timing: tuple | None = None
+
+
+class Session:
+    def __init__(self):
+        self.costs: dict[tuple, StepCosts] = {}
+        self.own_masks: dict = {}
+        self.kernels = KernelState()
+
+    def step_costs(self, setting: tuple = ()) -> StepCosts:
+        """The step-cost table of one setting (whatever changes what a step shape costs)."""
+        return self.costs.setdefault(setting, StepCosts())
+
+    def own_mask(self, key, make):
+        """The cached own-query mask block of a plan, made by `make()` the first time."""
+        mask = self.own_masks.get(key)
+        if mask is None:
+            if len(self.own_masks) >= OWN_MASKS_KEPT:
+                self.own_masks.clear()
+            mask = self.own_masks[key] = make()
+        return mask
+
+    def reset(self) -> None:
+        """Forget step costs, mask blocks and kernel choices; packed weight copies are freed."""
+        self.costs.clear()
+        self.own_masks.clear()
+        self.kernels = KernelState()
+
+
+def session_of(model) -> Session:
+    """The model's session, made on first use."""
+    session = model.__dict__.get(ATTR)
+    if session is None:
+        session = Session()
+        object.__setattr__(model, ATTR, session)  # not a submodule: torch.nn.Module keeps out
+    return session
+
+
+def reset(model) -> None:
+    """Forget what decoding learned on `model` (Session.reset); a model never decoded is unchanged."""
+    session = model.__dict__.get(ATTR)
+    if session is not None:
+        session.reset()
