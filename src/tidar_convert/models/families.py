@@ -305,8 +305,8 @@ def describe(config, devices: int = 1) -> dict:
     if verdict.decoder_only:
         try:
             n = parameter_count(config)
-        # a config transformers accepts but cannot build: say so, the verdict stands
         except Exception as e:
+            # a config transformers accepts but cannot build: say so, the verdict stands
             out["parameters_error"] = f"{type(e).__name__}: {e}"
             return out
         out["parameters"] = n
