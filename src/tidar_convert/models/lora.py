@@ -23,19 +23,22 @@ ADAPTER = "default"  # PEFT's name for the one adapter
 def check_scope(scope: str, lora_r: int) -> None:
     if scope not in SCOPES:
         raise ValueError(
-            f"lora_scope={scope!r}: choose 'all' (adapters on every row, the paper) or 'masks' (mask slots only: the AR half stays the base model)."
+            f"lora_scope={scope!r}: choose 'all' (adapters on every row, the paper) "
+            "or 'masks' (mask slots only: the AR half stays the base model)."
         )
     if scope == "masks" and lora_r <= 0:
         raise ValueError(
-            f"lora_scope='masks' with lora_r={lora_r}: the mask-slot adapters are LoRA; set lora_r > 0 (e.g. 64)."
+            f"lora_scope='masks' with lora_r={lora_r}: the mask-slot adapters are LoRA; "
+            "set lora_r > 0 (e.g. 64)."
         )
 
 
 def add_lora(model, r: int, alpha: int, mask_token_id: int, scope: str = "all"):
-    """PEFT LoRA of rank r on every linear layer. scope='all': the mask token's embedding row is trained
-    too. scope='masks': the LoRA branch acts on mask rows only, and the embedding stays as it is: with
-    tied embeddings its mask row is also the AR head's mask-token logit, which must stay the base's
-    (the first layers' adapters see the mask embedding and can move it as far as a trained row would)."""
+    """PEFT LoRA of rank r on every linear layer. scope='all': the mask token's embedding row is
+    trained too. scope='masks': the LoRA branch acts on mask rows only, and the embedding stays as
+    it is: with tied embeddings its mask row is also the AR head's mask-token logit, which must stay
+    the base's (the first layers' adapters see the mask embedding and can move it as far as a
+    trained row would)."""
     from peft import LoraConfig, get_peft_model
 
     tokens = (
@@ -52,14 +55,16 @@ def add_lora(model, r: int, alpha: int, mask_token_id: int, scope: str = "all"):
 
 def out_of_order(model) -> list[str]:
     """Every module inside a mixture of experts: its router, experts and shared experts run on the
-    tokens flattened to (B * T, H) or gathered per expert, not as (B, T, H). The mask-slot gate picks
-    rows by their place in (B, T), so under lora_scope='masks' these get no adapter: on them it would
-    move real tokens' routes and expert outputs, and the AR half would no longer be the base's."""
+    tokens flattened to (B * T, H) or gathered per expert, not as (B, T, H). The mask-slot gate
+    picks rows by their place in (B, T), so under lora_scope='masks' these get no adapter: on them
+    it would move real tokens' routes and expert outputs, and the AR half would no longer be the
+    base's."""
+    # the mixture blocks
     roots = [
         name
         for name, module in model.named_modules()
         if name and isinstance(getattr(module, "experts", None), torch.nn.Module)
-    ]  # the mixture blocks
+    ]
     return [
         name
         for name, _ in model.named_modules()
@@ -68,8 +73,9 @@ def out_of_order(model) -> list[str]:
 
 
 def in_order_linears(model) -> list[str]:
-    """What "all-linear" adapts, less the mixtures of experts (out_of_order). PEFT's "all-linear" also
-    wraps a mixture's fused experts and its router, whatever exclude_modules says: a list does not."""
+    """What "all-linear" adapts, less the mixtures of experts (out_of_order). PEFT's "all-linear"
+    also wraps a mixture's fused experts and its router, whatever exclude_modules says: a list does
+    not."""
     from transformers.pytorch_utils import Conv1D
 
     skip, head = set(out_of_order(model)), model.get_output_embeddings()
@@ -104,42 +110,43 @@ def is_mask_scoped(model) -> bool:
 
 
 # Share of each delta's squared norm (B @ A) an export keeps. The trained deltas are nearly low-rank
-# (out/masks-600, rank 64: 16 singular values hold 97-99.7 % per layer type), and at decode the
-# adapter is read from memory on every forward with mask groups: at rank 64 it is 18 % of the
-# decoder's bytes and added 18-23 ms to a 100 ms step on this repo's CPU. 0.99 keeps 23 % of the
-# parameters there, and diffusion T/NFE on the bench prompts moved 1.575 -> 1.569 at rank 16.
+# (a small share of the singular values holds nearly all of each layer type's norm), and at decode
+# the adapter is read from memory on every forward with mask groups: at the trained rank it is a
+# noticeable share of the decoder's bytes and of a step's time on a CPU. 0.99 keeps a fraction of
+# the parameters, and the diffusion drafts' T/NFE on the bench prompts barely moved (the
+# measurements: bench/LOG.md, 2026-12-01, "Compressed adapters").
 ADAPTER_ENERGY = 0.99
 
 
 # Share of the adapted layers an export keeps, the ones whose delta moves their weight most
-# (||B A|| / ||W||, Frobenius). Each adapted layer costs a decoding step with mask rows about the same
-# whatever its rank: ~40-55 us of small products between the big ones (SmolLM2-135M on a 2-core AMX
-# Xeon: a step of 5 slots with 4 mask slots took 33 ms without the adapter, 44-47 ms with all 210
-# layers, 41-42 ms with the 158 strongest). Dropping the weakest quarter left the diffusion drafts'
-# T/NFE on the bench prompts where it was (fp32 1.654 -> 1.654, bf16 1.740 -> 1.738; the weakest
-# 35 %: 1.637, half: bf16 1.667).
+# (||B A|| / ||W||, Frobenius). Each adapted layer costs a decoding step with mask rows about the
+# same whatever its rank: small products between the big ones. Dropping the weakest quarter left
+# the diffusion drafts' T/NFE on the bench prompts where it was, in fp32 and bf16; dropping more
+# lowered it (the measurements: bench/LOG.md, 2026-12-02, "the strongest 75 % of adapter layers").
 ADAPTER_LAYERS = 0.75
 
 
 def check_energy(energy: float) -> None:
     if not 0 < energy <= 1:
         raise ValueError(
-            f"adapter_energy={energy}: must be in (0, 1], the share of each adapter delta's squared norm the export keeps (1.0 = the trained rank, 0.99 the default)."
+            f"adapter_energy={energy}: must be in (0, 1], the share of each adapter delta's "
+            "squared norm the export keeps (1.0 = the trained rank, 0.99 the default)."
         )
 
 
 def check_layers(share: float) -> None:
     if not 0 < share <= 1:
         raise ValueError(
-            f"adapter_layers={share}: must be in (0, 1], the share of adapted layers the export keeps, strongest first (1.0 = all, {ADAPTER_LAYERS} the default)."
+            f"adapter_layers={share}: must be in (0, 1], the share of adapted layers the export "
+            f"keeps, strongest first (1.0 = all, {ADAPTER_LAYERS} the default)."
         )
 
 
 def check_adapter_options(
     adapter_energy: float | None, adapter_layers: float | None, mask_scoped: bool, what: str
 ) -> None:
-    """Refuse adapter_energy / adapter_layers for a model with no mask-slot adapter to compress: they
-    would be ignored (`what`: the model's training, as the user knows it)."""
+    """Refuse adapter_energy / adapter_layers for a model with no mask-slot adapter to compress:
+    they would be ignored (`what`: the model's training, as the user knows it)."""
     given = [
         f"adapter_{name}={value}"
         for name, value in (("energy", adapter_energy), ("layers", adapter_layers))
@@ -147,16 +154,18 @@ def check_adapter_options(
     ]
     if given and not mask_scoped:
         raise ValueError(
-            f"{' and '.join(given)}: {what} has no mask-slot adapter to compress (only lora_scope='masks' keeps one apart; "
-            "any other LoRA is merged into the weights, and a full fine-tune has none); leave out --adapter_energy and --adapter_layers."
+            f"{' and '.join(given)}: {what} has no mask-slot adapter to compress "
+            "(only lora_scope='masks' keeps one apart; "
+            "any other LoRA is merged into the weights, and a full fine-tune has none); "
+            "leave out --adapter_energy and --adapter_layers."
         )
 
 
 def strongest(
     tensors: dict[str, torch.Tensor], weights: dict[str, torch.Tensor], share: float
 ) -> dict[str, torch.Tensor]:
-    """The deltas (attach's '<layer>.lora_A' / '.lora_B') of the `share` of layers, at least one, whose
-    delta is largest against their weight: ||B A|| / ||W||."""
+    """The deltas (attach's '<layer>.lora_A' / '.lora_B') of the `share` of layers, at least one,
+    whose delta is largest against their weight: ||B A|| / ||W||."""
     check_layers(share)
     names = sorted({key.rsplit(".", 1)[0] for key in tensors})
     strength = {
@@ -187,10 +196,10 @@ def compress(A: torch.Tensor, B: torch.Tensor, energy: float) -> tuple[torch.Ten
 def split_mask_adapter(
     model, energy: float = ADAPTER_ENERGY, layers: float = ADAPTER_LAYERS
 ) -> dict[str, torch.Tensor]:
-    """For export under scope 'masks': the deltas as adapter.attach reads them (scaling folded into B,
-    float32, compressed to `energy`) of the `layers` share of layers they move most (`strongest`), and
-    the model's LoRA B zeroed so that merging leaves the base weights as they were (the mask token's
-    trained embedding row still merges)."""
+    """For export under scope 'masks': the deltas as adapter.attach reads them (scaling folded into
+    B, float32, compressed to `energy`) of the `layers` share of layers they move most
+    (`strongest`), and the model's LoRA B zeroed so that merging leaves the base weights as they
+    were (the mask token's trained embedding row still merges)."""
     check_energy(energy)
     check_layers(layers)
     tensors, weights = {}, {}

@@ -1,5 +1,5 @@
-"""A model folder's files checked before transformers reads them: a damaged JSON file, safetensors cut
-short, missing shards, a config transformers refuses, weights that do not fit the config; each
+"""A model folder's files checked before transformers reads them: a damaged JSON file, safetensors
+cut short, missing shards, a config transformers refuses, weights that do not fit the config; each
 refused in one line naming the file and the fix (transformers and safetensors would raise without
 saying which file)."""
 
@@ -24,8 +24,9 @@ MODEL_JSON_FILES = (
 
 
 def check_model_files(folder: str | os.PathLike) -> None:
-    """Refuse a model folder whose JSON files do not parse or whose safetensors are cut short, naming
-    the file and the fix (transformers and safetensors would raise without saying which file)."""
+    """Refuse a model folder whose JSON files do not parse or whose safetensors are cut short,
+    naming the file and the fix (transformers and safetensors would raise without saying which
+    file)."""
     folder = Path(folder)
     fix = check_json_files(folder)
     for f in sorted(folder.glob("*.safetensors")):
@@ -39,13 +40,14 @@ def check_model_files(folder: str | os.PathLike) -> None:
         problem = config_problem(folder)
         if problem:
             raise ValueError(
-                f"{str(folder / 'config.json')!r} is not a config transformers accepts ({problem}); restore the config.json saved with these weights, or {fix}"
+                f"{str(folder / 'config.json')!r} is not a config transformers accepts "
+                f"({problem}); restore the config.json saved with these weights, or {fix}"
             )
 
 
 def check_json_files(folder: Path) -> str:
-    """Refuse a model folder whose JSON files do not parse, naming the file; returns the fix the other
-    checks give (export again, or download again)."""
+    """Refuse a model folder whose JSON files do not parse, naming the file; returns the fix the
+    other checks give (export again, or download again)."""
     if (folder / "custom_generate" / "generate.py").exists():
         fix = (
             "export it again (`tidar-convert export --checkpoint CKPT --out DIR` or `make convert`)"
@@ -65,7 +67,8 @@ def check_json_files(folder: Path) -> str:
 
 
 def _missing_weights(folder: Path) -> str | None:
-    """What is missing of a model folder's weights (transformers would raise an OSError naming no fix), or None."""
+    """What is missing of a model folder's weights (transformers would raise an OSError naming no
+    fix), or None."""
     for index in ("model.safetensors.index.json", "pytorch_model.bin.index.json"):
         if (folder / index).is_file():
             try:
@@ -82,12 +85,12 @@ def _missing_weights(folder: Path) -> str | None:
 
 
 def config_problem(folder: Path) -> str | None:
-    """Why transformers refuses a folder's config.json (say, a hidden size that its heads do not divide), or None."""
+    """Why transformers refuses a folder's config.json (say, a hidden size that its heads do not
+    divide), or None."""
     from huggingface_hub import errors
 
-    strict = getattr(
-        errors, "StrictDataclassError", ValueError
-    )  # (how transformers 5 validates configs)
+    # (how transformers 5 validates configs)
+    strict = getattr(errors, "StrictDataclassError", ValueError)
     try:
         AutoConfig.from_pretrained(folder)
     except (ValueError, KeyError, TypeError, strict) as e:

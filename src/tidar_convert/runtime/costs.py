@@ -1,14 +1,15 @@
-"""What a decoding step costs, measured by its shape (`StepCosts`), and the decayed means the planner
-and drafters learn from (`Mean`). Shipped in every export's custom_generate/ folder: standard
-library only."""
+"""What a decoding step costs, measured by its shape (`StepCosts`), and the decayed means the
+planner and drafters learn from (`Mean`). Shipped in every export's custom_generate/ folder:
+standard library only."""
 
 from __future__ import annotations
 
 
 class Mean:
-    """A mean over a prior worth `weight` observations, that forgets: each step (`tick`) weighs what was
-    seen by `forget`, so with nothing new it drifts back to the prior. A plan that stops running groups
-    because they looked poor sees no more group drafts; without forgetting it would never try again."""
+    """A mean over a prior worth `weight` observations, that forgets: each step (`tick`) weighs what
+    was seen by `forget`, so with nothing new it drifts back to the prior. A plan that stops running
+    groups because they looked poor sees no more group drafts; without forgetting it would never try
+    again."""
 
     def __init__(self, prior: float, forget: float = 0.99, weight: float = 1.0):
         self.prior, self.forget, self.weight, self.total, self.count = (
@@ -33,30 +34,32 @@ class Mean:
 
 
 class StepCosts:
-    """Wall time of a decoding step by its shape: (query slots, whether it runs mask groups). Kept on
-    the model across generate() calls (`costs_of`), so it is learned once per model and machine.
+    """Wall time of a decoding step by its shape: (query slots, whether it runs mask groups). Kept
+    on the model across generate() calls (`costs_of`), so it is learned once per model and machine.
 
     Measured, not modelled, because the shape of the curve is the machine's and the kernels': on
     PyTorch's stock CPU product it was not even monotonic (4 slots cheaper than 3), on packed
     weights (kernels.py) it is flat for a few slots and then rises as compute sets the price,
     mask-slot adapters (lora_scope='masks') add their own cost, and on a GPU it is flat far beyond
-    any step (the bench's slot curves: bench/LOG.md). A shape not yet measured twice is priced optimistically, so
-    that each is tried and then known: as if time grew in proportion to slots from the measured shapes with more
-    slots (the cheapest such line), or else at the dearest shape with fewer. Its first two times
-    count by their minimum (one stall, say a garbage collection, must not price a shape out for good),
-    then a moving average follows the cost as the context grows. A shape not run for `stale` steps is
-    priced optimistically again and its next time counts by the minimum with the old one: a price
-    that two stalls made too dear is retried, not kept for the model's lifetime."""
+    any step (the bench's slot curves: bench/LOG.md). A shape not yet measured twice is priced
+    optimistically, so that each is tried and then known: as if time grew in proportion to slots
+    from the measured shapes with more slots (the cheapest such line), or else at the dearest shape
+    with fewer. Its first two times count by their minimum (one stall, say a garbage collection,
+    must not price a shape out for good), then a moving average follows the cost as the context
+    grows. A shape not run for `stale` steps is priced optimistically again and its next time counts
+    by the minimum with the old one: a price that two stalls made too dear is retried, not kept for
+    the model's lifetime."""
 
     def __init__(self, decay: float = 0.3, stale: int = 200):
         self.ms: dict[tuple[int, bool], float] = {}
         self.seen: dict[tuple[int, bool], int] = {}
         self.when: dict[tuple[int, bool], int] = {}  # step count at each shape's last time
         self.steps, self.decay, self.stale = 0, decay, stale
-        # Proposals accepted when a step drafts from a mask group: what a group is worth, learned with
-        # the costs and kept as long (a plan that rarely runs groups sees few, and a fresh estimate
-        # every call would keep pricing them at the prior). And the chance a group computed at the
-        # accepted length is drafted from, by the source of the draft of the step that computed it.
+        # Proposals accepted when a step drafts from a mask group: what a group is worth, learned
+        # with the costs and kept as long (a plan that rarely runs groups sees few, and a fresh
+        # estimate every call would keep pricing them at the prior). And the chance a group computed
+        # at the accepted length is drafted from, by the source of the draft of the step that
+        # computed it.
         self.group_gain = Mean(1.0)
         self.group_use = {source: Mean(1.0) for source in SOURCES}
 

@@ -1,10 +1,11 @@
 """Drafters: where the tokens a TiDAR step verifies come from.
 
-Shipped in every export's custom_generate/ folder (see export.shipped_code): imports nothing but torch and its siblings costs.py, tree.py and verify.py.
+Shipped in every export's custom_generate/ folder (see exports.folder.shipped_code): imports
+nothing but torch and its siblings costs.py, tree.py and verify.py.
 
 A drafter proposes, after each step, the next draft: `tokens[:, 0]` is the token just committed,
-`tokens[:, 1:length]` the proposals. Every draft is verified by the AR head in the next step's single forward,
-whatever its source, so every drafter gives exactly the AR output (verify.py).
+`tokens[:, 1:length]` the proposals. Every draft is verified by the AR head in the next step's
+single forward, whatever its source, so every drafter gives exactly the AR output (verify.py).
 
   diffusion  TiDAR's own: the mask group the last step computed at the accepted length.
   lookup     n-gram matches in the prompt and the generated text, as transformers'
@@ -31,24 +32,20 @@ from .verify import process_one
 @dataclass
 class Draft:
     tokens: torch.Tensor  # (B, m); tokens[:, 0] is already committed
-    length: torch.Tensor | None = (
-        None  # (B,) real tokens per row (rows may draft fewer; the rest is filler)
-    )
-    confidence: torch.Tensor | None = (
-        None  # (B, m - 1) estimated chance each proposal is accepted (the plan reads it)
-    )
+    # (B,) real tokens per row (rows may draft fewer; the rest is filler)
+    length: torch.Tensor | None = None
+    # (B, m - 1) estimated chance each proposal is accepted (the plan reads it)
+    confidence: torch.Tensor | None = None
     sources: list = field(default_factory=list)  # per row: "lookup", "diffusion" or "none"
-    raw_confidence: torch.Tensor | None = (
-        None  # the drafter's own confidence, before any calibration
-    )
-    # Branches off the chain (greedy, batch 1): a step may verify them beside it, one query slot each,
-    # as a tree (plan.StepPlan.sibling_parents). Sibling i hangs under slot sibling_parents[i]: 0..m-1 the
-    # chain (draft 0, the proposals), m + j an earlier sibling j; None: all under draft 0
-    # (alternatives to tokens[:, 1]). Best first.
+    # the drafter's own confidence, before any calibration
+    raw_confidence: torch.Tensor | None = None
+    # Branches off the chain (greedy, batch 1): a step may verify them beside it, one query slot
+    # each, as a tree (plan.StepPlan.sibling_parents). Sibling i hangs under slot
+    # sibling_parents[i]: 0..m-1 the chain (draft 0, the proposals), m + j an earlier sibling j;
+    # None: all under draft 0 (alternatives to tokens[:, 1]). Best first.
     siblings: torch.Tensor | None = None  # (B, s)
-    sibling_confidence: torch.Tensor | None = (
-        None  # (B, s) chance each is accepted where its parent is
-    )
+    # (B, s) chance each is accepted where its parent is
+    sibling_confidence: torch.Tensor | None = None
     sibling_parents: tuple[int, ...] | None = None
 
     def __post_init__(self):
@@ -59,7 +56,8 @@ class Draft:
             self.sources = ["none" if m == 1 else "?"] * B
 
     def parents(self) -> tuple[int, ...]:
-        """Each sibling's parent slot: sibling_parents, or draft 0 for every one where it is None."""
+        """Each sibling's parent slot: sibling_parents, or draft 0 for every one where it is
+        None."""
         if self.siblings is None:
             return ()
         return (
@@ -76,11 +74,13 @@ class DraftContext:
     seqs: torch.Tensor  # (B, L) committed tokens, the last one (y) included
     kv_valid: torch.Tensor  # (B, L) False at left padding
     max_proposals: int  # proposals beyond this are never used (max_new_tokens)
-    pick: object  # the verifier: proposes a token from scores (verify.Greedy.token, verify.Sampling.token)
+    # the verifier: proposes a token from scores (verify.Greedy.token, verify.Sampling.token)
+    pick: object
     processors: object  # logits processors; drafted slots are processed with their own prefix
-    # Diffusion logits (B, n, V) of the group each row reads at its accepted length (StepPlan.group_read:
-    # the group anchored there, or the later slots of one anchored before), computed on first call, and
-    # (B,) the proposals each row's holds (0: none; None: all n); (None, None) when no row has one.
+    # Diffusion logits (B, n, V) of the group each row reads at its accepted length
+    # (StepPlan.group_read: the group anchored there, or the later slots of one anchored before),
+    # computed on first call, and (B,) the proposals each row's holds (0: none; None: all n); (None,
+    # None) when no row has one.
     group: Callable[[], tuple] = lambda: (None, None)
     siblings: int = 0  # most alternatives to each proposal the step may verify (0: chains only)
     nodes: int = 0  # most tree nodes (proposals and siblings) the step may verify
@@ -97,22 +97,26 @@ class Drafter(Protocol):
     uses_groups: bool  # whether the steps should compute mask groups for it (DraftContext.group)
 
     def propose(self, ctx: DraftContext) -> Draft | None:
-        """The next draft after a step, or None to draft nothing (the step runs y and its groups)."""
+        """The next draft after a step, or None to draft nothing (the step runs y and its
+        groups)."""
         ...
 
     def observe(self, draft: Draft, accepted: torch.Tensor, committed: torch.Tensor) -> None:
         """Optional, after each step: (B,) the drafts each row's chain got accepted (what its
-        confidence predicted), and the drafts its draft got committed (more, down a tree's branch)."""
+        confidence predicted), and the drafts its draft got committed (more, down a tree's
+        branch)."""
 
 
 def fresh(y: torch.Tensor) -> Draft:
-    """No proposals: the step verifies nothing and drafts for the next one (one AR row + mask groups)."""
+    """No proposals: the step verifies nothing and drafts for the next one (one AR row + mask
+    groups)."""
     return Draft(y[:, None], sources=["none"] * y.shape[0])
 
 
 def make_draft(pick, processors, seqs, y, diff_slots) -> Draft:
-    """A diffusion draft: y, then one guess per diffusion slot (B, n, V). Each slot is processed with the
-    prefix it would have (seqs ++ the guesses before it), so e.g. suppressed tokens are never drafted."""
+    """A diffusion draft: y, then one guess per diffusion slot (B, n, V). Each slot is processed
+    with the prefix it would have (seqs ++ the guesses before it), so e.g. suppressed tokens are
+    never drafted."""
     sources = ["diffusion"] * y.shape[0]
     if not processors:  # no prefix to thread through: all slots at once
         scores = diff_slots.float()
@@ -133,7 +137,8 @@ def make_draft(pick, processors, seqs, y, diff_slots) -> Draft:
 
 
 class DiffusionDrafter(Drafter):
-    """TiDAR: the next draft is the mask group computed at the accepted length (None if the plan had none).
+    """TiDAR: the next draft is the mask group computed at the accepted length (None if the plan
+    had none).
 
     Its confidence, what the plan reads, is the head's probability of each drafted token scaled by
     the acceptance this call has seen (accepted over summed raw confidence, from one of each): the
@@ -144,9 +149,8 @@ class DiffusionDrafter(Drafter):
     uses_groups = True
 
     def __init__(self):
-        self.predicted = self.taken = (
-            0.0  # summed raw confidence of the judged proposals, and those accepted
-        )
+        # summed raw confidence of the judged proposals, and those accepted
+        self.predicted = self.taken = 0.0
 
     def observe(
         self, draft: Draft, accepted: torch.Tensor, committed: torch.Tensor | None = None
@@ -166,15 +170,15 @@ class DiffusionDrafter(Drafter):
                 *group_siblings(ctx, group, draft.tokens[:, 1:], ctx.siblings),
                 ctx.nodes or draft.tokens.shape[1] - 1,
             )
-        if (
-            have is not None
-        ):  # per row, the proposals its group gives (plan.StepPlan.group_read; 0: none)
+        # per row, the proposals its group gives (plan.StepPlan.group_read; 0: none)
+        if have is not None:
             draft.length = torch.minimum(draft.length, 1 + have)
             draft.sources = [s if h else "none" for s, h in zip(draft.sources, have.tolist())]
         return self.calibrate(draft)
 
     def calibrate(self, draft: Draft) -> Draft:
-        """The plan's chances: the head's (kept as raw_confidence) times accepted over predicted so far."""
+        """The plan's chances: the head's (kept as raw_confidence) times accepted over predicted so
+        far."""
         scale = (self.taken + 1) / (self.predicted + 1)
         draft.raw_confidence = draft.confidence
         if draft.confidence is not None:
@@ -185,51 +189,53 @@ class DiffusionDrafter(Drafter):
 
 
 class LookupDrafter(Drafter):
-    """Prompt lookup: the tokens that followed the latest n-gram's earlier occurrence (n = max_ngram..1).
+    """Prompt lookup: the tokens that followed the latest n-gram's earlier occurrence
+    (n = max_ngram..1).
 
-    The search is transformers' PromptLookupCandidateGenerator.get_candidates (first occurrence, longest
-    n-gram first, up to num_tokens). One difference: a draft may contain EOS, since an accepted EOS
-    ends the row exactly where AR would (commit stops there) and saves a step.
+    The search is transformers' PromptLookupCandidateGenerator.get_candidates (first occurrence,
+    longest n-gram first, up to num_tokens). One difference: a draft may contain EOS, since an
+    accepted EOS ends the row exactly where AR would (commit stops there) and saves a step.
 
     Its confidence, what the plan reads to choose how much of a draft to verify, is the chance each
-    proposal is accepted where the ones before it were, by the length n of the n-gram that matched and
-    the proposal's depth: acceptance comes in runs, and a longer match is surer. Measured over 40
-    prompts of the bench set (SmolLM2-135M, greedy AR text, the search above): the first proposal of a
-    unigram match is accepted 26 % of the time, of a bigram match 68 % (of a trigram 85 %), and once
-    the first is in, later ones 50-90 %. A single rate for every proposal (what this drafter had
-    before) cannot tell a surely wasted step from a likely long one: with these chances in the plan,
-    the engine on the 12 bench prompts, each step charged its shape's measured fp32 forward time, made
-    5 % more tokens per second than with one rate (README, "Lookup drafts judged by match length and
-    depth"). The measured chances are the priors (PRIORS, worth PRIOR_WEIGHT judged proposals each);
-    each call learns its own text's from there.
+    proposal is accepted where the ones before it were, by the length n of the n-gram that matched
+    and the proposal's depth: acceptance comes in runs, and a longer match is surer. A single rate
+    for every proposal (what this drafter had before) cannot tell a surely wasted step from a likely
+    long one. The priors (PRIORS, worth PRIOR_WEIGHT judged proposals each) are the chances measured
+    on SmolLM2-135M's greedy AR text of bench-style prompts with the search above; each call learns
+    its own text's from there. The measured chances, and what they bought over one rate:
+    bench/LOG.md, 2026-12-02, "lookup chances by match length and depth".
 
     Where the step may verify a tree (greedy, batch 1: ctx.siblings), the n-gram's other occurrences
-    add their continuations beside the chain, most recent first: each leaves the chain (or an earlier
-    branch) where its tokens first differ, and hangs there as a branch of its own tokens (`add_siblings`).
-    Replayed on greedy text (10-token drafts, every node verified; bench/results/lookup-tree-offline.json):
-    T/NFE 1.97 with the chain alone, 2.08 with one branch, 2.16 with up to three on the 28 prompts
-    of the quality set the bench does not use; 2.11, 2.23, 2.29 on the bench's 12 (README, "Lookup trees")."""
+    add their continuations beside the chain, most recent first: each leaves the chain (or an
+    earlier branch) where its tokens first differ, and hangs there as a branch of its own tokens
+    (`add_siblings`). Replayed on greedy text (10-token drafts, every node verified), T/NFE rose
+    with each branch, up to three, over the chain alone, both on the quality set's prompts the bench
+    does not use and on the bench's own (bench/results/lookup-tree-offline.json; bench/RESULTS.md
+    §3; bench/LOG.md, 2026-12-03, "lookup drafts as trees")."""
 
     name = "lookup"
     uses_groups = False
 
-    # P(proposal accepted | the ones before it were), by n-gram length (1, 2, 3+) and depth (0..3, 4+).
+    # P(proposal accepted | the ones before it were), by n-gram length (1, 2, 3+) and
+    # depth (0..3, 4+).
     PRIORS = {
         1: (0.25, 0.5, 0.7, 0.7, 0.85),
         2: (0.7, 0.8, 0.8, 0.9, 0.9),
         3: (0.85, 0.9, 0.8, 0.9, 0.9),
     }
     PRIOR_WEIGHT = 10.0
-    # P(a branch's first token is accepted | its parent was reached), by n-gram length (1, 2+), where
-    # it leaves the chain (at the first proposal, further down) and whether it is the first branch
-    # at that node or a later one. Measured by the replay above on the 28 prompts (first branch at
-    # the first proposal: unigram 16 % of 274, bigram 30 % of 54; further down 24 % of 67, 49 % of
-    # 53; later branches 9-26 %, but 1 % of 324 for unigrams further down, floored at 5 % here);
-    # a branch's later tokens then go as the chain's (`chance`: 78 % and 89 % there). Fixed: what a
-    # step verifies off the chain is not fed back (observe learns the chain's chances only).
+    # P(a branch's first token is accepted | its parent was reached), by n-gram length (1, 2+),
+    # where it leaves the chain (at the first proposal, further down) and whether it is the first
+    # branch at that node or a later one. Measured by the replay above on the 28 prompts (each share
+    # and the proposals it was judged on: bench/results/lookup-tree-offline.json,
+    # branch_first_token_accepted_28_other_prompts), except later unigram branches further down,
+    # floored at 5 % here; a branch's later tokens then go as the chain's (`chance`; their measured
+    # shares: the same record). Fixed: what a step verifies off the chain is not fed back (observe
+    # learns the chain's chances only).
     BRANCH_PRIORS = {1: ((0.16, 0.09), (0.24, 0.05)), 2: ((0.30, 0.25), (0.49, 0.25))}
     # Most recent occurrences a tree reads: a frequent n-gram in a long prompt occurs thousands of
-    # times, and each is a walk in Python (450 of them took 0.8 ms a step, a tenth of a forward).
+    # times, and each is a walk in Python (what hundreds of them cost a step: bench/LOG.md,
+    # 2026-12-03, "lookup drafts as trees").
     SCAN = 64
     # Each new match weighs what was seen before by this much, so a stretch of text where the plan
     # stops verifying some kind of match (its chances fell) drifts back toward the prior until some
@@ -238,12 +244,10 @@ class LookupDrafter(Drafter):
 
     def __init__(self, num_tokens: int = 10, max_ngram: int = 2):
         self.num_tokens, self.max_ngram = num_tokens, max_ngram
-        self.seen: dict[
-            tuple[int, int], Mean
-        ] = {}  # (n, depth) -> decayed share of proposals accepted
-        self.ngram: list[
-            int
-        ] = []  # per row of the last proposal: the matched n-gram's length (0: none)
+        # (n, depth) -> decayed share of proposals accepted
+        self.seen: dict[tuple[int, int], Mean] = {}
+        # per row of the last proposal: the matched n-gram's length (0: none)
+        self.ngram: list[int] = []
 
     @staticmethod
     def key(n: int, depth: int) -> tuple[int, int]:
@@ -264,9 +268,8 @@ class LookupDrafter(Drafter):
         for b, source in enumerate(draft.sources):
             if source == "lookup" and b < len(self.ngram) and self.ngram[b]:
                 taken = int(accepted[b]) - 1
-                for depth in range(
-                    min(taken + 1, int(draft.length[b]) - 1)
-                ):  # the accepted ones and the first miss
+                # the accepted ones and the first miss
+                for depth in range(min(taken + 1, int(draft.length[b]) - 1)):
                     key = self.key(self.ngram[b], depth)
                     self.seen.setdefault(key, self.prior(key)).add(float(depth < taken))
 
@@ -283,9 +286,10 @@ class LookupDrafter(Drafter):
         self, draft: Draft, seq: torch.Tensor, n: int, starts: list[int], limit: int, width: int
     ) -> Draft:
         """The draft (batch 1) with the other occurrences' continuations as its tree: the SCAN most
-        recent, latest first, each walks down the tree while its tokens are there, and from its first
-        new token on hangs as a branch, up to `width` branches. A continuation that only runs on past
-        a leaf extends it (no branch). Its nodes' chances: BRANCH_PRIORS where it leaves, then `chance`."""
+        recent, latest first, each walks down the tree while its tokens are there, and from its
+        first new token on hangs as a branch, up to `width` branches. A continuation that only runs
+        on past a leaf extends it (no branch). Its nodes' chances: BRANCH_PRIORS where it leaves,
+        then `chance`."""
         chain = draft.tokens[0].tolist()
         m = len(chain)
         child = {(d - 1, chain[d]): d for d in range(1, m)}  # (parent slot, token) -> slot
@@ -360,36 +364,34 @@ class LookupDrafter(Drafter):
 def occurrences(seq: torch.Tensor, n: int) -> list[int]:
     """Where the tokens after each earlier occurrence of seq's last n-gram start, first first."""
     L = seq.shape[0]
-    hits = (
-        (seq.unfold(0, n, 1)[: L - n] == seq[L - n :]).all(1).nonzero()
-    )  # the n-gram itself excluded
+    # the n-gram itself excluded
+    hits = (seq.unfold(0, n, 1)[: L - n] == seq[L - n :]).all(1).nonzero()
     return (hits[:, 0] + n).tolist()
 
 
 class HybridDrafter(Drafter):
-    """Per row, the lookup draft where the text has a match, else the diffusion draft; diffusion first
-    instead once, in this call, its drafts have been accepted further on average than lookup's.
+    """Per row, the lookup draft where the text has a match, else the diffusion draft; diffusion
+    first instead once, in this call, its drafts have been accepted further on average than
+    lookup's.
 
     Lookup drafts are judged by what they have brought, not by a per-token rate: their acceptance
-    comes in runs. On the bench's 12 prompts (out/masks-greedy-600, greedy), 59 % of lookup drafts
-    failed at their first token but 15 % were accepted whole (10 tokens): 2.26 proposals accepted on
-    average where a match existed, against 0.58 for the diffusion draft of the same step. The choice
-    this replaces compared expected lengths (a per-token lookup rate from the last few matches
-    against the draft head's probabilities) and went to diffusion after a few failed matches: with a
-    group at every accepted length (plan="adaptive") it reached T/NFE 2.13, lookup first 2.20. A mean
-    of a few lookup drafts swings as much, so lookup's starts from that measured 2 proposals, worth 5
-    drafts, and both means remember about 100 drafts. Where the draft head is better than lookup (a
-    longer conversion), its mean overtakes lookup's and diffusion drafts come first.
+    comes in runs. On the bench's prompts most lookup drafts failed at their first token but a fair
+    share were accepted whole, so a lookup draft brought several times the proposals the diffusion
+    draft of the same step did. The choice this replaces compared expected lengths (a per-token
+    lookup rate from the last few matches against the draft head's probabilities) and went to
+    diffusion after a few failed matches, for a lower T/NFE than lookup first (the figures:
+    bench/LOG.md, 2026-12-01, "lookup-first hybrid"). A mean of a few lookup drafts swings as much,
+    so lookup's starts from 2 proposals, about what was measured there, worth 5 drafts, and both
+    means remember about 100 drafts. Where the draft head is better than lookup (a longer
+    conversion), its mean overtakes lookup's and diffusion drafts come first.
 
     The choice reads past outcomes only, never the current drafts' tokens: sampling stays exact."""
 
     name = "hybrid"
     uses_groups = True
     FORGET = 0.99  # per judged draft of a source
-    PRIORS = {
-        "lookup": (2.0, 5.0),
-        "diffusion": (1.0, 1.0),
-    }  # (mean proposals accepted, worth in drafts)
+    # (mean proposals accepted, worth in drafts)
+    PRIORS = {"lookup": (2.0, 5.0), "diffusion": (1.0, 1.0)}
 
     def __init__(self, num_tokens: int = 10, max_ngram: int = 2):
         self.lookup, self.diffusion = LookupDrafter(num_tokens, max_ngram), DiffusionDrafter()
@@ -405,8 +407,9 @@ class HybridDrafter(Drafter):
     def observe(
         self, draft: Draft, accepted: torch.Tensor, committed: torch.Tensor | None = None
     ) -> None:
-        """accepted: (B,) the chain's drafts each row accepted (what the chances predicted); committed:
-        what the step committed, down a branch of the tree where it took one (what the draft brought)."""
+        """accepted: (B,) the chain's drafts each row accepted (what the chances predicted);
+        committed: what the step committed, down a branch of the tree where it took one (what the
+        draft brought)."""
         self.lookup.observe(draft, accepted)
         self.diffusion.observe(draft, accepted)
         brought = accepted if committed is None else committed
@@ -420,17 +423,14 @@ class HybridDrafter(Drafter):
         return (look.length > 1) & (self.gain("lookup") >= self.gain("diffusion"))
 
     def propose(self, ctx: DraftContext) -> Draft | None:
-        look, diff = (
-            self.lookup.propose(ctx),
-            self.diffusion.propose(ctx),
-        )  # diff's chances calibrated by its drafter
+        # diff's chances calibrated by its drafter
+        look, diff = self.lookup.propose(ctx), self.diffusion.propose(ctx)
         if look is None or diff is None:
             return look or diff
         use_look = self.choose(look, diff)
         if use_look.all():
-            if (
-                diff.siblings is not None
-            ):  # the diffusion draft's first choices, beside the lookup chain
+            # the diffusion draft's first choices, beside the lookup chain
+            if diff.siblings is not None:
                 look = beside(look, *first_siblings(look, diff))
             return look
         if not use_look.any():
@@ -493,12 +493,14 @@ DRAFTERS = {"hybrid": HybridDrafter, "diffusion": DiffusionDrafter, "lookup": Lo
 def make_drafter(name: str):
     if name not in DRAFTERS:
         raise ValueError(
-            f"drafter={name!r}: choose one of {', '.join(repr(n) for n in DRAFTERS)} (default 'hybrid')."
+            f"drafter={name!r}: choose one of {', '.join(repr(n) for n in DRAFTERS)} "
+            "(default 'hybrid')."
         )
     drafter = DRAFTERS[name]()
     missing = [m for m in ("name", "uses_groups", "propose", "observe") if not hasattr(drafter, m)]
     if missing:
         raise TypeError(
-            f"drafter {name!r} ({type(drafter).__name__}) lacks {', '.join(missing)}: subclass drafters.Drafter, which declares them (observe: a no-op)."
+            f"drafter {name!r} ({type(drafter).__name__}) lacks {', '.join(missing)}: "
+            "subclass drafters.Drafter, which declares them (observe: a no-op)."
         )
     return drafter

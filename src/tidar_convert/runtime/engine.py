@@ -1,7 +1,8 @@
-"""The TiDAR decoding engine: prefill, then steps of draft -> plan -> forward -> verify -> commit -> crop.
+"""The TiDAR decoding engine: prefill, then steps of draft -> plan -> forward -> verify -> commit
+-> crop.
 
-Shipped in every export's custom_generate/ folder (see export.shipped_code): imports nothing but
-torch, transformers and its neighbours: forward.py (one forward), plan.py (the step plan),
+Shipped in every export's custom_generate/ folder (see exports.folder.shipped_code): imports nothing
+but torch, transformers and its neighbours: forward.py (one forward), plan.py (the step plan),
 costs.py (step costs), drafters.py, verify.py, tree.py, layout.py.
 
 One step (docs/method.md §3), for a draft of m tokens (draft 0 = the last committed token):
@@ -10,20 +11,20 @@ One step (docs/method.md §3), for a draft of m tokens (draft 0 = the last commi
   plan     which query slots the forward runs: the m drafts (causal), plus mask groups of k at
            chosen anchors; a group anchored at j sees drafts[0..j) and pre-drafts the step after
            j drafts are accepted (plan.StepPlan, plan.Planner)
-  forward  the decoder body once; the vocabulary head once, on the rows the step may read: the m
-           AR rows and the draft slots of its groups (never the groups' first slots) (run_step)
+  forward  the decoder body once; the vocabulary head once, on the rows the step may read: the
+           m AR rows and the draft slots of its groups (never the groups' first slots) (run_step)
   verify   the Verifier (verify.py) says how many drafts each row accepted; the commit policy
            says what each row keeps (accept_together: the fewest any row accepted, trees
            included; accept_each: each row its own, holes in the cache) and picks the next token y
   commit   the kept drafts + y, one at a time through the stopping criteria (commit)
   crop     the KV cache keeps the kept slots and drops every other slot of the step (crop)
-  drop     a batch committing per row leaves out the rows that stopped (drop_finished): on a CPU a
-           row costs its slots in every forward, and the batch runs until its slowest row stops
+  drop     a batch committing per row leaves out the rows that stopped (drop_finished): on a CPU
+           a row costs its slots in every forward, and the batch runs until its slowest row stops
 
 Trees (greedy, batch 1): a step may also verify siblings, other tokens beside the chain's, one
-query slot each, plus groups after them (tree.py, plan.Planner.tree, StepPlan.sibling_parents). The
-AR's token at each node picks the child that holds it (tree.walk); the step commits the path and
-the token after it, and the cache keeps the path (tree.keep_slots) where it is not a prefix.
+query slot each, plus groups after them (tree.py, plan.Planner.tree, StepPlan.sibling_parents).
+The AR's token at each node picks the child that holds it (tree.walk); the step commits the path
+and the token after it, and the cache keeps the path (tree.keep_slots) where it is not a prefix.
 
 Each phase runs under torch.profiler.record_function("tidar.<phase>") for a step breakdown.
 """
@@ -59,35 +60,28 @@ class DecodeState:
     seqs: torch.Tensor  # (B, L) committed tokens; the cache holds all but the last
     kv_valid: torch.Tensor  # (B, L) False at left padding
     active: torch.Tensor  # (B,) rows not yet stopped
-    cache_valid: torch.Tensor | None = (
-        None  # (B, C) False at the cache's left padding and holes (rows that accepted less)
-    )
+    # (B, C) False at the cache's left padding and holes (rows that accepted less)
+    cache_valid: torch.Tensor | None = None
     cache: DynamicCache = field(default_factory=DynamicCache)
     nfe: int = 0
     new: torch.Tensor | None = None  # (B, max_new) each row's new tokens (pad after a row stops)
     n_new: torch.Tensor | None = None  # (B,) how many each row has
-    row_nfe: torch.Tensor | None = (
-        None  # (B,) forwards while each row was active (per-row acceptance)
-    )
+    # (B,) forwards while each row was active (per-row acceptance)
+    row_nfe: torch.Tensor | None = None
     accepted: list = field(default_factory=list)  # drafts committed at each step
     slots: list = field(default_factory=list)  # query slots of each decoding forward
-    head_rows: list = field(
-        default_factory=list
-    )  # vocabulary-head rows (per batch row) of each decoding forward
+    # vocabulary-head rows (per batch row) of each decoding forward
+    head_rows: list = field(default_factory=list)
     sources: Counter = field(default_factory=Counter)  # row-steps drafted by each source
     sibling_steps: int = 0  # steps that committed a sibling instead of the chain
-    offsets: dict = field(
-        default_factory=dict
-    )  # source -> the chain's proposals judged by offset (judge)
-    last: Output | None = (
-        None  # the last step's forward, until its vocabulary-head rows are all known
-    )
-    rows: torch.Tensor | None = (
-        None  # (B,) each working row's index in the caller's batch (drop_finished)
-    )
-    dropped: dict = field(
-        default_factory=dict
-    )  # caller's row -> (its new tokens, their count, its forwards)
+    # source -> the chain's proposals judged by offset (judge)
+    offsets: dict = field(default_factory=dict)
+    # the last step's forward, until its vocabulary-head rows are all known
+    last: Output | None = None
+    # (B,) each working row's index in the caller's batch (drop_finished)
+    rows: torch.Tensor | None = None
+    # caller's row -> (its new tokens, their count, its forwards)
+    dropped: dict = field(default_factory=dict)
 
     def record(self, accepted: int, plan: StepPlan, draft: Draft, out: Output) -> None:
         self.finish()
@@ -97,10 +91,10 @@ class DecodeState:
         self.last = out
 
     def judge(self, draft: Draft, accepted: torch.Tensor) -> None:
-        """Tallies, per draft source and offset i (the chain's i-th proposal), how often proposal i was
-        judged (offered, and 1..i-1 accepted) and accepted, and the summed chance the plan read for it
-        (draft.confidence, over the `rated` judged ones that had one): acceptance by offset, greedy or
-        sampled, beside what the plan expected."""
+        """Tallies, per draft source and offset i (the chain's i-th proposal), how often proposal i
+        was judged (offered, and 1..i-1 accepted) and accepted, and the summed chance the plan read
+        for it (draft.confidence, over the `rated` judged ones that had one): acceptance by offset,
+        greedy or sampled, beside what the plan expected."""
         offered, taken = (draft.length - 1).tolist(), (accepted - 1).tolist()
         chances = None if draft.confidence is None else draft.confidence.float().tolist()
         for b in self.active.nonzero()[:, 0].tolist():
@@ -120,7 +114,8 @@ class DecodeState:
                     table["rated"][i] += 1
 
     def finish(self) -> None:
-        """Counts the last step's head rows: known once the next draft has read its group, or not."""
+        """Counts the last step's head rows: known once the next draft has read its group, or
+        not."""
         if self.last is not None:
             self.head_rows.append(self.last.head_rows)
             self.last = None
@@ -204,9 +199,9 @@ def run_step(model, state: DecodeState, draft: Draft, plan: StepPlan, mask_id: i
         masks = torch.full((B, plan.slots - plan.causal), mask_id, device=draft.tokens.device)
         tokens = torch.cat([causal_tokens(draft, plan), masks], 1)
         positions = plan.positions(state.start)
-        kinds = local_kinds(
-            model.config
-        )  # sliding windows and chunks; a cache column's position: the real tokens before it in its row
+        # sliding windows and chunks; a cache column's position: the real tokens before it in its
+        # row
+        kinds = local_kinds(model.config)
         local = (
             None
             if kinds is None
@@ -245,14 +240,16 @@ def decode(
     """Prefill, then steps until every row stops. run: decode.Run (the merged arguments). record:
     None, or (scores, logits) lists that receive one (B, V) tensor per new token.
 
-    The commit policy: a batch whose processors and stopping criteria look at each row alone commits
-    per row (each row what it accepted: `accept_each`); otherwise every row commits the fewest drafts
-    any row accepted (`accept_together`), which trees, beta < 1, streamers and recorded scores need."""
+    The commit policy: a batch whose processors and stopping criteria look at each row alone
+    commits per row (each row what it accepted: `accept_each`); otherwise every row commits the
+    fewest drafts any row accepted (`accept_together`), which trees, beta < 1, streamers and
+    recorded scores need."""
     per_row = rowwise(run, beta, record)
     pick, processors, k = run.pick, run.processors, run.k
     B, P = run.input_ids.shape
     device = run.input_ids.device
-    # Per row, max_new_tokens is counted per row (a row's seqs length is not its own): the length criterion goes.
+    # Per row, max_new_tokens is counted per row (a row's seqs length is not its own): the length
+    # criterion goes.
     criteria = (
         StoppingCriteriaList([c for c in run.criteria if type(c).__name__ != "MaxLengthCriteria"])
         if per_row
@@ -287,18 +284,15 @@ def decode(
             )
         if not state.active.any():
             break
-        if (
-            per_row and not state.active.all() and not run.gc.return_dict_in_generate
-        ):  # a returned cache keeps every row
+        # a returned cache keeps every row
+        if per_row and not state.active.all() and not run.gc.return_dict_in_generate:
             kept = drop_finished(state, kept, pick)
         pick.seek(state.n_new)  # each row's own count: sampling draws by each row's position
         with record_function("tidar.draft"):
-            remaining = run.max_new - int(
-                state.n_new[state.active].min()
-            )  # y of the next step is one of them
-            room = (
-                None if limit is None else limit - 1 - int(state.start.max())
-            )  # positions left after draft 0
+            # y of the next step is one of them
+            remaining = run.max_new - int(state.n_new[state.active].min())
+            # positions left after draft 0
+            room = None if limit is None else limit - 1 - int(state.start.max())
             most = min(
                 remaining - 1,
                 planner.max_proposals(drafter.uses_groups),
@@ -327,16 +321,14 @@ def decode(
             state.row_nfe += state.active.long()
         with record_function("tidar.verify"):
             ar = out.rows(0, plan.n_drafts)
-            scores = process(
-                processors, state.seqs, draft.tokens[:, 1:], ar
-            )  # row i: after seqs ++ drafts 1..i
+            # row i: after seqs ++ drafts 1..i
+            scores = process(processors, state.seqs, draft.tokens[:, 1:], ar)
             accepted = pick.verify(scores, draft)
             state.judge(draft, accepted)
             accept = accept_each if per_row else accept_together
             kept = accept(state, draft, plan, out, scores, ar, accepted, pick, processors, beta, k)
-            planner.timed(
-                plan, time.perf_counter() - started, draft, kept.brought, kept.ends
-            )  # accept() waited for the device
+            # accept() waited for the device
+            planner.timed(plan, time.perf_counter() - started, draft, kept.brought, kept.ends)
             drafter.observe(draft, accepted, kept.brought)
         if record is not None:
             record[0].extend(kept.scores)
@@ -385,7 +377,8 @@ def drop_finished(state: DecodeState, kept: "Kept", pick) -> "Kept":
 
 
 def restore_rows(state: DecodeState) -> None:
-    """The caller's batch again, in its order: the working rows and the rows drop_finished set aside."""
+    """The caller's batch again, in its order: the working rows and the rows drop_finished set
+    aside."""
     B = len(state.dropped) + state.new.shape[0]
     width = state.new.shape[1]
     new = torch.empty(B, width, dtype=state.new.dtype, device=state.new.device)
@@ -402,19 +395,18 @@ def restore_rows(state: DecodeState) -> None:
 class Kept:
     """What a step keeps, by the commit policy (accept_together, accept_each)."""
 
-    tokens: (
-        torch.Tensor
-    )  # (B, n) each row's new tokens: its accepted proposals, then the token after them
+    # (B, n) each row's new tokens: its accepted proposals, then the token after them
+    tokens: torch.Tensor
     counts: torch.Tensor  # (B,) how many of them row b commits
     slots: list  # the step's slots the cache keeps, from draft 0 (a prefix, or a tree's path)
     group: Callable  # the next draft's group logits (DraftContext.group)
-    brought: torch.Tensor | None = (
-        None  # (B,) drafts each row's draft got committed (a tree: its path): what drafters and the plan learn
-    )
-    ends: torch.Tensor | None = (
-        None  # (B,) the slot each row's next group is read after (StepPlan.group_start)
-    )
-    scores: tuple = ()  # the processed scores of each committed position (recorded for output_scores)
+    # (B,) drafts each row's draft got committed (a tree: its path): what drafters and the plan
+    # learn
+    brought: torch.Tensor | None = None
+    # (B,) the slot each row's next group is read after (StepPlan.group_start)
+    ends: torch.Tensor | None = None
+    # the processed scores of each committed position (recorded for output_scores)
+    scores: tuple = ()
     raw: tuple = ()  # and the raw logits
 
 
@@ -435,8 +427,8 @@ def accept_together(
     beta: float,
     k: int,
 ) -> Kept:
-    """Every row commits the fewest drafts any active row accepted, so the rows share one cache length.
-    A tree (batch 1) commits the path the AR's tokens take down it (walk)."""
+    """Every row commits the fewest drafts any active row accepted, so the rows share one cache
+    length. A tree (batch 1) commits the path the AR's tokens take down it (walk)."""
     B = accepted.shape[0]
     j = int(accepted[state.active].min())
     tokens = causal_tokens(draft, plan)
@@ -497,30 +489,26 @@ def accept_each(
     drafts beyond its own count stay in the cache as holes (cache_valid False), which its later
     queries never attend to, and its positions count only what it committed."""
     y = pick.next_token_rows(scores, draft, accepted)
-    counts = torch.where(
-        state.active, accepted, torch.ones_like(accepted)
-    )  # finished rows commit nothing
+    # finished rows commit nothing
+    counts = torch.where(state.active, accepted, torch.ones_like(accepted))
     J = int(counts.max())
     filler = torch.cat([draft.tokens[:, 1:], draft.tokens[:, :1]], 1)[:, :J]
-    tokens = filler.scatter(
-        1, (counts - 1)[:, None], y[:, None]
-    )  # row b: its accepted proposals, then y
+    # row b: its accepted proposals, then y
+    tokens = filler.scatter(1, (counts - 1)[:, None], y[:, None])
     reads = [plan.group_read(a) for a in counts.tolist()]
-    have = torch.tensor(
-        [r[1] if r is not None else 0 for r in reads], device=accepted.device
-    )  # proposals per row
-    at = torch.tensor(
-        [r[0] if r is not None else -1 for r in reads], device=accepted.device
-    )  # none: slot 0, an AR row (computed)
+    # proposals per row
+    have = torch.tensor([r[1] if r is not None else 0 for r in reads], device=accepted.device)
+    # none: slot 0, an AR row (computed)
+    at = torch.tensor([r[0] if r is not None else -1 for r in reads], device=accepted.device)
     group = (lambda: (out.rows_at(at + 1, k - 1, have), have)) if bool(have.any()) else no_group
     return Kept(tokens, counts, list(range(J)), group, accepted, accepted)
 
 
 def commit(run, criteria, state: DecodeState, tokens, counts, scores=None) -> None:
-    """Row b appends tokens[b, :counts[b]], one round at a time through the stopping criteria, so EOS,
-    max_new_tokens and stopping criteria stop a row exactly where AR would. state.seqs stays
-    right-aligned: a row that does not advance in a round (it committed fewer, or it stopped) gets a
-    pad on the left, invalid in kv_valid, so criteria reading the last tokens see each row's own
+    """Row b appends tokens[b, :counts[b]], one round at a time through the stopping criteria, so
+    EOS, max_new_tokens and stopping criteria stop a row exactly where AR would. state.seqs stays
+    right-aligned: a row that does not advance in a round (it committed fewer, or it stopped) gets
+    a pad on the left, invalid in kv_valid, so criteria reading the last tokens see each row's own
     sequence. state.new collects each row's new tokens (a stopped row's stay `pad`, as in
     transformers). `scores` (the processed scores so far) go to the criteria when output_scores is
     on, as transformers passes them."""
@@ -554,7 +542,8 @@ def commit(run, criteria, state: DecodeState, tokens, counts, scores=None) -> No
 
 
 def crop(state: DecodeState, plan: StepPlan, kept: Kept) -> None:
-    """The cache keeps the step's kept slots and drops every other; a row's holes are marked invalid."""
+    """The cache keeps the step's kept slots and drops every other; a row's holes are marked
+    invalid."""
     slots = kept.slots
     if slots == list(range(len(slots))):  # a prefix of the step
         state.cache.crop(-(plan.slots - len(slots)))
@@ -578,8 +567,9 @@ def memo(fn):
 
 
 # Processors that act on each row's scores alone, whatever its prefix or batch index; and stopping
-# criteria that read each row's own last tokens (max_length is applied per row here). With anything
-# else (a prefix- or length-dependent processor, a custom criterion), rows share one commit length.
+# criteria that read each row's own last tokens (max_length is applied per row here). With
+# anything else (a prefix- or length-dependent processor, a custom criterion), rows share one
+# commit length.
 ROWWISE_PROCESSORS = {
     "TemperatureLogitsWarper",
     "TopKLogitsWarper",

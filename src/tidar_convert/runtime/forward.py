@@ -24,8 +24,9 @@ def cache_kwargs(model, cache) -> dict:
     return {name: cache, "use_cache": True}
 
 
-# Config fields through which a family's causal-LM head does more than `lm_head(hidden)`. Softcapping
-# is applied here; for the others the engine runs the model's own forward (all rows through the head).
+# Config fields through which a family's causal-LM head does more than `lm_head(hidden)`.
+# Softcapping is applied here; for the others the engine runs the model's own forward (all rows
+# through the head).
 SOFTCAP = "final_logit_softcapping"
 OTHER_HEAD_TRANSFORMS = ("logit_scale", "logits_scaling", "output_multiplier_scale")
 
@@ -49,17 +50,17 @@ class Output:
     The vocabulary head runs once, on the slots `read` that the step may read (its AR rows and the
     draft slots of its groups), not on every slot: at batch 1 the head's weight (V x hidden) is read
     from memory once per call whatever the row count, so one call on all candidate rows costs less
-    than a call for the AR rows and another for the group the next draft reads (measured on this
-    repo's CPU: two calls took 40 % of a step). A slot outside `read` is computed when asked."""
+    than a call for the AR rows and another for the group the next draft reads (measured on CPU:
+    bench/LOG.md, 2026-12-01, one vocabulary-head call). A slot outside `read` is computed when
+    asked."""
 
     def __init__(self, model, hidden=None, logits=None, read: list[int] | None = None):
         self.model, self.hidden, self.logits, self.head_rows = model, hidden, logits, 0
         self.cached = self.where = None
         if hidden is not None and read:
             self.where = torch.full((hidden.shape[1],), -1, dtype=torch.long, device=hidden.device)
-            self.where[read] = torch.arange(
-                len(read), device=hidden.device
-            )  # slot -> row of `cached`
+            # slot -> row of `cached`
+            self.where[read] = torch.arange(len(read), device=hidden.device)
             self.cached = self.head(hidden[:, read])
             self.head_rows = len(read)
 
@@ -74,8 +75,8 @@ class Output:
     def rows_at(
         self, starts: torch.Tensor, n: int, counts: torch.Tensor | None = None
     ) -> torch.Tensor:
-        """Slots starts[b] .. starts[b] + n - 1 of each row b (rows that read different groups); a row
-        with counts[b] < n gets its first slot again past those (filler, already computed)."""
+        """Slots starts[b] .. starts[b] + n - 1 of each row b (rows that read different groups); a
+        row with counts[b] < n gets its first slot again past those (filler, already computed)."""
         index = starts[:, None] + torch.arange(n, device=starts.device)
         if counts is not None:
             index = torch.where(
@@ -100,9 +101,10 @@ class Output:
 
 
 def decoder_body(model):
-    """The decoder without the head, final norm included: its last_hidden_state is what lm_head reads.
-    The base model first: get_decoder() returns the causal LM itself for Llama 4 (whose output has no
-    last_hidden_state), and ModernBERT-decoder's LM head (a Linear named `decoder`)."""
+    """The decoder without the head, final norm included: its last_hidden_state is what lm_head
+    reads. The base model first: get_decoder() returns the causal LM itself for Llama 4 (whose
+    output has no last_hidden_state), and ModernBERT-decoder's LM head (a Linear named
+    `decoder`)."""
     for get in (lambda: model.base_model, model.get_decoder, lambda: getattr(model, "model", None)):
         body = get()
         if (

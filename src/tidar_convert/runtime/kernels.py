@@ -6,16 +6,16 @@ the CPUs measured: its MKL path runs 1 to 3 rows as matrix-vector products and 4
 GEMM that is slow on so few rows (figures by machine: bench/LOG.md).
 
 Two packed products, each made from the weight once and kept:
-- **panels** (fp32 and bf16): the weight in panels of 32 outputs by all inputs, streamed once per call by a
-  small C kernel (panel.py, csrc/panel.c) that does every row's multiply-adds on each piece while it is in
-  cache and prefetches the next. Each output is one dot product summed over the inputs in order,
-  whatever the row count, so a row's result is the same bit for bit alone or among any number of
-  rows; panels therefore take every row count: an AR step's one row, a TiDAR step's few, a
-  prefill's many (16 at a time). Built with the machine's C compiler (`cc`, or $CC; -march=native,
-  OpenMP) into $TIDAR_CACHE/kernels on first use, in about a second, once per CPU and compiler;
-  where no compiler builds it, fp32 takes oneDNN's product, with a warning saying so.
-  In bf16 the panels are bf16 and each output is summed in fp32 and rounded once, with the same
-  property.
+- **panels** (fp32 and bf16): the weight in panels of 32 outputs by all inputs, streamed once per
+  call by a small C kernel (panel.py, csrc/panel.c) that does every row's multiply-adds on each
+  piece while it is in cache and prefetches the next. Each output is one dot product summed over the
+  inputs in order, whatever the row count, so a row's result is the same bit for bit alone or among
+  any number of rows; panels therefore take every row count: an AR step's one row, a TiDAR step's
+  few, a prefill's many (16 at a time). Built with the machine's C compiler (`cc`, or $CC;
+  -march=native, OpenMP) into $TIDAR_CACHE/kernels on first use, once per CPU and compiler (its
+  cost: docs/kernels.md); where no compiler builds it, fp32 and bf16 take oneDNN's product (or the
+  stock one), with a warning saying so. In bf16 the panels are bf16 and each output is summed in
+  fp32 and rounded once, with the same property.
 - **onednn** (bf16, and fp32 without the panel kernel): each weight reordered once into oneDNN's
   blocked layout (what torch.compile's CPU freezing does). On AMX it makes bf16 nearly flat in the
   row count; in fp32 it is flat but slower than panels.
@@ -26,21 +26,21 @@ model and dtype, and `cpu_kernels(model, "auto")` (every generate() path) takes 
 only its copies; the times are `product_timings(model)`, what each layer took `model.tidar_products`
 (docs/kernels.md). One choice per model, so every decoder on a model runs the same kernels.
 
-Exact by construction where every linear layer takes panels (fp32 or bf16): attention then runs the same library's
-kernel (`sdpa_exact`), whose output for a query depends only on that query and the keys it sees,
-in order. Norms, activations and rotary embeddings are computed row by row. So a row is computed
-with the same bits whether it is an AR step's one query, a verify row among a TiDAR step's drafts
-and mask slots, a tree's sibling, or a batch row with holes in its cache: TiDAR's greedy output is
-AR's (`generate(tidar=False)` on the same kernels) bit for bit, not only where AR's best token leads
-by more than the low-bit noise between products. Where the products differ (stock, oneDNN,
-attention transformers computes itself: eager families, softcapping, sinks) the two agree to that
-noise, about 1e-4 in fp32 logits on SmolLM2-135M (far more in bf16), and a near-tie can pick another
-token.
+Exact by construction where every linear layer takes panels (fp32 or bf16): attention then runs the
+same library's kernel (`sdpa_exact`), whose output for a query depends only on that query and the
+keys it sees, in order. Norms, activations and rotary embeddings are computed row by row. So a row
+is computed with the same bits whether it is an AR step's one query, a verify row among a TiDAR
+step's drafts and mask slots, a tree's sibling, or a batch row with holes in its cache: TiDAR's
+greedy output is AR's (`generate(tidar=False)` on the same kernels) bit for bit, not only where AR's
+best token leads by more than the low-bit noise between products. Where the products differ (stock,
+oneDNN, attention transformers computes itself: eager families, softcapping, sinks) the two agree to
+that noise (its size in fp32 logits: docs/kernels.md; far more in bf16), and a near-tie can pick
+another token.
 
 `packed_linears(model)` swaps every eligible `nn.Linear.forward` for the packed one while it is
-entered. A layer's packed weight is kept while the layer lives (one more copy of its weight) and made
-again when the weight changes (another tensor, or an in-place update); a model where packing does not
-pay keeps none. Training and anything that needs gradients run the stock product.
+entered. A layer's packed weight is kept while the layer lives (one more copy of its weight) and
+made again when the weight changes (another tensor, or an in-place update); a model where packing
+does not pay keeps none. Training and anything that needs gradients run the stock product.
 
 `grouped_attention(model)`: under a mask, attention on CPU attends grouped key/value heads in place
 (`enable_gqa`) instead of transformers' repeat_kv copy of the whole cache every layer and step.
@@ -61,9 +61,8 @@ import torch.nn.functional as F
 from .panel import attention as panel_attention
 from .panel import panel_library, panel_linear, panel_pack
 
-log = logging.getLogger(
-    "transformers.cli.tidar"
-)  # transformers' logger, as decode.py's: `transformers serve --log-level info` shows it
+# transformers' logger, as decode.py's: `transformers serve --log-level info` shows it
+log = logging.getLogger("transformers.cli.tidar")
 DTYPES = (torch.float32, torch.bfloat16)
 PRODUCTS = ("panels", "onednn", "stock")  # the products a linear layer can take, packed first
 PACK_ROWS = 8  # oneDNN's hint of the rows a call will have: a decoding step's slots
@@ -71,22 +70,20 @@ PACK_ROWS = 8  # oneDNN's hint of the rows a call will have: a decoding step's s
 # module would break deepcopy, pickling and state_dict; it goes with the layer. One kind, except
 # while packing_pays times them.
 _PACKED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-_CHOSEN: weakref.WeakKeyDictionary = (
-    weakref.WeakKeyDictionary()
-)  # layer -> (dtype, the packed kind it takes in that dtype)
+# layer -> (dtype, the packed kind it takes in that dtype)
+_CHOSEN: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 CHOICE_ROWS = (1, 8)  # the rows of an AR step and of a typical TiDAR step, timed with equal weight
-_DELTA_PANELS: weakref.WeakKeyDictionary = (
-    weakref.WeakKeyDictionary()
-)  # layer -> (its adapter's B, B's panels)
-_PAYS: weakref.WeakKeyDictionary = (
-    weakref.WeakKeyDictionary()
-)  # model -> (its linear layers' dtype and count, packing pays)
+# layer -> (its adapter's B, B's panels)
+_DELTA_PANELS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+# model -> (its linear layers' dtype and count, packing pays)
+_PAYS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 # A layer may carry a mask-slot adapter (adapter.attach): its down-projection A (r, in) and its
-# up-projection transposed (r, out) as buffers, and the model's gate, whose `start` is the first mask
-# row of a batch-1 forward (None: none, or not one trailing block), and whose `add` adds the delta
-# to a product's mask rows. The adapter's forward hook (marked DELTA_HOOK) adds it on the stock
-# product; packed_linears sets that hook aside and packed_forward adds it instead, within the panel
-# pass where it can (a hook's Python call per layer adds up to a noticeable share of a forward).
+# up-projection transposed (r, out) as buffers, and the model's gate, whose `start` is the first
+# mask row of a batch-1 forward (None: none, or not one trailing block), and whose `add` adds the
+# delta to a product's mask rows. The adapter's forward hook (marked DELTA_HOOK) adds it on the
+# stock product; packed_linears sets that hook aside and packed_forward adds it instead, within the
+# panel pass where it can (a hook's Python call per layer adds up to a noticeable share of a
+# forward).
 LORA_A, LORA_BT, LORA_GATE, DELTA_HOOK = (
     "tidar_lora_A",
     "tidar_lora_Bt",
@@ -145,7 +142,8 @@ def _pack(weight: torch.Tensor, kind: str) -> torch.Tensor:
 
 
 def _weight_key(w: torch.Tensor) -> tuple:
-    """What a packed copy was made from: another tensor, an in-place update or a cast makes it stale."""
+    """What a packed copy was made from: another tensor, an in-place update or a cast makes it
+    stale."""
     return (w.data_ptr(), w._version, w.dtype, tuple(w.shape))
 
 
@@ -161,8 +159,8 @@ def chosen_kind(layer) -> str | None:
 
 def packed_weight(layer, kind: str | None = None) -> tuple[str, torch.Tensor] | None:
     """The layer's weight packed for `kind` (default: chosen_kind), as ("panels" or "onednn", the
-    packed tensor); None where there is no packed product or this machine's oneDNN refuses the weight
-    (the layer then keeps the stock product)."""
+    packed tensor); None where there is no packed product or this machine's oneDNN refuses the
+    weight (the layer then keeps the stock product)."""
     w = layer.weight
     kind = kind or chosen_kind(layer)
     if kind is None:
@@ -180,7 +178,8 @@ def packed_weight(layer, kind: str | None = None) -> tuple[str, torch.Tensor] | 
 
 
 def delta_panels(layer) -> torch.Tensor:
-    """The panels of the layer's adapter up-projection B (from its LORA_BT buffer), kept like its weight's."""
+    """The panels of the layer's adapter up-projection B (from its LORA_BT buffer), kept like its
+    weight's."""
     bt = layer._buffers[LORA_BT]
     key = (bt.data_ptr(), bt._version)
     cached = _DELTA_PANELS.get(layer)
@@ -208,8 +207,9 @@ def packed_product(
 
 def packed_forward(layer):
     """The layer's forward on its packed product. With a mask-slot adapter (LORA_GATE), the forward
-    adds the delta itself (packed_linears sets the adapter's hook aside): in the panel pass for a
-    batch-1 step's trailing mask rows, else with the gate's own `add` after the product."""
+    adds the delta itself (packed_linears sets the adapter's hook aside): in the panel pass for an
+    fp32 batch-1 step's trailing mask rows, else (bf16 rows, other products, batches) with the
+    gate's own `add` after the product."""
     gate = layer.__dict__.get(LORA_GATE)
 
     def product(x):
@@ -219,7 +219,8 @@ def packed_forward(layer):
             or x.device != w.device
             or (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad))
         ):
-            return F.linear(x, w, layer.bias)  # the packed products have no backward and one dtype
+            # the packed products have no backward and one dtype
+            return F.linear(x, w, layer.bias)
         return packed_product(layer, x, layer.bias)
 
     if gate is None:
@@ -251,11 +252,10 @@ def packed_forward(layer):
 
 
 def pass_seconds(layers, rows: int, product: str) -> float:
-    """One pass of `rows` random rows through each layer on `product` ("stock" or a packed kind), one
-    layer at a time, as a forward runs them."""
-    g = torch.Generator().manual_seed(
-        0
-    )  # not torch's global one: a seeded generate() after this timing must sample as one without
+    """One pass of `rows` random rows through each layer on `product` ("stock" or a packed kind),
+    one layer at a time, as a forward runs them."""
+    # not torch's global one: a seeded generate() after this timing must sample as one without
+    g = torch.Generator().manual_seed(0)
     inputs = {
         (n, dtype): torch.randn(rows, n, dtype=dtype, generator=g)
         for n, dtype in {(layer.in_features, layer.weight.dtype) for layer in layers}
@@ -272,11 +272,11 @@ def pass_seconds(layers, rows: int, product: str) -> float:
 
 def packing_pays(model, repeats: int = 3) -> bool:
     """Whether a packed product beats PyTorch's stock one on this model's CPU linear layers and this
-    machine, and which: one pass through them at each of CHOICE_ROWS on the stock product and on each
-    of the dtype's `candidates`, the best of `repeats` runs of each, interleaved so the machine's load
-    falls on all. The fastest (summed over the row counts) is the layers' product from then on; the
-    others' packed copies are dropped. Timed once per model and dtype (again after a cast). A sharded
-    model (FSDP) is not timed: stock."""
+    machine, and which: one pass through them at each of CHOICE_ROWS on the stock product and on
+    each of the dtype's `candidates`, the best of `repeats` runs of each, interleaved so the
+    machine's load falls on all. The fastest (summed over the row counts) is the layers' product
+    from then on; the others' packed copies are dropped. Timed once per model and dtype (again after
+    a cast). A sharded model (FSDP) is not timed: stock."""
     # Plain tensors only: a sharded weight (FSDP's DTensor) is whole only inside its forward.
     layers = [
         layer
@@ -294,16 +294,14 @@ def packing_pays(model, repeats: int = 3) -> bool:
     best = {product: [float("inf")] * len(CHOICE_ROWS) for product in products}
     with torch.no_grad():
         for kind in kinds:
-            pass_seconds(
-                layers, 1, kind
-            )  # packs every weight (or learns that oneDNN refuses it), untimed
+            # packs every weight (or learns that oneDNN refuses it), untimed
+            pass_seconds(layers, 1, kind)
         for _ in range(repeats):
             for i, rows in enumerate(CHOICE_ROWS):
                 for product in products:
                     best[product][i] = min(best[product][i], pass_seconds(layers, rows, product))
-    fastest = min(
-        products, key=lambda product: sum(best[product])
-    )  # a tie keeps the earlier: stock, then the default
+    # a tie keeps the earlier: stock, then the default
+    fastest = min(products, key=lambda product: sum(best[product]))
     for layer in layers:
         kept = _PACKED.get(layer, {})
         for kind in [k for k in kept if k != fastest]:
@@ -341,10 +339,10 @@ def linear_product(model) -> str:
 
 
 def linear_products(model, packed: bool) -> dict[str, int]:
-    """How many of the model's linear layers take each product on a decoding step's rows, with packing
-    on (`packed`) or off: {"panels": n, "onednn": n, "stock": n}, kinds no layer takes left out. A
-    layer oneDNN refused, on a GPU or of another dtype counts as stock; one not packed yet (weights
-    are packed at their first product) as what it will be packed as."""
+    """How many of the model's linear layers take each product on a decoding step's rows, with
+    packing on (`packed`) or off: {"panels": n, "onednn": n, "stock": n}, kinds no layer takes left
+    out. A layer oneDNN refused, on a GPU or of another dtype counts as stock; one not packed yet
+    (weights are packed at their first product) as what it will be packed as."""
     counts = dict.fromkeys(PRODUCTS, 0)
     for layer in model.modules():
         if isinstance(layer, torch.nn.Linear):
@@ -353,7 +351,8 @@ def linear_products(model, packed: bool) -> dict[str, int]:
 
 
 def product_kind(layer) -> str:
-    """The product an eligible layer takes when packed: its packed weight's kind, without packing it."""
+    """The product an eligible layer takes when packed: its packed weight's kind, without packing
+    it."""
     kind = chosen_kind(layer)
     cached = _PACKED.get(layer, {}).get(kind)
     if cached is not None and cached[0] == _weight_key(layer.weight):
@@ -389,7 +388,8 @@ def resolve(model, enabled: bool | str) -> bool:
         return packing_pays(model)
     if not isinstance(enabled, bool):
         raise ValueError(
-            f"pack_weights={enabled!r}: use True, False or 'auto' (pack where it is measured faster)."
+            f"pack_weights={enabled!r}: use True, False or 'auto' "
+            "(pack where it is measured faster)."
         )
     return enabled
 
@@ -397,21 +397,20 @@ def resolve(model, enabled: bool | str) -> bool:
 @contextmanager
 def packed_linears(model, enabled: bool = True):
     """Within it, the model's CPU linear layers (fp32 or bf16) run their packed product. Nested
-    or concurrent entries leave layers another entry swapped to it; what this one swapped it restores."""
+    or concurrent entries leave layers another entry swapped to it; what this one swapped it
+    restores."""
     swapped, aside = [], {}
     if enabled and can_pack():
         for layer in model.modules():
             if not eligible(layer):
-                _PACKED.pop(
-                    layer, None
-                )  # moved to a GPU or another dtype: its CPU copies are dead weight
+                # moved to a GPU or another dtype: its CPU copies are dead weight
+                _PACKED.pop(layer, None)
                 _DELTA_PANELS.pop(layer, None)
             elif not getattr(layer.__dict__.get("forward"), "_tidar_packed", False):
                 layer.forward = packed_forward(layer)
                 swapped.append(layer)
-                if (
-                    LORA_GATE in layer.__dict__
-                ):  # the packed forward adds the adapter's delta: its hook waits outside
+                # the packed forward adds the adapter's delta: its hook waits outside
+                if LORA_GATE in layer.__dict__:
                     aside[layer] = {
                         key: hook
                         for key, hook in layer._forward_hooks.items()
@@ -424,10 +423,8 @@ def packed_linears(model, enabled: bool = True):
     finally:
         for layer in swapped:
             del layer.forward
-        for (
-            layer,
-            hooks,
-        ) in aside.items():  # back in registration order (a hook's key is its handle's rising id)
+        # back in registration order (a hook's key is its handle's rising id)
+        for layer, hooks in aside.items():
             merged = sorted({**layer._forward_hooks, **hooks}.items())
             layer._forward_hooks.clear()
             layer._forward_hooks.update(merged)
@@ -510,12 +507,12 @@ def exact_applies(query, key, value, attention_mask, dropout) -> bool:
 def sdpa_exact(
     module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None, **kwargs
 ):
-    """sdpa_gqa on the kernel library's attention (panel.attention): each query's output is a function
-    of its query and the keys it sees alone, bit for bit, however many queries share the step and
-    wherever in the cache its keys sit. With panels for every linear layer, a decoding step's row is
-    then computed as an AR step computes it: TiDAR's verify rows equal AR's logits exactly. fp32 or
-    bf16 (widened, exactly, and each output rounded once) on CPU, masks of bools (sdpa's); anything
-    else goes to sdpa_gqa."""
+    """sdpa_gqa on the kernel library's attention (panel.attention): each query's output is a
+    function of its query and the keys it sees alone, bit for bit, however many queries share the
+    step and wherever in the cache its keys sit. With panels for every linear layer, a decoding
+    step's row is then computed as an AR step computes it: TiDAR's verify rows equal AR's logits
+    exactly. fp32 or bf16 (widened, exactly, and each output rounded once) on CPU, masks of bools
+    (sdpa's); anything else goes to sdpa_gqa."""
     if (
         not exact_applies(query, key, value, attention_mask, dropout)
         or any(kwargs.get(name) is not None for name in NOT_EXACT)
@@ -532,7 +529,8 @@ def sdpa_exact(
             is_causal=is_causal,
             **kwargs,
         )
-    # transformers' sdpa rule: causal for several queries without a mask (top-left, keys cropped to the queries)
+    # transformers' sdpa rule: causal for several queries without a mask (top-left, keys cropped to
+    # the queries)
     causal = (
         query.shape[2] > 1
         and attention_mask is None
@@ -587,7 +585,8 @@ def cpu_kernels(model, enabled: bool | str = "auto"):
     transformers' own paths."""
     packed = resolve(model, enabled)
     # One product for every row: panels on every linear layer, and attention that is the same per
-    # query, so a row computes the same bits in any step (exactness by construction: docs/kernels.md).
+    # query, so a row computes the same bits in any step (exactness by construction:
+    # docs/kernels.md).
     exact = packed and can_pack() and set(linear_products(model, True)) == {"panels"}
     with packed_linears(model, packed), grouped_attention(model, enabled is not False, exact=exact):
         report_products(model, packed and can_pack())

@@ -1,22 +1,23 @@
 """The panel product: a small C kernel (csrc/panel.c), built on first use, that streams each weight
 once per call for every row of a decoding step, in fp32 or bf16.
 
-Each weight is packed once in panels of 32 outputs by all inputs (`panel_pack`); `panel_linear` runs
-up to 16 rows' multiply-adds on each piece while it is in cache and prefetches the next, so 8 rows
-cost little more than 2. Each output is one dot product summed over the inputs in order, whatever
-the row count, so a row's result is the same bit for bit alone or among any number of rows (bf16 rows
-and panels are summed in fp32 and each output rounded once: the same property). The same
+Each weight is packed once in panels of 32 outputs by all inputs (`panel_pack`); `panel_linear`
+runs up to 16 rows' multiply-adds on each piece while it is in cache and prefetches the next, so 8
+rows cost little more than 2. Each output is one dot product summed over the inputs in order,
+whatever the row count, so a row's result is the same bit for bit alone or among any number of rows
+(bf16 rows and panels are summed in fp32 and each output rounded once: the same property). The same
 library adds a mask-slot adapter's low-rank delta to a step's mask rows (`lora_add`), and computes
 attention the same way for every query (`attention`).
 
 Built with the machine's C compiler (`cc`, or $CC; -march=native, OpenMP) into $TIDAR_CACHE/kernels
 on first use (`panel_library`), once per CPU and compiler; TIDAR_PANEL_KERNEL=0 turns it off, and
-where no compiler builds it a warning says so once and fp32 takes another product (kernels.py).
+where no compiler builds it a warning says so once and fp32 and bf16 take another product
+(kernels.py).
 
 Shipped in every export's custom_generate/ folder: imports nothing but torch and the standard
 library. The C source is csrc/panel.c beside this file in the package; an export carries it as
-panel_source.py (written by exports/folder.py from csrc/panel.c), because transformers' module cache copies
-only the .py files a module imports.
+panel_source.py (written by exports/folder.py from csrc/panel.c), because transformers' module
+cache copies only the .py files a module imports.
 """
 
 from __future__ import annotations
@@ -34,22 +35,18 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-PANEL = 32  # outputs per panel: two 16-float vectors, times up to 16 rows (one pass over the panel) of accumulators
+# outputs per panel: two 16-float vectors, times up to 16 rows (one pass over the panel) of
+# accumulators
+PANEL = 32
 # Each output's dot product runs over k in order, one fused multiply-add at a time, whatever the row
-# count: a row's result is the same bit for bit alone or among any number (a prefill's rows are taken
-# 16 at a time). The prefetch keeps the weight stream ahead of the arithmetic, so 8 rows cost little
-# more than 2 (the weights are read once).
-PANEL_FLAGS = (
-    "-O3",
-    "-march=native",
-    "-fopenmp",
-    "-shared",
-    "-fPIC",
-)  # no -ffast-math: k stays in order
+# count: a row's result is the same bit for bit alone or among any number (a prefill's rows are
+# taken 16 at a time). The prefetch keeps the weight stream ahead of the arithmetic, so 8 rows cost
+# little more than 2 (the weights are read once).
+# No -ffast-math: k stays in order.
+PANEL_FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
 _PANEL_LIB: list = []  # [the loaded library, or None where it cannot be built]
-SOURCE_FILE = (
-    Path(__file__).parent / "csrc" / "panel.c"
-)  # in the package; an export has panel_source.py instead
+# in the package; an export has panel_source.py instead
+SOURCE_FILE = Path(__file__).parent / "csrc" / "panel.c"
 
 
 def panel_source() -> str:
@@ -60,13 +57,15 @@ def panel_source() -> str:
         from .panel_source import SOURCE
     except ImportError as err:
         raise OSError(
-            f"no kernel source: neither {SOURCE_FILE} nor panel_source.py beside {Path(__file__).name}"
+            f"no kernel source: neither {SOURCE_FILE} "
+            f"nor panel_source.py beside {Path(__file__).name}"
         ) from err
     return SOURCE
 
 
 def panel_built() -> bool:
-    """The kernel was asked for and is loaded (checked without building it: a test on every AR step)."""
+    """The kernel was asked for and is loaded (checked without building it: a test on every AR
+    step)."""
     return bool(_PANEL_LIB) and _PANEL_LIB[0] is not None
 
 
@@ -85,9 +84,9 @@ def _cpu_signature() -> str:
 
 def panel_library():
     """The panel kernel built for this CPU, loaded; None where it cannot be (no C compiler with
-    OpenMP, say: fp32 then runs oneDNN's packed product, with a warning once). Built once per CPU
-    and compiler with `cc` (or $CC) into $TIDAR_CACHE/kernels (default ~/.cache/tidar_convert), in
-    about a second; TIDAR_PANEL_KERNEL=0 turns it off."""
+    OpenMP, say: fp32 and bf16 then run oneDNN's packed product or the stock one, with a warning
+    once). Built once per CPU and compiler with `cc` (or $CC) into $TIDAR_CACHE/kernels (default
+    ~/.cache/tidar_convert); TIDAR_PANEL_KERNEL=0 turns it off."""
     if _PANEL_LIB:
         return _PANEL_LIB[0]
     lib = None
@@ -96,15 +95,19 @@ def panel_library():
             lib = _build_panel_library()
         except CacheUnwritable as err:
             warnings.warn(
-                f"TiDAR's fp32 panel kernel could not be built: its cache folder {err.folder} is not writable ({err.__cause__}); "
-                "fp32 linear layers take oneDNN's packed product or the stock one. Set TIDAR_CACHE to a writable folder "
+                "TiDAR's fp32 panel kernel could not be built: its cache folder "
+                f"{err.folder} is not writable ({err.__cause__}); "
+                "fp32 linear layers take oneDNN's packed product or the stock one. "
+                "Set TIDAR_CACHE to a writable folder "
                 "(default ~/.cache/tidar_convert); TIDAR_PANEL_KERNEL=0 silences this.",
                 stacklevel=3,
             )
         except (OSError, subprocess.SubprocessError) as err:
             warnings.warn(
-                f"TiDAR's fp32 panel kernel could not be built ({err}); fp32 linear layers take oneDNN's packed product "
-                "or the stock one. Install a C compiler with OpenMP (gcc) or set CC to one; TIDAR_PANEL_KERNEL=0 silences this.",
+                f"TiDAR's fp32 panel kernel could not be built ({err}); "
+                "fp32 linear layers take oneDNN's packed product or the stock one. "
+                "Install a C compiler with OpenMP (gcc) or set CC to one; "
+                "TIDAR_PANEL_KERNEL=0 silences this.",
                 stacklevel=3,
             )
     _PANEL_LIB.append(lib)
@@ -137,9 +140,8 @@ def _build_panel_library():
             build = tempfile.TemporaryDirectory(dir=folder)
         except OSError as err:
             raise CacheUnwritable(folder) from err
-        with (
-            build as tmp
-        ):  # built aside, then renamed: a concurrent build or a kill leaves no half file
+        # built aside, then renamed: a concurrent build or a kill leaves no half file
+        with build as tmp:
             src, out = Path(tmp) / "panels.c", Path(tmp) / "panels.so"
             src.write_text(source)
             done = subprocess.run(
@@ -201,11 +203,12 @@ def panel_linear(
     bias: torch.Tensor | None = None,
     lora: tuple[torch.Tensor, torch.Tensor, int] | None = None,
 ) -> torch.Tensor:
-    """x @ W.T (+ bias) on W's panels (panel_pack), on this CPU's panel kernel: fp32, or bf16 rows on
-    bf16 panels (summed in fp32, rounded once). Lean: it runs for every linear layer of every decoding
-    step, where a microsecond a call is 1 % of a forward. lora (fp32 only): (A (R, K), B's panels
-    (panel_pack of B, N x R), start): rows start.. of x (its rows taken as one (M, K) matrix) also get
-    x @ A.T @ B.T, in the same pass."""
+    """x @ W.T (+ bias) on W's panels (panel_pack), on this CPU's panel kernel: fp32, or bf16 rows
+    on bf16 panels (summed in fp32, rounded once). Lean: it runs for every linear layer of every
+    decoding step, so a microsecond's overhead a call adds up over a forward. lora (fp32 only; a
+    bf16 product takes the delta from lora_add after): (A (R, K), B's panels (panel_pack of B,
+    N x R), start): rows start.. of x (its rows taken as one (M, K) matrix) also get x @ A.T @ B.T,
+    in the same pass."""
     k = x.shape[-1]
     lib = panel_library()
     if (
@@ -215,7 +218,8 @@ def panel_linear(
         or panels.shape[1] != k
     ):
         raise ValueError(
-            f"panel_linear: input of {panels.shape[1]} features in the panels' dtype ({panels.dtype}) and a built kernel needed, "
+            f"panel_linear: input of {panels.shape[1]} features in the panels' dtype "
+            f"({panels.dtype}) and a built kernel needed, "
             f"got {x.dtype} x {k}"
         )
     if not x.is_contiguous():
@@ -248,7 +252,8 @@ def panel_linear(
         and pb.shape[0] == panels.shape[0]
     ):
         raise ValueError(
-            f"panel_linear: an adapter's A (R, {k}) in fp32, contiguous, and B's panels ({panels.shape[0]}, R, {PANEL}) needed, "
+            f"panel_linear: an adapter's A (R, {k}) in fp32, contiguous, "
+            f"and B's panels ({panels.shape[0]}, R, {PANEL}) needed, "
             f"got {A.dtype} {tuple(A.shape)} and {tuple(pb.shape)}"
         )
     lib.tidar_panel_linear(
@@ -272,9 +277,10 @@ def lora_add(
     out: torch.Tensor, x: torch.Tensor, start: int, A: torch.Tensor, Bt: torch.Tensor
 ) -> bool:
     """out[0, start:] += x[0, start:] @ A.T @ Bt in place, in one C call: a batch-1 step's trailing
-    mask rows (adapter.Gate). out and x fp32 with A and Bt fp32; or out and x bf16 with A and Bt fp32
-    or bf16 (the delta summed in fp32, each output rounded once); all contiguous. False (nothing done)
-    where that does not hold or the kernel library is not built, and the caller runs torch's products."""
+    mask rows (adapter.Gate). out and x fp32 with A and Bt fp32; or out and x bf16 with A and Bt
+    fp32 or bf16 (the delta summed in fp32, each output rounded once); all contiguous. False
+    (nothing done) where that does not hold or the kernel library is not built, and the caller runs
+    torch's products."""
     lib = _PANEL_LIB[0] if _PANEL_LIB else panel_library()
     if lib is None or out.shape[0] != 1 or out.dtype != x.dtype or A.dtype != Bt.dtype:
         return False
@@ -311,11 +317,11 @@ def attention(
     causal: bool,
     scale: float,
 ) -> torch.Tensor:
-    """Softmax attention on the kernel library's `tidar_attention`: each output a function of its query
-    and the keys it sees alone, bit for bit (csrc/panel.c). query (B, Hq, Q, D), key and value (B, Hkv,
-    L, D), fp32; mask: bool, broadcastable to (B, Hq, Q, L), True = attend; or None: every key, or
-    keys j <= i where `causal` (torch's is_causal). Returns (B, Q, Hq, D), as transformers' attention
-    functions do."""
+    """Softmax attention on the kernel library's `tidar_attention`: each output a function of its
+    query and the keys it sees alone, bit for bit (csrc/panel.c). query (B, Hq, Q, D), key and value
+    (B, Hkv, L, D), fp32 (kernels.sdpa_exact widens bf16 to it, exactly); mask: bool, broadcastable
+    to (B, Hq, Q, L), True = attend; or None: every key, or keys j <= i where `causal` (torch's
+    is_causal). Returns (B, Q, Hq, D) in fp32, as transformers' attention functions do."""
     lib = panel_library()
     B, Hq, Q, D = query.shape
     Hkv, L = key.shape[1], key.shape[2]

@@ -15,11 +15,11 @@ from .layout import decode_position_ids
 
 @dataclass(frozen=True)
 class StepPlan:
-    """Which query slots one forward runs: `n_drafts` causal drafts (a chain), then one causal slot per
-    sibling (greedy, batch 1: `sibling_parents[i]` is the parent slot of slot n_drafts + i, an earlier slot;
-    each sees its ancestors and itself, a tree), then a group of `k` masks at each anchor. A group
-    anchored at j sees causal slot j - 1 and its ancestors and predicts the k positions after them:
-    on the chain, anchor j sees drafts[0..j)."""
+    """Which query slots one forward runs: `n_drafts` causal drafts (a chain), then one causal slot
+    per sibling (greedy, batch 1: `sibling_parents[i]` is the parent slot of slot n_drafts + i, an
+    earlier slot; each sees its ancestors and itself, a tree), then a group of `k` masks at each
+    anchor. A group anchored at j sees causal slot j - 1 and its ancestors and predicts the k
+    positions after them: on the chain, anchor j sees drafts[0..j)."""
 
     n_drafts: int
     anchors: tuple[int, ...]
@@ -51,8 +51,8 @@ class StepPlan:
     def group_read(self, j: int) -> tuple[int, int] | None:
         """Where a row that committed j drafts reads its next draft: (the query index its proposals
         follow, how many there are). The group anchored at j gives k - 1; else the nearest group
-        anchored before j whose slots reach past j gives its later ones (fewer, drafted from a shorter
-        prefix: still exact, every draft is verified). None where no group reaches."""
+        anchored before j whose slots reach past j gives its later ones (fewer, drafted from a
+        shorter prefix: still exact, every draft is verified). None where no group reaches."""
         g = self.group_start(j)
         if g is not None:
             return g, self.k - 1
@@ -68,7 +68,8 @@ class StepPlan:
         )
 
     def read(self) -> list[int]:
-        """Slots whose logits a step may read: the AR rows, and each group's draft slots (1..k-1)."""
+        """Slots whose logits a step may read: the AR rows, and each group's draft slots
+        (1..k-1)."""
         return list(range(self.causal)) + [
             self.causal + g * self.k + o for g in range(len(self.anchors)) for o in range(1, self.k)
         ]
@@ -81,11 +82,12 @@ class Planner:
               StepCosts): on a machine where extra slots cost, short or no drafts where they are
               unlikely to pay; where slots are free, everything likely. Which steps run depends on
               timings, so acceptance (T/NFE) varies from run to run; the tokens never do.
-    full      a group at every acceptance length 1..m, as the paper's step (k + k*k slots for m = k).
-    adaptive  groups only at the acceptance lengths likely to occur, from the draft's own confidence
-              (diffusion: the draft head's probability; lookup: the chance by match length and depth): the most
-              likely lengths first, each with chance >= min_chance (default 1 / slot budget: 5 % at
-              the default 20 slots), within the slot budget.
+    full      a group at every acceptance length 1..m, as the paper's step (k + k*k slots for
+              m = k).
+    adaptive  groups only at the acceptance lengths likely to occur, from the draft's own
+              confidence (diffusion: the draft head's probability; lookup: the chance by match
+              length and depth): the most likely lengths first, each with chance >= min_chance
+              (default 1 / slot budget: 5 % at the default 20 slots), within the slot budget.
     A length without a group is still decoded exactly: the next draft then comes from lookup or,
     with none, the next step drafts nothing and runs a fresh group.
 
@@ -109,21 +111,24 @@ class Planner:
             raise ValueError(f"plan={mode!r}: choose 'cost', 'adaptive' or 'full'.")
         if slot_budget is not None and slot_budget < 1 + k:
             raise ValueError(
-                f"slot_budget={slot_budget}: a step needs at least 1 + draft_length = {1 + k} query slots."
+                f"slot_budget={slot_budget}: "
+                f"a step needs at least 1 + draft_length = {1 + k} query slots."
             )
         if siblings < 0:
             raise ValueError(
-                f"siblings={siblings}: the alternatives to each drafted token a step may verify; use 0 (chains only) or more."
+                f"siblings={siblings}: the alternatives to each drafted token a step may verify; "
+                "use 0 (chains only) or more."
             )
         self.k, self.mode, self.siblings = k, mode, siblings
         self.costs = costs if costs is not None else StepCosts()
         self.group_gain = self.costs.group_gain
-        self.offered: list | None = (
-            None  # per row of the last step: its draft's source where a group was computed at the length it accepted
-        )
+        # per row of the last step: its draft's source where a group was computed at the length it
+        # accepted
+        self.offered: list | None = None
         # Default: the paper's step (k + k*k), or room for a full lookup draft (10) + y + one group.
         self.budget = slot_budget if slot_budget is not None else max(k + k * k, 11 + k)
-        # A slot's share of the budget: 5 % at the default 20 slots; a GPU's wide budget keeps rarer nodes.
+        # A slot's share of the budget: 5 % at the default 20 slots; a GPU's wide budget keeps rarer
+        # nodes.
         self.min_chance = min_chance if min_chance is not None else 1 / self.budget
 
     def step(
@@ -158,9 +163,8 @@ class Planner:
         best = None
         for n in range(1, m + 1):  # drafts kept: draft 0 and n - 1 proposals
             r = reach[:, :n] if per_row else reach[:, :n].prod(0, keepdim=True)
-            exact = r - torch.cat(
-                [r[:, 1:], r.new_zeros(r.shape[0], 1)], 1
-            )  # P(accepts exactly j drafts), j = 1..n
+            # P(accepts exactly j drafts), j = 1..n
+            exact = r - torch.cat([r[:, 1:], r.new_zeros(r.shape[0], 1)], 1)
             tokens, lengths = 1 + float(r[:, 1:].sum(1).mean()), exact.mean(0).tolist()
             fits = n if room is None else min(n, room - k + 1)
             order = sorted(range(max(fits, 0)), key=lambda i: -lengths[i]) if uses_groups else []
@@ -176,10 +180,11 @@ class Planner:
 
     def group_worth(self, draft: Draft) -> float:
         """What a group at the accepted length is worth, in tokens: the proposals a group draft gets
-        accepted on average (`group_gain`, learned with the costs) less what verifying them will cost
-        the next step (`verify_cost`), times the chance the next draft is taken from the group at all
-        (`group_use`: a hybrid takes lookup drafts where they look better, and then the group was
-        computed for nothing; learned per source of this step's draft, since lookup matches come in runs)."""
+        accepted on average (`group_gain`, learned with the costs) less what verifying them will
+        cost the next step (`verify_cost`), times the chance the next draft is taken from the group
+        at all (`group_use`: a hybrid takes lookup drafts where they look better, and then the group
+        was computed for nothing; learned per source of this step's draft, since lookup matches come
+        in runs)."""
         use = self.costs.group_use
         share = sum(use[source_key(s)].value for s in draft.sources) / len(draft.sources)
         return share * max(0.0, self.group_gain.value - self.verify_cost())
@@ -205,9 +210,8 @@ class Planner:
         if not cost:
             order = [s for s in order if reach[s] >= self.min_chance]
         worth = self.group_worth(draft) if cost else self.group_gain.value
-        deepest = (
-            None if room is None else room - k
-        )  # a group after a node at depth d uses offsets d + 1 .. d + k
+        # a group after a node at depth d uses offsets d + 1 .. d + k
+        deepest = None if room is None else room - k
         ends, tokens, best = {0: 1.0}, 1.0, None
         for t in range(min(len(order), self.budget - 1) + 1):  # the t likeliest nodes
             if t:
@@ -246,10 +250,10 @@ class Planner:
 
     def verify_cost(self) -> float:
         """What verifying a group's draft costs the next step, in tokens: the time a step with
-        proposals takes beyond a plain AR step's, over the AR step's (the tokens that time would have
-        made). A group's proposals are worth only what they bring beyond it: where a step of 2 to 4
-        slots costs 1.5x one of 1 slot, a group must get more than half a proposal accepted to pay;
-        where slots are free (a GPU) it costs nothing."""
+        proposals takes beyond a plain AR step's, over the AR step's (the tokens that time would
+        have made). A group's proposals are worth only what they bring beyond it: were a step of 2
+        to 4 slots to cost 1.5x one of 1 slot, a group would need more than half a proposal accepted
+        to pay; where slots are free (a GPU) it costs nothing."""
         one = self.costs.price(1, False)
         verify = min(self.costs.price(n, False) for n in range(2, self.k + 1))
         return max(0.0, verify - one) / one
@@ -262,9 +266,9 @@ class Planner:
         accepted: torch.Tensor,
         committed: torch.Tensor | None = None,
     ) -> None:
-        """A step's time by its shape; the proposals accepted on rows drafted from a group; and whether
-        the rows offered a group by the last step drafted from it. committed: (B,) the drafts each row
-        commits, where the next draft reads its group (default: accepted)."""
+        """A step's time by its shape; the proposals accepted on rows drafted from a group; and
+        whether the rows offered a group by the last step drafted from it. committed: (B,) the
+        drafts each row commits, where the next draft reads its group (default: accepted)."""
         self.costs.add(plan.slots, plan.slots > plan.causal, seconds)
         self.group_gain.tick()
         for mean in self.costs.group_use.values():
@@ -277,22 +281,22 @@ class Planner:
                 if was is not None:
                     self.costs.group_use[was].add(float(source == "diffusion"))
         at = (accepted if committed is None else committed).tolist()
-        offers = (
-            plan.group_start if plan.siblings else plan.group_read
-        )  # a tree reads only the group at its path's end
+        # a tree reads only the group at its path's end
+        offers = plan.group_start if plan.siblings else plan.group_read
         self.offered = [
             source_key(s) if offers(int(j)) is not None else None for s, j in zip(draft.sources, at)
         ]
 
     def max_proposals(self, uses_groups: bool) -> int:
-        """Most proposals a draft may hold, leaving room for one group when the drafter uses them."""
+        """Most proposals a draft may hold, leaving room for one group when the drafter uses
+        them."""
         return self.budget - 1 - (self.k if uses_groups else 0)
 
     def trim(self, draft: Draft, per_row: bool = False) -> Draft:
         """The draft cut after its last proposal that the step reaches with chance >= min_chance
         (with a shared commit: every row reaches it; per row: some row does), at least one kept.
-        Sampling stays exact for any cut: a draft decides how many tokens a step commits, never which
-        (verify.Sampling)."""
+        Sampling stays exact for any cut: a draft decides how many tokens a step commits, never
+        which (verify.Sampling)."""
         m = draft.tokens.shape[1]
         if self.mode == "full" or draft.confidence is None or m <= 2:
             return draft
@@ -304,12 +308,12 @@ class Planner:
     def plan(
         self, draft: Draft, uses_groups: bool, room: int | None = None, per_row: bool = False
     ) -> StepPlan:
-        """room: the largest position offset from draft 0 the model has (near max_position_embeddings
-        a group that would not fit is left out; the last tokens are then drafted by lookup or none)."""
+        """room: the largest position offset from draft 0 the model has (near
+        max_position_embeddings a group that would not fit is left out; the last tokens are then
+        drafted by lookup or none)."""
         m = draft.tokens.shape[1]
-        fits = (
-            m if room is None else min(m, room - self.k + 1)
-        )  # a group at j uses offsets j .. j + k - 1
+        # a group at j uses offsets j .. j + k - 1
+        fits = m if room is None else min(m, room - self.k + 1)
         if not uses_groups or fits < 1:
             return StepPlan(m, (), self.k)
         most = max(1, (self.budget - m) // self.k)
@@ -328,7 +332,10 @@ def cut(draft: Draft, n: int) -> Draft:
     """The draft's first n tokens (draft 0 and n - 1 proposals)."""
     if n >= draft.tokens.shape[1]:
         return draft
-    keep = lambda t: None if t is None else t[:, : n - 1]
+
+    def keep(t):
+        return None if t is None else t[:, : n - 1]
+
     return replace(
         draft,
         tokens=draft.tokens[:, :n],
@@ -340,7 +347,8 @@ def cut(draft: Draft, n: int) -> Draft:
 
 def accepted_length_chances(draft: Draft, per_row: bool = False) -> list[float]:
     """j = 1..m: with a shared commit, P(the batch commits j drafts) (the fewest any row accepted);
-    per row, the expected share of rows that accept exactly j (each reads the group at its own j)."""
+    per row, the expected share of rows that accept exactly j (each reads the group at its own
+    j)."""
     reach = reach_chances(draft)
     if per_row:
         return (
@@ -353,8 +361,8 @@ def accepted_length_chances(draft: Draft, per_row: bool = False) -> list[float]:
 
 
 def reach_chances(draft: Draft) -> torch.Tensor:
-    """(B, m): column j - 1 is P(the row accepts >= j drafts), draft 0 always; from draft.confidence,
-    a row's acceptance stopping at its first miss and at its length."""
+    """(B, m): column j - 1 is P(the row accepts >= j drafts), draft 0 always; from
+    draft.confidence, a row's acceptance stopping at its first miss and at its length."""
     m = draft.tokens.shape[1]
     if m == 1:
         return torch.ones(draft.tokens.shape[0], 1, device=draft.tokens.device)

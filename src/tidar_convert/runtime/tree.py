@@ -1,6 +1,7 @@
 """Trees: siblings verified beside a draft's chain (greedy, batch 1; generate(siblings=...)).
 
-Shipped in every export's custom_generate/ folder (see export.shipped_code): imports nothing but torch and verify.py.
+Shipped in every export's custom_generate/ folder (see exports.folder.shipped_code): imports
+nothing but torch and verify.py.
 
 A sibling is an off-chain node: another token at a drafted offset, hung under a chain slot or an
 earlier sibling (Draft.siblings, Draft.sibling_parents). Drafting side: the diffusion group's next
@@ -26,10 +27,11 @@ if TYPE_CHECKING:  # types only: drafters.py imports this module
 
 
 def group_siblings(ctx: DraftContext, slots: torch.Tensor, chain: torch.Tensor, n: int):
-    """The group's next n likeliest tokens at each drafted offset, other than the chain's (B, D) there,
-    and their probabilities: (B, D, n) each. Slot i is processed with the chain's prefix, as
-    make_draft does. The AR token is the group's first choice at offset 1 at 44 % of steps and among
-    its first 4 at 69 % (README, bench/results/wide-draft-offline.json)."""
+    """The group's next n likeliest tokens at each drafted offset, other than the chain's (B, D)
+    there, and their probabilities: (B, D, n) each. Slot i is processed with the chain's prefix, as
+    make_draft does. At offset 1 the AR token, where it is not the group's first choice, is often
+    among its next few: the case for siblings (figures: bench/RESULTS.md §3,
+    results/wide-draft-offline.json; docs/method.md §3, Trees)."""
     scores = process(ctx.processors, ctx.seqs, chain, slots[:, : chain.shape[1]])
     top = scores.softmax(-1).topk(n + 1, -1)
     tokens, chances = zip(
@@ -51,8 +53,8 @@ def grow(
     """The draft's tree (batch 1): the chain's proposals and, at every node, the alternatives at the
     next offset, best first by the chance the step reaches them (the product of the chances along
     the path; a group's offsets are drafted in parallel, so a branch's later tokens are the same
-    offsets' choices as the chain's), until `most` nodes (chain nodes count). The nodes off the chain
-    become draft.siblings, in the order found (a parent before its children)."""
+    offsets' choices as the chain's), until `most` nodes (chain nodes count). The nodes off the
+    chain become draft.siblings, in the order found (a parent before its children)."""
     m = draft.tokens.shape[1]
     conf = draft.confidence[0, : m - 1].float().clamp(0, 1).tolist()
     chain, alts, chances = (
@@ -95,7 +97,8 @@ def grow(
 
 
 def without(tokens: torch.Tensor, chances: torch.Tensor, taken: torch.Tensor, n: int):
-    """The first n of `tokens` (B, n + 1) other than `taken` (B,), in their order, with their chances."""
+    """The first n of `tokens` (B, n + 1) other than `taken` (B,), in their order, with their
+    chances."""
     keep = (tokens != taken[:, None]).float().argsort(dim=1, descending=True, stable=True)[:, :n]
     return tokens.gather(1, keep), chances.gather(1, keep)
 
@@ -111,7 +114,8 @@ def first_siblings(look: Draft, diff: Draft):
 
 
 def beside(draft: Draft, tokens: torch.Tensor, chances: torch.Tensor) -> Draft:
-    """The draft (batch 1) with `tokens` (1, s) added under draft 0, those it has there already left out."""
+    """The draft (batch 1) with `tokens` (1, s) added under draft 0, those it has there already
+    left out."""
     have = (
         set()
         if draft.siblings is None
@@ -175,8 +179,8 @@ def walk(
 
 
 def keep_slots(cache, cache_len: int, slots: list[int]) -> None:
-    """Keep the cache's first cache_len entries and, of the step's slots after them, `slots`: a branch
-    of a tree is not a suffix of the step, so `crop` cannot keep it."""
+    """Keep the cache's first cache_len entries and, of the step's slots after them, `slots`: a
+    branch of a tree is not a suffix of the step, so `crop` cannot keep it."""
     index = torch.tensor([*range(cache_len), *(cache_len + s for s in slots)])
     for layer in cache.layers:
         if getattr(layer, "keys", None) is not None and layer.keys.numel():

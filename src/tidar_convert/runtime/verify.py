@@ -1,6 +1,7 @@
 """Verifiers: which drafts the AR head accepts, and the token committed after them.
 
-Shipped in every export's custom_generate/ folder (see export.shipped_code): imports nothing but torch.
+Shipped in every export's custom_generate/ folder (see exports.folder.shipped_code): imports
+nothing but torch.
 
 A draft is `tokens[:, 0]` (already committed) followed by proposals `tokens[:, 1:length]`. AR scores
 row i is p(. | prefix, tokens[1..i]).
@@ -19,7 +20,8 @@ import torch
 
 
 def real_slots(draft) -> torch.Tensor:
-    """(B, m - 1) True where proposal i (draft token i + 1) exists; rows of a batch may draft fewer."""
+    """(B, m - 1) True where proposal i (draft token i + 1) exists; rows of a batch may draft
+    fewer."""
     m = draft.tokens.shape[1]
     return torch.arange(1, m, device=draft.tokens.device) < draft.length[:, None]
 
@@ -33,15 +35,17 @@ class Verifier(Protocol):
     rows: list[int] | None = None
 
     def seek(self, committed) -> None:
-        """After each commit: (B,) or an int, the new tokens each row has committed (the index of what
-        its next AR row predicts). Optional: only sampling, whose draws are keyed by position, needs it."""
+        """After each commit: (B,) or an int, the new tokens each row has committed (the index of
+        what its next AR row predicts). Optional: only sampling, whose draws are keyed by position,
+        needs it."""
 
     def token(self, scores, offset=0) -> torch.Tensor:
         """The token AR decoding takes from scores, at new-token index seek + offset."""
         ...
 
     def confidence(self, scores) -> torch.Tensor:
-        """How likely a drafted slot is to be accepted, from the drafter's own scores (for the plan)."""
+        """How likely a drafted slot is to be accepted, from the drafter's own scores (for the
+        plan)."""
         ...
 
     def verify(self, scores, draft) -> torch.Tensor:
@@ -53,12 +57,14 @@ class Verifier(Protocol):
         ...
 
     def next_token_rows(self, scores, draft, accepted) -> torch.Tensor:
-        """(B,) each row's own next token, after its own accepted drafts (rows commit what they accepted)."""
+        """(B,) each row's own next token, after its own accepted drafts (rows commit what they
+        accepted)."""
         ...
 
 
 class Greedy(Verifier):
-    """Accept a draft while it equals the argmax of the processed AR scores; the output is exactly AR greedy."""
+    """Accept a draft while it equals the argmax of the processed AR scores; the output is exactly
+    AR greedy."""
 
     def token(self, scores, offset=0):
         return scores.argmax(-1)
@@ -83,14 +89,14 @@ def at_rows(x, index):
 
 
 class Sampling(Verifier):
-    """Sampling by the Gumbel-max trick with noise keyed by position, so a seed gives the same tokens
-    whatever the steps were.
+    """Sampling by the Gumbel-max trick with noise keyed by position, so a seed gives the same
+    tokens whatever the steps were.
 
     The token a row commits at its t-th new position is argmax_v p(v) / E(v), E the row's own
-    exponential draws for index t (one vocabulary's worth, from a generator seeded by (seed, row, t)):
-    an exact sample of p. A draft slot for index t proposes argmax q(v) / E(v) with the same draws
-    and is accepted where it equals the AR token there; it can only change how many tokens a step
-    commits, never which. So the output is AR sampling with that noise, whatever the plan (its
+    exponential draws for index t (one vocabulary's worth, from a generator seeded by (seed, row,
+    t)): an exact sample of p. A draft slot for index t proposes argmax q(v) / E(v) with the same
+    draws and is accepted where it equals the AR token there; it can only change how many tokens a
+    step commits, never which. So the output is AR sampling with that noise, whatever the plan (its
     choices follow measured timings), the drafter or the batch's commit lengths (Daliri et al. 2024,
     "drafter-invariant speculative decoding"). Rejection sampling (accept with min(1, p/q), else the
     residual) accepts diffusion drafts more often where q and p differ, but its token at a position
@@ -123,18 +129,16 @@ class Sampling(Verifier):
         e = self._draws.get((b, t))
         if e is None:
             g = torch.Generator(device=device).manual_seed(stream_seed(self.seed, b, t))
-            e = (
-                torch.rand(V, generator=g, device=device).log_().neg_()
-            )  # u = 0 gives inf: that token never wins
+            # u = 0 gives inf: that token never wins
+            e = torch.rand(V, generator=g, device=device).log_().neg_()
             self._draws[(b, t)] = e
         return e
 
     @staticmethod
     def probs(scores):
         scores = scores.float()
-        dead = ~torch.isfinite(scores).any(
-            -1, keepdim=True
-        )  # a processor removed every token (only in a draft)
+        # a processor removed every token (only in a draft)
+        dead = ~torch.isfinite(scores).any(-1, keepdim=True)
         return scores.masked_fill(dead, 0.0).softmax(-1)
 
     def token(self, scores, offset=0):
@@ -165,9 +169,9 @@ class Sampling(Verifier):
         return 1 + match.long().cumprod(1).sum(1)
 
     def next_token(self, target, draft, accepted, j, exact=True):
-        """The token at draft position j, drawn from `target` (the processed AR scores there, or beta's
-        mix: exact or not, the draw is the same rule). A row that accepted draft j draws it again (the
-        batch commits the fewest drafts any row accepted)."""
+        """The token at draft position j, drawn from `target` (the processed AR scores there, or
+        beta's mix: exact or not, the draw is the same rule). A row that accepted draft j draws it
+        again (the batch commits the fewest drafts any row accepted)."""
         return self.token(target, j - 1)
 
     def next_token_rows(self, scores, draft, accepted):
@@ -175,7 +179,8 @@ class Sampling(Verifier):
 
 
 def stream_seed(seed: int, row: int, index: int) -> int:
-    """A generator seed for (seed, row, index): splitmix64 over the three, so nearby keys share nothing."""
+    """A generator seed for (seed, row, index): splitmix64 over the three, so nearby keys share
+    nothing."""
     h = 0
     for x in (seed, row, index):
         h = (h ^ x) & MASK64
@@ -190,14 +195,15 @@ MASK64 = (1 << 64) - 1
 
 
 def draw_seed(generator=None) -> int:
-    """The base seed of one generate() call, from `generator` or torch's default one: torch.manual_seed
-    before generate() repeats the call, and successive calls differ."""
+    """The base seed of one generate() call, from `generator` or torch's default one:
+    torch.manual_seed before generate() repeats the call, and successive calls differ."""
     device = generator.device if generator is not None else "cpu"
     return int(torch.randint(0, 2**62, (), generator=generator, device=device))
 
 
 def mix(ar_logits, diff_logits, beta):
-    """beta = 1: trust AR (exact). beta < 1 mixes in the diffusion head's log-probs (faster, not exact)."""
+    """beta = 1: trust AR (exact). beta < 1 mixes in the diffusion head's log-probs (faster, not
+    exact)."""
     if beta == 1.0 or diff_logits is None:
         return ar_logits
     return beta * ar_logits.float().log_softmax(-1) + (1 - beta) * diff_logits.float().log_softmax(
