@@ -9,6 +9,7 @@ from helpers import FAMILIES, ar, cycle_batch, tiny_config
 from transformers import StoppingCriteria, StoppingCriteriaList
 
 from tidar_convert.runtime.generate import CACHE_FIELD, Sampling, generate
+from tidar_convert.runtime.session import reset, session_of
 from tidar_convert.runtime.spec import TiDARSpec
 
 
@@ -484,7 +485,7 @@ def test_seeded_sampling_repeats_under_every_plan_and_drafter(trained, rows, mon
                 monkeypatch.setattr(
                     engine, "time", SimpleNamespace(perf_counter=jittery_clock(run))
                 )
-                model.__dict__.pop("_tidar_step_costs", None)  # what the last run measured
+                session_of(model).costs.clear()  # what the last run measured
                 torch.manual_seed(11)
                 assert torch.equal(
                     generate(ids, model=model, plan=plan, drafter=drafter, **kw), expected
@@ -504,14 +505,13 @@ def test_seeded_sampling_repeats_on_a_fresh_model_too(trained, tidar):
     """The first generate() on a model times its packed product (kernels.packing_pays) before it
     decodes; that timing must not take from torch's global generator, or the first seeded call
     samples other tokens than the next ones. tidar=False is transformers' own sampling."""
-    from tidar_convert.runtime import kernels
 
     model, _ = trained["llama"]
     ids = cycle_batch(1, 6, seed=2)
     kw = dict(
         do_sample=True, max_new_tokens=20, eos_token_id=None, temperature=1.5, top_k=0, tidar=tidar
     )
-    kernels._PAYS.pop(model, None)  # as just loaded: the first call times, the next ones do not
+    reset(model)  # as just loaded: the first call times, the next ones do not
     outs = []
     for _ in range(3):
         torch.manual_seed(5)

@@ -14,6 +14,7 @@ from tidar_convert.runtime.costs import StepCosts
 from tidar_convert.runtime.drafters import DRAFTERS, Draft, DraftContext, LookupDrafter
 from tidar_convert.runtime.generate import generate
 from tidar_convert.runtime.plan import Planner, StepPlan, cut
+from tidar_convert.runtime.session import session_of
 
 
 def padded_batch():
@@ -580,7 +581,7 @@ def test_lookup_trees_commit_a_later_occurrence_where_the_first_misleads(trained
     expected = ar(model, ids, max_new_tokens=24, eos_token_id=None)
     assert expected[0, 17:20].tolist() == [7, 8, 9]  # the model follows the cycle
     for name in ("lookup", "hybrid"):
-        model.__dict__.pop("_tidar_step_costs", None)
+        session_of(model).costs.clear()
         got = generate(
             ids,
             model=model,
@@ -593,7 +594,7 @@ def test_lookup_trees_commit_a_later_occurrence_where_the_first_misleads(trained
         assert torch.equal(got, expected), name
         if name == "lookup":
             assert model.tidar_stats["sibling_steps"] > 0
-    model.__dict__.pop("_tidar_step_costs", None)
+    session_of(model).costs.clear()
     generate(
         ids,
         model=model,
@@ -849,7 +850,7 @@ def test_siblings_commit_the_ar_token_where_draft_1_missed(trained, untrained, f
                     # model across calls, so the adaptive plan's trees would follow the cost plan's
                     # timings. With them fresh, its trees are the same every run, and with 96 slots (rarer
                     # nodes kept) they branch below depth 1 on every family; the cost plan's follow timings.
-                    model.__dict__.pop("_tidar_step_costs", None)
+                    session_of(model).costs.clear()
                     with patch.object(engine, "walk", spy):
                         got = generate(
                             ids,

@@ -11,6 +11,7 @@ import torch
 
 from tidar_convert.runtime import kernels, panel
 from tidar_convert.runtime.generate import generate
+from tidar_convert.runtime.session import KernelState, session_of
 
 pytestmark = pytest.mark.skipif(
     not kernels.available(), reason="this torch build has no oneDNN packed linear"
@@ -33,7 +34,7 @@ def test_packed_linear_matches_stock_and_is_row_invariant(dtype):
             packed = layer(x)
             # Each row's result is the same whether 1 or 13 rows share the call: bit for bit.
             rows = [layer(x[:, :j]) for j in range(1, 14)]
-    ((kind, _),) = (packed for _, packed in kernels._PACKED[layer].values())
+    ((kind, _),) = (packed for _, packed in session_of(layer).kernels.packed[layer].values())
     assert kind == (
         "panels" if panel.panel_library() else "onednn"
     )  # bf16 too: panels are the default where the kernel builds
@@ -59,7 +60,7 @@ def test_a_changed_weight_is_packed_again():
         torch.testing.assert_close(layer(x), x @ layer.weight.T, rtol=1e-5, atol=1e-5)
     copy.deepcopy(layer)  # the packed copy is not on the layer: it copies and pickles as before
     kernels.release(layer)
-    assert layer not in kernels._PACKED
+    assert layer not in session_of(layer).kernels.packed
 
 
 def test_a_weight_onednn_refuses_keeps_the_stock_product(monkeypatch):
@@ -97,10 +98,10 @@ def test_only_cpu_float_layers_are_packed():
         assert layers == [] and not swapped(model)
     with torch.no_grad(), kernels.packed_linears(model):
         model[0](torch.randn(2, 8))
-    assert model[0] in kernels._PACKED
+    assert model[0] in session_of(model).kernels.packed
     model[0].half()  # no longer packable: the next entry drops its packed copy
     with kernels.packed_linears(model) as layers:
-        assert layers == [] and model[0] not in kernels._PACKED
+        assert layers == [] and model[0] not in session_of(model).kernels.packed
 
 
 @pytest.mark.parametrize("tidar", [True, False])
@@ -196,7 +197,7 @@ def fake_timings(monkeypatch, table: dict) -> list:
     """pass_seconds from a table of milliseconds by product and rows; returns the log of (rows, product) timed."""
     timed = []
 
-    def seconds(layers, rows, product):
+    def seconds(state, layers, rows, product):
         timed.append((rows, product))
         return table[product][rows] / 1000
 
@@ -231,7 +232,7 @@ def test_auto_packs_only_where_a_pass_is_timed_faster(monkeypatch, packed_ms, pa
         with kernels.cpu_kernels(model, True):  # forced: packed whatever the timing
             assert len(swapped(model)) == 2
             model(torch.randn(2, 16))
-        assert not timed and all(layer in kernels._PACKED for layer in model)
+        assert not timed and all(layer in session_of(model).kernels.packed for layer in model)
         with kernels.cpu_kernels(model):  # the default: "auto"
             assert bool(swapped(model)) == pays
             model(torch.randn(2, 16))
@@ -255,7 +256,7 @@ def test_auto_packs_only_where_a_pass_is_timed_faster(monkeypatch, packed_ms, pa
             for r in (1, 8)
         }
         # A model where packing does not pay keeps no packed copy (it would be one more copy of every weight).
-        assert all(bool(kernels._PACKED.get(layer)) == pays for layer in model)
+        assert all(bool(session_of(model).kernels.packed.get(layer)) == pays for layer in model)
         with (
             kernels.cpu_kernels(model, "auto"),
             kernels.cpu_kernels(model, "auto"),
@@ -291,7 +292,10 @@ def test_bf16_takes_the_fastest_of_panels_onednn_and_stock_and_keeps_only_its_co
         assert kernels.linear_product(model) == winner
         if winner != "stock":
             assert kernels.linear_products(model, True) == {winner: 2}
-        assert all(set(kernels._PACKED.get(layer, {})) == ({winner} - {"stock"}) for layer in model)
+        assert all(
+            set(session_of(model).kernels.packed.get(layer, {})) == ({winner} - {"stock"})
+            for layer in model
+        )
         assert set(kernels.product_timings(model)["8"]) == {"stock_ms", "panels_ms", "onednn_ms"}
         with kernels.cpu_kernels(model):
             y = model(torch.randn(3, 16).bfloat16())
@@ -300,25 +304,24 @@ def test_bf16_takes_the_fastest_of_panels_onednn_and_stock_and_keeps_only_its_co
 
 def test_a_timed_pass_runs_each_layer_on_the_product_it_names():
     torch.manual_seed(0)
+    state = KernelState()
     layers = [
         torch.nn.Linear(16, 32),
         torch.nn.Linear(32, 16),
         torch.nn.Linear(16, 32).bfloat16(),
     ]  # each input made in its layer's dtype
     with torch.no_grad():
-        assert kernels.pass_seconds(layers, 8, "stock") > 0
-        assert not any(layer in kernels._PACKED for layer in layers)  # stock: nothing packed
+        assert kernels.pass_seconds(state, layers, 8, "stock") > 0
+        assert not any(layer in state.packed for layer in layers)  # stock: nothing packed
         for kind in kernels.candidates(torch.bfloat16):
-            kernels.pass_seconds(layers[2:], 8, kind)
-            assert kernels._PACKED[layers[2]][kind][1][0] == kind  # really packed as named
+            kernels.pass_seconds(state, layers[2:], 8, kind)
+            assert state.packed[layers[2]][kind][1][0] == kind  # really packed as named
         kind = kernels.candidates(torch.float32)[0]
-        kernels.pass_seconds(layers[:2], 8, kind)
-        assert [set(kernels._PACKED[layer]) for layer in layers[:2]] == [{kind}, {kind}]
+        kernels.pass_seconds(state, layers[:2], 8, kind)
+        assert [set(state.packed[layer]) for layer in layers[:2]] == [{kind}, {kind}]
         assert (
-            kernels._PACKED[layers[0]][kind][1] is not None
+            state.packed[layers[0]][kind][1] is not None
         )  # really packed (a weight oneDNN refuses would be None: stock)
-    for layer in layers:
-        kernels.release(layer)
 
 
 def test_pack_weights_must_be_a_bool_or_auto(untrained):

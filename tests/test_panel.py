@@ -10,6 +10,7 @@ import torch.nn.functional as F
 
 from tidar_convert.runtime import kernels, panel
 from tidar_convert.runtime.generate import generate
+from tidar_convert.runtime.session import session_of
 
 pytestmark = pytest.mark.skipif(
     not kernels.available(), reason="this torch build has no oneDNN packed linear"
@@ -54,7 +55,7 @@ def test_panel_product_matches_stock_and_each_row_is_the_same_alone_or_among_any
             out_features,
         )  # a strided input is made contiguous first
         torch.testing.assert_close(layer(x[::2][:4]), reference(x[::2][:4]), **tol)
-    assert kernels._PACKED[layer]["panels"][1][0] == "panels"
+    assert session_of(layer).kernels.packed[layer]["panels"][1][0] == "panels"
 
 
 @needs_panels
@@ -85,7 +86,7 @@ def test_without_a_compiler_fp32_takes_onednn_and_says_how_to_fix_it(monkeypatch
     layer = torch.nn.Linear(16, 8)
     with torch.no_grad(), kernels.packed_linears(layer):
         assert layer(torch.randn(3, 16)).shape == (3, 8)
-    assert kernels._PACKED[layer]["onednn"][1][0] == "onednn"
+    assert session_of(layer).kernels.packed[layer]["onednn"][1][0] == "onednn"
     assert not list(tmp_path.rglob("*.so"))
 
 

@@ -35,7 +35,8 @@ class Mean:
 
 class StepCosts:
     """Wall time of a decoding step by its shape: (query slots, whether it runs mask groups). Kept
-    on the model across generate() calls (`costs_of`), so it is learned once per model and machine.
+    in the model's decoding session across generate() calls (session.Session.step_costs), so it is
+    learned once per model and machine.
 
     Measured, not modelled, because the shape of the curve is the machine's and the kernels': on
     PyTorch's stock CPU product it was not even monotonic (4 slots cheaper than 3), on packed
@@ -102,13 +103,3 @@ SOURCES = ("lookup", "diffusion", "none")
 
 def source_key(source: str) -> str:
     return source if source in SOURCES else "none"
-
-
-def costs_of(model, setting: tuple = ()) -> StepCosts:
-    """The model's step-cost table for one setting (kernels, dtype, batch size...: whatever changes
-    what a step shape costs), kept on the model across calls."""
-    tables = model.__dict__.get("_tidar_step_costs")
-    if tables is None:
-        tables = {}
-        object.__setattr__(model, "_tidar_step_costs", tables)
-    return tables.setdefault(setting, StepCosts())

@@ -192,11 +192,11 @@ def prefill(
     return ar, (lambda: (out.rows(P + 1, P + k), None)) if g else no_group
 
 
-def run_step(model, state: DecodeState, draft: Draft, plan: StepPlan, mask_id: int) -> Output:
+def run_step(model, run, state: DecodeState, draft: Draft, plan: StepPlan) -> Output:
     """One forward over the plan's slots: the draft tokens, then the mask groups."""
     B = draft.tokens.shape[0]
     with record_function("tidar.mask"):
-        masks = torch.full((B, plan.slots - plan.causal), mask_id, device=draft.tokens.device)
+        masks = torch.full((B, plan.slots - plan.causal), run.mask_id, device=draft.tokens.device)
         tokens = torch.cat([causal_tokens(draft, plan), masks], 1)
         positions = plan.positions(state.start)
         # sliding windows and chunks; a cache column's position: the real tokens before it in its
@@ -219,6 +219,7 @@ def run_step(model, state: DecodeState, draft: Draft, plan: StepPlan, mask_id: i
             model.config._attn_implementation,
             plan.parents(),
             local,
+            kept=run.session.own_mask,
         )
     out = forward(model, state.cache, tokens, positions, mask, read=plan.read())
     state.nfe += 1
@@ -274,14 +275,8 @@ def decode(
     kept = Kept(y[:, None], torch.ones(B, dtype=torch.long, device=device), [], group)
     while True:
         with record_function("tidar.commit"):
-            commit(
-                run,
-                criteria,
-                state,
-                kept.tokens,
-                kept.counts,
-                record[0] if record is not None and run.gc.output_scores else None,
-            )
+            scores = record[0] if record is not None and run.gc.output_scores else None
+            commit(run, criteria, state, kept, scores)
         if not state.active.any():
             break
         # a returned cache keeps every row
@@ -316,7 +311,7 @@ def decode(
             )
         state.finish()
         started = time.perf_counter()
-        out = run_step(model, state, draft, plan, run.mask_id)
+        out = run_step(model, run, state, draft, plan)
         if per_row:
             state.row_nfe += state.active.long()
         with record_function("tidar.verify"):
@@ -326,7 +321,7 @@ def decode(
             accepted = pick.verify(scores, draft)
             state.judge(draft, accepted)
             accept = accept_each if per_row else accept_together
-            kept = accept(state, draft, plan, out, scores, ar, accepted, pick, processors, beta, k)
+            kept = accept(state, Step(draft, plan, out, ar, scores, accepted), run, beta)
             # accept() waited for the device
             planner.timed(plan, time.perf_counter() - started, draft, kept.brought, kept.ends)
             drafter.observe(draft, accepted, kept.brought)
@@ -392,6 +387,21 @@ def restore_rows(state: DecodeState) -> None:
 
 
 @dataclass
+class Step:
+    """One verified step, as the commit policies (accept_together, accept_each) read it."""
+
+    draft: Draft
+    plan: StepPlan
+    out: Output  # the forward over the plan's slots
+    ar: torch.Tensor  # (B, m, V) the raw logits of the m draft rows (AR's next-token rows)
+    scores: torch.Tensor  # the same, processed: row i with the prefix seqs ++ drafts 1..i
+    accepted: torch.Tensor  # (B,) drafts each row accepted, draft 0 (committed already) counted
+
+    def parts(self):
+        return self.draft, self.plan, self.out, self.scores, self.ar, self.accepted
+
+
+@dataclass
 class Kept:
     """What a step keeps, by the commit policy (accept_together, accept_each)."""
 
@@ -414,21 +424,11 @@ def no_group():
     return None, None
 
 
-def accept_together(
-    state: DecodeState,
-    draft: Draft,
-    plan: StepPlan,
-    out: Output,
-    scores,
-    ar,
-    accepted,
-    pick,
-    processors,
-    beta: float,
-    k: int,
-) -> Kept:
+def accept_together(state: DecodeState, step: Step, run, beta: float) -> Kept:
     """Every row commits the fewest drafts any active row accepted, so the rows share one cache
     length. A tree (batch 1) commits the path the AR's tokens take down it (walk)."""
+    draft, plan, out, scores, ar, accepted = step.parts()
+    pick, processors, k = run.pick, run.processors, plan.k
     B = accepted.shape[0]
     j = int(accepted[state.active].min())
     tokens = causal_tokens(draft, plan)
@@ -472,23 +472,14 @@ def accept_together(
     )
 
 
-def accept_each(
-    state: DecodeState,
-    draft: Draft,
-    plan: StepPlan,
-    out: Output,
-    scores,
-    ar,
-    accepted,
-    pick,
-    processors,
-    beta: float,
-    k: int,
-) -> Kept:
+def accept_each(state: DecodeState, step: Step, run, beta: float) -> Kept:
     """Each row commits what it accepted. The cache keeps the most drafts any row accepted; a row's
     drafts beyond its own count stay in the cache as holes (cache_valid False), which its later
-    queries never attend to, and its positions count only what it committed."""
-    y = pick.next_token_rows(scores, draft, accepted)
+    queries never attend to, and its positions count only what it committed. (Only where beta is
+    1: rowwise.)"""
+    draft, plan, out, scores, _, accepted = step.parts()
+    k = plan.k
+    y = run.pick.next_token_rows(scores, draft, accepted)
     # finished rows commit nothing
     counts = torch.where(state.active, accepted, torch.ones_like(accepted))
     J = int(counts.max())
@@ -504,15 +495,16 @@ def accept_each(
     return Kept(tokens, counts, list(range(J)), group, accepted, accepted)
 
 
-def commit(run, criteria, state: DecodeState, tokens, counts, scores=None) -> None:
-    """Row b appends tokens[b, :counts[b]], one round at a time through the stopping criteria, so
-    EOS, max_new_tokens and stopping criteria stop a row exactly where AR would. state.seqs stays
-    right-aligned: a row that does not advance in a round (it committed fewer, or it stopped) gets
-    a pad on the left, invalid in kv_valid, so criteria reading the last tokens see each row's own
-    sequence. state.new collects each row's new tokens (a stopped row's stay `pad`, as in
-    transformers). `scores` (the processed scores so far) go to the criteria when output_scores is
-    on, as transformers passes them."""
+def commit(run, criteria, state: DecodeState, kept: Kept, scores=None) -> None:
+    """Row b appends kept.tokens[b, :kept.counts[b]], one round at a time through the stopping
+    criteria, so EOS, max_new_tokens and stopping criteria stop a row exactly where AR would.
+    state.seqs stays right-aligned: a row that does not advance in a round (it committed fewer, or
+    it stopped) gets a pad on the left, invalid in kv_valid, so criteria reading the last tokens see
+    each row's own sequence. state.new collects each row's new tokens (a stopped row's stay `pad`,
+    as in transformers). `scores` (the processed scores so far) go to the criteria when
+    output_scores is on, as transformers passes them."""
     seqs, valid, active, n_new = state.seqs, state.kv_valid, state.active, state.n_new
+    tokens, counts = kept.tokens, kept.counts
     B = seqs.shape[0]
     pad = torch.full((B, 1), run.pad, dtype=seqs.dtype, device=seqs.device)
     yes = torch.ones((B, 1), dtype=torch.bool, device=seqs.device)

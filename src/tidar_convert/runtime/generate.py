@@ -41,13 +41,13 @@ from transformers.utils import logging
 
 # Relative, so the same lines work in the package and in an export's custom_generate/ folder.
 from .adapter import ensure as ensure_adapter
-from .costs import costs_of
 from .drafters import Draft, make_drafter  # noqa: F401  (Draft: for callers that build drafts by hand)
 from .engine import decode
 from .kernels import cpu_kernels
 from .kernels import resolve as resolve_kernels
 from .layout import decode_mask_mod  # noqa: F401  (imported here so a missing layout.py is named as generate.py's import)
 from .plan import Planner
+from .session import Session, session_of
 from .spec import TiDARSpec, check_draft_length
 from .verify import Greedy, Sampling, draw_seed
 
@@ -196,6 +196,7 @@ class Run:
     k: int
     mask_id: int
     pad: int
+    session: Session  # the model's: step costs, mask blocks and kernel choices kept across calls
     streamer: object = None
 
     @property
@@ -304,6 +305,7 @@ def prepare(model, input_ids, generation_config, draft_length, beta, kwargs) -> 
         k=k,
         mask_id=mask_id,
         pad=gc._pad_token_tensor.item() if gc._pad_token_tensor is not None else 0,
+        session=session_of(model),
         streamer=streamer,
     )
 
@@ -339,8 +341,9 @@ def generate(
         groups). Every drafter is exact.
     plan: "cost" (default) runs, each step, the shape (proposals kept, mask groups) with the most
         expected tokens per second, from the drafts' confidence and the time each step shape has
-        taken on this model and machine (measured as it decodes, kept on the model across calls;
-        faster where extra query slots cost, as on CPUs, but its T/NFE depends on timings);
+        taken on this model and machine (measured as it decodes, kept across calls in the model's
+        decoding session, `model.tidar_session`, until its `reset()`: session.py; faster where
+        extra query slots cost, as on CPUs, but its T/NFE depends on timings);
         "adaptive" keeps the proposals and groups with a chance >= 1 / slot_budget (5 % at the
         default budget) of being used, whatever they cost (T/NFE reproducible); "full" a group at
         every length (the paper's k + k*k slots). Every plan gives the same output, sampled ones too
@@ -424,7 +427,7 @@ def generate(
         run.k,
         plan,
         slot_budget,
-        costs=costs_of(model, setting),
+        costs=run.session.step_costs(setting),
         siblings=siblings if tree or siblings < 0 else 0,
     )
     gc = run.gc

@@ -52,7 +52,6 @@ from __future__ import annotations
 
 import logging
 import time
-import weakref
 from contextlib import contextmanager
 
 import torch
@@ -60,23 +59,21 @@ import torch.nn.functional as F
 
 from .panel import attention as panel_attention
 from .panel import panel_library, panel_linear, panel_pack
+from .session import KernelState, session_of
 
 # transformers' logger, as decode.py's: `transformers serve --log-level info` shows it
 log = logging.getLogger("transformers.cli.tidar")
 DTYPES = (torch.float32, torch.bfloat16)
 PRODUCTS = ("panels", "onednn", "stock")  # the products a linear layer can take, packed first
 PACK_ROWS = 8  # oneDNN's hint of the rows a call will have: a decoding step's slots
-# layer -> {kind: (key, packed weight)}. Beside the layer, not on it: an opaque oneDNN tensor on a
-# module would break deepcopy, pickling and state_dict; it goes with the layer. One kind, except
-# while packing_pays times them.
-_PACKED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-# layer -> (dtype, the packed kind it takes in that dtype)
-_CHOSEN: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 CHOICE_ROWS = (1, 8)  # the rows of an AR step and of a typical TiDAR step, timed with equal weight
-# layer -> (its adapter's B, B's panels)
-_DELTA_PANELS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-# model -> (its linear layers' dtype and count, packing pays)
-_PAYS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+# What the kernels keep lives in the model's decoding session (session.KernelState), by layer:
+#   packed:       layer -> {kind: (weight key, packed weight)}. Beside the layer, not on it: an
+#                 opaque oneDNN tensor on a module would break deepcopy, pickling and state_dict.
+#                 One kind, except while packing_pays times them.
+#   chosen:       layer -> (dtype, the packed kind it takes in that dtype)
+#   delta_panels: layer -> (its adapter's B, B's panels)
+#   timing:       (the linear layers' dtype and count, packing pays, the timings that said so)
 # A layer may carry a mask-slot adapter (adapter.attach): its down-projection A (r, in) and its
 # up-projection transposed (r, out) as buffers, and the model's gate, whose `start` is the first
 # mask row of a batch-1 forward (None: none, or not one trailing block), and whose `add` adds the
@@ -147,26 +144,28 @@ def _weight_key(w: torch.Tensor) -> tuple:
     return (w.data_ptr(), w._version, w.dtype, tuple(w.shape))
 
 
-def chosen_kind(layer) -> str | None:
+def chosen_kind(state: KernelState, layer) -> str | None:
     """The packed product the layer takes: what packing_pays chose for it in its dtype, else the
     dtype's default, kept (it is asked on every product of every step)."""
     dtype = layer.weight.dtype
-    chosen = _CHOSEN.get(layer)
+    chosen = state.chosen.get(layer)
     if chosen is None or chosen[0] != dtype:
-        chosen = _CHOSEN[layer] = (dtype, next(iter(candidates(dtype)), None))
+        chosen = state.chosen[layer] = (dtype, next(iter(candidates(dtype)), None))
     return chosen[1]
 
 
-def packed_weight(layer, kind: str | None = None) -> tuple[str, torch.Tensor] | None:
+def packed_weight(
+    state: KernelState, layer, kind: str | None = None
+) -> tuple[str, torch.Tensor] | None:
     """The layer's weight packed for `kind` (default: chosen_kind), as ("panels" or "onednn", the
     packed tensor); None where there is no packed product or this machine's oneDNN refuses the
     weight (the layer then keeps the stock product)."""
     w = layer.weight
-    kind = kind or chosen_kind(layer)
+    kind = kind or chosen_kind(state, layer)
     if kind is None:
         return None
     key = _weight_key(w)
-    kept = _PACKED.setdefault(layer, {})
+    kept = state.packed.setdefault(layer, {})
     cached = kept.get(kind)
     if cached is None or cached[0] != key:
         try:
@@ -177,24 +176,24 @@ def packed_weight(layer, kind: str | None = None) -> tuple[str, torch.Tensor] | 
     return cached[1]
 
 
-def delta_panels(layer) -> torch.Tensor:
+def delta_panels(state: KernelState, layer) -> torch.Tensor:
     """The panels of the layer's adapter up-projection B (from its LORA_BT buffer), kept like its
     weight's."""
     bt = layer._buffers[LORA_BT]
     key = (bt.data_ptr(), bt._version)
-    cached = _DELTA_PANELS.get(layer)
+    cached = state.delta_panels.get(layer)
     if cached is None or cached[0] != key:
-        cached = _DELTA_PANELS[layer] = (key, panel_pack(bt.t()))
+        cached = state.delta_panels[layer] = (key, panel_pack(bt.t()))
     return cached[1]
 
 
 def packed_product(
-    layer, x: torch.Tensor, bias: torch.Tensor | None, kind: str | None = None
+    state: KernelState, layer, x: torch.Tensor, bias: torch.Tensor | None, kind: str | None = None
 ) -> torch.Tensor:
     """The layer's packed product on x (the stock one where its weight has none). Panels take every
     row count, an AR step's one row and a prefill's many too: one product, so a row's result never
     depends on the rows beside it."""
-    packed = packed_weight(layer, kind)
+    packed = packed_weight(state, layer, kind)
     if packed is None:
         return F.linear(x, layer.weight, bias)
     kind, w = packed
@@ -205,7 +204,7 @@ def packed_product(
     )
 
 
-def packed_forward(layer):
+def packed_forward(state: KernelState, layer):
     """The layer's forward on its packed product. With a mask-slot adapter (LORA_GATE), the forward
     adds the delta itself (packed_linears sets the adapter's hook aside): in the panel pass for an
     fp32 batch-1 step's trailing mask rows, else (bf16 rows, other products, batches) with the
@@ -221,7 +220,7 @@ def packed_forward(layer):
         ):
             # the packed products have no backward and one dtype
             return F.linear(x, w, layer.bias)
-        return packed_product(layer, x, layer.bias)
+        return packed_product(state, layer, x, layer.bias)
 
     if gate is None:
         product._tidar_packed = True
@@ -235,14 +234,14 @@ def packed_forward(layer):
             and x.dtype == torch.float32
             and not torch.is_grad_enabled()
         ):
-            packed = packed_weight(layer)
+            packed = packed_weight(state, layer)
             if packed is not None and packed[0] == "panels":
                 return panel_linear(
                     x,
                     packed[1],
                     layer.out_features,
                     layer.bias,
-                    (layer._buffers[LORA_A], delta_panels(layer), gate.start),
+                    (layer._buffers[LORA_A], delta_panels(state, layer), gate.start),
                 )
         y = product(x)
         return gate.add(y, x, layer._buffers[LORA_A], layer._buffers[LORA_BT]) if gate.open else y
@@ -251,7 +250,7 @@ def packed_forward(layer):
     return forward
 
 
-def pass_seconds(layers, rows: int, product: str) -> float:
+def pass_seconds(state: KernelState, layers, rows: int, product: str) -> float:
     """One pass of `rows` random rows through each layer on `product` ("stock" or a packed kind),
     one layer at a time, as a forward runs them."""
     # not torch's global one: a seeded generate() after this timing must sample as one without
@@ -266,7 +265,7 @@ def pass_seconds(layers, rows: int, product: str) -> float:
         if product == "stock":
             F.linear(x, layer.weight)
         else:
-            packed_product(layer, x, None, product)
+            packed_product(state, layer, x, None, product)
     return time.perf_counter() - start
 
 
@@ -286,8 +285,9 @@ def packing_pays(model, repeats: int = 3) -> bool:
     kinds = candidates(layers[0].weight.dtype) if layers else ()
     if not kinds:
         return False
+    state = session_of(model).kernels
     key = (layers[0].weight.dtype, len(layers))
-    cached = _PAYS.get(model)
+    cached = state.timing
     if cached is not None and cached[0] == key:
         return cached[1]
     products = ("stock", *kinds)
@@ -295,25 +295,26 @@ def packing_pays(model, repeats: int = 3) -> bool:
     with torch.no_grad():
         for kind in kinds:
             # packs every weight (or learns that oneDNN refuses it), untimed
-            pass_seconds(layers, 1, kind)
+            pass_seconds(state, layers, 1, kind)
         for _ in range(repeats):
             for i, rows in enumerate(CHOICE_ROWS):
                 for product in products:
-                    best[product][i] = min(best[product][i], pass_seconds(layers, rows, product))
+                    seconds = pass_seconds(state, layers, rows, product)
+                    best[product][i] = min(best[product][i], seconds)
     # a tie keeps the earlier: stock, then the default
     fastest = min(products, key=lambda product: sum(best[product]))
     for layer in layers:
-        kept = _PACKED.get(layer, {})
+        kept = state.packed.get(layer, {})
         for kind in [k for k in kept if k != fastest]:
             del kept[kind]
         if fastest != "stock":
-            _CHOSEN[layer] = (layer.weight.dtype, fastest)
+            state.chosen[layer] = (layer.weight.dtype, fastest)
     pays = fastest != "stock"
     timings = {
         str(rows): {f"{product}_ms": 1e3 * best[product][i] for product in products}
         for i, rows in enumerate(CHOICE_ROWS)
     }
-    _PAYS[model] = (key, pays, timings)
+    state.timing = (key, pays, timings)
     return pays
 
 
@@ -321,8 +322,8 @@ def product_timings(model) -> dict | None:
     """What packing_pays compared on this model: {rows: {"stock_ms", "panels_ms", "onednn_ms"}} (the
     products it timed) for a pass through its linear layers at each of CHOICE_ROWS, best of its
     repeats; None before it timed them."""
-    cached = _PAYS.get(model)
-    return None if cached is None or len(cached) < 3 else cached[2]
+    cached = session_of(model).kernels.timing
+    return None if cached is None else cached[2]
 
 
 def linear_product(model) -> str:
@@ -330,10 +331,11 @@ def linear_product(model) -> str:
     ("panels", "onednn", or both joined by "+")."""
     if not packing_pays(model):
         return "stock"
+    state = session_of(model).kernels
     kinds = {
         packed[0]
         for layer in model.modules()
-        if eligible(layer) and (packed := packed_weight(layer)) is not None
+        if eligible(layer) and (packed := packed_weight(state, layer)) is not None
     }
     return "+".join(sorted(kinds)) or "stock"
 
@@ -344,17 +346,18 @@ def linear_products(model, packed: bool) -> dict[str, int]:
     out. A layer oneDNN refused, on a GPU or of another dtype counts as stock; one not packed yet
     (weights are packed at their first product) as what it will be packed as."""
     counts = dict.fromkeys(PRODUCTS, 0)
+    state = session_of(model).kernels
     for layer in model.modules():
         if isinstance(layer, torch.nn.Linear):
-            counts[product_kind(layer) if packed and eligible(layer) else "stock"] += 1
+            counts[product_kind(state, layer) if packed and eligible(layer) else "stock"] += 1
     return {kind: n for kind, n in counts.items() if n}
 
 
-def product_kind(layer) -> str:
+def product_kind(state: KernelState, layer) -> str:
     """The product an eligible layer takes when packed: its packed weight's kind, without packing
     it."""
-    kind = chosen_kind(layer)
-    cached = _PACKED.get(layer, {}).get(kind)
+    kind = chosen_kind(state, layer)
+    cached = state.packed.get(layer, {}).get(kind)
     if cached is not None and cached[0] == _weight_key(layer.weight):
         return "stock" if cached[1] is None else cached[1][0]
     return kind or "stock"
@@ -401,13 +404,14 @@ def packed_linears(model, enabled: bool = True):
     restores."""
     swapped, aside = [], {}
     if enabled and can_pack():
+        state = session_of(model).kernels
         for layer in model.modules():
             if not eligible(layer):
                 # moved to a GPU or another dtype: its CPU copies are dead weight
-                _PACKED.pop(layer, None)
-                _DELTA_PANELS.pop(layer, None)
+                state.packed.pop(layer, None)
+                state.delta_panels.pop(layer, None)
             elif not getattr(layer.__dict__.get("forward"), "_tidar_packed", False):
-                layer.forward = packed_forward(layer)
+                layer.forward = packed_forward(state, layer)
                 swapped.append(layer)
                 # the packed forward adds the adapter's delta: its hook waits outside
                 if LORA_GATE in layer.__dict__:
@@ -431,10 +435,11 @@ def packed_linears(model, enabled: bool = True):
 
 
 def release(model) -> None:
-    """Drop the packed copies kept on the model's layers (they are made again when next needed)."""
-    for layer in model.modules():
-        _PACKED.pop(layer, None)
-        _DELTA_PANELS.pop(layer, None)
+    """Drop the packed copies kept for the model's layers (they are made again when next needed);
+    the choice of product stays (session.reset forgets that too)."""
+    state = session_of(model).kernels
+    state.packed.clear()
+    state.delta_panels.clear()
 
 
 # --------------------------------------------------------------------------------------------

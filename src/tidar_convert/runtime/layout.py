@@ -221,7 +221,6 @@ def decode_position_ids(
     return start[:, None] + torch.cat([causal, groups.flatten()])
 
 
-_OWN_MASKS: dict = {}  # the (Q, Q) block among a step's own queries, by plan
 
 
 def decode_step_mask(
@@ -232,13 +231,15 @@ def decode_step_mask(
     attn_implementation: str | None,
     parents=None,
     local: "Local | None" = None,
+    kept=None,
 ):
     """The attention_mask of one decode step after a cache, for this attention implementation.
 
     cache_valid: (B, C) False at the cache's left padding. Dense masks are built from two reusable
     parts instead of evaluating decode_mask_mod over all (Q, C + Q) pairs every step: the cache
     columns are each row's cache_valid, and the (Q, Q) block among the step's own queries depends on
-    the plan alone, so it is evaluated once per plan and kept."""
+    the plan alone, so it is evaluated once per plan and kept by `kept(key, make)` (the decoding
+    session's, session.Session.own_mask; None: made every call)."""
     B, C = cache_valid.shape
     anchors = tuple(int(a) for a in anchors)
     Q = n_causal + len(anchors) * draft_length
@@ -253,19 +254,12 @@ def decode_step_mask(
         return to_block_mask(mask_mod, B, Q, C + Q, device=device)
     parents = None if parents is None else tuple(int(p) for p in parents)
     key = (n_causal, draft_length, anchors, parents, str(device))
-    own = _OWN_MASKS.get(key)
-    if own is None:
-        if (
-            len(_OWN_MASKS) > 512
-        ):  # plans vary with draft length and anchors; keep the memory bounded
-            _OWN_MASKS.clear()
-        own = _OWN_MASKS[key] = to_dense(
-            decode_mask_mod(0, n_causal, draft_length, anchors, parents=parents, device=device),
-            1,
-            Q,
-            Q,
-            device=device,
-        )
+
+    def own_mask():
+        mod = decode_mask_mod(0, n_causal, draft_length, anchors, parents=parents, device=device)
+        return to_dense(mod, 1, Q, Q, device=device)
+
+    own = own_mask() if kept is None else kept(key, own_mask)
     dense = torch.cat(
         [cache_valid[:, None, None, :].expand(B, 1, Q, C), own.expand(B, 1, Q, Q)], -1
     )

@@ -95,17 +95,17 @@ def panel_library():
             lib = _build_panel_library()
         except CacheUnwritable as err:
             warnings.warn(
-                "TiDAR's fp32 panel kernel could not be built: its cache folder "
+                "TiDAR's panel kernel could not be built: its cache folder "
                 f"{err.folder} is not writable ({err.__cause__}); "
-                "fp32 linear layers take oneDNN's packed product or the stock one. "
+                "fp32 and bf16 linear layers take oneDNN's packed product or the stock one. "
                 "Set TIDAR_CACHE to a writable folder "
                 "(default ~/.cache/tidar_convert); TIDAR_PANEL_KERNEL=0 silences this.",
                 stacklevel=3,
             )
         except (OSError, subprocess.SubprocessError) as err:
             warnings.warn(
-                f"TiDAR's fp32 panel kernel could not be built ({err}); "
-                "fp32 linear layers take oneDNN's packed product or the stock one. "
+                f"TiDAR's panel kernel could not be built ({err}); "
+                "fp32 and bf16 linear layers take oneDNN's packed product or the stock one. "
                 "Install a C compiler with OpenMP (gcc) or set CC to one; "
                 "TIDAR_PANEL_KERNEL=0 silences this.",
                 stacklevel=3,

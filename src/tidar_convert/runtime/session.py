@@ -79,7 +79,8 @@ def session_of(model) -> Session:
 
 
 def reset(model) -> None:
-    """Forget what decoding learned on `model` (Session.reset); a model never decoded is unchanged."""
+    """Forget what decoding learned on `model` (Session.reset); a model never decoded is
+    unchanged."""
     session = model.__dict__.get(ATTR)
     if session is not None:
         session.reset()
