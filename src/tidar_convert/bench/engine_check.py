@@ -1,8 +1,8 @@
-"""The GPU bench's engine check: `generate()` itself on the device (python -m tidar_convert.bench.gpu,
-section `engine`). A small Qwen2 trained on cycle streams with the training layout and loss, then
-greedy TiDAR against transformers' AR on the same weights. Cycle streams make drafts easy, so the
-speed ratio bounds what the engine's per-step host work lets through on the device; it is no
-conversion's figure."""
+"""The GPU bench's engine check: `generate()` itself on the device (python -m
+tidar_convert.bench.gpu, section `engine`). A small Qwen2 trained on cycle streams with the training
+layout and loss, then greedy TiDAR against transformers' AR on the same weights. Cycle streams make
+drafts easy, so the speed ratio bounds what the engine's per-step host work lets through on the
+device; it is no conversion's figure."""
 
 from __future__ import annotations
 
@@ -19,7 +19,8 @@ if TYPE_CHECKING:
 
 
 def cycles(batch: int, length: int, period: int = 7, offset: int = 3, generator=None):
-    """Streams repeating one cycle from random phases (the tests' cycle_batch too): learnt in seconds."""
+    """Streams repeating one cycle from random phases (the tests' cycle_batch too): learnt in
+    seconds."""
     phase = torch.randint(0, period, (batch, 1), generator=generator)
     return offset + (phase + torch.arange(length)) % period
 
@@ -29,8 +30,8 @@ def engine_model(
 ):
     """A Qwen2 of plan.engine_dims trained with the TiDAR layout and loss on cycle streams (fp32
     weights; bf16: under autocast, as bf16-mixed trains, then cast for decoding). seq_len 128: on
-    an H200, torch 2.11's FlexAttention backward found no kernel for 2 x 32 positions (fp32 or bf16),
-    shorter than its 128-position block."""
+    an H200, torch 2.11's FlexAttention backward found no kernel for 2 x 32 positions (fp32 or
+    bf16), shorter than its 128-position block."""
     from transformers import AutoModelForCausalLM, Qwen2Config
 
     device, dims = torch.device(plan.device), plan.engine_dims or plan.dims

@@ -1,6 +1,7 @@
 """GPU latency and throughput of TiDAR on a Qwen2.5-1.5B-shaped model with random weights.
 
-    python -m tidar_convert.bench.gpu [--dry-run] [--only engine,train] [--out bench/results/gpu.json]
+    python -m tidar_convert.bench.gpu [--dry-run] [--only engine,train] [--out
+    bench/results/gpu.json]
 
 Random weights are enough here: latency and throughput depend on shapes, not on what was learned,
 and nothing has to be downloaded. Sections (each timed as a median over repeats, CUDA-synchronized):
@@ -71,7 +72,8 @@ TINY = dict(
     vocab_size=512,
     max_position_embeddings=4096,
 )
-# The engine check's model: big enough that a GPU step is not all launch overhead, small enough to train in seconds.
+# The engine check's model: big enough that a GPU step is not all launch overhead, small enough to
+# train in seconds.
 ENGINE = dict(
     hidden_size=512,
     num_hidden_layers=4,
@@ -96,12 +98,10 @@ class Plan:
     train_block: int = 16
     repeats: int = 10
     train_repeats: int = 3
-    raise_errors: bool = (
-        False  # a failing section is recorded in the JSON on a real run, raised in the dry run
-    )
-    budget_s: float = (
-        420.0  # no section starts after this many seconds (the run must end in < 10 min)
-    )
+    # a failing section is recorded in the JSON on a real run, raised in the dry run
+    raise_errors: bool = False
+    # no section starts after this many seconds (the run must end in < 10 min)
+    budget_s: float = 420.0
     engine_dims: dict | None = None  # the engine check's model (None: the plan's own dims)
     engine_steps: int = 300  # its training steps on cycle streams
     engine_tokens: int = 64  # new tokens per prompt
@@ -135,7 +135,8 @@ DRY_PLAN = Plan(
 
 
 def build_model(plan: Plan):
-    """Random-weight Qwen2 of the plan's shape, created directly on the device in the plan's dtype."""
+    """Random-weight Qwen2 of the plan's shape, created directly on the device in the plan's
+    dtype."""
     from transformers import AutoModelForCausalLM, Qwen2Config
 
     config = Qwen2Config(**plan.dims)
@@ -236,7 +237,8 @@ def train_step_ar(model, ids):
 
 
 def train_step_tidar(model, ids, mask, block_size: int, mask_id: int):
-    """TiDAR step: [x | M..M] with repeated positions and the training mask, hybrid loss (alpha 1)."""
+    """TiDAR step: [x | M..M] with repeated positions and the training mask, hybrid loss
+    (alpha 1)."""
     inputs = layout.train_inputs(ids, mask_id)
     positions = layout.train_position_ids(ids)
     ar_labels, diff_labels = layout.train_labels(ids)
@@ -290,11 +292,8 @@ def train_throughput(model, plan: Plan) -> dict:
     out["tidar_fsdp_vs_tidar"] = out["tidar_fsdp"]["tokens_per_s"] / out["tidar"]["tokens_per_s"]
     peak = peak_flops(device, "bf16" if plan.dtype == torch.bfloat16 else "32")
     n = matmul_params(model)
-    for name, per_token in (
-        ("ar", 6 * n),
-        ("tidar", 12 * n),
-        ("tidar_fsdp", 12 * n),
-    ):  # TiDAR runs 2S positions per S tokens
+    # TiDAR runs 2S positions per S tokens
+    for name, per_token in (("ar", 6 * n), ("tidar", 12 * n), ("tidar_fsdp", 12 * n)):
         out[name]["tflops"] = out[name]["tokens_per_s"] * per_token / 1e12
         out[name]["mfu"] = out[name]["tokens_per_s"] * per_token / peak if peak else None
     return out
@@ -334,9 +333,8 @@ def fsdp_train_step(model, plan: Plan, step_fn) -> dict:
             "mesh": [1],
             "unit": "decoder layer",
         }
-        if (
-            device.type == "cuda"
-        ):  # the unsharded model of the other rows is still resident beside the copy
+        # the unsharded model of the other rows is still resident beside the copy
+        if device.type == "cuda":
             out["peak_memory_gb"] = torch.cuda.max_memory_allocated(device) / 2**30
             out["peak_memory_note"] = (
                 "includes the unsharded model the ar/tidar rows use, still resident"
@@ -415,7 +413,9 @@ def run(
     }
     result["engine"] = {"by_impl": {}}
     result["conversion"] = {
-        "skipped": "a real conversion needs base weights from the hub; run `make convert` separately"
+        "skipped": (
+            "a real conversion needs base weights from the hub; run `make convert` separately"
+        )
     }
     result["sections"] = list(only)
     engine_order = plan.impls[1:] + plan.impls[:1]
@@ -478,23 +478,27 @@ def print_report(result: dict) -> None:
             continue
         for r in rows:
             print(
-                f"decode {impl:>14} k={r['k']:>2} ({r['slots']:>3} slots): TiDAR step {r['tidar_step_ms']:.2f} ms, "
-                f"AR step {r['ar_step_ms']:.2f} ms, ratio {r['step_ratio']:.2f} (forward only {r['forward_ratio']:.2f})"
+                f"decode {impl:>14} k={r['k']:>2} ({r['slots']:>3} slots): TiDAR step "
+                f"{r['tidar_step_ms']:.2f} ms, AR step {r['ar_step_ms']:.2f} ms, ratio "
+                f"{r['step_ratio']:.2f} (forward only {r['forward_ratio']:.2f})"
             )
     train = result.get("train", {})
     if "tidar" in train:
         print(
-            f"train {train['attn_implementation']}: AR {train['ar']['tokens_per_s']:.0f} tok/s, TiDAR {train['tidar']['tokens_per_s']:.0f} tok/s ({train['tidar_vs_ar']:.2f}x)"
+            f"train {train['attn_implementation']}: AR {train['ar']['tokens_per_s']:.0f} tok/s, "
+            f"TiDAR {train['tidar']['tokens_per_s']:.0f} tok/s ({train['tidar_vs_ar']:.2f}x)"
         )
         fsdp = train["tidar_fsdp"]
         mfu = "" if fsdp["mfu"] is None else f", MFU {fsdp['mfu']:.1%}"
         print(
-            f"train TiDAR under FSDP2 (1 device): {fsdp['tokens_per_s']:.0f} tok/s ({train['tidar_fsdp_vs_tidar']:.2f}x unsharded){mfu}"
+            f"train TiDAR under FSDP2 (1 device): {fsdp['tokens_per_s']:.0f} tok/s "
+            f"({train['tidar_fsdp_vs_tidar']:.2f}x unsharded){mfu}"
         )
     for impl, e in result.get("engine", {}).get("by_impl", {}).items():
         if "identical" in e:
             print(
-                f"engine {impl:>14}: TiDAR tokens identical to AR {e['identical']}, T/NFE {e['tokens_per_nfe']:.2f}, {e['tidar_vs_ar']:.2f}x AR (cycle streams)"
+                f"engine {impl:>14}: TiDAR tokens identical to AR {e['identical']}, T/NFE "
+                f"{e['tokens_per_nfe']:.2f}, {e['tidar_vs_ar']:.2f}x AR (cycle streams)"
             )
     print(f"total {result['seconds']:.1f} s")
 
@@ -521,7 +525,8 @@ def main(argv: list[str] | None = None) -> Path:
     args = parser.parse_args(argv)
     if not args.dry_run and not torch.cuda.is_available():
         parser.error(
-            "no CUDA device here; run on a GPU machine, or pass --dry-run to check the script on CPU."
+            "no CUDA device here; run on a GPU machine, or pass --dry-run to check the script on "
+            "CPU."
         )
     only = tuple(name.strip() for name in args.only.split(",") if name.strip())
     unknown = [name for name in only if name not in SECTIONS]
