@@ -126,7 +126,7 @@ def bench_cmd(
         out_dir: folder for the JSON, the Markdown and the plots.
         name: file name stem; default: the model folder's name.
         limit: use only the first N prompts (code and text interleaved); default: all 169 on a GPU,
-            the first CPU_DEFAULT_PROMPTS on a CPU (minutes instead of about an hour).
+            the first CPU_DEFAULT_PROMPTS on a CPU (minutes, where all take many times longer).
         prompt_lookup_tokens: draft length of prompt-lookup decoding.
         ppl_base: base model (folder, hub id or .gguf) to compare perplexity against; needs
             ppl_data.

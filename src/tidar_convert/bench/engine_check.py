@@ -69,7 +69,7 @@ def engine_check(plan: Plan, impl: str) -> dict:
     """TiDAR's generate() against transformers' greedy AR on the same trained weights, per prompt
     (each timed after one untimed run of both): identical tokens, T/NFE, tokens/s. fp32, except
     FlexAttention on CUDA: bf16, as bf16-mixed trains there (on an H200 with torch 2.11, an fp32 run
-    did not finish within 170 s: bench/LOG.md, 2026-12-04)."""
+    did not finish in the time the section had: bench/LOG.md, 2026-12-04)."""
     from tidar_convert.runtime.generate import generate
 
     device = torch.device(plan.device)

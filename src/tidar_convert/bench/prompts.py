@@ -16,7 +16,7 @@ TEXT_PROMPTS = (
     "Dear Anna,\n\nThank you for your letter. The weather here has been",
 )
 HUMANEVAL_PROBLEMS = 164
-# 6 code + 6 text: about 5 minutes for a 135M model on 2 cores
+# 6 code + 6 text: a CPU run of a 135M model in minutes (each run's time: bench/LOG.md)
 CPU_DEFAULT_PROMPTS = 12
 
 
@@ -47,8 +47,8 @@ def bench_prompts(limit: int | None = None) -> list[dict]:
 
 
 def default_limit(device: torch.device) -> int | None:
-    """All prompts on a GPU; on a CPU, enough for stable ratios in minutes, not the hour all 169
-    take."""
+    """All prompts on a GPU; on a CPU, enough for stable ratios in minutes (all 169 take many times
+    longer there)."""
     return None if device.type == "cuda" else CPU_DEFAULT_PROMPTS
 
 
