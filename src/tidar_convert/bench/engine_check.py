@@ -87,17 +87,20 @@ def engine_check(plan: Plan, impl: str) -> dict:
         "prompts": [],
     }
     for ids in prompts[:, None]:
-        ar = lambda: model.generate(
-            ids,
-            do_sample=False,
-            max_new_tokens=n,
-            min_new_tokens=n,
-            eos_token_id=None,
-            pad_token_id=0,
-        )  # noqa: E731
-        tidar = lambda: generate(
-            ids, model=model, max_new_tokens=n, eos_token_id=None, pad_token_id=0
-        )  # noqa: E731
+
+        def ar():
+            return model.generate(
+                ids,
+                do_sample=False,
+                max_new_tokens=n,
+                min_new_tokens=n,
+                eos_token_id=None,
+                pad_token_id=0,
+            )
+
+        def tidar():
+            return generate(ids, model=model, max_new_tokens=n, eos_token_id=None, pad_token_id=0)
+
         ar_s, tidar_s = median_seconds(ar, device, 3), median_seconds(tidar, device, 3)
         stats = dict(model.tidar_stats)
         out["prompts"].append(

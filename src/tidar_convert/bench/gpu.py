@@ -318,9 +318,9 @@ def fsdp_train_step(model, plan: Plan, step_fn) -> dict:
         sharded = shard(copy.deepcopy(model), init_device_mesh(device.type, (1,)))
         sharded.train()
 
-        def step():
-            step_fn(sharded)
-            sharded.zero_grad(set_to_none=True)
+        def step(module=sharded):
+            step_fn(module)
+            module.zero_grad(set_to_none=True)
 
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
@@ -339,7 +339,8 @@ def fsdp_train_step(model, plan: Plan, step_fn) -> dict:
             out["peak_memory_note"] = (
                 "includes the unsharded model the ar/tidar rows use, still resident"
             )
-        del sharded
+        # the sharded copy goes before the process group it lives on is closed
+        del step, sharded
         return out
     finally:
         if own_group:
