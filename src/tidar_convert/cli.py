@@ -430,6 +430,11 @@ COMMANDS = {
     "generate": ("tidar_convert.cli", "generate_cmd"),
     "bench": ("tidar_convert.bench.cli", "bench_cmd"),
     "bench-serve": ("tidar_convert.bench.serve", "bench_serve_cmd"),
+    "bench-batches": ("tidar_convert.bench.batches", "bench_batches_cmd"),
+    "bench-exactness": ("tidar_convert.bench.exactness", "bench_exactness_cmd"),
+    "bench-gpu": ("tidar_convert.bench.gpu", "bench_gpu_cmd"),
+    "bench-recurrent": ("tidar_convert.bench.recurrent", "bench_recurrent_cmd"),
+    "bench-token-identity": ("tidar_convert.bench.token_identity", "bench_token_identity_cmd"),
     "eval-ppl": ("tidar_convert.bench.perplexity", "eval_ppl_cmd"),
     "quality": ("tidar_convert.bench.quality", "quality_cmd"),
     "sweep": ("tidar_convert.bench.sweep", "sweep_cmd"),
@@ -438,26 +443,37 @@ COMMANDS = {
 
 
 def _summary(module: str, function: str) -> str:
-    """The first line of `function`'s docstring in `module`, read from its source file."""
+    """The first sentence of `function`'s docstring in `module`, read from its source file."""
     import ast
     import importlib.util
+    import re
 
     tree = ast.parse(Path(importlib.util.find_spec(module).origin).read_text())
     node = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == function)
-    return (ast.get_docstring(node) or "").split("\n", 1)[0]
+    paragraph = " ".join((ast.get_docstring(node) or "").split("\n\n", 1)[0].split())
+    return re.split(r"(?<=\.) (?=[A-Z])", paragraph, maxsplit=1)[0]
 
 
 def top_help() -> str:
+    import textwrap
+
+    width = max(map(len, COMMANDS))
+    summaries = {
+        "fit": "train a TiDAR conversion (LightningCLI: every key of a recipe is a flag; "
+        "`tidar-convert fit --help` lists them)",
+        "validate": "evaluate a conversion on the validation data",
+    }
+    summaries |= {name: _summary(*where) for name, where in COMMANDS.items()}
     lines = [
-        f"usage: tidar-convert {{{','.join(['fit', 'validate', *COMMANDS])}}} ...",
+        f"usage: tidar-convert {{{','.join(summaries)}}} ...",
         "",
         "Convert a Hugging Face causal LM into a TiDAR model, decode and measure it.",
         "",
-        "  fit            train a TiDAR conversion (LightningCLI: every key of a recipe is a flag;",
-        "                 `tidar-convert fit --help` lists them)",
-        "  validate       evaluate a conversion on the validation data",
     ]
-    lines += [f"  {name:<14} {_summary(*where)}" for name, where in COMMANDS.items()]
+    for name, summary in summaries.items():
+        lines += textwrap.wrap(
+            summary, 100, initial_indent=f"  {name:<{width}} ", subsequent_indent=" " * (width + 3)
+        )
     lines += ["", "`tidar-convert COMMAND --help` lists a command's flags."]
     return "\n".join(lines)
 
@@ -478,25 +494,13 @@ def main(argv: list[str] | None = None) -> None:
 
             run(argv)
             return
+        import importlib
+
         from jsonargparse import auto_cli
 
-        from tidar_convert.bench.cli import bench_cmd
-        from tidar_convert.bench.perplexity import eval_ppl_cmd
-        from tidar_convert.bench.quality import quality_cmd
-        from tidar_convert.bench.serve import bench_serve_cmd
-        from tidar_convert.bench.sweep import sweep_cmd
-        from tidar_convert.train.distill import distill_cmd
-
         commands = {
-            "check": check_cmd,
-            "export": export_cmd,
-            "generate": generate_cmd,
-            "bench": bench_cmd,
-            "bench-serve": bench_serve_cmd,
-            "eval-ppl": eval_ppl_cmd,
-            "quality": quality_cmd,
-            "sweep": sweep_cmd,
-            "distill": distill_cmd,
+            name: getattr(importlib.import_module(module), function)
+            for name, (module, function) in COMMANDS.items()
         }
         auto_cli(
             commands, args=_unix_flags(args, commands.values()), as_positional=False

@@ -1,5 +1,6 @@
 """`tidar-convert bench`: every decoder of the table on the same prompts and weights, then the slot
-curve, the step breakdown, the quality guard and (optionally) perplexity; JSON, Markdown and plots."""
+curve, the step breakdown, the quality guard and (optionally) perplexity; JSON, Markdown and
+plots."""
 
 from __future__ import annotations
 
@@ -57,7 +58,8 @@ def check_bench_args(
 ) -> None:
     if prompts not in PROMPT_SETS:
         raise ValueError(
-            f"prompts={prompts!r}: use 'raw' (HumanEval and plain text, no chat template) or 'chat' (instructions through the model's chat template)."
+            f"prompts={prompts!r}: use 'raw' (HumanEval and plain text, no chat template) or "
+            "'chat' (instructions through the model's chat template)."
         )
     if draft_length is not None:
         check_draft_length(draft_length, "--draft-length")
@@ -65,15 +67,18 @@ def check_bench_args(
         raise ValueError(f"max_new_tokens={max_new_tokens}: must be >= 1.")
     if limit is not None and limit < 1:
         raise ValueError(
-            f"limit={limit}: must be >= 1 (or leave it out for every prompt: {len(TEXT_PROMPTS) + HUMANEVAL_PROBLEMS} raw, {len(CHAT_PROMPTS)} chat)."
+            f"limit={limit}: must be >= 1 (or leave it out for every prompt: "
+            f"{len(TEXT_PROMPTS) + HUMANEVAL_PROBLEMS} raw, {len(CHAT_PROMPTS)} chat)."
         )
     if prompt_lookup_tokens < 1:
         raise ValueError(
-            f"prompt_lookup_tokens={prompt_lookup_tokens}: must be >= 1 (transformers' default is 10; 4 suits short drafts)."
+            f"prompt_lookup_tokens={prompt_lookup_tokens}: must be >= 1 (transformers' default is "
+            "10; 4 suits short drafts)."
         )
     if (ppl_base is None) != (ppl_data is None):
         raise ValueError(
-            "perplexity needs both --ppl_base (the base model) and --ppl_data (e.g. prose); pass both or neither."
+            "perplexity needs both --ppl_base (the base model) and --ppl_data (e.g. prose); pass "
+            "both or neither."
         )
     if dtype not in DTYPES:
         raise ValueError(f"dtype={dtype!r}: use float32 or bfloat16.")
@@ -104,13 +109,13 @@ def bench_cmd(
     """Benchmark a TiDAR export against AR and prompt-lookup decoding on the same weights.
 
     Batch 1, greedy, raw prompts (HumanEval + plain text) or chat instructions (--prompts chat);
-    with --sampling every decoder also samples (temperature 0.7, top_p 0.9, seeded). Every decoder of the table
-    (bench.decoders.DECODERS) runs, prompt by prompt, so machine noise hits them alike; TiDAR
-    drafters this export's engine lacks are left out, with the reason. Writes <out_dir>/<name>.json
-    (summary per decoder, rows, slot curve, step breakdown, machine), <name>.md (the README table)
-    and PNG plots. With the base model (recorded in the export by `fit`, or `base`), it also times
-    prompt lookup on the base weights and runs the generation-quality guard (quality.py) on the
-    same outputs.
+    with --sampling every decoder also samples (temperature 0.7, top_p 0.9, seeded). Every decoder
+    of the table (bench.decoders.DECODERS) runs, prompt by prompt, so machine noise hits them alike;
+    TiDAR drafters this export's engine lacks are left out, with the reason. Writes
+    <out_dir>/<name>.json (summary per decoder, rows, slot curve, step breakdown, machine),
+    <name>.md (the README table) and PNG plots. With the base model (recorded in the export by
+    `fit`, or `base`), it also times prompt lookup on the base weights and runs the
+    generation-quality guard (quality.py) on the same outputs.
 
     Args:
         model: TiDAR export folder (from `make convert` or `tidar-convert export`).
@@ -119,10 +124,12 @@ def bench_cmd(
         out_dir: folder for the JSON, the Markdown and the plots.
         name: file name stem; default: the model folder's name.
         limit: use only the first N prompts (code and text interleaved); default: all 169 on a GPU,
-            the first CPU_DEFAULT_PROMPTS on a CPU (minutes instead of about an hour).
+            the first CPU_DEFAULT_PROMPTS on a CPU (minutes, where all take many times longer).
         prompt_lookup_tokens: draft length of prompt-lookup decoding.
-        ppl_base: base model (folder, hub id or .gguf) to compare perplexity against; needs ppl_data.
-        ppl_data: perplexity data: prose (held-out English prose), stdlib, a file/folder or a hub dataset.
+        ppl_base: base model (folder, hub id or .gguf) to compare perplexity against; needs
+            ppl_data.
+        ppl_data: perplexity data: prose (held-out English prose), stdlib, a file/folder or a hub
+            dataset.
         dtype: weights for every decoder alike: float32 or bfloat16 (CPUs with AMX, and GPUs, run
             many query slots nearly as fast as one in bf16: the free slots TiDAR drafts in).
         base: the base model the export was converted from (folder, hub id, .gguf or "embedded");
@@ -135,7 +142,8 @@ def bench_cmd(
         sampling: also decode every prompt with every decoder sampled (temperature 0.7, top_p 0.9),
             right after its greedy runs: `summary_sampling` beside `summary`.
         seed: the sampling seed (mixed with each prompt's id; the same for every decoder).
-        overwrite: replace an earlier record <out_dir>/<name>.json (refused before any work without it).
+        overwrite: replace an earlier record <out_dir>/<name>.json (refused before any work without
+            it).
         card: write the results into the export's model card (README.md); default: only for a run
             over the default prompt set (a --limit run is a smoke run, not the model's figures).
 
@@ -161,14 +169,16 @@ def bench_cmd(
     path = Path(model).expanduser()
     if not path.is_dir():
         raise FileNotFoundError(
-            f"model={model!r} is not a folder; pass a TiDAR export folder (the OUT of `make convert`)."
+            f"model={model!r} is not a folder; pass a TiDAR export folder (the OUT of "
+            "`make convert`)."
         )
     trained = check_export(path)
     if quality and base is None:
         base = trained.base_model
         if base is None:
             print(
-                f"bench: {path} does not record its base model: no quality guard, no base prompt lookup (pass --base to get both)",
+                f"bench: {path} does not record its base model: no quality guard, no base prompt "
+                "lookup (pass --base to get both)",
                 file=sys.stderr,
             )
             quality = False
@@ -205,7 +215,8 @@ def bench_cmd(
     )
     if limit is None and device.type != "cuda" and len(prompts) < len(prompt_set(set_name)):
         print(
-            f"bench: {len(prompts)} of {len(prompt_set(set_name))} prompts (the CPU default; --limit {len(prompt_set(set_name))} for all)",
+            f"bench: {len(prompts)} of {len(prompt_set(set_name))} prompts (the CPU default; "
+            f"--limit {len(prompt_set(set_name))} for all)",
             file=sys.stderr,
         )
     sampled = {**SAMPLING, "seed": seed} if sampling else None
@@ -217,7 +228,8 @@ def bench_cmd(
         print(f"bench: {decoder} left out: {why}", file=sys.stderr)
     if base_pair is not None:
         decoders += decoder_names("base")
-    # Warm-up (allocator, kernels, the one-time weight packing, lazy imports) so the first timed prompt is not an outlier.
+    # Warm-up (allocator, kernels, the one-time weight packing, lazy imports) so the first timed
+    # prompt is not an outlier.
     bench_prompt(
         lm,
         tokenizer,
@@ -230,9 +242,8 @@ def bench_cmd(
         sampled,
     )
     rows = []
-    for prompt in progress(
-        prompts, f"bench {name}", unit="prompt"
-    ):  # with an ETA, on a terminal or in a log
+    # with an ETA, on a terminal or in a log
+    for prompt in progress(prompts, f"bench {name}", unit="prompt"):
         rows.append(
             bench_prompt(
                 lm,
@@ -247,9 +258,9 @@ def bench_cmd(
             )
         )
     summary = summarize(rows)
-    # Per kind of prompt: lookup drafts well on code (HumanEval bodies repeat the prompt's names) and
-    # on chat answers that reuse a given text (rewrite, summarise, passage), rarely on prose or new
-    # answers, where drafts must come from the diffusion head.
+    # Per kind of prompt: lookup drafts well on code (HumanEval bodies repeat the prompt's names)
+    # and on chat answers that reuse a given text (rewrite, summarise, passage), rarely on prose or
+    # new answers, where drafts must come from the diffusion head.
     kinds = sorted({r["kind"] for r in rows})
     by_kind = {kind: summarize([r for r in rows if r["kind"] == kind]) for kind in kinds}
     sampled_rows = [{**r["sampling"], "kind": r["kind"]} for r in rows] if sampled else None
@@ -270,7 +281,8 @@ def bench_cmd(
         lm, tokenizer, prompts[:PROFILE_PROMPTS], k, min(max_new_tokens, PROFILE_TOKENS)
     )
     points = slot_latency(lm, slot_sizes(device, k))
-    # On a CPU also both products alone: what generate()'s default (kernels.packing_pays) chose between.
+    # On a CPU also both products alone: what generate()'s default (kernels.packing_pays) chose
+    # between.
     points_stock = (
         slot_latency(lm, slot_sizes(device, k), pack_weights=False)
         if device.type == "cpu"
@@ -350,7 +362,8 @@ def bench_cmd(
     print_kinds(by_kind)
     if sampled:
         print(
-            f"  sampled (temperature {sampled['temperature']}, top_p {sampled['top_p']}, seed {seed}):",
+            f"  sampled (temperature {sampled['temperature']}, top_p {sampled['top_p']}, seed "
+            f"{seed}):",
             file=sys.stderr,
         )
         print_summary(summary_sampling, None)
@@ -368,7 +381,8 @@ def bench_cmd(
         print(f"updated {path / 'README.md'} (results section)", file=sys.stderr)
     elif not card:
         print(
-            f"left {path / 'README.md'} as it was (a --limit run; --card true writes its figures there)",
+            f"left {path / 'README.md'} as it was (a --limit run; --card true writes its figures "
+            "there)",
             file=sys.stderr,
         )
     return str(json_path)
@@ -391,7 +405,8 @@ def print_breakdown(breakdown: dict) -> None:
     phases = ", ".join(f"{label} {p['share']:.0%}" for label, p in breakdown["phases"].items())
     per = breakdown["ms_per_forward"]
     print(
-        f"    {breakdown['decoder']} step time ({breakdown['prompts']} prompts, {'-' if per is None else f'{per:.1f}'} ms a forward): {phases}",
+        f"    {breakdown['decoder']} step time ({breakdown['prompts']} prompts, "
+        f"{'-' if per is None else f'{per:.1f}'} ms a forward): {phases}",
         file=sys.stderr,
     )
 
@@ -406,8 +421,9 @@ def quality_guard(
     timeout: float,
 ) -> dict:
     """quality.compare on the bench's own outputs: the export's AR row (greedy TiDAR writes the same
-    tokens) against the base's prompt-lookup row (greedy lookup writes the base's greedy tokens), each
-    cut at its EOS. The rows' texts go in the bench rows, the metrics and verdict in the result."""
+    tokens) against the base's prompt-lookup row (greedy lookup writes the base's greedy tokens),
+    each cut at its EOS. The rows' texts go in the bench rows, the metrics and verdict in the
+    result."""
     from tidar_convert.bench.quality import compare, cut_at_eos, eos_ids
 
     base_model, base_tokenizer = base

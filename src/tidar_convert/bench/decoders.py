@@ -23,7 +23,8 @@ from tidar_convert.bench.prompts import prompt_ids
 from tidar_convert.bench.timing import synchronize
 from tidar_convert.runtime.kernels import cpu_kernels
 
-# The sampling mode (`tidar-convert bench --sampling`): what chat users run (about 0.7 and 0.9), seeded.
+# The sampling mode (`tidar-convert bench --sampling`): what chat users run (about 0.7 and 0.9),
+# seeded.
 SAMPLING = {"temperature": 0.7, "top_p": 0.9}
 
 
@@ -38,7 +39,8 @@ class Decoder:
     generate() does not): False runs PyTorch's stock product and transformers' own attention path,
     what transformers alone gives. siblings:
     TiDAR's alternatives to each drafted token verified beside the chain, a tree (None: the engine's
-    default). slot_budget: TiDAR's most query slots a step (None: the engine's default, 20 at k = 4)."""
+    default). slot_budget: TiDAR's most query slots a step (None: the engine's default, 20 at
+    k = 4)."""
 
     weights: str = "export"
     tidar: bool = False
@@ -52,9 +54,8 @@ class Decoder:
 
     def generate_kwargs(self, k: int | None, prompt_lookup_tokens: int) -> dict:
         kwargs = {}
-        if (
-            self.weights == "export"
-        ):  # the base runs transformers' own generate: no `tidar` argument
+        # the base runs transformers' own generate: no `tidar` argument
+        if self.weights == "export":
             kwargs["tidar"] = self.tidar
         if self.tidar:
             kwargs["draft_length"] = self.draft_length or k
@@ -73,43 +74,41 @@ class Decoder:
         return kwargs
 
     def packs_here(self) -> bool:
-        """The bench enters the CPU kernels itself: the base runs transformers' own generate, which does not."""
+        """The bench enters the CPU kernels itself: the base runs transformers' own generate, which
+        does not."""
         return self.pack_weights if self.weights == "base" else False
 
 
 DECODERS = {
-    "ar": Decoder(),  # transformers' generate (tidar=False): the reference every other row is compared with
-    "ar_stock": Decoder(
-        pack_weights=False
-    ),  # the same, on PyTorch's stock CPU product: plain transformers
-    "prompt_lookup": Decoder(
-        lookup=True
-    ),  # transformers' n-gram drafts from the prompt, same weights
-    "tidar": Decoder(
-        tidar=True
-    ),  # TiDAR's defaults: hybrid drafts (lookup where it matches, else diffusion), plan "cost", 3 siblings
-    "tidar_chain": Decoder(
-        tidar=True, siblings=0
-    ),  # the defaults without siblings (the default until 2026-12-02)
-    "tidar_adaptive": Decoder(
-        tidar=True, plan="adaptive"
-    ),  # the same drafts verified whenever likely, whatever a step costs
+    # transformers' generate (tidar=False): the reference every other row is compared with
+    "ar": Decoder(),
+    # the same, on PyTorch's stock CPU product: plain transformers
+    "ar_stock": Decoder(pack_weights=False),
+    # transformers' n-gram drafts from the prompt, same weights
+    "prompt_lookup": Decoder(lookup=True),
+    # TiDAR's defaults: hybrid drafts (lookup where it matches, else diffusion), plan "cost", 3
+    # siblings
+    "tidar": Decoder(tidar=True),
+    # the defaults without siblings (the default until 2026-12-02)
+    "tidar_chain": Decoder(tidar=True, siblings=0),
+    # the same drafts verified whenever likely, whatever a step costs
+    "tidar_adaptive": Decoder(tidar=True, plan="adaptive"),
     # The diffusion drafter's own acceptance (issue 9's T/NFE): its drafts verified whenever likely,
-    # whatever a step costs here (the cost plan may find plain AR steps cheaper, and measure nothing).
-    # Chains only, as every record before siblings measured it; tidar_diffusion_tree with siblings.
+    # whatever a step costs here (the cost plan may find plain AR steps cheaper, and measure
+    # nothing). Chains only, as every record before siblings measured it; tidar_diffusion_tree with
+    # siblings.
     "tidar_diffusion": Decoder(tidar=True, drafter="diffusion", plan="adaptive", siblings=0),
     "tidar_diffusion_tree": Decoder(tidar=True, drafter="diffusion", plan="adaptive", siblings=3),
     # The same tree at a GPU's width: ~90 query slots a step, about the price of one slot on a GPU
-    # (bench/gpu.py's slot curve), many times that on a CPU. Its T/NFE is the GPU's speed-up to expect.
+    # (bench/gpu.py's slot curve), many times that on a CPU. Its T/NFE is the GPU's speed-up to
+    # expect.
     "tidar_diffusion_wide": Decoder(
         tidar=True, drafter="diffusion", plan="adaptive", siblings=7, slot_budget=96
     ),
-    "tidar_lookup": Decoder(
-        tidar=True, drafter="lookup", plan="cost"
-    ),  # transformers' prompt lookup, verified where it pays
-    "base_prompt_lookup": Decoder(
-        weights="base", lookup=True, pack_weights=False
-    ),  # what a user gets without converting
+    # transformers' prompt lookup, verified where it pays
+    "tidar_lookup": Decoder(tidar=True, drafter="lookup", plan="cost"),
+    # what a user gets without converting
+    "base_prompt_lookup": Decoder(weights="base", lookup=True, pack_weights=False),
 }
 
 
@@ -163,7 +162,8 @@ class ForwardCounter:
         return max(0, self.forwards - 1)
 
     def per_step(self, counts: list[int]) -> float | None:
-        """Mean over the decoding steps (the prefill excluded); None when generation ended at the prefill."""
+        """Mean over the decoding steps (the prefill excluded); None when generation ended at the
+        prefill."""
         return statistics.fmean(counts[1:]) if len(counts) > 1 else None
 
 
@@ -177,9 +177,10 @@ def run_decoder(
     prompt_lookup_tokens: int,
     sampling: dict | None = None,
 ) -> dict:
-    """One generation, greedy or with `sampling` (generate() arguments, do_sample implied): new tokens, forwards, wall seconds, query slots and LM-head rows per
-    step, and, for TiDAR, the engine's own stats (accepted drafts per step, and where the engine
-    reports them, its LM-head rows and draft sources; None where it does not)."""
+    """One generation, greedy or with `sampling` (generate() arguments, do_sample implied): new
+    tokens, forwards, wall seconds, query slots and LM-head rows per step, and, for TiDAR, the
+    engine's own stats (accepted drafts per step, and where the engine reports them, its LM-head
+    rows and draft sources; None where it does not)."""
     spec = DECODERS[decoder]
     device = input_ids.device
     how = {"do_sample": True, **sampling} if sampling else {"do_sample": False}
@@ -216,8 +217,8 @@ def run_decoder(
     if spec.tidar:
         stats = getattr(model, "tidar_stats", None) or {}
         row["accepted"] = list(stats.get("accepted", []))
-        # The engine may run the head on hidden states without the output embedding's forward (and so
-        # past the hook): its own count wins where it gives one.
+        # The engine may run the head on hidden states without the output embedding's forward (and
+        # so past the hook): its own count wins where it gives one.
         if stats.get("lm_head_rows_per_step") is not None:
             row["lm_head_rows_per_step"] = stats["lm_head_rows_per_step"]
         row["engine_slots_per_step"] = stats.get("slots_per_step")
@@ -330,7 +331,8 @@ def runnable(
 
 
 def accepted_histogram(rows: list[dict], k: int, decoder: str = "tidar") -> dict[str, int]:
-    """Tokens committed per TiDAR step (1 + drafts accepted beyond the committed d[0]), over all prompts."""
+    """Tokens committed per TiDAR step (1 + drafts accepted beyond the committed d[0]), over all
+    prompts."""
     counts = Counter(j for r in rows for j in r[decoder].get("accepted", []))
     top = max([k, *counts])  # lookup drafts may be longer than k
     return {str(j): counts.get(j, 0) for j in range(1, top + 1)}

@@ -1,8 +1,8 @@
-"""The GPU bench's engine check: `generate()` itself on the device (python -m tidar_convert.bench.gpu,
-section `engine`). A small Qwen2 trained on cycle streams with the training layout and loss, then
-greedy TiDAR against transformers' AR on the same weights. Cycle streams make drafts easy, so the
-speed ratio bounds what the engine's per-step host work lets through on the device; it is no
-conversion's figure."""
+"""The GPU bench's engine check: `generate()` itself on the device (python -m
+tidar_convert.bench.gpu, section `engine`). A small Qwen2 trained on cycle streams with the training
+layout and loss, then greedy TiDAR against transformers' AR on the same weights. Cycle streams make
+drafts easy, so the speed ratio bounds what the engine's per-step host work lets through on the
+device; it is no conversion's figure."""
 
 from __future__ import annotations
 
@@ -20,7 +20,8 @@ if TYPE_CHECKING:
 
 
 def cycles(batch: int, length: int, period: int = 7, offset: int = 3, generator=None):
-    """Streams repeating one cycle from random phases (the tests' cycle_batch too): learnt in seconds."""
+    """Streams repeating one cycle from random phases (the tests' cycle_batch too): learnt in
+    seconds."""
     phase = torch.randint(0, period, (batch, 1), generator=generator)
     return offset + (phase + torch.arange(length)) % period
 
@@ -30,8 +31,8 @@ def engine_model(
 ):
     """A Qwen2 of plan.engine_dims trained with the TiDAR layout and loss on cycle streams (fp32
     weights; bf16: under autocast, as bf16-mixed trains, then cast for decoding). seq_len 128: on
-    an H200, torch 2.11's FlexAttention backward found no kernel for 2 x 32 positions (fp32 or bf16),
-    shorter than its 128-position block."""
+    an H200, torch 2.11's FlexAttention backward found no kernel for 2 x 32 positions (fp32 or
+    bf16), shorter than its 128-position block."""
     from transformers import AutoModelForCausalLM, Qwen2Config
 
     device, dims = torch.device(plan.device), plan.engine_dims or plan.dims
@@ -69,7 +70,7 @@ def engine_check(plan: Plan, impl: str) -> dict:
     """TiDAR's generate() against transformers' greedy AR on the same trained weights, per prompt
     (each timed after one untimed run of both): identical tokens, T/NFE, tokens/s. fp32, except
     FlexAttention on CUDA: bf16, as bf16-mixed trains there (on an H200 with torch 2.11, an fp32 run
-    did not finish within 170 s: bench/LOG.md, 2026-12-04)."""
+    did not finish in the time the section had: bench/LOG.md, 2026-12-04)."""
     from tidar_convert.runtime.generate import generate
 
     device = torch.device(plan.device)
@@ -87,17 +88,20 @@ def engine_check(plan: Plan, impl: str) -> dict:
         "prompts": [],
     }
     for ids in prompts[:, None]:
-        ar = lambda: model.generate(
-            ids,
-            do_sample=False,
-            max_new_tokens=n,
-            min_new_tokens=n,
-            eos_token_id=None,
-            pad_token_id=0,
-        )  # noqa: E731
-        tidar = lambda: generate(
-            ids, model=model, max_new_tokens=n, eos_token_id=None, pad_token_id=0
-        )  # noqa: E731
+
+        def ar():
+            return model.generate(
+                ids,
+                do_sample=False,
+                max_new_tokens=n,
+                min_new_tokens=n,
+                eos_token_id=None,
+                pad_token_id=0,
+            )
+
+        def tidar():
+            return generate(ids, model=model, max_new_tokens=n, eos_token_id=None, pad_token_id=0)
+
         ar_s, tidar_s = median_seconds(ar, device, 3), median_seconds(tidar, device, 3)
         stats = dict(model.tidar_stats)
         out["prompts"].append(

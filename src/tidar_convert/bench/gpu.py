@@ -1,6 +1,7 @@
 """GPU latency and throughput of TiDAR on a Qwen2.5-1.5B-shaped model with random weights.
 
-    python -m tidar_convert.bench.gpu [--dry-run] [--only engine,train] [--out bench/results/gpu.json]
+    tidar-convert bench-gpu [--dry-run] [--only engine,train] [--out bench/results/gpu.json]
+    python -m tidar_convert.bench.gpu [--dry-run] ...   # the same, where jsonargparse is missing
 
 Random weights are enough here: latency and throughput depend on shapes, not on what was learned,
 and nothing has to be downloaded. Sections (each timed as a median over repeats, CUDA-synchronized):
@@ -30,7 +31,6 @@ for reference. `--dry-run` runs the same code on CPU with tiny shapes and SDPA +
 
 from __future__ import annotations
 
-import argparse
 import copy
 import json
 import sys
@@ -71,7 +71,8 @@ TINY = dict(
     vocab_size=512,
     max_position_embeddings=4096,
 )
-# The engine check's model: big enough that a GPU step is not all launch overhead, small enough to train in seconds.
+# The engine check's model: big enough that a GPU step is not all launch overhead, small enough to
+# train in seconds.
 ENGINE = dict(
     hidden_size=512,
     num_hidden_layers=4,
@@ -96,12 +97,10 @@ class Plan:
     train_block: int = 16
     repeats: int = 10
     train_repeats: int = 3
-    raise_errors: bool = (
-        False  # a failing section is recorded in the JSON on a real run, raised in the dry run
-    )
-    budget_s: float = (
-        420.0  # no section starts after this many seconds (the run must end in < 10 min)
-    )
+    # a failing section is recorded in the JSON on a real run, raised in the dry run
+    raise_errors: bool = False
+    # no section starts after this many seconds (the run must end in < 10 min)
+    budget_s: float = 420.0
     engine_dims: dict | None = None  # the engine check's model (None: the plan's own dims)
     engine_steps: int = 300  # its training steps on cycle streams
     engine_tokens: int = 64  # new tokens per prompt
@@ -135,7 +134,8 @@ DRY_PLAN = Plan(
 
 
 def build_model(plan: Plan):
-    """Random-weight Qwen2 of the plan's shape, created directly on the device in the plan's dtype."""
+    """Random-weight Qwen2 of the plan's shape, created directly on the device in the plan's
+    dtype."""
     from transformers import AutoModelForCausalLM, Qwen2Config
 
     config = Qwen2Config(**plan.dims)
@@ -236,7 +236,8 @@ def train_step_ar(model, ids):
 
 
 def train_step_tidar(model, ids, mask, draft_length: int, mask_id: int):
-    """TiDAR step: [x | M..M] with repeated positions and the training mask, hybrid loss (alpha 1)."""
+    """TiDAR step: [x | M..M] with repeated positions and the training mask, hybrid loss
+    (alpha 1)."""
     inputs = layout.train_inputs(ids, mask_id)
     positions = layout.train_position_ids(ids)
     ar_labels, diff_labels = layout.train_labels(ids)
@@ -290,11 +291,8 @@ def train_throughput(model, plan: Plan) -> dict:
     out["tidar_fsdp_vs_tidar"] = out["tidar_fsdp"]["tokens_per_s"] / out["tidar"]["tokens_per_s"]
     peak = peak_flops(device, "bf16" if plan.dtype == torch.bfloat16 else "32")
     n = matmul_params(model)
-    for name, per_token in (
-        ("ar", 6 * n),
-        ("tidar", 12 * n),
-        ("tidar_fsdp", 12 * n),
-    ):  # TiDAR runs 2S positions per S tokens
+    # TiDAR runs 2S positions per S tokens
+    for name, per_token in (("ar", 6 * n), ("tidar", 12 * n), ("tidar_fsdp", 12 * n)):
         out[name]["tflops"] = out[name]["tokens_per_s"] * per_token / 1e12
         out[name]["mfu"] = out[name]["tokens_per_s"] * per_token / peak if peak else None
     return out
@@ -319,9 +317,9 @@ def fsdp_train_step(model, plan: Plan, step_fn) -> dict:
         sharded = shard(copy.deepcopy(model), init_device_mesh(device.type, (1,)))
         sharded.train()
 
-        def step():
-            step_fn(sharded)
-            sharded.zero_grad(set_to_none=True)
+        def step(module=sharded):
+            step_fn(module)
+            module.zero_grad(set_to_none=True)
 
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
@@ -334,14 +332,14 @@ def fsdp_train_step(model, plan: Plan, step_fn) -> dict:
             "mesh": [1],
             "unit": "decoder layer",
         }
-        if (
-            device.type == "cuda"
-        ):  # the unsharded model of the other rows is still resident beside the copy
+        # the unsharded model of the other rows is still resident beside the copy
+        if device.type == "cuda":
             out["peak_memory_gb"] = torch.cuda.max_memory_allocated(device) / 2**30
             out["peak_memory_note"] = (
                 "includes the unsharded model the ar/tidar rows use, still resident"
             )
-        del sharded
+        # the sharded copy goes before the process group it lives on is closed
+        del step, sharded
         return out
     finally:
         if own_group:
@@ -415,7 +413,9 @@ def run(
     }
     result["engine"] = {"by_impl": {}}
     result["conversion"] = {
-        "skipped": "a real conversion needs base weights from the hub; run `make convert` separately"
+        "skipped": (
+            "a real conversion needs base weights from the hub; run `make convert` separately"
+        )
     }
     result["sections"] = list(only)
     engine_order = plan.impls[1:] + plan.impls[:1]
@@ -478,69 +478,74 @@ def print_report(result: dict) -> None:
             continue
         for r in rows:
             print(
-                f"decode {impl:>14} k={r['k']:>2} ({r['slots']:>3} slots): TiDAR step {r['tidar_step_ms']:.2f} ms, "
-                f"AR step {r['ar_step_ms']:.2f} ms, ratio {r['step_ratio']:.2f} (forward only {r['forward_ratio']:.2f})"
+                f"decode {impl:>14} k={r['k']:>2} ({r['slots']:>3} slots): TiDAR step "
+                f"{r['tidar_step_ms']:.2f} ms, AR step {r['ar_step_ms']:.2f} ms, ratio "
+                f"{r['step_ratio']:.2f} (forward only {r['forward_ratio']:.2f})"
             )
     train = result.get("train", {})
     if "tidar" in train:
         print(
-            f"train {train['attn_implementation']}: AR {train['ar']['tokens_per_s']:.0f} tok/s, TiDAR {train['tidar']['tokens_per_s']:.0f} tok/s ({train['tidar_vs_ar']:.2f}x)"
+            f"train {train['attn_implementation']}: AR {train['ar']['tokens_per_s']:.0f} tok/s, "
+            f"TiDAR {train['tidar']['tokens_per_s']:.0f} tok/s ({train['tidar_vs_ar']:.2f}x)"
         )
         fsdp = train["tidar_fsdp"]
         mfu = "" if fsdp["mfu"] is None else f", MFU {fsdp['mfu']:.1%}"
         print(
-            f"train TiDAR under FSDP2 (1 device): {fsdp['tokens_per_s']:.0f} tok/s ({train['tidar_fsdp_vs_tidar']:.2f}x unsharded){mfu}"
+            f"train TiDAR under FSDP2 (1 device): {fsdp['tokens_per_s']:.0f} tok/s "
+            f"({train['tidar_fsdp_vs_tidar']:.2f}x unsharded){mfu}"
         )
     for impl, e in result.get("engine", {}).get("by_impl", {}).items():
         if "identical" in e:
             print(
-                f"engine {impl:>14}: TiDAR tokens identical to AR {e['identical']}, T/NFE {e['tokens_per_nfe']:.2f}, {e['tidar_vs_ar']:.2f}x AR (cycle streams)"
+                f"engine {impl:>14}: TiDAR tokens identical to AR {e['identical']}, T/NFE "
+                f"{e['tokens_per_nfe']:.2f}, {e['tidar_vs_ar']:.2f}x AR (cycle streams)"
             )
     print(f"total {result['seconds']:.1f} s")
 
 
-def main(argv: list[str] | None = None) -> Path:
-    parser = argparse.ArgumentParser(
-        prog="python -m tidar_convert.bench.gpu", description=__doc__.split("\n\n")[0]
-    )
-    parser.add_argument(
-        "--dry-run",
-        action="store_true",
-        help="CPU, tiny shapes, SDPA + dense masks: checks the script in seconds",
-    )
-    parser.add_argument(
-        "--only",
-        default=",".join(SECTIONS),
-        help=f"comma-separated sections to run, of {', '.join(SECTIONS)} (default: all)",
-    )
-    parser.add_argument(
-        "--out",
-        default=None,
-        help="JSON to write (default: bench/results/gpu.json, or gpu_dry_run.json with --dry-run)",
-    )
-    args = parser.parse_args(argv)
-    if not args.dry_run and not torch.cuda.is_available():
-        parser.error(
-            "no CUDA device here; run on a GPU machine, or pass --dry-run to check the script on CPU."
+def bench_gpu_cmd(
+    dry_run: bool = False, only: str = ",".join(SECTIONS), out: str | None = None
+) -> str:
+    """GPU latency and throughput of TiDAR on a Qwen2.5-1.5B-shaped model with random weights.
+
+    The sections slots, decode, train and engine (this module's docstring, bench/README.md), on a
+    CUDA device in bf16; the JSON is rewritten after every section.
+
+    Args:
+        dry_run: run on the CPU with tiny shapes and SDPA + dense masks: checks the script in
+            seconds, without a GPU.
+        only: the sections to run, comma-separated, of slots, decode, train, engine (default: all).
+        out: JSON to write; default bench/results/gpu.json, or bench/results/gpu_dry_run.json with
+            --dry-run.
+
+    Returns:
+        Path of the JSON written.
+    """
+    if not dry_run and not torch.cuda.is_available():
+        raise ValueError(
+            "no CUDA device here; run on a GPU machine, or pass --dry-run to check the script on "
+            "CPU."
         )
-    only = tuple(name.strip() for name in args.only.split(",") if name.strip())
-    unknown = [name for name in only if name not in SECTIONS]
-    if unknown or not only:
-        parser.error(f"--only {args.only!r}: the sections are {', '.join(SECTIONS)}")
-    out = Path(
-        args.out or ("bench/results/gpu_dry_run.json" if args.dry_run else "bench/results/gpu.json")
-    )
-    out.parent.mkdir(parents=True, exist_ok=True)
+    sections = tuple(name.strip() for name in only.split(",") if name.strip())
+    unknown = [name for name in sections if name not in SECTIONS]
+    if unknown or not sections:
+        raise ValueError(f"--only {only!r}: the sections are {', '.join(SECTIONS)}")
+    path = Path(out or ("bench/results/gpu_dry_run.json" if dry_run else "bench/results/gpu.json"))
+    path.parent.mkdir(parents=True, exist_ok=True)
 
     def save(result: dict) -> None:
-        out.write_text(json.dumps(result, indent=1, default=str))
+        path.write_text(json.dumps(result, indent=1, default=str))
 
-    result = run(DRY_PLAN if args.dry_run else GPU_PLAN, args.dry_run, save, only)
+    result = run(DRY_PLAN if dry_run else GPU_PLAN, dry_run, save, sections)
     save(result)
     print_report(result)
-    print(f"wrote {out}")
-    return out
+    print(f"wrote {path}")
+    return str(path)
 
 
 if __name__ == "__main__":
-    main()
+    # Not through `tidar-convert`: a GPU lease's image has no jsonargparse (bench.without
+    # rehearses that on a CPU). The flags are the same, read from bench_gpu_cmd's signature.
+    from tidar_convert.bench.plain_cli import run as run_command
+
+    run_command(bench_gpu_cmd, "python -m tidar_convert.bench.gpu")

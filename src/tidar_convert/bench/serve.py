@@ -1,5 +1,5 @@
-"""`tidar-convert bench-serve`: tokens/s of an export as served by `transformers serve`, TiDAR against
-the same server with TiDAR off, for 1 and more concurrent clients.
+"""`tidar-convert bench-serve`: tokens/s of an export as served by `transformers serve`, TiDAR
+against the same server with TiDAR off, for 1 and more concurrent clients.
 
 One server process, started here on a loopback port, answers both modes: each request carries a
 generation config (the request's `generation_config` JSON, which `transformers serve` builds the
@@ -62,12 +62,14 @@ def free_port() -> int:
 def start_server(
     model: Path, port: int, device: str, log: Path, timeout: float
 ) -> subprocess.Popen:
-    """`transformers serve --trust-remote-code` on 127.0.0.1:port with the export preloaded, its output
-    in `log`; returns once /health answers. Ends the process and raises if it exits or stays silent."""
+    """`transformers serve --trust-remote-code` on 127.0.0.1:port with the export preloaded, its
+    output in `log`; returns once /health answers. Ends the process and raises if it exits or stays
+    silent."""
     cli = Path(sys.executable).with_name("transformers")
     if not cli.exists():
         raise FileNotFoundError(
-            f"no `transformers` command beside {sys.executable}; install the serve extra: pip install 'tidar-convert[serve]'."
+            f"no `transformers` command beside {sys.executable}; install the serve extra: pip "
+            "install 'tidar-convert[serve]'."
         )
     cmd = [
         str(cli),
@@ -97,12 +99,14 @@ def start_server(
             pass
         if proc.poll() is not None:
             raise ValueError(
-                f"`transformers serve` exited with {proc.returncode} before answering; its log: {log}"
+                f"`transformers serve` exited with {proc.returncode} before answering; its log: "
+                f"{log}"
             )
         if time.monotonic() > deadline:
             stop_server(proc)
             raise ValueError(
-                f"`transformers serve` did not answer /health in {timeout:.0f} s (raise --startup_timeout); its log: {log}"
+                f"`transformers serve` did not answer /health in {timeout:.0f} s (raise "
+                f"--startup_timeout); its log: {log}"
             )
         time.sleep(1)
 
@@ -120,14 +124,15 @@ def stop_server(proc: subprocess.Popen) -> None:
 def chat_request(
     port: int, model: str, text: str, max_tokens: int, tidar: bool, timeout: float
 ) -> dict:
-    """One non-streamed, greedy /v1/chat/completions request; its text, completion tokens and seconds."""
+    """One non-streamed, greedy /v1/chat/completions request; its text, completion tokens and
+    seconds."""
     body = {
         "model": model,
         "messages": [{"role": "user", "content": text}],
         "max_tokens": max_tokens,
         "temperature": 0,
-        # the call's whole GenerationConfig (transformers serve: GenerationConfig(**json)); generate()
-        # completes it with the model's, and reads `tidar` from it (decode.generate)
+        # the call's whole GenerationConfig (transformers serve: GenerationConfig(**json));
+        # generate() completes it with the model's, and reads `tidar` from it (decode.generate)
         "generation_config": json.dumps(
             {"tidar": tidar, "do_sample": False, "max_new_tokens": max_tokens}
         ),
@@ -192,7 +197,8 @@ def run_load(
 
 
 def served_tidar_steps(log: Path, offset: int = 0) -> dict:
-    """What the server's TiDAR generate() calls report in its log past `offset` bytes: calls, tokens, forwards."""
+    """What the server's TiDAR generate() calls report in its log past `offset` bytes: calls,
+    tokens, forwards."""
     with log.open("rb") as f:
         f.seek(offset)
         text = f.read().decode(errors="replace")
@@ -246,7 +252,8 @@ def bench_serve_cmd(
     path = Path(model).expanduser()
     if not path.is_dir():
         raise FileNotFoundError(
-            f"model={model!r} is not a folder; pass a TiDAR export folder (the OUT of `make convert`)."
+            f"model={model!r} is not a folder; pass a TiDAR export folder (the OUT of "
+            "`make convert`)."
         )
     check_export(path)
     json_path = Path(out) if out else Path("bench/results") / f"{path.resolve().name}-serve.json"
@@ -262,10 +269,8 @@ def bench_serve_cmd(
     port = free_port()
     proc = start_server(path.resolve(), port, device, log, startup_timeout)
     try:
-        for tidar in (
-            True,
-            False,
-        ):  # warm-up: the first request loads the remote code's kernels and timings
+        # warm-up: the first request loads the remote code's kernels and timings
+        for tidar in (True, False):
             chat_request(port, served, texts[0], min(max_tokens, 8), tidar, timeout=startup_timeout)
         offset = log.stat().st_size  # the warm-up's log lines are not the load's
         deadline = time.monotonic() + time_limit
@@ -296,7 +301,9 @@ def bench_serve_cmd(
 
     result = {
         "model": served,
-        "server": "transformers serve --trust-remote-code (sequential generate, no --continuous-batching)",
+        "server": (
+            "transformers serve --trust-remote-code (sequential generate, no --continuous-batching)"
+        ),
         "device": device,
         "prompt_set": "chat",
         "requests": requests,
@@ -313,7 +320,9 @@ def bench_serve_cmd(
     for n, r in results.items():
         ratio = "-" if r["tidar_vs_ar"] is None else f"{r['tidar_vs_ar']:.2f}x"
         print(
-            f"{n} client(s): TiDAR {r['tidar']['tokens_per_s']:.1f} tok/s, AR {r['ar']['tokens_per_s']:.1f} tok/s ({ratio}); identical {r['identical']}/{r['tidar']['requests']}",
+            f"{n} client(s): TiDAR {r['tidar']['tokens_per_s']:.1f} tok/s, AR "
+            f"{r['ar']['tokens_per_s']:.1f} tok/s ({ratio}); identical "
+            f"{r['identical']}/{r['tidar']['requests']}",
             file=sys.stderr,
         )
     s = result["served_tidar"]

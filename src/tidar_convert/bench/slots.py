@@ -21,11 +21,8 @@ from tidar_convert.train.progress import progress
 CPU_SLOTS = (1, 2, 4, 8, 16, 32, 64)
 GPU_SLOTS = CPU_SLOTS + (128, 256, 512)
 SLOT_CACHE_LEN = 256
-STEP_KS = (
-    2,
-    4,
-    8,
-)  # the usual draft lengths, whose full TiDAR step (k + k*k slots) the curve includes
+# the usual draft lengths, whose full TiDAR step (k + k*k slots) the curve includes
+STEP_KS = (2, 4, 8)
 
 
 def slot_sizes(device: torch.device, k: int) -> list[int]:
@@ -55,8 +52,9 @@ def slot_latency(
     cache = DynamicCache()
 
     def inputs(start, n):
-        """Random tokens at positions start.., causal after the cache; the mask is built here, outside
-        the timed call, so the curve shows the forward alone (mask building is not per-slot work)."""
+        """Random tokens at positions start.., causal after the cache; the mask is built here,
+        outside the timed call, so the curve shows the forward alone (mask building is not per-slot
+        work)."""
         tokens = torch.randint(0, vocab, (1, n), generator=gen).to(device)
         mask = layout.build_mask(
             layout.decode_mask_mod(start, n, 1, 1), 1, n, start + n, impl, device
@@ -101,10 +99,10 @@ def latency_at(points: list[dict], slots: float) -> float:
 
 
 def decoder_steps(summary: dict, points: list[dict], stock: list[dict] | None = None) -> dict:
-    """Where each decoder's mean step sits on the curve of the kernels it runs (`points`: generate()'s
-    default kernels; `stock`: PyTorch's stock product, for decoders with pack_weights=False): its
-    mean query slots a step, the forward latency there, and that latency over one slot's on the same
-    curve. Decoders with no steps are left out."""
+    """Where each decoder's mean step sits on the curve of the kernels it runs (`points`:
+    generate()'s default kernels; `stock`: PyTorch's stock product, for decoders with
+    pack_weights=False): its mean query slots a step, the forward latency there, and that latency
+    over one slot's on the same curve. Decoders with no steps are left out."""
     out = {}
     for decoder, s in summary.items():
         on_stock = stock is not None and decoder in DECODERS and not DECODERS[decoder].pack_weights

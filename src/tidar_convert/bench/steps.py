@@ -1,11 +1,13 @@
-"""Where a TiDAR step's time goes: a few generations under torch.profiler, split by the engine's phases.
+"""Where a TiDAR step's time goes: a few generations under torch.profiler, split by the engine's
+phases.
 
 The engine labels its phases with `torch.profiler.record_function("tidar.<phase>")` (draft, mask,
 forward, lm_head, verify, commit, crop). Whatever `tidar.*` labels appear are reported with their
 share of the generate() time, and "other" is the rest (time under no label), so the breakdown
 means the same before and after an engine adds or renames phases. A label nested inside another
-`tidar.*` label is reported under its path ("tidar.verify > tidar.lm_head") and not subtracted twice. On a GPU the shares are of host time: the
-engine waits for the device when it verifies, so kernel time lands in the phase that waits.
+`tidar.*` label is reported under its path ("tidar.verify > tidar.lm_head") and not subtracted
+twice. On a GPU the shares are of host time: the engine waits for the device when it verifies, so
+kernel time lands in the phase that waits.
 """
 
 from __future__ import annotations
@@ -40,18 +42,17 @@ def spans(prof) -> list[tuple[str, int, int, int]]:
 
 
 def phase_shares(events: list[tuple[str, int, int, int]]) -> dict:
-    """{"total_ms", "phases": {label: {"ms", "share"}, ..., "other": {...}}} from `spans`: time under
-    each `tidar.*` label, and the rest of the REGION time as "other". A label met inside another one
-    (on the same thread) is keyed by its path, "tidar.verify > tidar.lm_head", apart from where it
-    runs on its own: the shares of the keys without " > ", and other, add up to 1."""
+    """{"total_ms", "phases": {label: {"ms", "share"}, ..., "other": {...}}} from `spans`: time
+    under each `tidar.*` label, and the rest of the REGION time as "other". A label met inside
+    another one (on the same thread) is keyed by its path, "tidar.verify > tidar.lm_head", apart
+    from where it runs on its own: the shares of the keys without " > ", and other, add up to 1."""
     total = sum(end - start for name, start, end, _ in events if name == REGION)
     labelled, covered, open_labels = defaultdict(int), 0, defaultdict(list)
     for name, start, end, thread in sorted(
         (e for e in events if e[0] != REGION), key=lambda e: (e[1], -e[2])
     ):
-        stack = open_labels[
-            thread
-        ]  # (label, end) of the labels still open at `start`, outermost first
+        # (label, end) of the labels still open at `start`, outermost first
+        stack = open_labels[thread]
         while stack and stack[-1][1] <= start:
             stack.pop()
         labelled[" > ".join([label for label, _ in stack] + [name])] += end - start

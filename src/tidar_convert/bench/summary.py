@@ -1,4 +1,5 @@
-"""Per-decoder totals of the bench rows, their ratios to the reference decoders, and the printed lines."""
+"""Per-decoder totals of the bench rows, their ratios to the reference decoders, and the printed
+lines."""
 
 from __future__ import annotations
 
@@ -10,8 +11,8 @@ from tidar_convert.bench.decoders import DECODERS
 
 # Speed ratios: to AR on the export, to prompt lookup on the export, and to prompt lookup on the
 # base (what a user gets without converting at all).
-# Last, AR on PyTorch's stock CPU product (what transformers alone gives; ar runs generate()'s default,
-# packed weights where kernels.packing_pays measures them faster).
+# Last, AR on PyTorch's stock CPU product (what transformers alone gives; ar runs generate()'s
+# default, packed weights where kernels.packing_pays measures them faster).
 REFERENCES = (
     ("ar", "tokens_per_s_vs_ar"),
     ("prompt_lookup", "tokens_per_s_vs_prompt_lookup"),
@@ -71,7 +72,8 @@ def acceptance_by_offset(runs: list[dict]) -> dict | None:
 
 def summarize(rows: list[dict]) -> dict:
     """Totals per decoder, in table order. tokens/s is total tokens over total seconds (long
-    generations weigh more); tokens_per_nfe likewise; mean_tokens_per_nfe averages the per-prompt ratios."""
+    generations weigh more); tokens_per_nfe likewise; mean_tokens_per_nfe averages the per-prompt
+    ratios."""
     summary = {}
     for decoder in [d for d in DECODERS if rows and d in rows[0]]:
         runs = [r[decoder] for r in rows]
@@ -126,7 +128,8 @@ def summary_line(decoder: str, s: dict) -> str:
         )
     return (
         f"{decoder:>18}: {s['tokens_per_s']:8.1f} tok/s ({vs}), {s['tokens_per_nfe']:.2f} T/NFE, "
-        f"{_num(s.get('slots_per_step'), '.1f')} slots and {_num(s.get('lm_head_rows_per_step'), '.1f')} LM-head rows a step, {same}"
+        f"{_num(s.get('slots_per_step'), '.1f')} slots and "
+        f"{_num(s.get('lm_head_rows_per_step'), '.1f')} LM-head rows a step, {same}"
     )
 
 
@@ -150,6 +153,7 @@ def print_summary(summary: dict, ppl: dict | None, skipped: dict[str, str] | Non
         print(f"{decoder:>18}: not run: {why}", file=sys.stderr)
     if ppl:
         print(
-            f"    perplexity: base {ppl['base']:.3f} -> converted {ppl['converted']:.3f} ({ppl['change_pct']:+.1f}%) on {ppl['data']}",
+            f"    perplexity: base {ppl['base']:.3f} -> converted {ppl['converted']:.3f} "
+            f"({ppl['change_pct']:+.1f}%) on {ppl['data']}",
             file=sys.stderr,
         )

@@ -1,16 +1,17 @@
 """`tidar-convert sweep`: one recipe, several arms (lists of `fit` flags), a learning curve per arm.
 
 Each arm is its own `tidar-convert fit` process, run one after another, in its own folder
-`<out>/arms/<arm>/` (run folder, CSV metrics, checkpoints, `fit.log`). A crash of one arm is recorded
-and the next arm runs. What is measured is `val/tokens_per_nfe` (real TiDAR decoding of held-out
-validation prompts, never training text; see `TiDARModule.validation_step`) and `val/loss`, against
-training tokens (clean tokens: steps x batch_size x seq_len x accumulate_grad_batches x devices x
-num_nodes, read from the arm's own saved config.yaml) and against wall-clock seconds.
+`<out>/arms/<arm>/` (run folder, CSV metrics, checkpoints, `fit.log`). A crash of one arm is
+recorded and the next arm runs. What is measured is `val/tokens_per_nfe` (real TiDAR decoding of
+held-out validation prompts, never training text; see `TiDARModule.validation_step`) and `val/loss`,
+against training tokens (clean tokens: steps x batch_size x seq_len x accumulate_grad_batches x
+devices x num_nodes, read from the arm's own saved config.yaml) and against wall-clock seconds.
 
 Nothing is lost on interruption: every arm writes `<out>/arms/<arm>/arm.json` when its process ends,
-and `<out>/sweep.json` + `sweep.png` are rewritten after every arm. A rerun skips arms that finished,
-resumes an interrupted arm from its last checkpoint (saved after each validation), and retries a
-failed one; an arm whose settings changed since it ran is refused rather than silently mixed.
+and `<out>/sweep.json` + `sweep.png` are rewritten after every arm. A rerun skips arms that
+finished, resumes an interrupted arm from its last checkpoint (saved after each validation), and
+retries a failed one; an arm whose settings changed since it ran is refused rather than silently
+mixed.
 """
 
 from __future__ import annotations
@@ -45,7 +46,8 @@ def _flag_name(arg: str) -> str:
 
 
 def _as_flag(value, arm: str, spec: Path) -> str:
-    """YAML scalars as the command line spells them: 1.0 -> '1.0', true -> 'true', null -> 'null'."""
+    """YAML scalars as the command line spells them: 1.0 -> '1.0', true -> 'true',
+    null -> 'null'."""
     if isinstance(value, bool):
         return "true" if value else "false"
     if value is None:
@@ -53,8 +55,9 @@ def _as_flag(value, arm: str, spec: Path) -> str:
     if isinstance(value, (str, int, float)):
         return str(value)
     raise ValueError(
-        f"arm {arm!r} in {spec}: item {value!r} is a {type(value).__name__}; each item is one command-line word, "
-        "e.g. [--data.source, '[prose-train, stdlib]'] (quote a list or mapping value as one string)."
+        f"arm {arm!r} in {spec}: item {value!r} is a {type(value).__name__}; each item is one "
+        "command-line word, e.g. [--data.source, '[prose-train, stdlib]'] (quote a list or mapping "
+        "value as one string)."
     )
 
 
@@ -62,8 +65,8 @@ def check_flags(flags: list[str], where: str) -> None:
     for arg in flags:
         if _flag_name(arg) in MANAGED:
             raise ValueError(
-                f"{where} sets {_flag_name(arg)}: the sweep sets it for every arm (each arm's own folder under --out); "
-                "remove it from the arm."
+                f"{where} sets {_flag_name(arg)}: the sweep sets it for every arm (each arm's own "
+                "folder under --out); remove it from the arm."
             )
 
 
@@ -75,7 +78,8 @@ def load_spec(path: str) -> dict[str, list[str]]:
     fix = f"write one `name: [--flag, value, ...]` per arm (see {EXAMPLE})"
     if not spec.is_file():
         raise FileNotFoundError(
-            f"sweep spec {path!r} does not exist{' (it is a folder)' if spec.is_dir() else ''}; pass --spec a YAML file: {fix}."
+            f"sweep spec {path!r} does not exist{' (it is a folder)' if spec.is_dir() else ''}; "
+            f"pass --spec a YAML file: {fix}."
         )
     try:
         raw = yaml.safe_load(spec.read_text())
@@ -89,14 +93,16 @@ def load_spec(path: str) -> dict[str, list[str]]:
         )
     if not isinstance(raw, dict):
         raise ValueError(
-            f"sweep spec {path} is a {type(raw).__name__}, not a mapping of arm name -> list of flags; {fix}."
+            f"sweep spec {path} is a {type(raw).__name__}, not a mapping of arm name -> list of "
+            f"flags; {fix}."
         )
     arms = {}
     for name, flags in raw.items():
         name = str(name)
         if not ARM_NAME.match(name):
             raise ValueError(
-                f"arm name {name!r} in {path}: use letters, digits and . _ + - (it names the arm's folder), e.g. 'lora-16'."
+                f"arm name {name!r} in {path}: use letters, digits and . _ + - (it names the arm's "
+                "folder), e.g. 'lora-16'."
             )
         if flags is None:
             flags = []
@@ -107,8 +113,9 @@ def load_spec(path: str) -> dict[str, list[str]]:
                 else ["--model.alpha", "'0.5'"]
             )
             raise ValueError(
-                f"arm {name!r} in {path} is a {type(flags).__name__} ({flags!r}), not a list of flags; "
-                f"write it as {name}: [{', '.join(words)}] (one item per word), or {name}: [] for the recipe as it is."
+                f"arm {name!r} in {path} is a {type(flags).__name__} ({flags!r}), not a list of "
+                f"flags; write it as {name}: [{', '.join(words)}] (one item per word), or {name}: "
+                "[] for the recipe as it is."
             )
         arms[name] = [_as_flag(v, name, spec) for v in flags]
         check_flags(arms[name], f"arm {name!r} in {path}")
@@ -156,19 +163,23 @@ def sweep_cmd(
     """Train one `tidar-convert fit` per arm of a sweep spec and write learning curves of T/NFE.
 
     Args:
-        spec: YAML mapping arm name -> list of `fit` flags, e.g. `soft: [--model.distill_weight, '1.0']`
-            (`baseline: []` = the recipe as it is); see recipes/sweeps/.
+        spec: YAML mapping arm name -> list of `fit` flags, e.g.
+            `soft: [--model.distill_weight, '1.0']` (`baseline: []` = the recipe as it is); see
+            recipes/sweeps/.
         recipe: the base recipe every arm starts from.
-        out: sweep folder (default runs/sweeps/<spec name>): arms/<arm>/ per arm, sweep.json, sweep.png.
-            Running again with the same folder skips finished arms and resumes interrupted ones.
+        out: sweep folder (default runs/sweeps/<spec name>): arms/<arm>/ per arm, sweep.json,
+            sweep.png. Running again with the same folder skips finished arms and resumes
+            interrupted ones.
         max_steps: optimizer steps per arm (default: the recipe's); an arm may still set its own.
-        val_check_interval: steps between validations, i.e. between points of the curve (default: the recipe's).
-        fit_args: flags added to every arm, before the arm's own (e.g. '[--model.model, ./my-model]').
+        val_check_interval: steps between validations, i.e. between points of the curve (default:
+            the recipe's).
+        fit_args: flags added to every arm, before the arm's own
+            (e.g. '[--model.model, ./my-model]').
         arms: run only these arms of the spec (default: all); sweep.json still lists every arm.
-        keep_loggers: also keep the recipe's other loggers (W&B...), each writing into its arm's folder
-            (default: only the CSV metrics the sweep reads).
-        keep_checkpoints: keep each finished arm's last.ckpt (false: delete it once the arm is done; an
-            interrupted arm always keeps it to resume).
+        keep_loggers: also keep the recipe's other loggers (W&B...), each writing into its arm's
+            folder (default: only the CSV metrics the sweep reads).
+        keep_checkpoints: keep each finished arm's last.ckpt (false: delete it once the arm is done;
+            an interrupted arm always keeps it to resume).
         dry_run: print each arm's command and write nothing.
     """
     import yaml
@@ -177,7 +188,8 @@ def sweep_cmd(
     recipe_path = Path(recipe)
     if not recipe_path.is_file():
         raise FileNotFoundError(
-            f"recipe {recipe!r} does not exist; pass --recipe a fit recipe such as recipes/smollm2-135m-cpu-lora.yaml."
+            f"recipe {recipe!r} does not exist; pass --recipe a fit recipe such as "
+            "recipes/smollm2-135m-cpu-lora.yaml."
         )
     for value, flag in ((max_steps, "--max_steps"), (val_check_interval, "--val_check_interval")):
         if value is not None and value < 1:
@@ -193,15 +205,18 @@ def sweep_cmd(
     out_dir = Path(out) if out else Path("runs") / "sweeps" / Path(spec).stem
     if out_dir.exists() and not out_dir.is_dir():
         raise ValueError(
-            f"--out {out_dir} is a file; pass a new folder, or an earlier sweep's folder to continue it."
+            f"--out {out_dir} is a file; pass a new folder, or an earlier sweep's folder to "
+            "continue it."
         )
     if out_dir.is_dir() and any(out_dir.iterdir()) and not (out_dir / "sweep.json").is_file():
         raise ValueError(
-            f"--out {out_dir} is a folder with other files and no sweep.json: not an earlier sweep; pass a new or empty folder."
+            f"--out {out_dir} is a folder with other files and no sweep.json: not an earlier "
+            "sweep; pass a new or empty folder."
         )
     if (out_dir / "sweep.json").is_file() and not _sweep_record(out_dir / "sweep.json"):
         raise ValueError(
-            f"--out {out_dir} holds a sweep.json that no sweep wrote (not JSON with its spec and arms): it is never replaced; pass a new or empty folder."
+            f"--out {out_dir} holds a sweep.json that no sweep wrote (not JSON with its spec and "
+            "arms): it is never replaced; pass a new or empty folder."
         )
     recipe_cfg = yaml.safe_load(recipe_path.read_text()) or {}
     sweep_name = out_dir.name
@@ -215,7 +230,8 @@ def sweep_cmd(
     every = val_check_interval or (recipe_cfg.get("trainer") or {}).get("val_check_interval")
     if isinstance(steps, int) and isinstance(every, int) and steps % every:
         print(
-            f"note: max_steps {steps} is not a multiple of val_check_interval {every}: the last {steps % every} steps of each arm are never measured.",
+            f"note: max_steps {steps} is not a multiple of val_check_interval {every}: the last "
+            f"{steps % every} steps of each arm are never measured.",
             file=sys.stderr,
         )
 
@@ -253,9 +269,8 @@ def sweep_cmd(
         resumable = (arm_dir / "checkpoints" / "last.ckpt").is_file()
         was = (state or {}).get("settings") or {}
         now = settings[name]
-        same = (
-            was.get("flags") == now["flags"] and was.get("recipe_sha256") == now["recipe_sha256"]
-        )  # the recipe's path may be spelled differently
+        # the recipe's path may be spelled differently
+        same = was.get("flags") == now["flags"] and was.get("recipe_sha256") == now["recipe_sha256"]
         if state and (state.get("status") == "done" or resumable) and not same:
             what = (
                 f"flags {was.get('flags')}, now {now['flags']}"
@@ -289,11 +304,20 @@ def sweep_cmd(
                 "max_steps": max_steps,
                 "val_check_interval": val_check_interval,
                 "fit_args": common,
-                "metric": "val/tokens_per_nfe: greedy TiDAR decoding of held-out validation prompts",
-                "tokens": "clean training tokens = steps x batch_size x seq_len x accumulate_grad_batches x devices x num_nodes",
-                "curve_fields": "step: optimizer steps; tokens: training tokens at that step; wall_s: seconds since the arm started "
-                "(all its attempts); tokens_per_nfe and every other val/* metric, e.g. loss_ar (AR cross-entropy), loss_diff "
-                "(hard-label diffusion loss), loss (the arm's own objective: not comparable across distill_weight or alpha)",
+                "metric": (
+                    "val/tokens_per_nfe: greedy TiDAR decoding of held-out validation prompts"
+                ),
+                "tokens": (
+                    "clean training tokens = steps x batch_size x seq_len x "
+                    "accumulate_grad_batches x devices x num_nodes"
+                ),
+                "curve_fields": (
+                    "step: optimizer steps; tokens: training tokens at that step; wall_s: seconds "
+                    "since the arm started (all its attempts); tokens_per_nfe and every other "
+                    "val/* metric, e.g. loss_ar (AR cross-entropy), loss_diff (hard-label "
+                    "diffusion loss), loss (the arm's own objective: not comparable across "
+                    "distill_weight or alpha)"
+                ),
                 "arms": results,
             },
         )
@@ -318,9 +342,8 @@ def sweep_cmd(
             resume = (arm_dir / "checkpoints" / "last.ckpt").is_file()
             wall_before = float(state.get("wall_s") or 0.0) if resume else 0.0
             times = state.get("val_times", {}) if resume else {}
-            if (
-                not resume
-            ):  # a fresh start: what an earlier attempt that saved no checkpoint left is stale
+            # a fresh start: what an earlier attempt that saved no checkpoint left is stale
+            if not resume:
                 for old in [*arm_dir.glob("csv/version_*/metrics.csv"), arm_dir / "config.yaml"]:
                     old.unlink(missing_ok=True)
             cmd = arm_command(
@@ -345,13 +368,14 @@ def sweep_cmd(
                 and ran["trained_steps"] is not None
                 and (not isinstance(target, int) or target < 0 or ran["trained_steps"] >= target)
             )
+            # 143: SIGTERM, 130: Ctrl-C; each saved last.ckpt
             status = (
                 "done"
                 if finished
                 else "interrupted"
                 if forward.received or ran["rc"] in (130, 143)
                 else "failed"
-            )  # 143: SIGTERM, 130: Ctrl-C; each saved last.ckpt
+            )
             new_state = {
                 "status": status,
                 "settings": settings[name],
@@ -371,7 +395,8 @@ def sweep_cmd(
             r = next(r for r in results if r["arm"] == name)
             last = r["curve"][-1] if r["curve"] else {}
             print(
-                f"[{i}/{len(selected)}] {name}: {status} in {r['wall_s']:.0f} s, {len(r['curve'])} curve points"
+                f"[{i}/{len(selected)}] {name}: {status} in {r['wall_s']:.0f} s, {len(r['curve'])} "
+                "curve points"
                 + (
                     f", last T/NFE {last['tokens_per_nfe']:.3f} at {last['tokens']} tokens"
                     if last.get("tokens_per_nfe") is not None
@@ -392,8 +417,9 @@ def sweep_cmd(
         last = r["curve"][-1] if r["curve"] else {}
         fmt = lambda v, f: format(v, f) if v is not None else "-"  # noqa: E731
         print(
-            f"{r['arm']:<14} {r['status']:<12} {fmt(last.get('step'), 'd'):>5} {fmt(last.get('tokens'), 'd'):>8}   "
-            f"{fmt(last.get('tokens_per_nfe'), '.3f'):>6}   {fmt(last.get('loss_ar'), '.3f'):>8}   {fmt(r['wall_s'], '.0f'):>5} s",
+            f"{r['arm']:<14} {r['status']:<12} {fmt(last.get('step'), 'd'):>5} "
+            f"{fmt(last.get('tokens'), 'd'):>8}   {fmt(last.get('tokens_per_nfe'), '.3f'):>6}   "
+            f"{fmt(last.get('loss_ar'), '.3f'):>8}   {fmt(r['wall_s'], '.0f'):>5} s",
             file=sys.stderr,
         )
     print(f"wrote {json_path}\nwrote {png_path}", file=sys.stderr)
@@ -409,7 +435,8 @@ def sweep_cmd(
     failed = [r["arm"] for r in results if r["arm"] in selected and r["status"] != "done"]
     if failed:
         print(
-            f"{len(failed)} arm(s) did not finish: {', '.join(failed)}; see their fit.log. Running the same command again retries them and skips the rest.",
+            f"{len(failed)} arm(s) did not finish: {', '.join(failed)}; see their fit.log. Running "
+            "the same command again retries them and skips the rest.",
             file=sys.stderr,
         )
         sys.exit(1)

@@ -1,5 +1,5 @@
-"""One sweep arm: its `tidar-convert fit` command, the process run with its output logged, SIGTERM and
-Ctrl-C passed on to it."""
+"""One sweep arm: its `tidar-convert fit` command, the process run with its output logged, SIGTERM
+and Ctrl-C passed on to it."""
 
 from __future__ import annotations
 
@@ -24,8 +24,8 @@ def arm_command(
     recipe_cfg: dict,
     resume: bool,
 ) -> list[str]:
-    """`python -m tidar_convert.cli fit --config RECIPE <flags> <this arm's folders>`: the folder flags
-    come last, so they win over anything the recipe sets."""
+    """`python -m tidar_convert.cli fit --config RECIPE <flags> <this arm's folders>`: the folder
+    flags come last, so they win over anything the recipe sets."""
     csv_logger = {
         "class_path": "lightning.pytorch.loggers.CSVLogger",
         "init_args": {"save_dir": str(arm_dir), "name": "csv", "flush_logs_every_n_steps": 1},
@@ -46,14 +46,14 @@ def arm_command(
             if path.endswith("CSVLogger"):
                 continue
             args = dict(lg.get("init_args") or {})
-            args["save_dir"] = str(
-                arm_dir
-            )  # W&B, TensorBoard...: into the arm's folder, named after the arm
+            # W&B, TensorBoard...: into the arm's folder, named after the arm
+            args["save_dir"] = str(arm_dir)
             if path.endswith("WandbLogger"):
                 args["name"] = f"{sweep_name}-{name}"
             loggers.append({"class_path": path, "init_args": args})
-    # The recipe's callbacks stay, except checkpoints: one last.ckpt in the arm's folder, saved right
-    # after each validation (so a resumed arm never skips the measurement of the step it resumes from).
+    # The recipe's callbacks stay, except checkpoints: one last.ckpt in the arm's folder, saved
+    # right after each validation (so a resumed arm never skips the measurement of the step it
+    # resumes from).
     callbacks = trainer.get("callbacks") or []
     callbacks = [
         c
@@ -86,7 +86,8 @@ def arm_command(
 
 
 class Forward:
-    """While an arm runs, SIGTERM to the sweep goes to the arm too (it saves last.ckpt and exits 143)."""
+    """While an arm runs, SIGTERM to the sweep goes to the arm too (it saves last.ckpt and
+    exits 143)."""
 
     def __init__(self):
         self.proc, self.received = None, None
@@ -126,9 +127,8 @@ def run_arm(name: str, cmd: list[str], arm_dir: Path, wall_before: float, forwar
                 log.flush()
                 print(f"[{name}] {line.rstrip()}", file=sys.stderr, flush=True)
             rc = proc.wait()
-        except (
-            KeyboardInterrupt
-        ):  # Ctrl-C on a terminal reaches the arm too (same process group): let it stop
+        # Ctrl-C on a terminal reaches the arm too (same process group): let it stop
+        except KeyboardInterrupt:
             try:
                 try:
                     rc = proc.wait(timeout=5)
@@ -142,9 +142,8 @@ def run_arm(name: str, cmd: list[str], arm_dir: Path, wall_before: float, forwar
         finally:
             forward.proc = None
     times, trained = {}, None
-    if new := [
-        p for p in metric_files(arm_dir) if p not in earlier
-    ]:  # this attempt's own metrics, if it got that far
+    # this attempt's own metrics, if it got that far
+    if new := [p for p in metric_files(arm_dir) if p not in earlier]:
         clock, trained = read_clock(new[-1])
         times = {step: wall_before + seconds for step, seconds in clock.items()}
     return {

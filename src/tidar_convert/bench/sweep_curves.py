@@ -1,5 +1,6 @@
-"""A sweep arm's learning curve, read from its CSV metrics: `val/*` by optimizer step, the run's clock
-(callbacks.RunClock), training tokens per step from its saved config; one arm's summary, and the plot."""
+"""A sweep arm's learning curve, read from its CSV metrics: `val/*` by optimizer step, the run's
+clock (callbacks.RunClock), training tokens per step from its saved config; one arm's summary, and
+the plot."""
 
 from __future__ import annotations
 
@@ -9,7 +10,8 @@ from pathlib import Path
 
 
 def tokens_per_step(config_path: Path) -> tuple[int | None, dict]:
-    """Clean training tokens per optimizer step from an arm's saved config.yaml, and the values used."""
+    """Clean training tokens per optimizer step from an arm's saved config.yaml, and the values
+    used."""
     import yaml
 
     try:

@@ -7,19 +7,23 @@
    change of the first mask block's logits when the *last* clean token changes (0 where the layout
    holds). Random tiny models of each family, the layout's own inputs and mask.
 2. Rollback cost: at decode, a rejected draft is already folded into the recurrent state. The
-   cheapest exact fix keeps a copy of the state from the step's start and re-runs the accepted tokens
-   (a second forward per step). Measured on a SmolLM2-135M-sized Qwen3.5 text model (random
-   weights, fp32, this CPU, best of 9 interleaved): AR's one-token step, TiDAR's step (1 + 2k tokens,
-   k = 4), the state copy and the re-run of 3 accepted tokens; the break-even tokens per forward is
-   (step + copy + re-run) / AR step, against step / AR step for a Llama of the same size.
+   cheapest exact fix keeps a copy of the state from the step's start and re-runs the accepted
+   tokens (a second forward per step). Measured on a SmolLM2-135M-sized Qwen3.5 text model (random
+   weights, fp32, this CPU, best of 9 interleaved): AR's one-token step, TiDAR's step (1 + 2k
+   tokens, k = 4), the state copy and the re-run of 3 accepted tokens; the break-even tokens per
+   forward is (step + copy + re-run) / AR step, against step / AR step for a Llama of the same size.
 
-    PYTHONPATH=src:tests python bench/recurrent.py [--out bench/results/recurrent.json] [--repeats 5]
+    PYTHONPATH=tests tidar-convert bench-recurrent [--out bench/results/recurrent.json] \\
+        [--repeats 9] [--dry-run]
+
+The leak's tiny models are the tests' (tests/family_matrix.py), so it runs from a checkout, with
+tests/ on PYTHONPATH.
 """
 
 from __future__ import annotations
 
-import argparse
 import copy
+import importlib.util
 import json
 import time
 from pathlib import Path
@@ -38,7 +42,8 @@ SMOLLM2_SIZE = dict(
     vocab_size=49152,
     tie_word_embeddings=True,
 )
-# Qwen3.5's linear-attention heads at the same width as its attention heads (9 x 64 values, 3 x 64 keys)
+# Qwen3.5's linear-attention heads at the same width as its attention heads (9 x 64 values, 3 x 64
+# keys)
 LINEAR_SIZE = dict(
     linear_key_head_dim=64,
     linear_value_head_dim=64,
@@ -92,15 +97,21 @@ def timed(fn, repeats: int) -> float:
 
 
 def step_costs(
-    model_type: str, repeats: int, prompt: int = 64, k: int = 4, accepted: int = 3
+    model_type: str,
+    repeats: int,
+    prompt: int = 64,
+    k: int = 4,
+    accepted: int = 3,
+    size: dict = SMOLLM2_SIZE,
 ) -> dict:
-    """Seconds of an AR step, a TiDAR-shaped step (1 + 2k tokens) and, for recurrent layers, the state
-    copy and the re-run of the accepted tokens, each from the same prefilled cache."""
+    """Seconds of an AR step, a TiDAR-shaped step (1 + 2k tokens) and, for recurrent layers, the
+    state copy and the re-run of the accepted tokens, each from the same prefilled cache, on a model
+    of `size`."""
     from tidar_convert.runtime.forward import cache_kwargs
 
     torch.manual_seed(0)
     config = AutoConfig.for_model(
-        model_type, **SMOLLM2_SIZE, **(LINEAR_SIZE if model_type == "qwen3_5_text" else {})
+        model_type, **size, **(LINEAR_SIZE if model_type == "qwen3_5_text" else {})
     )
     model = AutoModelForCausalLM.from_config(config).eval()
     ids = torch.randint(1, 1000, (1, prompt + 1 + 2 * k))
@@ -135,22 +146,32 @@ def step_costs(
     }
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--out", type=Path, default=Path("bench/results/recurrent.json"))
-    parser.add_argument("--repeats", type=int, default=9)
-    parser.add_argument(
-        "--dry-run",
-        action="store_true",
-        help="leak figures only, and one repeat of the costs of a 4-layer model",
-    )
-    args = parser.parse_args()
+def bench_recurrent_cmd(
+    out: str = "bench/results/recurrent.json", repeats: int = 9, dry_run: bool = False
+) -> str:
+    """Why recurrent layers are refused: the training layout's leak, and rollback's break-even.
+
+    Args:
+        out: the JSON record to write.
+        repeats: interleaved rounds of the step costs; each cost is the best of them.
+        dry_run: the leak figures, and one round of the costs of a 4-layer model with a 1000-token
+            vocabulary (one full-attention layer in Qwen3.5's 3:1 pattern): checks the script.
+
+    Returns:
+        Path of the JSON written.
+    """
+    if importlib.util.find_spec("family_matrix") is None:
+        raise FileNotFoundError(
+            "bench-recurrent builds the tests' tiny models (tests/family_matrix.py): run it from a "
+            "checkout with tests/ on the path, e.g. PYTHONPATH=tests tidar-convert bench-recurrent."
+        )
+    if repeats < 1:
+        raise ValueError(f"repeats={repeats}: must be >= 1.")
     torch.set_num_threads(max(1, torch.get_num_threads()))
-    if args.dry_run:
-        SMOLLM2_SIZE.update(
-            num_hidden_layers=4, vocab_size=1000
-        )  # 4: one full-attention layer in Qwen3.5's 3:1 pattern
-        args.repeats = 1
+    size = SMOLLM2_SIZE
+    if dry_run:
+        size = {**SMOLLM2_SIZE, "num_hidden_layers": 4, "vocab_size": 1000}
+        repeats = 1
     record = {
         "date": time.strftime("%Y-%m-%d"),
         "torch_threads": torch.get_num_threads(),
@@ -158,12 +179,10 @@ def main() -> None:
     }
     for row in record["leak"]:
         print(json.dumps(row))
-    record["step_costs"] = [step_costs(t, args.repeats) for t in ("llama", "qwen3_5_text")]
+    record["step_costs"] = [step_costs(t, repeats, size=size) for t in ("llama", "qwen3_5_text")]
     for row in record["step_costs"]:
         print(json.dumps(row))
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(record, indent=1) + "\n")
-
-
-if __name__ == "__main__":
-    main()
+    path = Path(out)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(record, indent=1) + "\n")
+    return out
