@@ -1,4 +1,5 @@
-"""`tidar-convert fit | validate | check | export | generate | bench | bench-serve | eval-ppl | quality | sweep | distill`.
+"""`tidar-convert fit | validate | check | export | generate | bench | bench-serve | eval-ppl |
+quality | sweep | distill`.
 
 fit/validate are LightningCLI (train.py: every key of a recipe is a flag: --model.draft_length 8,
 --trainer.max_steps 20, --ckpt_path last); the others are typed functions whose signatures are
@@ -40,9 +41,9 @@ def export_cmd(
         out: folder to write: new, empty, or an earlier export (with --overwrite). Any other
             existing folder or file is refused, and nothing is deleted.
         overwrite: replace an earlier export at `out` (only that: never other files).
-        adapter_energy: lora_scope='masks' only: each adapter delta is stored at the rank that keeps this
-            share of its squared norm (truncated SVD; fewer bytes to read each decoding step). 1.0
-            keeps the trained rank; none: lora.ADAPTER_ENERGY (0.99).
+        adapter_energy: lora_scope='masks' only: each adapter delta is stored at the rank that keeps
+            this share of its squared norm (truncated SVD; fewer bytes to read each decoding step).
+            1.0 keeps the trained rank; none: lora.ADAPTER_ENERGY (0.99).
         adapter_layers: lora_scope='masks' only: the share of adapted layers kept, those whose delta
             moves their weight most (each adapted layer costs a decoding step with mask groups the
             same small time, whatever its rank). 1.0 keeps all; none: lora.ADAPTER_LAYERS (0.75).
@@ -69,11 +70,13 @@ def export_cmd(
     if not (Path(checkpoint).is_file() or sharded):
         if Path(checkpoint).is_dir():
             raise FileNotFoundError(
-                f"checkpoint {checkpoint!r} is a folder but not a sharded checkpoint (no .metadata in it); pass a "
-                "checkpoint file or folder from <default_root_dir>/checkpoints/, e.g. last.ckpt."
+                f"checkpoint {checkpoint!r} is a folder but not a sharded checkpoint (no .metadata "
+                "in it); pass a checkpoint file or folder from <default_root_dir>/checkpoints/, "
+                "e.g. last.ckpt."
             )
         raise FileNotFoundError(
-            f"checkpoint {checkpoint!r} does not exist; `fit` writes them under <default_root_dir>/checkpoints/."
+            f"checkpoint {checkpoint!r} does not exist; `fit` writes them under "
+            "<default_root_dir>/checkpoints/."
         )
     check_export_target(out, overwrite)  # before reading anything: a refused --out costs nothing
     if not sharded:
@@ -94,7 +97,8 @@ def export_cmd(
         adapter_energy,
         adapter_layers,
         mask_scoped,
-        f"checkpoint {checkpoint!r} (lora_r={hparams.get('lora_r')}, lora_scope={hparams.get('lora_scope', 'all')!r})",
+        f"checkpoint {checkpoint!r} (lora_r={hparams.get('lora_r')}, "
+        f"lora_scope={hparams.get('lora_scope', 'all')!r})",
     )
     # renamed hyper-parameters passed under today's names (Lightning would drop the old ones)
     overrides = {k: hparams[k] for k in RENAMED.values() if k in hparams}
@@ -108,9 +112,8 @@ def export_cmd(
         m = TiDARModule.load_from_checkpoint(checkpoint, map_location="cpu", **overrides)
     from tidar_convert.train.fit import training_card
 
-    card = training_card(
-        m.hparams, steps, Path(checkpoint).resolve().parent.parent
-    )  # <run>/checkpoints/x.ckpt
+    # <run>/checkpoints/x.ckpt
+    card = training_card(m.hparams, steps, Path(checkpoint).resolve().parent.parent)
     path = export(
         m.model,
         m.tokenizer,
@@ -126,32 +129,37 @@ def export_cmd(
 
 
 def check_checkpoint_file(checkpoint: str) -> None:
-    """Refuse a file that is not a Lightning checkpoint before torch.load reads it as a pickle (which
-    says "Unsupported operand 96" of a safetensors file, and worse of others)."""
+    """Refuse a file that is not a Lightning checkpoint before torch.load reads it as a pickle
+    (which says "Unsupported operand 96" of a safetensors file, and worse of others)."""
     import zipfile
 
     if zipfile.is_zipfile(checkpoint):  # torch.save writes a zip archive
         return
     if Path(checkpoint).suffix == ".safetensors":
         raise ValueError(
-            f"--checkpoint {checkpoint!r} is a safetensors weights file, not a Lightning checkpoint: the folder it is in is already a model "
-            "(pass that folder as --model to generate or eval-ppl, or as --model.model to fit); export takes a .ckpt that fit wrote, "
+            f"--checkpoint {checkpoint!r} is a safetensors weights file, not a Lightning "
+            "checkpoint: the folder it is in is already a model "
+            "(pass that folder as --model to generate or eval-ppl, or as --model.model to fit); "
+            "export takes a .ckpt that fit wrote, "
             "e.g. runs/.../checkpoints/last.ckpt."
         )
     raise ValueError(
-        f"--checkpoint {checkpoint!r} is not a Lightning checkpoint that loads (not a whole torch zip archive: cut short, or another kind "
+        f"--checkpoint {checkpoint!r} is not a Lightning checkpoint that loads (not a whole torch "
+        "zip archive: cut short, or another kind "
         "of file); pass a .ckpt that fit wrote, e.g. runs/.../checkpoints/last.ckpt."
     )
 
 
 def check_recorded_model(checkpoint: str, recorded: str | None) -> None:
-    """Refuse, naming --model, a base model path recorded in a checkpoint that does not resolve here:
-    checkpoints of older versions kept the path as given, relative to the folder fit ran in."""
+    """Refuse, naming --model, a base model path recorded in a checkpoint that does not resolve
+    here: checkpoints of older versions kept the path as given, relative to the folder fit ran
+    in."""
     if not recorded or recorded in ("default", "embedded") or Path(recorded).expanduser().exists():
         return
     if recorded.startswith((".", "/", "~")) or recorded.count("/") > 1:
         raise FileNotFoundError(
-            f"checkpoint {checkpoint!r} was trained from the base model {recorded!r}, which is not there from here ({os.getcwd()}); "
+            f"checkpoint {checkpoint!r} was trained from the base model {recorded!r}, which is "
+            f"not there from here ({os.getcwd()}); "
             "pass --model with that base model's folder, or run export in the folder fit ran in."
         )
 
@@ -189,11 +197,13 @@ def generate_cmd(
             --chat or --no-chat-template the template is applied where the tokenizer has one.
         no_chat_template: feed the prompt as raw text even if the tokenizer has a chat template.
         draft_length: drafts per step (default: the trained draft length).
-        dtype: float32 or bfloat16 (bf16 is faster; float32 keeps greedy TiDAR token-identical to AR).
+        dtype: float32 or bfloat16 (bf16 is faster; float32 keeps greedy TiDAR token-identical to
+            AR).
         pack_weights: on CPU, auto (default) runs linear layers on weights packed once (fp32: for a
-            small C kernel built on first use; bf16: for oneDNN) where that is measured faster on this machine, at one more copy of the weights in memory; true
-            always, false never (PyTorch's stock product and attention path). Attention attends grouped
-            key/value heads in place unless false (kernels.cpu_kernels).
+            small C kernel built on first use; bf16: for oneDNN) where that is measured faster on
+            this machine, at one more copy of the weights in memory; true always, false never
+            (PyTorch's stock product and attention path). Attention attends grouped key/value heads
+            in place unless false (kernels.cpu_kernels).
         json: print one JSON object (text, new_tokens, nfe, tokens_per_nfe, seconds).
     """
     import torch
@@ -209,7 +219,8 @@ def generate_cmd(
         raise ValueError(f"temperature={temperature}: must be >= 0 (0 = greedy).")
     if not 0 < top_p <= 1:
         raise ValueError(
-            f"top_p={top_p}: must be in (0, 1] (1 = off), the share of probability mass sampled from."
+            f"top_p={top_p}: must be in (0, 1] (1 = off), the share of probability mass sampled "
+            "from."
         )
     if top_k < 0:
         raise ValueError(f"top_k={top_k}: must be >= 0 (0 = off).")
@@ -221,7 +232,8 @@ def generate_cmd(
     if temperature == 0 and any(on for _, on in sampling_only):
         given = " ".join(flag for flag, on in sampling_only if on)
         raise ValueError(
-            f"{given} applies only when sampling, and --temperature is 0 (greedy); pass --temperature > 0 (e.g. 0.7) to sample, or drop {given}."
+            f"{given} applies only when sampling, and --temperature is 0 (greedy); pass "
+            f"--temperature > 0 (e.g. 0.7) to sample, or drop {given}."
         )
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens={max_new_tokens}: must be >= 1.")
@@ -231,20 +243,24 @@ def generate_cmd(
         check_draft_length(draft_length, "--draft-length")
     if mode == "ar" and draft_length is not None:
         raise ValueError(
-            f"--draft-length {draft_length} with --mode ar: plain autoregressive decoding drafts nothing; drop one of them."
+            f"--draft-length {draft_length} with --mode ar: plain autoregressive decoding drafts "
+            "nothing; drop one of them."
         )
     if dtype not in ("float32", "bfloat16"):
         raise ValueError(f"dtype={dtype!r}: use float32 or bfloat16.")
     if chat and no_chat_template:
         raise ValueError(
-            "--chat and --no-chat-template contradict each other: pass --chat for the chat template, --no-chat-template for raw text."
+            "--chat and --no-chat-template contradict each other: pass --chat for the chat "
+            "template, --no-chat-template for raw text."
         )
     lm = load(model, dtype=getattr(torch, dtype))
     tok = load_tokenizer(model)
     if chat and not tok.chat_template:
         raise ValueError(
-            f"--chat: the tokenizer of {model!r} has no chat template (no chat_template.jinja, none in tokenizer_config.json); "
-            "drop --chat to feed the prompt as raw text, or export from an Instruct base that has one."
+            f"--chat: the tokenizer of {model!r} has no chat template (no chat_template.jinja, "
+            "none in tokenizer_config.json); "
+            "drop --chat to feed the prompt as raw text, or export from an Instruct base that has "
+            "one."
         )
     ids = (
         chat_ids(tok, prompt)
@@ -285,15 +301,16 @@ def generate_cmd(
     else:
         print(text)
         print(
-            f"\n[{mode}] {stats['new_tokens']} tokens, {stats['nfe']} forward passes, {stats['tokens_per_nfe']:.2f} tokens/NFE, {seconds:.2f} s",
+            f"\n[{mode}] {stats['new_tokens']} tokens, {stats['nfe']} forward passes, "
+            f"{stats['tokens_per_nfe']:.2f} tokens/NFE, {seconds:.2f} s",
             file=sys.stderr,
         )
 
 
 def chat_ids(tokenizer, prompt: str):
     """The prompt as one user message, rendered as `transformers serve` renders a chat completion
-    request (cli/serving/chat_completion.py: apply_chat_template with add_generation_prompt, tokenized
-    there), so the CLI and the server decode the same ids."""
+    request (cli/serving/chat_completion.py: apply_chat_template with add_generation_prompt,
+    tokenized there), so the CLI and the server decode the same ids."""
     return tokenizer.apply_chat_template(
         [{"role": "user", "content": prompt}],
         add_generation_prompt=True,
@@ -304,8 +321,8 @@ def chat_ids(tokenizer, prompt: str):
 
 
 def check_cmd(model: str, devices: int = 1, json: bool = False, record: str | None = None) -> None:
-    """Whether a model converts, from its config alone (no weights are read): the mechanisms it uses,
-    its parameter count, the memory per device a conversion holds (weights, grads, optimizer;
+    """Whether a model converts, from its config alone (no weights are read): the mechanisms it
+    uses, its parameter count, the memory per device a conversion holds (weights, grads, optimizer;
     activations not included), and the decode speed to expect from a bench record.
 
     Args:
@@ -324,13 +341,16 @@ def check_cmd(model: str, devices: int = 1, json: bool = False, record: str | No
     if record and not path.is_file():
         what = "is a folder" if path.is_dir() else "does not exist"
         raise FileNotFoundError(
-            f"--record {record!r} {what}; pass a JSON file that `tidar-convert bench` wrote (bench/results/NAME.json)."
+            f"--record {record!r} {what}; pass a JSON file that `tidar-convert bench` wrote "
+            "(bench/results/NAME.json)."
         )
     data = read_record(path) if path is not None else None
     if record and speed_from_record(1, data) is None:  # checked whatever the model: never ignored
         raise ValueError(
-            f"--record {record!r} is not a bench record with speed figures (it needs machine.parameters and "
-            "summary.ar / summary.tidar with tokens_per_s, and summary.tidar.tokens_per_nfe); pass a JSON that `tidar-convert bench` wrote, or leave "
+            f"--record {record!r} is not a bench record with speed figures (it needs "
+            "machine.parameters and "
+            "summary.ar / summary.tidar with tokens_per_s, and summary.tidar.tokens_per_nfe); "
+            "pass a JSON that `tidar-convert bench` wrote, or leave "
             "out --record for the newest under bench/results/."
         )
     facts = describe(read_config(model), devices)
@@ -345,25 +365,31 @@ def check_cmd(model: str, devices: int = 1, json: bool = False, record: str | No
         print(f"does not convert: {facts['reason']}")
     else:
         print(
-            f"converts: model_type={facts['model_type']!r} ({', '.join(facts['mechanisms'])}; attention: {facts['attn_implementation']})"
+            f"converts: model_type={facts['model_type']!r} ({', '.join(facts['mechanisms'])}; "
+            f"attention: {facts['attn_implementation']})"
         )
     if "parameters_error" in facts:
         print(
-            f"parameters: not counted (transformers cannot build this config: {facts['parameters_error']})"
+            "parameters: not counted (transformers cannot build this config: "
+            f"{facts['parameters_error']})"
         )
     if "parameters" in facts:
         print(f"parameters: {facts['parameters'] / 1e6:,.1f} M")
         for what, gib in facts["memory_per_device_gib"].items():
             print(
-                f"  {gib:8.2f} GiB per device ({devices} device{'s' if devices > 1 else ''}): {what}"
+                f"  {gib:8.2f} GiB per device ({devices} device{'s' if devices > 1 else ''}): "
+                f"{what}"
             )
     speed = facts.get("expected_speed")
     if speed:
         rates = ", ".join(f"{row} {v:g} tokens/s" for row, v in speed["tokens_per_s"].items())
         print(
-            f"decode speed to expect, batch 1, on the machine of {speed['record']} ({speed['machine']['device_name']}, {speed['machine']['dtype']}, "
-            f"{speed['machine']['threads']} threads): {rates}; scaled from its {speed['measured_parameters'] / 1e6:,.1f} M-parameter model by parameter count "
-            f"(TiDAR at its {speed['tidar_tokens_per_forward']} tokens per forward). On another machine: `tidar-convert bench`."
+            f"decode speed to expect, batch 1, on the machine of {speed['record']} "
+            f"({speed['machine']['device_name']}, {speed['machine']['dtype']}, "
+            f"{speed['machine']['threads']} threads): {rates}; scaled from its "
+            f"{speed['measured_parameters'] / 1e6:,.1f} M-parameter model by parameter count "
+            f"(TiDAR at its {speed['tidar_tokens_per_forward']} tokens per forward). "
+            "On another machine: `tidar-convert bench`."
         )
     if not facts["converts"]:
         sys.exit(1)
@@ -378,13 +404,15 @@ def read_record(path: Path) -> dict:
         ) from None
     if not isinstance(data, dict):
         raise ValueError(
-            f"--record '{path}' holds a JSON {type(data).__name__}, not a bench record; pass a JSON that `tidar-convert bench` wrote."
+            f"--record '{path}' holds a JSON {type(data).__name__}, not a bench record; pass a "
+            "JSON that `tidar-convert bench` wrote."
         )
     return data
 
 
 def newest_record() -> Path | None:
-    """The newest bench record with speed figures under this checkout's bench/results/ (none in a wheel)."""
+    """The newest bench record with speed figures under this checkout's bench/results/ (none in a
+    wheel)."""
     folder = Path(__file__).resolve().parents[2] / "bench" / "results"
     records = (
         sorted(folder.glob("*.json"), key=lambda p: (p.stat().st_mtime, p.name), reverse=True)
@@ -402,7 +430,8 @@ def newest_record() -> Path | None:
 
 
 def _unix_flags(args: list[str], functions) -> list[str]:
-    """Accept --max-new-tokens for --max_new_tokens, and a bare boolean flag (--json) for --json true."""
+    """Accept --max-new-tokens for --max_new_tokens, and a bare boolean flag (--json) for --json
+    true."""
     import inspect
 
     bools = {

@@ -32,7 +32,8 @@ SAMPLING = {"temperature": 0.7, "top_p": 0.9}
 class Decoder:
     """weights: "export" or "base". tidar: TiDAR decoding, else transformers' own generate.
     drafter: the TiDAR drafter (None: the engine's default). lookup: transformers' prompt lookup.
-    draft_length: TiDAR's k for this decoder alone (None: the run's `--draft-length`). plan: TiDAR's step plan
+    draft_length: TiDAR's k for this decoder alone (None: the run's `--draft-length`).
+    plan: TiDAR's step plan
     (None: the engine's default, 'cost'). pack_weights: the CPU kernels of kernels.cpu_kernels
     ("auto": linear layers on weights packed for oneDNN where that is measured faster, grouped
     key/value heads attended in place; the export's generate() runs them by default, the base's

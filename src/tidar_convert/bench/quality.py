@@ -303,7 +303,8 @@ def quality_cmd(
     Args:
         model: TiDAR export folder (from `make convert` or `tidar-convert export`).
         base: the base model it was converted from: folder, hub id or .gguf; default: the one the
-            export records (config.json: `tidar.base_model`), else the embedded SmolLM2-135M-Instruct.
+            export records (config.json: `tidar.base_model`), else the embedded
+            SmolLM2-135M-Instruct.
         limit: only the first N prompts (code and text interleaved); default: all 169. pass@1 is
             then over the HumanEval problems among them (the pass rule is meant for all 164).
         max_new_tokens: tokens per generation (>= 128 for a meaningful loop check).

@@ -67,7 +67,8 @@ def leak(model_type: str, seq_len: int = 16, draft_length: int = 4) -> dict:
     ids = torch.randint(1, 300, (1, seq_len))
     changed = ids.clone()
     changed[0, -1] = (ids[0, -1] + 1) % 300 + 1
-    dense = layout.to_dense(layout.train_mask_mod(seq_len, draft_length), 1, 2 * seq_len, 2 * seq_len)
+    mask_mod = layout.train_mask_mod(seq_len, draft_length)
+    dense = layout.to_dense(mask_mod, 1, 2 * seq_len, 2 * seq_len)
     out = {"model_type": model_type, "mechanisms": check(config).mechanisms}
     try:
         with torch.no_grad():

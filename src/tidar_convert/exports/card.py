@@ -47,9 +47,9 @@ def base_model_id(name_or_path: str | None) -> str | None:
 
 
 def model_card(name: str, config, card: dict | None = None) -> str:
-    """README.md of an export, whose config holds its TiDAR spec (spec.TiDARSpec). card: optional facts; `base_model` (hub id; default: told from
-    config.name_or_path), `recipe` (the YAML config it was trained with), anything else (steps,
-    data, lora_r, ...) is listed as is."""
+    """README.md of an export, whose config holds its TiDAR spec (spec.TiDARSpec). card: optional
+    facts; `base_model` (hub id; default: told from config.name_or_path), `recipe` (the YAML config
+    it was trained with), anything else (steps, data, lora_r, ...) is listed as is."""
     card = dict(card or {})
     spec = TiDARSpec.from_config(config)
     base = base_model_id(card.pop("base_model", None)) or base_model_id(
@@ -98,7 +98,10 @@ def model_card(name: str, config, card: dict | None = None) -> str:
             )
         if "layers" in adapter:
             kept, adapted = adapter["layers"]
-            scoped_note += f" Of the {adapted} adapted layers, the {kept} whose delta moves their weight most are kept."
+            scoped_note += (
+                f" Of the {adapted} adapted layers, the {kept} whose delta moves their weight "
+                "most are kept."
+            )
     body = f"""
 # {name}
 
@@ -171,7 +174,8 @@ def results_section(metrics: dict) -> str:
         tables.append(
             (
                 metrics["summary_sampling"],
-                f"Sampled (temperature {sampling['temperature']}, top_p {sampling['top_p']}, seed {sampling['seed']}; the same prompts):",
+                f"Sampled (temperature {sampling['temperature']}, top_p {sampling['top_p']}, "
+                f"seed {sampling['seed']}; the same prompts):",
             )
         )
     for summary, heading in tables:
@@ -181,7 +185,9 @@ def results_section(metrics: dict) -> str:
             lines += ["", heading]
         lines += [
             "",
-            "| decoder | tokens per forward (T/NFE) | query slots per step | LM-head rows per step | tokens/s | vs AR | vs prompt lookup | vs base prompt lookup | vs stock AR | identical to AR greedy |",
+            "| decoder | tokens per forward (T/NFE) | query slots per step | LM-head rows per step "
+            "| tokens/s | vs AR | vs prompt lookup | vs base prompt lookup | vs stock AR "
+            "| identical to AR greedy |",
             "|---|---|---|---|---|---|---|---|---|---|",
         ]
         for decoder, s in summary.items():
@@ -200,7 +206,8 @@ def results_section(metrics: dict) -> str:
                 )
             )
             lines.append(
-                f"| {decoder} | {s['tokens_per_nfe']:.2f} | {num(s.get('slots_per_step'), '.1f')} | {num(s.get('lm_head_rows_per_step'), '.1f')} "
+                f"| {decoder} | {s['tokens_per_nfe']:.2f} | {num(s.get('slots_per_step'), '.1f')} "
+                f"| {num(s.get('lm_head_rows_per_step'), '.1f')} "
                 f"| {s['tokens_per_s']:.1f} | {ratios} | {same} |"
             )
     guard = metrics.get("quality")
@@ -209,20 +216,27 @@ def results_section(metrics: dict) -> str:
         pass1 = (
             ""
             if c["pass@1"] is None
-            else f", HumanEval pass@1 {c['pass@1']:.1%} vs {b['pass@1']:.1%} ({guard['humaneval_problems']} problems)"
+            else (
+                f", HumanEval pass@1 {c['pass@1']:.1%} vs {b['pass@1']:.1%} "
+                f"({guard['humaneval_problems']} problems)"
+            )
         )
         verdict = "passes" if guard["passes"] else "FAILS (" + "; ".join(guard["reasons"]) + ")"
         lines += [
             "",
-            f"Its own greedy text against the base model's, same prompts: distinct-2 {c['distinct2']:.3f} vs {b['distinct2']:.3f}, "
-            f"ending in a loop {c['loop_share']:.0%} vs {b['loop_share']:.0%}{pass1}. The quality guard {verdict}.",
+            "Its own greedy text against the base model's, same prompts: distinct-2 "
+            f"{c['distinct2']:.3f} vs {b['distinct2']:.3f}, "
+            f"ending in a loop {c['loop_share']:.0%} vs {b['loop_share']:.0%}{pass1}. "
+            f"The quality guard {verdict}.",
         ]
     ppl = metrics.get("perplexity")
     if ppl:
         lines += [
             "",
-            f"Perplexity on {ppl['data']} ({ppl.get('max_tokens', '?')} tokens, {ppl.get('seq_len', '?')}-token chunks): "
-            f"base {ppl['base']:.3f}, converted {ppl['converted']:.3f} ({ppl['change_pct']:+.1f}%).",
+            f"Perplexity on {ppl['data']} ({ppl.get('max_tokens', '?')} tokens, "
+            f"{ppl.get('seq_len', '?')}-token chunks): "
+            f"base {ppl['base']:.3f}, converted {ppl['converted']:.3f} "
+            f"({ppl['change_pct']:+.1f}%).",
         ]
     return "\n".join(lines)
 

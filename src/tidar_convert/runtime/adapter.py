@@ -1,18 +1,20 @@
-"""Adapters that act on mask slots only (lora_scope='masks'): the AR half stays the base model, exactly.
+"""Adapters that act on mask slots only (lora_scope='masks'): the AR half stays the base model,
+exactly.
 
 A converted model trained with `--model.lora_scope masks` keeps its low-rank deltas apart from the
-base weights and applies them only to the rows of mask tokens. Every other row (the prompt, committed
-text, the drafts a step verifies) goes through the base weights untouched, and a row only ever
-attends to real tokens and to mask slots of its own group, so every AR distribution, and so every
-token TiDAR commits, is the base model's, bit for bit. Only the drafts come from adapted rows. Plain
-AR decoding and perplexity are those of the base model by construction: converting cannot make the
-model write worse.
+base weights and applies them only to the rows of mask tokens. Every other row (the prompt,
+committed text, the drafts a step verifies) goes through the base weights untouched, and a row only
+ever attends to real tokens and to mask slots of its own group, so every AR distribution, and so
+every token TiDAR commits, is the base model's, bit for bit. Only the drafts come from adapted rows.
+Plain AR decoding and perplexity are those of the base model by construction: converting cannot
+make the model write worse.
 
 One gate per model, set from the input ids by a pre-hook on the input embedding (every forward path
 embeds its tokens first: model(), its decoder alone, PEFT's wrapper) and read by each adapted layer.
 In training the gate multiplies PEFT's LoRA branch (lora.gate_to_masks); in an export it adds the
 saved deltas (ADAPTER_FILE, attach). The engine lays out a step's mask groups after its drafts and a
-training sequence's masks after its clean half, so the rows are one trailing block: a slice, no gather.
+training sequence's masks after its clean half, so the rows are one trailing block: a slice, no
+gather.
 
 On generate()'s panel products (fp32 and bf16) the deltas of a batch-1 step's mask rows run inside
 each weight's pass (kernels.packed_forward: B packed beside W, the hook set aside); elsewhere the
@@ -35,15 +37,17 @@ GATE_ATTR = "_tidar_gate"
 
 
 class Gate:
-    """Which rows of the current forward are mask slots: a trailing block from column `start` in every
-    row (the layouts this repo builds), or else an explicit (B, T) boolean `rows`; neither = none."""
+    """Which rows of the current forward are mask slots: a trailing block from column `start` in
+    every row (the layouts this repo builds), or else an explicit (B, T) boolean `rows`; neither =
+    none."""
 
     def __init__(self, mask_id: int):
         self.mask_id = mask_id
         self.start: int | None = None
         self.rows: torch.Tensor | None = None
         self.shape: tuple = ()  # (B, T) of the current input ids
-        self._weights: dict = {}  # (B, T, dtype, device) -> weights(): one tensor per forward, not one per layer
+        # (B, T, dtype, device) -> weights(): one tensor per forward, not one per layer
+        self._weights: dict = {}
 
     def set(self, input_ids: torch.Tensor) -> None:
         is_mask = input_ids == self.mask_id
@@ -63,14 +67,16 @@ class Gate:
         return self.start is not None or self.rows is not None
 
     def weights(self, like: torch.Tensor) -> torch.Tensor:
-        """(B, T, 1) ones on mask rows, zeros elsewhere, in like's dtype (training: multiplies the LoRA branch)."""
+        """(B, T, 1) ones on mask rows, zeros elsewhere, in like's dtype (training: multiplies the
+        LoRA branch)."""
         B, T = like.shape[:2]
-        if (
-            self.open and like.dim() == 3 and (B, T) != self.shape
-        ):  # tokens out of sequence order: which are mask rows is unknown
+        # tokens out of sequence order: which are mask rows is unknown
+        if self.open and like.dim() == 3 and (B, T) != self.shape:
             raise RuntimeError(
-                f"a mask-slot adapter saw {tuple(like.shape)} where the input ids are {tuple(self.shape)}: a layer that runs on "
-                "tokens out of sequence order (lora.out_of_order) has an adapter; lora_scope='masks' cannot gate it."
+                f"a mask-slot adapter saw {tuple(like.shape)} where the input ids are "
+                f"{tuple(self.shape)}: a layer that runs on "
+                "tokens out of sequence order (lora.out_of_order) has an adapter; "
+                "lora_scope='masks' cannot gate it."
             )
         key = (B, T, like.dtype, like.device)
         if key not in self._weights:
@@ -90,7 +96,8 @@ class Gate:
         dtype (attach: fp32 on CPU). A decoding step of one row has its mask rows as one contiguous
         block: on CPU, in fp32 or bf16, one C call there (panel.lora_add), else one mm and one
         in-place addmm; this runs on every adapted layer, ~150 a forward, and its overhead, not its
-        FLOPs, is its cost (torch's products and their slicing took 35-60 us a layer)."""
+        FLOPs, is its cost (torch's products and their slicing, per layer: bench/LOG.md, "the
+        adapter's delta inside the panel pass")."""
         if (
             self.start is not None
             and out.device.type == "cpu"
@@ -98,7 +105,10 @@ class Gate:
         ):
             return out
         At = A.T
-        delta = lambda v: (v.to(At.dtype) @ At @ Bt).to(out.dtype)
+
+        def delta(v):
+            return (v.to(At.dtype) @ At @ Bt).to(out.dtype)
+
         if self.start is not None:
             if out.shape[0] == 1 and out.is_contiguous() and x.is_contiguous():
                 rows, xs = (
@@ -129,15 +139,16 @@ def install_gate(model, mask_id: int) -> Gate:
 
 
 def attach(model, tensors: dict[str, torch.Tensor], mask_id: int) -> Gate:
-    """Adds the saved deltas to the named linear layers on mask rows: out += B(A(x)) (scaling folded
-    into B). tensors: '<module name>.lora_A' (r, in) and '<module name>.lora_B' (out, r)."""
+    """Adds the saved deltas to the named linear layers on mask rows: out += B(A(x)) (scaling
+    folded into B). tensors: '<module name>.lora_A' (r, in) and '<module name>.lora_B' (out, r)."""
     gate = install_gate(model, mask_id)
     modules = dict(model.named_modules())
     names = sorted({key.rsplit(".", 1)[0] for key in tensors})
     missing = [n for n in names if n not in modules]
     if missing:
         raise ValueError(
-            f"{ADAPTER_FILE} names layers this model does not have ({', '.join(missing[:3])}, ...): it belongs to another model; re-export."
+            f"{ADAPTER_FILE} names layers this model does not have "
+            f"({', '.join(missing[:3])}, ...): it belongs to another model; re-export."
         )
     for name in names:
         layer = modules[name]
@@ -145,8 +156,8 @@ def attach(model, tensors: dict[str, torch.Tensor], mask_id: int) -> Gate:
         # A as saved (r, in): the rows the C call (panel.lora_add) takes dot products with; B
         # transposed (r, out), so its rows are what each mask row adds a multiple of. On CPU
         # in fp32 whatever the model's dtype: a bf16 product of these thin matrices costs more there
-        # than converting the mask rows (SmolLM2-135M in bf16 on a 2-core AMX Xeon: a step of 20
-        # slots with 16 mask slots took 60 ms with bf16 deltas, 52 ms with fp32, 38 ms without).
+        # than converting the mask rows (SmolLM2-135M in bf16, a step with 16 mask slots:
+        # bench/LOG.md, "bf16 adapters in fp32, and trees at every depth").
         dtype = (
             torch.float32
             if weight.device.type == "cpu" and weight.dtype in (torch.bfloat16, torch.float16)
@@ -162,9 +173,8 @@ def attach(model, tensors: dict[str, torch.Tensor], mask_id: int) -> Gate:
             tensors[f"{name}.lora_B"].t().to(weight.device, dtype).contiguous(),
             persistent=False,
         )
-        object.__setattr__(
-            layer, LORA_GATE, gate
-        )  # kernels.packed_forward adds the delta itself, the hook set aside
+        # kernels.packed_forward adds the delta itself, the hook set aside
+        object.__setattr__(layer, LORA_GATE, gate)
 
         def hook(module, args, out):
             if gate.open:

@@ -1,25 +1,26 @@
 """TiDAR decoding as a drop-in `generate()`: draft, verify autoregressively, one pass a step.
 
-Shipped in every export as `custom_generate/generate.py`, with its neighbours engine.py, forward.py,
-plan.py, costs.py, drafters.py, verify.py, layout.py, adapter.py, kernels.py and panel.py beside it (export.shipped_code), so
+Shipped in every export as `custom_generate/generate.py`, with its neighbours engine.py,
+forward.py, plan.py, costs.py, drafters.py, verify.py, layout.py, adapter.py, kernels.py and
+panel.py beside it (export.shipped_code), so
 `AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True).generate(...)` runs it without
 tidar_convert installed. It imports nothing but torch, transformers and those files.
 
-This file is the argument side: generate() arguments mean what they mean in transformers (the config
-is merged, the logits processors and stopping criteria are built by transformers' own GenerationMixin
-helpers, `prepare`); what cannot be verified exactly is refused by name. The loop itself is
-engine.decode: a Drafter (drafters.py: diffusion, lookup, hybrid) proposes, a step plan says which
-query slots one forward runs, a Verifier (verify.py: greedy, or sampling with draws keyed by
-position) accepts.
+This file is the argument side: generate() arguments mean what they mean in transformers (the
+config is merged, the logits processors and stopping criteria are built by transformers' own
+GenerationMixin helpers, `prepare`); what cannot be verified exactly is refused by name. The loop
+itself is engine.decode: a Drafter (drafters.py: diffusion, lookup, hybrid) proposes, a step plan
+says which query slots one forward runs, a Verifier (verify.py: greedy, or sampling with draws
+keyed by position) accepts.
 
 After each call, `model.tidar_stats` holds nfe (forward passes), new_tokens, tokens_per_nfe,
 accepted (drafts committed at each step), slots_per_step (mean query slots of a decoding forward),
 lm_head_rows_per_step (mean vocabulary-head rows per batch row of a decoding forward) and
 draft_sources (row-steps drafted by lookup, diffusion, or nothing), sibling_steps (steps that
 committed a sibling of draft 1 instead of the chain), acceptance_by_offset (per draft source, the
-chain's proposals judged, accepted and the plan's summed chance for them, by offset: engine.DecodeState.judge);
-with per-row acceptance in a batch also tokens_per_nfe_per_row (each row's new tokens over the
-forwards it was active in).
+chain's proposals judged, accepted and the plan's summed chance for them, by offset:
+engine.DecodeState.judge); with per-row acceptance in a batch also tokens_per_nfe_per_row (each
+row's new tokens over the forwards it was active in).
 """
 
 from __future__ import annotations
@@ -41,18 +42,23 @@ from transformers.utils import logging
 
 # Relative, so the same lines work in the package and in an export's custom_generate/ folder.
 from .adapter import ensure as ensure_adapter
-from .drafters import Draft, make_drafter  # noqa: F401  (Draft: for callers that build drafts by hand)
+
+# Draft: for callers that build drafts by hand
+from .drafters import Draft, make_drafter  # noqa: F401
 from .engine import decode
 from .kernels import cpu_kernels
 from .kernels import resolve as resolve_kernels
-from .layout import decode_mask_mod  # noqa: F401  (imported here so a missing layout.py is named as generate.py's import)
+
+# imported here so a missing layout.py is named as generate.py's import
+from .layout import decode_mask_mod  # noqa: F401
 from .plan import Planner
 from .session import Session, session_of
 from .spec import TiDARSpec, check_draft_length
 from .verify import Greedy, Sampling, draw_seed
 
-# Under transformers' `cli` logger, so that `transformers serve --log-level info` shows it with its own lines
-# (5.25 sets the level of `transformers.cli` only; earlier releases, of `transformers`: a child of both).
+# Under transformers' `cli` logger, so that `transformers serve --log-level info` shows it with its
+# own lines (5.25 sets the level of `transformers.cli` only; earlier releases, of `transformers`: a
+# child of both).
 log = logging.get_logger("transformers.cli.tidar")
 
 
@@ -60,23 +66,24 @@ log = logging.get_logger("transformers.cli.tidar")
 # Continuous batching: `transformers serve --continuous-batching`, `generate_batch` and
 # `init_continuous_batching` run transformers' own paged loop on the model's forward and never call
 # model.generate, so an export decodes plain AR there without a word. All three entry points go
-# through ContinuousMixin.init_continuous_batching: it is wrapped once per process (the export carries
-# no model class of its own to hook), and the wrapper speaks only for models whose generate is TiDAR's.
-# It is wrapped when an export is loaded, never on import of the toolkit: transformers importing an
-# export's copy of this file is that load; in the toolkit, tidar_convert.load calls it.
+# through ContinuousMixin.init_continuous_batching: it is wrapped once per process (the export
+# carries no model class of its own to hook), and the wrapper speaks only for models whose generate
+# is TiDAR's. It is wrapped when an export is loaded, never on import of the toolkit: transformers
+# importing an export's copy of this file is that load; in the toolkit, tidar_convert.load calls it.
 # --------------------------------------------------------------------------------------------
 
 CONTINUOUS_BATCHING_WARNING = (
     "TiDAR decoding does not run under continuous batching: transformers' paged loop "
-    "(init_continuous_batching, `transformers serve --continuous-batching`, generate_batch) decodes this "
-    "TiDAR export as plain AR, one token per forward. Serve it without --continuous-batching "
-    "(`transformers serve --trust-remote-code EXPORT`), or call model.generate, to decode with TiDAR."
+    "(init_continuous_batching, `transformers serve --continuous-batching`, generate_batch) "
+    "decodes this TiDAR export as plain AR, one token per forward. Serve it without "
+    "--continuous-batching (`transformers serve --trust-remote-code EXPORT`), or call "
+    "model.generate, to decode with TiDAR."
 )
 
 
 def binds_tidar(model) -> bool:
-    """Whether model.generate is a TiDAR generate() bound to this model (this file, in the package or
-    an export of any version: the same test as tidar_convert.exports.folder.tidar_active)."""
+    """Whether model.generate is a TiDAR generate() bound to this model (this file, in the package
+    or an export of any version: the same test as tidar_convert.exports.folder.tidar_active)."""
     gen = model.__dict__.get("generate")
     fn = getattr(gen, "func", None)
     if (
@@ -99,9 +106,8 @@ def warn_under_continuous_batching() -> None:
     except ImportError:  # a transformers without continuous batching: nothing bypasses generate()
         return
     original = ContinuousMixin.init_continuous_batching
-    if getattr(
-        original, "tidar_warns", False
-    ):  # the package's decode.py and an export's both import this
+    # the package's decode.py and an export's both import this
+    if getattr(original, "tidar_warns", False):
         return
 
     @functools.wraps(original)
@@ -114,9 +120,8 @@ def warn_under_continuous_batching() -> None:
     ContinuousMixin.init_continuous_batching = init_continuous_batching
 
 
-if not __name__.startswith(
-    "tidar_convert."
-):  # an export's copy, imported by transformers as it loads the export
+# an export's copy, imported by transformers as it loads the export
+if not __name__.startswith("tidar_convert."):
     warn_under_continuous_batching()
 
 
@@ -125,9 +130,10 @@ if not __name__.startswith(
 # --------------------------------------------------------------------------------------------
 
 
-# GenerationConfig fields TiDAR decoding does not implement, refused by name when set to anything but
-# None, transformers' global default, or one of the listed values. Every other field is honoured with
-# transformers' semantics or changes nothing here; tests/test_generate_args.py walks every field.
+# GenerationConfig fields TiDAR decoding does not implement, refused by name when set to anything
+# but None, transformers' global default, or one of the listed values. Every other field is honoured
+# with transformers' semantics or changes nothing here; tests/test_generate_args.py walks every
+# field.
 REFUSED = {
     "num_beams": ((1,), "beam search"),
     "num_beam_groups": ((1,), "group beam search"),
@@ -166,7 +172,8 @@ def refuse(name, value, why):
     if not isinstance(value, (bool, int, float, str, list, tuple, dict)):
         value = f"<{type(value).__name__}>"
     raise ValueError(
-        f"{name}={value!r} is not supported by TiDAR decoding ({why}); pass tidar=False for plain AR decoding (transformers' generate)."
+        f"{name}={value!r} is not supported by TiDAR decoding ({why}); pass tidar=False for "
+        "plain AR decoding (transformers' generate)."
     )
 
 
@@ -183,15 +190,16 @@ def check_refused(gc: GenerationConfig) -> None:
 
 @dataclass
 class Run:
-    """Everything one generate() call decides before the loop, as transformers' generate() decides it."""
+    """Everything one generate() call decides before the loop, as transformers' generate() decides
+    it."""
 
     input_ids: torch.Tensor  # (B, P), repeated num_return_sequences times
     kv_valid: torch.Tensor  # (B, P) False at left padding
-    gc: GenerationConfig  # merged: arguments > generation_config > model.generation_config > defaults
+    # merged: arguments > generation_config > model.generation_config > defaults
+    gc: GenerationConfig
     processors: LogitsProcessorList  # transformers' own, plus `logits_processor`
-    criteria: (
-        StoppingCriteriaList  # max_length, max_time, stop_strings, EOS, plus `stopping_criteria`
-    )
+    # max_length, max_time, stop_strings, EOS, plus `stopping_criteria`
+    criteria: StoppingCriteriaList
     pick: Greedy | Sampling
     k: int
     mask_id: int
@@ -205,8 +213,8 @@ class Run:
 
 
 def prepare(model, input_ids, generation_config, draft_length, beta, kwargs) -> Run:
-    """Merge and check the arguments, and build the logits processors and stopping criteria, through
-    transformers' own GenerationMixin helpers so every field means what it means there."""
+    """Merge and check the arguments, and build the logits processors and stopping criteria,
+    through transformers' own GenerationMixin helpers so every field means what it means there."""
     for name, why in REFUSED_ARGS.items():
         value = kwargs.pop(name, None)
         if value is not None and value is not False:
@@ -219,9 +227,8 @@ def prepare(model, input_ids, generation_config, draft_length, beta, kwargs) -> 
     tokenizer = kwargs.pop("tokenizer", None)
     generator = kwargs.pop("generator", None)
     kwargs.pop("trust_remote_code", None)
-    if (
-        kwargs.get("max_new_tokens") is not None and kwargs["max_new_tokens"] <= 0
-    ):  # before transformers' own, vaguer check
+    # before transformers' own, vaguer check
+    if kwargs.get("max_new_tokens") is not None and kwargs["max_new_tokens"] <= 0:
         raise ValueError(f"max_new_tokens={kwargs['max_new_tokens']}: must be >= 1.")
     # A given generation_config is completed by the model's, then by the global defaults
     # (max_length=20, temperature=1.0, ...); keyword arguments override both.
@@ -239,9 +246,8 @@ def prepare(model, input_ids, generation_config, draft_length, beta, kwargs) -> 
     check_refused(gc)
     if unused:
         raise TypeError(f"TiDAR generate() got unsupported arguments: {', '.join(sorted(unused))}.")
-    if (
-        input_ids is None and gc.bos_token_id is not None
-    ):  # as transformers: no prompt -> one BOS token
+    # as transformers: no prompt -> one BOS token
+    if input_ids is None and gc.bos_token_id is not None:
         input_ids = torch.full((1, 1), gc.bos_token_id, dtype=torch.long, device=model.device)
     spec = TiDARSpec.from_config(model.config)
     if spec is None or spec.mask_token_id is None:
@@ -254,9 +260,8 @@ def prepare(model, input_ids, generation_config, draft_length, beta, kwargs) -> 
     k = spec.draft_length if draft_length is None else check_draft_length(draft_length)
     mask_id = spec.mask_token_id
     check_inputs(model, gc, input_ids, attention_mask, k, mask_id, beta)
-    input_ids = (
-        input_ids.long()
-    )  # int32 ids (numpy, ONNX tokenizers) index the caches as int64 does
+    # int32 ids (numpy, ONNX tokenizers) index the caches as int64 does
+    input_ids = input_ids.long()
 
     prompt_ids, n = input_ids, gc.num_return_sequences or 1
     if n > 1:  # as transformers: each prompt repeated n times, the rows of one prompt adjacent
@@ -330,15 +335,16 @@ def generate(
     tidar: False runs plain AR decoding (transformers' own generate) on the same weights. None (the
         default): a `tidar` field of `generation_config`, else of the model's generation_config
         (generation_config.json), else True. So a server that passes a request's generation config
-        (`transformers serve`: the request's `generation_config` JSON) can turn TiDAR off per request.
-    draft_length: tokens per mask group (diffusion drafts); defaults to the trained one (spec.TiDARSpec).
-        Any value >= 2 keeps the output exact (only acceptance changes); the diffusion head is only
-        trained for the trained one.
+        (`transformers serve`: the request's `generation_config` JSON) can turn TiDAR off per
+        request.
+    draft_length: tokens per mask group (diffusion drafts); defaults to the trained one
+        (spec.TiDARSpec). Any value >= 2 keeps the output exact (only acceptance changes); the
+        diffusion head is only trained for the trained one.
     beta: 1.0 (default) trusts AR and is exact; < 1 mixes diffusion logits into the committed token.
-    drafter: where drafts come from: "hybrid" (default; per row, lookup where the text has a
-        match, else diffusion; diffusion first once its drafts get accepted further), "diffusion"
-        (TiDAR's mask groups), "lookup" (n-gram matches in the prompt and generated text, no mask
-        groups). Every drafter is exact.
+    drafter: where drafts come from: "hybrid" (default; per row, lookup where the text has a match,
+        else diffusion; diffusion first once its drafts get accepted further), "diffusion" (TiDAR's
+        mask groups), "lookup" (n-gram matches in the prompt and generated text, no mask groups).
+        Every drafter is exact.
     plan: "cost" (default) runs, each step, the shape (proposals kept, mask groups) with the most
         expected tokens per second, from the drafts' confidence and the time each step shape has
         taken on this model and machine (measured as it decodes, kept across calls in the model's
@@ -347,41 +353,42 @@ def generate(
         "adaptive" keeps the proposals and groups with a chance >= 1 / slot_budget (5 % at the
         default budget) of being used, whatever they cost (T/NFE reproducible); "full" a group at
         every length (the paper's k + k*k slots). Every plan gives the same output, sampled ones too
-        (for one torch seed: see below). slot_budget: most
-        query slots per step (default max(k + k*k, 11 + k): the paper's step, or a full lookup draft
-        and one group). On a GPU, where a step of ~100 slots costs about what one slot does, a wide
+        (for one torch seed: see below). slot_budget: most query slots per step (default
+        max(k + k*k, 11 + k): the paper's step, or a full lookup draft and one group). On a GPU,
+        where a step of many slots costs about what one slot does (bench/RESULTS.md §6), a wide
         budget pays: plan="adaptive", slot_budget=96, siblings=7.
     siblings: up to this many alternatives to each drafted token (the diffusion group's next
         likeliest tokens at that offset; for a lookup draft, the continuations of the n-gram's other
         occurrences, as branches where they leave the chain, and the group's at its first proposal)
         verified in the same forward, one query slot each, as a tree: the plan keeps the nodes the
-        step most likely reaches, and may pre-draft a group after any of them. Greedy, batch 1, beta = 1 only
-        (elsewhere 0). Exact: the AR's token at each node picks the child holding it, and the step
-        commits that path. Default 3; 0: chains only.
-    pack_weights: on CPU, the linear layers' product, the same for every path (tidar=False and prompt
-        lookup too). "auto" (default): the fastest of PyTorch's stock product and the packed ones
-        (kernels.py: panels for a small C kernel built on first use, in fp32 and bf16; oneDNN's
+        step most likely reaches, and may pre-draft a group after any of them. Greedy, batch 1,
+        beta = 1 only (elsewhere 0). Exact: the AR's token at each node picks the child holding it,
+        and the step commits that path. Default 3; 0: chains only.
+    pack_weights: on CPU, the linear layers' product, the same for every path (tidar=False and
+        prompt lookup too). "auto" (default): the fastest of PyTorch's stock product and the packed
+        ones (kernels.py: panels for a small C kernel built on first use, in fp32 and bf16; oneDNN's
         layout in bf16, or in fp32 without the kernel) on a pass through the model's layers at 1 and
-        8 rows, timed once per model and dtype (about 0.5 s for 135M parameters, more for larger
-        models: each pass reads every weight; kernels.packing_pays); packing keeps one more copy of
-        each weight (kernels.release frees it). True: always packed; False: stock, and
+        8 rows, timed once per model and dtype (longer for larger models: each pass reads every
+        weight; kernels.packing_pays; its time on SmolLM2-135M: bench/LOG.md); packing keeps one
+        more copy of each weight (kernels.release frees it). True: always packed; False: stock, and
         transformers' own attention path. Otherwise attention under a mask attends grouped key/value
         heads in place instead of copying the cache to every query head (kernels.grouped_attention);
         where every layer takes panels, one product for every row count, attention runs per query
         (kernels.sdpa_exact) and greedy TiDAR equals tidar=False bit for bit. What each linear layer
-        took is then `model.tidar_products` ({"panels": 211}, say), logged once at info when it changes.
+        took is then `model.tidar_products` ({"panels": 211}, say), logged once at info when it
+        changes.
 
     do_sample: each row's token at its t-th new position is drawn from AR's distribution with noise
         keyed by (seed, row, t) (verify.Sampling), the seed drawn once per call from `generator=` (a
-        torch.Generator) or torch's global generator: torch.manual_seed(s) before generate() gives the
-        same tokens on every run, whatever plan, drafter or timings.
+        torch.Generator) or torch's global generator: torch.manual_seed(s) before generate() gives
+        the same tokens on every run, whatever plan, drafter or timings.
 
-    generation_config and keyword arguments are merged with the model's defaults as transformers does.
-    Logits processors (transformers' own, built from the config, plus `logits_processor`) apply to
-    each AR row with the prefix AR would have seen there, before verification, and to each draft slot
-    with the prefix it would extend; stopping criteria (max_length, max_time, stop_strings with
-    `tokenizer=`, EOS, `stopping_criteria`) are checked after every committed token. What does not
-    fit the verify rule is refused by name (REFUSED, REFUSED_ARGS).
+    generation_config and keyword arguments are merged with the model's defaults as transformers
+    does. Logits processors (transformers' own, built from the config, plus `logits_processor`)
+    apply to each AR row with the prefix AR would have seen there, before verification, and to each
+    draft slot with the prefix it would extend; stopping criteria (max_length, max_time,
+    stop_strings with `tokenizer=`, EOS, `stopping_criteria`) are checked after every committed
+    token. What does not fit the verify rule is refused by name (REFUSED, REFUSED_ARGS).
     """
     input_ids = inputs if inputs is not None else kwargs.pop("input_ids", None)
     if "block_size" in kwargs:  # the draft length's name until 2026-12-06
@@ -413,15 +420,15 @@ def generate(
     chosen = make_drafter(drafter)
     ensure_adapter(model)  # an export trained with lora_scope='masks': its drafts' adapter, once
     run = prepare(model, input_ids, generation_config, draft_length, beta, kwargs)
+    # what a step's price depends on
     setting = (
         resolve_kernels(model, pack_weights),
         model.dtype,
         model.device.type,
         run.input_ids.shape[0],
-    )  # what a step's price depends on
-    tree = (
-        isinstance(run.pick, Greedy) and beta == 1.0 and run.input_ids.shape[0] == 1
-    )  # where siblings are exact
+    )
+    # where siblings are exact
+    tree = isinstance(run.pick, Greedy) and beta == 1.0 and run.input_ids.shape[0] == 1
     # siblings < 0 goes through, for Planner to refuse by name
     planner = Planner(
         run.k,
@@ -444,7 +451,8 @@ def generate(
     model.tidar_stats = stats = state.stats(P)
     # An operator serving the export (`transformers serve --log-level info`) sees that TiDAR ran.
     log.info(
-        "TiDAR generate: %d new tokens in %d forward passes (%.2f tokens per forward; drafts by source %s)",
+        "TiDAR generate: %d new tokens in %d forward passes (%.2f tokens per forward; "
+        "drafts by source %s)",
         stats["new_tokens"],
         stats["nfe"],
         stats["tokens_per_nfe"],
@@ -461,7 +469,8 @@ def generate(
     return state.seqs
 
 
-# transformers 5.24 renamed the output's `past_key_values` to `cache` (the old name warns); older releases know only the old.
+# transformers 5.24 renamed the output's `past_key_values` to `cache` (the old name warns); older
+# releases know only the old.
 CACHE_FIELD = (
     "cache" if "cache" in GenerateDecoderOnlyOutput.__dataclass_fields__ else "past_key_values"
 )
@@ -469,9 +478,10 @@ ASSISTED = ("assistant_model", "prompt_lookup_num_tokens", "assistant_early_exit
 
 
 def ar_generate(model, input_ids, generation_config, kwargs):
-    """tidar=False: transformers' own generate on the same weights. Plain AR decoding runs one forward
-    per new position, so that is its nfe; assisted decoding (prompt lookup, an assistant) makes fewer,
-    which only a forward hook can count (the bench keeps its own): nfe is None there."""
+    """tidar=False: transformers' own generate on the same weights. Plain AR decoding runs one
+    forward per new position, so that is its nfe; assisted decoding (prompt lookup, an assistant)
+    makes fewer, which only a forward hook can count (the bench keeps its own): nfe is None
+    there."""
     assisted = any(
         kwargs.get(n) is not None or getattr(generation_config, n, None) is not None
         for n in ASSISTED
@@ -494,25 +504,36 @@ def check_length(model, P, max_new, k) -> None:
     leaves out the mask groups that would not fit (plan.Planner), down to plain AR steps."""
     if max_new <= 0:
         raise ValueError(
-            f"max_length={P + max_new} leaves no room after the {P}-token prompt; raise it or pass max_new_tokens."
+            f"max_length={P + max_new} leaves no room after the {P}-token prompt; raise it or "
+            "pass max_new_tokens."
         )
     limit = getattr(model.config, "max_position_embeddings", None)
     if limit and P + max_new > limit:
         if P < limit:
             fix = f"shorten the prompt or lower max_new_tokens to {limit - P}"
         elif max_new < limit:  # no max_new_tokens fits: only a shorter prompt does
-            fix = f"shorten the prompt to at most {limit - max_new} tokens ({limit - 1} with max_new_tokens=1)"
+            fix = (
+                f"shorten the prompt to at most {limit - max_new} tokens "
+                f"({limit - 1} with max_new_tokens=1)"
+            )
         else:
-            fix = f"lower max_new_tokens below {limit} and shorten the prompt to at most {limit} - max_new_tokens tokens"
+            fix = (
+                f"lower max_new_tokens below {limit} and shorten the prompt to at most {limit} "
+                "- max_new_tokens tokens"
+            )
         raise ValueError(
-            f"prompt ({P} tokens) + max_new_tokens ({max_new}) exceeds the model's {limit} positions; {fix}."
+            f"prompt ({P} tokens) + max_new_tokens ({max_new}) exceeds the model's {limit} "
+            f"positions; {fix}."
         )
-    # Sliding windows and chunks are applied by the layout (layout.Local); GPT-Neo's local layers apply
-    # theirs by index inside the model, where TiDAR's slots are not at their positions.
+    # Sliding windows and chunks are applied by the layout (layout.Local); GPT-Neo's local layers
+    # apply theirs by index inside the model, where TiDAR's slots are not at their positions.
     window = getattr(model.config, "window_size", None)
     if window and P + max_new > window:
         raise ValueError(
-            f"prompt ({P} tokens) + max_new_tokens ({max_new}) exceeds {type(model).__name__}'s local attention window ({window}), which its layers apply by index, not by position: TiDAR decoding cannot follow it past the window; shorten the prompt or lower max_new_tokens to {max(window - P, 0)}."
+            f"prompt ({P} tokens) + max_new_tokens ({max_new}) exceeds {type(model).__name__}'s "
+            f"local attention window ({window}), which its layers apply by index, not by position: "
+            "TiDAR decoding cannot follow it past the window; shorten the prompt or lower "
+            f"max_new_tokens to {max(window - P, 0)}."
         )
 
 
@@ -520,11 +541,13 @@ def check_inputs(model, gc, input_ids, attention_mask, k, mask_id, beta) -> None
     for name, value in (("input_ids", input_ids), ("attention_mask", attention_mask)):
         if value is not None and not isinstance(value, torch.Tensor):
             raise ValueError(
-                f"{name} is a {type(value).__name__}: pass a LongTensor of shape (batch, length), e.g. torch.tensor([ids])."
+                f"{name} is a {type(value).__name__}: pass a LongTensor of shape (batch, length), "
+                "e.g. torch.tensor([ids])."
             )
     if input_ids is not None and input_ids.ndim != 2:
         raise ValueError(
-            f"input_ids has shape {tuple(input_ids.shape)}: pass shape (batch, length), e.g. ids[None] for one prompt."
+            f"input_ids has shape {tuple(input_ids.shape)}: pass shape (batch, length), "
+            "e.g. ids[None] for one prompt."
         )
     if input_ids is not None and (
         input_ids.is_floating_point() or input_ids.is_complex() or input_ids.dtype == torch.bool
@@ -545,21 +568,25 @@ def check_inputs(model, gc, input_ids, attention_mask, k, mask_id, beta) -> None
         and (input_ids == gc.pad_token_id).any()
     ):
         raise ValueError(
-            "the batch contains pad tokens but no attention_mask was given; pass the tokenizer's attention_mask (left padding)."
+            "the batch contains pad tokens but no attention_mask was given; pass the tokenizer's "
+            "attention_mask (left padding)."
         )
     if attention_mask is not None and attention_mask.shape != input_ids.shape:
         raise ValueError(
-            f"attention_mask has shape {tuple(attention_mask.shape)} but input_ids {tuple(input_ids.shape)}; pass the mask the tokenizer returned with these ids."
+            f"attention_mask has shape {tuple(attention_mask.shape)} but input_ids "
+            f"{tuple(input_ids.shape)}; pass the mask the tokenizer returned with these ids."
         )
     empty = (
         [] if attention_mask is None else (~attention_mask.bool().any(1)).nonzero()[:, 0].tolist()
     )
     if empty:
         raise ValueError(
-            f"attention_mask row {empty[0]} attends to no token (all zeros); pass 1 at each real prompt token "
-            "(the tokenizer's attention_mask), or no attention_mask for unpadded prompts."
+            f"attention_mask row {empty[0]} attends to no token (all zeros); pass 1 at each real "
+            "prompt token (the tokenizer's attention_mask), or no attention_mask for unpadded "
+            "prompts."
         )
     if attention_mask is not None and not attention_mask[:, -1].bool().all():
         raise ValueError(
-            "the attention_mask has right padding; TiDAR batches need left padding (tokenizer.padding_side = 'left')."
+            "the attention_mask has right padding; TiDAR batches need left padding "
+            "(tokenizer.padding_side = 'left')."
         )

@@ -47,7 +47,8 @@ def train_mask_mod(seq_len: int, draft_length: int, doc_ids: torch.Tensor | None
 
 
 def train_inputs(input_ids: torch.Tensor, mask_token_id: int) -> torch.Tensor:
-    """(B, S) clean tokens -> (B, 2S) clean tokens followed by S mask tokens (full-mask strategy)."""
+    """(B, S) clean tokens -> (B, 2S) clean tokens followed by S mask tokens (full-mask
+    strategy)."""
     return torch.cat([input_ids, torch.full_like(input_ids, mask_token_id)], dim=1)
 
 
@@ -151,14 +152,16 @@ def decode_mask_mod(
     first_group_sees + g) or a sequence of anchors, one per group (a step plan that computes groups
     only at chosen acceptance lengths).
     Prefill: causal = prompt, one group that sees all of it (first_group_sees = prompt length).
-    Step: causal = m drafts; a group anchored at j sees drafts[0..j) and sits at the positions after them.
+    Step: causal = m drafts; a group anchored at j sees drafts[0..j) and sits at the positions after
+    them.
 
     parents: None (the causal tokens are one chain), or a tree over them (a draft with alternatives,
     tree_ancestors): a causal token sees its ancestors and itself, and a group anchored at j sees
     causal token j - 1 and its ancestors. On a chain both readings are the same mask.
 
-    kv_valid: (B, cache_len + n_queries) bool, False at left padding. A query always sees itself, so
-    a padding row is never fully masked (SDPA would turn it into NaN and spread it through the cache).
+    kv_valid: (B, cache_len + n_queries) bool, False at left padding. A query always sees itself,
+    so a padding row is never fully masked (SDPA would turn it into NaN and spread it through the
+    cache).
 
     device: where the mask is evaluated (default: kv_valid's, else the CPU). The tables it reads are
     put there now: a compiled FlexAttention kernel cannot move a tensor the mask_mod captured.
@@ -219,8 +222,6 @@ def decode_position_ids(
     groups = causal[anchors - 1] + 1 if parents is not None and len(anchors) else anchors
     groups = groups[:, None] + torch.arange(draft_length, device=device)
     return start[:, None] + torch.cat([causal, groups.flatten()])
-
-
 
 
 def decode_step_mask(
@@ -324,16 +325,16 @@ def build_mask(
 # --------------------------------------------------------------------------------------------
 # Local attention: sliding windows and attention chunks, by layer kind.
 # --------------------------------------------------------------------------------------------
-# A 4D attention_mask replaces a model's own masks, windows and chunks included (transformers passes
-# a 4D mask through as given). So the layout applies them, by position: a query, mask slots included,
-# sees of its keys what a token at its position would see, as in transformers' sliding_window_overlay
-# (q - k < window) and chunked_overlay (the same chunk of positions).
+# A 4D attention_mask replaces a model's own masks, windows and chunks included (transformers
+# passes a 4D mask through as given). So the layout applies them, by position: a query, mask slots
+# included, sees of its keys what a token at its position would see, as in transformers'
+# sliding_window_overlay (q - k < window) and chunked_overlay (the same chunk of positions).
 
 
 def local_kinds(config) -> dict | None:
-    """{layer kind: allowed(q_pos, k_pos), or None for a kind that sees the whole prefix} for a model
-    with sliding windows or attention chunks; the key "" when one kind covers every layer (Mistral's
-    window: the model takes one mask). None when every layer sees the whole prefix."""
+    """{layer kind: allowed(q_pos, k_pos), or None for a kind that sees the whole prefix} for a
+    model with sliding windows or attention chunks; the key "" when one kind covers every layer
+    (Mistral's window: the model takes one mask). None when every layer sees the whole prefix."""
     window = (
         getattr(config, "sliding_window", None)
         if getattr(config, "use_sliding_window", True)
@@ -351,7 +352,9 @@ def local_kinds(config) -> dict | None:
     if not kinds:  # no per-layer kinds: a window (or chunk) on every layer
         if len(local) > 1:
             raise ValueError(
-                f"model_type={getattr(config, 'model_type', '?')!r} sets both sliding_window and attention_chunk_size without layer_types: which layers take which is not known, so TiDAR cannot mask them."
+                f"model_type={getattr(config, 'model_type', '?')!r} sets both sliding_window and "
+                "attention_chunk_size without layer_types: which layers take which is not known, "
+                "so TiDAR cannot mask them."
             )
         return {"": next(iter(local.values()))} if local else None
     if not set(kinds) & set(local):
@@ -383,15 +386,19 @@ class Local:
             if attn_implementation == "flex_attention":
                 if allowed is None:
                     mod = mask_mod
-                elif (
-                    off == 0 and torch.device(device).type != "cpu"
-                ):  # training, prefill: positions looked up lazily
-                    mod = lambda b, h, q, kv, a=allowed: (
-                        mask_mod(b, h, q, kv) & a(k_pos[b, q], k_pos[b, kv])
-                    )
-                else:  # evaluated once over (B, Q, K): torch 2.13's CPU FlexAttention template fails to compile position lookups in a mask_mod
+                elif off == 0 and torch.device(device).type != "cpu":
+                    # training, prefill: positions looked up lazily
+                    def mod(b, h, q, kv, a=allowed):
+                        return mask_mod(b, h, q, kv) & a(k_pos[b, q], k_pos[b, kv])
+
+                else:
+                    # evaluated once over (B, Q, K): torch 2.13's CPU FlexAttention template fails
+                    # to compile position lookups in a mask_mod
                     near = allowed(k_pos[:, off : off + shape[1], None], k_pos[:, None, :])
-                    mod = lambda b, h, q, kv, near=near: mask_mod(b, h, q, kv) & near[b, q, kv]
+
+                    def mod(b, h, q, kv, near=near):
+                        return mask_mod(b, h, q, kv) & near[b, q, kv]
+
                 out[kind] = to_block_mask(mod, *shape, device=device)
             else:
                 Q = dense.shape[2]
@@ -408,7 +415,8 @@ class Local:
 def for_implementation(dense: torch.Tensor, attn_implementation: str | None) -> torch.Tensor:
     """A dense bool mask in the form the attention implementation reads. SDPA (and the CPU kernels)
     take bool; eager adds the mask to the scores, so it gets 0 where allowed and float32's minimum
-    elsewhere (transformers' own additive masks; every query sees itself, so no row is all minimum)."""
+    elsewhere (transformers' own additive masks; every query sees itself, so no row is all
+    minimum)."""
     if attn_implementation != "eager":
         return dense
     return torch.zeros(dense.shape, dtype=torch.float32, device=dense.device).masked_fill(

@@ -46,8 +46,8 @@ def check_offset_weights(weights: Sequence[float] | None, draft_length: int) -> 
     if len(weights) != draft_length or min(weights) < 0 or not sum(weights) > 0:
         raise ValueError(
             f"diff_offset_weights={list(weights)}: give one weight >= 0 per position of a block "
-            f"(draft_length={draft_length}: "
-            f"{draft_length} numbers), not all 0, e.g. {[1.0] * draft_length} (uniform, the default)."
+            f"(draft_length={draft_length}: {draft_length} numbers), not all 0, "
+            f"e.g. {[1.0] * draft_length} (uniform, the default)."
         )
 
 

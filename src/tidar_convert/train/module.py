@@ -23,14 +23,16 @@ def adamw(params):
 
 
 def check_positions(seq_len: int, draft_length: int, config) -> None:
-    """Refuse training chunks longer than the base model's positions: the clean half takes positions
-    0..seq_len-1 and the mask half repeats them, so seq_len itself is the limit."""
+    """Refuse training chunks longer than the base model's positions: the clean half takes
+    positions 0..seq_len-1 and the mask half repeats them, so seq_len itself is the limit."""
     positions = getattr(config, "max_position_embeddings", None)
     if positions and seq_len > positions:
         fits = positions - positions % draft_length
         raise ValueError(
-            f"--data.seq_len {seq_len} is longer than the base model's {positions} positions (max_position_embeddings in its config.json): "
-            f"tokens past them have positions the model never learned; pass --data.seq_len {fits} or less (a multiple of draft_length {draft_length})."
+            f"--data.seq_len {seq_len} is longer than the base model's {positions} positions "
+            "(max_position_embeddings in its config.json): "
+            f"tokens past them have positions the model never learned; pass --data.seq_len {fits} "
+            f"or less (a multiple of draft_length {draft_length})."
         )
 
 
@@ -58,40 +60,50 @@ class TiDARModule(L.LightningModule):
     ):
         """
         Args:
-            model: base checkpoint: hub id, local folder or .gguf file; None = embedded SmolLM2-135M-Instruct.
+            model: base checkpoint: hub id, local folder or .gguf file; None = embedded
+                SmolLM2-135M-Instruct.
             draft_length: k, tokens drafted per step (and the size of each masked training block).
             alpha: weight of the AR loss: L = (alpha * L_AR + L_Diff) / (1 + alpha).
             optimizer: optimizer factory (YAML: class_path torch.optim.AdamW, init_args lr ...);
                 None = `adamw` (AdamW, lr 1e-5, no weight decay).
             warmup_ratio: fraction of max_steps with linear warmup.
             min_lr_ratio: cosine decay ends at lr * min_lr_ratio (paper: 1e-5 -> 3e-6, i.e. 0.3).
-            lora_r: 0 = full fine-tune; > 0 = LoRA of this rank on all linear layers (mask token row trained too).
+            lora_r: 0 = full fine-tune; > 0 = LoRA of this rank on all linear layers (mask token row
+                trained too).
             lora_alpha: LoRA scaling.
-            attn_implementation: None = the family's (families.attention_implementation): flex_attention on CUDA, sdpa elsewhere (FlexAttention has no CPU backward), eager where the class has neither.
+            attn_implementation: None = the family's (families.attention_implementation):
+                flex_attention on CUDA, sdpa elsewhere (FlexAttention has no CPU backward), eager
+                where the class has neither.
             gradient_checkpointing: recompute activations in backward (large models).
-            val_decode_prompts: at each validation, decode this many held-out prompts with TiDAR and log
-                `val/tokens_per_nfe` (0 = off).
-            distill_weight: w in [0, 1]; the diffusion term becomes (1 - w) * L_Diff + w * L_Distill, where
-                L_Distill pulls each mask slot toward the AR distribution for the same token (KL, teacher
-                detached; docs/method.md §2). 0 = hard labels only (the paper).
-            distill_temperature: T > 0 applied to the teacher's logits: 1 = the AR distribution, near 0 = its argmax.
-            teacher: 'self' = this forward's own AR half (no extra forward); 'base' = the frozen base model
-                (adapters disabled, one extra no-grad causal forward of the clean half), so the student's drift
-                cannot move the target. 'base' needs LoRA (lora_r > 0).
-            val_decode_draft_length: k used by the `val/tokens_per_nfe` decoding (None = draft_length). Set it to
-                compare runs trained at different draft lengths at the same decode k (train at 8, decode at 4).
-            diff_offset_weights: one weight per position in a block (draft_length numbers) for the diffusion
-                loss; None = uniform (the paper). Decoding drafts from offsets 1..k-1 only (offset 0 sits where
-                the AR token goes) and draft 1 gates the acceptance of the others, so the spread is a lever.
-            anchor_weight: a in [0, 1]; the AR term becomes (1 - a) * L_AR + a * KL(base || AR): the AR half is
-                pulled toward the frozen base model's distribution (adapters off, the same extra forward as
-                teacher='base', shared when both are on) instead of the training text, so it keeps the base
-                model's text while the diffusion half learns. 0 = the paper. Needs LoRA (lora_r > 0).
-            lora_scope: 'all' = the adapters act on every row (the paper: one set of weights for both halves);
-                'masks' = on mask slots only (lora.py): the AR half stays the base model bit for bit, so the
-                conversion writes what the base writes and only the drafts are trained. The AR loss then has
-                nothing to move (alpha only scales it), teacher='self' is the frozen base already, and there is
-                nothing to anchor. The export keeps the deltas apart (tidar_adapter.safetensors).
+            val_decode_prompts: at each validation, decode this many held-out prompts with TiDAR and
+                log `val/tokens_per_nfe` (0 = off).
+            distill_weight: w in [0, 1]; the diffusion term becomes
+                (1 - w) * L_Diff + w * L_Distill, where L_Distill pulls each mask slot toward the AR
+                distribution for the same token (KL, teacher detached; docs/method.md §2). 0 = hard
+                labels only (the paper).
+            distill_temperature: T > 0 applied to the teacher's logits: 1 = the AR distribution,
+                near 0 = its argmax.
+            teacher: 'self' = this forward's own AR half (no extra forward); 'base' = the frozen
+                base model (adapters disabled, one extra no-grad causal forward of the clean half),
+                so the student's drift cannot move the target. 'base' needs LoRA (lora_r > 0).
+            val_decode_draft_length: k used by the `val/tokens_per_nfe` decoding
+                (None = draft_length). Set it to compare runs trained at different draft lengths at
+                the same decode k (train at 8, decode at 4).
+            diff_offset_weights: one weight per position in a block (draft_length numbers) for the
+                diffusion loss; None = uniform (the paper). Decoding drafts from offsets 1..k-1 only
+                (offset 0 sits where the AR token goes) and draft 1 gates the acceptance of the
+                others, so the spread is a lever.
+            anchor_weight: a in [0, 1]; the AR term becomes (1 - a) * L_AR + a * KL(base || AR): the
+                AR half is pulled toward the frozen base model's distribution (adapters off, the
+                same extra forward as teacher='base', shared when both are on) instead of the
+                training text, so it keeps the base model's text while the diffusion half learns.
+                0 = the paper. Needs LoRA (lora_r > 0).
+            lora_scope: 'all' = the adapters act on every row (the paper: one set of weights for
+                both halves); 'masks' = on mask slots only (lora.py): the AR half stays the base
+                model bit for bit, so the conversion writes what the base writes and only the drafts
+                are trained. The AR loss then has nothing to move (alpha only scales it),
+                teacher='self' is the frozen base already, and there is nothing to anchor. The
+                export keeps the deltas apart (tidar_adapter.safetensors).
         """
         super().__init__()
         from tidar_convert.train.settings import check_group
@@ -112,38 +124,47 @@ class TiDARModule(L.LightningModule):
                 if on
             )
             raise ValueError(
-                f"{given} with --model.distill_weight 0: they apply to the distillation term, which is off; set --model.distill_weight > 0 (e.g. 1.0), or leave them out."
+                f"{given} with --model.distill_weight 0: they apply to the distillation term, "
+                "which is off; set --model.distill_weight > 0 (e.g. 1.0), or leave them out."
             )
         check_offset_weights(diff_offset_weights, draft_length)
         if anchor_weight > 0 and lora_r <= 0:
             raise ValueError(
-                f"anchor_weight={anchor_weight} with lora_r={lora_r}: the base-model anchor needs LoRA (the base is the weights with the adapters off); set lora_r > 0 (e.g. 64), or anchor_weight 0."
+                f"anchor_weight={anchor_weight} with lora_r={lora_r}: the base-model anchor needs "
+                "LoRA (the base is the weights with the adapters off); set lora_r > 0 (e.g. 64), "
+                "or anchor_weight 0."
             )
         if teacher == "base" and lora_r <= 0:
-            # Full fine-tuning would need a frozen copy of every weight (twice the memory, and in every
-            # checkpoint); with LoRA the base model is the same weights with the adapters switched off.
+            # Full fine-tuning would need a frozen copy of every weight (twice the memory, and in
+            # every checkpoint); with LoRA the base model is the same weights with the adapters
+            # switched off.
             raise ValueError(
-                f"teacher='base' with lora_r={lora_r}: the frozen-base teacher needs LoRA; set lora_r > 0 (e.g. 16), or use teacher='self'."
+                f"teacher='base' with lora_r={lora_r}: the frozen-base teacher needs LoRA; set "
+                "lora_r > 0 (e.g. 16), or use teacher='self'."
             )
         check_scope(lora_scope, lora_r)
         if lora_scope == "masks" and anchor_weight > 0:
             raise ValueError(
-                f"anchor_weight={anchor_weight} with lora_scope='masks': the AR half is the base model exactly, there is nothing to anchor; set anchor_weight 0."
+                f"anchor_weight={anchor_weight} with lora_scope='masks': the AR half is the base "
+                "model exactly, there is nothing to anchor; set anchor_weight 0."
             )
         if lora_scope == "masks" and teacher == "base":
             raise ValueError(
-                "teacher='base' with lora_scope='masks': the AR half is the frozen base already; use teacher='self' (the same distribution, no extra forward)."
+                "teacher='base' with lora_scope='masks': the AR half is the frozen base already; "
+                "use teacher='self' (the same distribution, no extra forward)."
             )
         from tidar_convert.models.families import attention_implementation
         from tidar_convert.models.loading import absolute_model, load_config_and_tokenizer
 
         self.save_hyperparameters()
-        # What checkpoints record: `export` may run in another directory. Set here, not by rebinding the
-        # argument: under LightningCLI the hyper-parameters are the config's, as the user gave them.
+        # What checkpoints record: `export` may run in another directory. Set here, not by rebinding
+        # the argument: under LightningCLI the hyper-parameters are the config's, as the user gave
+        # them.
         model = self.hparams["model"] = absolute_model(model)
 
-        # The config and tokenizer only: the weights are loaded in configure_model(), where the strategy
-        # wants them (sharded from the start under ModelParallelStrategy) and in the training dtype.
+        # The config and tokenizer only: the weights are loaded in configure_model(), where the
+        # strategy wants them (sharded from the start under ModelParallelStrategy) and in the
+        # training dtype.
         self.config, self.tokenizer = load_config_and_tokenizer(model)
         self.attn_implementation = attn_implementation or attention_implementation(
             self.config, "cuda" if torch.cuda.is_available() else "cpu"
@@ -167,23 +188,24 @@ class TiDARModule(L.LightningModule):
 
     def configure_model(self) -> None:
         """Build the model. Lightning calls this on every rank once the strategy is set up, with the
-        training dtype as the default dtype (bf16 under bf16-true, float32 otherwise); call it yourself
-        to use the module outside a Trainer. Idempotent: Lightning calls it again for each stage.
+        training dtype as the default dtype (bf16 under bf16-true, float32 otherwise); call it
+        yourself to use the module outside a Trainer. Idempotent: Lightning calls it again for each
+        stage.
 
         Under ModelParallelStrategy the model is sharded with FSDP2 per decoder layer from its first
-        byte (sharding.build_sharded). Its device mesh is (data_parallel, tensor_parallel), by default
-        (nodes, devices per node); TiDAR uses no tensor parallelism, so the second dimension is the
-        one parameters are sharded over and the first the one they are replicated over (HSDP: the
-        all-gathers stay inside a node). `tensor_parallel_size` = world size shards over all ranks.
+        byte (sharding.build_sharded). Its device mesh is (data_parallel, tensor_parallel), by
+        default (nodes, devices per node); TiDAR uses no tensor parallelism, so the second dimension
+        is the one parameters are sharded over and the first the one they are replicated over (HSDP:
+        the all-gathers stay inside a node). `tensor_parallel_size` = world size shards over all
+        ranks.
         """
         if self.model is not None:
             return
         from tidar_convert.models.loading import load_base
 
         dtype = torch.get_default_dtype()
-        mesh = (
-            self._device_mesh
-        )  # set by ModelParallelStrategy before this hook; None under any other
+        # set by ModelParallelStrategy before this hook; None under any other
+        mesh = self._device_mesh
         if mesh is None:
             self.model = self._prepare(
                 load_base(
@@ -193,7 +215,8 @@ class TiDARModule(L.LightningModule):
         else:
             from tidar_convert.train.sharding import build_sharded
 
-            def full():  # rank 0: the checkpoint's own dtype (bf16 for Qwen: half of float32), nothing rounded
+            # rank 0: the checkpoint's own dtype (bf16 for Qwen: half of float32), nothing rounded
+            def full():
                 return self._prepare(
                     load_base(
                         self.hparams.model,
@@ -203,7 +226,8 @@ class TiDARModule(L.LightningModule):
                 )
 
             self.model = build_sharded(full, lambda: self._prepare(self._empty_model(dtype)), mesh)
-        self.model.train()  # from_pretrained returns eval mode; Lightning keeps whatever mode it finds
+        # from_pretrained returns eval mode; Lightning keeps whatever mode it finds
+        self.model.train()
 
     def _empty_model(self, dtype: torch.dtype):
         """The base model on the meta device (no memory), with the rows of the TiDAR tokens."""
@@ -217,13 +241,13 @@ class TiDARModule(L.LightningModule):
                 dtype=dtype,
                 attn_implementation=self.attn_implementation,
             )
-            add_tidar_tokens(
-                model, self.tokenizer, mean_resizing=False
-            )  # the values come from rank 0
+            # the values come from rank 0
+            add_tidar_tokens(model, self.tokenizer, mean_resizing=False)
         return model
 
     def _prepare(self, model):
-        """TiDAR settings, gradient checkpointing and LoRA on a freshly loaded (or meta) base model."""
+        """TiDAR settings, gradient checkpointing and LoRA on a freshly loaded (or meta) base
+        model."""
         self.spec.write(model.config)
         if self.hparams.gradient_checkpointing:
             model.gradient_checkpointing_enable()
@@ -238,8 +262,8 @@ class TiDARModule(L.LightningModule):
         return model
 
     def unsharded_model(self):
-        """The model as one plain module, for export. Sharded: a collective (every rank must call it),
-        which returns the gathered model on rank 0 and None on the others."""
+        """The model as one plain module, for export. Sharded: a collective (every rank must call
+        it), which returns the gathered model on rank 0 and None on the others."""
         if self._device_mesh is None:
             return self.model
         from tidar_convert.train.sharding import gather_full
@@ -254,15 +278,12 @@ class TiDARModule(L.LightningModule):
         if dm is not None:
             layout.check_train_shape(dm.seq_len, self.spec.draft_length)
             check_positions(dm.seq_len, self.spec.draft_length, self.config)
-            dm.tokenizer, dm.base_model = (
-                self.tokenizer,
-                self.hparams.model or "default",
-            )  # the base model writes the greedy documents
+            # the base model writes the greedy documents
+            dm.tokenizer, dm.base_model = self.tokenizer, self.hparams.model or "default"
             if hasattr(dm, "check_greedy_corpus"):
                 dm.check_greedy_corpus()
-                if (
-                    stage == "fit"
-                ):  # generated here, before configure_model loads this module's own weights
+                # generated here, before configure_model loads this module's own weights
+                if stage == "fit":
                     from tidar_convert.train.distill import corpus_for_data
 
                     corpus_for_data(self.trainer, dm)
@@ -277,22 +298,26 @@ class TiDARModule(L.LightningModule):
             "lora_r": saved.get("lora_r", ours["lora_r"]),
             "lora_scope": saved.get("lora_scope", "all"),
         }
-        if (
-            ours["lora_r"] == theirs["lora_r"] == 0 or ours == theirs
-        ):  # (a full fine-tune has no scope)
+        # (a full fine-tune has no scope)
+        if ours["lora_r"] == theirs["lora_r"] == 0 or ours == theirs:
             apply_optimizer_settings(checkpoint, self.optimizer_factory)
             return
         where = getattr(self._trainer, "ckpt_path", None) if self._trainer is not None else None
-        kind = lambda s: (
-            f"lora_r={s['lora_r']}, lora_scope={s['lora_scope']!r}"
-            if s["lora_r"] > 0
-            else "lora_r=0 (a full fine-tune)"
-        )  # noqa: E731
+
+        def kind(s):
+            return (
+                f"lora_r={s['lora_r']}, lora_scope={s['lora_scope']!r}"
+                if s["lora_r"] > 0
+                else "lora_r=0 (a full fine-tune)"
+            )
+
         flags = " ".join(f"--model.{k} {v}" for k, v in theirs.items() if v != ours[k])
         raise ValueError(
-            f"{f'checkpoint {str(where)!r}' if where else 'the checkpoint'} was trained with {kind(theirs)} and this run has {kind(ours)}: "
+            f"{f'checkpoint {str(where)!r}' if where else 'the checkpoint'} was trained with "
+            f"{kind(theirs)} and this run has {kind(ours)}: "
             f"its weights do not fit; resume with {flags}, or start a new run from its export "
-            "(`tidar-convert export --checkpoint CKPT --out DIR`, then --model.model DIR without --ckpt_path)."
+            "(`tidar-convert export --checkpoint CKPT --out DIR`, then --model.model DIR without "
+            "--ckpt_path)."
         )
 
     def forward_tidar(
@@ -301,9 +326,9 @@ class TiDARModule(L.LightningModule):
         doc_ids: torch.Tensor | None = None,
         no_ar_target: torch.Tensor | None = None,
     ) -> dict[str, torch.Tensor]:
-        """The hybrid loss and metrics of a batch; `no_ar_target` (B, S) marks tokens the AR loss does not
-        learn to predict (self-distilled text with --data.greedy_ar_loss false): they train the diffusion
-        half only."""
+        """The hybrid loss and metrics of a batch; `no_ar_target` (B, S) marks tokens the AR loss
+        does not learn to predict (self-distilled text with --data.greedy_ar_loss false): they train
+        the diffusion half only."""
         B, S = input_ids.shape
         layout.check_train_shape(S, self.spec.draft_length)
         mask_mod = layout.train_mask_mod(S, self.spec.draft_length, doc_ids)
@@ -312,9 +337,8 @@ class TiDARModule(L.LightningModule):
         if self.split_halves:
             logits = self.forward_halves(inputs, positions, mask_mod)
         else:
-            local = layout.Local.of(
-                self.model.config, positions
-            )  # sliding windows and chunks, by position
+            # sliding windows and chunks, by position
+            local = layout.Local.of(self.model.config, positions)
             mask = layout.build_mask(
                 mask_mod, B, 2 * S, 2 * S, self.attn_implementation, input_ids.device, local
             )
@@ -344,8 +368,8 @@ class TiDARModule(L.LightningModule):
 
     @property
     def split_halves(self) -> bool:
-        """lora_scope='masks' (without activation checkpointing, which drops the cache): the clean half
-        runs once without autograd and hands its keys and values to the mask half."""
+        """lora_scope='masks' (without activation checkpointing, which drops the cache): the clean
+        half runs once without autograd and hands its keys and values to the mask half."""
         return (
             self.hparams.get("lora_scope", "all") == "masks"
             and not self.hparams.gradient_checkpointing
@@ -354,10 +378,11 @@ class TiDARModule(L.LightningModule):
     def forward_halves(
         self, inputs: torch.Tensor, positions: torch.Tensor, mask_mod
     ) -> torch.Tensor:
-        """(B, 2S, V) logits of the doubled sequence in two forwards: the clean half under no_grad (under
-        lora_scope='masks' nothing trainable reaches it, so it needs no graph), then the mask half with
-        the clean half's keys and values as its cache. The same logits as one forward over both halves,
-        with the backward of the mask half only: about 2/3 of the compute of a training step."""
+        """(B, 2S, V) logits of the doubled sequence in two forwards: the clean half under no_grad
+        (under lora_scope='masks' nothing trainable reaches it, so it needs no graph), then the mask
+        half with the clean half's keys and values as its cache. The same logits as one forward over
+        both halves, with the backward of the mask half only: about 2/3 of the compute of a training
+        step."""
         from transformers import DynamicCache
 
         from tidar_convert.runtime.forward import cache_kwargs
@@ -374,9 +399,11 @@ class TiDARModule(L.LightningModule):
                 attention_mask=layout.build_mask(mask_mod, B, S, S, impl, device, local),
                 **cache_kwargs(self.model, cache),
             ).logits
-        half_mod = lambda b, h, q, kv: mask_mod(
-            b, h, q + S, kv
-        )  # the mask half's rows of the same layout
+
+        # the mask half's rows of the same layout
+        def half_mod(b, h, q, kv):
+            return mask_mod(b, h, q + S, kv)
+
         local = layout.Local.of(self.model.config, positions, q_offset=S)
         masks = self.model(
             input_ids=inputs[:, S:],
@@ -390,10 +417,12 @@ class TiDARModule(L.LightningModule):
     def base_ar_logits(
         self, input_ids: torch.Tensor, doc_ids: torch.Tensor | None = None
     ) -> torch.Tensor:
-        """(B, S, V) AR logits of the frozen base model (LoRA adapters off) on the clean tokens alone.
+        """(B, S, V) AR logits of the frozen base model (LoRA adapters off) on the clean tokens
+        alone.
 
-        The clean half never sees a mask slot, so a plain causal forward over the S clean tokens (with the
-        same document isolation and positions) is exactly the clean half the base model would compute.
+        The clean half never sees a mask slot, so a plain causal forward over the S clean tokens
+        (with the same document isolation and positions) is exactly the clean half the base model
+        would compute.
         """
         B, S = input_ids.shape
         positions = layout.train_position_ids(input_ids, doc_ids)[:, :S]
@@ -424,9 +453,9 @@ class TiDARModule(L.LightningModule):
                 getattr(self.trainer.checkpoint_callback, "last_model_path", "") or "none saved yet"
             )
             raise FloatingPointError(
-                f"non-finite loss ({out['loss'].item()}) at step {self.global_step}; stopped before the update, "
-                f"so the weights and the last checkpoint ({ckpt}) are still good. Lower the learning rate, "
-                "or use bf16-mixed instead of 16-mixed precision."
+                f"non-finite loss ({out['loss'].item()}) at step {self.global_step}; stopped "
+                f"before the update, so the weights and the last checkpoint ({ckpt}) are still "
+                "good. Lower the learning rate, or use bf16-mixed instead of 16-mixed precision."
             )
         self.log_dict(
             {f"train/{k}": v for k, v in out.items()},
@@ -440,9 +469,9 @@ class TiDARModule(L.LightningModule):
         out = self.forward_tidar(batch["input_ids"], batch.get("doc_ids"))
         if batch_idx < self.val_decode_prompts:
             chunk = batch["input_ids"][:1]
-            if (
-                self._device_mesh is not None
-            ):  # sharded: each forward all-gathers, so every rank decodes rank 0's chunk (same forwards)
+            # sharded: each forward all-gathers, so every rank decodes rank 0's chunk (same
+            # forwards)
+            if self._device_mesh is not None:
                 chunk = self.trainer.strategy.broadcast(chunk)
             out["tokens_per_nfe"] = torch.tensor(self.decode_tokens_per_nfe(chunk))
         self.log_dict(
@@ -453,9 +482,9 @@ class TiDARModule(L.LightningModule):
     def decode_tokens_per_nfe(
         self, chunk: torch.Tensor, prompt_len: int = 32, new_tokens: int = 32
     ) -> float:
-        """Greedy TiDAR decoding from the start of a held-out chunk: the real acceptance, not a proxy.
-        Diffusion drafts only, a group at every acceptance length: what is measured is the diffusion
-        head being trained (lookup drafts would credit it with the text's own repeats)."""
+        """Greedy TiDAR decoding from the start of a held-out chunk: the real acceptance, not a
+        proxy. Diffusion drafts only, a group at every acceptance length: what is measured is the
+        diffusion head being trained (lookup drafts would credit it with the text's own repeats)."""
         from tidar_convert.runtime.generate import generate
 
         model = self.model

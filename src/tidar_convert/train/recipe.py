@@ -43,7 +43,8 @@ class _StrictLoader(yaml.SafeLoader):
                 raise yaml.constructor.ConstructorError(
                     None,
                     None,
-                    f"key {key!r} is given twice (first at line {first.line + 1}); keep one of them",
+                    f"key {key!r} is given twice (first at line {first.line + 1}); "
+                    "keep one of them",
                     key_node.start_mark,
                 )
             seen[key] = key_node.start_mark

@@ -1,8 +1,9 @@
-"""What a resumed fit may change. A run continues the model it resumes: the settings that decide what
-its checkpoint means (the base model, the layout, the adapter, the loss, the data) must be those it
-was trained with, and a difference is refused before anything loads. The optimizer's numbers, the
-schedule's shape and validation settings may change: they are applied from the resumed step on
-(TiDARModule.on_load_checkpoint writes them into the restored optimizer) and said."""
+"""What a resumed fit may change. A run continues the model it resumes: the settings that decide
+what its checkpoint means (the base model, the layout, the adapter, the loss, the data) must be
+those it was trained with, and a difference is refused before anything loads. The optimizer's
+numbers, the schedule's shape and validation settings may change: they are applied from the
+resumed step on (TiDARModule.on_load_checkpoint writes them into the restored optimizer) and
+said."""
 
 from __future__ import annotations
 
@@ -27,7 +28,8 @@ RENAMED = {"block_size": "draft_length", "val_decode_block_size": "val_decode_dr
 def migrate(hparams: dict) -> dict:
     """A checkpoint's hyper-parameters under today's names (a checkpoint from before 2026-12-06
     says block_size). Lightning drops names TiDARModule does not take without a word, so a k = 8
-    checkpoint would load as the default k = 4: every reader of hyper-parameters goes through here."""
+    checkpoint would load as the default k = 4: every reader of hyper-parameters goes through
+    here."""
     out = dict(hparams)
     for old, new in RENAMED.items():
         if old in out:
@@ -74,11 +76,11 @@ def check_settings(path: Path, cfg) -> list[str]:
     if refused:
         asked = ", ".join(f"{flag} {new!r} (trained with {old!r})" for flag, old, new in refused)
         raise ValueError(
-            f"--ckpt_path {cfg.ckpt_path} ({path}) was trained with other settings than this run asks "
-            f"for: {asked}. A resumed run keeps the settings that decide what its checkpoint is; set "
-            "them back (the run folder's config.yaml has them), or start a new run from its export "
-            f"(`tidar-convert export --checkpoint {path} --out DIR`, then --model.model DIR without "
-            "--ckpt_path)."
+            f"--ckpt_path {cfg.ckpt_path} ({path}) was trained with other settings than this run "
+            f"asks for: {asked}. A resumed run keeps the settings that decide what its checkpoint "
+            "is; set them back (the run folder's config.yaml has them), or start a new run from "
+            f"its export (`tidar-convert export --checkpoint {path} --out DIR`, then --model.model "
+            "DIR without --ckpt_path)."
         )
     if changed:
         said = ", ".join(f"{flag} {old!r} -> {new!r}" for flag, old, new in changed)

@@ -44,7 +44,10 @@ class Range:
 
     def text(self) -> str:
         if self.lo is not None and self.hi is not None:
-            span = f"in {'(' if self.lo_open else '['}{self.lo:g}, {self.hi:g}{')' if self.hi_open else ']'}"
+            span = (
+                f"in {'(' if self.lo_open else '['}{self.lo:g}, "
+                f"{self.hi:g}{')' if self.hi_open else ']'}"
+            )
         elif self.lo is not None:
             span = f"{'>' if self.lo_open else '>='} {self.lo:g}"
         else:
@@ -132,8 +135,8 @@ def check_group(group: str, values: Mapping[str, Any]) -> None:
         weights = values["diff_offset_weights"]
         if not all(isinstance(w, (int, float)) and math.isfinite(w) for w in weights):
             raise ValueError(
-                f"--model.diff_offset_weights={list(weights)}: every weight must be a finite number "
-                ">= 0, e.g. [1.0, 1.0, 1.0, 1.0] (uniform, the default)."
+                f"--model.diff_offset_weights={list(weights)}: every weight must be a finite "
+                "number >= 0, e.g. [1.0, 1.0, 1.0, 1.0] (uniform, the default)."
             )
     if group == "trainer":
         for name in BATCHES:
@@ -180,7 +183,8 @@ def _init_args(optimizer) -> dict:
 
 
 def check_config(cfg) -> None:
-    """The whole parsed config of fit / validate (a jsonargparse Namespace), before any instantiation."""
+    """The whole parsed config of fit / validate (a jsonargparse Namespace), before any
+    instantiation."""
     for name, rule in TOP.items():
         if name in cfg and not rule.holds(cfg.get(name)):
             raise out_of_range(f"--{name}", cfg.get(name), rule)
