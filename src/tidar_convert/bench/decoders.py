@@ -30,18 +30,19 @@ SAMPLING = {"temperature": 0.7, "top_p": 0.9}
 
 @dataclass(frozen=True)
 class Decoder:
-    """weights: "export" or "base". tidar: TiDAR decoding, else transformers' own generate.
+    """One row of the bench, as the generate() arguments it runs with.
+
+    weights: "export" or "base". tidar: TiDAR decoding, else transformers' own generate.
     drafter: the TiDAR drafter (None: the engine's default). lookup: transformers' prompt lookup.
     draft_length: TiDAR's k for this decoder alone (None: the run's `--draft-length`).
-    plan: TiDAR's step plan
-    (None: the engine's default, 'cost'). pack_weights: the CPU kernels of kernels.cpu_kernels
-    ("auto": linear layers on weights packed for oneDNN where that is measured faster, grouped
-    key/value heads attended in place; the export's generate() runs them by default, the base's
-    generate() does not): False runs PyTorch's stock product and transformers' own attention path,
-    what transformers alone gives. siblings:
-    TiDAR's alternatives to each drafted token verified beside the chain, a tree (None: the engine's
-    default). slot_budget: TiDAR's most query slots a step (None: the engine's default, 20 at
-    k = 4)."""
+    plan: TiDAR's step plan (None: the engine's default, 'cost').
+    pack_weights: the CPU kernels of kernels.cpu_kernels ("auto": each linear layer on the packed
+    product measured fastest for its dtype, panels or oneDNN's, and grouped key/value heads attended
+    in place; the export's generate() runs them by default, the base's generate() does not): False
+    runs PyTorch's stock product and transformers' own attention path, what transformers alone
+    gives. siblings: TiDAR's alternatives to each drafted token verified beside the chain, a tree
+    (None: the engine's default). slot_budget: TiDAR's most query slots a step (None: the engine's
+    default, 20 at k = 4)."""
 
     weights: str = "export"
     tidar: bool = False
