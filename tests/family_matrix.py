@@ -1,6 +1,7 @@
-"""The family matrix: every entry of transformers' causal-LM mapping, as a tiny random model, through
-a conversion (a few steps of the hybrid loss, then the real export) and exact greedy TiDAR decoding;
-or refused by `families.check` with the mechanism named; or out of scope (not a decoder-only text LM).
+"""The family matrix: every entry of transformers' causal-LM mapping, as a tiny random model,
+through a conversion (a few steps of the hybrid loss, then the real export) and exact greedy TiDAR
+decoding; or refused by `families.check` with the mechanism named; or out of scope (not a
+decoder-only text LM).
 
     PYTHONPATH=src:tests python tests/family_matrix.py --write docs/families.md   # the whole matrix
     PYTHONPATH=src:tests python tests/family_matrix.py llama gemma2              # some entries
@@ -287,9 +288,9 @@ def run(model_type: str, tokenizer=None, steps: int = STEPS, sampling: bool = Fa
 def convert_and_decode(
     config, tokenizer, steps: int, result: Result, sampling: bool = False
 ) -> None:
-    """Save a tiny random base, load it as `fit` does (load_base), train, export, load the export, and
-    decode greedily with TiDAR against AR: k = 2 and 4, one row and a left-padded batch of two; with
-    `sampling`, sampled too (sample_check)."""
+    """Save a tiny random base, load it as `fit` does (load_base), train, export, load the export,
+    and decode greedily with TiDAR against AR: k = 2 and 4, one row and a left-padded batch of two;
+    with `sampling`, sampled too (sample_check)."""
     from transformers import AutoModelForCausalLM
 
     from tidar_convert import export, load
@@ -339,7 +340,8 @@ def convert_and_decode(
 
 def remote_code_decodes_the_same(export_dir: Path, outputs) -> None:
     """The export as users load it (`from_pretrained(..., trust_remote_code=True)`: its own
-    custom_generate/, with tidar_convert blocked from import) writes what the package's decode wrote."""
+    custom_generate/, with tidar_convert blocked from import) writes what the package's
+    decode wrote."""
     from transformers import AutoModelForCausalLM
 
     saved = sys.modules.get("tidar_convert")
@@ -373,10 +375,10 @@ class Counts:
 
 def sample_check(model, pad: int, seed: int = 11) -> str:
     """Sampled TiDAR (k = 2 and 4, each drafter, the prompts above) against an independent AR loop:
-    the full prefix through the export's forward every token (no cache, no TiDAR code but the noise),
-    token = argmax p(v) / E(v) with the exponential draws `Sampling` keys by (seed, row, index). The
-    verifier makes the output that AR sample whatever the drafts (docs/method.md), so every variant
-    must equal the loop token for token, with drafts both accepted and rejected."""
+    the full prefix through the export's forward every token (no cache, no TiDAR code but the
+    noise), token = argmax p(v) / E(v) with the exponential draws `Sampling` keys by (seed, row,
+    index). The verifier makes the output that AR sample whatever the drafts (docs/method.md), so
+    every variant must equal the loop token for token, with drafts both accepted and rejected."""
     from tidar_convert.runtime.verify import Sampling, draw_seed
 
     new_tokens, counts = 16, Counts()
@@ -423,8 +425,9 @@ def sampled_ar(model, ids, mask, seed: int, new_tokens: int) -> torch.Tensor:
 
 
 def prompts(pad: int):
-    """One row on the training cycle; a left-padded batch of two: the cycle, and a broken cycle whose
-    continuation the drafts get wrong at first (so drafts are rejected as well as accepted)."""
+    """One row on the training cycle; a left-padded batch of two: the cycle, and a broken cycle
+    whose continuation the drafts get wrong at first (so drafts are rejected as well as
+    accepted)."""
     one = cycle_batch(1, 9, seed=2)
     cyc = cycle_batch(1, 11, seed=5)[0]
     broken = torch.tensor([3, 9, 4, 8, 5, 5, 6, 7, 3, 4, 9])

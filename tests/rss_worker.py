@@ -1,4 +1,5 @@
-"""Peak host memory (RSS) that building the training model adds to one process (test_multiprocess.py).
+"""Peak host memory (RSS) that building the training model adds to one process
+(test_multiprocess.py).
 
     python -m torch.distributed.run --nproc-per-node 2 tests/rss_worker.py MODEL_DIR OUT sharded
     python -m torch.distributed.run --nproc-per-node 1 tests/rss_worker.py MODEL_DIR OUT single

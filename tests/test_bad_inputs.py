@@ -107,7 +107,8 @@ def test_a_fresh_run_into_a_folder_with_checkpoints_is_refused_and_new_or_replac
 def test_resume_takes_the_highest_step_and_the_final_message_names_the_file_that_holds_it(
     tmp_path, tiny_dirs, capsys
 ):
-    """A run folder an older version left with last.ckpt (step 12) and a newer last-v1.ckpt (step 2)."""
+    """A run folder an older version left with last.ckpt (step 12) and a newer last-v1.ckpt
+    (step 2)."""
     import shutil
     import time
 

@@ -78,8 +78,8 @@ def chat_export(trained, tmp_path_factory):
 
 def test_generate_chat_renders_the_prompt_as_the_server_does(chat_export, capsys):
     """--chat: one user message through the chat template with the assistant's turn opened, the ids
-    `transformers serve` decodes for /v1/chat/completions: the text equals plain AR's on the template
-    applied by hand, in both modes, and differs from the raw prompt's."""
+    `transformers serve` decodes for /v1/chat/completions: the text equals plain AR's on the
+    template applied by hand, in both modes, and differs from the raw prompt's."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     prompt = "def f(x):\n    return x"
@@ -232,8 +232,8 @@ def test_help_names_every_command(capsys):
 
 @pytest.mark.subprocess
 def test_the_top_level_help_imports_no_torch():
-    """`tidar-convert --help` answers at once: the commands' modules (torch, transformers, Lightning)
-    are imported only when a command runs."""
+    """`tidar-convert --help` answers at once: the commands' modules (torch, transformers,
+    Lightning) are imported only when a command runs."""
     import subprocess
     import sys
 
@@ -246,9 +246,9 @@ def test_the_top_level_help_imports_no_torch():
 
 @pytest.mark.fit
 def test_a_checkpoint_records_its_base_model_absolute(tmp_path, tiny_dirs, monkeypatch, capsys):
-    """fit from the model's parent folder with `./name`: the checkpoint records the folder absolute, so a
-    resume there with the same spelling is the same model, and export runs from any folder; --model
-    replaces what a checkpoint records."""
+    """fit from the model's parent folder with `./name`: the checkpoint records the folder absolute,
+    so a resume there with the same spelling is the same model, and export runs from any folder;
+    --model replaces what a checkpoint records."""
     from pathlib import Path
 
     recipe = str(Path(__file__).parents[1] / "recipes" / "tiny.yaml")

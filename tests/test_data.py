@@ -279,7 +279,8 @@ def test_greedy_ar_loss_false_marks_exactly_the_greedy_tokens(tokenizer, tmp_pat
     if ar_loss:
         assert all("no_ar_target" not in item for item in items)
         return
-    # The stream in order (no shuffle buffer): each token marked exactly when its document is greedy text.
+    # The stream in order (no shuffle buffer): each token marked exactly when its document is
+    # greedy text.
     expected = []
     for doc in dm._dataset("train").documents():
         expected += [doc.startswith("greedy")] * (

@@ -1,4 +1,5 @@
-"""TiDAR decoding: exactly AR greedy, exactly AR sampling in distribution, and generate()'s contract."""
+"""TiDAR decoding: exactly AR greedy, exactly AR sampling in distribution, and generate()'s
+contract."""
 
 import copy
 from collections import Counter
@@ -29,12 +30,14 @@ def test_greedy_equals_ar_untrained_head(untrained, family, k):
 @pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("k", [2, 4, 6, 8])
 def test_greedy_equals_ar_trained_head(trained, family, k):
-    """With a head that drafts well, many drafts are accepted per step, and the output is still AR's."""
+    """With a head that drafts well, many drafts are accepted per step, and the output is
+    still AR's."""
     model, _ = trained[family]
     for seed in range(4):
         ids = cycle_batch(1, 3 + seed, seed=seed)
         expected = ar(model, ids, max_new_tokens=40, eos_token_id=None)
-        # plan "adaptive": acceptance is the head's alone (the default cost plan's steps also read timings)
+        # plan "adaptive": acceptance is the head's alone (the default cost plan's steps also
+        # read timings)
         assert torch.equal(
             generate(
                 ids,
@@ -281,8 +284,8 @@ def test_sampling_matches_ar_distribution(small_vocab_model, settings, monkeypat
     assert chi_square_p(hf, probs, n) > 1e-3  # the exact distribution is what HF samples
     assert chi_square_p(tidar, probs, n) > 1e-3
 
-    # The test has teeth: accepting every proposal AR could draw (p(d) > 0), not only where it is AR's
-    # own draw there, is detectably wrong.
+    # The test has teeth: accepting every proposal AR could draw (p(d) > 0), not only where it is
+    # AR's own draw there, is detectably wrong.
     def wrong_verify(self, ar_logits, draft):
         p = self.probs(ar_logits[:, :-1])
         possible = p.gather(-1, draft.tokens[:, 1:, None]).squeeze(-1) > 0
@@ -301,8 +304,8 @@ def test_sampling_matches_ar_distribution(small_vocab_model, settings, monkeypat
 def test_sampling_with_deterministic_drafts_matches_ar_distribution(
     small_vocab_model, drafter, monkeypatch
 ):
-    """Lookup drafts are deterministic: d is accepted where AR's draw there is d (chance p(d)). Every
-    token occurs in the prompt, so lookup drafts at every step."""
+    """Lookup drafts are deterministic: d is accepted where AR's draw there is d (chance p(d)).
+    Every token occurs in the prompt, so lookup drafts at every step."""
     from tidar_convert.runtime import drafters
 
     model = small_vocab_model
@@ -423,7 +426,7 @@ def test_sampling_with_per_row_acceptance_matches_ar_distribution(small_vocab_mo
     )
 
 
-# ---- sampling: a seed repeats it, whatever the steps were ------------------------------------------
+# ---- sampling: a seed repeats it, whatever the steps were ----------------------------------------
 
 
 def ar_sample(model, ids, seed, max_new_tokens, **settings):
@@ -625,8 +628,8 @@ def test_acceptance_by_offset_tallies_each_rows_chain():
 
 
 def test_acceptance_by_offset_adds_up_to_what_was_committed(trained):
-    """Batch 1, chains: every accepted proposal is one the step committed, and a step judges offset 1
-    whenever it verified a proposal."""
+    """Batch 1, chains: every accepted proposal is one the step committed, and a step judges offset
+    1 whenever it verified a proposal."""
     model, _ = trained["llama"]
     for drafter in ("diffusion", "lookup", "hybrid"):
         generate(

@@ -13,8 +13,8 @@ from tidar_convert.train.loss import hybrid_loss
 
 
 def test_distill_loss_matches_hand_computation():
-    # S = 2, V = 2, k = 2. Clean slot 0 predicts x1 (so it is the teacher of mask slot 1); mask slot 0
-    # has no AR prediction for x0 and keeps its hard label.
+    # S = 2, V = 2, k = 2. Clean slot 0 predicts x1 (so it is the teacher of mask slot 1); mask slot
+    # 0 has no AR prediction for x0 and keeps its hard label.
     logits = torch.tensor([[[1.0, 0.0], [0.0, 0.0], [1.0, 0.0], [0.0, 3.0]]])
     ar_labels = torch.tensor([[1, -100]])
     diff_labels = torch.tensor([[0, 1]])
@@ -73,8 +73,8 @@ def test_distill_at_temperature_to_zero_is_hard_ce_on_ar_argmax():
     ids, doc_ids, logits = random_case()
     S = ids.shape[1]
     ar, diff = layout.train_labels(ids, doc_ids)
-    # Hard labels on the AR argmax: mask slot i takes argmax(clean slot i-1) wherever that slot predicts
-    # x_i (same document); elsewhere (chunk and document starts) the true token.
+    # Hard labels on the AR argmax: mask slot i takes argmax(clean slot i-1) wherever that slot
+    # predicts x_i (same document); elsewhere (chunk and document starts) the true token.
     argmax_labels = diff.clone()
     teacher = torch.zeros_like(ids, dtype=torch.bool)
     teacher[:, 1:] = doc_ids[:, 1:] == doc_ids[:, :-1]
@@ -117,7 +117,8 @@ def test_teacher_is_detached(given_teacher):
 
 
 def test_teacher_is_detached_in_a_tiny_model(tiny_dirs):
-    """Through a real forward: the gradient of the distillation term reaches the AR half's logits as zero."""
+    """Through a real forward: the gradient of the distillation term reaches the AR half's logits
+    as zero."""
     from tidar_convert.models.loading import load_base
 
     model, _ = load_base(str(tiny_dirs["llama"]))

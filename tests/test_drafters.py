@@ -151,7 +151,8 @@ def test_trim_keeps_the_proposals_a_step_is_likely_to_reach():
 
 
 def costs(table: dict) -> StepCosts:
-    """Step costs as if each shape had been measured twice at that time (twice: known, not guessed)."""
+    """Step costs as if each shape had been measured twice at that time (twice: known, not
+    guessed)."""
     c = StepCosts()
     for (slots, masked), ms in table.items():
         c.add(slots, masked, ms / 1000)
@@ -237,7 +238,8 @@ def test_cost_plan_takes_the_most_expected_tokens_per_second():
 
 def test_cost_plan_stops_paying_for_groups_the_next_draft_does_not_read():
     """A hybrid that keeps drafting by lookup after lookup steps never reads their groups: the plan
-    learns that, per source, and drops groups there while keeping them after steps without a match."""
+    learns that, per source, and drops groups there while keeping them after steps without
+    a match."""
     masked = costs({(1, False): 60, (2, False): 62, (5, True): 70, (6, True): 72})
     planner = Planner(4, "cost", costs=masked)
     looked = Draft(torch.tensor([[7, 8]]), confidence=torch.tensor([[0.5]]), sources=["lookup"])
@@ -287,7 +289,8 @@ def test_a_group_is_worth_what_its_drafts_bring_beyond_verifying_them():
 
 
 def test_cost_plan_is_exact_for_every_drafter(trained):
-    """Greedy, shared commit and per-row acceptance: the cost plan's choices change the steps only."""
+    """Greedy, shared commit and per-row acceptance: the cost plan's choices change the
+    steps only."""
     model, _ = trained["qwen2"]
     ids, mask = padded_batch()
     kw = dict(max_new_tokens=24, eos_token_id=None, pad_token_id=0)
@@ -303,10 +306,10 @@ def test_cost_plan_is_exact_for_every_drafter(trained):
 
 
 def test_lookup_chances_by_match_length_and_depth_learn_and_recover():
-    """A proposal's chance reads the matched n-gram's length and its depth: from the priors, then what
-    this call's text shows; one kind of match failing does not move another's; and a chance pushed low
-    drifts back toward its prior while matches are found but not verified (else a plan that stopped
-    verifying them would never try again)."""
+    """A proposal's chance reads the matched n-gram's length and its depth: from the priors, then
+    what this call's text shows; one kind of match failing does not move another's; and a chance
+    pushed low drifts back toward its prior while matches are found but not verified (else a plan
+    that stopped verifying them would never try again)."""
     lookup = LookupDrafter()
     assert (
         lookup.chance(1, 0) < lookup.chance(2, 0) < lookup.chance(3, 0) == lookup.chance(7, 0)
@@ -340,8 +343,9 @@ def test_lookup_chances_by_match_length_and_depth_learn_and_recover():
 
 
 def test_adaptive_draft_length_drafts_less_where_lookup_misses_and_stays_exact(untrained):
-    """Random prompts, untrained model: lookup matches by chance and is rejected, so its running rate
-    falls and adaptive drafts shrink (full keeps transformers' 10 tokens); outputs equal AR's."""
+    """Random prompts, untrained model: lookup matches by chance and is rejected, so its running
+    rate falls and adaptive drafts shrink (full keeps transformers' 10 tokens); outputs
+    equal AR's."""
     model = untrained["llama"]
     ids = torch.randint(
         1, 40, (2, 24), generator=torch.Generator().manual_seed(4)
@@ -380,7 +384,8 @@ def test_lm_head_on_read_rows_gives_the_tokens_of_full_logits(trained, monkeypat
         assert model.tidar_stats["lm_head_rows_per_step"] == model.tidar_stats["slots_per_step"]
         if name != "lookup":  # lookup steps have no groups: every slot is an AR row, all read
             assert rows < slots, name
-    # One vocabulary-head call a forward (its weight is read once, not again for the group read later)
+    # One vocabulary-head call a forward (its weight is read once, not again for the group
+    # read later)
     calls = []
     hook = model.get_output_embeddings().register_forward_hook(lambda *_: calls.append(1))
     try:
@@ -469,10 +474,10 @@ def test_hybrid_drafts_by_lookup_where_it_matches_until_diffusion_proves_better(
 
 
 def test_diffusion_chances_follow_the_acceptance_seen():
-    """The plan reads the head's probability scaled by accepted over predicted so far (one of each to
-    start), in the diffusion drafter itself: drafting by diffusion alone is calibrated too (its raw
-    chance overstated sampled acceptance 2.5x, bench/RESULTS.md §4), and hybrid drafts are scaled
-    by the same drafter, counting only its own rows."""
+    """The plan reads the head's probability scaled by accepted over predicted so far (one of each
+    to start), in the diffusion drafter itself: drafting by diffusion alone is calibrated too (its
+    raw chance overstated sampled acceptance 2.5x, bench/RESULTS.md §4), and hybrid drafts are
+    scaled by the same drafter, counting only its own rows."""
 
     def draft(source="diffusion", confidence=(0.9, 0.8)):
         return Draft(
@@ -508,8 +513,8 @@ def test_diffusion_chances_follow_the_acceptance_seen():
 
 
 def test_lookup_follows_transformers_prompt_lookup():
-    """Longest n-gram first (max 2), its first occurrence, up to num_tokens; the n-gram itself excluded.
-    The match's length comes with it (the proposals' chances read it)."""
+    """Longest n-gram first (max 2), its first occurrence, up to num_tokens; the n-gram itself
+    excluded. The match's length comes with it (the proposals' chances read it)."""
     lk = LookupDrafter(num_tokens=3, max_ngram=2)
     t = torch.tensor
     found = lambda seq, limit: (lambda f: (f[0].tolist(), f[1]))(lk.match(t(seq), limit))
@@ -573,8 +578,8 @@ def test_lookup_trees_hang_the_other_occurrences_where_they_leave_the_chain():
 def test_lookup_trees_commit_a_later_occurrence_where_the_first_misleads(trained):
     """The trained tiny model continues the cycle 3..9. The prompt first shows (6, 7) followed by a
     decoy (1, 2, 1, 2), then the cycle, and ends at 6: the first step's lookup chain (after the
-    first occurrence of (6, y = 7)) is wrong, the latest occurrence right. The tree takes the branch,
-    and the output is AR's."""
+    first occurrence of (6, y = 7)) is wrong, the latest occurrence right. The tree takes the
+    branch, and the output is AR's."""
     model, _ = trained["llama"]
     ids = torch.tensor([[6, 7, 1, 2, 1, 2, 3, 4, 5, 6, 7, 8, 9, 3, 4, 5, 6]])
     expected = ar(model, ids, max_new_tokens=24, eos_token_id=None)
@@ -777,9 +782,9 @@ def test_a_row_without_a_group_at_its_length_reads_an_earlier_one():
 
 
 def test_rows_draft_from_an_earlier_group_in_a_batch(trained, monkeypatch):
-    """Per-row acceptance leaves rows at lengths the plan put no group at (9 slots: a 4-token draft and
-    one group); a row past an earlier group's anchor drafts from its later slots instead of nothing,
-    and the batch still writes AR's tokens."""
+    """Per-row acceptance leaves rows at lengths the plan put no group at (9 slots: a 4-token draft
+    and one group); a row past an earlier group's anchor drafts from its later slots instead of
+    nothing, and the batch still writes AR's tokens."""
     model, _ = trained["llama"]
     read, reads = StepPlan.group_read, []
 
@@ -808,7 +813,8 @@ def test_rows_draft_from_an_earlier_group_in_a_batch(trained, monkeypatch):
 
 
 def test_rows_share_one_commit_length_when_a_processor_reads_the_prefix(trained):
-    """repetition_penalty reads each row's prefix: rows then commit the fewest drafts any accepted."""
+    """repetition_penalty reads each row's prefix: rows then commit the fewest drafts any
+    accepted."""
     model, _ = trained["llama"]
     ids = torch.cat(
         [
@@ -845,10 +851,11 @@ def test_siblings_commit_the_ar_token_where_draft_1_missed(trained, untrained, f
             expected = ar(model, ids, max_new_tokens=24, eos_token_id=None)
             for name in ("diffusion", "hybrid"):
                 for plan in ("adaptive", "cost"):
-                    # Fresh step-cost tables: what groups are worth is learned with them and kept on the
-                    # model across calls, so the adaptive plan's trees would follow the cost plan's
-                    # timings. With them fresh, its trees are the same every run, and with 96 slots (rarer
-                    # nodes kept) they branch below depth 1 on every family; the cost plan's follow timings.
+                    # Fresh step-cost tables: what groups are worth is learned with them and kept on
+                    # the model across calls, so the adaptive plan's trees would follow the cost
+                    # plan's timings. With them fresh, its trees are the same every run, and with 96
+                    # slots (rarer nodes kept) they branch below depth 1 on every family; the cost
+                    # plan's follow timings.
                     model.__dict__.pop("_tidar_step_costs", None)
                     with patch.object(engine, "walk", spy):
                         got = generate(
@@ -935,8 +942,8 @@ def test_keep_slots_keeps_the_cache_and_a_branch_that_is_not_a_suffix():
 
 
 def test_tree_plans_keep_the_likeliest_nodes_and_group_after_the_likely_ends():
-    """Chain proposals reached with 0.3, 0.15, 0.075; siblings of draft 1: 9 (0.4), 8 (0.2), 7 (0.01);
-    under 9, token 6 (0.9 of 0.4 = 0.36)."""
+    """Chain proposals reached with 0.3, 0.15, 0.075; siblings of draft 1: 9 (0.4), 8 (0.2), 7
+    (0.01); under 9, token 6 (0.9 of 0.4 = 0.36)."""
     tokens = torch.arange(4)[None]
     draft = Draft(
         tokens,
@@ -1024,8 +1031,8 @@ def test_grow_finds_the_likeliest_nodes_of_the_group_best_first():
 
 
 def test_development_example_drafter(trained, monkeypatch):
-    """docs/development.md's worked example (a drafter in one class and one test) runs as written: its
-    class goes into drafters' namespace and DRAFTERS, then its test runs."""
+    """docs/development.md's worked example (a drafter in one class and one test) runs as written:
+    its class goes into drafters' namespace and DRAFTERS, then its test runs."""
     import re
     from collections import Counter
     from pathlib import Path

@@ -19,8 +19,9 @@ def cli_error(capsys, *args) -> str:
         main(list(args))
     assert exit_info.value.code == 2
     err = capsys.readouterr().err.strip()
-    # (pytest closes each test's captured stderr; a log handler Lightning bound to an earlier one may
-    # print "--- Logging error ---" noise here: what matters is that the refusal ends the output)
+    # (pytest closes each test's captured stderr; a log handler Lightning bound to an earlier one
+    # may print "--- Logging error ---" noise here: what matters is that the refusal ends
+    # the output)
     last = err.splitlines()[-1]
     assert (
         last.startswith("error: ")
@@ -216,7 +217,8 @@ def no_hub(tmp_path, monkeypatch):
 
 
 def hub_cache_entry(hub_cache: Path, repo_id: str, folder) -> Path:
-    """Put a model folder in an HF hub cache as a download would (refs/main -> snapshots/<commit>)."""
+    """Put a model folder in an HF hub cache as a download would (refs/main ->
+    snapshots/<commit>)."""
     import shutil
 
     commit = "0123456789abcdef0123456789abcdef01234567"
@@ -300,7 +302,8 @@ def test_hub_id_in_offline_mode(no_hub, tiny_dirs, monkeypatch):
 def test_undecodable_text_files_in_a_folder_are_skipped_with_a_warning_naming_each(
     tmp_path, tiny_dirs, caplog, capsys
 ):
-    """A folder of one-document files reads what it can: each bad file is named once, the rest is read."""
+    """A folder of one-document files reads what it can: each bad file is named once, the rest
+    is read."""
     from tidar_convert.data import iter_documents
 
     folder = tmp_path / "docs"

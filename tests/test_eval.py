@@ -1,4 +1,5 @@
-"""lm-evaluation-harness on an export, as a user runs it: `--model hf --model_args pretrained=OUT,...`.
+"""lm-evaluation-harness on an export, as a user runs it: `--model hf --model_args
+pretrained=OUT,...`.
 
 trust_remote_code=True (TiDAR generate, the export's custom_generate) against the same folder
 without it (transformers' AR generate), on tiny local tasks: loglikelihoods identical (both are

@@ -27,8 +27,9 @@ def attend(q, k, v, mask=None, causal=False):
 @pytest.mark.parametrize("heads,kv_heads,dim", [(9, 3, 64), (4, 4, 16), (8, 1, 128), (96, 1, 16)])
 def test_attention_is_sdpas_and_each_query_the_same_in_any_step(heads, kv_heads, dim):
     """torch's values (to fp32 rounding); and a query's output bit for bit the same alone or among
-    others, with masked keys appended or holes in the cache, and as a prefill's row or a decode step's
-    query. 96 heads on one key/value head: more pairs than the kernel's vectors hold at once."""
+    others, with masked keys appended or holes in the cache, and as a prefill's row or a decode
+    step's query. 96 heads on one key/value head: more pairs than the kernel's vectors hold
+    at once."""
     g = torch.Generator().manual_seed(0)
     B, Q, L = 2, 12, 70
     k, v = (
@@ -45,7 +46,8 @@ def test_attention_is_sdpas_and_each_query_the_same_in_any_step(heads, kv_heads,
         assert torch.equal(
             attend(q[:, :, i : i + 1], k, v, mask[:, :, i : i + 1])[:, 0], full[:, i]
         )
-    # keys nobody sees, appended or in the middle of the cache (a rejected draft's slot, a batch row's hole)
+    # keys nobody sees, appended or in the middle of the cache (a rejected draft's slot, a batch
+    # row's hole)
     junk = torch.randn(B, kv_heads, 5, dim, generator=g)
     none = torch.zeros(B, 1, Q, 5, dtype=torch.bool)
     assert torch.equal(
@@ -78,8 +80,8 @@ def test_attention_is_sdpas_and_each_query_the_same_in_any_step(heads, kv_heads,
 
 
 def test_exact_attention_runs_only_what_it_computes(untrained, monkeypatch):
-    """sdpa_exact takes fp32 or bf16 bool-masked attention on CPU; fp16, an additive mask, softcapping
-    or sinks go to sdpa_gqa (transformers' values)."""
+    """sdpa_exact takes fp32 or bf16 bool-masked attention on CPU; fp16, an additive mask,
+    softcapping or sinks go to sdpa_gqa (transformers' values)."""
     calls = []
     monkeypatch.setattr(
         kernels, "panel_attention", lambda *a: calls.append("kernel") or torch.zeros(1)
@@ -113,8 +115,8 @@ def test_exact_attention_runs_only_what_it_computes(untrained, monkeypatch):
 
 
 def near_ties(model, tokens, eps: float = 1e-7):
-    """Give each of `tokens` a twin: another vocabulary row equal to its row up to eps, so wherever AR
-    picks one of them the other's logit is within rounding noise of it."""
+    """Give each of `tokens` a twin: another vocabulary row equal to its row up to eps, so wherever
+    AR picks one of them the other's logit is within rounding noise of it."""
     head = model.get_output_embeddings().weight
     used = set(tokens)
     free = [t for t in range(head.shape[0]) if t not in used][: len(tokens)]
@@ -129,12 +131,12 @@ def near_ties(model, tokens, eps: float = 1e-7):
     [("llama", torch.float32), ("mistral", torch.float32), ("llama", torch.bfloat16)],
 )
 def test_tidar_verify_rows_are_ars_logits_bit_for_bit_even_at_near_ties(trained, family, dtype):
-    """Every drafter, chains and trees: TiDAR's logits at each new position equal tidar=False's bit for
-    bit, on the trained model (drafts accepted: verify rows several to a step) and again once each
-    token it writes has a near-tied twin (AR then picks by the low bits, and drafts get rejected); a
-    padded batch (per-row acceptance, holes in the cache) writes AR's tokens. On the stock product
-    the logits are not equal (the test can fail). In bf16 on bf16 panels too (a near-tie there is
-    one bf16 step, the noise between products many)."""
+    """Every drafter, chains and trees: TiDAR's logits at each new position equal tidar=False's bit
+    for bit, on the trained model (drafts accepted: verify rows several to a step) and again once
+    each token it writes has a near-tied twin (AR then picks by the low bits, and drafts get
+    rejected); a padded batch (per-row acceptance, holes in the cache) writes AR's tokens. On the
+    stock product the logits are not equal (the test can fail). In bf16 on bf16 panels too (a
+    near-tie there is one bf16 step, the noise between products many)."""
     model, _ = trained[family]
     if dtype != torch.float32:
         model = copy.deepcopy(model).to(dtype)

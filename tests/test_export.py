@@ -55,7 +55,8 @@ def test_model_card_loads_as_a_hub_card(exported):
 
 @pytest.mark.subprocess
 def test_runs_without_tidar_convert_installed(exported):
-    """The acceptance test: tidar_convert blocked from import, TiDAR greedy == AR greedy, drafts accepted."""
+    """The acceptance test: tidar_convert blocked from import, TiDAR greedy == AR greedy, drafts
+    accepted."""
     script = textwrap.dedent(
         f"""
         import sys, json, torch
@@ -162,7 +163,8 @@ def test_lora_is_merged_on_export(tiny_dirs, tmp_path):
 
 @pytest.mark.parametrize("family", ["llama", "qwen2"])  # untied and tied embeddings
 def test_lora_with_trained_mask_row_is_merged_on_export(tiny_dirs, tmp_path, family):
-    """LoRA training also trains the mask token's embedding row (peft trainable tokens): the export must keep it."""
+    """LoRA training also trains the mask token's embedding row (peft trainable tokens): the export
+    must keep it."""
     from peft import LoraConfig, get_peft_model
 
     from tidar_convert.models.loading import load_base
@@ -243,8 +245,8 @@ def test_continuous_batching_warns_that_tidar_does_not_run(untrained_export):
 
 def test_tidar_off_through_a_generation_config(untrained_export):
     """A server passes a request's generation config, not keyword arguments (`transformers serve`:
-    the request's `generation_config` JSON): its `tidar` field turns TiDAR off; the keyword wins over
-    it, and the model's generation_config.json is read last."""
+    the request's `generation_config` JSON): its `tidar` field turns TiDAR off; the keyword wins
+    over it, and the model's generation_config.json is read last."""
     from transformers import GenerationConfig
 
     model = load(untrained_export)

@@ -146,7 +146,8 @@ def test_check_names_the_mechanism():
 
 
 def test_check_command_reads_only_the_config(tmp_path, capsys):
-    """A folder with nothing but config.json: the verdict, the parameter count, memory per device."""
+    """A folder with nothing but config.json: the verdict, the parameter count, memory per
+    device."""
     AutoConfig.for_model(
         "qwen3",
         hidden_size=64,
@@ -217,7 +218,8 @@ def test_check_scales_decode_speed_from_a_bench_record(tmp_path, capsys):
 
 
 def test_fit_refuses_a_sequence_past_gpt_neo_s_window(tmp_path):
-    """GPT-Neo's local layers window by index: a training sequence longer than the window is refused, naming the fix."""
+    """GPT-Neo's local layers window by index: a training sequence longer than the window is
+    refused, naming the fix."""
     from tidar_convert.train.fit import check_model
 
     AutoConfig.for_model(
@@ -232,7 +234,8 @@ def test_fit_refuses_a_sequence_past_gpt_neo_s_window(tmp_path):
 
 
 def test_fit_refuses_before_any_work(tmp_path):
-    """fit's first check reads the config only: a recurrent model is refused with no weights present."""
+    """fit's first check reads the config only: a recurrent model is refused with no weights
+    present."""
     from tidar_convert.train.fit import check_model
 
     AutoConfig.for_model("qwen3_next", num_hidden_layers=2).save_pretrained(tmp_path)
@@ -241,8 +244,8 @@ def test_fit_refuses_before_any_work(tmp_path):
 
 
 # Sampled as well (family_matrix.sample_check): one of each mechanism that could make a draft slot
-# change what a real token computes (experts, softcapping with eager attention, latent KV, sinks with
-# mixed windows, NoPE with chunked attention).
+# change what a real token computes (experts, softcapping with eager attention, latent KV, sinks
+# with mixed windows, NoPE with chunked attention).
 SAMPLED = ("llama", "qwen3_moe", "gemma2", "deepseek_v3", "gpt_oss", "llama4_text", "gemma3_text")
 
 
@@ -253,8 +256,9 @@ SAMPLED = ("llama", "qwen3_moe", "gemma2", "deepseek_v3", "gpt_oss", "llama4_tex
 )
 def test_family_converts_exactly(model_type, tokenizer):
     """Conversion, export and greedy TiDAR from the export equal to AR at k = 2 and 4, one row and a
-    left-padded batch of two, drafts both accepted and rejected; as docs/families.md records. SAMPLED
-    entries: sampled TiDAR equal to an independent sampled AR loop, drafts accepted and rejected."""
+    left-padded batch of two, drafts both accepted and rejected; as docs/families.md records.
+    SAMPLED entries: sampled TiDAR equal to an independent sampled AR loop, drafts accepted and
+    rejected."""
     result = family_matrix.run(model_type, tokenizer, sampling=model_type in SAMPLED)
     assert result.outcome == "exact", result.detail
     assert result.accepted > 0 and result.rejected > 0
@@ -263,7 +267,8 @@ def test_family_converts_exactly(model_type, tokenizer):
 
 
 def test_the_sampling_check_has_teeth(tokenizer, monkeypatch):
-    """A verifier that accepts every sampled draft (not only where AR's own draw agrees) fails the check."""
+    """A verifier that accepts every sampled draft (not only where AR's own draw agrees) fails
+    the check."""
     from tidar_convert.runtime.verify import Sampling, real_slots
 
     monkeypatch.setattr(
@@ -279,8 +284,9 @@ def test_the_sampling_check_has_teeth(tokenizer, monkeypatch):
 
 def same_transformers_as_the_doc() -> bool:
     """Whether the installed transformers is the release docs/families.md was generated from. Its
-    mapping grows with every release (CI installs the newest), so the doc is compared entry for entry
-    only on that release; on any other the promise below still holds for every entry installed."""
+    mapping grows with every release (CI installs the newest), so the doc is compared entry for
+    entry only on that release; on any other the promise below still holds for every entry
+    installed."""
     import transformers
 
     return transformers.__version__ == family_matrix.documented_version()
@@ -289,8 +295,9 @@ def same_transformers_as_the_doc() -> bool:
 @pytest.mark.slow
 def test_every_family_converts_exactly_or_is_refused(tokenizer):
     """Every entry of the installed transformers' causal-LM mapping converts exactly (drafts both
-    accepted and rejected), or check refuses it before any work, or it is not a decoder-only text LM;
-    never a failure. On the doc's transformers release, each comes out as docs/families.md says."""
+    accepted and rejected), or check refuses it before any work, or it is not a decoder-only text
+    LM; never a failure. On the doc's transformers release, each comes out as
+    docs/families.md says."""
     documented, same = read_table(), same_transformers_as_the_doc()
     broken = {}
     for model_type in family_matrix.entries():
@@ -328,7 +335,8 @@ def test_documented_refusals_are_what_check_says():
 
 
 def test_readme_supported_models_agrees_with_the_matrix():
-    """The README's "Supported models" section quotes the matrix's counts and names only exact families."""
+    """The README's "Supported models" section quotes the matrix's counts and names only exact
+    families."""
     text = README.read_text()
     section = text.split("## Supported models", 1)[1].split("\n## ", 1)[0]
     documented = read_table()

@@ -274,7 +274,8 @@ def test_fit_output_is_quiet_and_informative_and_config_stays_in_the_run_folder(
 @pytest.mark.fit
 @pytest.mark.subprocess
 def test_sigterm_saves_a_checkpoint_exits_nonzero_and_resumes(tmp_path, tiny_dirs):
-    """What SLURM/Kubernetes send before killing a job: save, exit 143, and --ckpt_path last continues."""
+    """What SLURM/Kubernetes send before killing a job: save, exit 143, and --ckpt_path last
+    continues."""
     import signal
 
     proc = cli_process(
@@ -407,7 +408,8 @@ def test_fit_replaces_an_earlier_export_only_with_overwrite(tmp_path, tiny_dirs,
 
 @pytest.mark.fit
 def test_bf16_on_a_cpu_without_native_bf16_is_flagged(tmp_path, tiny_dirs, capsys, monkeypatch):
-    """bf16 emulated on a CPU without AMX/AVX512-BF16 trains many times slower: say so, with the fix."""
+    """bf16 emulated on a CPU without AMX/AVX512-BF16 trains many times slower: say so, with
+    the fix."""
     from tidar_convert.train import checks as fit_checks
 
     info = tmp_path / "cpuinfo"

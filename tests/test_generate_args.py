@@ -1,5 +1,6 @@
 """Every GenerationConfig field, walked: honoured with transformers' semantics, refused by name, or
-irrelevant to TiDAR decoding for a stated reason. No field may be silently ignored (issue 8, item 4).
+irrelevant to TiDAR decoding for a stated reason. No field may be silently ignored (issue 8,
+item 4).
 
 Honoured under greedy: the field changes transformers' own output (sequences or scores) on the test
 prompts, and TiDAR gives the same sequences, scores and logits. Honoured under sampling: the field
@@ -58,7 +59,8 @@ GREEDY = {
 }
 
 # Honoured, checked under sampling: test_decode.SAMPLING_SETTINGS and these (prefix-dependent
-# processors included, so each draft slot must be processed with its own prefix for the test to pass).
+# processors included, so each draft slot must be processed with its own prefix for the test
+# to pass).
 MORE_SAMPLING = [
     dict(typical_p=0.8, epsilon_cutoff=0.05),
     dict(eta_cutoff=0.05, top_h=0.7, temperature=0.9),
@@ -164,12 +166,13 @@ def test_every_field_is_honoured_refused_or_irrelevant():
     assert set(REFUSED) == set(decode.REFUSED)  # the decoder refuses exactly these
 
 
-# ---- honoured, greedy ------------------------------------------------------------------------------
+# ---- honoured, greedy ----------------------------------------------------------------------------
 
 
 @pytest.fixture(scope="module")
 def model(tiny_dirs):
-    """The llama family only, trained to draft the cycle well, so many drafts are accepted per step."""
+    """The llama family only, trained to draft the cycle well, so many drafts are accepted
+    per step."""
     m, tok = load_base(str(tiny_dirs["llama"]))
     return train_tiny(m), tok
 
@@ -202,8 +205,8 @@ def both(m, ids, mask, **kw):
 
 
 def live_rows(out, prompt_len, eos):
-    """(T, B) bool: row b was still generating at new token t (transformers' scores for finished rows
-    come from pad tokens and mean nothing)."""
+    """(T, B) bool: row b was still generating at new token t (transformers' scores for finished
+    rows come from pad tokens and mean nothing)."""
     new = out.sequences[:, prompt_len:]
     done = torch.isin(new, torch.tensor(eos))
     return torch.cat([torch.zeros_like(done[:, :1]), done[:, :-1]], 1).cumsum(1).eq(0).T
@@ -289,7 +292,7 @@ def test_custom_logits_processor_and_prefix_allowed_tokens_fn(model):
     assert_same(hf, td, ids.shape[1], [MODEL_EOS])
 
 
-# ---- honoured, sampling ----------------------------------------------------------------------------
+# ---- honoured, sampling --------------------------------------------------------------------------
 
 
 @pytest.mark.slow  # statistical: thousands of samples (make test runs it; make test-fast skips it)
@@ -328,7 +331,7 @@ def test_sampling_fields_keep_the_ar_distribution(small_vocab_model, settings, m
     assert chi_square_p(tidar, probs, n) > 1e-3
 
 
-# ---- honoured, dedicated -----------------------------------------------------------------------------
+# ---- honoured, dedicated -------------------------------------------------------------------------
 
 
 def test_num_return_sequences(model):
@@ -440,7 +443,7 @@ def test_custom_stopping_criteria_merge(model):
     )
 
 
-# ---- refused -------------------------------------------------------------------------------------------
+# ---- refused -------------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("field", sorted(REFUSED))
@@ -467,7 +470,7 @@ def test_unknown_argument_is_a_type_error(model):
         generate(cycle_batch(1, 4, seed=0), model=m, max_new_tokens=4, temprature=0.5)
 
 
-# ---- irrelevant ------------------------------------------------------------------------------------------
+# ---- irrelevant ----------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("field", sorted(IRRELEVANT))

@@ -1,5 +1,6 @@
-"""Self-distillation as its own step (issue 7 item 4): `tidar-convert distill`, the corpus inside `fit`
-(made once, by rank 0), and a corpus from `distill` passed to `fit`; never a validation document."""
+"""Self-distillation as its own step (issue 7 item 4): `tidar-convert distill`, the corpus inside
+`fit` (made once, by rank 0), and a corpus from `distill` passed to `fit`; never a validation
+document."""
 
 import json
 import os
@@ -80,7 +81,8 @@ def test_distill_writes_the_models_greedy_continuations_of_training_prompts(tiny
 
 
 def test_distill_generates_on_the_kernels_generate_decodes_with(tiny_dirs, tmp_path, monkeypatch):
-    """On CPU the corpus is written under the packed linears and grouped attention (1.75x the tokens/s)."""
+    """On CPU the corpus is written under the packed linears and grouped attention (1.75x the
+    tokens/s)."""
     from contextlib import contextmanager
 
     from tidar_convert.runtime import kernels
@@ -317,8 +319,9 @@ def test_no_validation_document_reaches_training_with_greedy_docs(tiny_dirs, tmp
 def test_the_datamodule_reads_a_ready_greedy_corpus_and_never_loads_a_model(
     tiny_dirs, tmp_path, monkeypatch
 ):
-    """greedy_docs > 0 without a made corpus: the DataModule names the missing file and how it is made,
-    and loads no model to make it (fit's module makes it in setup, see distill.corpus_for_data)."""
+    """greedy_docs > 0 without a made corpus: the DataModule names the missing file and how it is
+    made, and loads no model to make it (fit's module makes it in setup, see
+    distill.corpus_for_data)."""
     from tidar_convert.models import loading
 
     monkeypatch.setenv("TIDAR_CACHE", str(tmp_path / "cache"))
@@ -348,7 +351,8 @@ def test_the_datamodule_reads_a_ready_greedy_corpus_and_never_loads_a_model(
 @pytest.mark.fit
 @pytest.mark.subprocess
 def test_two_process_fit_generates_the_corpus_once_and_both_ranks_read_it(tmp_path, tiny_dirs):
-    """2 processes (gloo DDP under torchrun): rank 0 generates, rank 1 waits at the barrier and reads the same file."""
+    """2 processes (gloo DDP under torchrun): rank 0 generates, rank 1 waits at the barrier and
+    reads the same file."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -425,8 +429,8 @@ def test_two_process_fit_generates_the_corpus_once_and_both_ranks_read_it(tmp_pa
 
 @pytest.mark.fit
 def test_fit_trains_on_a_distill_corpus_with_every_greedy_lever(tiny_dirs, tmp_path, capsys):
-    """The recipe surface of issue 9's levers, end to end: a corpus from `distill`, a greedy share, greedy
-    text in the diffusion loss only, per-offset diffusion weights."""
+    """The recipe surface of issue 9's levers, end to end: a corpus from `distill`, a greedy share,
+    greedy text in the diffusion loss only, per-offset diffusion weights."""
     from tidar_convert.train.fit import _lightning_cli
 
     corpus = tmp_path / "greedy.jsonl"
@@ -494,8 +498,9 @@ def test_fit_trains_on_a_distill_corpus_with_every_greedy_lever(tiny_dirs, tmp_p
 
 
 def test_a_failing_rank_0_still_releases_the_other_ranks(tiny_dirs, tmp_path, monkeypatch):
-    """If rank 0 cannot make the corpus, it reaches the barrier before raising (the other ranks would
-    otherwise wait there until the process-group timeout), and the others fail with a message."""
+    """If rank 0 cannot make the corpus, it reaches the barrier before raising (the other ranks
+    would otherwise wait there until the process-group timeout), and the others fail with a
+    message."""
     from types import SimpleNamespace
 
     from tidar_convert.train.distill import corpus_for_fit
@@ -540,8 +545,8 @@ def test_a_failing_rank_0_still_releases_the_other_ranks(tiny_dirs, tmp_path, mo
 def test_a_corpus_records_its_model_so_that_fit_can_tell_it_from_another(
     tiny_dirs, tmp_path, monkeypatch
 ):
-    """distill records a local model folder absolute; fit takes the corpus with that folder however it is
-    spelt, and refuses it with another base model."""
+    """distill records a local model folder absolute; fit takes the corpus with that folder however
+    it is spelt, and refuses it with another base model."""
     from tidar_convert.train.distill import check_corpus
 
     code_docs(tmp_path / "docs.jsonl")

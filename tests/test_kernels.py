@@ -1,6 +1,7 @@
-"""Packed CPU linear layers (kernels.py): the same products as PyTorch's, rows independent of how many
-share a call, weights repacked when they change, stock product wherever gradients are needed, packed
-by default only where timed faster, and generate() decoding the same tokens with them on every path."""
+"""Packed CPU linear layers (kernels.py): the same products as PyTorch's, rows independent of how
+many share a call, weights repacked when they change, stock product wherever gradients are needed,
+packed by default only where timed faster, and generate() decoding the same tokens with them on
+every path."""
 
 from __future__ import annotations
 
@@ -129,9 +130,10 @@ def test_generate_gives_the_same_tokens_packed_or_not_and_restores_the_layers(un
 
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
 def test_grouped_attention_attends_in_place_to_the_same_values(untrained, family, monkeypatch):
-    """A TiDAR step (two drafts and a mask group after a cache) under grouped_attention: the values of
-    transformers' sdpa path, which copies the key/value heads to every query head, reached through
-    SDPA's enable_gqa instead; the model's attention setting is back afterwards, even on an error."""
+    """A TiDAR step (two drafts and a mask group after a cache) under grouped_attention: the values
+    of transformers' sdpa path, which copies the key/value heads to every query head, reached
+    through SDPA's enable_gqa instead; the model's attention setting is back afterwards, even on
+    an error."""
     from transformers import DynamicCache
 
     from tidar_convert.runtime.forward import cache_kwargs
@@ -193,7 +195,8 @@ def test_grouped_attention_attends_in_place_to_the_same_values(untrained, family
 
 
 def fake_timings(monkeypatch, table: dict) -> list:
-    """pass_seconds from a table of milliseconds by product and rows; returns the log of (rows, product) timed."""
+    """pass_seconds from a table of milliseconds by product and rows; returns the log of (rows,
+    product) timed."""
     timed = []
 
     def seconds(layers, rows, product):
@@ -254,7 +257,8 @@ def test_auto_packs_only_where_a_pass_is_timed_faster(monkeypatch, packed_ms, pa
             }
             for r in (1, 8)
         }
-        # A model where packing does not pay keeps no packed copy (it would be one more copy of every weight).
+        # A model where packing does not pay keeps no packed copy (it would be one more copy of
+        # every weight).
         assert all(bool(kernels._PACKED.get(layer)) == pays for layer in model)
         with (
             kernels.cpu_kernels(model, "auto"),
@@ -278,8 +282,8 @@ def test_auto_packs_only_where_a_pass_is_timed_faster(monkeypatch, packed_ms, pa
 def test_bf16_takes_the_fastest_of_panels_onednn_and_stock_and_keeps_only_its_copies(
     monkeypatch, winner
 ):
-    """bf16 has two packed products (panels, exact for every row count; oneDNN's, which AMX makes fast
-    on many rows): the pass decides, per model, and the loser's copies are dropped."""
+    """bf16 has two packed products (panels, exact for every row count; oneDNN's, which AMX makes
+    fast on many rows): the pass decides, per model, and the loser's copies are dropped."""
     table = {"panels": {1: 30, 8: 40}, "onednn": {1: 40, 8: 35}, "stock": {1: 45, 8: 70}}
     table[winner] = {1: 20, 8: 30}
     fake_timings(monkeypatch, table)

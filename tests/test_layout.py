@@ -142,8 +142,8 @@ def test_decode_positions():
 
 
 def test_decode_step_mask_is_the_mask_mod_with_anchors():
-    """The reusable dense step mask (cache validity + a cached per-plan block) equals decode_mask_mod,
-    for groups at any anchors; consecutive anchors are the int form."""
+    """The reusable dense step mask (cache validity + a cached per-plan block) equals
+    decode_mask_mod, for groups at any anchors; consecutive anchors are the int form."""
     cache_valid = torch.tensor([[0, 0, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1]], dtype=torch.bool)
     for T, k, anchors in ((3, 2, (1, 2, 3)), (4, 3, (2,)), (5, 2, ()), (6, 2, (1, 4, 6))):
         Q = T + len(anchors) * k
@@ -241,8 +241,9 @@ def test_tree_mask_sees_each_branch_and_its_ancestors_only():
 
 def test_decode_mask_mod_reads_only_tables_already_on_its_device():
     """A compiled FlexAttention kernel cannot move a tensor the mask_mod captured (on CUDA, inductor
-    refused the anchors' device move inside the kernel: bench/results/gpu.json's first engine check),
-    so the anchors and the tree's ancestors are put on the mask's device when it is built."""
+    refused the anchors' device move inside the kernel: bench/results/gpu.json's first engine
+    check), so the anchors and the tree's ancestors are put on the mask's device when it
+    is built."""
     parents, anchors = (-1, 0, 1, 0, 0), (1, 2, 5)
     valid = torch.ones(2, 3 + 11, dtype=torch.bool)
     traced = torch.fx.symbolic_trace(layout.decode_mask_mod(3, 5, 2, anchors, valid, parents))

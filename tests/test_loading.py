@@ -85,8 +85,8 @@ def test_missing_paths_are_clear():
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_config_and_tokenizer_alone_agree_with_the_loaded_model(tiny_dirs, family):
-    """The module reads these before any weight (the model is built later, where the strategy wants it):
-    the token ids must be the ones the loaded model gets."""
+    """The module reads these before any weight (the model is built later, where the strategy wants
+    it): the token ids must be the ones the loaded model gets."""
     from tidar_convert.models.loading import load_config_and_tokenizer
 
     config, tok = load_config_and_tokenizer(str(tiny_dirs[family]))

@@ -23,8 +23,8 @@ SIZES = dict(
     head_dim=16,
     vocab_size=V,
 )
-# (model_type, config fields, attention implementation): one window on every layer, mixed sliding and
-# full layers (SDPA, and eager's additive masks), attention chunks, sinks with mixed windows.
+# (model_type, config fields, attention implementation): one window on every layer, mixed sliding
+# and full layers (SDPA, and eager's additive masks), attention chunks, sinks with mixed windows.
 LOCAL = {
     "mistral": (dict(sliding_window=5), "sdpa"),
     "gemma3_text": (
@@ -114,7 +114,8 @@ def test_local_kinds_from_the_config():
 
 @pytest.mark.parametrize("model_type", LOCAL)
 def test_clean_half_equals_the_plain_model_past_the_window(model_type):
-    """The model's own forward applies its windows; the doubled sequence's clean half must compute the same."""
+    """The model's own forward applies its windows; the doubled sequence's clean half must compute
+    the same."""
     model = local_model(model_type)
     ids = torch.randint(1, V - 2, (2, S))
     with torch.no_grad():
@@ -141,9 +142,9 @@ def test_clean_half_equals_the_plain_model_past_the_window(model_type):
 def test_flex_attention_equals_the_dense_masks(model_type, monkeypatch):
     """FlexAttention (forward on CPU, compiled) with one BlockMask per layer kind against the dense
     masks: the training layout, then a decode step after a cache."""
-    # Fresh compiles with static shapes: after other tests' FlexAttention compiles, torch 2.13 recompiles
-    # with dynamic shapes, and its CPU template then emitted C++ that does not build (cur_kvSplitSize0,
-    # in CI's full run only).
+    # Fresh compiles with static shapes: after other tests' FlexAttention compiles, torch 2.13
+    # recompiles with dynamic shapes, and its CPU template then emitted C++ that does not build
+    # (cur_kvSplitSize0, in CI's full run only).
     torch._dynamo.reset()
     monkeypatch.setattr(torch._dynamo.config, "automatic_dynamic_shapes", False)
     dense_model = local_model(model_type, "sdpa")
@@ -225,8 +226,9 @@ def test_greedy_tidar_past_the_window_is_ar(model_type, tmp_path, tokenizer):
 
 
 def test_the_lightning_module_trains_within_the_windows(tmp_path, tokenizer, monkeypatch):
-    """TiDARModule's forwards (one over both halves, and the split halves of lora_scope='masks') apply
-    the windows: the same loss either way, and its AR loss is the plain model's own next-token loss."""
+    """TiDARModule's forwards (one over both halves, and the split halves of lora_scope='masks')
+    apply the windows: the same loss either way, and its AR loss is the plain model's own
+    next-token loss."""
     from helpers import cycle_batch
 
     from tidar_convert.train.module import TiDARModule

@@ -78,7 +78,8 @@ def test_offset_weights_match_hand_computation():
         distill_weight=1.0,
         offset_weights=[1.0, 0.0],
     )
-    # slot 0 has no AR teacher (hard label); slot 2's teacher is clean slot 1, uniform logits -> KL(u || q)
+    # slot 0 has no AR teacher (hard label); slot 2's teacher is clean slot 1, uniform logits ->
+    # KL(u || q)
     q2 = [0.5, 0.5]
     kl2 = sum(0.5 * math.log(0.5 / q) for q in q2)
     assert soft["loss"].item() == pytest.approx((ce[0] + kl2) / 2, rel=1e-6)
@@ -99,8 +100,9 @@ def test_bad_offset_weights_are_refused(weights):
 
 
 def test_greedy_tokens_are_no_ar_targets_and_send_no_ar_gradient():
-    """--data.greedy_ar_loss false: a token marked no_ar_target is never an AR label, so the AR loss sends
-    no gradient through the clean slot that predicts it; the diffusion loss still trains on it."""
+    """--data.greedy_ar_loss false: a token marked no_ar_target is never an AR label, so the AR loss
+    sends no gradient through the clean slot that predicts it; the diffusion loss still trains
+    on it."""
     from tidar_convert.runtime import layout
 
     torch.manual_seed(0)
@@ -126,7 +128,8 @@ def test_greedy_tokens_are_no_ar_targets_and_send_no_ar_gradient():
     assert (
         torch.count_nonzero(logits.grad[0, 8 + 3 :]) > 0
     )  # the greedy tokens still train the diffusion half
-    # a chunk of greedy text only: the AR term is 0 (no target), not NaN, and the loss is the diffusion term's
+    # a chunk of greedy text only: the AR term is 0 (no target), not NaN, and the loss is the
+    # diffusion term's
     all_marked = torch.ones(2, 8, dtype=torch.bool)
     out = hybrid_loss(
         logits.detach(), *layout.train_labels(ids, None, all_marked), alpha=1.0, block_size=4
@@ -165,7 +168,8 @@ def test_module_trains_greedy_tokens_in_the_diffusion_loss_only(tiny_dirs):
     assert skip["loss_ar"].item() == pytest.approx(expect.item(), rel=1e-4)
     assert skip["loss_ar"].item() != pytest.approx(full["loss_ar"].item(), rel=1e-4)
     assert skip["loss_diff"].item() == pytest.approx(full["loss_diff"].item(), rel=1e-6)
-    # training_step reads the mark from the batch (as TiDARData delivers it): all greedy -> the diffusion term alone
+    # training_step reads the mark from the batch (as TiDARData delivers it): all greedy -> the
+    # diffusion term alone
     with pytest.warns(UserWarning, match="self.log"), torch.no_grad():  # no Trainer attached here
         loss = m.training_step(
             {"input_ids": ids, "doc_ids": doc_ids, "no_ar_target": torch.ones_like(marked)}, 0

@@ -163,8 +163,8 @@ def ar_only(model, steps=120, lr=3e-3):
 
 @pytest.fixture(scope="module")
 def scoped(tiny_dirs, tmp_path_factory):
-    """(base, converted PEFT model, export folder, prompt): a converted model that learned drafts with
-    adapters on mask slots only."""
+    """(base, converted PEFT model, export folder, prompt): a converted model that learned drafts
+    with adapters on mask slots only."""
     from tidar_convert.models.loading import load_base
 
     base, tok = load_base(str(tiny_dirs["qwen2"]))
@@ -216,8 +216,8 @@ def test_a_half_precision_cpu_model_keeps_its_adapter_in_fp32(scoped):
 
 def test_a_model_cast_to_bf16_after_its_adapter_is_attached_keeps_the_c_call(scoped, monkeypatch):
     """model.to(torch.bfloat16) after the adapter is attached casts its deltas too. The C call takes
-    bf16 deltas (torch's bf16 products there made a SmolLM2-135M forward 1.3x slower), and the drafts
-    still work."""
+    bf16 deltas (torch's bf16 products there made a SmolLM2-135M forward 1.3x slower), and the
+    drafts still work."""
     from transformers import AutoModelForCausalLM
 
     from tidar_convert.runtime import kernels
@@ -344,9 +344,9 @@ def test_export_mask_rows_match_the_trained_model(tiny_dirs, tmp_path):
     assert torch.equal(shipped[:, :S], plain[:, :S])
     torch.testing.assert_close(shipped[:, S:], trained[:, S:], rtol=1e-4, atol=1e-4)
     assert (shipped[:, S:] - plain[:, S:]).abs().max() > 1e-2
-    # On packed products (generate()'s CPU kernels) the packed forward adds the deltas, the hooks set
-    # aside: batch 1 in the panel pass, batch 2 after the product. The AR half stays the base's, bit
-    # for bit on the same kernels.
+    # On packed products (generate()'s CPU kernels) the packed forward adds the deltas, the hooks
+    # set aside: batch 1 in the panel pass, batch 2 after the product. The AR half stays the base's,
+    # bit for bit on the same kernels.
     from tidar_convert.runtime.kernels import DELTA_HOOK, packed_linears
 
     adapted = {m: list(m._forward_hooks) for m in lm.modules() if hasattr(m, "tidar_lora_A")}
@@ -572,9 +572,9 @@ def test_split_halves_give_the_one_forward_loss_and_gradients(tiny_dirs, monkeyp
 
 @pytest.mark.fit
 def test_the_default_recipe_keeps_what_the_base_writes(tmp_path, tiny_dirs, monkeypatch):
-    """`make convert`'s recipe, as shipped (but a tiny model, its stdlib data alone and a few steps):
-    the export's weights are the base's and TiDAR decoding writes what the base writes. A default
-    that trains the AR half (the full fine-tune it was until 2026-12) fails here."""
+    """`make convert`'s recipe, as shipped (but a tiny model, its stdlib data alone and a few
+    steps): the export's weights are the base's and TiDAR decoding writes what the base writes. A
+    default that trains the AR half (the full fine-tune it was until 2026-12) fails here."""
     from pathlib import Path
 
     from tidar_convert.cli import main

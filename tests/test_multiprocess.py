@@ -77,7 +77,8 @@ def fit_args(model_dir, config: Path, *extra) -> list[str]:
 
 
 def fit_two_processes(args: list[str]) -> str:
-    """Lightning launches the second process itself (trainer.devices 2), as `tidar-convert fit` does."""
+    """Lightning launches the second process itself (trainer.devices 2), as
+    `tidar-convert fit` does."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -113,8 +114,8 @@ def losses(path: Path) -> list[float]:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, tiny_dirs):
-    """1 process (2 DataLoader workers: the same 2 readers of the data as 2 ranks of 1 worker, so the
-    same chunks make each global batch), then 2 processes on demand: {name: run folder}."""
+    """1 process (2 DataLoader workers: the same 2 readers of the data as 2 ranks of 1 worker, so
+    the same chunks make each global batch), then 2 processes on demand: {name: run folder}."""
     tmp = tmp_path_factory.mktemp("multiprocess")
     model = tiny_dirs["qwen2"]
     main(fit_args(model, run_config(tmp, "one"), "--data.num_workers", "2"))
@@ -198,8 +199,9 @@ def test_lora_trains_and_exports_under_the_sharded_strategy(tmp_path, tiny_dirs)
 
     config = run_config(tmp_path, "lora", SHARDED)
     out = tmp_path / "export"
-    # with activation checkpointing per decoder layer, as qwen3-8b.yaml trains, and a validation pass
-    # first: its TiDAR decoding must run the same forwards on both ranks (each forward all-gathers)
+    # with activation checkpointing per decoder layer, as qwen3-8b.yaml trains, and a validation
+    # pass first: its TiDAR decoding must run the same forwards on both ranks (each forward
+    # all-gathers)
     args = fit_args(
         tiny_dirs["llama"],
         config,

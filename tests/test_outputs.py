@@ -1,5 +1,5 @@
-"""Output folders: never over someone's files, never half-written (even when killed), readable by others,
-and a model card in every export."""
+"""Output folders: never over someone's files, never half-written (even when killed), readable by
+others, and a model card in every export."""
 
 from __future__ import annotations
 
@@ -67,7 +67,8 @@ def test_a_folder_of_user_files_is_refused_and_left_byte_identical(tiny, thesis,
 
 @pytest.mark.parametrize("overwrite", [[], ["--overwrite"]])
 def test_out_dot_is_refused_by_the_cli(tmp_path, monkeypatch, capsys, overwrite):
-    """`--out .` in a folder holding the checkpoint and other files: refused before the checkpoint is even read."""
+    """`--out .` in a folder holding the checkpoint and other files: refused before the checkpoint
+    is even read."""
     work = tmp_path / "work"
     work.mkdir()
     (work / "last.ckpt").write_bytes(b"not even loaded")
@@ -128,7 +129,8 @@ def test_an_export_with_anything_else_inside_is_refused(tiny, tmp_path, extra, n
     "edited", ["README.md", "chat_template.jinja", "custom_generate/generate.py"]
 )
 def test_overwrite_refuses_an_export_whose_files_were_edited_and_names_them(tiny, tmp_path, edited):
-    """Probe (issue 31): hand edits to an export's card or chat template were lost to --overwrite."""
+    """Probe (issue 31): hand edits to an export's card or chat template were lost to
+    --overwrite."""
     import copy
 
     model, tok = tiny
@@ -160,7 +162,8 @@ def test_overwrite_replaces_an_export_as_written_even_with_files_of_it_removed(t
 
 
 def test_a_marker_listing_a_file_the_user_wrote_deletes_nothing(tiny, tmp_path):
-    """Probe (issue 31): a tidar_export.json listing the user's own file let --overwrite delete it."""
+    """Probe (issue 31): a tidar_export.json listing the user's own file let --overwrite
+    delete it."""
     model, tok = tiny
     out = export(model, tok, tmp_path / "tidar", block_size=4, alpha=1.0)
     (out / "notes.txt").write_text("mine")
@@ -176,7 +179,8 @@ def test_a_marker_listing_a_file_the_user_wrote_deletes_nothing(tiny, tmp_path):
 
 
 def test_an_export_with_a_marker_of_names_only_is_refused_with_the_fix(tiny, tmp_path):
-    """A marker from before sizes and hashes were recorded cannot tell an edited file: refused, never guessed."""
+    """A marker from before sizes and hashes were recorded cannot tell an edited file: refused,
+    never guessed."""
     model, tok = tiny
     out = export(model, tok, tmp_path / "tidar", block_size=4, alpha=1.0)
     marker = json.loads((out / MARKER).read_text())
@@ -194,7 +198,8 @@ def test_an_export_with_a_marker_of_names_only_is_refused_with_the_fix(tiny, tmp
 def test_export_overwrite_onto_a_full_disk_keeps_the_earlier_export_and_says_what_is_needed(
     tiny, tmp_path, monkeypatch
 ):
-    """Probe (issue 31): a SafetensorError traceback. Now one line naming the folder and the space, and the old export whole."""
+    """Probe (issue 31): a SafetensorError traceback. Now one line naming the folder and the space,
+    and the old export whole."""
     from safetensors import SafetensorError
 
     model, tok = tiny
@@ -627,7 +632,8 @@ def test_bench_results_go_into_the_card(tiny, tmp_path):
 
 
 def test_bench_results_in_an_edited_card_keep_it_recorded_as_changed(tiny, tmp_path):
-    """bench rewrites the card's Results section; the user's own edits elsewhere in it must still stop --overwrite."""
+    """bench rewrites the card's Results section; the user's own edits elsewhere in it must still
+    stop --overwrite."""
     model, tok = tiny
     out = export(model, tok, tmp_path / "tidar", block_size=4, alpha=1.0)
     readme = out / "README.md"

@@ -28,9 +28,10 @@ needs_panels = pytest.mark.skipif(
 def test_panel_product_matches_stock_and_each_row_is_the_same_alone_or_among_any_number(
     out_features, in_features, dtype
 ):
-    """Every row count: an AR step's one row, a step's few, a prefill's many (16 at a time): the stock
-    product's values, and each row's result bit for bit the same whatever the count. In bf16: the
-    product of the weights widened to fp32, rounded once (to one bf16 step: the sums' order differs)."""
+    """Every row count: an AR step's one row, a step's few, a prefill's many (16 at a time): the
+    stock product's values, and each row's result bit for bit the same whatever the count. In bf16:
+    the product of the weights widened to fp32, rounded once (to one bf16 step: the sums' order
+    differs)."""
     torch.manual_seed(0)
     layer = torch.nn.Linear(in_features, out_features).to(dtype)
     x = torch.randn(75, in_features, dtype=dtype)
@@ -92,8 +93,8 @@ def test_without_a_compiler_fp32_takes_onednn_and_says_how_to_fix_it(monkeypatch
 def test_an_unwritable_cache_is_named_with_its_fix_not_blamed_on_the_compiler(
     untrained, monkeypatch, tmp_path
 ):
-    """TIDAR_CACHE where no folder can be made (a file, so even root cannot write there), then an fp32
-    generate: the warning names the kernel folder and TIDAR_CACHE, and decoding still runs."""
+    """TIDAR_CACHE where no folder can be made (a file, so even root cannot write there), then an
+    fp32 generate: the warning names the kernel folder and TIDAR_CACHE, and decoding still runs."""
     import re
 
     blocker = tmp_path / "not-a-folder"
@@ -206,8 +207,8 @@ def test_lora_add_is_the_low_rank_delta_on_the_rows_from_start(in_features, out_
     assert panel.lora_add(got, x, 4, A, B.T.contiguous())
     assert torch.equal(got[:, :4], out[:, :4])
     torch.testing.assert_close(got[:, 4:], out[:, 4:] + x[:, 4:] @ A.T @ B.T, rtol=1e-5, atol=1e-4)
-    # bf16 rows with the fp32 adapter (a bf16 model's, adapter.attach): the delta in fp32, each output
-    # rounded once, so within one bf16 rounding of torch's fp32 result.
+    # bf16 rows with the fp32 adapter (a bf16 model's, adapter.attach): the delta in fp32, each
+    # output rounded once, so within one bf16 rounding of torch's fp32 result.
     got16, out16, x16 = out.bfloat16(), out.bfloat16(), x.bfloat16()
     assert panel.lora_add(got16, x16, 4, A, B.T.contiguous())
     assert torch.equal(got16[:, :4], out16[:, :4])
@@ -233,7 +234,8 @@ def test_lora_add_is_the_low_rank_delta_on_the_rows_from_start(in_features, out_
         rtol=1e-2,
         atol=1e-2,
     )
-    # What it does not take, it leaves to the caller: bf16 deltas on fp32 rows, mixed dtypes, batches, strided views.
+    # What it does not take, it leaves to the caller: bf16 deltas on fp32 rows, mixed dtypes,
+    # batches, strided views.
     assert not panel.lora_add(out.clone(), x, 4, A16, Bt16)
     assert not panel.lora_add(out16.clone(), x16, 4, A16, B.T.contiguous())
     assert not panel.lora_add(out.bfloat16(), x, 4, A, B.T.contiguous())

@@ -113,7 +113,8 @@ _FULL_FT: dict = {}
 
 
 def full_ft_checkpoint(env: Env) -> Path:
-    """last.ckpt of a one-step full fine-tune (lora_r 0) of the tiny model, made once per session."""
+    """last.ckpt of a one-step full fine-tune (lora_r 0) of the tiny model, made once per
+    session."""
     if env.model not in _FULL_FT:
         run = env.tmp / "full-ft"
         main(
@@ -132,7 +133,8 @@ def full_ft_checkpoint(env: Env) -> Path:
 
 
 def relative_model_checkpoint(env: Env) -> Path:
-    """The full fine-tune's checkpoint as an older version wrote it: the base model path as given, relative."""
+    """The full fine-tune's checkpoint as an older version wrote it: the base model path as given,
+    relative."""
     saved = torch.load(full_ft_checkpoint(env), weights_only=False)
     saved["hyper_parameters"]["model"] = "./tiny-moved-away"
     torch.save(saved, env.tmp / "old.ckpt")
@@ -424,7 +426,8 @@ def export_with_old_marker(env: Env) -> list[str]:
 
 
 def export_onto_a_full_disk(env: Env):
-    """export --overwrite where the weights do not fit: safetensors' own error, as it raises it on a full disk."""
+    """export --overwrite where the weights do not fit: safetensors' own error, as it raises it on a
+    full disk."""
     from unittest import mock
 
     from safetensors import SafetensorError
@@ -598,7 +601,8 @@ GENERATE_CASES: list = [
 
 # --------------------------------------------------------------------------------------------
 
-# FIT_CASES go through LightningCLI (`tidar-convert fit`), some past loading the model: `make test-fast` leaves them out
+# FIT_CASES go through LightningCLI (`tidar-convert fit`), some past loading the model: `make
+# test-fast` leaves them out
 CASES = (
     [pytest.param(*c.values, marks=[*c.marks, pytest.mark.fit], id=c.id) for c in FIT_CASES]
     + OUTPUT_CASES

@@ -1,4 +1,5 @@
-"""quality.py: repetition metrics on hand-made token lists, the pass@1 harness on tiny problems, the verdict."""
+"""quality.py: repetition metrics on hand-made token lists, the pass@1 harness on tiny problems, the
+verdict."""
 
 from __future__ import annotations
 

@@ -21,9 +21,9 @@ def fingerprint(ids: torch.Tensor) -> str:
 
 @pytest.fixture(autouse=True)
 def python_sigint():
-    """Each test starts from Python's own Ctrl-C (KeyboardInterrupt), what `tidar-convert fit` starts
-    from in a shell: in CI's full run an earlier test left SIGINT handled otherwise, and these tests
-    check what fit does relative to Python's default."""
+    """Each test starts from Python's own Ctrl-C (KeyboardInterrupt), what `tidar-convert fit`
+    starts from in a shell: in CI's full run an earlier test left SIGINT handled otherwise, and
+    these tests check what fit does relative to Python's default."""
     old = signal.signal(signal.SIGINT, signal.default_int_handler)
     yield
     signal.signal(signal.SIGINT, old)
@@ -48,8 +48,9 @@ def uneven_rows(tmp_path_factory):
 def test_a_resumed_loader_yields_exactly_the_batches_that_were_still_to_come(
     tokenizer, uneven_rows, workers
 ):
-    """The skip arithmetic, checked at every position of an epoch: consume c batches, save, load into
-    a new loader: it yields batches c, c+1, ... of the uninterrupted epoch, in order, and nothing else."""
+    """The skip arithmetic, checked at every position of an epoch: consume c batches, save, load
+    into a new loader: it yields batches c, c+1, ... of the uninterrupted epoch, in order, and
+    nothing else."""
 
     def loader():
         ds = PackedDocuments(
@@ -122,7 +123,8 @@ class Killed(Exception):
 
 @pytest.fixture(scope="module")
 def small_corpus(tmp_path_factory):
-    """A jsonl of unique documents, a few training steps per epoch: every run below crosses epochs."""
+    """A jsonl of unique documents, a few training steps per epoch: every run below crosses
+    epochs."""
     path = tmp_path_factory.mktemp("small") / "code.jsonl"
     rows = [
         {"text": f"def f_{i}(x, y):\n    z = x + {i * 7 % 100}\n    return z * y - {i}\n"}
@@ -286,7 +288,8 @@ def test_a_resumed_fit_sees_exactly_the_chunks_of_an_uninterrupted_one(
         ("stopped by max_steps at the end of an epoch", epoch_end, False, 10, epoch_end),
     )
     # With workers, the unit test above already resumes at every position of an epoch: here only the
-    # first scenario, which crosses the epoch end where one worker's reader runs out before the other.
+    # first scenario, which crosses the epoch end where one worker's reader runs out before
+    # the other.
     for name, stop, kill, every, expected in scenarios if workers == 0 else scenarios[:1]:
         saved, before, after = interrupted(name.replace(" ", "_"), stop, kill, every)
         assert saved == expected, name
@@ -333,7 +336,8 @@ def test_sigterm_during_gradient_accumulation_resumes_on_the_same_chunks(
 
 
 def every(tmp_path, n: int) -> list[str]:
-    """A --config replacing tiny.yaml's checkpoints with one ModelCheckpoint saving last.ckpt every n steps."""
+    """A --config replacing tiny.yaml's checkpoints with one ModelCheckpoint saving last.ckpt every
+    n steps."""
     path = tmp_path / f"every{n}.yaml"
     path.write_text(
         "trainer:\n  callbacks:\n    - class_path: lightning.pytorch.callbacks.ModelCheckpoint\n"
@@ -375,7 +379,8 @@ class FillsUp:
 def test_a_full_disk_while_saving_leaves_the_previous_last_ckpt_whole_and_ends_in_one_line(
     tmp_path, tiny_dirs, small_corpus, monkeypatch, capsys
 ):
-    """Probe (issue 31): a full disk during fit left a truncated last.ckpt, and resume and export then failed."""
+    """Probe (issue 31): a full disk during fit left a truncated last.ckpt, and resume and export
+    then failed."""
     from tidar_convert.exports import disk
 
     run, model = tmp_path / "run", tiny_dirs["qwen2"]

@@ -235,7 +235,8 @@ def test_fit_logs_throughput_and_memory_to_csv_and_wandb(tmp_path, tiny_dirs, mo
 @pytest.mark.fit
 @pytest.mark.subprocess
 def test_two_nodes_under_torchrun_reach_the_global_batch_and_log_each_rank(tmp_path, tiny_dirs):
-    """What the README's torchrun command does, with 2 one-process "nodes" on this machine (gloo)."""
+    """What the README's torchrun command does, with 2 one-process "nodes" on this machine
+    (gloo)."""
     import os
     import socket
     import subprocess

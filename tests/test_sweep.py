@@ -1,4 +1,5 @@
-"""`tidar-convert sweep`: arms as fit subprocesses, learning curves in sweep.json/png, resuming, bad input."""
+"""`tidar-convert sweep`: arms as fit subprocesses, learning curves in sweep.json/png, resuming,
+bad input."""
 
 import json
 import math
@@ -116,7 +117,8 @@ def test_sweep_end_to_end_a_failing_arm_does_not_stop_the_others_and_a_rerun_ski
         ("soft", "done", 2),
     ]
 
-    # An arm cut short (as SIGTERM leaves it: status interrupted, last.ckpt kept) resumes from its checkpoint.
+    # An arm cut short (as SIGTERM leaves it: status interrupted, last.ckpt kept) resumes from its
+    # checkpoint.
     state = json.loads((out / "arms" / "hard" / "arm.json").read_text())
     (out / "arms" / "hard" / "arm.json").write_text(json.dumps({**state, "status": "interrupted"}))
     runs = []
@@ -260,7 +262,8 @@ def test_curve_merges_resumed_attempts_and_counts_every_token(tmp_path):
 
 def test_an_attempts_clock_comes_from_its_metrics_not_its_log(tmp_path):
     """Validation times and trained steps are read from the CSV rows callbacks.RunClock logs (a
-    validation at steps done s is logged at step s - 1), so a changed progress line cannot break them."""
+    validation at steps done s is logged at step s - 1), so a changed progress line cannot
+    break them."""
     from tidar_convert.bench.sweep_curves import read_clock
 
     path = tmp_path / "metrics.csv"
