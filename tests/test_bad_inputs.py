@@ -124,9 +124,8 @@ def test_resume_takes_the_highest_step_and_the_final_message_names_the_file_that
     err = capsys.readouterr().err
     last = run / "checkpoints" / "last.ckpt"
     assert f"--ckpt_path last: resuming {last} (step 12)" in err
-    assert (
-        "trained 17 steps" in err and f"checkpoint: {last} (step 17)" in err
-    )  # saved every 10: 17 only at the end
+    # saved every 10: 17 only at the end
+    assert "trained 17 steps" in err and f"checkpoint: {last} (step 17)" in err
     assert step_of(last) == 17 and step_of(run / "checkpoints" / "last-v1.ckpt") == 2
 
 
@@ -273,7 +272,8 @@ def test_a_recipe_with_a_key_twice_or_a_tab_is_refused_by_file_and_line(
     twice.write_text(RECIPE.read_text().replace("  alpha: 1.0\n", "  alpha: 1.0\n  alpha: 3.0\n"))
     line = cli_error(capsys, *fit_args(tmp_path / "run", tiny_dirs["llama"], recipe=twice))
     assert line.startswith(
-        f"error: recipe '{twice}' line 6, column 3: key 'alpha' is given twice (first at line 5); keep one of them"
+        f"error: recipe '{twice}' line 6, column 3: key 'alpha' "
+        "is given twice (first at line 5); keep one of them"
     )
     tab = tmp_path / "tab.yaml"
     tab.write_text(RECIPE.read_text().replace("  block_size: 4\n", "\tblock_size: 4\n"))
@@ -330,8 +330,8 @@ def test_a_resume_refuses_what_changes_the_checkpoint_and_applies_what_may_chang
     )
     err = capsys.readouterr().err
     assert (
-        "with changed settings, applied from its step on: --model.optimizer.init_args.lr 0.003 -> 0.01"
-        in err
+        "with changed settings, applied from its step on: "
+        "--model.optimizer.init_args.lr 0.003 -> 0.01" in err
     )
     resumed = torch.load(last, map_location="cpu", weights_only=False)
     assert resumed["global_step"] == 12
@@ -383,10 +383,8 @@ def test_out_as_the_run_folder_is_refused_before_training(
     "extra,expected",
     [
         (["--model.blok_size", "8"], "did you mean --model.block_size?"),
-        (
-            ["--trainer.max_step", "3"],
-            "did you mean --trainer.max_steps?",
-        ),  # no abbreviations taken silently
+        # no abbreviations taken silently
+        (["--trainer.max_step", "3"], "did you mean --trainer.max_steps?"),
         (["--data.seq_len", "abc"], "data.seq_len"),
         (
             ["--model.optimizer.init_args.lrr", "0.1"],
