@@ -269,9 +269,8 @@ def test_sampling_matches_ar_distribution(small_vocab_model, settings, monkeypat
     monkeypatch.setattr(
         model.lm_head, "bias", torch.nn.Parameter(bias, requires_grad=False), raising=False
     )
-    processors = model._get_logits_processor(
-        gc, input_ids_seq_length=prompt.shape[1], device="cpu"
-    )  # transformers' own
+    # transformers' own
+    processors = model._get_logits_processor(gc, input_ids_seq_length=prompt.shape[1], device="cpu")
     probs = exact_distribution(
         model, prompt, lambda ids, logits: processors(ids, logits).softmax(-1)
     )
@@ -316,8 +315,8 @@ def test_sampling_with_deterministic_drafts_matches_ar_distribution(
         eos_token_id=None,
         temperature=0.9,
         drafter=drafter,
-        plan="cost",
-    )  # any plan is exact; cost's choices read timings
+        plan="cost",  # any plan is exact; cost's choices read timings
+    )
     # hybrid: a coin picks lookup or diffusion (the sharp diffusion head here would always win); any
     # choice that does not look at the AR samples keeps the output exact
     monkeypatch.setattr(
@@ -344,13 +343,11 @@ def test_sampling_with_deterministic_drafts_matches_ar_distribution(
         return out
 
     assert chi_square_p(sample_counts(run, n), probs, n) > 1e-3
-    assert sources["lookup"] >= (n if drafter == "lookup" else n // 4), (
-        sources
-    )  # lookup drafts at least once per generation
+    # lookup drafts at least once per generation
+    assert sources["lookup"] >= (n if drafter == "lookup" else n // 4), sources
     assert drafter == "lookup" or sources["diffusion"] >= n // 4, sources
-    if (
-        drafter == "hybrid"
-    ):  # same verify code as lookup; at this n the teeth bite only when every step is lookup
+    # same verify code as lookup; at this n the teeth bite only when every step is lookup
+    if drafter == "hybrid":
         return
     # Teeth: the token after the accepted drafts drawn with the draws of the step's first position
     # (those that judged draft 1) instead of its own is detectably wrong.
@@ -493,9 +490,8 @@ def test_seeded_sampling_repeats_under_every_plan_and_drafter(trained, rows, mon
                 steps.setdefault((plan, drafter), set()).add(
                     (model.tidar_stats["slots_per_step"], tuple(model.tidar_stats["accepted"]))
                 )
-    assert any(len(seen) > 1 for (plan, _), seen in steps.items() if plan == "cost"), (
-        steps
-    )  # the clock did change the steps
+    # the clock did change the steps
+    assert any(len(seen) > 1 for (plan, _), seen in steps.items() if plan == "cost"), steps
     torch.manual_seed(12)
     assert not torch.equal(generate(ids, model=model, **kw), expected)
 
@@ -568,9 +564,8 @@ def test_sampling_is_exact_for_a_row_that_accepted_more_than_the_batch_commits()
     from tidar_convert.runtime.generate import Draft
 
     n = 4000
-    p = torch.tensor(
-        [[[1.0, 0.0], [0.5, 0.5]], [[0.5, 0.5], [0.5, 0.5]]]
-    ).log()  # (B, k=2, V): AR rows
+    # (B, k=2, V): AR rows
+    p = torch.tensor([[[1.0, 0.0], [0.5, 0.5]], [[0.5, 0.5], [0.5, 0.5]]]).log()
     q = torch.tensor([[0.0, 1.0], [0.9, 0.1]]).log()  # (B, V): the drafter's scores for draft 1
     ones = accepted_more = 0
     for seed in range(n):
@@ -605,9 +600,8 @@ def test_acceptance_by_offset_tallies_each_rows_chain():
         sources=["lookup", "diffusion", "lookup"],
         confidence=torch.tensor([[0.9, 0.8, 0.7], [0.5, 0.25, 0.0], [1.0, 1.0, 1.0]]),
     )
-    state.judge(
-        draft, torch.tensor([3, 1, 4])
-    )  # lookup: 2 of 3 accepted; diffusion: none of 2; the last row has stopped
+    # lookup: 2 of 3 accepted; diffusion: none of 2; the last row has stopped
+    state.judge(draft, torch.tensor([3, 1, 4]))
     state.judge(
         Draft(
             torch.zeros(3, 3, dtype=torch.long),

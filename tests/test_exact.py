@@ -89,9 +89,8 @@ def test_exact_attention_runs_only_what_it_computes(untrained, monkeypatch):
     monkeypatch.setattr(kernels, "sdpa_gqa", lambda *a, **kw: calls.append("sdpa") or (None, None))
     q, k = torch.randn(1, 4, 3, 16), torch.randn(1, 2, 5, 16)
     module = torch.nn.Module()
-    kernels.sdpa_exact(
-        module, q, k, k, None
-    )  # gradients on: training, which the kernel has no backward for
+    # gradients on: training, which the kernel has no backward for
+    kernels.sdpa_exact(module, q, k, k, None)
     torch.set_grad_enabled(False)
     kernels.sdpa_exact(module, q, k, k, torch.ones(1, 1, 3, 5, dtype=torch.bool))
     kernels.sdpa_exact(module, q, k, k, None)
@@ -166,13 +165,15 @@ def test_tidar_verify_rows_are_ars_logits_bit_for_bit_even_at_near_ties(trained,
         pack_weights=True,
     )
     try:
+        # the untied pass's AR output (bound by its first iteration): the tied pass twins its tokens
+        ar = None
         for tied in (False, True):
             if tied:
                 near_ties(
                     model,
                     sorted(set(ar.sequences[0].tolist())),
-                    1e-7 if dtype == torch.float32 else 4e-3,
-                )  # bf16: about one step
+                    1e-7 if dtype == torch.float32 else 4e-3,  # bf16: about one step
+                )
             ar = generate(ids, tidar=False, pack_weights=True, **kw)
             for drafter in ("hybrid", "diffusion", "lookup"):
                 for siblings in (0, 3):
@@ -182,17 +183,15 @@ def test_tidar_verify_rows_are_ars_logits_bit_for_bit_even_at_near_ties(trained,
                         torch.equal(a, b) for a, b in zip(out.logits, ar.logits, strict=True)
                     ), (tied, drafter, siblings)
                     stats = model.tidar_stats
-                    assert (
-                        stats["draft_sources"][drafter if drafter != "hybrid" else "lookup"] > 0
-                    )  # steps of several rows
+                    # steps of several rows
+                    assert stats["draft_sources"][drafter if drafter != "hybrid" else "lookup"] > 0
                     assert tied or drafter == "lookup" or stats["tokens_per_nfe"] > 1.5, (
                         drafter,
                         siblings,
                         stats,
                     )  # drafts accepted
-            assert torch.equal(
-                generate(rows, **plain), generate(rows, tidar=False, **plain)
-            )  # per row, holes in the cache
+            # per row, holes in the cache
+            assert torch.equal(generate(rows, **plain), generate(rows, tidar=False, **plain))
         stock = generate(ids, pack_weights=False, **kw)
         assert not all(
             torch.equal(a, b)
