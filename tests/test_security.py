@@ -72,13 +72,16 @@ def load_in_subprocess(folder: Path, tmp_path: Path, trust: str) -> dict:
         ids = torch.tensor({cycle_batch(1, 5, seed=2).tolist()})
         out = m.generate(ids, max_new_tokens=8, do_sample=False, eos_token_id=None)
         fn = getattr(m.generate, "func", m.generate)
-        res = {{"generate": fn.__module__ + "." + fn.__qualname__, "tidar_stats": hasattr(m, "tidar_stats"),
-               "new_tokens": out.shape[1] - ids.shape[1], "class": type(m).__module__ + "." + type(m).__name__}}
+        res = {{"generate": fn.__module__ + "." + fn.__qualname__,
+               "tidar_stats": hasattr(m, "tidar_stats"),
+               "new_tokens": out.shape[1] - ids.shape[1],
+               "class": type(m).__module__ + "." + type(m).__name__}}
         if {trust!r} != "True":
             try:
                 m.generate(ids, max_new_tokens=2, custom_generate={str(folder)!r}{kwarg})
                 res["custom_generate_call"] = "returned"
-            except Exception as e:  # transformers >= 5.12 refuses; before, the folder's code ran (and raised or not)
+            # transformers >= 5.12 refuses; before, the folder's code ran (and raised or not)
+            except Exception as e:
                 res["custom_generate_call"] = type(e).__name__ + ": " + str(e)[:160]
         print("RESULT " + json.dumps(res))
         """
@@ -93,9 +96,8 @@ def load_in_subprocess(folder: Path, tmp_path: Path, trust: str) -> dict:
         stdin=subprocess.DEVNULL,
     )
     assert res.returncode == 0, res.stderr[-3000:]
-    return json.loads(
-        res.stdout.rsplit("RESULT ", 1)[-1]
-    )  # after the [y/N] prompt transformers prints (stdin is empty)
+    # after the [y/N] prompt transformers prints (stdin is empty)
+    return json.loads(res.stdout.rsplit("RESULT ", 1)[-1])
 
 
 @pytest.mark.subprocess
@@ -227,9 +229,8 @@ def test_load_is_quiet_on_a_good_export(exported, recwarn):
 def test_bench_refuses_to_time_ar_as_tidar(exported, tmp_path, monkeypatch):
     """If the model the bench gets decodes with transformers' AR, it stops with the reason, writing
     nothing."""
-    export_mod = importlib.import_module(
-        "tidar_convert.exports.folder"
-    )  # the package's `export` attribute is the function
+    # the package's `export` attribute is the function
+    export_mod = importlib.import_module("tidar_convert.exports.folder")
 
     folder = broken_copy(exported, tmp_path, "no_layout")
     monkeypatch.setattr(
