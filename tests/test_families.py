@@ -115,32 +115,28 @@ def test_check_names_the_mechanism():
     )
     qwen35 = verdict_of("qwen3_5_text")
     assert not qwen35.converts and re.search(
-        r"model_type='qwen3_5_text' has recurrent layers: .*no attention mask.*costs more than TiDAR gains",
+        r"model_type='qwen3_5_text' has recurrent layers: "
+        r".*no attention mask.*costs more than TiDAR gains",
         qwen35.reason,
     )
-    lfm2 = verdict_of(
-        "lfm2", num_hidden_layers=2, full_attn_idxs=[1]
-    )  # a short-convolution layer: recurrent state
+    # a short-convolution layer: recurrent state
+    lfm2 = verdict_of("lfm2", num_hidden_layers=2, full_attn_idxs=[1])
     assert not lfm2.converts and "recurrent layers" in lfm2.reason
-    assert verdict_of(
-        "lfm2", num_hidden_layers=2
-    ).converts  # attention layers only: nothing to roll back
+    # attention layers only: nothing to roll back
+    assert verdict_of("lfm2", num_hidden_layers=2).converts
     for model_type in ("mamba", "jamba", "falcon_h1", "zamba", "qwen3_next"):
         assert "recurrent layers" in verdict_of(model_type).reason, model_type
-    gpt2 = verdict_of(
-        "gpt2"
-    )  # learned absolute positions, looked up by position_ids: repeated like RoPE's
+    # learned absolute positions, looked up by position_ids: repeated like RoPE's
+    gpt2 = verdict_of("gpt2")
     assert gpt2.converts and "absolute positions" in gpt2.mechanisms
     assert "has no position_ids" in verdict_of("bloom").reason  # ALiBi
-    assert (
-        "has no KV cache" in verdict_of("openai-gpt").reason
-    )  # its forward takes no cache: a permute error if forced
+    # its forward takes no cache: a permute error if forced
+    assert "has no KV cache" in verdict_of("openai-gpt").reason
     bart = verdict_of("bart")
     assert not bart.decoder_only and "not a decoder-only causal LM" in bart.reason
     wrapper = verdict_of("qwen3_5")
-    assert (
-        not wrapper.decoder_only and "model_type='qwen3_5_text'" in wrapper.reason
-    )  # the fix: its text model
+    # the fix: its text model
+    assert not wrapper.decoder_only and "model_type='qwen3_5_text'" in wrapper.reason
     with pytest.raises(ValueError, match="^model_type='mamba' has recurrent layers"):
         require(AutoConfig.for_model("mamba"))
 
@@ -228,7 +224,10 @@ def test_fit_refuses_a_sequence_past_gpt_neo_s_window(tmp_path):
     check_model(str(tmp_path), 128)
     with pytest.raises(
         ValueError,
-        match=r"--data.seq_len 256 is longer than gpt_neo's local attention window \(128\).*--data.seq_len 128 or less",
+        match=(
+            r"--data.seq_len 256 is longer than gpt_neo's local "
+            r"attention window \(128\).*--data.seq_len 128 or less"
+        ),
     ):
         check_model(str(tmp_path), 256)
 

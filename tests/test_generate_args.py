@@ -48,9 +48,8 @@ GREEDY = {
     "begin_suppress_tokens": dict(begin_suppress_tokens=list(range(3, 10))),
     "forced_bos_token_id": dict(forced_bos_token_id=2),  # acts on a one-token prompt
     "forced_eos_token_id": dict(forced_eos_token_id=2),
-    "remove_invalid_values": dict(
-        remove_invalid_values=True, sequence_bias={(6,): -float("inf")}
-    ),  # -inf -> finite
+    # -inf -> finite
+    "remove_invalid_values": dict(remove_invalid_values=True, sequence_bias={(6,): -float("inf")}),
     "exponential_decay_length_penalty": dict(
         eos_token_id=EOS, exponential_decay_length_penalty=(1, 3.0)
     ),
@@ -250,7 +249,8 @@ def test_greedy_field_is_honoured(model, field):
         )
         changed = changed or differs(hf, base, ids.shape[1], eos)
     assert changed, (
-        f"{field}={kw[field]} changes nothing in transformers on these prompts: the check has no teeth"
+        f"{field}={kw[field]} changes nothing in transformers "
+        "on these prompts: the check has no teeth"
     )
     if field != "max_time":
         assert max(accepted) >= 2, "no draft was ever accepted: exactness under acceptance untested"
@@ -274,9 +274,8 @@ def test_processors_also_apply_on_a_left_padded_batch_with_several_at_once(model
 def test_custom_logits_processor_and_prefix_allowed_tokens_fn(model):
     from transformers import LogitsProcessor, LogitsProcessorList
 
-    class NoTokenAfterItself(
-        LogitsProcessor
-    ):  # depends on the prefix: drafts must be processed with theirs
+    # depends on the prefix: drafts must be processed with theirs
+    class NoTokenAfterItself(LogitsProcessor):
         def __call__(self, input_ids, scores):
             return scores.scatter(1, input_ids[:, -1:], -float("inf"))
 
@@ -342,13 +341,11 @@ def test_num_return_sequences(model):
         ids, model=m, do_sample=True, num_return_sequences=3, max_new_tokens=6, temperature=3.0
     )
     assert out.shape == (6, 11)
-    assert torch.equal(
-        out[:, :5], ids.repeat_interleave(3, 0)
-    )  # as transformers: a prompt's rows adjacent
+    # as transformers: a prompt's rows adjacent
+    assert torch.equal(out[:, :5], ids.repeat_interleave(3, 0))
     assert len({tuple(r) for r in out[:3, 5:].tolist()}) > 1  # independent samples
-    with pytest.raises(
-        ValueError, match="num_return_sequences"
-    ):  # transformers' own refusal, under greedy
+    # transformers' own refusal, under greedy
+    with pytest.raises(ValueError, match="num_return_sequences"):
         generate(ids, model=m, num_return_sequences=2, max_new_tokens=4)
 
 
