@@ -59,9 +59,8 @@ def test_offset_weights_match_hand_computation():
     weighted = (w[0] * ce[0] + w[1] * ce[1] + w[0] * ce[2]) / (w[0] + w[1] + w[0])
     l_ar = math.log(2)
     assert out["loss"].item() == pytest.approx((l_ar + weighted) / 2, rel=1e-6)
-    assert out["loss_diff"].item() == pytest.approx(
-        sum(ce) / 3, rel=1e-6
-    )  # logged unweighted: comparable across recipes
+    # logged unweighted: comparable across recipes
+    assert out["loss_diff"].item() == pytest.approx(sum(ce) / 3, rel=1e-6)
     uniform = hybrid_loss(logits, ar_labels, diff_labels, alpha=1.0, block_size=2)
     for scale in (1.0, 7.0):  # uniform weights of any scale are the paper's plain mean
         same = hybrid_loss(
@@ -90,9 +89,8 @@ def test_bad_offset_weights_are_refused(weights):
     from tidar_convert.train.module import TiDARModule
 
     with pytest.raises(ValueError) as e:
-        TiDARModule(
-            model="/nonexistent", block_size=2, diff_offset_weights=weights
-        )  # refused before anything loads
+        # refused before anything loads
+        TiDARModule(model="/nonexistent", block_size=2, diff_offset_weights=weights)
     assert (
         f"diff_offset_weights={weights}: give one weight >= 0 per position of a block (block_size=2"
         in str(e.value)
@@ -112,9 +110,8 @@ def test_greedy_tokens_are_no_ar_targets_and_send_no_ar_gradient():
     marked[0, 3:] = True  # row 0: a human document, then a greedy one
     ar, diff = layout.train_labels(ids, doc_ids, marked)
     plain, _ = layout.train_labels(ids, doc_ids)
-    assert (
-        ar[0].tolist() == [ids[0, 1].item(), ids[0, 2].item()] + [-100] * 6
-    )  # slot 2 ends doc 0; 3..7 would predict greedy tokens
+    # slot 2 ends doc 0; 3..7 would predict greedy tokens
+    assert ar[0].tolist() == [ids[0, 1].item(), ids[0, 2].item()] + [-100] * 6
     assert torch.equal(ar[1], plain[1]) and torch.equal(diff, ids)
     logits = torch.randn(2, 16, 9, requires_grad=True)
     out = hybrid_loss(logits, ar, diff, alpha=1.0, block_size=4)
@@ -125,9 +122,8 @@ def test_greedy_tokens_are_no_ar_targets_and_send_no_ar_gradient():
     )
     logits.grad = None
     out["loss_diff"].backward()
-    assert (
-        torch.count_nonzero(logits.grad[0, 8 + 3 :]) > 0
-    )  # the greedy tokens still train the diffusion half
+    # the greedy tokens still train the diffusion half
+    assert torch.count_nonzero(logits.grad[0, 8 + 3 :]) > 0
     # a chunk of greedy text only: the AR term is 0 (no target), not NaN, and the loss is the
     # diffusion term's
     all_marked = torch.ones(2, 8, dtype=torch.bool)

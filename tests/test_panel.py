@@ -50,10 +50,8 @@ def test_panel_product_matches_stock_and_each_row_is_the_same_alone_or_among_any
         torch.testing.assert_close(full, reference(x), **tol)
         assert full.dtype == dtype
         assert layer(x[None, :5]).shape == (1, 5, out_features)  # leading dimensions kept
-        assert layer(x[::2][:4]).shape == (
-            4,
-            out_features,
-        )  # a strided input is made contiguous first
+        # a strided input is made contiguous first
+        assert layer(x[::2][:4]).shape == (4, out_features)
         torch.testing.assert_close(layer(x[::2][:4]), reference(x[::2][:4]), **tol)
     assert kernels._PACKED[layer]["panels"][1][0] == "panels"
 
@@ -130,9 +128,8 @@ def test_the_kernel_is_built_once_per_cpu_and_compiler_then_loaded_from_the_cach
     monkeypatch.setattr(panel, "_PANEL_LIB", [])
     lib = panel.panel_library()
     built = list((tmp_path / "kernels").iterdir())
-    assert (
-        lib is not None and len(built) == 1 and built[0].suffix == ".so"
-    )  # no temporary folder left behind
+    # no temporary folder left behind
+    assert lib is not None and len(built) == 1 and built[0].suffix == ".so"
 
     def no_compiler(*args, **kwargs):
         raise subprocess.SubprocessError("built again")
@@ -140,9 +137,8 @@ def test_the_kernel_is_built_once_per_cpu_and_compiler_then_loaded_from_the_cach
     monkeypatch.setattr(subprocess, "run", no_compiler)
     monkeypatch.setattr(panel, "_PANEL_LIB", [])
     assert panel.panel_library() is not None
-    monkeypatch.setattr(
-        panel, "_cpu_signature", lambda: "another CPU"
-    )  # another machine sharing the cache: its own build
+    # another machine sharing the cache: its own build
+    monkeypatch.setattr(panel, "_cpu_signature", lambda: "another CPU")
     monkeypatch.setattr(panel, "_PANEL_LIB", [])
     with pytest.warns(UserWarning, match="built again"):
         assert panel.panel_library() is None
@@ -186,10 +182,8 @@ def test_panel_linear_adds_an_adapters_delta_in_the_same_pass(
 def test_lora_add_takes_many_rows_in_blocks():
     torch.manual_seed(0)
     x, out = torch.randn(1, 80, 32), torch.randn(1, 80, 24)
-    A, B = (
-        torch.randn(64, 32),
-        torch.randn(24, 64),
-    )  # 78 rows x rank 64: more scores than one block holds
+    # 78 rows x rank 64: more scores than one block holds
+    A, B = (torch.randn(64, 32), torch.randn(24, 64))
     got = out.clone()
     assert panel.lora_add(got, x, 2, A, B.T.contiguous())
     torch.testing.assert_close(got[:, 2:], out[:, 2:] + x[:, 2:] @ A.T @ B.T, rtol=1e-4, atol=1e-4)
