@@ -125,9 +125,8 @@ def test_chat_completions_are_tidar_and_write_what_ar_writes(server, served_expo
         == expected
     )
 
-    stop = expected[
-        4:7
-    ]  # a stop sequence inside the text: generation stops where AR's text first holds it
+    # a stop sequence inside the text: generation stops where AR's text first holds it
+    stop = expected[4:7]
     cut = (
         client.chat.completions.create(max_tokens=32, stop=[stop], **ask).choices[0].message.content
     )
@@ -187,9 +186,8 @@ def test_bench_serve_measures_tidar_against_ar_on_one_server(served_export, tmp_
                 and m["seconds"] > 0
             ), (n, mode)
             assert [run["prompt"] for run in m["runs"]] == [0, 1]
-        assert (
-            part["tidar_vs_ar"] > 0 and part["identical"] == 2
-        )  # greedy: the served texts are AR's
+        # greedy: the served texts are AR's
+        assert part["tidar_vs_ar"] > 0 and part["identical"] == 2
     # TiDAR answered exactly the TiDAR requests: its log line for each, none for the requests sent
     # with tidar false
     assert r["served_tidar"]["calls"] == 4 and r["served_tidar"]["new_tokens"] == 32
