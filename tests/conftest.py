@@ -1,4 +1,5 @@
-"""Fixtures: tiny random models of each supported family saved as local folders, a tiny BPE tokenizer, trained and untrained models (built with helpers.py)."""
+"""Fixtures: tiny random models of each supported family saved as local folders, a tiny BPE
+tokenizer, trained and untrained models (built with helpers.py)."""
 
 from __future__ import annotations
 
@@ -37,7 +38,8 @@ def tiny_dirs(tmp_path_factory, tokenizer):
 
 @pytest.fixture(scope="session")
 def trained(tiny_dirs):
-    """{family: (model, tokenizer)}: tiny TiDAR models whose diffusion head drafts the cycle well."""
+    """{family: (model, tokenizer)}: tiny TiDAR models whose diffusion head drafts the
+    cycle well."""
     from tidar_convert.models.loading import load_base
 
     out = {}
@@ -49,7 +51,8 @@ def trained(tiny_dirs):
 
 @pytest.fixture(scope="module")
 def untrained(tiny_dirs):
-    """{family: model}: tiny models with untrained diffusion heads (one copy per test module, which may set draft_length)."""
+    """{family: model}: tiny models with untrained diffusion heads (one copy per test module, which
+    may set draft_length)."""
     from tidar_convert.models.loading import load_base
 
     models = {f: load_base(str(tiny_dirs[f]))[0].eval() for f in FAMILIES}

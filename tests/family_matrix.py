@@ -1,6 +1,7 @@
-"""The family matrix: every entry of transformers' causal-LM mapping, as a tiny random model, through
-a conversion (a few steps of the hybrid loss, then the real export) and exact greedy TiDAR decoding;
-or refused by `families.check` with the mechanism named; or out of scope (not a decoder-only text LM).
+"""The family matrix: every entry of transformers' causal-LM mapping, as a tiny random model,
+through a conversion (a few steps of the hybrid loss, then the real export) and exact greedy TiDAR
+decoding; or refused by `families.check` with the mechanism named; or out of scope (not a
+decoder-only text LM).
 
     PYTHONPATH=src:tests python tests/family_matrix.py --write docs/families.md   # the whole matrix
     PYTHONPATH=src:tests python tests/family_matrix.py llama gemma2              # some entries
@@ -80,19 +81,16 @@ def tiny_config(model_type: str, vocab_size: int):
         for k, v in TINY.items()
         if aliases.get(k, k) in defaults and v is not None
     }
-    if (
-        "qk_rope_head_dim" in defaults
-    ):  # latent KV: the rotary part of a head is qk_rope_head_dim (LongCat's rotary reads head_dim)
+    # latent KV: the rotary part of a head is qk_rope_head_dim (LongCat's rotary reads head_dim)
+    if "qk_rope_head_dim" in defaults:
         kw.pop("head_dim", None)
         if "head_dim" in defaults:
             kw["head_dim"] = kw["qk_rope_head_dim"]
-    if (
-        "kv_lora_rank" in defaults and "num_key_value_heads" in kw
-    ):  # MLA expands one latent to every head, as real ones do
+    # MLA expands one latent to every head, as real ones do
+    if "kv_lora_rank" in defaults and "num_key_value_heads" in kw:
         kw["num_key_value_heads"] = kw["num_attention_heads"]
-    if (
-        model_type == "dbrx"
-    ):  # sizes in sub-configs; its attention reads a rope_theta its sub-config does not declare
+    # sizes in sub-configs; its attention reads a rope_theta its sub-config does not declare
+    if model_type == "dbrx":
         kw["attn_config"] = {"kv_n_heads": 2, "rope_theta": 10000.0, "clip_qkv": 8.0}
         kw["ffn_config"] = {
             "hidden_size": 64,
@@ -102,9 +100,8 @@ def tiny_config(model_type: str, vocab_size: int):
         }
     if "attention_types" in defaults:  # GPT-Neo: one global and one local layer
         kw["attention_types"] = [[["global", "local"], 1]]
-    if (
-        "vocab_size_per_layer_input" in defaults
-    ):  # Gemma 3n/4's per-layer embeddings: a second vocabulary
+    # Gemma 3n/4's per-layer embeddings: a second vocabulary
+    if "vocab_size_per_layer_input" in defaults:
         kw["vocab_size_per_layer_input"] = vocab_size
     if "num_kv_shared_layers" in defaults:  # two layers share no cache
         kw["num_kv_shared_layers"] = 0
@@ -123,9 +120,9 @@ def tiny_config(model_type: str, vocab_size: int):
         if defaults.get(key):
             kinds = list(dict.fromkeys(defaults[key]))
             kw[key] = (kinds * 2)[:2]
-    if (
-        "n_recurrent_loops" in defaults
-    ):  # Dory: an input, a looped and an output section, one layer each (its to_dict interleaves "mlp" blocks)
+    # Dory: an input, a looped and an output section, one layer each (its to_dict interleaves "mlp"
+    # blocks)
+    if "n_recurrent_loops" in defaults:
         kw.update(
             num_hidden_layers=3,
             n_input_layers=1,
@@ -139,16 +136,14 @@ def tiny_config(model_type: str, vocab_size: int):
             kw["full_attn_idxs"] = [1]
     if "no_rope_layers" in defaults:
         kw["no_rope_layers"] = [1, 0]
-    if (
-        defaults.get("rope_parameters") == {}
-    ):  # rotary settings keyed by layer type, none by default (Cohere Compass): the plain ones
+    # rotary settings keyed by layer type, none by default (Cohere Compass): the plain ones
+    if defaults.get("rope_parameters") == {}:
         kw["rope_parameters"] = {
             t: {"rope_type": "default", "rope_theta": 10000.0}
             for t in set(kw.get("layer_types") or defaults.get("layer_types") or ["full_attention"])
         }
-    pad = (
-        None if defaults.get("pad_token_id") is None else 0
-    )  # inside the vocabulary: it is an embedding's padding_idx
+    # inside the vocabulary: it is an embedding's padding_idx
+    pad = None if defaults.get("pad_token_id") is None else 0
     kw.update(
         vocab_size=vocab_size,
         eos_token_id=0,
@@ -190,9 +185,8 @@ def counting_verify(counts, verifier=None):
 
     def verify(self, scores, draft):
         accepted = original(self, scores, draft)
-        verified = (real_slots(draft)[:, : scores.shape[1] - 1]).sum(
-            1
-        )  # proposals this step verified
+        # proposals this step verified
+        verified = (real_slots(draft)[:, : scores.shape[1] - 1]).sum(1)
         counts.accepted += int((accepted > 1).sum())
         counts.rejected += int((accepted - 1 < verified).sum())
         return accepted
@@ -225,13 +219,14 @@ def run(model_type: str, tokenizer=None, steps: int = STEPS, sampling: bool = Fa
     started = time.perf_counter()
     try:
         CONFIG_MAPPING[model_type]()
-    except (
-        Exception
-    ) as e:  # a config that cannot be built from defaults is not a model one can bring
+    # a config that cannot be built from defaults is not a model one can bring
+    except Exception as e:
         return Result(
             model_type,
             "out of scope",
-            detail=f"its config has no usable defaults ({type(e).__name__}); a checkpoint-only entry",
+            detail=(
+                f"its config has no usable defaults ({type(e).__name__}); a checkpoint-only entry"
+            ),
         )
     tokenizer = tokenizer or tiny_tokenizer()
     try:
@@ -263,16 +258,15 @@ def run(model_type: str, tokenizer=None, steps: int = STEPS, sampling: bool = Fa
     from tidar_convert.models.families import parameter_count
 
     threads = torch.get_num_threads()
-    torch.set_num_threads(
-        1
-    )  # tiny matrices: a second thread costs more in sync than it computes (measured: 3 s an entry, not 30)
+    # tiny matrices: a second thread costs more in sync than it computes
+    torch.set_num_threads(1)
     try:
         n = parameter_count(config)
-        if (
-            n > MAX_PARAMETERS
-        ):  # a size field this generator does not know: seconds would become minutes
+        # a size field this generator does not know: seconds would become minutes
+        if n > MAX_PARAMETERS:
             raise ValueError(
-                f"tiny config has {n / 1e6:.1f} M parameters: teach tiny_config this family's size fields"
+                f"tiny config has {n / 1e6:.1f} M parameters: "
+                "teach tiny_config this family's size fields"
             )
         convert_and_decode(config, tokenizer, steps, result, sampling)
     except Exception as e:
@@ -289,9 +283,9 @@ def run(model_type: str, tokenizer=None, steps: int = STEPS, sampling: bool = Fa
 def convert_and_decode(
     config, tokenizer, steps: int, result: Result, sampling: bool = False
 ) -> None:
-    """Save a tiny random base, load it as `fit` does (load_base), train, export, load the export, and
-    decode greedily with TiDAR against AR: k = 2 and 4, one row and a left-padded batch of two; with
-    `sampling`, sampled too (sample_check)."""
+    """Save a tiny random base, load it as `fit` does (load_base), train, export, load the export,
+    and decode greedily with TiDAR against AR: k = 2 and 4, one row and a left-padded batch of two;
+    with `sampling`, sampled too (sample_check)."""
     from transformers import AutoModelForCausalLM
 
     from tidar_convert import export, load
@@ -318,14 +312,14 @@ def convert_and_decode(
                         max_new_tokens=24, do_sample=False, eos_token_id=None, attention_mask=mask
                     )
                     expected = model.generate(ids, tidar=False, **kw)
-                    got = model.generate(
-                        ids, draft_length=k, plan="adaptive", **kw
-                    )  # T/NFE that does not depend on step timings
+                    # T/NFE that does not depend on step timings
+                    got = model.generate(ids, draft_length=k, plan="adaptive", **kw)
                     if not torch.equal(got, expected):
                         row = int((got != expected).any(1).nonzero()[0])
                         at = int((got[row] != expected[row]).nonzero()[0])
                         raise AssertionError(
-                            f"TiDAR greedy != AR at k={k}, batch {ids.shape[0]}, row {row}, token {at - ids.shape[1]}"
+                            f"TiDAR greedy != AR at k={k}, batch {ids.shape[0]}, "
+                            f"row {row}, token {at - ids.shape[1]}"
                         )
                     nfe += model.tidar_stats["nfe"]
                     new += model.tidar_stats["new_tokens"] * ids.shape[0]
@@ -336,12 +330,16 @@ def convert_and_decode(
             result.sampled = sample_check(model, tok.pad_token_id)
         if not result.exact_tested:
             result.outcome = "untested"
-            result.detail = f"exact, but drafts were accepted in {result.accepted} and rejected in {result.rejected} row-steps: train longer"
+            result.detail = (
+                f"exact, but drafts were accepted in {result.accepted} "
+                f"and rejected in {result.rejected} row-steps: train longer"
+            )
 
 
 def remote_code_decodes_the_same(export_dir: Path, outputs) -> None:
     """The export as users load it (`from_pretrained(..., trust_remote_code=True)`: its own
-    custom_generate/, with tidar_convert blocked from import) writes what the package's decode wrote."""
+    custom_generate/, with tidar_convert blocked from import) writes what the package's
+    decode wrote."""
     from transformers import AutoModelForCausalLM
 
     saved = sys.modules.get("tidar_convert")
@@ -352,19 +350,20 @@ def remote_code_decodes_the_same(export_dir: Path, outputs) -> None:
             for ids, kw, expected in outputs:
                 if not torch.equal(remote.generate(ids, **kw), expected):
                     raise AssertionError(
-                        f"the export's remote code decodes otherwise than the package at {kw['draft_length']=}, batch {ids.shape[0]}"
+                        "the export's remote code decodes otherwise than the "
+                        f"package at {kw['draft_length']=}, batch {ids.shape[0]}"
                     )
         if not getattr(remote, "tidar_stats", None):
             raise AssertionError(
-                "the export's remote code did not run TiDAR (no tidar_stats): transformers fell back to its own generate"
+                "the export's remote code did not run TiDAR (no tidar_stats): "
+                "transformers fell back to its own generate"
             )
     finally:
         sys.modules["tidar_convert"] = saved
 
 
-SAMPLING = dict(
-    do_sample=True, temperature=1.3, top_k=0, top_p=1.0
-)  # hot enough that AR's draws leave the cycle
+# hot enough that AR's draws leave the cycle
+SAMPLING = dict(do_sample=True, temperature=1.3, top_k=0, top_p=1.0)
 
 
 @dataclass
@@ -375,10 +374,10 @@ class Counts:
 
 def sample_check(model, pad: int, seed: int = 11) -> str:
     """Sampled TiDAR (k = 2 and 4, each drafter, the prompts above) against an independent AR loop:
-    the full prefix through the export's forward every token (no cache, no TiDAR code but the noise),
-    token = argmax p(v) / E(v) with the exponential draws `Sampling` keys by (seed, row, index). The
-    verifier makes the output that AR sample whatever the drafts (docs/method.md), so every variant
-    must equal the loop token for token, with drafts both accepted and rejected."""
+    the full prefix through the export's forward every token (no cache, no TiDAR code but the
+    noise), token = argmax p(v) / E(v) with the exponential draws `Sampling` keys by (seed, row,
+    index). The verifier makes the output that AR sample whatever the drafts (docs/method.md), so
+    every variant must equal the loop token for token, with drafts both accepted and rejected."""
     from tidar_convert.runtime.verify import Sampling, draw_seed
 
     new_tokens, counts = 16, Counts()
@@ -400,11 +399,13 @@ def sample_check(model, pad: int, seed: int = 11) -> str:
                 )
                 if not torch.equal(got[:, ids.shape[1] :], expected):
                     raise AssertionError(
-                        f"sampled TiDAR != sampled AR at k={k}, drafter={drafter}, batch {ids.shape[0]}"
+                        f"sampled TiDAR != sampled AR at k={k}, "
+                        f"drafter={drafter}, batch {ids.shape[0]}"
                     )
     if not (counts.accepted and counts.rejected):
         raise AssertionError(
-            f"sampling: drafts accepted in {counts.accepted} and rejected in {counts.rejected} row-steps: not tested"
+            f"sampling: drafts accepted in {counts.accepted} and "
+            f"rejected in {counts.rejected} row-steps: not tested"
         )
     return f"exact ({counts.accepted} accepted, {counts.rejected} rejected)"
 
@@ -425,8 +426,9 @@ def sampled_ar(model, ids, mask, seed: int, new_tokens: int) -> torch.Tensor:
 
 
 def prompts(pad: int):
-    """One row on the training cycle; a left-padded batch of two: the cycle, and a broken cycle whose
-    continuation the drafts get wrong at first (so drafts are rejected as well as accepted)."""
+    """One row on the training cycle; a left-padded batch of two: the cycle, and a broken cycle
+    whose continuation the drafts get wrong at first (so drafts are rejected as well as
+    accepted)."""
     one = cycle_batch(1, 9, seed=2)
     cyc = cycle_batch(1, 11, seed=5)[0]
     broken = torch.tensor([3, 9, 4, 8, 5, 5, 6, 7, 3, 4, 9])
@@ -448,10 +450,10 @@ transformers {version}: every entry of its causal-LM mapping (`MODEL_FOR_CAUSAL_
 as a tiny random 2-layer model, trained {steps} steps of the hybrid loss, exported, then decoded
 greedily with TiDAR from the export against plain AR at k = 2 and 4, on one row and a left-padded
 batch of two, and again through the export's own code (`trust_remote_code=True`, tidar_convert
-blocked from import). Sliding windows (6 tokens) and attention chunks (8) are shorter than the training and
-decoded lengths, so they bind in both. The CI subset (`SAMPLED` in tests/test_families.py) is also sampled
-(temperature 1.3), against an independent AR loop with the same noise. **exact**: token for token
-equal, with drafts both accepted and rejected;
+blocked from import). Sliding windows (6 tokens) and attention chunks (8) are shorter than the
+training and decoded lengths, so they bind in both. The CI subset (`SAMPLED` in
+tests/test_families.py) is also sampled (temperature 1.3), against an independent AR loop with the
+same noise. **exact**: token for token equal, with drafts both accepted and rejected;
 **refused**: `tidar-convert check` / `fit` refuse it before any work, naming the mechanism;
 **out of scope**: not a decoder-only text LM. Do not edit by hand; tests/test_families.py checks it.
 
@@ -477,7 +479,10 @@ def table(results: list[Result]) -> str:
         tpn = f"{r.tokens_per_nfe:.2f}" if r.tokens_per_nfe else ""
         rej = str(r.rejected) if r.outcome in ("exact", "untested") else ""
         detail = r.detail.replace("|", "/")
-        text += f"| {r.model_type} | {r.outcome} | {', '.join(r.mechanisms)} | {tpn} | {rej} | {detail} |\n"
+        text += (
+            f"| {r.model_type} | {r.outcome} | "
+            f"{', '.join(r.mechanisms)} | {tpn} | {rej} | {detail} |\n"
+        )
     return text
 
 
@@ -501,7 +506,8 @@ def documented_version(path: Path = DOC) -> str:
     found = re.search(r"from\s+transformers ([0-9][^\s:]*):", path.read_text())
     if not found:
         raise ValueError(
-            f"{path} does not say which transformers it was generated from: regenerate it (tests/family_matrix.py --write)"
+            f"{path} does not say which transformers it was generated "
+            "from: regenerate it (tests/family_matrix.py --write)"
         )
     return found.group(1)
 
@@ -539,7 +545,8 @@ def main() -> None:
         results.append(r)
         tpn = f"{r.tokens_per_nfe:.2f}" if r.tokens_per_nfe else "-"
         print(
-            f"{model_type:26s} {r.outcome:12s} T/NFE {tpn:5s} acc {r.accepted:3d} rej {r.rejected:3d} {r.seconds:5.1f}s {r.sampled} {r.detail[:150]}",
+            f"{model_type:26s} {r.outcome:12s} T/NFE {tpn:5s} acc {r.accepted:3d} "
+            f"rej {r.rejected:3d} {r.seconds:5.1f}s {r.sampled} {r.detail[:150]}",
             flush=True,
         )
     if args.write:

@@ -1,5 +1,5 @@
-"""Plain helpers the tests import (`from helpers import ...`): tiny models, data and reference decoding.
-conftest.py keeps the fixtures built from them."""
+"""Plain helpers the tests import (`from helpers import ...`): tiny models, data and reference
+decoding. conftest.py keeps the fixtures built from them."""
 
 from __future__ import annotations
 
@@ -56,7 +56,8 @@ def tiny_config(family: str, vocab_size: int):
 
 
 def cycle_batch(batch: int, seq_len: int, period: int = 7, offset: int = 3, seed=None):
-    """Token streams repeating a fixed cycle from a random phase: learnable in seconds, so drafts get accepted."""
+    """Token streams repeating a fixed cycle from a random phase: learnable in seconds, so drafts
+    get accepted."""
     from tidar_convert.bench.engine_check import cycles
 
     return cycles(

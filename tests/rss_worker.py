@@ -1,4 +1,5 @@
-"""Peak host memory (RSS) that building the training model adds to one process (test_multiprocess.py).
+"""Peak host memory (RSS) that building the training model adds to one process
+(test_multiprocess.py).
 
     python -m torch.distributed.run --nproc-per-node 2 tests/rss_worker.py MODEL_DIR OUT sharded
     python -m torch.distributed.run --nproc-per-node 1 tests/rss_worker.py MODEL_DIR OUT single
@@ -31,9 +32,8 @@ def main(model_dir: str, out: str, mode: str) -> None:
     module = TiDARModule(model=model_dir, draft_length=4)  # config and tokenizer only
     before = peak_gib()
     if mode == "sharded":
-        module._device_mesh = init_device_mesh(
-            "cpu", (dist.get_world_size(),)
-        )  # what ModelParallelStrategy sets
+        # what ModelParallelStrategy sets
+        module._device_mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     module.configure_model()
     Path(f"{out}.{rank}.json").write_text(json.dumps({"before": before, "after": peak_gib()}))
     if mode == "sharded":

@@ -1,8 +1,8 @@
 """Issue 46's data rows: every data source checked before the model loads, named by file (and line),
 and a single large text file trained on instead of refused.
 
-`check_sources` is what fit calls before any model is read (fit_checks.check_data); each case is also
-checked through the CLI, where the refusal is one `error:` line and exit status 2, and through
+`check_sources` is what fit calls before any model is read (fit_checks.check_data); each case is
+also checked through the CLI, where the refusal is one `error:` line and exit status 2, and through
 `iter_documents`, the reading path of eval-ppl and distill.
 """
 

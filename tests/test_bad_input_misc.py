@@ -27,7 +27,8 @@ from tidar_convert.runtime.spec import TiDARSpec
 def test_sampling_settings_without_a_temperature_are_refused(export_dir, capsys, flags, given):  # noqa: F811
     line = cli_error(capsys, "generate", "--model", str(export_dir), "--prompt", "x", *flags)
     assert line.startswith(
-        f"error: {given} applies only when sampling, and --temperature is 0 (greedy); pass --temperature > 0"
+        f"error: {given} applies only when sampling, and "
+        "--temperature is 0 (greedy); pass --temperature > 0"
     )
 
 
@@ -121,7 +122,10 @@ def test_a_truncated_gguf_is_named(tmp_path, capsys, keep):
     cut.write_bytes(whole.read_bytes()[: int(size * keep)])
     with pytest.raises(
         ValueError,
-        match=rf"'{cut}' is truncated or corrupt \(cut short: {int(size * keep)} bytes of the \d+ its tensors need\); download it again",
+        match=(
+            rf"'{cut}' is truncated or corrupt \(cut short: {int(size * keep)} "
+            r"bytes of the \d+ its tensors need\); download it again"
+        ),
     ) as info:
         check_gguf(cut)
     needed = int(str(info.value).split("bytes of the ")[1].split()[0])
@@ -150,13 +154,15 @@ def test_a_tokenizer_larger_than_the_vocabulary_is_refused_before_the_weights(to
 
     n = len(tokenizer)
     small = base("small", n - 5)
-    message = rf"its config says vocab_size={n - 5}, and its tokenizer has {n} tokens: ids {n - 5}..{n - 1} have no embedding row"
+    message = (
+        rf"its config says vocab_size={n - 5}, and its tokenizer "
+        rf"has {n} tokens: ids {n - 5}..{n - 1} have no embedding row"
+    )
     for load in (load_config_and_tokenizer, load_base):
         with pytest.raises(ValueError, match=message):
             load(small)
-    load_config_and_tokenizer(
-        base("padded", n + 64)
-    )  # more rows than tokens (Qwen pads its embedding): fine
+    # more rows than tokens (Qwen pads its embedding): fine
+    load_config_and_tokenizer(base("padded", n + 64))
 
 
 @pytest.mark.parametrize("saved", [False, True])
@@ -207,7 +213,10 @@ def test_a_smoke_bench_leaves_the_card_and_an_earlier_record_alone(tiny_dirs, tm
     before = record.read_bytes()
     with pytest.raises(
         ValueError,
-        match=rf"the record '{record}' exists; pass --name with a new name for this run \(make bench NAME=...\), or --overwrite",
+        match=(
+            rf"the record '{record}' exists; pass --name with a new "
+            r"name for this run \(make bench NAME=...\), or --overwrite"
+        ),
     ):
         bench.bench_cmd(
             str(out), max_new_tokens=4, limit=1, out_dir=str(tmp_path / "results"), quality=False
@@ -250,13 +259,16 @@ def test_a_sweep_json_no_sweep_wrote_is_never_replaced(tmp_path, capsys):
 
 @pytest.mark.parametrize("command", ["quality", "bench-serve"])
 def test_quality_and_serve_records_are_never_replaced_unasked(
-    tmp_path, capsys, export_dir, command
-):  # noqa: F811
+    tmp_path,
+    capsys,
+    export_dir,  # noqa: F811 (the fixture imported from test_errors)
+    command,
+):
     record = tmp_path / "mine.json"
     record.write_text("an hour of measuring")
     line = cli_error(capsys, command, "--model", str(export_dir), "--out", str(record))
     assert (
-        f"the record {str(record)!r} exists; pass --out with a new file, or --overwrite to replace it."
-        in line
+        f"the record {str(record)!r} exists; pass --out "
+        "with a new file, or --overwrite to replace it." in line
     )
     assert record.read_text() == "an hour of measuring"

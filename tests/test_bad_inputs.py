@@ -107,7 +107,8 @@ def test_a_fresh_run_into_a_folder_with_checkpoints_is_refused_and_new_or_replac
 def test_resume_takes_the_highest_step_and_the_final_message_names_the_file_that_holds_it(
     tmp_path, tiny_dirs, capsys
 ):
-    """A run folder an older version left with last.ckpt (step 12) and a newer last-v1.ckpt (step 2)."""
+    """A run folder an older version left with last.ckpt (step 12) and a newer last-v1.ckpt
+    (step 2)."""
     import shutil
     import time
 
@@ -123,9 +124,8 @@ def test_resume_takes_the_highest_step_and_the_final_message_names_the_file_that
     err = capsys.readouterr().err
     last = run / "checkpoints" / "last.ckpt"
     assert f"--ckpt_path last: resuming {last} (step 12)" in err
-    assert (
-        "trained 17 steps" in err and f"checkpoint: {last} (step 17)" in err
-    )  # saved every 10: 17 only at the end
+    # saved every 10: 17 only at the end
+    assert "trained 17 steps" in err and f"checkpoint: {last} (step 17)" in err
     assert step_of(last) == 17 and step_of(run / "checkpoints" / "last-v1.ckpt") == 2
 
 
@@ -272,7 +272,8 @@ def test_a_recipe_with_a_key_twice_or_a_tab_is_refused_by_file_and_line(
     twice.write_text(RECIPE.read_text().replace("  alpha: 1.0\n", "  alpha: 1.0\n  alpha: 3.0\n"))
     line = cli_error(capsys, *fit_args(tmp_path / "run", tiny_dirs["llama"], recipe=twice))
     assert line.startswith(
-        f"error: recipe '{twice}' line 6, column 3: key 'alpha' is given twice (first at line 5); keep one of them"
+        f"error: recipe '{twice}' line 6, column 3: key 'alpha' "
+        "is given twice (first at line 5); keep one of them"
     )
     tab = tmp_path / "tab.yaml"
     tab.write_text(RECIPE.read_text().replace("  draft_length: 4\n", "\tdraft_length: 4\n"))
@@ -329,8 +330,8 @@ def test_a_resume_refuses_what_changes_the_checkpoint_and_applies_what_may_chang
     )
     err = capsys.readouterr().err
     assert (
-        "with changed settings, applied from its step on: --model.optimizer.init_args.lr 0.003 -> 0.01"
-        in err
+        "with changed settings, applied from its step on: "
+        "--model.optimizer.init_args.lr 0.003 -> 0.01" in err
     )
     resumed = torch.load(last, map_location="cpu", weights_only=False)
     assert resumed["global_step"] == 12
@@ -382,10 +383,8 @@ def test_out_as_the_run_folder_is_refused_before_training(
     "extra,expected",
     [
         (["--model.draft_lenght", "8"], "did you mean --model.draft_length?"),
-        (
-            ["--trainer.max_step", "3"],
-            "did you mean --trainer.max_steps?",
-        ),  # no abbreviations taken silently
+        # no abbreviations taken silently
+        (["--trainer.max_step", "3"], "did you mean --trainer.max_steps?"),
         (["--data.seq_len", "abc"], "data.seq_len"),
         (
             ["--model.optimizer.init_args.lrr", "0.1"],

@@ -24,7 +24,8 @@ def run_json(capsys, *args):
     return json.loads(capsys.readouterr().out.strip().splitlines()[-1])
 
 
-@pytest.mark.slow  # its export fixture converts a model (make test runs it; make test-fast skips it)
+# its export fixture converts a model (make test runs it; make test-fast skips it)
+@pytest.mark.slow
 def test_generate_json_same_text_in_tidar_and_ar_mode(exported, trained, capsys):
     _, tok = trained["llama"]
     prompt = tok.decode(cycle_batch(1, 6, seed=1)[0])
@@ -55,14 +56,16 @@ def test_generate_json_same_text_in_tidar_and_ar_mode(exported, trained, capsys)
         )["text"]
         for mode, top_p in runs
     ]
-    assert (
-        len(set(sampled[:3])) == 1 and len(set(sampled[3:])) == 1
-    )  # seeded: the same text every run, under the default (cost) plan too
+    # seeded: the same text every run, under the default (cost) plan too
+    assert len(set(sampled[:3])) == 1 and len(set(sampled[3:])) == 1
     stock = run_json(capsys, *common, "--mode", "tidar", "--pack-weights", "false")
     assert stock["text"] == td["text"]  # PyTorch's stock product: the same greedy tokens
 
 
-CHAT_TEMPLATE = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}{% if add_generation_prompt %}assistant:{% endif %}"
+CHAT_TEMPLATE = (
+    "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n"
+    "{% endfor %}{% if add_generation_prompt %}assistant:{% endif %}"
+)
 
 
 @pytest.fixture(scope="module")
@@ -77,8 +80,8 @@ def chat_export(trained, tmp_path_factory):
 
 def test_generate_chat_renders_the_prompt_as_the_server_does(chat_export, capsys):
     """--chat: one user message through the chat template with the assistant's turn opened, the ids
-    `transformers serve` decodes for /v1/chat/completions: the text equals plain AR's on the template
-    applied by hand, in both modes, and differs from the raw prompt's."""
+    `transformers serve` decodes for /v1/chat/completions: the text equals plain AR's on the
+    template applied by hand, in both modes, and differs from the raw prompt's."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     prompt = "def f(x):\n    return x"
@@ -99,9 +102,8 @@ def test_generate_chat_renders_the_prompt_as_the_server_does(chat_export, capsys
     common = ["--model", str(chat_export), "--prompt", prompt, "--max-new-tokens", "16"]
     assert run_json(capsys, *common, "--chat", "--mode", "ar")["text"] == expected
     assert run_json(capsys, *common, "--chat")["text"] == expected  # TiDAR: the same greedy text
-    assert (
-        run_json(capsys, *common)["text"] == expected
-    )  # the default applies the template where there is one
+    # the default applies the template where there is one
+    assert run_json(capsys, *common)["text"] == expected
     assert run_json(capsys, *common, "--no-chat-template")["text"] != expected
 
 
@@ -226,19 +228,22 @@ def test_help_names_every_command(capsys):
         "distill} ..."
     )
     assert "`tidar-convert fit --help` lists them" in out
-    assert (
-        "Generate with an exported TiDAR model." in out
-    )  # each command's summary, from its docstring
+    # each command's summary, from its docstring
+    assert "Generate with an exported TiDAR model." in out
 
 
 @pytest.mark.subprocess
 def test_the_top_level_help_imports_no_torch():
-    """`tidar-convert --help` answers at once: the commands' modules (torch, transformers, Lightning)
-    are imported only when a command runs."""
+    """`tidar-convert --help` answers at once: the commands' modules (torch, transformers,
+    Lightning) are imported only when a command runs."""
     import subprocess
     import sys
 
-    code = "import sys\nfrom tidar_convert.cli import main\ntry:\n    main(['--help'])\nexcept SystemExit:\n    pass\nprint(sorted(m for m in ('torch', 'transformers', 'lightning', 'jsonargparse') if m in sys.modules))"
+    code = (
+        "import sys\nfrom tidar_convert.cli import main\ntry:\n    main(['--help'])\n"
+        "except SystemExit:\n    pass\nprint(sorted(m for m in ('torch', "
+        "'transformers', 'lightning', 'jsonargparse') if m in sys.modules))"
+    )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0 and done.stdout.strip().splitlines()[-1] == "[]", (
         done.stdout + done.stderr
@@ -247,9 +252,9 @@ def test_the_top_level_help_imports_no_torch():
 
 @pytest.mark.fit
 def test_a_checkpoint_records_its_base_model_absolute(tmp_path, tiny_dirs, monkeypatch, capsys):
-    """fit from the model's parent folder with `./name`: the checkpoint records the folder absolute, so a
-    resume there with the same spelling is the same model, and export runs from any folder; --model
-    replaces what a checkpoint records."""
+    """fit from the model's parent folder with `./name`: the checkpoint records the folder absolute,
+    so a resume there with the same spelling is the same model, and export runs from any folder;
+    --model replaces what a checkpoint records."""
     from pathlib import Path
 
     recipe = str(Path(__file__).parents[1] / "recipes" / "tiny.yaml")
@@ -273,9 +278,8 @@ def test_a_checkpoint_records_its_base_model_absolute(tmp_path, tiny_dirs, monke
     main([*args, "--trainer.max_steps", "1"])
     ckpt = run / "checkpoints" / "last.ckpt"
     assert torch.load(ckpt, weights_only=False)["hyper_parameters"]["model"] == str(folder)
-    main(
-        [*args, "--trainer.max_steps", "2", "--ckpt_path", str(ckpt)]
-    )  # the same model, spelt as at first: resumed
+    # the same model, spelt as at first: resumed
+    main([*args, "--trainer.max_steps", "2", "--ckpt_path", str(ckpt)])
     assert torch.load(ckpt, weights_only=False)["global_step"] == 2
     monkeypatch.chdir(tmp_path)
     main(["export", "--checkpoint", str(ckpt), "--out", str(tmp_path / "out")])

@@ -178,7 +178,8 @@ def test_split_prose_by_document(tmp_path):
         f"Paragraph {i} of the story {{t}} goes on\nacross a wrapped line." for i in range(40)
     )
     text = "".join(
-        f"The Project Gutenberg EBook of {t}\nLicence text here.\n*** START OF THIS PROJECT GUTENBERG EBOOK {t.upper()} ***\n{book.format(t=t)}\n"
+        f"The Project Gutenberg EBook of {t}\nLicence text here.\n"
+        f"*** START OF THIS PROJECT GUTENBERG EBOOK {t.upper()} ***\n{book.format(t=t)}\n"
         f"*** END OF THIS PROJECT GUTENBERG EBOOK {t.upper()} ***\nMore licence text.\n"
         for t in ("First Book", "Second Book")
     )
@@ -194,13 +195,11 @@ def test_split_prose_by_document(tmp_path):
         and book
     )
     assert {n.split("-", 1)[1] for n in heldout} == {"first-book.txt", "second-book.txt"}
-    assert {n.split("-", 1)[1] for n in train} == {
-        "first-book.txt"
-    }  # the held-out book: never in train
+    # the held-out book: never in train
+    assert {n.split("-", 1)[1] for n in train} == {"first-book.txt"}
     assert {n.split("-", 1)[1] for n in book} == {"second-book.txt"}
-    assert {n for n in heldout if n.endswith("second-book.txt")} < set(
-        book
-    )  # the whole book, its held-out share included
+    # the whole book, its held-out share included
+    assert {n for n in heldout if n.endswith("second-book.txt")} < set(book)
     train_paragraphs = {p for doc in train.values() for p in doc.split("\n\n")}
     for doc in list(heldout.values()) + list(book.values()):
         assert not set(doc.split("\n\n")) & train_paragraphs
@@ -250,9 +249,8 @@ def test_greedy_share_is_the_realised_share_of_the_text(tokenizer, tmp_path, sha
     assert n_greedy == (0 if share == 0 else 300)  # greedy_docs caps the greedy documents read
     if share in (0, 1):
         first = docs[:300]
-        assert all(
-            d.startswith("greedy") == (share == 1) for d in first
-        )  # all greedy first, or none at all
+        # all greedy first, or none at all
+        assert all(d.startswith("greedy") == (share == 1) for d in first)
         return
     last = max(i for i, d in enumerate(docs) if d.startswith("greedy"))
     mixed = docs[: last + 1]  # while the greedy documents last
@@ -279,17 +277,17 @@ def test_greedy_ar_loss_false_marks_exactly_the_greedy_tokens(tokenizer, tmp_pat
     if ar_loss:
         assert all("no_ar_target" not in item for item in items)
         return
-    # The stream in order (no shuffle buffer): each token marked exactly when its document is greedy text.
+    # The stream in order (no shuffle buffer): each token marked exactly when its document is
+    # greedy text.
     expected = []
     for doc in dm._dataset("train").documents():
         expected += [doc.startswith("greedy")] * (
-            len(tokenizer(doc, add_special_tokens=False)["input_ids"]) + 1
-        )  # + EOS
+            len(tokenizer(doc, add_special_tokens=False)["input_ids"]) + 1  # + EOS
+        )
     marks = torch.cat([item["no_ar_target"] for item in items]).tolist()
     assert marks == expected[: len(marks)] and any(marks) and not all(marks)
-    assert all(
-        "no_ar_target" not in item for item in dm._dataset("val")._chunks(0, 0)
-    )  # validation: no greedy text
+    # validation: no greedy text
+    assert all("no_ar_target" not in item for item in dm._dataset("val")._chunks(0, 0))
 
 
 def test_text_field_applies_to_rows_only_and_a_greedy_corpus_is_read_as_text(tokenizer, tmp_path):
@@ -346,7 +344,10 @@ def test_rows_without_text_are_counted_in_every_file_of_a_folder(tmp_path):
     (folder / "c.jsonl").write_text("")  # an empty file among others holds no row to lose
     with pytest.raises(
         ValueError,
-        match=rf"2 of its 9 rows have no text in field 'text' \(the first, row 2 of {folder}/b.jsonl, has null or no such field",
+        match=(
+            r"2 of its 9 rows have no text in field 'text' \(the first, "
+            rf"row 2 of {folder}/b.jsonl, has null or no such field"
+        ),
     ):
         list(iter_documents(str(folder)))
 

@@ -1,4 +1,5 @@
-"""TiDAR decoding: exactly AR greedy, exactly AR sampling in distribution, and generate()'s contract."""
+"""TiDAR decoding: exactly AR greedy, exactly AR sampling in distribution, and generate()'s
+contract."""
 
 import copy
 from collections import Counter
@@ -31,12 +32,14 @@ def test_greedy_equals_ar_untrained_head(untrained, family, k):
 @pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("k", [2, 4, 6, 8])
 def test_greedy_equals_ar_trained_head(trained, family, k):
-    """With a head that drafts well, many drafts are accepted per step, and the output is still AR's."""
+    """With a head that drafts well, many drafts are accepted per step, and the output is
+    still AR's."""
     model, _ = trained[family]
     for seed in range(4):
         ids = cycle_batch(1, 3 + seed, seed=seed)
         expected = ar(model, ids, max_new_tokens=40, eos_token_id=None)
-        # plan "adaptive": acceptance is the head's alone (the default cost plan's steps also read timings)
+        # plan "adaptive": acceptance is the head's alone (the default cost plan's steps also
+        # read timings)
         assert torch.equal(
             generate(
                 ids,
@@ -269,9 +272,8 @@ def test_sampling_matches_ar_distribution(small_vocab_model, settings, monkeypat
     monkeypatch.setattr(
         model.lm_head, "bias", torch.nn.Parameter(bias, requires_grad=False), raising=False
     )
-    processors = model._get_logits_processor(
-        gc, input_ids_seq_length=prompt.shape[1], device="cpu"
-    )  # transformers' own
+    # transformers' own
+    processors = model._get_logits_processor(gc, input_ids_seq_length=prompt.shape[1], device="cpu")
     probs = exact_distribution(
         model, prompt, lambda ids, logits: processors(ids, logits).softmax(-1)
     )
@@ -284,8 +286,8 @@ def test_sampling_matches_ar_distribution(small_vocab_model, settings, monkeypat
     assert chi_square_p(hf, probs, n) > 1e-3  # the exact distribution is what HF samples
     assert chi_square_p(tidar, probs, n) > 1e-3
 
-    # The test has teeth: accepting every proposal AR could draw (p(d) > 0), not only where it is AR's
-    # own draw there, is detectably wrong.
+    # The test has teeth: accepting every proposal AR could draw (p(d) > 0), not only where it is
+    # AR's own draw there, is detectably wrong.
     def wrong_verify(self, ar_logits, draft):
         p = self.probs(ar_logits[:, :-1])
         possible = p.gather(-1, draft.tokens[:, 1:, None]).squeeze(-1) > 0
@@ -304,8 +306,8 @@ def test_sampling_matches_ar_distribution(small_vocab_model, settings, monkeypat
 def test_sampling_with_deterministic_drafts_matches_ar_distribution(
     small_vocab_model, drafter, monkeypatch
 ):
-    """Lookup drafts are deterministic: d is accepted where AR's draw there is d (chance p(d)). Every
-    token occurs in the prompt, so lookup drafts at every step."""
+    """Lookup drafts are deterministic: d is accepted where AR's draw there is d (chance p(d)).
+    Every token occurs in the prompt, so lookup drafts at every step."""
     from tidar_convert.runtime import drafters
 
     model = small_vocab_model
@@ -316,8 +318,8 @@ def test_sampling_with_deterministic_drafts_matches_ar_distribution(
         eos_token_id=None,
         temperature=0.9,
         drafter=drafter,
-        plan="cost",
-    )  # any plan is exact; cost's choices read timings
+        plan="cost",  # any plan is exact; cost's choices read timings
+    )
     # hybrid: a coin picks lookup or diffusion (the sharp diffusion head here would always win); any
     # choice that does not look at the AR samples keeps the output exact
     monkeypatch.setattr(
@@ -344,13 +346,11 @@ def test_sampling_with_deterministic_drafts_matches_ar_distribution(
         return out
 
     assert chi_square_p(sample_counts(run, n), probs, n) > 1e-3
-    assert sources["lookup"] >= (n if drafter == "lookup" else n // 4), (
-        sources
-    )  # lookup drafts at least once per generation
+    # lookup drafts at least once per generation
+    assert sources["lookup"] >= (n if drafter == "lookup" else n // 4), sources
     assert drafter == "lookup" or sources["diffusion"] >= n // 4, sources
-    if (
-        drafter == "hybrid"
-    ):  # same verify code as lookup; at this n the teeth bite only when every step is lookup
+    # same verify code as lookup; at this n the teeth bite only when every step is lookup
+    if drafter == "hybrid":
         return
     # Teeth: the token after the accepted drafts drawn with the draws of the step's first position
     # (those that judged draft 1) instead of its own is detectably wrong.
@@ -426,7 +426,7 @@ def test_sampling_with_per_row_acceptance_matches_ar_distribution(small_vocab_mo
     )
 
 
-# ---- sampling: a seed repeats it, whatever the steps were ------------------------------------------
+# ---- sampling: a seed repeats it, whatever the steps were ----------------------------------------
 
 
 def ar_sample(model, ids, seed, max_new_tokens, **settings):
@@ -493,9 +493,8 @@ def test_seeded_sampling_repeats_under_every_plan_and_drafter(trained, rows, mon
                 steps.setdefault((plan, drafter), set()).add(
                     (model.tidar_stats["slots_per_step"], tuple(model.tidar_stats["accepted"]))
                 )
-    assert any(len(seen) > 1 for (plan, _), seen in steps.items() if plan == "cost"), (
-        steps
-    )  # the clock did change the steps
+    # the clock did change the steps
+    assert any(len(seen) > 1 for (plan, _), seen in steps.items() if plan == "cost"), steps
     torch.manual_seed(12)
     assert not torch.equal(generate(ids, model=model, **kw), expected)
 
@@ -567,9 +566,8 @@ def test_sampling_is_exact_for_a_row_that_accepted_more_than_the_batch_commits()
     from tidar_convert.runtime.generate import Draft
 
     n = 4000
-    p = torch.tensor(
-        [[[1.0, 0.0], [0.5, 0.5]], [[0.5, 0.5], [0.5, 0.5]]]
-    ).log()  # (B, k=2, V): AR rows
+    # (B, k=2, V): AR rows
+    p = torch.tensor([[[1.0, 0.0], [0.5, 0.5]], [[0.5, 0.5], [0.5, 0.5]]]).log()
     q = torch.tensor([[0.0, 1.0], [0.9, 0.1]]).log()  # (B, V): the drafter's scores for draft 1
     ones = accepted_more = 0
     for seed in range(n):
@@ -604,9 +602,8 @@ def test_acceptance_by_offset_tallies_each_rows_chain():
         sources=["lookup", "diffusion", "lookup"],
         confidence=torch.tensor([[0.9, 0.8, 0.7], [0.5, 0.25, 0.0], [1.0, 1.0, 1.0]]),
     )
-    state.judge(
-        draft, torch.tensor([3, 1, 4])
-    )  # lookup: 2 of 3 accepted; diffusion: none of 2; the last row has stopped
+    # lookup: 2 of 3 accepted; diffusion: none of 2; the last row has stopped
+    state.judge(draft, torch.tensor([3, 1, 4]))
     state.judge(
         Draft(
             torch.zeros(3, 3, dtype=torch.long),
@@ -627,8 +624,8 @@ def test_acceptance_by_offset_tallies_each_rows_chain():
 
 
 def test_acceptance_by_offset_adds_up_to_what_was_committed(trained):
-    """Batch 1, chains: every accepted proposal is one the step committed, and a step judges offset 1
-    whenever it verified a proposal."""
+    """Batch 1, chains: every accepted proposal is one the step committed, and a step judges offset
+    1 whenever it verified a proposal."""
     model, _ = trained["llama"]
     for drafter in ("diffusion", "lookup", "hybrid"):
         generate(

@@ -13,8 +13,8 @@ from tidar_convert.train.loss import hybrid_loss
 
 
 def test_distill_loss_matches_hand_computation():
-    # S = 2, V = 2, k = 2. Clean slot 0 predicts x1 (so it is the teacher of mask slot 1); mask slot 0
-    # has no AR prediction for x0 and keeps its hard label.
+    # S = 2, V = 2, k = 2. Clean slot 0 predicts x1 (so it is the teacher of mask slot 1); mask slot
+    # 0 has no AR prediction for x0 and keeps its hard label.
     logits = torch.tensor([[[1.0, 0.0], [0.0, 0.0], [1.0, 0.0], [0.0, 3.0]]])
     ar_labels = torch.tensor([[1, -100]])
     diff_labels = torch.tensor([[0, 1]])
@@ -36,9 +36,8 @@ def test_distill_loss_matches_hand_computation():
     kl1 = sum(pi * (math.log(pi) - math.log(qi)) for pi, qi in zip(p, q))
     l_diff, l_distill = (hard0 + hard1) / 2, (hard0 + kl1) / 2
     assert out["loss_ar"].item() == pytest.approx(l_ar, rel=1e-6)
-    assert out["loss_diff"].item() == pytest.approx(
-        l_diff, rel=1e-6
-    )  # still the hard term, for comparison
+    # still the hard term, for comparison
+    assert out["loss_diff"].item() == pytest.approx(l_diff, rel=1e-6)
     assert out["loss_distill"].item() == pytest.approx(l_distill, rel=1e-6)
     assert out["loss"].item() == pytest.approx(
         (l_ar + (1 - w) * l_diff + w * l_distill) / 2, rel=1e-6
@@ -73,8 +72,8 @@ def test_distill_at_temperature_to_zero_is_hard_ce_on_ar_argmax():
     ids, doc_ids, logits = random_case()
     S = ids.shape[1]
     ar, diff = layout.train_labels(ids, doc_ids)
-    # Hard labels on the AR argmax: mask slot i takes argmax(clean slot i-1) wherever that slot predicts
-    # x_i (same document); elsewhere (chunk and document starts) the true token.
+    # Hard labels on the AR argmax: mask slot i takes argmax(clean slot i-1) wherever that slot
+    # predicts x_i (same document); elsewhere (chunk and document starts) the true token.
     argmax_labels = diff.clone()
     teacher = torch.zeros_like(ids, dtype=torch.bool)
     teacher[:, 1:] = doc_ids[:, 1:] == doc_ids[:, :-1]
@@ -117,7 +116,8 @@ def test_teacher_is_detached(given_teacher):
 
 
 def test_teacher_is_detached_in_a_tiny_model(tiny_dirs):
-    """Through a real forward: the gradient of the distillation term reaches the AR half's logits as zero."""
+    """Through a real forward: the gradient of the distillation term reaches the AR half's logits
+    as zero."""
     from tidar_convert.models.loading import load_base
 
     model, _ = load_base(str(tiny_dirs["llama"]))
@@ -156,7 +156,8 @@ def test_teacher_is_detached_in_a_tiny_model(tiny_dirs):
         # issue 46: settings of the distillation term, silently ignored while it is off
         (
             dict(teacher="base", lora_r=4),
-            "--model.teacher base with --model.distill_weight 0: they apply to the distillation term, which is off",
+            "--model.teacher base with --model.distill_weight 0: "
+            "they apply to the distillation term, which is off",
         ),
         (
             dict(distill_temperature=2.0),
@@ -178,9 +179,8 @@ def test_agree_ar_matches_a_direct_count(tiny_dirs):
     k = 4
     m = TiDARModule(model=str(tiny_dirs["llama"]), draft_length=k)
     m.configure_model()  # outside a Trainer the module builds its model when asked
-    train_tiny(
-        m.model, steps=40, draft_length=k
-    )  # so the diffusion head agrees often, not only by chance
+    # so the diffusion head agrees often, not only by chance
+    train_tiny(m.model, steps=40, draft_length=k)
     ids = cycle_batch(3, 32, seed=1)
     doc_ids = torch.zeros_like(ids)
     doc_ids[1, 13:] = 1
@@ -203,12 +203,10 @@ def test_agree_ar_matches_a_direct_count(tiny_dirs):
         for b in range(3):
             for d in doc_ids[b].unique():
                 where = (doc_ids[b] == d).nonzero().flatten().tolist()
-                ar_pred = (
-                    m.model(input_ids=ids[b, where][None]).logits[0].argmax(-1)
-                )  # the document alone, plain causal
-                for j, i in enumerate(
-                    where[1:]
-                ):  # slot i's token is predicted by the AR head at the slot before it
+                # the document alone, plain causal
+                ar_pred = m.model(input_ids=ids[b, where][None]).logits[0].argmax(-1)
+                # slot i's token is predicted by the AR head at the slot before it
+                for j, i in enumerate(where[1:]):
                     counts[i % k] += 1
                     hits[i % k] += int(diff_pred[b, i] == ar_pred[j])
     for o in range(k):
@@ -246,9 +244,8 @@ def test_base_teacher_is_the_base_model_with_adapters_off(tiny_dirs):
                 expect = base(input_ids=ids[b, where][None]).logits[0]
                 torch.testing.assert_close(teacher[b, where], expect, rtol=1e-4, atol=1e-4)
                 student = m.model(input_ids=ids[b, where][None]).logits[0]
-                assert (
-                    student - expect
-                ).abs().max() > 1e-2  # the adapters are back on after the teacher forward
+                # the adapters are back on after the teacher forward
+                assert (student - expect).abs().max() > 1e-2
     m.model.train()
     out = m.forward_tidar(ids, doc_ids)
     out["loss"].backward()
@@ -349,9 +346,8 @@ def test_anchor_pulls_the_ar_half_toward_the_base_distribution():
     expect = float((kl * has).sum() / has.sum())
     out = hybrid_loss(logits, ar, diff, 1.0, 2, anchor_weight=0.25, anchor_logits=base)
     assert out["loss_anchor"].item() == pytest.approx(expect, rel=1e-5)
-    assert out["loss_ar"].item() == pytest.approx(
-        plain["loss_ar"].item()
-    )  # the logged CE is unchanged
+    # the logged CE is unchanged
+    assert out["loss_ar"].item() == pytest.approx(plain["loss_ar"].item())
     assert out["loss"].item() == pytest.approx(
         (0.75 * plain["loss_ar"].item() + 0.25 * expect + plain["loss_diff"].item()) / 2, rel=1e-5
     )
@@ -390,8 +386,7 @@ def test_module_anchors_to_the_base_with_the_teacher_forward_shared(tiny_dirs, m
     ids = cycle_batch(2, 16, seed=2)
     out = m.forward_tidar(ids)
     assert len(calls) == 1  # one base forward serves the teacher and the anchor
-    assert out["loss_anchor"].item() == pytest.approx(
-        0.0, abs=1e-5
-    )  # fresh LoRA: the AR half is the base
+    # fresh LoRA: the AR half is the base
+    assert out["loss_anchor"].item() == pytest.approx(0.0, abs=1e-5)
     out["loss"].backward()
     assert torch.isfinite(out["loss"])

@@ -64,9 +64,8 @@ def test_stops_exactly_at_eos_inside_an_accepted_lookup_draft(trained, drafter):
     full = generate(
         ids, model=model, max_new_tokens=12, eos_token_id=None, drafter=drafter, plan="full"
     )
-    eos = full[
-        0, 14 + 5
-    ].item()  # the 6th new token: inside the first step's lookup draft (new tokens 2..11)
+    # the 6th new token: inside the first step's lookup draft (new tokens 2..11)
+    eos = full[0, 14 + 5].item()
     expected = ar(model, ids, max_new_tokens=12, eos_token_id=eos)
     got = generate(
         ids, model=model, max_new_tokens=12, eos_token_id=eos, drafter=drafter, plan="full"
@@ -98,9 +97,8 @@ def test_a_plan_without_a_group_at_the_accepted_length_stays_exact(trained, untr
         for name in ("diffusion", "hybrid"):
             assert torch.equal(generate(ids, model=model, drafter=name, **kw), expected), name
     generate(ids, model=untrained["qwen2"], drafter="diffusion", **kw)
-    assert (
-        untrained["qwen2"].tidar_stats["draft_sources"]["none"] > 0
-    )  # steps that had no draft, and still exact
+    # steps that had no draft, and still exact
+    assert untrained["qwen2"].tidar_stats["draft_sources"]["none"] > 0
 
 
 def test_adaptive_plan_runs_fewer_slots_and_stays_exact(untrained):
@@ -137,22 +135,21 @@ def test_trim_keeps_the_proposals_a_step_is_likely_to_reach():
     conf = torch.tensor([[0.9, 0.5, 0.1, 0.9], [0.9, 0.9, 0.9, 0.9]])
     draft = Draft(tokens, confidence=conf, raw_confidence=conf / 2, sources=["diffusion"] * 2)
     planner = Planner(4, "adaptive", min_chance=0.05)
-    shared = planner.trim(
-        draft
-    )  # row 0 reaches 0.9, 0.45, 0.045: the batch commits at most 2 proposals there
+    # row 0 reaches 0.9, 0.45, 0.045: the batch commits at most 2 proposals there
+    shared = planner.trim(draft)
     assert torch.equal(shared.tokens, tokens[:, :3]) and shared.length.tolist() == [3, 3]
     assert torch.equal(shared.confidence, conf[:, :2]) and torch.equal(
         shared.raw_confidence, conf[:, :2] / 2
     )
     assert planner.trim(draft, per_row=True) is draft  # row 1 reaches all four on its own
-    assert (
-        planner.trim(Draft(tokens, confidence=torch.full((2, 4), 0.01))).tokens.shape[1] == 2
-    )  # one proposal at least
+    # one proposal at least
+    assert planner.trim(Draft(tokens, confidence=torch.full((2, 4), 0.01))).tokens.shape[1] == 2
     assert Planner(4, "full").trim(draft) is draft  # the paper's step drafts all of them
 
 
 def costs(table: dict) -> StepCosts:
-    """Step costs as if each shape had been measured twice at that time (twice: known, not guessed)."""
+    """Step costs as if each shape had been measured twice at that time (twice: known, not
+    guessed)."""
     c = StepCosts()
     for (slots, masked), ms in table.items():
         c.add(slots, masked, ms / 1000)
@@ -163,9 +160,8 @@ def costs(table: dict) -> StepCosts:
 def test_step_costs_price_unmeasured_shapes_optimistically():
     c = costs({(4, False): 100, (12, False): 120, (8, True): 200})
     assert c.price(4, False) == 100 and c.price(8, True) == 200
-    assert (
-        c.price(2, False) == 20
-    )  # in proportion, from the cheapest line through a larger shape: 120 x 2 / 12
+    # in proportion, from the cheapest line through a larger shape: 120 x 2 / 12
+    assert c.price(2, False) == 20
     assert c.price(10, False) == 100  # 12 slots' 120 ms x 10 / 12 (4 slots' line is not above 10)
     assert c.price(20, False) == 120  # larger than any measured: the dearest smaller one
     assert c.price(4, True) == 100  # masked, smaller than 8: 200 x 4 / 8
@@ -175,9 +171,8 @@ def test_step_costs_price_unmeasured_shapes_optimistically():
     stall = StepCosts()
     stall.add(1, False, 0.06)
     stall.add(5, False, 0.5)  # a stall on the first try
-    assert stall.price(5, False) == pytest.approx(
-        60
-    )  # once seen: no dearer than the guess from the others (1 slot: 60 ms)
+    # once seen: no dearer than the guess from the others (1 slot: 60 ms)
+    assert stall.price(5, False) == pytest.approx(60)
     stall.add(5, False, 0.1)
     assert stall.price(5, False) == pytest.approx(100)  # the first two count by their minimum
     stall.add(5, False, 0.5)
@@ -185,9 +180,8 @@ def test_step_costs_price_unmeasured_shapes_optimistically():
     stale = costs({(1, False): 60, (5, False): 500})  # two stalls: 5 slots priced out ...
     for _ in range(stale.stale + 1):
         stale.add(1, False, 0.06)
-    assert stale.price(5, False) == pytest.approx(
-        60
-    )  # ... until not run for `stale` steps: guessed again (the dearest smaller shape)
+    # ... until not run for `stale` steps: guessed again (the dearest smaller shape)
+    assert stale.price(5, False) == pytest.approx(60)
     stale.add(5, False, 0.1)
     assert stale.price(5, False) == pytest.approx(100)  # and its next time counts by the minimum
 
@@ -210,35 +204,33 @@ def test_cost_plan_takes_the_most_expected_tokens_per_second():
     doubtful = Draft(tokens, confidence=torch.full((1, 4), 0.2), sources=["lookup"])
     cpu = costs({(1, False): 60, (2, False): 110, (3, False): 130, (4, False): 95, (5, False): 97})
     flat = costs({(s, False): 60 for s in range(1, 6)})
-    take = lambda costs, draft: (
-        Planner(4, "cost", costs=costs).step(draft, uses_groups=False)[1].n_drafts
-    )
+
+    def take(costs, draft):
+        return Planner(4, "cost", costs=costs).step(draft, uses_groups=False)[1].n_drafts
+
     assert take(flat, doubtful) == 5  # slots are free: verify everything
-    assert (
-        take(cpu, doubtful) == 1
-    )  # 1.25 expected tokens do not pay for 4 more slots: a plain AR step
+    # 1.25 expected tokens do not pay for 4 more slots: a plain AR step
+    assert take(cpu, doubtful) == 1
     assert take(cpu, sure) == 5  # 4.4 do; and 2 or 3 slots are never worth more than 4
     masked = costs({(1, False): 60, (5, True): 70})
     draft, plan = Planner(4, "cost", costs=masked).step(Draft(tokens[:, :1]), uses_groups=True)
-    assert (
-        plan.anchors == (1,) and plan.slots == 5
-    )  # a group pays when its drafts are expected to (gain 1 a step)
+    # a group pays when its drafts are expected to (gain 1 a step)
+    assert plan.anchors == (1,) and plan.slots == 5
     dear = costs({(1, False): 60, (5, True): 150})
     assert (
         Planner(4, "cost", costs=dear).step(Draft(tokens[:, :1]), uses_groups=True)[1].anchors == ()
     )
     planner = Planner(4, "cost", costs=masked)
-    planner.timed(
-        plan, 0.07, Draft(tokens, sources=["diffusion"]), torch.tensor([1])
-    )  # a group draft: nothing accepted
-    assert Planner(4, "cost", costs=masked).group_gain.value == pytest.approx(
-        0.5
-    )  # kept with the costs, across calls
+    # a group draft: nothing accepted
+    planner.timed(plan, 0.07, Draft(tokens, sources=["diffusion"]), torch.tensor([1]))
+    # kept with the costs, across calls
+    assert Planner(4, "cost", costs=masked).group_gain.value == pytest.approx(0.5)
 
 
 def test_cost_plan_stops_paying_for_groups_the_next_draft_does_not_read():
     """A hybrid that keeps drafting by lookup after lookup steps never reads their groups: the plan
-    learns that, per source, and drops groups there while keeping them after steps without a match."""
+    learns that, per source, and drops groups there while keeping them after steps without
+    a match."""
     masked = costs({(1, False): 60, (2, False): 62, (5, True): 70, (6, True): 72})
     planner = Planner(4, "cost", costs=masked)
     looked = Draft(torch.tensor([[7, 8]]), confidence=torch.tensor([[0.5]]), sources=["lookup"])
@@ -247,14 +239,12 @@ def test_cost_plan_stops_paying_for_groups_the_next_draft_does_not_read():
     for _ in range(30):
         plan = StepPlan(2, (1, 2), 4)
         planner.timed(plan, 0.072, looked, torch.tensor([2]))  # a group at the accepted length ...
-        planner.timed(
-            StepPlan(2, (), 4), 0.062, looked, torch.tensor([2])
-        )  # ... and the next draft is lookup's again
+        # ... and the next draft is lookup's again
+        planner.timed(StepPlan(2, (), 4), 0.062, looked, torch.tensor([2]))
     assert masked.group_use["lookup"].value < 0.1
     assert planner.step(looked, uses_groups=True)[1].anchors == ()
-    assert planner.step(alone, uses_groups=True)[1].anchors == (
-        1,
-    )  # after a step without a match: still worth it
+    # after a step without a match: still worth it
+    assert planner.step(alone, uses_groups=True)[1].anchors == (1,)
     planner.timed(StepPlan(1, (1,), 4), 0.07, alone, torch.tensor([1]))
     planner.timed(
         StepPlan(4, (), 4),
@@ -263,14 +253,14 @@ def test_cost_plan_stops_paying_for_groups_the_next_draft_does_not_read():
         torch.tensor([2]),
     )
     use = masked.group_use["none"]
-    assert use.count == pytest.approx(1.0) and use.total == pytest.approx(
-        1.0
-    )  # read once: counted as used
+    # read once: counted as used
+    assert use.count == pytest.approx(1.0) and use.total == pytest.approx(1.0)
 
 
 def test_a_group_is_worth_what_its_drafts_bring_beyond_verifying_them():
     """A group's drafts are verified by the next step: where that step costs more than a plain AR
-    step (this repo's CPU: 2 to 4 slots 1.5x one slot), proposals accepted must pay for it."""
+    step (as 2 to 4 slots do on this repo's CPU: bench/LOG.md, "the group's value"), proposals
+    accepted must pay for it."""
     alone = Draft(torch.tensor([[7]]), sources=["none"])
     cpu = costs({(1, False): 60, (2, False): 100, (3, False): 120, (4, False): 95, (5, True): 70})
     flat = costs({(1, False): 60, (2, False): 60, (3, False): 60, (4, False): 60, (5, True): 70})
@@ -278,17 +268,16 @@ def test_a_group_is_worth_what_its_drafts_bring_beyond_verifying_them():
         for _ in range(200):  # group drafts get half a proposal accepted
             table.group_gain.add(0.5)
     assert Planner(4, "cost", costs=cpu).verify_cost() == pytest.approx(35 / 60)
-    assert (
-        Planner(4, "cost", costs=cpu).step(alone, uses_groups=True)[1].anchors == ()
-    )  # 0.5 < 0.58: not worth it
+    # 0.5 < 0.58: not worth it
+    assert Planner(4, "cost", costs=cpu).step(alone, uses_groups=True)[1].anchors == ()
     assert Planner(4, "cost", costs=flat).verify_cost() == 0
-    assert Planner(4, "cost", costs=flat).step(alone, uses_groups=True)[1].anchors == (
-        1,
-    )  # free to verify: worth 0.5
+    # free to verify: worth 0.5
+    assert Planner(4, "cost", costs=flat).step(alone, uses_groups=True)[1].anchors == (1,)
 
 
 def test_cost_plan_is_exact_for_every_drafter(trained):
-    """Greedy, shared commit and per-row acceptance: the cost plan's choices change the steps only."""
+    """Greedy, shared commit and per-row acceptance: the cost plan's choices change the
+    steps only."""
     model, _ = trained["qwen2"]
     ids, mask = padded_batch()
     kw = dict(max_new_tokens=24, eos_token_id=None, pad_token_id=0)
@@ -304,17 +293,15 @@ def test_cost_plan_is_exact_for_every_drafter(trained):
 
 
 def test_lookup_chances_by_match_length_and_depth_learn_and_recover():
-    """A proposal's chance reads the matched n-gram's length and its depth: from the priors, then what
-    this call's text shows; one kind of match failing does not move another's; and a chance pushed low
-    drifts back toward its prior while matches are found but not verified (else a plan that stopped
-    verifying them would never try again)."""
+    """A proposal's chance reads the matched n-gram's length and its depth: from the priors, then
+    what this call's text shows; one kind of match failing does not move another's; and a chance
+    pushed low drifts back toward its prior while matches are found but not verified (else a plan
+    that stopped verifying them would never try again)."""
     lookup = LookupDrafter()
-    assert (
-        lookup.chance(1, 0) < lookup.chance(2, 0) < lookup.chance(3, 0) == lookup.chance(7, 0)
-    )  # longer matches are surer
-    assert (
-        lookup.chance(1, 0) < lookup.chance(1, 1) < lookup.chance(1, 9)
-    )  # acceptance comes in runs
+    # longer matches are surer
+    assert lookup.chance(1, 0) < lookup.chance(2, 0) < lookup.chance(3, 0) == lookup.chance(7, 0)
+    # acceptance comes in runs
+    assert lookup.chance(1, 0) < lookup.chance(1, 1) < lookup.chance(1, 9)
     seqs = torch.tensor([[5, 6, 7, 8, 9, 1, 7]])  # unigram match: 7 -> 8, 9, 1, 7
     ctx = DraftContext(seqs, torch.ones_like(seqs, dtype=torch.bool), 4, None, None)
     draft = lookup.propose(ctx)
@@ -325,12 +312,10 @@ def test_lookup_chances_by_match_length_and_depth_learn_and_recover():
         lookup.propose(ctx)
         lookup.observe(cut(draft, 4), torch.tensor([1]))
     assert lookup.chance(1, 0) < 0.1 and lookup.chance(2, 0) == bigram_before
-    assert lookup.chance(1, 1) == pytest.approx(
-        LookupDrafter.PRIORS[1][1]
-    )  # never judged: the first miss ends the judging
-    lookup.observe(
-        cut(draft, 4), torch.tensor([4])
-    )  # all 3 accepted: depths 0, 1, 2 judged, accepted
+    # never judged: the first miss ends the judging
+    assert lookup.chance(1, 1) == pytest.approx(LookupDrafter.PRIORS[1][1])
+    # all 3 accepted: depths 0, 1, 2 judged, accepted
+    lookup.observe(cut(draft, 4), torch.tensor([4]))
     assert lookup.chance(1, 1) > LookupDrafter.PRIORS[1][1] and lookup.chance(
         1, 3
     ) == pytest.approx(LookupDrafter.PRIORS[1][3])
@@ -341,12 +326,12 @@ def test_lookup_chances_by_match_length_and_depth_learn_and_recover():
 
 
 def test_adaptive_draft_length_drafts_less_where_lookup_misses_and_stays_exact(untrained):
-    """Random prompts, untrained model: lookup matches by chance and is rejected, so its running rate
-    falls and adaptive drafts shrink (full keeps transformers' 10 tokens); outputs equal AR's."""
+    """Random prompts, untrained model: lookup matches by chance and is rejected, so its running
+    rate falls and adaptive drafts shrink (full keeps transformers' 10 tokens); outputs
+    equal AR's."""
     model = untrained["llama"]
-    ids = torch.randint(
-        1, 40, (2, 24), generator=torch.Generator().manual_seed(4)
-    )  # small vocabulary: many 2-gram hits
+    # small vocabulary: many 2-gram hits
+    ids = torch.randint(1, 40, (2, 24), generator=torch.Generator().manual_seed(4))
     kw = dict(max_new_tokens=24, eos_token_id=None, pad_token_id=0)
     expected = ar(model, ids, **kw)
     slots = {}
@@ -357,9 +342,8 @@ def test_adaptive_draft_length_drafts_less_where_lookup_misses_and_stays_exact(u
                 expected[: rows.shape[0]],
             ), plan
         slots[plan] = model.tidar_stats["slots_per_step"]
-    assert slots["adaptive"] < slots["full"], (
-        slots
-    )  # lookup runs no groups: only trimming can lower it
+    # lookup runs no groups: only trimming can lower it
+    assert slots["adaptive"] < slots["full"], slots
 
 
 def test_lm_head_on_read_rows_gives_the_tokens_of_full_logits(trained, monkeypatch):
@@ -381,7 +365,8 @@ def test_lm_head_on_read_rows_gives_the_tokens_of_full_logits(trained, monkeypat
         assert model.tidar_stats["lm_head_rows_per_step"] == model.tidar_stats["slots_per_step"]
         if name != "lookup":  # lookup steps have no groups: every slot is an AR row, all read
             assert rows < slots, name
-    # One vocabulary-head call a forward (its weight is read once, not again for the group read later)
+    # One vocabulary-head call a forward (its weight is read once, not again for the group
+    # read later)
     calls = []
     hook = model.get_output_embeddings().register_forward_hook(lambda *_: calls.append(1))
     try:
@@ -415,13 +400,10 @@ def test_hybrid_drafts_by_lookup_where_it_matches_until_diffusion_proves_better(
         confidence=torch.full((2, 2), 0.5),
         sources=["diffusion", "diffusion"],
     )
-    assert hybrid.choose(look, diff).tolist() == [
-        True,
-        False,
-    ]  # the row without a match drafts by diffusion
-    for _ in range(
-        3
-    ):  # lookup fails a few times: one bad stretch must not hand every step to diffusion
+    # the row without a match drafts by diffusion
+    assert hybrid.choose(look, diff).tolist() == [True, False]
+    # lookup fails a few times: one bad stretch must not hand every step to diffusion
+    for _ in range(3):
         hybrid.observe(
             Draft(
                 torch.tensor([[1, 7, 8]]), confidence=torch.full((1, 2), 0.5), sources=["lookup"]
@@ -450,9 +432,8 @@ def test_hybrid_drafts_by_lookup_where_it_matches_until_diffusion_proves_better(
         )
     assert hybrid.gain("diffusion") > 1.5 > 0.5 > hybrid.gain("lookup")
     assert hybrid.choose(look, diff).tolist() == [False, False]
-    for _ in range(
-        100
-    ):  # lookup's chain misses, but the step commits 4 drafts down one of its branches
+    # lookup's chain misses, but the step commits 4 drafts down one of its branches
+    for _ in range(100):
         hybrid.lookup.ngram = [1]  # as if its propose had matched a unigram
         hybrid.observe(
             Draft(
@@ -464,16 +445,15 @@ def test_hybrid_drafts_by_lookup_where_it_matches_until_diffusion_proves_better(
     assert hybrid.gain("lookup") > hybrid.gain("diffusion") and hybrid.choose(
         look, diff
     ).tolist() == [True, False]  # judged by what it brought
-    assert hybrid.lookup.chance(1, 0) < LookupDrafter().chance(
-        1, 0
-    )  # its chain's chances by the chain's own misses
+    # its chain's chances by the chain's own misses
+    assert hybrid.lookup.chance(1, 0) < LookupDrafter().chance(1, 0)
 
 
 def test_diffusion_chances_follow_the_acceptance_seen():
-    """The plan reads the head's probability scaled by accepted over predicted so far (one of each to
-    start), in the diffusion drafter itself: drafting by diffusion alone is calibrated too (its raw
-    chance overstated sampled acceptance 2.5x, bench/RESULTS.md §4), and hybrid drafts are scaled
-    by the same drafter, counting only its own rows."""
+    """The plan reads the head's probability scaled by accepted over predicted so far (one of each
+    to start), in the diffusion drafter itself: drafting by diffusion alone is calibrated too (its
+    raw chance overstated sampled acceptance, bench/RESULTS.md §4), and hybrid drafts are scaled by
+    the same drafter, counting only its own rows."""
 
     def draft(source="diffusion", confidence=(0.9, 0.8)):
         return Draft(
@@ -481,46 +461,44 @@ def test_diffusion_chances_follow_the_acceptance_seen():
         )
 
     diffusion = drafters.DiffusionDrafter()
-    assert torch.allclose(
-        diffusion.calibrate(draft()).confidence, torch.tensor([[0.9, 0.8]])
-    )  # nothing seen yet
-    for _ in range(
-        10
-    ):  # the first proposal judged and rejected each time: 9.0 predicted, none taken
+    # nothing seen yet
+    assert torch.allclose(diffusion.calibrate(draft()).confidence, torch.tensor([[0.9, 0.8]]))
+    # the first proposal judged and rejected each time: 9.0 predicted, none taken
+    for _ in range(10):
         diffusion.observe(draft(), torch.tensor([1]))
     d = diffusion.calibrate(draft())
     assert torch.allclose(d.confidence, torch.tensor([[0.9, 0.8]]) / 10) and torch.equal(
         d.raw_confidence, torch.tensor([[0.9, 0.8]])
     )
-    for _ in range(
-        40
-    ):  # then drafts of chance 0.5 accepted whole: 80 taken of 49 predicted, the chances capped at 1
+    # then drafts of chance 0.5 accepted whole: 80 taken of 49 predicted, the chances capped at 1
+    for _ in range(40):
         diffusion.observe(draft(confidence=(0.5, 0.5)), torch.tensor([3]))
     assert diffusion.calibrate(draft()).confidence.max() == 1.0
     hybrid = drafters.HybridDrafter()
     for _ in range(10):
         hybrid.observe(draft(), torch.tensor([1]))
-        hybrid.observe(
-            draft("lookup"), torch.tensor([3])
-        )  # lookup's rows do not move diffusion's scale
+        # lookup's rows do not move diffusion's scale
+        hybrid.observe(draft("lookup"), torch.tensor([3]))
     assert torch.allclose(
         hybrid.diffusion.calibrate(draft()).confidence, torch.tensor([[0.9, 0.8]]) / 10
     )
 
 
 def test_lookup_follows_transformers_prompt_lookup():
-    """Longest n-gram first (max 2), its first occurrence, up to num_tokens; the n-gram itself excluded.
-    The match's length comes with it (the proposals' chances read it)."""
+    """Longest n-gram first (max 2), its first occurrence, up to num_tokens; the n-gram itself
+    excluded. The match's length comes with it (the proposals' chances read it)."""
     lk = LookupDrafter(num_tokens=3, max_ngram=2)
     t = torch.tensor
-    found = lambda seq, limit: (lambda f: (f[0].tolist(), f[1]))(lk.match(t(seq), limit))
+
+    def found(seq, limit):
+        f = lk.match(t(seq), limit)
+        return f[0].tolist(), f[1]
+
     assert found([5, 6, 7, 8, 9, 6, 7], 10) == ([8, 9, 6], 2)  # bigram (6, 7) at 1
     assert found([5, 6, 7, 8, 9, 1, 7], 10) == ([8, 9, 1], 1)  # no bigram: unigram 7 at 2
     assert found([1, 5, 1, 6, 1], 10) == ([5, 1, 6], 1)  # first occurrence
-    assert lk.match(t([1, 5, 1, 6, 1]), 10)[2] == [
-        1,
-        3,
-    ]  # and where each occurrence's continuation starts (a tree's branches)
+    # and where each occurrence's continuation starts (a tree's branches)
+    assert lk.match(t([1, 5, 1, 6, 1]), 10)[2] == [1, 3]
     assert found([5, 6, 7, 8, 9, 6, 7], 1) == ([8], 2)  # capped
     assert lk.match(t([1, 2, 3]), 10) is None
 
@@ -530,9 +508,12 @@ def test_lookup_trees_hang_the_other_occurrences_where_they_leave_the_chain():
     latest, [3, 9, 5], leaves it at the first proposal (a branch under draft 0); the middle one,
     [3, 4, 5], walks down that branch through 3 and leaves it at 4 (a branch off a branch)."""
     seqs = torch.tensor([[1, 5, 6, 2, 8, 5, 6, 3, 4, 5, 6, 3, 9, 5, 6]])
-    ctx = lambda siblings: DraftContext(
-        seqs, torch.ones_like(seqs, dtype=torch.bool), 3, None, None, siblings=siblings
-    )
+
+    def ctx(siblings):
+        return DraftContext(
+            seqs, torch.ones_like(seqs, dtype=torch.bool), 3, None, None, siblings=siblings
+        )
+
     lookup = LookupDrafter(num_tokens=3)
     draft = lookup.propose(ctx(3))
     assert draft.tokens.tolist() == [[6, 2, 8, 5]]
@@ -541,19 +522,16 @@ def test_lookup_trees_hang_the_other_occurrences_where_they_leave_the_chain():
     assert draft.sibling_confidence[0].tolist() == pytest.approx(
         [first, lookup.chance(2, 1), lookup.chance(2, 2), deeper, lookup.chance(2, 2)]
     )
-    assert lookup.propose(ctx(1)).siblings.tolist() == [
-        [3, 9, 5]
-    ]  # one branch: the middle occurrence stops where it would branch
+    # one branch: the middle occurrence stops where it would branch
+    assert lookup.propose(ctx(1)).siblings.tolist() == [[3, 9, 5]]
     lookup.SCAN = 1  # a frequent n-gram's thousands of occurrences: only the latest few are read
     assert lookup.propose(ctx(3)).siblings.tolist() == [[3, 9, 5]]
     del lookup.SCAN
-    assert (
-        lookup.propose(ctx(0)).siblings is None
-    )  # no tree where the step verifies chains only (sampling, batches)
+    # no tree where the step verifies chains only (sampling, batches)
+    assert lookup.propose(ctx(0)).siblings is None
     d, plan = Planner(4, "adaptive", slot_budget=40, siblings=3).step(draft, uses_groups=False)
-    assert (
-        plan.parents() == (-1, 0, 1, 2, 0, 4, 5, 4, 7) and plan.anchors == ()
-    )  # every node kept, as a tree
+    # every node kept, as a tree
+    assert plan.parents() == (-1, 0, 1, 2, 0, 4, 5, 4, 7) and plan.anchors == ()
 
     # hybrid: the diffusion draft's alternatives to the first proposal join under draft 0, but for
     # tokens the lookup tree has there already (3, from the latest occurrence)
@@ -574,8 +552,8 @@ def test_lookup_trees_hang_the_other_occurrences_where_they_leave_the_chain():
 def test_lookup_trees_commit_a_later_occurrence_where_the_first_misleads(trained):
     """The trained tiny model continues the cycle 3..9. The prompt first shows (6, 7) followed by a
     decoy (1, 2, 1, 2), then the cycle, and ends at 6: the first step's lookup chain (after the
-    first occurrence of (6, y = 7)) is wrong, the latest occurrence right. The tree takes the branch,
-    and the output is AR's."""
+    first occurrence of (6, y = 7)) is wrong, the latest occurrence right. The tree takes the
+    branch, and the output is AR's."""
     model, _ = trained["llama"]
     ids = torch.tensor([[6, 7, 1, 2, 1, 2, 3, 4, 5, 6, 7, 8, 9, 3, 4, 5, 6]])
     expected = ar(model, ids, max_new_tokens=24, eos_token_id=None)
@@ -687,9 +665,8 @@ def test_batch_rows_keep_what_each_accepted(trained, monkeypatch):
         alone = []
         for b in range(4):
             real = ids[b : b + 1, mask[b].bool()]
-            generate(
-                real, model=model, drafter=name, plan="adaptive", **kw
-            )  # acceptance, not timing, decides the steps
+            # acceptance, not timing, decides the steps
+            generate(real, model=model, drafter=name, plan="adaptive", **kw)
             alone.append(model.tidar_stats["tokens_per_nfe"])
         before = len(seen)
         got = generate(ids, model=model, attention_mask=mask, drafter=name, plan="adaptive", **kw)
@@ -697,9 +674,8 @@ def test_batch_rows_keep_what_each_accepted(trained, monkeypatch):
         rows = model.tidar_stats["tokens_per_nfe_per_row"]
         for b in range(4):
             assert rows[b] - 1 >= 0.8 * (alone[b] - 1) - 1e-9, (name, b, rows, alone)
-        assert any(len(set(a.tolist())) > 1 for a in seen[before:]), (
-            name
-        )  # rows did accept different counts
+        # rows did accept different counts
+        assert any(len(set(a.tolist())) > 1 for a in seen[before:]), name
         assert min(rows) > 2, rows
 
 
@@ -778,22 +754,20 @@ def test_a_row_without_a_group_at_its_length_reads_an_earlier_one():
 
 
 def test_rows_draft_from_an_earlier_group_in_a_batch(trained, monkeypatch):
-    """Per-row acceptance leaves rows at lengths the plan put no group at (9 slots: a 4-token draft and
-    one group); a row past an earlier group's anchor drafts from its later slots instead of nothing,
-    and the batch still writes AR's tokens."""
+    """Per-row acceptance leaves rows at lengths the plan put no group at (9 slots: a 4-token draft
+    and one group); a row past an earlier group's anchor drafts from its later slots instead of
+    nothing, and the batch still writes AR's tokens."""
     model, _ = trained["llama"]
     read, reads = StepPlan.group_read, []
 
     def counting(self, j):
-        reads.append(
-            self.group_start(j) is None and read(self, j) is not None
-        )  # an earlier group's slots
+        # an earlier group's slots
+        reads.append(self.group_start(j) is None and read(self, j) is not None)
         return read(self, j)
 
     monkeypatch.setattr(StepPlan, "group_read", counting)
-    broken = torch.tensor(
-        [[3, 9, 4, 8, 5, 5, 6, 7, 3, 4, 9]]
-    )  # the cycle, broken: drafts partly accepted
+    # the cycle, broken: drafts partly accepted
+    broken = torch.tensor([[3, 9, 4, 8, 5, 5, 6, 7, 3, 4, 9]])
     ids = torch.cat(
         [
             cycle_batch(1, 11, seed=2),
@@ -809,7 +783,8 @@ def test_rows_draft_from_an_earlier_group_in_a_batch(trained, monkeypatch):
 
 
 def test_rows_share_one_commit_length_when_a_processor_reads_the_prefix(trained):
-    """repetition_penalty reads each row's prefix: rows then commit the fewest drafts any accepted."""
+    """repetition_penalty reads each row's prefix: rows then commit the fewest drafts any
+    accepted."""
     model, _ = trained["llama"]
     ids = torch.cat(
         [
@@ -846,10 +821,11 @@ def test_siblings_commit_the_ar_token_where_draft_1_missed(trained, untrained, f
             expected = ar(model, ids, max_new_tokens=24, eos_token_id=None)
             for name in ("diffusion", "hybrid"):
                 for plan in ("adaptive", "cost"):
-                    # Fresh step-cost tables: what groups are worth is learned with them and kept on the
-                    # model across calls, so the adaptive plan's trees would follow the cost plan's
-                    # timings. With them fresh, its trees are the same every run, and with 96 slots (rarer
-                    # nodes kept) they branch below depth 1 on every family; the cost plan's follow timings.
+                    # Fresh step-cost tables: what groups are worth is learned with them and kept on
+                    # the model across calls, so the adaptive plan's trees would follow the cost
+                    # plan's timings. With them fresh, its trees are the same every run, and with 96
+                    # slots (rarer nodes kept) they branch below depth 1 on every family; the cost
+                    # plan's follow timings.
                     session_of(model).costs.clear()
                     with patch.object(engine, "walk", spy):
                         got = generate(
@@ -936,8 +912,8 @@ def test_keep_slots_keeps_the_cache_and_a_branch_that_is_not_a_suffix():
 
 
 def test_tree_plans_keep_the_likeliest_nodes_and_group_after_the_likely_ends():
-    """Chain proposals reached with 0.3, 0.15, 0.075; siblings of draft 1: 9 (0.4), 8 (0.2), 7 (0.01);
-    under 9, token 6 (0.9 of 0.4 = 0.36)."""
+    """Chain proposals reached with 0.3, 0.15, 0.075; siblings of draft 1: 9 (0.4), 8 (0.2), 7
+    (0.01); under 9, token 6 (0.9 of 0.4 = 0.36)."""
     tokens = torch.arange(4)[None]
     draft = Draft(
         tokens,
@@ -957,43 +933,23 @@ def test_tree_plans_keep_the_likeliest_nodes_and_group_after_the_likely_ends():
     d, plan = Planner(4, "cost", slot_budget=40, costs=flat, siblings=3).step(
         draft, uses_groups=True
     )
-    assert plan.n_drafts == 4 and plan.parents() == (
-        -1,
-        0,
-        1,
-        2,
-        0,
-        0,
-        0,
-        4,
-    )  # slots are free: every node
+    # slots are free: every node
+    assert plan.n_drafts == 4 and plan.parents() == (-1, 0, 1, 2, 0, 0, 0, 4)
     assert d.siblings.tolist() == [[9, 8, 7, 6]] and d.sibling_parents == plan.sibling_parents
     assert len(plan.anchors) == 8  # and a group after each
-    d, plan = Planner(4, "adaptive", siblings=3).step(
-        draft, uses_groups=True
-    )  # budget 20, chances >= 5 %
-    assert plan.parents() == (-1, 0, 1, 2, 0, 0, 4) and d.siblings.tolist() == [
-        [9, 8, 6]
-    ]  # 7 (1 %) left out; 6 now under slot 4
-    assert (
-        plan.slots == 7 + 3 * 4 and 7 in plan.anchors
-    )  # the likeliest end (6, 36 %) gets a group: anchor slot + 1
+    # budget 20, chances >= 5 %
+    d, plan = Planner(4, "adaptive", siblings=3).step(draft, uses_groups=True)
+    # 7 (1 %) left out; 6 now under slot 4
+    assert plan.parents() == (-1, 0, 1, 2, 0, 0, 4) and d.siblings.tolist() == [[9, 8, 6]]
+    # the likeliest end (6, 36 %) gets a group: anchor slot + 1
+    assert plan.slots == 7 + 3 * 4 and 7 in plan.anchors
     assert plan.group_start(7) == 7 + plan.anchors.index(7) * 4
-    assert plan.positions(torch.tensor([10])).tolist()[0][:7] == [
-        10,
-        11,
-        12,
-        13,
-        11,
-        11,
-        12,
-    ]  # each node at its depth
-    assert (
-        Planner(4, "cost", costs=dear, siblings=3).step(draft, uses_groups=True)[1].slots == 1
-    )  # no slot pays
-    assert (
-        Planner(4, "cost", costs=flat).step(draft, uses_groups=True)[1].siblings == 0
-    )  # siblings=0: chains only
+    # each node at its depth
+    assert plan.positions(torch.tensor([10])).tolist()[0][:7] == [10, 11, 12, 13, 11, 11, 12]
+    # no slot pays
+    assert Planner(4, "cost", costs=dear, siblings=3).step(draft, uses_groups=True)[1].slots == 1
+    # siblings=0: chains only
+    assert Planner(4, "cost", costs=flat).step(draft, uses_groups=True)[1].siblings == 0
     batch = Draft(
         tokens.repeat(2, 1),
         confidence=torch.full((2, 3), 0.5),
@@ -1012,11 +968,8 @@ def test_grow_finds_the_likeliest_nodes_of_the_group_best_first():
     grow(
         draft, torch.tensor([[[7, 8], [9, 10]]]), torch.tensor([[[0.3, 0.1], [0.1, 0.05]]]), most=5
     )
-    assert draft.siblings.tolist() == [[7, 6, 8]] and draft.sibling_parents == (
-        0,
-        3,
-        0,
-    )  # 6 under 7 (slot 3)
+    # 6 under 7 (slot 3)
+    assert draft.siblings.tolist() == [[7, 6, 8]] and draft.sibling_parents == (0, 3, 0)
     assert torch.allclose(draft.sibling_confidence, torch.tensor([[0.3, 0.8, 0.1]]))
     grow(
         draft, torch.tensor([[[7, 8], [9, 10]]]), torch.tensor([[[0.3, 0.1], [0.1, 0.05]]]), most=2
@@ -1025,8 +978,8 @@ def test_grow_finds_the_likeliest_nodes_of_the_group_best_first():
 
 
 def test_development_example_drafter(trained, monkeypatch):
-    """docs/development.md's worked example (a drafter in one class and one test) runs as written: its
-    class goes into drafters' namespace and DRAFTERS, then its test runs."""
+    """docs/development.md's worked example (a drafter in one class and one test) runs as written:
+    its class goes into drafters' namespace and DRAFTERS, then its test runs."""
     import re
     from collections import Counter
     from pathlib import Path

@@ -20,8 +20,9 @@ def cli_error(capsys, *args) -> str:
         main(list(args))
     assert exit_info.value.code == 2
     err = capsys.readouterr().err.strip()
-    # (pytest closes each test's captured stderr; a log handler Lightning bound to an earlier one may
-    # print "--- Logging error ---" noise here: what matters is that the refusal ends the output)
+    # (pytest closes each test's captured stderr; a log handler Lightning bound to an earlier one
+    # may print "--- Logging error ---" noise here: what matters is that the refusal ends
+    # the output)
     last = err.splitlines()[-1]
     assert (
         last.startswith("error: ")
@@ -59,7 +60,10 @@ def test_tidar_cache_that_cannot_be_made_is_named(tmp_path, monkeypatch, capsys)
     monkeypatch.setenv("TIDAR_CACHE", str(bad))
     with pytest.raises(
         ValueError,
-        match=r"TIDAR_CACHE='.*file.txt/cache' cannot be made a folder .*point TIDAR_CACHE to a writable folder",
+        match=(
+            r"TIDAR_CACHE='.*file.txt/cache' cannot be made a "
+            r"folder .*point TIDAR_CACHE to a writable folder"
+        ),
     ):
         cache_dir()
     line = cli_error(capsys, "eval-ppl", "--model", "default", "--data", "stdlib")
@@ -74,9 +78,8 @@ def test_tidar_cache_that_is_not_writable_is_named(tmp_path, monkeypatch, capsys
 
     monkeypatch.setenv("TIDAR_CACHE", str(tmp_path / "cache"))
     assert cache_dir() == tmp_path / "cache"
-    monkeypatch.setattr(
-        "tidar_convert.models.loading.os.access", lambda *a, **k: False
-    )  # tests run as root: chmod would not stop writes
+    # tests run as root: chmod would not stop writes
+    monkeypatch.setattr("tidar_convert.models.loading.os.access", lambda *a, **k: False)
     with pytest.raises(
         ValueError,
         match=r"TIDAR_CACHE='.*cache' is not writable; point TIDAR_CACHE to a writable folder",
@@ -86,7 +89,10 @@ def test_tidar_cache_that_is_not_writable_is_named(tmp_path, monkeypatch, capsys
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
     with pytest.raises(
         ValueError,
-        match=r"the cache folder '.*home/.cache/tidar_convert' \(TIDAR_CACHE is unset\) is not writable",
+        match=(
+            r"the cache folder '.*home/.cache/tidar_convert' "
+            r"\(TIDAR_CACHE is unset\) is not writable"
+        ),
     ):
         cache_dir()
     monkeypatch.setenv("TIDAR_CACHE", str(tmp_path / "cache"))
@@ -129,7 +135,10 @@ def test_corrupt_config_json_of_a_base_model_is_named(tiny_dirs, tmp_path, capsy
     from tidar_convert.models.loading import load_base
 
     bad = damaged_copy(tiny_dirs["llama"], tmp_path / "base", "config")
-    message = rf"'{bad}/config.json' is not valid JSON \(.*line 1 column 24.*\): the file is damaged; download or save the model again"
+    message = (
+        rf"'{bad}/config.json' is not valid JSON \(.*line 1 column 24.*\): "
+        r"the file is damaged; download or save the model again"
+    )
     with pytest.raises(ValueError, match=message):
         load_base(str(bad))
     assert f"{bad}/config.json' is not valid JSON" in cli_error(
@@ -142,7 +151,10 @@ def test_corrupt_config_json_of_an_export_is_named(export_dir, tmp_path, capsys)
     from tidar_convert.exports.folder import check_export, load
 
     bad = damaged_copy(export_dir, tmp_path / "tidar", "config")
-    message = rf"'{bad}/config.json' is not valid JSON \(.*line 1 column 24.*\): the file is damaged; export it again"
+    message = (
+        rf"'{bad}/config.json' is not valid JSON \(.*line 1 column 24.*\): "
+        r"the file is damaged; export it again"
+    )
     for fn in (check_export, load):
         with pytest.raises(ValueError, match=message):
             fn(bad)
@@ -157,7 +169,10 @@ def test_truncated_safetensors_of_a_base_model_is_named(tiny_dirs, tmp_path, cap
     bad = damaged_copy(tiny_dirs["llama"], tmp_path / "base", cut)
     with pytest.raises(
         ValueError,
-        match=rf"'{bad}/model.safetensors' is truncated or corrupt \(.*\); download or save the model again",
+        match=(
+            rf"'{bad}/model.safetensors' is truncated or "
+            r"corrupt \(.*\); download or save the model again"
+        ),
     ):
         load_base(str(bad))
     assert f"{bad}/model.safetensors' is truncated" in cli_error(
@@ -171,7 +186,10 @@ def test_truncated_safetensors_of_an_export_is_named(export_dir, tmp_path, capsy
     bad = damaged_copy(export_dir, tmp_path / "tidar", "data")
     with pytest.raises(
         ValueError,
-        match=rf"'{bad}/model.safetensors' is truncated or corrupt \(cut short: \d+ bytes of the \d+ its header describes\); export it again",
+        match=(
+            rf"'{bad}/model.safetensors' is truncated or corrupt \(cut short: "
+            r"\d+ bytes of the \d+ its header describes\); export it again"
+        ),
     ):
         load(bad)
     line = cli_error(capsys, "generate", "--model", str(bad), "--prompt", "x")
@@ -187,7 +205,8 @@ def test_damaged_embedded_default_is_rebuilt(tiny_dirs, tmp_path, monkeypatch, c
     cached = tmp_path / "SmolLM2"
     damaged_copy(tiny_dirs["llama"], cached, "data")
 
-    def embedded_default():  # stands in for the real one (PyPI, 93 MB): rebuilds when the folder is gone
+    # stands in for the real one (PyPI, 93 MB): rebuilds when the folder is gone
+    def embedded_default():
         if not cached.exists():
             shutil.copytree(tiny_dirs["llama"], cached)
         return cached
@@ -217,7 +236,8 @@ def no_hub(tmp_path, monkeypatch):
 
 
 def hub_cache_entry(hub_cache: Path, repo_id: str, folder) -> Path:
-    """Put a model folder in an HF hub cache as a download would (refs/main -> snapshots/<commit>)."""
+    """Put a model folder in an HF hub cache as a download would (refs/main ->
+    snapshots/<commit>)."""
     import shutil
 
     commit = "0123456789abcdef0123456789abcdef01234567"
@@ -239,12 +259,11 @@ def test_hub_id_without_network_fails_fast_and_says_pass_a_folder(no_hub, tmp_pa
         load_base("tidar-test/no-such-model")
     assert time.perf_counter() - t0 < 15  # transformers alone retries for about 34 s
     message = str(info.value)
-    assert isinstance(
-        info.value, ConnectionError
-    )  # what transformers' own OSError was: catchable the same way
+    # what transformers' own OSError was: catchable the same way
+    assert isinstance(info.value, ConnectionError)
     assert (
-        "model='tidar-test/no-such-model' is not a local path, so it was taken as a Hugging Face hub id"
-        in message
+        "model='tidar-test/no-such-model' is not a local "
+        "path, so it was taken as a Hugging Face hub id" in message
     )
     assert (
         "the hub was not reachable (http://127.0.0.1:9: " in message
@@ -288,7 +307,10 @@ def test_hub_id_in_offline_mode(no_hub, tiny_dirs, monkeypatch):
     assert resolve("tidar-test/tiny") == "tidar-test/tiny"
     with pytest.raises(
         HubUnreachableError,
-        match=r"hub was not reachable \(HF_HUB_OFFLINE is set\) and the model is not in the local Hugging Face cache",
+        match=(
+            r"hub was not reachable \(HF_HUB_OFFLINE is set\) "
+            r"and the model is not in the local Hugging Face cache"
+        ),
     ):
         resolve("tidar-test/other")
 
@@ -301,24 +323,26 @@ def test_hub_id_in_offline_mode(no_hub, tiny_dirs, monkeypatch):
 def test_undecodable_text_files_in_a_folder_are_skipped_with_a_warning_naming_each(
     tmp_path, tiny_dirs, caplog, capsys
 ):
-    """A folder of one-document files reads what it can: each bad file is named once, the rest is read."""
+    """A folder of one-document files reads what it can: each bad file is named once, the rest
+    is read."""
     from tidar_convert.data import iter_documents
 
     folder = tmp_path / "docs"
     folder.mkdir()
     (folder / "a.txt").write_text("def good():\n    return 'plain UTF-8 text'\n" * 20)
     (folder / "b.txt").write_bytes("caf\xe9 au lait, written in Latin-1".encode("latin-1"))
-    (folder / "c.py").write_bytes(
-        b"\x7fELF\x02\x01\x01\x00\x00\x00"
-    )  # a binary saved with a text suffix
+    # a binary saved with a text suffix
+    (folder / "c.py").write_bytes(b"\x7fELF\x02\x01\x01\x00\x00\x00")
     for _ in range(2):  # a second pass (validation, the next epoch) does not repeat the warnings
         assert list(iter_documents(str(folder))) == [(folder / "a.txt").read_text()]
     skipped = [
         r.getMessage() for r in caplog.records if r.getMessage().startswith("Skipping data file")
     ]
     assert skipped == [
-        f"Skipping data file '{folder}/b.txt': it is not UTF-8 text (byte 0xe9 at offset 3). Convert it to UTF-8 text, or remove it, to silence this.",
-        f"Skipping data file '{folder}/c.py': it is binary, not text (a NUL byte at offset 7). Convert it to UTF-8 text, or remove it, to silence this.",
+        f"Skipping data file '{folder}/b.txt': it is not UTF-8 text (byte 0xe9 "
+        "at offset 3). Convert it to UTF-8 text, or remove it, to silence this.",
+        f"Skipping data file '{folder}/c.py': it is binary, not text (a NUL byte "
+        "at offset 7). Convert it to UTF-8 text, or remove it, to silence this.",
     ]
     main(
         [
@@ -353,19 +377,23 @@ def test_undecodable_single_data_files_are_refused_by_name(tmp_path, tiny_dirs, 
     cases = [
         (
             latin1,
-            rf"data file '{latin1}' is not UTF-8 text \(byte 0xef at offset 2\); convert it to UTF-8 text, or pass another data source.",
+            rf"data file '{latin1}' is not UTF-8 text \(byte 0xef at offset 2\); "
+            r"convert it to UTF-8 text, or pass another data source.",
         ),
         (
             rows,
-            rf"data file '{rows}' is not UTF-8 text \(byte 0xe9 at offset 30, line 2\); convert it to UTF-8, or remove it from the data.",
+            rf"data file '{rows}' is not UTF-8 text \(byte 0xe9 at offset 30, line 2\); "
+            r"convert it to UTF-8, or remove it from the data.",
         ),
         (
             parquet,
-            rf"data file '{parquet}' is not a parquet file \(no PAR1 marks at its start and end\); write it again, or remove it",
+            rf"data file '{parquet}' is not a parquet file \(no PAR1 "
+            r"marks at its start and end\); write it again, or remove it",
         ),
         (
             folder,
-            rf"none of the 2 text files of the data source is UTF-8 text \(the last, '{folder}/1.txt', is not UTF-8 text",
+            r"none of the 2 text files of the data source is UTF-8 "
+            rf"text \(the last, '{folder}/1.txt', is not UTF-8 text",
         ),
     ]
     for source, message in cases:
@@ -392,7 +420,11 @@ def test_jsonl_without_the_text_field_names_the_field_and_the_flag(tmp_path, tin
             for i in range(40)
         )
     )
-    message = f"data source '{rows}' has no field 'text' holding the text in any of its 40 rows (its rows have: id, body); set the one that does: --data.text_field body (TiDARData(text_field='body') in Python)."
+    message = (
+        f"data source '{rows}' has no field 'text' holding the text in any "
+        "of its 40 rows (its rows have: id, body); set the one that does: "
+        "--data.text_field body (TiDARData(text_field='body') in Python)."
+    )
     with pytest.raises(ValueError) as info:
         list(iter_documents(str(rows)))
     assert str(info.value) == message
@@ -415,7 +447,11 @@ def test_hub_dataset_without_network_fails_fast_and_says_pass_a_file(no_hub, tin
     t0 = time.perf_counter()
     with pytest.raises(
         HubUnreachableError,
-        match=r"data source 'tidar-test/no-such-data' is not a local file or folder, so it was taken as a Hugging Face hub dataset, but the hub was not reachable \(http://127.0.0.1:9: .*\); .*--data.source data/train.jsonl",
+        match=(
+            r"data source 'tidar-test/no-such-data' is not a local file or folder, "
+            r"so it was taken as a Hugging Face hub dataset, but the hub was not "
+            r"reachable \(http://127.0.0.1:9: .*\); .*--data.source data/train.jsonl"
+        ),
     ):
         list(iter_documents("tidar-test/no-such-data"))
     assert time.perf_counter() - t0 < 15

@@ -1,4 +1,5 @@
-"""lm-evaluation-harness on an export, as a user runs it: `--model hf --model_args pretrained=OUT,...`.
+"""lm-evaluation-harness on an export, as a user runs it: `--model hf --model_args
+pretrained=OUT,...`.
 
 trust_remote_code=True (TiDAR generate, the export's custom_generate) against the same folder
 without it (transformers' AR generate), on tiny local tasks: loglikelihoods identical (both are
@@ -26,9 +27,8 @@ import pytest
 from tidar_convert import export
 from tidar_convert.runtime.spec import TiDARSpec
 
-if os.environ.get(
-    "CI"
-):  # CI installs the extra (make test): there a missing lm-eval fails, never skips
+# CI installs the extra (make test): there a missing lm-eval fails, never skips
+if os.environ.get("CI"):
     import lm_eval  # noqa: F401
 else:
     pytest.importorskip(
@@ -124,8 +124,10 @@ def spy(self, context, max_length, stop, **kwargs):
     fn = getattr(self.model.generate, "func", self.model.generate)
     mask = kwargs.get("attention_mask")
     stats = getattr(self.model, "tidar_stats", None)
-    calls.append({"generate": fn.__module__, "rows": context.shape[0], "left_padded": bool(mask is not None and (mask[:, 0] == 0).any()),
-                  "new_tokens": stats["new_tokens"] if stats else None, "tokens_per_nfe": stats["tokens_per_nfe"] if stats else None})
+    calls.append({"generate": fn.__module__, "rows": context.shape[0],
+                  "left_padded": bool(mask is not None and (mask[:, 0] == 0).any()),
+                  "new_tokens": stats["new_tokens"] if stats else None,
+                  "tokens_per_nfe": stats["tokens_per_nfe"] if stats else None})
     return result
 
 HFLM._model_generate = spy
@@ -136,11 +138,15 @@ for name, out in exports.items():
     for batch in (1, 4):
         calls.clear()
         model_args = f"pretrained={out},trust_remote_code={trust},dtype=float32"
-        r = lm_eval.simple_evaluate(model="hf", model_args=model_args, tasks=tasks, batch_size=batch, device="cpu",
-                                    task_manager=manager, log_samples=True, bootstrap_iters=0)
+        r = lm_eval.simple_evaluate(model="hf", model_args=model_args, tasks=tasks,
+                                    batch_size=batch, device="cpu", task_manager=manager,
+                                    log_samples=True, bootstrap_iters=0)
         runs[f"{name}/{'tidar' if trust else 'ar'}/{batch}"] = {
-            "resps": {t: [s["resps"] for s in sorted(r["samples"][t], key=lambda s: s["doc_id"])] for t in tasks},
-            "filtered": {t: [s["filtered_resps"] for s in sorted(r["samples"][t], key=lambda s: s["doc_id"])] for t in tasks},
+            "resps": {t: [s["resps"] for s in sorted(r["samples"][t], key=lambda s: s["doc_id"])]
+                      for t in tasks},
+            "filtered": {t: [s["filtered_resps"]
+                             for s in sorted(r["samples"][t], key=lambda s: s["doc_id"])]
+                         for t in tasks},
             "calls": list(calls),
         }
 print("RESULT " + json.dumps(runs))
@@ -161,7 +167,10 @@ def runs(trained, tiny_dirs, tmp_path_factory):
     for name, task in TASKS.items():
         data = tasks / f"{name}.jsonl"
         data.write_text("".join(json.dumps(d) + "\n" for d in task["docs"]))
-        head = f'task: {name}\ndataset_path: json\ndataset_kwargs:\n  data_files:\n    test: {data}\ntest_split: test\ntarget_delimiter: ""\n'
+        head = (
+            f"task: {name}\ndataset_path: json\ndataset_kwargs:\n  data_files:\n"
+            f'    test: {data}\ntest_split: test\ntarget_delimiter: ""\n'
+        )
         (tasks / f"{name}.yaml").write_text(head + textwrap.dedent(task["yaml"]).lstrip())
     env = {
         **os.environ,
@@ -207,9 +216,8 @@ def test_generate_until_identical(runs, model, batch):
     if model == "trained":
         assert all(len(g) >= 20 for g in gens), gens  # 20 one-character tokens each, no early stop
         stops = [doc[0][0] for doc in tidar["resps"]["tidar_tiny_stop"]]
-        assert len({len(s) for s in stops}) > 1 and all("&'(" not in s for s in stops), (
-            stops
-        )  # cut where each row met the stop
+        # cut where each row met the stop
+        assert len({len(s) for s in stops}) > 1 and all("&'(" not in s for s in stops), stops
 
 
 @pytest.mark.subprocess
@@ -225,12 +233,11 @@ def test_trust_remote_code_is_what_switches_tidar_on(runs, model, batch):
         c["generate"] == "transformers.generation.utils" and c["tokens_per_nfe"] is None for c in ar
     )
     assert {c["rows"] for c in tidar} == {batch}
-    if (
-        model == "trained"
-    ):  # drafts accepted: several tokens a forward pass (AR: 1.0; the cost plan, the default, may verify fewer where they would not pay)
-        long = [
-            c for c in tidar if c["new_tokens"] >= 8
-        ]  # (a row that meets the stop string at once makes 3 tokens in 2 passes)
+    # drafts accepted: several tokens a forward pass (AR: 1.0; the cost plan, the default, may
+    # verify fewer where they would not pay)
+    if model == "trained":
+        # (a row that meets the stop string at once makes 3 tokens in 2 passes)
+        long = [c for c in tidar if c["new_tokens"] >= 8]
         assert long and all(c["tokens_per_nfe"] > 1.5 for c in long), [
             (c["new_tokens"], c["rows"], c["tokens_per_nfe"]) for c in tidar
         ]

@@ -27,8 +27,9 @@ def attend(q, k, v, mask=None, causal=False):
 @pytest.mark.parametrize("heads,kv_heads,dim", [(9, 3, 64), (4, 4, 16), (8, 1, 128), (96, 1, 16)])
 def test_attention_is_sdpas_and_each_query_the_same_in_any_step(heads, kv_heads, dim):
     """torch's values (to fp32 rounding); and a query's output bit for bit the same alone or among
-    others, with masked keys appended or holes in the cache, and as a prefill's row or a decode step's
-    query. 96 heads on one key/value head: more pairs than the kernel's vectors hold at once."""
+    others, with masked keys appended or holes in the cache, and as a prefill's row or a decode
+    step's query. 96 heads on one key/value head: more pairs than the kernel's vectors hold
+    at once."""
     g = torch.Generator().manual_seed(0)
     B, Q, L = 2, 12, 70
     k, v = (
@@ -45,7 +46,8 @@ def test_attention_is_sdpas_and_each_query_the_same_in_any_step(heads, kv_heads,
         assert torch.equal(
             attend(q[:, :, i : i + 1], k, v, mask[:, :, i : i + 1])[:, 0], full[:, i]
         )
-    # keys nobody sees, appended or in the middle of the cache (a rejected draft's slot, a batch row's hole)
+    # keys nobody sees, appended or in the middle of the cache (a rejected draft's slot, a batch
+    # row's hole)
     junk = torch.randn(B, kv_heads, 5, dim, generator=g)
     none = torch.zeros(B, 1, Q, 5, dtype=torch.bool)
     assert torch.equal(
@@ -78,8 +80,8 @@ def test_attention_is_sdpas_and_each_query_the_same_in_any_step(heads, kv_heads,
 
 
 def test_exact_attention_runs_only_what_it_computes(untrained, monkeypatch):
-    """sdpa_exact takes fp32 or bf16 bool-masked attention on CPU; fp16, an additive mask, softcapping
-    or sinks go to sdpa_gqa (transformers' values)."""
+    """sdpa_exact takes fp32 or bf16 bool-masked attention on CPU; fp16, an additive mask,
+    softcapping or sinks go to sdpa_gqa (transformers' values)."""
     calls = []
     monkeypatch.setattr(
         kernels, "panel_attention", lambda *a: calls.append("kernel") or torch.zeros(1)
@@ -87,9 +89,8 @@ def test_exact_attention_runs_only_what_it_computes(untrained, monkeypatch):
     monkeypatch.setattr(kernels, "sdpa_gqa", lambda *a, **kw: calls.append("sdpa") or (None, None))
     q, k = torch.randn(1, 4, 3, 16), torch.randn(1, 2, 5, 16)
     module = torch.nn.Module()
-    kernels.sdpa_exact(
-        module, q, k, k, None
-    )  # gradients on: training, which the kernel has no backward for
+    # gradients on: training, which the kernel has no backward for
+    kernels.sdpa_exact(module, q, k, k, None)
     torch.set_grad_enabled(False)
     kernels.sdpa_exact(module, q, k, k, torch.ones(1, 1, 3, 5, dtype=torch.bool))
     kernels.sdpa_exact(module, q, k, k, None)
@@ -113,8 +114,8 @@ def test_exact_attention_runs_only_what_it_computes(untrained, monkeypatch):
 
 
 def near_ties(model, tokens, eps: float = 1e-7):
-    """Give each of `tokens` a twin: another vocabulary row equal to its row up to eps, so wherever AR
-    picks one of them the other's logit is within rounding noise of it."""
+    """Give each of `tokens` a twin: another vocabulary row equal to its row up to eps, so wherever
+    AR picks one of them the other's logit is within rounding noise of it."""
     head = model.get_output_embeddings().weight
     used = set(tokens)
     free = [t for t in range(head.shape[0]) if t not in used][: len(tokens)]
@@ -129,12 +130,12 @@ def near_ties(model, tokens, eps: float = 1e-7):
     [("llama", torch.float32), ("mistral", torch.float32), ("llama", torch.bfloat16)],
 )
 def test_tidar_verify_rows_are_ars_logits_bit_for_bit_even_at_near_ties(trained, family, dtype):
-    """Every drafter, chains and trees: TiDAR's logits at each new position equal tidar=False's bit for
-    bit, on the trained model (drafts accepted: verify rows several to a step) and again once each
-    token it writes has a near-tied twin (AR then picks by the low bits, and drafts get rejected); a
-    padded batch (per-row acceptance, holes in the cache) writes AR's tokens. On the stock product
-    the logits are not equal (the test can fail). In bf16 on bf16 panels too (a near-tie there is
-    one bf16 step, the noise between products many)."""
+    """Every drafter, chains and trees: TiDAR's logits at each new position equal tidar=False's bit
+    for bit, on the trained model (drafts accepted: verify rows several to a step) and again once
+    each token it writes has a near-tied twin (AR then picks by the low bits, and drafts get
+    rejected); a padded batch (per-row acceptance, holes in the cache) writes AR's tokens. On the
+    stock product the logits are not equal (the test can fail). In bf16 on bf16 panels too (a
+    near-tie there is one bf16 step, the noise between products many)."""
     model, _ = trained[family]
     if dtype != torch.float32:
         model = copy.deepcopy(model).to(dtype)
@@ -164,13 +165,15 @@ def test_tidar_verify_rows_are_ars_logits_bit_for_bit_even_at_near_ties(trained,
         pack_weights=True,
     )
     try:
+        # the untied pass's AR output (bound by its first iteration): the tied pass twins its tokens
+        ar = None
         for tied in (False, True):
             if tied:
                 near_ties(
                     model,
                     sorted(set(ar.sequences[0].tolist())),
-                    1e-7 if dtype == torch.float32 else 4e-3,
-                )  # bf16: about one step
+                    1e-7 if dtype == torch.float32 else 4e-3,  # bf16: about one step
+                )
             ar = generate(ids, tidar=False, pack_weights=True, **kw)
             for drafter in ("hybrid", "diffusion", "lookup"):
                 for siblings in (0, 3):
@@ -180,17 +183,15 @@ def test_tidar_verify_rows_are_ars_logits_bit_for_bit_even_at_near_ties(trained,
                         torch.equal(a, b) for a, b in zip(out.logits, ar.logits, strict=True)
                     ), (tied, drafter, siblings)
                     stats = model.tidar_stats
-                    assert (
-                        stats["draft_sources"][drafter if drafter != "hybrid" else "lookup"] > 0
-                    )  # steps of several rows
+                    # steps of several rows
+                    assert stats["draft_sources"][drafter if drafter != "hybrid" else "lookup"] > 0
                     assert tied or drafter == "lookup" or stats["tokens_per_nfe"] > 1.5, (
                         drafter,
                         siblings,
                         stats,
                     )  # drafts accepted
-            assert torch.equal(
-                generate(rows, **plain), generate(rows, tidar=False, **plain)
-            )  # per row, holes in the cache
+            # per row, holes in the cache
+            assert torch.equal(generate(rows, **plain), generate(rows, tidar=False, **plain))
         stock = generate(ids, pack_weights=False, **kw)
         assert not all(
             torch.equal(a, b)

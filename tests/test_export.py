@@ -56,7 +56,8 @@ def test_model_card_loads_as_a_hub_card(exported):
 
 @pytest.mark.subprocess
 def test_runs_without_tidar_convert_installed(exported):
-    """The acceptance test: tidar_convert blocked from import, TiDAR greedy == AR greedy, drafts accepted."""
+    """The acceptance test: tidar_convert blocked from import, TiDAR greedy == AR greedy, drafts
+    accepted."""
     script = textwrap.dedent(
         f"""
         import sys, json, torch
@@ -68,7 +69,9 @@ def test_runs_without_tidar_convert_installed(exported):
         stats = dict(m.tidar_stats)
         ar = m.generate(ids, max_new_tokens=40, do_sample=False, eos_token_id=None, tidar=False)
         linears = sum(isinstance(x, torch.nn.Linear) for x in m.modules())
-        print(json.dumps({{"same": torch.equal(td, ar), "tpn": stats["tokens_per_nfe"], "mod": type(m).__module__, "products": m.tidar_products, "linears": linears}}))
+        print(json.dumps({{"same": torch.equal(td, ar), "tpn": stats["tokens_per_nfe"],
+                           "mod": type(m).__module__, "products": m.tidar_products,
+                           "linears": linears}}))
         """
     )
     res = subprocess.run(
@@ -163,7 +166,8 @@ def test_lora_is_merged_on_export(tiny_dirs, tmp_path):
 
 @pytest.mark.parametrize("family", ["llama", "qwen2"])  # untied and tied embeddings
 def test_lora_with_trained_mask_row_is_merged_on_export(tiny_dirs, tmp_path, family):
-    """LoRA training also trains the mask token's embedding row (peft trainable tokens): the export must keep it."""
+    """LoRA training also trains the mask token's embedding row (peft trainable tokens): the export
+    must keep it."""
     from peft import LoraConfig, get_peft_model
 
     from tidar_convert.models.loading import load_base
@@ -215,27 +219,23 @@ def test_continuous_batching_warns_that_tidar_does_not_run(untrained_export):
     tidar_log = logging.getLogger("transformers.cli.tidar")  # decode.py's logger: what serve prints
     tidar_log.addHandler(handler)
     level = tidar_log.level
-    tidar_log.setLevel(
-        logging.WARNING
-    )  # an in-process `fit` earlier in the run sets transformers' verbosity to error
+    # an in-process `fit` earlier in the run sets transformers' verbosity to error
+    tidar_log.setLevel(logging.WARNING)
     try:
-        logging.Logger.warning_once.cache_clear()  # another test may have warned already (once per process)
-        AutoModelForCausalLM.from_pretrained(
-            untrained_export
-        ).init_continuous_batching()  # transformers' generate: no word
+        # another test may have warned already (once per process)
+        logging.Logger.warning_once.cache_clear()
+        # transformers' generate: no word
+        AutoModelForCausalLM.from_pretrained(untrained_export).init_continuous_batching()
         assert said == []
-        remote = AutoModelForCausalLM.from_pretrained(
-            untrained_export, trust_remote_code=True
-        )  # the export's own generate.py
+        # the export's own generate.py
+        remote = AutoModelForCausalLM.from_pretrained(untrained_export, trust_remote_code=True)
         manager = remote.init_continuous_batching()
         assert said == [CONTINUOUS_BATCHING_WARNING] and "without --continuous-batching" in said[0]
-        assert (
-            type(manager).__name__ == "ContinuousBatchingManager"
-        )  # the loop still runs, as AR: the server keeps answering
+        # the loop still runs, as AR: the server keeps answering
+        assert type(manager).__name__ == "ContinuousBatchingManager"
         logging.Logger.warning_once.cache_clear()
-        load(
-            untrained_export
-        ).init_continuous_batching()  # tidar_convert.load binds the package's generate
+        # tidar_convert.load binds the package's generate
+        load(untrained_export).init_continuous_batching()
         assert said == [CONTINUOUS_BATCHING_WARNING] * 2
     finally:
         tidar_log.removeHandler(handler)
@@ -244,8 +244,8 @@ def test_continuous_batching_warns_that_tidar_does_not_run(untrained_export):
 
 def test_tidar_off_through_a_generation_config(untrained_export):
     """A server passes a request's generation config, not keyword arguments (`transformers serve`:
-    the request's `generation_config` JSON): its `tidar` field turns TiDAR off; the keyword wins over
-    it, and the model's generation_config.json is read last."""
+    the request's `generation_config` JSON): its `tidar` field turns TiDAR off; the keyword wins
+    over it, and the model's generation_config.json is read last."""
     from transformers import GenerationConfig
 
     model = load(untrained_export)
@@ -257,9 +257,8 @@ def test_tidar_off_through_a_generation_config(untrained_export):
         assert torch.equal(out, ar)  # greedy: the same tokens either way
         return "draft_sources" in model.tidar_stats  # only TiDAR's stats name draft sources
 
-    off = GenerationConfig(
-        **json.loads('{"tidar": false, "do_sample": false}')
-    )  # as the server builds it
+    # as the server builds it
+    off = GenerationConfig(**json.loads('{"tidar": false, "do_sample": false}'))
     assert ran_tidar() and not ran_tidar(generation_config=off)
     assert ran_tidar(generation_config=off, tidar=True)
     model.generation_config.tidar = False  # as a generation_config.json with "tidar": false loads

@@ -115,38 +115,35 @@ def test_check_names_the_mechanism():
     )
     qwen35 = verdict_of("qwen3_5_text")
     assert not qwen35.converts and re.search(
-        r"model_type='qwen3_5_text' has recurrent layers: .*no attention mask.*costs more than TiDAR gains",
+        r"model_type='qwen3_5_text' has recurrent layers: "
+        r".*no attention mask.*costs more than TiDAR gains",
         qwen35.reason,
     )
-    lfm2 = verdict_of(
-        "lfm2", num_hidden_layers=2, full_attn_idxs=[1]
-    )  # a short-convolution layer: recurrent state
+    # a short-convolution layer: recurrent state
+    lfm2 = verdict_of("lfm2", num_hidden_layers=2, full_attn_idxs=[1])
     assert not lfm2.converts and "recurrent layers" in lfm2.reason
-    assert verdict_of(
-        "lfm2", num_hidden_layers=2
-    ).converts  # attention layers only: nothing to roll back
+    # attention layers only: nothing to roll back
+    assert verdict_of("lfm2", num_hidden_layers=2).converts
     for model_type in ("mamba", "jamba", "falcon_h1", "zamba", "qwen3_next"):
         assert "recurrent layers" in verdict_of(model_type).reason, model_type
-    gpt2 = verdict_of(
-        "gpt2"
-    )  # learned absolute positions, looked up by position_ids: repeated like RoPE's
+    # learned absolute positions, looked up by position_ids: repeated like RoPE's
+    gpt2 = verdict_of("gpt2")
     assert gpt2.converts and "absolute positions" in gpt2.mechanisms
     assert "has no position_ids" in verdict_of("bloom").reason  # ALiBi
-    assert (
-        "has no KV cache" in verdict_of("openai-gpt").reason
-    )  # its forward takes no cache: a permute error if forced
+    # its forward takes no cache: a permute error if forced
+    assert "has no KV cache" in verdict_of("openai-gpt").reason
     bart = verdict_of("bart")
     assert not bart.decoder_only and "not a decoder-only causal LM" in bart.reason
     wrapper = verdict_of("qwen3_5")
-    assert (
-        not wrapper.decoder_only and "model_type='qwen3_5_text'" in wrapper.reason
-    )  # the fix: its text model
+    # the fix: its text model
+    assert not wrapper.decoder_only and "model_type='qwen3_5_text'" in wrapper.reason
     with pytest.raises(ValueError, match="^model_type='mamba' has recurrent layers"):
         require(AutoConfig.for_model("mamba"))
 
 
 def test_check_command_reads_only_the_config(tmp_path, capsys):
-    """A folder with nothing but config.json: the verdict, the parameter count, memory per device."""
+    """A folder with nothing but config.json: the verdict, the parameter count, memory per
+    device."""
     AutoConfig.for_model(
         "qwen3",
         hidden_size=64,
@@ -217,7 +214,8 @@ def test_check_scales_decode_speed_from_a_bench_record(tmp_path, capsys):
 
 
 def test_fit_refuses_a_sequence_past_gpt_neo_s_window(tmp_path):
-    """GPT-Neo's local layers window by index: a training sequence longer than the window is refused, naming the fix."""
+    """GPT-Neo's local layers window by index: a training sequence longer than the window is
+    refused, naming the fix."""
     from tidar_convert.train.fit import check_model
 
     AutoConfig.for_model(
@@ -226,13 +224,17 @@ def test_fit_refuses_a_sequence_past_gpt_neo_s_window(tmp_path):
     check_model(str(tmp_path), 128)
     with pytest.raises(
         ValueError,
-        match=r"--data.seq_len 256 is longer than gpt_neo's local attention window \(128\).*--data.seq_len 128 or less",
+        match=(
+            r"--data.seq_len 256 is longer than gpt_neo's local "
+            r"attention window \(128\).*--data.seq_len 128 or less"
+        ),
     ):
         check_model(str(tmp_path), 256)
 
 
 def test_fit_refuses_before_any_work(tmp_path):
-    """fit's first check reads the config only: a recurrent model is refused with no weights present."""
+    """fit's first check reads the config only: a recurrent model is refused with no weights
+    present."""
     from tidar_convert.train.fit import check_model
 
     AutoConfig.for_model("qwen3_next", num_hidden_layers=2).save_pretrained(tmp_path)
@@ -241,8 +243,8 @@ def test_fit_refuses_before_any_work(tmp_path):
 
 
 # Sampled as well (family_matrix.sample_check): one of each mechanism that could make a draft slot
-# change what a real token computes (experts, softcapping with eager attention, latent KV, sinks with
-# mixed windows, NoPE with chunked attention).
+# change what a real token computes (experts, softcapping with eager attention, latent KV, sinks
+# with mixed windows, NoPE with chunked attention).
 SAMPLED = ("llama", "qwen3_moe", "gemma2", "deepseek_v3", "gpt_oss", "llama4_text", "gemma3_text")
 
 
@@ -253,8 +255,9 @@ SAMPLED = ("llama", "qwen3_moe", "gemma2", "deepseek_v3", "gpt_oss", "llama4_tex
 )
 def test_family_converts_exactly(model_type, tokenizer):
     """Conversion, export and greedy TiDAR from the export equal to AR at k = 2 and 4, one row and a
-    left-padded batch of two, drafts both accepted and rejected; as docs/families.md records. SAMPLED
-    entries: sampled TiDAR equal to an independent sampled AR loop, drafts accepted and rejected."""
+    left-padded batch of two, drafts both accepted and rejected; as docs/families.md records.
+    SAMPLED entries: sampled TiDAR equal to an independent sampled AR loop, drafts accepted and
+    rejected."""
     result = family_matrix.run(model_type, tokenizer, sampling=model_type in SAMPLED)
     assert result.outcome == "exact", result.detail
     assert result.accepted > 0 and result.rejected > 0
@@ -263,7 +266,8 @@ def test_family_converts_exactly(model_type, tokenizer):
 
 
 def test_the_sampling_check_has_teeth(tokenizer, monkeypatch):
-    """A verifier that accepts every sampled draft (not only where AR's own draw agrees) fails the check."""
+    """A verifier that accepts every sampled draft (not only where AR's own draw agrees) fails
+    the check."""
     from tidar_convert.runtime.verify import Sampling, real_slots
 
     monkeypatch.setattr(
@@ -279,8 +283,9 @@ def test_the_sampling_check_has_teeth(tokenizer, monkeypatch):
 
 def same_transformers_as_the_doc() -> bool:
     """Whether the installed transformers is the release docs/families.md was generated from. Its
-    mapping grows with every release (CI installs the newest), so the doc is compared entry for entry
-    only on that release; on any other the promise below still holds for every entry installed."""
+    mapping grows with every release (CI installs the newest), so the doc is compared entry for
+    entry only on that release; on any other the promise below still holds for every entry
+    installed."""
     import transformers
 
     return transformers.__version__ == family_matrix.documented_version()
@@ -289,8 +294,9 @@ def same_transformers_as_the_doc() -> bool:
 @pytest.mark.slow
 def test_every_family_converts_exactly_or_is_refused(tokenizer):
     """Every entry of the installed transformers' causal-LM mapping converts exactly (drafts both
-    accepted and rejected), or check refuses it before any work, or it is not a decoder-only text LM;
-    never a failure. On the doc's transformers release, each comes out as docs/families.md says."""
+    accepted and rejected), or check refuses it before any work, or it is not a decoder-only text
+    LM; never a failure. On the doc's transformers release, each comes out as
+    docs/families.md says."""
     documented, same = read_table(), same_transformers_as_the_doc()
     broken = {}
     for model_type in family_matrix.entries():
@@ -328,7 +334,8 @@ def test_documented_refusals_are_what_check_says():
 
 
 def test_readme_supported_models_agrees_with_the_matrix():
-    """The README's "Supported models" section quotes the matrix's counts and names only exact families."""
+    """The README's "Supported models" section quotes the matrix's counts and names only exact
+    families."""
     text = README.read_text()
     section = text.split("## Supported models", 1)[1].split("\n## ", 1)[0]
     documented = read_table()

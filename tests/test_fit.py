@@ -75,9 +75,8 @@ def test_short_fit_lowers_loss_and_writes_a_loadable_folder(
     from tidar_convert.models.loading import load_base
 
     monkeypatch.chdir(tmp_path)  # (were W&B to follow tiny.yaml's runs/tiny, it would land here)
-    out = fit(
-        tmp_path, tiny_dirs[family], "--data.source", str(corpus), logger=family == "llama"
-    )  # one family goes through W&B (offline)
+    # one family goes through W&B (offline)
+    out = fit(tmp_path, tiny_dirs[family], "--data.source", str(corpus), logger=family == "llama")
     base, tok = load_base(str(tiny_dirs[family]))
     model = AutoModelForCausalLM.from_pretrained(out)  # no remote code: the plain base architecture
     assert type(model).__name__ == type(base).__name__
@@ -244,9 +243,8 @@ def cli_process(tmp_path, model_dir, *extra):
 def test_fit_output_is_quiet_and_informative_and_config_stays_in_the_run_folder(
     tmp_path, tiny_dirs
 ):
-    (tmp_path / "config.yaml").write_text(
-        "mine: true\n"
-    )  # the user's own file in the working directory
+    # the user's own file in the working directory
+    (tmp_path / "config.yaml").write_text("mine: true\n")
     proc = cli_process(
         tmp_path, tiny_dirs["llama"], "--trainer.max_steps", "3", "--out", str(tmp_path / "out")
     )
@@ -278,7 +276,8 @@ def test_fit_output_is_quiet_and_informative_and_config_stays_in_the_run_folder(
 @pytest.mark.fit
 @pytest.mark.subprocess
 def test_sigterm_saves_a_checkpoint_exits_nonzero_and_resumes(tmp_path, tiny_dirs):
-    """What SLURM/Kubernetes send before killing a job: save, exit 143, and --ckpt_path last continues."""
+    """What SLURM/Kubernetes send before killing a job: save, exit 143, and --ckpt_path last
+    continues."""
     import signal
 
     proc = cli_process(
@@ -411,7 +410,8 @@ def test_fit_replaces_an_earlier_export_only_with_overwrite(tmp_path, tiny_dirs,
 
 @pytest.mark.fit
 def test_bf16_on_a_cpu_without_native_bf16_is_flagged(tmp_path, tiny_dirs, capsys, monkeypatch):
-    """bf16 emulated on a CPU without AMX/AVX512-BF16 trains many times slower: say so, with the fix."""
+    """bf16 emulated on a CPU without AMX/AVX512-BF16 trains many times slower: say so, with
+    the fix."""
     from tidar_convert.train import checks as fit_checks
 
     info = tmp_path / "cpuinfo"
@@ -419,9 +419,8 @@ def test_bf16_on_a_cpu_without_native_bf16_is_flagged(tmp_path, tiny_dirs, capsy
     assert fit_checks.cpu_has_native_bf16(str(info)) is False
     info.write_text("flags\t\t: fpu avx512f avx512_bf16 amx_tile amx_bf16\n")
     assert fit_checks.cpu_has_native_bf16(str(info)) is True
-    assert (
-        fit_checks.cpu_has_native_bf16(str(tmp_path / "missing")) is None
-    )  # not Linux: no claim either way
+    # not Linux: no claim either way
+    assert fit_checks.cpu_has_native_bf16(str(tmp_path / "missing")) is None
 
     monkeypatch.setattr(fit_checks, "cpu_has_native_bf16", lambda: False)
     fit(

@@ -1,5 +1,6 @@
 """Every GenerationConfig field, walked: honoured with transformers' semantics, refused by name, or
-irrelevant to TiDAR decoding for a stated reason. No field may be silently ignored (issue 8, item 4).
+irrelevant to TiDAR decoding for a stated reason. No field may be silently ignored (issue 8,
+item 4).
 
 Honoured under greedy: the field changes transformers' own output (sequences or scores) on the test
 prompts, and TiDAR gives the same sequences, scores and logits. Honoured under sampling: the field
@@ -47,9 +48,8 @@ GREEDY = {
     "begin_suppress_tokens": dict(begin_suppress_tokens=list(range(3, 10))),
     "forced_bos_token_id": dict(forced_bos_token_id=2),  # acts on a one-token prompt
     "forced_eos_token_id": dict(forced_eos_token_id=2),
-    "remove_invalid_values": dict(
-        remove_invalid_values=True, sequence_bias={(6,): -float("inf")}
-    ),  # -inf -> finite
+    # -inf -> finite
+    "remove_invalid_values": dict(remove_invalid_values=True, sequence_bias={(6,): -float("inf")}),
     "exponential_decay_length_penalty": dict(
         eos_token_id=EOS, exponential_decay_length_penalty=(1, 3.0)
     ),
@@ -58,7 +58,8 @@ GREEDY = {
 }
 
 # Honoured, checked under sampling: test_decode.SAMPLING_SETTINGS and these (prefix-dependent
-# processors included, so each draft slot must be processed with its own prefix for the test to pass).
+# processors included, so each draft slot must be processed with its own prefix for the test
+# to pass).
 MORE_SAMPLING = [
     dict(typical_p=0.8, epsilon_cutoff=0.05),
     dict(eta_cutoff=0.05, top_h=0.7, temperature=0.9),
@@ -164,12 +165,13 @@ def test_every_field_is_honoured_refused_or_irrelevant():
     assert set(REFUSED) == set(decode.REFUSED)  # the decoder refuses exactly these
 
 
-# ---- honoured, greedy ------------------------------------------------------------------------------
+# ---- honoured, greedy ----------------------------------------------------------------------------
 
 
 @pytest.fixture(scope="module")
 def model(tiny_dirs):
-    """The llama family only, trained to draft the cycle well, so many drafts are accepted per step."""
+    """The llama family only, trained to draft the cycle well, so many drafts are accepted
+    per step."""
     m, tok = load_base(str(tiny_dirs["llama"]))
     return train_tiny(m), tok
 
@@ -202,8 +204,8 @@ def both(m, ids, mask, **kw):
 
 
 def live_rows(out, prompt_len, eos):
-    """(T, B) bool: row b was still generating at new token t (transformers' scores for finished rows
-    come from pad tokens and mean nothing)."""
+    """(T, B) bool: row b was still generating at new token t (transformers' scores for finished
+    rows come from pad tokens and mean nothing)."""
     new = out.sequences[:, prompt_len:]
     done = torch.isin(new, torch.tensor(eos))
     return torch.cat([torch.zeros_like(done[:, :1]), done[:, :-1]], 1).cumsum(1).eq(0).T
@@ -247,7 +249,8 @@ def test_greedy_field_is_honoured(model, field):
         )
         changed = changed or differs(hf, base, ids.shape[1], eos)
     assert changed, (
-        f"{field}={kw[field]} changes nothing in transformers on these prompts: the check has no teeth"
+        f"{field}={kw[field]} changes nothing in transformers "
+        "on these prompts: the check has no teeth"
     )
     if field != "max_time":
         assert max(accepted) >= 2, "no draft was ever accepted: exactness under acceptance untested"
@@ -271,9 +274,8 @@ def test_processors_also_apply_on_a_left_padded_batch_with_several_at_once(model
 def test_custom_logits_processor_and_prefix_allowed_tokens_fn(model):
     from transformers import LogitsProcessor, LogitsProcessorList
 
-    class NoTokenAfterItself(
-        LogitsProcessor
-    ):  # depends on the prefix: drafts must be processed with theirs
+    # depends on the prefix: drafts must be processed with theirs
+    class NoTokenAfterItself(LogitsProcessor):
         def __call__(self, input_ids, scores):
             return scores.scatter(1, input_ids[:, -1:], -float("inf"))
 
@@ -289,7 +291,7 @@ def test_custom_logits_processor_and_prefix_allowed_tokens_fn(model):
     assert_same(hf, td, ids.shape[1], [MODEL_EOS])
 
 
-# ---- honoured, sampling ----------------------------------------------------------------------------
+# ---- honoured, sampling --------------------------------------------------------------------------
 
 
 @pytest.mark.slow  # statistical: thousands of samples (make test runs it; make test-fast skips it)
@@ -328,7 +330,7 @@ def test_sampling_fields_keep_the_ar_distribution(small_vocab_model, settings, m
     assert chi_square_p(tidar, probs, n) > 1e-3
 
 
-# ---- honoured, dedicated -----------------------------------------------------------------------------
+# ---- honoured, dedicated -------------------------------------------------------------------------
 
 
 def test_num_return_sequences(model):
@@ -339,13 +341,11 @@ def test_num_return_sequences(model):
         ids, model=m, do_sample=True, num_return_sequences=3, max_new_tokens=6, temperature=3.0
     )
     assert out.shape == (6, 11)
-    assert torch.equal(
-        out[:, :5], ids.repeat_interleave(3, 0)
-    )  # as transformers: a prompt's rows adjacent
+    # as transformers: a prompt's rows adjacent
+    assert torch.equal(out[:, :5], ids.repeat_interleave(3, 0))
     assert len({tuple(r) for r in out[:3, 5:].tolist()}) > 1  # independent samples
-    with pytest.raises(
-        ValueError, match="num_return_sequences"
-    ):  # transformers' own refusal, under greedy
+    # transformers' own refusal, under greedy
+    with pytest.raises(ValueError, match="num_return_sequences"):
         generate(ids, model=m, num_return_sequences=2, max_new_tokens=4)
 
 
@@ -440,7 +440,7 @@ def test_custom_stopping_criteria_merge(model):
     )
 
 
-# ---- refused -------------------------------------------------------------------------------------------
+# ---- refused -------------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("field", sorted(REFUSED))
@@ -467,7 +467,7 @@ def test_unknown_argument_is_a_type_error(model):
         generate(cycle_batch(1, 4, seed=0), model=m, max_new_tokens=4, temprature=0.5)
 
 
-# ---- irrelevant ------------------------------------------------------------------------------------------
+# ---- irrelevant ----------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("field", sorted(IRRELEVANT))

@@ -1,5 +1,6 @@
-"""Self-distillation as its own step (issue 7 item 4): `tidar-convert distill`, the corpus inside `fit`
-(made once, by rank 0), and a corpus from `distill` passed to `fit`; never a validation document."""
+"""Self-distillation as its own step (issue 7 item 4): `tidar-convert distill`, the corpus inside
+`fit` (made once, by rank 0), and a corpus from `distill` passed to `fit`; never a validation
+document."""
 
 import json
 import os
@@ -59,9 +60,8 @@ def test_distill_writes_the_models_greedy_continuations_of_training_prompts(tiny
     model, tok = load_base(str(tiny_dirs["llama"]))
     model.eval()
     assert len(rows) == 3
-    for row, doc in zip(
-        rows, train
-    ):  # the first training documents, in stream order; no validation one
+    # the first training documents, in stream order; no validation one
+    for row, doc in zip(rows, train):
         prompt = tok(doc, add_special_tokens=False)["input_ids"][:8]
         with torch.no_grad():
             expected = model.generate(
@@ -80,7 +80,8 @@ def test_distill_writes_the_models_greedy_continuations_of_training_prompts(tiny
 
 
 def test_distill_generates_on_the_kernels_generate_decodes_with(tiny_dirs, tmp_path, monkeypatch):
-    """On CPU the corpus is written under the packed linears and grouped attention (1.75x the tokens/s)."""
+    """On CPU the corpus is written under the packed linears and grouped attention (more tokens/s
+    than on the stock products: bench/LOG.md, "self-distillation on the decoding kernels")."""
     from contextlib import contextmanager
 
     from tidar_convert.runtime import kernels
@@ -161,8 +162,8 @@ def test_distill_overwrite_never_replaces_a_corpus_changed_since_it_was_written(
         main(distill_args(tiny_dirs["llama"], tmp_path / "docs.jsonl", ours, "--overwrite"))
     err = capsys.readouterr().err
     assert (
-        "was changed after `tidar-convert distill` wrote it (its sha256 differs from ours.jsonl.sha256); nothing was written"
-        in err
+        "was changed after `tidar-convert distill` wrote it (its "
+        "sha256 differs from ours.jsonl.sha256); nothing was written" in err
     ), err
     assert ours.read_text() == changed
     ours.write_text(written)  # as written again: replaceable
@@ -237,7 +238,8 @@ def test_fit_data_takes_a_corpus_from_distill_and_checks_it(tokenizer, tmp_path)
     for kwargs, message in [
         (
             dict(val_every=5),
-            "took its prompts from a split with val_every=4, and this run holds out documents with val_every=5",
+            "took its prompts from a split with val_every=4, "
+            "and this run holds out documents with val_every=5",
         ),
         (
             dict(greedy_docs=7),
@@ -282,9 +284,8 @@ def test_no_validation_document_reaches_training_with_greedy_docs(tiny_dirs, tmp
     def data(**kw):
         dm = TiDARData(source=str(tmp_path / "docs.jsonl"), seq_len=8, val_every=4, **kw)
         dm.tokenizer, dm.base_model = tok, str(tiny_dirs["llama"])
-        corpus_for_data(
-            None, dm
-        )  # what the module's setup does in fit, before the DataModule reads anything
+        # what the module's setup does in fit, before the DataModule reads anything
+        corpus_for_data(None, dm)
         return dm
 
     dm = data(greedy_docs=6, greedy_new_tokens=4)
@@ -294,9 +295,8 @@ def test_no_validation_document_reaches_training_with_greedy_docs(tiny_dirs, tmp
     assert not set(val) & set(train) and all(is_validation(d, 4) for d in val)
     greedy = [d for d in train if d not in docs]
     assert len(greedy) == 6
-    prompts = {
-        tok.decode(tok(d, add_special_tokens=False)["input_ids"][:32]) for d in docs
-    }  # prompt_tokens = 32 in fit
+    # prompt_tokens = 32 in fit
+    prompts = {tok.decode(tok(d, add_special_tokens=False)["input_ids"][:32]) for d in docs}
     starts = {p for p in prompts if any(g.startswith(p) for g in greedy)}
     assert len(starts) == 6 and not any(
         is_validation(d, 4)
@@ -317,8 +317,9 @@ def test_no_validation_document_reaches_training_with_greedy_docs(tiny_dirs, tmp
 def test_the_datamodule_reads_a_ready_greedy_corpus_and_never_loads_a_model(
     tiny_dirs, tmp_path, monkeypatch
 ):
-    """greedy_docs > 0 without a made corpus: the DataModule names the missing file and how it is made,
-    and loads no model to make it (fit's module makes it in setup, see distill.corpus_for_data)."""
+    """greedy_docs > 0 without a made corpus: the DataModule names the missing file and how it is
+    made, and loads no model to make it (fit's module makes it in setup, see
+    distill.corpus_for_data)."""
     from tidar_convert.models import loading
 
     monkeypatch.setenv("TIDAR_CACHE", str(tmp_path / "cache"))
@@ -337,18 +338,21 @@ def test_the_datamodule_reads_a_ready_greedy_corpus_and_never_loads_a_model(
     dm.tokenizer, dm.base_model = tok, str(tiny_dirs["llama"])
     with pytest.raises(
         FileNotFoundError,
-        match=r"--data.greedy_docs 6: the greedy corpus .*cache/greedy/\w+\.jsonl has not been made; .*pass --data.greedy_corpus",
+        match=(
+            r"--data.greedy_docs 6: the greedy corpus .*cache/greedy/\w+\.jsonl "
+            r"has not been made; .*pass --data.greedy_corpus"
+        ),
     ):
         dm._dataset("train")
-    assert not (tmp_path / "cache" / "greedy").exists() and list(
-        dm._dataset("val").documents()
-    )  # validation never reads greedy text
+    # validation never reads greedy text
+    assert not (tmp_path / "cache" / "greedy").exists() and list(dm._dataset("val").documents())
 
 
 @pytest.mark.fit
 @pytest.mark.subprocess
 def test_two_process_fit_generates_the_corpus_once_and_both_ranks_read_it(tmp_path, tiny_dirs):
-    """2 processes (gloo DDP under torchrun): rank 0 generates, rank 1 waits at the barrier and reads the same file."""
+    """2 processes (gloo DDP under torchrun): rank 0 generates, rank 1 waits at the barrier and
+    reads the same file."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -425,8 +429,8 @@ def test_two_process_fit_generates_the_corpus_once_and_both_ranks_read_it(tmp_pa
 
 @pytest.mark.fit
 def test_fit_trains_on_a_distill_corpus_with_every_greedy_lever(tiny_dirs, tmp_path, capsys):
-    """The recipe surface of issue 9's levers, end to end: a corpus from `distill`, a greedy share, greedy
-    text in the diffusion loss only, per-offset diffusion weights."""
+    """The recipe surface of issue 9's levers, end to end: a corpus from `distill`, a greedy share,
+    greedy text in the diffusion loss only, per-offset diffusion weights."""
     from tidar_convert.train.fit import _lightning_cli
 
     corpus = tmp_path / "greedy.jsonl"
@@ -481,9 +485,8 @@ def test_fit_trains_on_a_distill_corpus_with_every_greedy_lever(tiny_dirs, tmp_p
     assert cli.trainer.global_step == 3 and cli.model.diff_offset_weights == [2.0, 1.5, 1.0, 0.5]
     metrics = cli.trainer.callback_metrics
     assert all(torch.isfinite(metrics[k]) for k in ("train/loss", "train/loss_ar", "val/loss"))
-    assert (
-        "self-distillation: generating" not in capsys.readouterr().err
-    )  # the given corpus, nothing generated
+    # the given corpus, nothing generated
+    assert "self-distillation: generating" not in capsys.readouterr().err
     ds = cli.datamodule._train_loader.dataset
     assert (
         ds.sources[-1] == str(corpus)
@@ -494,8 +497,9 @@ def test_fit_trains_on_a_distill_corpus_with_every_greedy_lever(tiny_dirs, tmp_p
 
 
 def test_a_failing_rank_0_still_releases_the_other_ranks(tiny_dirs, tmp_path, monkeypatch):
-    """If rank 0 cannot make the corpus, it reaches the barrier before raising (the other ranks would
-    otherwise wait there until the process-group timeout), and the others fail with a message."""
+    """If rank 0 cannot make the corpus, it reaches the barrier before raising (the other ranks
+    would otherwise wait there until the process-group timeout), and the others fail with a
+    message."""
     from types import SimpleNamespace
 
     from tidar_convert.train.distill import corpus_for_fit
@@ -516,7 +520,7 @@ def test_a_failing_rank_0_still_releases_the_other_ranks(tiny_dirs, tmp_path, mo
     args = (
         str(tiny_dirs["llama"]),
         [str(tmp_path / "docs.jsonl")],
-        50,
+        50,  # 50 > the 9 prompts
         4,
         8,
         4,
@@ -526,7 +530,7 @@ def test_a_failing_rank_0_still_releases_the_other_ranks(tiny_dirs, tmp_path, mo
         "train",
         0,
         "float32",
-    )  # 50 > the 9 prompts
+    )
     with pytest.raises(ValueError, match="fewer than the 50 greedy documents"):
         corpus_for_fit(trainer(0), *args)
     with pytest.raises(
@@ -540,8 +544,8 @@ def test_a_failing_rank_0_still_releases_the_other_ranks(tiny_dirs, tmp_path, mo
 def test_a_corpus_records_its_model_so_that_fit_can_tell_it_from_another(
     tiny_dirs, tmp_path, monkeypatch
 ):
-    """distill records a local model folder absolute; fit takes the corpus with that folder however it is
-    spelt, and refuses it with another base model."""
+    """distill records a local model folder absolute; fit takes the corpus with that folder however
+    it is spelt, and refuses it with another base model."""
     from tidar_convert.train.distill import check_corpus
 
     code_docs(tmp_path / "docs.jsonl")
@@ -552,6 +556,9 @@ def test_a_corpus_records_its_model_so_that_fit_can_tell_it_from_another(
     assert check_corpus(str(tmp_path / "c.jsonl"), 4, 3, f"./{folder.name}") == 3
     with pytest.raises(
         ValueError,
-        match=rf"holds the greedy text of the base model '{folder}', and this run trains '{tiny_dirs['qwen2']}'",
+        match=(
+            rf"holds the greedy text of the base model '{folder}', "
+            rf"and this run trains '{tiny_dirs['qwen2']}'"
+        ),
     ):
         check_corpus(str(tmp_path / "c.jsonl"), 4, 3, str(tiny_dirs["qwen2"]))

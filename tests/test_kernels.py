@@ -1,6 +1,7 @@
-"""Packed CPU linear layers (kernels.py): the same products as PyTorch's, rows independent of how many
-share a call, weights repacked when they change, stock product wherever gradients are needed, packed
-by default only where timed faster, and generate() decoding the same tokens with them on every path."""
+"""Packed CPU linear layers (kernels.py): the same products as PyTorch's, rows independent of how
+many share a call, weights repacked when they change, stock product wherever gradients are needed,
+packed by default only where timed faster, and generate() decoding the same tokens with them on
+every path."""
 
 from __future__ import annotations
 
@@ -35,14 +36,15 @@ def test_packed_linear_matches_stock_and_is_row_invariant(dtype):
             # Each row's result is the same whether 1 or 13 rows share the call: bit for bit.
             rows = [layer(x[:, :j]) for j in range(1, 14)]
     ((kind, _),) = (packed for _, packed in session_of(layer).kernels.packed[layer].values())
-    assert kind == (
-        "panels" if panel.panel_library() else "onednn"
-    )  # bf16 too: panels are the default where the kernel builds
+    # bf16 too: panels are the default where the kernel builds
+    assert kind == ("panels" if panel.panel_library() else "onednn")
     torch.testing.assert_close(
         packed, stock, **({"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else {})
     )
     if dtype == torch.bfloat16 and kind == "onednn":
-        return  # oneDNN's bf16 product on AMX gives 1 row other low bits than 2 or more (the module's docstring)
+        # oneDNN's bf16 product on AMX gives 1 row other low bits than 2 or more (the module's
+        # docstring)
+        return
     for j, part in enumerate(rows, start=1):
         assert torch.equal(part, packed[:, :j]), j
     assert not swapped(layer)  # the stock forward is back
@@ -68,9 +70,8 @@ def test_a_weight_onednn_refuses_keeps_the_stock_product(monkeypatch):
         raise RuntimeError("no packed layout for this CPU")
 
     monkeypatch.setattr(kernels, "_reorder", refuse)
-    monkeypatch.setattr(
-        panel, "_PANEL_LIB", [None]
-    )  # no panel kernel here: fp32 goes to oneDNN, which refuses
+    # no panel kernel here: fp32 goes to oneDNN, which refuses
+    monkeypatch.setattr(panel, "_PANEL_LIB", [None])
     layer = torch.nn.Linear(8, 4)
     x = torch.randn(3, 8)
     with torch.no_grad(), kernels.packed_linears(layer):
@@ -110,9 +111,8 @@ def test_generate_gives_the_same_tokens_packed_or_not_and_restores_the_layers(un
     ids = torch.randint(3, 300, (2, 9), generator=torch.Generator().manual_seed(1))
     kw = dict(model=model, max_new_tokens=20, eos_token_id=None, pad_token_id=0, tidar=tidar)
     stock = generate(ids, pack_weights=False, **kw)
-    assert torch.equal(
-        generate(ids, **kw), stock
-    )  # the default: whichever product was timed faster here
+    # the default: whichever product was timed faster here
+    assert torch.equal(generate(ids, **kw), stock)
     kw["pack_weights"] = True
     assert torch.equal(generate(ids, **kw), stock)
     assert not swapped(model)
@@ -121,18 +121,18 @@ def test_generate_gives_the_same_tokens_packed_or_not_and_restores_the_layers(un
         assert swapped(model)  # while decoding, the packed forwards run
         raise KeyboardInterrupt
 
-    with pytest.raises(
-        KeyboardInterrupt
-    ):  # an interrupted generate() still puts the stock forwards back
+    # an interrupted generate() still puts the stock forwards back
+    with pytest.raises(KeyboardInterrupt):
         generate(ids, stopping_criteria=[fail], **kw)
     assert not swapped(model)
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
 def test_grouped_attention_attends_in_place_to_the_same_values(untrained, family, monkeypatch):
-    """A TiDAR step (two drafts and a mask group after a cache) under grouped_attention: the values of
-    transformers' sdpa path, which copies the key/value heads to every query head, reached through
-    SDPA's enable_gqa instead; the model's attention setting is back afterwards, even on an error."""
+    """A TiDAR step (two drafts and a mask group after a cache) under grouped_attention: the values
+    of transformers' sdpa path, which copies the key/value heads to every query head, reached
+    through SDPA's enable_gqa instead; the model's attention setting is back afterwards, even on
+    an error."""
     from transformers import DynamicCache
 
     from tidar_convert.runtime.forward import cache_kwargs
@@ -150,9 +150,8 @@ def test_grouped_attention_attends_in_place_to_the_same_values(untrained, family
 
     def run():
         cache = DynamicCache()
-        model.model(
-            input_ids=ids, **cache_kwargs(model.model, cache)
-        )  # the prompt: no mask, grouped either way
+        # the prompt: no mask, grouped either way
+        model.model(input_ids=ids, **cache_kwargs(model.model, cache))
         grouped.clear()
         mask = decode_step_mask(
             torch.ones(1, 12, dtype=torch.bool),
@@ -177,9 +176,8 @@ def test_grouped_attention_attends_in_place_to_the_same_values(untrained, family
     )
     with torch.no_grad():
         stock = run()
-        assert (
-            grouped == [False] * model.config.num_hidden_layers
-        )  # the step: transformers copies the heads under a mask
+        # the step: transformers copies the heads under a mask
+        assert grouped == [False] * model.config.num_hidden_layers
         with kernels.grouped_attention(model):
             assert model.config._attn_implementation == kernels.GQA_ATTENTION
             in_place = run()
@@ -194,7 +192,8 @@ def test_grouped_attention_attends_in_place_to_the_same_values(untrained, family
 
 
 def fake_timings(monkeypatch, table: dict) -> list:
-    """pass_seconds from a table of milliseconds by product and rows; returns the log of (rows, product) timed."""
+    """pass_seconds from a table of milliseconds by product and rows; returns the log of (rows,
+    product) timed."""
     timed = []
 
     def seconds(state, layers, rows, product):
@@ -208,23 +207,18 @@ def fake_timings(monkeypatch, table: dict) -> list:
 @pytest.mark.parametrize(
     "packed_ms,pays",
     [
-        (
-            {1: 45, 8: 55},
-            False,
-        ),  # an AMX Xeon in fp32: stock wins the AR step by more than it loses the TiDAR step
-        (
-            {1: 44, 8: 54},
-            True,
-        ),  # a Xeon without AMX, where the stock product of 2 to 13 rows is slow
+        # an AMX Xeon in fp32: stock wins the AR step by more than it loses the TiDAR step
+        ({1: 45, 8: 55}, False),
+        # a Xeon without AMX, where the stock product of 2 to 13 rows is slow
+        ({1: 44, 8: 54}, True),
     ],
 )
 def test_auto_packs_only_where_a_pass_is_timed_faster(monkeypatch, packed_ms, pays):
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Linear(32, 16))
     model.config = type("Config", (), {"_attn_implementation": "eager"})()
-    kind = kernels.candidates(torch.float32)[
-        0
-    ]  # fp32 has one packed product: panels, or oneDNN's without the kernel
+    # fp32 has one packed product: panels, or oneDNN's without the kernel
+    kind = kernels.candidates(torch.float32)[0]
     timed = fake_timings(
         monkeypatch, {"panels": packed_ms, "onednn": packed_ms, "stock": {1: 35, 8: 64}}
     )
@@ -236,18 +230,12 @@ def test_auto_packs_only_where_a_pass_is_timed_faster(monkeypatch, packed_ms, pa
         with kernels.cpu_kernels(model):  # the default: "auto"
             assert bool(swapped(model)) == pays
             model(torch.randn(2, 16))
-        assert sorted(set(timed)) == [
-            (1, kind),
-            (1, "stock"),
-            (8, kind),
-            (8, "stock"),
-        ]  # both products, both row counts
-        assert (
-            timed[0] == (1, kind) and len(timed) == 1 + 3 * 4
-        )  # one untimed pass packs, then three of each
-        timings = kernels.product_timings(
-            model
-        )  # what the choice compared, as the bench records it
+        # both products, both row counts
+        assert sorted(set(timed)) == [(1, kind), (1, "stock"), (8, kind), (8, "stock")]
+        # one untimed pass packs, then three of each
+        assert timed[0] == (1, kind) and len(timed) == 1 + 3 * 4
+        # what the choice compared, as the bench records it
+        timings = kernels.product_timings(model)
         assert timings == {
             str(r): {
                 "stock_ms": pytest.approx({1: 35, 8: 64}[r]),
@@ -255,12 +243,11 @@ def test_auto_packs_only_where_a_pass_is_timed_faster(monkeypatch, packed_ms, pa
             }
             for r in (1, 8)
         }
-        # A model where packing does not pay keeps no packed copy (it would be one more copy of every weight).
+        # A model where packing does not pay keeps no packed copy (it would be one more copy of
+        # every weight).
         assert all(bool(session_of(model).kernels.packed.get(layer)) == pays for layer in model)
-        with (
-            kernels.cpu_kernels(model, "auto"),
-            kernels.cpu_kernels(model, "auto"),
-        ):  # timed once per model
+        # timed once per model
+        with kernels.cpu_kernels(model, "auto"), kernels.cpu_kernels(model, "auto"):
             pass
         assert len(timed) == 13
         with kernels.cpu_kernels(model, False):
@@ -279,8 +266,8 @@ def test_auto_packs_only_where_a_pass_is_timed_faster(monkeypatch, packed_ms, pa
 def test_bf16_takes_the_fastest_of_panels_onednn_and_stock_and_keeps_only_its_copies(
     monkeypatch, winner
 ):
-    """bf16 has two packed products (panels, exact for every row count; oneDNN's, which AMX makes fast
-    on many rows): the pass decides, per model, and the loser's copies are dropped."""
+    """bf16 has two packed products (panels, exact for every row count; oneDNN's, which AMX makes
+    fast on many rows): the pass decides, per model, and the loser's copies are dropped."""
     table = {"panels": {1: 30, 8: 40}, "onednn": {1: 40, 8: 35}, "stock": {1: 45, 8: 70}}
     table[winner] = {1: 20, 8: 30}
     fake_timings(monkeypatch, table)
@@ -305,11 +292,8 @@ def test_bf16_takes_the_fastest_of_panels_onednn_and_stock_and_keeps_only_its_co
 def test_a_timed_pass_runs_each_layer_on_the_product_it_names():
     torch.manual_seed(0)
     state = KernelState()
-    layers = [
-        torch.nn.Linear(16, 32),
-        torch.nn.Linear(32, 16),
-        torch.nn.Linear(16, 32).bfloat16(),
-    ]  # each input made in its layer's dtype
+    # each input made in its layer's dtype
+    layers = [torch.nn.Linear(16, 32), torch.nn.Linear(32, 16), torch.nn.Linear(16, 32).bfloat16()]
     with torch.no_grad():
         assert kernels.pass_seconds(state, layers, 8, "stock") > 0
         assert not any(layer in state.packed for layer in layers)  # stock: nothing packed
@@ -319,9 +303,8 @@ def test_a_timed_pass_runs_each_layer_on_the_product_it_names():
         kind = kernels.candidates(torch.float32)[0]
         kernels.pass_seconds(state, layers[:2], 8, kind)
         assert [set(state.packed[layer]) for layer in layers[:2]] == [{kind}, {kind}]
-        assert (
-            state.packed[layers[0]][kind][1] is not None
-        )  # really packed (a weight oneDNN refuses would be None: stock)
+        # really packed (a weight oneDNN refuses would be None: stock)
+        assert state.packed[layers[0]][kind][1] is not None
 
 
 def test_pack_weights_must_be_a_bool_or_auto(untrained):

@@ -60,7 +60,8 @@ def test_dense_equals_flex_create_mask():
     )
 
 
-@pytest.mark.slow  # compiles FlexAttention with inductor (make test runs it; make test-fast skips it)
+# compiles FlexAttention with inductor (make test runs it; make test-fast skips it)
+@pytest.mark.slow
 @pytest.mark.parametrize("family", FAMILIES)
 def test_block_mask_and_dense_mask_give_same_logits(models, family):
     model = models[family]
@@ -142,8 +143,8 @@ def test_decode_positions():
 
 
 def test_decode_step_mask_is_the_mask_mod_with_anchors():
-    """The reusable dense step mask (cache validity + a cached per-plan block) equals decode_mask_mod,
-    for groups at any anchors; consecutive anchors are the int form."""
+    """The reusable dense step mask (cache validity + a cached per-plan block) equals
+    decode_mask_mod, for groups at any anchors; consecutive anchors are the int form."""
     cache_valid = torch.tensor([[0, 0, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1]], dtype=torch.bool)
     for T, k, anchors in ((3, 2, (1, 2, 3)), (4, 3, (2,)), (5, 2, ()), (6, 2, (1, 4, 6))):
         Q = T + len(anchors) * k
@@ -154,9 +155,8 @@ def test_decode_step_mask_is_the_mask_mod_with_anchors():
             k,
             anchors,
         )
-        if (
-            anchors
-        ):  # the anchored mask_mod also runs under FlexAttention's vmap (its BlockMask path)
+        # the anchored mask_mod also runs under FlexAttention's vmap (its BlockMask path)
+        if anchors:
             from torch.nn.attention.flex_attention import create_mask
 
             flex = create_mask(
@@ -203,14 +203,8 @@ def test_tree_mask_sees_each_branch_and_its_ancestors_only():
         [1, 0, 0, 1, 0],
         [1, 0, 0, 0, 1],
     ]
-    assert m[9, :5].tolist() == [1, 0, 0, 0, 1] and m[9, 5:].tolist() == [
-        0,
-        0,
-        0,
-        0,
-        1,
-        1,
-    ]  # the group after sibling 4
+    # the group after sibling 4
+    assert m[9, :5].tolist() == [1, 0, 0, 0, 1] and m[9, 5:].tolist() == [0, 0, 0, 0, 1, 1]
     assert m[7, :5].tolist() == [1, 1, 0, 0, 0]  # the group after draft 1: not its siblings
     pos = layout.decode_position_ids(torch.tensor([10]), 5, k, 3, anchors, parents)
     assert pos.tolist() == [[10, 11, 12, 11, 11, 11, 12, 12, 13, 12, 13]]
@@ -241,8 +235,9 @@ def test_tree_mask_sees_each_branch_and_its_ancestors_only():
 
 def test_decode_mask_mod_reads_only_tables_already_on_its_device():
     """A compiled FlexAttention kernel cannot move a tensor the mask_mod captured (on CUDA, inductor
-    refused the anchors' device move inside the kernel: bench/results/gpu.json's first engine check),
-    so the anchors and the tree's ancestors are put on the mask's device when it is built."""
+    refused the anchors' device move inside the kernel: bench/results/gpu.json's first engine
+    check), so the anchors and the tree's ancestors are put on the mask's device when it
+    is built."""
     parents, anchors = (-1, 0, 1, 0, 0), (1, 2, 5)
     valid = torch.ones(2, 3 + 11, dtype=torch.bool)
     traced = torch.fx.symbolic_trace(layout.decode_mask_mod(3, 5, 2, anchors, valid, parents))
@@ -250,9 +245,8 @@ def test_decode_mask_mod_reads_only_tables_already_on_its_device():
         n for n in traced.graph.nodes if n.op == "call_method" and n.target in ("to", "cuda", "cpu")
     ]
     assert not moves, moves
-    on_meta = layout.decode_mask_mod(
-        3, 5, 2, anchors, valid.to("meta"), parents
-    )  # the device follows kv_valid
+    # the device follows kv_valid
+    on_meta = layout.decode_mask_mod(3, 5, 2, anchors, valid.to("meta"), parents)
     assert layout.to_dense(on_meta, 2, 11, 14, device="meta").device.type == "meta"
     assert torch.equal(
         layout.to_dense(traced, 2, 11, 14),

@@ -21,9 +21,8 @@ def test_mask_and_pad_tokens_added(tiny_dirs, family):
     assert tok.mask_token == MASK_TOKEN  # the tiny tokenizer has none
     emb = model.get_input_embeddings().weight
     assert tok.pad_token is not None and model.config.pad_token_id == tok.pad_token_id
-    assert (
-        emb.shape[0] == len(tok) == old.shape[0] + len(tok.get_added_vocab()) - 1
-    )  # + mask (+ pad), minus <|endoftext|>
+    # + mask (+ pad), minus <|endoftext|>
+    assert emb.shape[0] == len(tok) == old.shape[0] + len(tok.get_added_vocab()) - 1
     assert (
         model.config.mask_token_id == tok.mask_token_id
         and model.config.pad_token_id == tok.pad_token_id
@@ -85,8 +84,8 @@ def test_missing_paths_are_clear():
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_config_and_tokenizer_alone_agree_with_the_loaded_model(tiny_dirs, family):
-    """The module reads these before any weight (the model is built later, where the strategy wants it):
-    the token ids must be the ones the loaded model gets."""
+    """The module reads these before any weight (the model is built later, where the strategy wants
+    it): the token ids must be the ones the loaded model gets."""
     from tidar_convert.models.loading import load_config_and_tokenizer
 
     config, tok = load_config_and_tokenizer(str(tiny_dirs[family]))

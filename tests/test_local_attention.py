@@ -24,8 +24,8 @@ SIZES = dict(
     head_dim=16,
     vocab_size=V,
 )
-# (model_type, config fields, attention implementation): one window on every layer, mixed sliding and
-# full layers (SDPA, and eager's additive masks), attention chunks, sinks with mixed windows.
+# (model_type, config fields, attention implementation): one window on every layer, mixed sliding
+# and full layers (SDPA, and eager's additive masks), attention chunks, sinks with mixed windows.
 LOCAL = {
     "mistral": (dict(sliding_window=5), "sdpa"),
     "gemma3_text": (
@@ -73,9 +73,8 @@ def doubled(model, ids, impl):
 
 def test_local_kinds_from_the_config():
     assert layout.local_kinds(AutoConfig.for_model("llama")) is None
-    assert list(layout.local_kinds(AutoConfig.for_model("mistral", sliding_window=5))) == [
-        ""
-    ]  # one mask
+    # one mask
+    assert list(layout.local_kinds(AutoConfig.for_model("mistral", sliding_window=5))) == [""]
     assert layout.local_kinds(AutoConfig.for_model("mistral", sliding_window=None)) is None
     assert (
         layout.local_kinds(
@@ -93,11 +92,8 @@ def test_local_kinds_from_the_config():
     )
     assert set(mixed) == {"sliding_attention", "full_attention"} and mixed["full_attention"] is None
     q, k = torch.tensor([9, 9, 9]), torch.tensor([4, 5, 9])
-    assert mixed["sliding_attention"](q, k).tolist() == [
-        False,
-        True,
-        True,
-    ]  # q - k < window, as transformers' overlay
+    # q - k < window, as transformers' overlay
+    assert mixed["sliding_attention"](q, k).tolist() == [False, True, True]
     with pytest.raises(
         ValueError, match="sets both sliding_window and attention_chunk_size without layer_types"
     ):
@@ -115,7 +111,8 @@ def test_local_kinds_from_the_config():
 
 @pytest.mark.parametrize("model_type", LOCAL)
 def test_clean_half_equals_the_plain_model_past_the_window(model_type):
-    """The model's own forward applies its windows; the doubled sequence's clean half must compute the same."""
+    """The model's own forward applies its windows; the doubled sequence's clean half must compute
+    the same."""
     model = local_model(model_type)
     ids = torch.randint(1, V - 2, (2, S))
     with torch.no_grad():
@@ -137,14 +134,15 @@ def test_clean_half_equals_the_plain_model_past_the_window(model_type):
     assert (wrong - plain).abs().max() > 1e-3
 
 
-@pytest.mark.slow  # compiles FlexAttention with inductor (make test runs it; make test-fast skips it)
+# compiles FlexAttention with inductor (make test runs it; make test-fast skips it)
+@pytest.mark.slow
 @pytest.mark.parametrize("model_type", ["mistral", "gemma3_text", "llama4_text"])
 def test_flex_attention_equals_the_dense_masks(model_type, monkeypatch):
     """FlexAttention (forward on CPU, compiled) with one BlockMask per layer kind against the dense
     masks: the training layout, then a decode step after a cache."""
-    # Fresh compiles with static shapes: after other tests' FlexAttention compiles, torch 2.13 recompiles
-    # with dynamic shapes, and its CPU template then emitted C++ that does not build (cur_kvSplitSize0,
-    # in CI's full run only).
+    # Fresh compiles with static shapes: after other tests' FlexAttention compiles, torch 2.13
+    # recompiles with dynamic shapes, and its CPU template then emitted C++ that does not build
+    # (cur_kvSplitSize0, in CI's full run only).
     torch._dynamo.reset()
     monkeypatch.setattr(torch._dynamo.config, "automatic_dynamic_shapes", False)
     dense_model = local_model(model_type, "sdpa")
@@ -160,11 +158,8 @@ def test_flex_attention_equals_the_dense_masks(model_type, monkeypatch):
 
     from transformers import DynamicCache
 
-    C, causal, anchors = (
-        12,
-        2,
-        (1,),
-    )  # a 12-token cache (left padding on row 0), 2 drafts and one mask group
+    # a 12-token cache (left padding on row 0), 2 drafts and one mask group
+    C, causal, anchors = (12, 2, (1,))
     valid = torch.ones(2, C, dtype=torch.bool)
     valid[0, :3] = False
     start = valid.sum(1)  # each row's next position
@@ -210,9 +205,8 @@ def test_greedy_tidar_past_the_window_is_ar(model_type, tmp_path, tokenizer):
     model, _ = load_base(str(tmp_path))
     model.eval()
     TiDARSpec(K, model.config.mask_token_id).write(model.config)
-    prompt = torch.tensor(
-        [[5, 9, 3, 5, 9, 3, 5, 9, 3, 7, 8, 2]]
-    )  # repeats: lookup drafts from the first step
+    # repeats: lookup drafts from the first step
+    prompt = torch.tensor([[5, 9, 3, 5, 9, 3, 5, 9, 3, 7, 8, 2]])
     batch = torch.stack([prompt[0], torch.cat([torch.full((3,), 0), prompt[0, 3:]])])
     mask = torch.ones_like(batch)
     mask[1, :3] = 0
@@ -227,8 +221,9 @@ def test_greedy_tidar_past_the_window_is_ar(model_type, tmp_path, tokenizer):
 
 
 def test_the_lightning_module_trains_within_the_windows(tmp_path, tokenizer, monkeypatch):
-    """TiDARModule's forwards (one over both halves, and the split halves of lora_scope='masks') apply
-    the windows: the same loss either way, and its AR loss is the plain model's own next-token loss."""
+    """TiDARModule's forwards (one over both halves, and the split halves of lora_scope='masks')
+    apply the windows: the same loss either way, and its AR loss is the plain model's own
+    next-token loss."""
     from helpers import cycle_batch
 
     from tidar_convert.train.module import TiDARModule
@@ -238,9 +233,8 @@ def test_the_lightning_module_trains_within_the_windows(tmp_path, tokenizer, mon
     m = TiDARModule(model=str(tmp_path), draft_length=K, lora_r=4, lora_scope="masks")
     m.configure_model()
     ids = cycle_batch(2, S, seed=3)
-    ids[:, ::3] = torch.randint(
-        1, V - 2, ids[:, ::3].shape
-    )  # not a cycle: tokens past the window matter
+    # not a cycle: tokens past the window matter
+    ids[:, ::3] = torch.randint(1, V - 2, ids[:, ::3].shape)
     with torch.no_grad(), m.model.disable_adapter():
         plain = m.model(input_ids=ids).logits
         own = torch.nn.functional.cross_entropy(
@@ -278,6 +272,9 @@ def test_gpt_neo_s_index_window_is_refused_past_it(tmp_path, tokenizer):
     )
     with pytest.raises(
         ValueError,
-        match=r"prompt \(6 tokens\) \+ max_new_tokens \(7\) exceeds GPTNeoForCausalLM's local attention window \(12\).*lower max_new_tokens to 6",
+        match=(
+            r"prompt \(6 tokens\) \+ max_new_tokens \(7\) exceeds GPTNeoForCausalLM's "
+            r"local attention window \(12\).*lower max_new_tokens to 6"
+        ),
     ):
         generate(ids, model=model, max_new_tokens=7, do_sample=False, eos_token_id=None)

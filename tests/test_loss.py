@@ -59,9 +59,8 @@ def test_offset_weights_match_hand_computation():
     weighted = (w[0] * ce[0] + w[1] * ce[1] + w[0] * ce[2]) / (w[0] + w[1] + w[0])
     l_ar = math.log(2)
     assert out["loss"].item() == pytest.approx((l_ar + weighted) / 2, rel=1e-6)
-    assert out["loss_diff"].item() == pytest.approx(
-        sum(ce) / 3, rel=1e-6
-    )  # logged unweighted: comparable across recipes
+    # logged unweighted: comparable across recipes
+    assert out["loss_diff"].item() == pytest.approx(sum(ce) / 3, rel=1e-6)
     uniform = hybrid_loss(logits, ar_labels, diff_labels, alpha=1.0, draft_length=2)
     for scale in (1.0, 7.0):  # uniform weights of any scale are the paper's plain mean
         same = hybrid_loss(
@@ -78,7 +77,8 @@ def test_offset_weights_match_hand_computation():
         distill_weight=1.0,
         offset_weights=[1.0, 0.0],
     )
-    # slot 0 has no AR teacher (hard label); slot 2's teacher is clean slot 1, uniform logits -> KL(u || q)
+    # slot 0 has no AR teacher (hard label); slot 2's teacher is clean slot 1, uniform logits ->
+    # KL(u || q)
     q2 = [0.5, 0.5]
     kl2 = sum(0.5 * math.log(0.5 / q) for q in q2)
     assert soft["loss"].item() == pytest.approx((ce[0] + kl2) / 2, rel=1e-6)
@@ -89,18 +89,18 @@ def test_bad_offset_weights_are_refused(weights):
     from tidar_convert.train.module import TiDARModule
 
     with pytest.raises(ValueError) as e:
-        TiDARModule(
-            model="/nonexistent", draft_length=2, diff_offset_weights=weights
-        )  # refused before anything loads
+        # refused before anything loads
+        TiDARModule(model="/nonexistent", draft_length=2, diff_offset_weights=weights)
     assert (
-        f"diff_offset_weights={weights}: give one weight >= 0 per position of a block (draft_length=2"
-        in str(e.value)
+        f"diff_offset_weights={weights}: give one weight >= 0 per position of a block "
+        "(draft_length=2" in str(e.value)
     )
 
 
 def test_greedy_tokens_are_no_ar_targets_and_send_no_ar_gradient():
-    """--data.greedy_ar_loss false: a token marked no_ar_target is never an AR label, so the AR loss sends
-    no gradient through the clean slot that predicts it; the diffusion loss still trains on it."""
+    """--data.greedy_ar_loss false: a token marked no_ar_target is never an AR label, so the AR loss
+    sends no gradient through the clean slot that predicts it; the diffusion loss still trains
+    on it."""
     from tidar_convert.runtime import layout
 
     torch.manual_seed(0)
@@ -110,9 +110,8 @@ def test_greedy_tokens_are_no_ar_targets_and_send_no_ar_gradient():
     marked[0, 3:] = True  # row 0: a human document, then a greedy one
     ar, diff = layout.train_labels(ids, doc_ids, marked)
     plain, _ = layout.train_labels(ids, doc_ids)
-    assert (
-        ar[0].tolist() == [ids[0, 1].item(), ids[0, 2].item()] + [-100] * 6
-    )  # slot 2 ends doc 0; 3..7 would predict greedy tokens
+    # slot 2 ends doc 0; 3..7 would predict greedy tokens
+    assert ar[0].tolist() == [ids[0, 1].item(), ids[0, 2].item()] + [-100] * 6
     assert torch.equal(ar[1], plain[1]) and torch.equal(diff, ids)
     logits = torch.randn(2, 16, 9, requires_grad=True)
     out = hybrid_loss(logits, ar, diff, alpha=1.0, draft_length=4)
@@ -123,10 +122,10 @@ def test_greedy_tokens_are_no_ar_targets_and_send_no_ar_gradient():
     )
     logits.grad = None
     out["loss_diff"].backward()
-    assert (
-        torch.count_nonzero(logits.grad[0, 8 + 3 :]) > 0
-    )  # the greedy tokens still train the diffusion half
-    # a chunk of greedy text only: the AR term is 0 (no target), not NaN, and the loss is the diffusion term's
+    # the greedy tokens still train the diffusion half
+    assert torch.count_nonzero(logits.grad[0, 8 + 3 :]) > 0
+    # a chunk of greedy text only: the AR term is 0 (no target), not NaN, and the loss is the
+    # diffusion term's
     all_marked = torch.ones(2, 8, dtype=torch.bool)
     out = hybrid_loss(
         logits.detach(), *layout.train_labels(ids, None, all_marked), alpha=1.0, draft_length=4
@@ -165,7 +164,8 @@ def test_module_trains_greedy_tokens_in_the_diffusion_loss_only(tiny_dirs):
     assert skip["loss_ar"].item() == pytest.approx(expect.item(), rel=1e-4)
     assert skip["loss_ar"].item() != pytest.approx(full["loss_ar"].item(), rel=1e-4)
     assert skip["loss_diff"].item() == pytest.approx(full["loss_diff"].item(), rel=1e-6)
-    # training_step reads the mark from the batch (as TiDARData delivers it): all greedy -> the diffusion term alone
+    # training_step reads the mark from the batch (as TiDARData delivers it): all greedy -> the
+    # diffusion term alone
     with pytest.warns(UserWarning, match="self.log"), torch.no_grad():  # no Trainer attached here
         loss = m.training_step(
             {"input_ids": ids, "doc_ids": doc_ids, "no_ar_target": torch.ones_like(marked)}, 0

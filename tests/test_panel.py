@@ -29,9 +29,10 @@ needs_panels = pytest.mark.skipif(
 def test_panel_product_matches_stock_and_each_row_is_the_same_alone_or_among_any_number(
     out_features, in_features, dtype
 ):
-    """Every row count: an AR step's one row, a step's few, a prefill's many (16 at a time): the stock
-    product's values, and each row's result bit for bit the same whatever the count. In bf16: the
-    product of the weights widened to fp32, rounded once (to one bf16 step: the sums' order differs)."""
+    """Every row count: an AR step's one row, a step's few, a prefill's many (16 at a time): the
+    stock product's values, and each row's result bit for bit the same whatever the count. In bf16:
+    the product of the weights widened to fp32, rounded once (to one bf16 step: the sums' order
+    differs)."""
     torch.manual_seed(0)
     layer = torch.nn.Linear(in_features, out_features).to(dtype)
     x = torch.randn(75, in_features, dtype=dtype)
@@ -50,10 +51,8 @@ def test_panel_product_matches_stock_and_each_row_is_the_same_alone_or_among_any
         torch.testing.assert_close(full, reference(x), **tol)
         assert full.dtype == dtype
         assert layer(x[None, :5]).shape == (1, 5, out_features)  # leading dimensions kept
-        assert layer(x[::2][:4]).shape == (
-            4,
-            out_features,
-        )  # a strided input is made contiguous first
+        # a strided input is made contiguous first
+        assert layer(x[::2][:4]).shape == (4, out_features)
         torch.testing.assert_close(layer(x[::2][:4]), reference(x[::2][:4]), **tol)
     assert session_of(layer).kernels.packed[layer]["panels"][1][0] == "panels"
 
@@ -93,8 +92,8 @@ def test_without_a_compiler_fp32_takes_onednn_and_says_how_to_fix_it(monkeypatch
 def test_an_unwritable_cache_is_named_with_its_fix_not_blamed_on_the_compiler(
     untrained, monkeypatch, tmp_path
 ):
-    """TIDAR_CACHE where no folder can be made (a file, so even root cannot write there), then an fp32
-    generate: the warning names the kernel folder and TIDAR_CACHE, and decoding still runs."""
+    """TIDAR_CACHE where no folder can be made (a file, so even root cannot write there), then an
+    fp32 generate: the warning names the kernel folder and TIDAR_CACHE, and decoding still runs."""
     import re
 
     blocker = tmp_path / "not-a-folder"
@@ -130,9 +129,8 @@ def test_the_kernel_is_built_once_per_cpu_and_compiler_then_loaded_from_the_cach
     monkeypatch.setattr(panel, "_PANEL_LIB", [])
     lib = panel.panel_library()
     built = list((tmp_path / "kernels").iterdir())
-    assert (
-        lib is not None and len(built) == 1 and built[0].suffix == ".so"
-    )  # no temporary folder left behind
+    # no temporary folder left behind
+    assert lib is not None and len(built) == 1 and built[0].suffix == ".so"
 
     def no_compiler(*args, **kwargs):
         raise subprocess.SubprocessError("built again")
@@ -140,9 +138,8 @@ def test_the_kernel_is_built_once_per_cpu_and_compiler_then_loaded_from_the_cach
     monkeypatch.setattr(subprocess, "run", no_compiler)
     monkeypatch.setattr(panel, "_PANEL_LIB", [])
     assert panel.panel_library() is not None
-    monkeypatch.setattr(
-        panel, "_cpu_signature", lambda: "another CPU"
-    )  # another machine sharing the cache: its own build
+    # another machine sharing the cache: its own build
+    monkeypatch.setattr(panel, "_cpu_signature", lambda: "another CPU")
     monkeypatch.setattr(panel, "_PANEL_LIB", [])
     with pytest.warns(UserWarning, match="built again"):
         assert panel.panel_library() is None
@@ -186,10 +183,8 @@ def test_panel_linear_adds_an_adapters_delta_in_the_same_pass(
 def test_lora_add_takes_many_rows_in_blocks():
     torch.manual_seed(0)
     x, out = torch.randn(1, 80, 32), torch.randn(1, 80, 24)
-    A, B = (
-        torch.randn(64, 32),
-        torch.randn(24, 64),
-    )  # 78 rows x rank 64: more scores than one block holds
+    # 78 rows x rank 64: more scores than one block holds
+    A, B = (torch.randn(64, 32), torch.randn(24, 64))
     got = out.clone()
     assert panel.lora_add(got, x, 2, A, B.T.contiguous())
     torch.testing.assert_close(got[:, 2:], out[:, 2:] + x[:, 2:] @ A.T @ B.T, rtol=1e-4, atol=1e-4)
@@ -207,8 +202,8 @@ def test_lora_add_is_the_low_rank_delta_on_the_rows_from_start(in_features, out_
     assert panel.lora_add(got, x, 4, A, B.T.contiguous())
     assert torch.equal(got[:, :4], out[:, :4])
     torch.testing.assert_close(got[:, 4:], out[:, 4:] + x[:, 4:] @ A.T @ B.T, rtol=1e-5, atol=1e-4)
-    # bf16 rows with the fp32 adapter (a bf16 model's, adapter.attach): the delta in fp32, each output
-    # rounded once, so within one bf16 rounding of torch's fp32 result.
+    # bf16 rows with the fp32 adapter (a bf16 model's, adapter.attach): the delta in fp32, each
+    # output rounded once, so within one bf16 rounding of torch's fp32 result.
     got16, out16, x16 = out.bfloat16(), out.bfloat16(), x.bfloat16()
     assert panel.lora_add(got16, x16, 4, A, B.T.contiguous())
     assert torch.equal(got16[:, :4], out16[:, :4])
@@ -234,7 +229,8 @@ def test_lora_add_is_the_low_rank_delta_on_the_rows_from_start(in_features, out_
         rtol=1e-2,
         atol=1e-2,
     )
-    # What it does not take, it leaves to the caller: bf16 deltas on fp32 rows, mixed dtypes, batches, strided views.
+    # What it does not take, it leaves to the caller: bf16 deltas on fp32 rows, mixed dtypes,
+    # batches, strided views.
     assert not panel.lora_add(out.clone(), x, 4, A16, Bt16)
     assert not panel.lora_add(out16.clone(), x16, 4, A16, B.T.contiguous())
     assert not panel.lora_add(out.bfloat16(), x, 4, A, B.T.contiguous())

@@ -21,6 +21,7 @@ import torch
 
 from tidar_convert.cli import main
 from tidar_convert.exports.disk import DiskFull
+from tidar_convert.runtime.spec import TiDARSpec
 from tidar_convert.train.module import TiDARModule
 
 RECIPE = str(Path(__file__).parents[1] / "recipes" / "tiny.yaml")
@@ -113,7 +114,8 @@ _FULL_FT: dict = {}
 
 
 def full_ft_checkpoint(env: Env) -> Path:
-    """last.ckpt of a one-step full fine-tune (lora_r 0) of the tiny model, made once per session."""
+    """last.ckpt of a one-step full fine-tune (lora_r 0) of the tiny model, made once per
+    session."""
     if env.model not in _FULL_FT:
         run = env.tmp / "full-ft"
         main(
@@ -132,7 +134,8 @@ def full_ft_checkpoint(env: Env) -> Path:
 
 
 def relative_model_checkpoint(env: Env) -> Path:
-    """The full fine-tune's checkpoint as an older version wrote it: the base model path as given, relative."""
+    """The full fine-tune's checkpoint as an older version wrote it: the base model path as given,
+    relative."""
     saved = torch.load(full_ft_checkpoint(env), weights_only=False)
     saved["hyper_parameters"]["model"] = "./tiny-moved-away"
     torch.save(saved, env.tmp / "old.ckpt")
@@ -141,9 +144,8 @@ def relative_model_checkpoint(env: Env) -> Path:
 
 def lora_module_resuming_full_ft(env: Env):
     module = TiDARModule(model=str(env.model), lora_r=8)
-    module.on_load_checkpoint(
-        {"hyper_parameters": {"lora_r": 8, "lora_scope": "all"}}
-    )  # the same adapters: resumed
+    # the same adapters: resumed
+    module.on_load_checkpoint({"hyper_parameters": {"lora_r": 8, "lora_scope": "all"}})
     module.on_load_checkpoint({"hyper_parameters": {"lora_r": 0}})
 
 
@@ -168,12 +170,14 @@ FIT_CASES: list = [
     # a greedy corpus is read and checked whenever it is given
     pytest.param(
         lambda env: fit(env, "--data.greedy_corpus", str(env.tmp / "nosuch.jsonl")),
-        r"--data.greedy_corpus '.*nosuch.jsonl' does not exist; make one with `tidar-convert distill",
+        r"--data.greedy_corpus '.*nosuch.jsonl' does not exist; "
+        r"make one with `tidar-convert distill",
         id="greedy-corpus-missing",
     ),
     pytest.param(
         lambda env: fit(env, "--data.greedy_corpus", str(corpus(env, str(env.model)))),
-        r"with --data.greedy_docs 0: none of its 3 documents would be trained on; set --data.greedy_docs",
+        r"with --data.greedy_docs 0: none of its 3 documents "
+        r"would be trained on; set --data.greedy_docs",
         id="greedy-corpus-unused",
     ),
     pytest.param(
@@ -184,7 +188,9 @@ FIT_CASES: list = [
             "--data.greedy_docs",
             "2",
         ),
-        r"holds the greedy text of the base model '/elsewhere/other-model', and this run trains '.*'.*pass --model.model /elsewhere/other-model, or make one with `tidar-convert distill --model ",
+        r"holds the greedy text of the base model '/elsewhere/other-model', "
+        r"and this run trains '.*'.*pass --model.model /elsewhere/other-model, "
+        r"or make one with `tidar-convert distill --model ",
         id="greedy-corpus-other-model",
     ),
     # the text field: as given, and every row has it
@@ -196,7 +202,8 @@ FIT_CASES: list = [
             "--data.text_field",
             "contnet",
         ),
-        r"has no field 'contnet' holding the text in any of its 12 rows \(its rows have: text, content\); set the one that does: --data.text_field text",
+        r"has no field 'contnet' holding the text in any of its 12 rows \(its "
+        r"rows have: text, content\); set the one that does: --data.text_field text",
         id="text-field-misspelt",
     ),
     pytest.param(
@@ -208,12 +215,14 @@ FIT_CASES: list = [
     ),
     pytest.param(
         lambda env: fit(env, "--data.source", str(rows_file(env, HOLES))),
-        r"6 of its 12 rows have no text in field 'text' \(the first, row 2, has null or no such field; its rows have: id, text\); give each row its text",
+        r"6 of its 12 rows have no text in field 'text' \(the first, row 2, has "
+        r"null or no such field; its rows have: id, text\); give each row its text",
         id="rows-without-text",
     ),
     pytest.param(
         lambda env: fit(env, "--data.source", str(rows_file(env, [{"text": 12345}]))),
-        r"1 of its 1 rows have no text in field 'text' \(the first, row 1, has 12345 \(int\), not a string",
+        r"1 of its 1 rows have no text in field 'text' "
+        r"\(the first, row 1, has 12345 \(int\), not a string",
         id="row-text-not-a-string",
     ),
     pytest.param(
@@ -240,7 +249,8 @@ FIT_CASES: list = [
             "--data.seq_len",
             "300",
         ),
-        r"--data.seq_len 300 is longer than the base model's 256 positions .*; pass --data.seq_len 256 or less",
+        r"--data.seq_len 300 is longer than the base model's "
+        r"256 positions .*; pass --data.seq_len 256 or less",
         id="seq-len-past-positions-fit",
     ),
     pytest.param(
@@ -258,13 +268,15 @@ FIT_CASES: list = [
     ),
     pytest.param(
         lambda env: fit(env, "--trainer.accelerator", "gpu"),
-        r"--trainer.accelerator gpu: no CUDA GPU is visible on this machine.*pass --trainer.accelerator cpu",
+        r"--trainer.accelerator gpu: no CUDA GPU is visible "
+        r"on this machine.*pass --trainer.accelerator cpu",
         id="accelerator-gpu-on-cpu",
         marks=NO_GPU,
     ),
     pytest.param(
         lambda env: fit(env, "--model.lora_r", "8", "--ckpt_path", str(full_ft_checkpoint(env))),
-        r"--ckpt_path .*last.ckpt \(.*\) was trained with other settings than this run asks for: --model.lora_r 8 \(trained with 0\)\. A resumed run keeps the settings",
+        r"--ckpt_path .*last.ckpt \(.*\) was trained with other settings than this run "
+        r"asks for: --model.lora_r 8 \(trained with 0\)\. A resumed run keeps the settings",
         id="resume-full-ft-with-lora",
     ),
     pytest.param(
@@ -273,28 +285,33 @@ FIT_CASES: list = [
                 model=str(env.model), lora_r=16, lora_scope="masks"
             ).on_load_checkpoint({"hyper_parameters": {"lora_r": 8, "lora_scope": "all"}})
         ),
-        r"trained with lora_r=8, lora_scope='all' and this run has lora_r=16, lora_scope='masks': its weights do not fit; resume with --model.lora_r 8 --model.lora_scope all",
+        r"trained with lora_r=8, lora_scope='all' and this run has lora_r=16, lora_scope='masks': "
+        r"its weights do not fit; resume with --model.lora_r 8 --model.lora_scope all",
         id="resume-last-other-adapters",
     ),
     pytest.param(
         api(lora_module_resuming_full_ft),
-        r"checkpoint was trained with lora_r=0 \(a full fine-tune\) and this run has lora_r=8, lora_scope='all': its weights do not fit; resume with --model.lora_r 0",
+        r"checkpoint was trained with lora_r=0 \(a full fine-tune\) and this run has "
+        r"lora_r=8, lora_scope='all': its weights do not fit; resume with --model.lora_r 0",
         id="resume-last-full-ft-with-lora",
     ),
     # model folders
     pytest.param(
         lambda env: fit(env, "--model.model", str(model_copy(env, drop=("tokenizer*",)))),
-        r"model folder '.*model' has no tokenizer that loads \(it holds none of tokenizer.json.*\); save the tokenizer",
+        r"model folder '.*model' has no tokenizer that loads \(it "
+        r"holds none of tokenizer.json.*\); save the tokenizer",
         id="model-without-tokenizer",
     ),
     pytest.param(
         lambda env: fit(env, "--model.model", str(model_copy(env, hidden_size=96))),
-        r"the weights of '.*model' do not fit its config.json \(.* is \[\d+, 64\] in model.safetensors, and config.json makes it \[\d+, 96\]\); restore the config.json",
+        r"the weights of '.*model' do not fit its config.json \(.* is \[\d+, 64\] in "
+        r"model.safetensors, and config.json makes it \[\d+, 96\]\); restore the config.json",
         id="config-hidden-size-wrong",
     ),
     pytest.param(
         lambda env: fit(env, "--model.model", str(model_copy(env, num_attention_heads=5))),
-        r"config.json' is not a config transformers accepts \(The hidden size \(64\) is not a multiple of the number of attention heads \(5\).\); restore",
+        r"config.json' is not a config transformers accepts \(The hidden size "
+        r"\(64\) is not a multiple of the number of attention heads \(5\).\); restore",
         id="config-heads-do-not-divide",
     ),
     # export, and loading what it wrote
@@ -306,7 +323,8 @@ FIT_CASES: list = [
             "--out",
             str(env.tmp / "out"),
         ],
-        r"is a safetensors weights file, not a Lightning checkpoint.*e.g. runs/.../checkpoints/last.ckpt",
+        r"is a safetensors weights file, not a Lightning "
+        r"checkpoint.*e.g. runs/.../checkpoints/last.ckpt",
         id="export-a-safetensors-file",
     ),
     pytest.param(
@@ -319,7 +337,8 @@ FIT_CASES: list = [
             "--adapter_energy",
             "0.5",
         ],
-        r"adapter_energy=0.5: checkpoint '.*last.ckpt' \(lora_r=0, lora_scope='all'\) has no mask-slot adapter to compress.*leave out --adapter_energy",
+        r"adapter_energy=0.5: checkpoint '.*last.ckpt' \(lora_r=0, lora_scope='all'\) "
+        r"has no mask-slot adapter to compress.*leave out --adapter_energy",
         id="export-adapter-energy-full-ft",
     ),
     pytest.param(
@@ -343,7 +362,8 @@ FIT_CASES: list = [
             "--out",
             str(env.tmp / "out"),
         ],
-        r"checkpoint '.*old.ckpt' was trained from the base model './tiny-moved-away', which is not there from here \(.*\); pass --model with that base model's folder",
+        r"checkpoint '.*old.ckpt' was trained from the base model './tiny-moved-away', "
+        r"which is not there from here \(.*\); pass --model with that base model's folder",
         id="export-relative-model-path",
     ),
     pytest.param(
@@ -359,7 +379,8 @@ FIT_CASES: list = [
             "--prompt",
             "x",
         ],
-        r"'.*export' has a config.json but no weights \(no model.safetensors or pytorch_model.bin\); export it again",
+        r"'.*export' has a config.json but no weights \(no "
+        r"model.safetensors or pytorch_model.bin\); export it again",
         id="export-without-weights-generate",
     ),
     pytest.param(
@@ -424,7 +445,8 @@ def export_with_old_marker(env: Env) -> list[str]:
 
 
 def export_onto_a_full_disk(env: Env):
-    """export --overwrite where the weights do not fit: safetensors' own error, as it raises it on a full disk."""
+    """export --overwrite where the weights do not fit: safetensors' own error, as it raises it on a
+    full disk."""
     from unittest import mock
 
     from safetensors import SafetensorError
@@ -481,7 +503,8 @@ def validate(env: Env, *extra: str) -> list[str]:
 OUTPUT_CASES: list = [
     pytest.param(
         edited_export,
-        r"holds an earlier export, but README\.md was changed after the export wrote it.*Nothing was written or deleted.*choose a new folder",
+        r"holds an earlier export, but README\.md was changed after the "
+        r"export wrote it.*Nothing was written or deleted.*choose a new folder",
         id="export-overwrite-edited-card",
     ),
     pytest.param(
@@ -491,22 +514,27 @@ OUTPUT_CASES: list = [
     ),
     pytest.param(
         export_with_old_marker,
-        r"older tidar-convert, whose tidar_export\.json records no sizes or hashes.*delete it yourself, or choose a new folder",
+        r"older tidar-convert, whose tidar_export\.json records no "
+        r"sizes or hashes.*delete it yourself, or choose a new folder",
         id="export-overwrite-old-marker",
     ),
     pytest.param(
         api(export_onto_a_full_disk),
-        r"^no space left in \S+ for the export e: it needs about [\d.]+ \w+(, more than there was room for while writing it \(.*shows free now\)| and the disk has [\d.]+ \w+ free) \(e there is the earlier one, whole\)\. .*choose an --out on a disk with room",
+        r"^no space left in \S+ for the export e: it needs about [\d.]+ \w+(, more than there "
+        r"was room for while writing it \(.*shows free now\)| and the disk has [\d.]+ \w+ "
+        r"free) \(e there is the earlier one, whole\)\. .*choose an --out on a disk with room",
         id="export-full-disk",
     ),
     pytest.param(
         appended_corpus,
-        r"--out '\S+greedy\.jsonl' was changed after `tidar-convert distill` wrote it.*nothing was written.*choose a new file name",
+        r"--out '\S+greedy\.jsonl' was changed after `tidar-convert distill` wrote it.*"
+        r"nothing was written.*choose a new file name",
         id="distill-overwrite-appended-row",
     ),
     pytest.param(
         lambda env: validate(env, "--ckpt_path", "last"),
-        r"--ckpt_path last: no last checkpoint in \S+run/checkpoints\. Leave out --ckpt_path to validate the base model as it is, or pass a checkpoint file",
+        r"--ckpt_path last: no last checkpoint in \S+run/checkpoints\. Leave out "
+        r"--ckpt_path to validate the base model as it is, or pass a checkpoint file",
         id="validate-last-without-checkpoint",
     ),
 ]
@@ -516,8 +544,6 @@ OUTPUT_CASES: list = [
 # --------------------------------------------------------------------------------------------
 
 import torch  # noqa: E402  (kept in this section: its rows build tensors)
-
-from tidar_convert.runtime.spec import TiDARSpec
 
 _LOADED: dict = {}
 
@@ -575,7 +601,8 @@ GENERATE_CASES: list = [
     ),
     pytest.param(
         long_prompt(3),
-        r"prompt \(1027 tokens\).*1024 positions; shorten the prompt to at most 1020 tokens \(1023 with max_new_tokens=1\)",
+        r"prompt \(1027 tokens\).*1024 positions; shorten the prompt "
+        r"to at most 1020 tokens \(1023 with max_new_tokens=1\)",
         id="prompt-past-the-context",
     ),
     pytest.param(
@@ -585,7 +612,8 @@ GENERATE_CASES: list = [
     ),
     pytest.param(
         lm_generate([[5, 6, 7, 8]]),
-        r"input_ids is a list: pass a LongTensor of shape \(batch, length\), e\.g\. torch\.tensor\(\[ids\]\)",
+        r"input_ids is a list: pass a LongTensor of shape "
+        r"\(batch, length\), e\.g\. torch\.tensor\(\[ids\]\)",
         id="ids-as-list",
     ),
     pytest.param(
@@ -602,7 +630,8 @@ GENERATE_CASES: list = [
 
 # --------------------------------------------------------------------------------------------
 
-# FIT_CASES go through LightningCLI (`tidar-convert fit`), some past loading the model: `make test-fast` leaves them out
+# FIT_CASES go through LightningCLI (`tidar-convert fit`), some past loading the model: `make
+# test-fast` leaves them out
 CASES = (
     [pytest.param(*c.values, marks=[*c.marks, pytest.mark.fit], id=c.id) for c in FIT_CASES]
     + OUTPUT_CASES

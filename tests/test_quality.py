@@ -1,4 +1,5 @@
-"""quality.py: repetition metrics on hand-made token lists, the pass@1 harness on tiny problems, the verdict."""
+"""quality.py: repetition metrics on hand-made token lists, the pass@1 harness on tiny problems, the
+verdict."""
 
 from __future__ import annotations
 
@@ -19,12 +20,10 @@ def test_distinct_n():
     assert q.distinct_n([5, 5, 5, 5, 5]) == 0.25  # 4 bigrams, one kind
     assert q.distinct_n([1, 2, 1, 2, 1]) == 0.5  # (1,2) (2,1) (1,2) (2,1)
     assert q.distinct_n([1, 2, 1, 2, 1], n=3) == 2 / 3  # (1,2,1) (2,1,2) (1,2,1)
-    assert (
-        q.distinct_n([7]) == 0.0 and q.distinct_n([]) == 0.0
-    )  # no bigram: nothing said, no reward
-    assert (
-        q.mean_distinct2([[1, 2, 3], [5, 5, 5, 5, 5]]) == (1.0 + 0.25) / 2
-    )  # per output, then averaged
+    # no bigram: nothing said, no reward
+    assert q.distinct_n([7]) == 0.0 and q.distinct_n([]) == 0.0
+    # per output, then averaged
+    assert q.mean_distinct2([[1, 2, 3], [5, 5, 5, 5, 5]]) == (1.0 + 0.25) / 2
 
 
 def varied(n, start=100):
@@ -45,15 +44,13 @@ def test_period_9_is_not_a_loop():
 
 def test_loop_early_but_varied_tail_is_not_a_loop():
     assert not q.ends_in_loop([1, 2] * 40 + varied(48))
-    assert not q.ends_in_loop(
-        [1, 2] * 40 + varied(1)
-    )  # one fresh token breaks the period at the end
+    # one fresh token breaks the period at the end
+    assert not q.ends_in_loop([1, 2] * 40 + varied(1))
 
 
 def test_short_outputs_are_not_loops():
-    assert not q.ends_in_loop(
-        [3] * 47
-    )  # shorter than the 48-token tail: it stopped at EOS by itself
+    # shorter than the 48-token tail: it stopped at EOS by itself
+    assert not q.ends_in_loop([3] * 47)
     assert q.ends_in_loop([3] * 48)
     assert not q.ends_in_loop([])
     assert q.ends_in_loop([3] * 10, tail=10)
@@ -74,7 +71,10 @@ PROBLEMS = {
         "task_id": "Tiny/add",
         "prompt": 'def add(a, b):\n    """Sum of a and b."""\n',
         "entry_point": "add",
-        "test": "def check(candidate):\n    assert candidate(2, 3) == 5\n    assert candidate(-1, 1) == 0\n",
+        "test": (
+            "def check(candidate):\n    assert candidate(2, 3) == 5\n"
+            "    assert candidate(-1, 1) == 0\n"
+        ),
     },
     "Tiny/rev": {
         "task_id": "Tiny/rev",
@@ -93,7 +93,8 @@ PROBLEMS = {
 
 def test_pass_at_1_solved_unsolved_and_timeout():
     completions = {
-        "Tiny/add": "    return a + b\n\ndef unrelated():\n    raise SystemError\n",  # cut at the stop sequence
+        # cut at the stop sequence
+        "Tiny/add": "    return a + b\n\ndef unrelated():\n    raise SystemError\n",
         "Tiny/rev": "    return s\n",  # wrong
         "Tiny/spin": "    while True:\n        pass\n",  # never returns: killed by the timeout
     }
@@ -156,24 +157,20 @@ def test_report_distinct2_alone_can_fail():
 
 
 def test_report_loop_share_alone_can_fail():
-    one_loop = [
-        varied(200) + [7] * 48,
-        varied(100),
-    ]  # a long varied text that ends stuck: distinct-2 stays high
+    # a long varied text that ends stuck: distinct-2 stays high
+    one_loop = [varied(200) + [7] * 48, varied(100)]
     r = q.quality_report(one_loop + GOOD, GOOD + GOOD, 0.5, 0.5)
     assert r["converted"]["distinct2"] >= 0.9 * r["base"]["distinct2"]
     assert not r["passes"] and len(r["reasons"]) == 1 and "loop share" in r["reasons"][0]
-    assert q.quality_report(LOOPY, LOOPY)[
-        "passes"
-    ]  # a loop share no higher than the base's is fine
+    # a loop share no higher than the base's is fine
+    assert q.quality_report(LOOPY, LOOPY)["passes"]
 
 
 def test_report_pass_at_1_alone_can_fail():
     r = q.quality_report(GOOD, GOOD, converted_pass1=0.38, base_pass1=0.40)
     assert not r["passes"] and len(r["reasons"]) == 1 and "pass@1" in r["reasons"][0]
-    assert q.quality_report(GOOD, GOOD, converted_pass1=0.49, base_pass1=0.50)[
-        "passes"
-    ]  # exactly 1 point down
+    # exactly 1 point down
+    assert q.quality_report(GOOD, GOOD, converted_pass1=0.49, base_pass1=0.50)["passes"]
 
 
 def test_report_needs_pass_at_1_for_both_or_neither():
@@ -215,9 +212,8 @@ def test_quality_cli_writes_a_report(tiny_dirs, tmp_path, capsys):
     r = json.loads(out.read_text())
     assert r["prompts"] == 2 and r["humaneval_problems"] == 1 and isinstance(r["passes"], bool)
     assert [row["kind"] for row in r["rows"]] == ["code", "text"]
-    assert (
-        r["rows"][0]["converted"]["humaneval"] != "passed"
-    )  # a random model does not solve HumanEval/0
+    # a random model does not solve HumanEval/0
+    assert r["rows"][0]["converted"]["humaneval"] != "passed"
     for side in ("converted", "base"):
         assert set(r[side]) == {"distinct2", "loop_share", "pass@1"} and r[side]["pass@1"] == 0.0
         assert all(row[side]["new_tokens"] <= 8 for row in r["rows"])
@@ -260,14 +256,11 @@ def test_quality_cli_defaults_to_the_base_the_export_records(tiny_dirs, tmp_path
             ]
         )
         r = json.loads(out.read_text())
-        assert r["base_model"] == str(
-            tiny_dirs["qwen2"].resolve()
-        )  # not overwritten by the base metrics
+        # not overwritten by the base metrics
+        assert r["base_model"] == str(tiny_dirs["qwen2"].resolve())
         assert r["base_decoder"] == base_decoder
-        assert (
-            r["passes"] and r["distinct2_ratio"] == 1.0
-        )  # untrained export: the base's own weights, the same text
+        # untrained export: the base's own weights, the same text
+        assert r["passes"] and r["distinct2_ratio"] == 1.0
         base_text[base_decoder] = [row["base"]["text"] for row in r["rows"]]
-    assert (
-        base_text["prompt_lookup"] == base_text["ar"]
-    )  # the fast default writes the base's greedy text
+    # the fast default writes the base's greedy text
+    assert base_text["prompt_lookup"] == base_text["ar"]

@@ -21,9 +21,9 @@ def fingerprint(ids: torch.Tensor) -> str:
 
 @pytest.fixture(autouse=True)
 def python_sigint():
-    """Each test starts from Python's own Ctrl-C (KeyboardInterrupt), what `tidar-convert fit` starts
-    from in a shell: in CI's full run an earlier test left SIGINT handled otherwise, and these tests
-    check what fit does relative to Python's default."""
+    """Each test starts from Python's own Ctrl-C (KeyboardInterrupt), what `tidar-convert fit`
+    starts from in a shell: in CI's full run an earlier test left SIGINT handled otherwise, and
+    these tests check what fit does relative to Python's default."""
     old = signal.signal(signal.SIGINT, signal.default_int_handler)
     yield
     signal.signal(signal.SIGINT, old)
@@ -48,8 +48,9 @@ def uneven_rows(tmp_path_factory):
 def test_a_resumed_loader_yields_exactly_the_batches_that_were_still_to_come(
     tokenizer, uneven_rows, workers
 ):
-    """The skip arithmetic, checked at every position of an epoch: consume c batches, save, load into
-    a new loader: it yields batches c, c+1, ... of the uninterrupted epoch, in order, and nothing else."""
+    """The skip arithmetic, checked at every position of an epoch: consume c batches, save, load
+    into a new loader: it yields batches c, c+1, ... of the uninterrupted epoch, in order, and
+    nothing else."""
 
     def loader():
         ds = PackedDocuments(
@@ -73,9 +74,8 @@ def test_a_resumed_loader_yields_exactly_the_batches_that_were_still_to_come(
         reference.append(batch["input_ids"])
         states.append(whole.state_dict())
     sizes = [len(b) for b in reference]
-    assert len(reference) >= 12 and (workers < 2 or min(sizes[:-1]) < 3), (
-        sizes
-    )  # a reader ends before the others
+    # a reader ends before the others
+    assert len(reference) >= 12 and (workers < 2 or min(sizes[:-1]) < 3), sizes
     for c, state in enumerate(states):
         resumed = loader()
         resumed.load_state_dict(state)
@@ -99,7 +99,9 @@ def test_a_position_is_refused_for_other_workers_or_data(tokenizer, uneven_rows)
     state = loader(workers=2).state_dict()
     with pytest.raises(
         ValueError,
-        match="saved with --data.num_workers 2 and this run has 0.*resume with --data.num_workers 2",
+        match=(
+            "saved with --data.num_workers 2 and this run has 0.*resume with --data.num_workers 2"
+        ),
     ):
         loader().load_state_dict(state)
     with pytest.raises(ValueError, match="other data settings"):
@@ -122,7 +124,8 @@ class Killed(Exception):
 
 @pytest.fixture(scope="module")
 def small_corpus(tmp_path_factory):
-    """A jsonl of unique documents, a few training steps per epoch: every run below crosses epochs."""
+    """A jsonl of unique documents, a few training steps per epoch: every run below crosses
+    epochs."""
     path = tmp_path_factory.mktemp("small") / "code.jsonl"
     rows = [
         {"text": f"def f_{i}(x, y):\n    z = x + {i * 7 % 100}\n    return z * y - {i}\n"}
@@ -190,9 +193,8 @@ def check_reference(whole, total):
 
 def saved_step(run, workers) -> int:
     ckpt = torch.load(run / "checkpoints" / "last.ckpt", weights_only=False)
-    [position] = ckpt["loops"]["fit_loop"]["state_dict"][
-        "combined_loader"
-    ]  # where Lightning keeps ResumableLoader.state_dict()
+    # where Lightning keeps ResumableLoader.state_dict()
+    [position] = ckpt["loops"]["fit_loop"]["state_dict"]["combined_loader"]
     assert position["readers"] == max(1, workers)
     return ckpt["global_step"]
 
@@ -201,8 +203,10 @@ def fit(run, model_dir, corpus, workers, max_steps, *extra):
     from tidar_convert.cli import main
 
     main([
-        "fit", "--config", RECIPE, "--model.model", str(model_dir), "--data.source", str(corpus), "--data.num_workers", str(workers),
-        "--trainer.default_root_dir", str(run), "--trainer.logger", "false", "--trainer.max_steps", str(max_steps), "--data.val_every", "4",
+        "fit", "--config", RECIPE, "--model.model", str(model_dir),
+        "--data.source", str(corpus), "--data.num_workers", str(workers),
+        "--trainer.default_root_dir", str(run), "--trainer.logger", "false",
+        "--trainer.max_steps", str(max_steps), "--data.val_every", "4",
         "--trainer.num_sanity_val_steps", "0", *extra,
     ])  # fmt: skip
 
@@ -218,20 +222,19 @@ def test_a_resumed_fit_sees_exactly_the_chunks_of_an_uninterrupted_one(
     whole = dict(steps)
     epochs = check_reference(whole, total)
     epoch_end = epochs.index(1)  # steps in the first epoch
-    assert 3 <= epoch_end < 10 and epochs[-1] >= 2, (
-        epochs
-    )  # the runs below cross epoch ends before and after the checkpoint
+    # the runs below cross epoch ends before and after the checkpoint
+    assert 3 <= epoch_end < 10 and epochs[-1] >= 2, epochs
 
     def interrupted(name, stop, kill, every=10):
         """Stop a run at step `stop` (killed, or by max_steps) with checkpoints every `every` steps,
         resume it with --ckpt_path last up to `total` steps: (the step of the checkpoint it resumed
         from, steps trained before, steps after)."""
         run = tmp_path / name
-        checkpoints = (
-            tmp_path / f"{name}.yaml"
-        )  # replaces tiny.yaml's callbacks (one ModelCheckpoint, every 10 steps)
+        # replaces tiny.yaml's callbacks (one ModelCheckpoint, every 10 steps)
+        checkpoints = tmp_path / f"{name}.yaml"
         checkpoints.write_text(
-            "trainer:\n  callbacks:\n    - class_path: lightning.pytorch.callbacks.ModelCheckpoint\n"
+            "trainer:\n  callbacks:\n"
+            "    - class_path: lightning.pytorch.callbacks.ModelCheckpoint\n"
             f"      init_args: {{save_last: true, save_top_k: 0, every_n_train_steps: {every}}}\n"
         )
         steps.clear()
@@ -264,9 +267,8 @@ def test_a_resumed_fit_sees_exactly_the_chunks_of_an_uninterrupted_one(
             "--ckpt_path",
             "last",
         )
-        if (
-            epochs[saved] == epochs[saved - 1]
-        ):  # resumed inside an epoch: says why its first step takes longer
+        # resumed inside an epoch: says why its first step takes longer
+        if epochs[saved] == epochs[saved - 1]:
             assert "resuming the training data after the" in capsys.readouterr().err
         after = dict(steps)
         assert sorted(after) == list(range(saved, total)), (
@@ -286,7 +288,8 @@ def test_a_resumed_fit_sees_exactly_the_chunks_of_an_uninterrupted_one(
         ("stopped by max_steps at the end of an epoch", epoch_end, False, 10, epoch_end),
     )
     # With workers, the unit test above already resumes at every position of an epoch: here only the
-    # first scenario, which crosses the epoch end where one worker's reader runs out before the other.
+    # first scenario, which crosses the epoch end where one worker's reader runs out before
+    # the other.
     for name, stop, kill, every, expected in scenarios if workers == 0 else scenarios[:1]:
         saved, before, after = interrupted(name.replace(" ", "_"), stop, kill, every)
         assert saved == expected, name
@@ -333,7 +336,8 @@ def test_sigterm_during_gradient_accumulation_resumes_on_the_same_chunks(
 
 
 def every(tmp_path, n: int) -> list[str]:
-    """A --config replacing tiny.yaml's checkpoints with one ModelCheckpoint saving last.ckpt every n steps."""
+    """A --config replacing tiny.yaml's checkpoints with one ModelCheckpoint saving last.ckpt every
+    n steps."""
     path = tmp_path / f"every{n}.yaml"
     path.write_text(
         "trainer:\n  callbacks:\n    - class_path: lightning.pytorch.callbacks.ModelCheckpoint\n"
@@ -375,7 +379,8 @@ class FillsUp:
 def test_a_full_disk_while_saving_leaves_the_previous_last_ckpt_whole_and_ends_in_one_line(
     tmp_path, tiny_dirs, small_corpus, monkeypatch, capsys
 ):
-    """Probe (issue 31): a full disk during fit left a truncated last.ckpt, and resume and export then failed."""
+    """Probe (issue 31): a full disk during fit left a truncated last.ckpt, and resume and export
+    then failed."""
     from tidar_convert.exports import disk
 
     run, model = tmp_path / "run", tiny_dirs["qwen2"]
@@ -383,9 +388,8 @@ def test_a_full_disk_while_saving_leaves_the_previous_last_ckpt_whole_and_ends_i
     before = (run / "checkpoints" / "last.ckpt").read_bytes()
     files = []
 
-    def full_disk(
-        path, mode="r", *args, **kwargs
-    ):  # every checkpoint write finds room for half the checkpoint
+    # every checkpoint write finds room for half the checkpoint
+    def full_disk(path, mode="r", *args, **kwargs):
         f = open(path, mode, *args, **kwargs)
         if "w" in mode and str(path).endswith(".ckpt"):
             files.append(FillsUp(f, len(before) // 2))
@@ -404,14 +408,15 @@ def test_a_full_disk_while_saving_leaves_the_previous_last_ckpt_whole_and_ends_i
     ), err
     folder = re.escape(str(run.resolve() / "checkpoints"))
     assert re.search(
-        rf"error: no space left in {folder} for the checkpoint last.ckpt: it needs about \d.*(and the disk has \d.* free|shows free now\)) "
-        r"\(last.ckpt there is the earlier one, whole\)\. .*--trainer.default_root_dir.*--ckpt_path last",
+        rf"error: no space left in {folder} for the checkpoint last.ckpt: it needs about \d.*"
+        r"(and the disk has \d.* free|shows free now\)) "
+        r"\(last.ckpt there is the earlier one, whole\)\. "
+        r".*--trainer.default_root_dir.*--ckpt_path last",
         err,
     ), err
     assert (run / "checkpoints" / "last.ckpt").read_bytes() == before
-    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == [
-        "last.ckpt"
-    ]  # no partial file left
+    # no partial file left
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["last.ckpt"]
     monkeypatch.undo()
     assert last_step(run) == 2
     fit(run, model, small_corpus, 0, 4, *every(tmp_path, 2), "--ckpt_path", "last")
@@ -449,12 +454,12 @@ def test_ctrl_c_saves_a_checkpoint_says_so_and_resumes(
     err = capsys.readouterr().err
     last = (run / "checkpoints" / "last.ckpt").resolve()
     assert (
-        "received SIGINT (Ctrl-C): stopping after this step to save a checkpoint; press Ctrl-C again to stop at once without saving."
-        in err
+        "received SIGINT (Ctrl-C): stopping after this step to save a "
+        "checkpoint; press Ctrl-C again to stop at once without saving." in err
     )
     assert (
-        f"received SIGINT: saved {last} at step 4; run the same command with --ckpt_path last to continue."
-        in err
+        f"received SIGINT: saved {last} at step 4; run the "
+        "same command with --ckpt_path last to continue." in err
     ), err
     assert saved_step(run, 0) == 4 and sorted(steps) == [0, 1, 2, 3]
     steps.clear()
@@ -473,8 +478,8 @@ def test_a_second_ctrl_c_stops_at_once_and_says_nothing_was_saved(
         fit(run, tiny_dirs["qwen2"], small_corpus, 0, 10)
     assert exit.value.code == 130
     assert (
-        "received SIGINT again: stopped at once at step 3; nothing was saved at the interrupt (no checkpoint was written)."
-        in capsys.readouterr().err
+        "received SIGINT again: stopped at once at step 3; nothing "
+        "was saved at the interrupt (no checkpoint was written)." in capsys.readouterr().err
     )
     assert not (run / "checkpoints" / "last.ckpt").exists()
 
@@ -493,9 +498,8 @@ def test_a_signal_before_the_first_step_says_nothing_was_saved_and_the_requeue_s
     from tidar_convert.train.preemption import NOTHING_SAVED
 
     run, model = tmp_path / "run", tiny_dirs["qwen2"]
-    hook = (
-        "configure_model" if when == "loading" else "validation_step"
-    )  # before Lightning listens for SIGTERM, and after
+    # before Lightning listens for SIGTERM, and after
+    hook = "configure_model" if when == "loading" else "validation_step"
     original = getattr(TiDARModule, hook)
 
     def interrupted(module, *args):
@@ -509,8 +513,8 @@ def test_a_signal_before_the_first_step_says_nothing_was_saved_and_the_requeue_s
     name = signal.Signals(signum).name
     err = capsys.readouterr().err
     assert (
-        f"received {name} before the first training step: nothing was saved (no step was taken). Run the same command again; with --ckpt_path last it starts from scratch."
-        in err
+        f"received {name} before the first training step: nothing was saved (no step was taken). "
+        "Run the same command again; with --ckpt_path last it starts from scratch." in err
     ), err
     assert (
         not steps and not list(run.glob("checkpoints/*.ckpt")) and (run / NOTHING_SAVED).is_file()
@@ -518,13 +522,12 @@ def test_a_signal_before_the_first_step_says_nothing_was_saved_and_the_requeue_s
     monkeypatch.setattr(TiDARModule, hook, original)
     fit(run, model, small_corpus, 0, 3, "--ckpt_path", "last")
     assert (
-        f"--ckpt_path last: the run in {run} was stopped by {name} before its first step and saved nothing: starting from scratch."
-        in capsys.readouterr().err
+        f"--ckpt_path last: the run in {run} was stopped by {name} "
+        "before its first step and saved nothing: starting from scratch." in capsys.readouterr().err
     )
     assert sorted(steps) == [0, 1, 2] and saved_step(run, 0) == 3
-    assert not (
-        run / NOTHING_SAVED
-    ).exists()  # it took a step: a later --ckpt_path last without a checkpoint is refused again
+    # it took a step: a later --ckpt_path last without a checkpoint is refused again
+    assert not (run / NOTHING_SAVED).exists()
 
 
 @pytest.mark.fit
@@ -540,9 +543,8 @@ def test_ctrl_c_once_training_ended_is_a_keyboard_interrupt_as_ever(
     def interrupted(*args, **kwargs):
         os.kill(os.getpid(), signal.SIGINT)
 
-    monkeypatch.setattr(
-        sys.modules["tidar_convert.exports.folder"], "export", interrupted
-    )  # the package's `export` is the function
+    # the package's `export` is the function
+    monkeypatch.setattr(sys.modules["tidar_convert.exports.folder"], "export", interrupted)
     run = tmp_path / "run"
     with pytest.raises(KeyboardInterrupt):
         fit(

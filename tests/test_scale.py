@@ -25,9 +25,9 @@ def test_accumulation_reaches_the_global_batch():
 
 
 def test_global_batch_line():
-    assert (
-        global_batch_line(4, 4096, 8, 1, 16)
-        == "global batch 2097152 tokens = micro-batch 4 x seq_len 4096 x devices 8 x nodes 1 x accumulation 16"
+    assert global_batch_line(4, 4096, 8, 1, 16) == (
+        "global batch 2097152 tokens = micro-batch 4 x "
+        "seq_len 4096 x devices 8 x nodes 1 x accumulation 16"
     )
 
 
@@ -36,12 +36,11 @@ def test_global_batch_line():
     [
         (
             (2**21, 3, 4096, 8, 1, None),
-            "--global_batch_tokens 2097152 is not a whole number of micro-steps of micro-batch 3 x seq_len 4096 x devices 8 x nodes 1 = 98304 tokens",
+            "--global_batch_tokens 2097152 is not a whole number of micro-steps "
+            "of micro-batch 3 x seq_len 4096 x devices 8 x nodes 1 = 98304 tokens",
         ),
-        (
-            (2**19, 4, 4096, 8, 8, None),
-            "set --global_batch_tokens to a multiple of 1048576",
-        ),  # one micro-step is already twice the batch
+        # one micro-step is already twice the batch
+        ((2**19, 4, 4096, 8, 8, None), "set --global_batch_tokens to a multiple of 1048576"),
         (
             (2**21, 4, 4096, 8, 1, 8),
             "--trainer.accumulate_grad_batches 8 gives 1048576 tokens per step",
@@ -80,9 +79,8 @@ def test_every_recipe_parses_and_reaches_its_global_batch(recipe, capsys):
         assert (
             d["batch_size"] * d["seq_len"] * shape[2] * shape[3] * a == cfg["global_batch_tokens"]
         )
-    if recipe.stem.startswith(
-        ("qwen2.5-1.5b", "qwen3-8b")
-    ):  # the paper's: 2M tokens of seq 4096, cosine 1e-5 -> 3e-6
+    # the paper's: 2M tokens of seq 4096, cosine 1e-5 -> 3e-6
+    if recipe.stem.startswith(("qwen2.5-1.5b", "qwen3-8b")):
         assert cfg["global_batch_tokens"] == 2**21 and d["seq_len"] == 4096
         assert (
             cfg["model"]["optimizer"]["init_args"]["lr"] == 1e-5
@@ -116,8 +114,8 @@ def test_fit_derives_accumulation_prints_it_and_records_it(tmp_path, tiny_dirs, 
     )
     assert cli.trainer.accumulate_grad_batches == 3 and cli.trainer.global_step == 2
     assert (
-        "global batch 384 tokens = micro-batch 2 x seq_len 64 x devices 1 x nodes 1 x accumulation 3"
-        in capsys.readouterr().err
+        "global batch 384 tokens = micro-batch 2 x "
+        "seq_len 64 x devices 1 x nodes 1 x accumulation 3" in capsys.readouterr().err
     )
     saved = yaml.safe_load((tmp_path / "config.yaml").read_text())
     assert (
@@ -146,9 +144,8 @@ def test_fit_derives_accumulation_prints_it_and_records_it(tmp_path, tiny_dirs, 
 def test_fit_refuses_an_unreachable_global_batch_before_loading_the_model(
     tmp_path, extra, message, capsys
 ):
-    with pytest.raises(
-        SystemExit
-    ):  # the model folder does not exist: refused before anything loads
+    # the model folder does not exist: refused before anything loads
+    with pytest.raises(SystemExit):
         main(
             [
                 "fit",
@@ -215,13 +212,11 @@ def test_fit_logs_throughput_and_memory_to_csv_and_wandb(tmp_path, tiny_dirs, mo
     rows = list(csv.DictReader(next((tmp_path / "csv").glob("version_*/metrics.csv")).open()))
     perf = [r for r in rows if r.get("perf/tokens_per_sec")]
     losses = [r["step"] for r in rows if r.get("train/loss")]
-    assert (
-        [r["step"] for r in perf] == losses == ["1", "3", "5"]
-    )  # with the loss, every log_every_n_steps optimizer steps
+    # with the loss, every log_every_n_steps optimizer steps
+    assert [r["step"] for r in perf] == losses == ["1", "3", "5"]
     base, _ = load_base(str(tiny_dirs["llama"]))  # with the mask token's rows, as trained
-    n = (
-        sum(p.numel() for p in base.parameters()) - base.get_input_embeddings().weight.numel()
-    )  # untied: the lookup does no matmul
+    # untied: the lookup does no matmul
+    n = sum(p.numel() for p in base.parameters()) - base.get_input_embeddings().weight.numel()
     for r in perf:
         tok_s, rss = float(r["perf/tokens_per_sec_per_device"]), float(r["perf/peak_rss_gib/rank0"])
         assert 0 < tok_s < 1e7 and float(r["perf/tokens_per_sec"]) == tok_s  # one device
@@ -235,7 +230,8 @@ def test_fit_logs_throughput_and_memory_to_csv_and_wandb(tmp_path, tiny_dirs, mo
 @pytest.mark.fit
 @pytest.mark.subprocess
 def test_two_nodes_under_torchrun_reach_the_global_batch_and_log_each_rank(tmp_path, tiny_dirs):
-    """What the README's torchrun command does, with 2 one-process "nodes" on this machine (gloo)."""
+    """What docs/scale.md's torchrun command does, with 2 one-process "nodes" on this machine
+    (gloo)."""
     import os
     import socket
     import subprocess
@@ -317,7 +313,10 @@ def test_two_nodes_under_torchrun_reach_the_global_batch_and_log_each_rank(tmp_p
     ]
     errs = [p.communicate(timeout=600)[1] for p in nodes]
     assert [p.returncode for p in nodes] == [0, 0], errs
-    line = "global batch 512 tokens = micro-batch 2 x seq_len 64 x devices 1 x nodes 2 x accumulation 2"
+    line = (
+        "global batch 512 tokens = micro-batch 2 x "
+        "seq_len 64 x devices 1 x nodes 2 x accumulation 2"
+    )
     assert errs[0].count(line) == 1 and line not in errs[1]  # said once, by rank 0
     rows = [
         r
@@ -340,10 +339,8 @@ def test_flops_inputs(tiny_dirs, monkeypatch):
     from tidar_convert.models.loading import load_base
     from tidar_convert.train.callbacks import matmul_params, peak_flops
 
-    for family in (
-        "llama",
-        "qwen2",
-    ):  # untied: the input embedding is a lookup; tied: it is also the output layer
+    # untied: the input embedding is a lookup; tied: it is also the output layer
+    for family in ("llama", "qwen2"):
         model, _ = load_base(str(tiny_dirs[family]))
         total, embed = (
             sum(p.numel() for p in model.parameters()),

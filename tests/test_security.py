@@ -1,4 +1,5 @@
-"""An export's TiDAR code runs only with trust_remote_code=True; without it the folder is the plain AR model.
+"""An export's TiDAR code runs only with trust_remote_code=True; without it the folder is the
+plain AR model.
 
 A copy of the export whose custom_generate/generate.py writes a sentinel file when it is imported
 proves the shipped code never ran. Each load is a fresh interpreter, so nothing imported or bound
@@ -7,8 +8,8 @@ by an earlier test can hide what transformers does. The acceptance test for trus
 the True case is only the positive control for the sentinel.
 
 Also the silent fallback: when custom_generate fails to load, transformers keeps its own generate
-without a word. tidar_convert.exports.folder finds that (tidar_active / fallback_reason / require_tidar),
-load() warns about it, and the bench refuses to time AR as TiDAR.
+without a word. tidar_convert.exports.folder finds that (tidar_active / fallback_reason /
+require_tidar), load() warns about it, and the bench refuses to time AR as TiDAR.
 """
 
 from __future__ import annotations
@@ -61,7 +62,8 @@ def spiked(exported, tmp_path):
 
 def load_in_subprocess(folder: Path, tmp_path: Path, trust: str) -> dict:
     """from_pretrained(folder[, trust_remote_code=...]) in a fresh interpreter; then generate,
-    then generate(custom_generate=folder) with the same trust setting (the path PR #46483 closed)."""
+    then generate(custom_generate=folder) with the same trust setting (the path PR #46483
+    closed)."""
     kwarg = "" if trust == "omitted" else f", trust_remote_code={trust}"
     script = textwrap.dedent(
         f"""
@@ -71,13 +73,16 @@ def load_in_subprocess(folder: Path, tmp_path: Path, trust: str) -> dict:
         ids = torch.tensor({cycle_batch(1, 5, seed=2).tolist()})
         out = m.generate(ids, max_new_tokens=8, do_sample=False, eos_token_id=None)
         fn = getattr(m.generate, "func", m.generate)
-        res = {{"generate": fn.__module__ + "." + fn.__qualname__, "tidar_stats": hasattr(m, "tidar_stats"),
-               "new_tokens": out.shape[1] - ids.shape[1], "class": type(m).__module__ + "." + type(m).__name__}}
+        res = {{"generate": fn.__module__ + "." + fn.__qualname__,
+               "tidar_stats": hasattr(m, "tidar_stats"),
+               "new_tokens": out.shape[1] - ids.shape[1],
+               "class": type(m).__module__ + "." + type(m).__name__}}
         if {trust!r} != "True":
             try:
                 m.generate(ids, max_new_tokens=2, custom_generate={str(folder)!r}{kwarg})
                 res["custom_generate_call"] = "returned"
-            except Exception as e:  # transformers >= 5.12 refuses; before, the folder's code ran (and raised or not)
+            # transformers >= 5.12 refuses; before, the folder's code ran (and raised or not)
+            except Exception as e:
                 res["custom_generate_call"] = type(e).__name__ + ": " + str(e)[:160]
         print("RESULT " + json.dumps(res))
         """
@@ -92,9 +97,8 @@ def load_in_subprocess(folder: Path, tmp_path: Path, trust: str) -> dict:
         stdin=subprocess.DEVNULL,
     )
     assert res.returncode == 0, res.stderr[-3000:]
-    return json.loads(
-        res.stdout.rsplit("RESULT ", 1)[-1]
-    )  # after the [y/N] prompt transformers prints (stdin is empty)
+    # after the [y/N] prompt transformers prints (stdin is empty)
+    return json.loads(res.stdout.rsplit("RESULT ", 1)[-1])
 
 
 @pytest.mark.subprocess
@@ -106,8 +110,9 @@ def test_without_trust_remote_code_the_shipped_code_never_runs(spiked, tmp_path,
     assert out["class"] == "transformers.models.qwen3.modeling_qwen3.Qwen3ForCausalLM"
     assert out["generate"] == "transformers.generation.utils.GenerationMixin.generate"  # plain AR
     assert not out["tidar_stats"] and out["new_tokens"] == 8
-    # generate(custom_generate=<local folder>) ran the folder's code without trust_remote_code before
-    # transformers 5.12.0 (PR #46483); the lower bound in pyproject.toml is there for this line.
+    # generate(custom_generate=<local folder>) ran the folder's code without trust_remote_code
+    # before transformers 5.12.0 (PR #46483); the lower bound in pyproject.toml is there for
+    # this line.
     assert out["custom_generate_call"].startswith("ValueError: The repository"), out[
         "custom_generate_call"
     ]
@@ -116,7 +121,8 @@ def test_without_trust_remote_code_the_shipped_code_never_runs(spiked, tmp_path,
 
 @pytest.mark.subprocess
 def test_with_trust_remote_code_the_shipped_code_runs(spiked, tmp_path):
-    """Positive control: the same spiked copy, opted in. Without it the absent sentinel proves nothing."""
+    """Positive control: the same spiked copy, opted in. Without it the absent sentinel proves
+    nothing."""
     folder, sentinel = spiked
     out = load_in_subprocess(folder, tmp_path, "True")
     assert sentinel.read_text() == "ran"
@@ -150,8 +156,9 @@ def broken_copy(exported: Path, tmp_path: Path, how: str) -> Path:
 
 
 def test_transformers_falls_back_to_ar_silently_and_it_is_detected(exported, tmp_path, capfd):
-    """The failure transformers swallows: a file custom_generate/generate.py imports is missing. It loads
-    with trust_remote_code=True, no error, no warning, and generate is AR; tidar_convert says why."""
+    """The failure transformers swallows: a file custom_generate/generate.py imports is missing. It
+    loads with trust_remote_code=True, no error, no warning, and generate is AR; tidar_convert
+    says why."""
     folder = broken_copy(exported, tmp_path, "no_layout")
     capfd.readouterr()
     with warnings.catch_warnings(record=True) as caught:
@@ -200,7 +207,8 @@ def test_tidar_active_on_every_binding(exported):
     ],
 )
 def test_load_warns_when_the_exports_own_code_would_not_load(exported, tmp_path, how, message):
-    """load() itself works (it binds the package's decode) but names the file and the error, without running it."""
+    """load() itself works (it binds the package's decode) but names the file and the error, without
+    running it."""
     folder = broken_copy(exported, tmp_path, how)
     assert message in custom_generate_problem(folder)
     with pytest.warns(TiDARFallbackWarning, match="silently decodes with plain AR") as record:
@@ -220,10 +228,10 @@ def test_load_is_quiet_on_a_good_export(exported, recwarn):
 
 
 def test_bench_refuses_to_time_ar_as_tidar(exported, tmp_path, monkeypatch):
-    """If the model the bench gets decodes with transformers' AR, it stops with the reason, writing nothing."""
-    export_mod = importlib.import_module(
-        "tidar_convert.exports.folder"
-    )  # the package's `export` attribute is the function
+    """If the model the bench gets decodes with transformers' AR, it stops with the reason, writing
+    nothing."""
+    # the package's `export` attribute is the function
+    export_mod = importlib.import_module("tidar_convert.exports.folder")
 
     folder = broken_copy(exported, tmp_path, "no_layout")
     monkeypatch.setattr(
@@ -240,8 +248,9 @@ def test_bench_refuses_to_time_ar_as_tidar(exported, tmp_path, monkeypatch):
 
 
 def test_transformers_lower_bound_has_both_fixes():
-    """transformers 5.12.0 is the first release with the fixes for CVE-2026-4372 (5.3.0) and PR #46483
-    (5.12.0); pyproject.toml must not admit anything older, and what is installed must satisfy it."""
+    """transformers 5.12.0 is the first release with the fixes for CVE-2026-4372 (5.3.0) and
+    PR #46483 (5.12.0); pyproject.toml must not admit anything older, and what is installed must
+    satisfy it."""
     import re
 
     import transformers

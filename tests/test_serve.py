@@ -124,13 +124,13 @@ def test_chat_completions_are_tidar_and_write_what_ar_writes(server, served_expo
         == expected
     )
 
-    stop = expected[
-        4:7
-    ]  # a stop sequence inside the text: generation stops where AR's text first holds it
+    # a stop sequence inside the text: generation stops where AR's text first holds it
+    stop = expected[4:7]
     cut = (
         client.chat.completions.create(max_tokens=32, stop=[stop], **ask).choices[0].message.content
     )
-    # transformers serve returns the text through the stop sequence (stop_strings), not before it as OpenAI does
+    # transformers serve returns the text through the stop sequence (stop_strings), not before it as
+    # OpenAI does
     assert cut == expected[: expected.index(stop) + len(stop)], (cut, stop, expected)
 
     # TiDAR's generate() answered (its log line), and drafted: more than one token per forward pass
@@ -185,10 +185,10 @@ def test_bench_serve_measures_tidar_against_ar_on_one_server(served_export, tmp_
                 and m["seconds"] > 0
             ), (n, mode)
             assert [run["prompt"] for run in m["runs"]] == [0, 1]
-        assert (
-            part["tidar_vs_ar"] > 0 and part["identical"] == 2
-        )  # greedy: the served texts are AR's
-    # TiDAR answered exactly the TiDAR requests: its log line for each, none for the requests sent with tidar false
+        # greedy: the served texts are AR's
+        assert part["tidar_vs_ar"] > 0 and part["identical"] == 2
+    # TiDAR answered exactly the TiDAR requests: its log line for each, none for the requests sent
+    # with tidar false
     assert r["served_tidar"]["calls"] == 4 and r["served_tidar"]["new_tokens"] == 32
     assert Path(r["log"]).exists() and "Application shutdown complete" in Path(r["log"]).read_text()
     err = capsys.readouterr().err

@@ -32,9 +32,7 @@ def decode_once(model, monkeypatch, ids):
     return out, (model.tidar_stats["accepted"], model.tidar_stats["slots_per_step"])
 
 
-def test_generate_keeps_its_state_in_the_models_session_and_reset_forgets_it(
-    trained, monkeypatch
-):
+def test_generate_keeps_its_state_in_the_models_session_and_reset_forgets_it(trained, monkeypatch):
     model, _ = trained["llama"]
     reset(model)
     ids = cycle_batch(1, 7, seed=3)

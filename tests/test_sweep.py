@@ -1,4 +1,5 @@
-"""`tidar-convert sweep`: arms as fit subprocesses, learning curves in sweep.json/png, resuming, bad input."""
+"""`tidar-convert sweep`: arms as fit subprocesses, learning curves in sweep.json/png, resuming,
+bad input."""
 
 import json
 import math
@@ -56,9 +57,8 @@ def test_sweep_end_to_end_a_failing_arm_does_not_stop_the_others_and_a_rerun_ski
         "hard": [],
         "soft": ["--model.distill_weight", 0.5],
     }
-    with pytest.raises(
-        SystemExit
-    ) as e:  # one arm failed: reported, and the sweep says so in its exit status
+    # one arm failed: reported, and the sweep says so in its exit status
+    with pytest.raises(SystemExit) as e:
         sweep(tmp_path, tiny_dirs["llama"], arms)
     assert e.value.code == 1
     err = capsys.readouterr().err
@@ -72,9 +72,8 @@ def test_sweep_end_to_end_a_failing_arm_does_not_stop_the_others_and_a_rerun_ski
     for name in ("hard", "soft"):
         arm = by_arm[name]
         assert arm["status"] == "done" and arm["steps"] == 2 and arm["wall_s"] > 0
-        assert (
-            arm["tokens_per_step"] == 2 * 64
-        )  # tiny.yaml: batch 2 x seq_len 64, one device, no accumulation
+        # tiny.yaml: batch 2 x seq_len 64, one device, no accumulation
+        assert arm["tokens_per_step"] == 2 * 64
         curve = arm["curve"]
         assert [p["step"] for p in curve] == [1, 2]
         assert [p["tokens"] for p in curve] == [128, 256]
@@ -116,7 +115,8 @@ def test_sweep_end_to_end_a_failing_arm_does_not_stop_the_others_and_a_rerun_ski
         ("soft", "done", 2),
     ]
 
-    # An arm cut short (as SIGTERM leaves it: status interrupted, last.ckpt kept) resumes from its checkpoint.
+    # An arm cut short (as SIGTERM leaves it: status interrupted, last.ckpt kept) resumes from its
+    # checkpoint.
     state = json.loads((out / "arms" / "hard" / "arm.json").read_text())
     (out / "arms" / "hard" / "arm.json").write_text(json.dumps({**state, "status": "interrupted"}))
     runs = []
@@ -154,7 +154,8 @@ def test_sweep_end_to_end_a_failing_arm_does_not_stop_the_others_and_a_rerun_ski
         ("[a, b]", "is a list, not a mapping of arm name -> list of flags"),
         (
             "soft: --model.distill_weight 1.0\n",
-            "arm 'soft' in {spec} is a str ('--model.distill_weight 1.0'), not a list of flags; write it as soft: [--model.distill_weight, 1.0]",
+            "arm 'soft' in {spec} is a str ('--model.distill_weight 1.0'), not "
+            "a list of flags; write it as soft: [--model.distill_weight, 1.0]",
         ),
         (
             "a: [--model.alpha, {x: 1}]\n",
@@ -251,16 +252,20 @@ def test_curve_merges_resumed_attempts_and_counts_every_token(tmp_path):
         8: {"loss": None},
     }
     (arm / "config.yaml").write_text(
-        "model: {draft_length: 8, val_decode_draft_length: 4}\ndata: {batch_size: 2, seq_len: 256}\n"
+        "model: {draft_length: 8, val_decode_draft_length: 4}\n"
+        "data: {batch_size: 2, seq_len: 256}\n"
         "trainer: {accumulate_grad_batches: 4, devices: [0, 1], num_nodes: 2, max_steps: 100}\n"
     )
     n, used = tokens_per_step(arm / "config.yaml")
-    assert n == 2 * 256 * 4 * 2 * 2 and used["draft_length"] == 8 and used["decode_draft_length"] == 4
+    assert (
+        n == 2 * 256 * 4 * 2 * 2 and used["draft_length"] == 8 and used["decode_draft_length"] == 4
+    )
 
 
 def test_an_attempts_clock_comes_from_its_metrics_not_its_log(tmp_path):
     """Validation times and trained steps are read from the CSV rows callbacks.RunClock logs (a
-    validation at steps done s is logged at step s - 1), so a changed progress line cannot break them."""
+    validation at steps done s is logged at step s - 1), so a changed progress line cannot
+    break them."""
     from tidar_convert.bench.sweep_curves import read_clock
 
     path = tmp_path / "metrics.csv"
@@ -268,9 +273,8 @@ def test_an_attempts_clock_comes_from_its_metrics_not_its_log(tmp_path):
         "epoch,step,time/steps_done,time/val_s,val/loss\n0,0,,,2.0\n0,0,,3.5,\n0,1,,7.25,\n0,1,2,,\n"
     )
     assert read_clock(path) == ({1: 3.5, 2: 7.25}, 2)
-    path.write_text(
-        "epoch,step,time/val_s\n0,4,11.0\n"
-    )  # killed before training ended: no steps_done
+    # killed before training ended: no steps_done
+    path.write_text("epoch,step,time/val_s\n0,4,11.0\n")
     assert read_clock(path) == ({5: 11.0}, None)
 
 
@@ -312,9 +316,8 @@ def test_the_smollm2_lever_spec_is_valid():
 
     arms = load_spec(str(SPEC))
     assert {"lora", "soft", "greedy-0", "full-ft", "block-8"} <= set(arms)
-    assert (
-        arms["block-8"][arms["block-8"].index("--model.val_decode_draft_length") + 1] == "4"
-    )  # compared at the same decode k
+    # compared at the same decode k
+    assert arms["block-8"][arms["block-8"].index("--model.val_decode_draft_length") + 1] == "4"
     assert {
         "greedy-2of3",
         "greedy-all",
@@ -328,9 +331,8 @@ def test_the_smollm2_lever_spec_is_valid():
     )
     for name, flags in arms.items():
         value = dict(zip(flags[::2], flags[1::2]))
-        if (
-            "--data.greedy_share" in value
-        ):  # enough greedy documents (32 prompt + new tokens each) for the share all run long
+        # enough greedy documents (32 prompt + new tokens each) for the share all run long
+        if "--data.greedy_share" in value:
             per_doc = 32 + recipe["data"]["greedy_new_tokens"]
             assert (
                 int(value["--data.greedy_docs"]) * per_doc
