@@ -24,7 +24,12 @@ from tidar_convert.runtime.spec import TiDARSpec
         (["--seed", "3"], "--seed 3"),
     ],
 )
-def test_sampling_settings_without_a_temperature_are_refused(export_dir, capsys, flags, given):  # noqa: F811
+def test_sampling_settings_without_a_temperature_are_refused(
+    export_dir,  # noqa: F811  (test_errors' fixture, imported)
+    capsys,
+    flags,
+    given,
+):
     line = cli_error(capsys, "generate", "--model", str(export_dir), "--prompt", "x", *flags)
     assert line.startswith(
         f"error: {given} applies only when sampling, and "

@@ -296,7 +296,11 @@ def test_custom_logits_processor_and_prefix_allowed_tokens_fn(model):
 
 @pytest.mark.slow  # statistical: thousands of samples (make test runs it; make test-fast skips it)
 @pytest.mark.parametrize("settings", MORE_SAMPLING)
-def test_sampling_fields_keep_the_ar_distribution(small_vocab_model, settings, monkeypatch):  # noqa: F811
+def test_sampling_fields_keep_the_ar_distribution(
+    small_vocab_model,  # noqa: F811  (test_decode's fixture, imported)
+    settings,
+    monkeypatch,
+):
     m = small_vocab_model
     V = m.config.vocab_size - 1
     prompt = torch.tensor([[1, 2]])

@@ -101,7 +101,7 @@ def test_an_earlier_export_is_replaced_only_with_overwrite(tiny, tmp_path, caplo
     assert snapshot(out) == first
     with caplog.at_level(logging.WARNING, logger="tidar_convert.exports.outputs"):
         assert export(model, tok, out, TiDARSpec(8), overwrite=True) == out
-    assert json.loads((out / "config.json").read_text())["draft_length"] == 8
+    assert json.loads((out / "config.json").read_text())["tidar"]["draft_length"] == 8
     assert is_export(out) and not leftovers(out)
     # nothing to clean up or warn about
     assert not [r for r in caplog.records if r.name == "tidar_convert.exports.outputs"]
@@ -162,7 +162,7 @@ def test_overwrite_replaces_an_export_as_written_even_with_files_of_it_removed(t
     assert is_export(out)
     export(model, tok, out, TiDARSpec(8), overwrite=True)
     assert (
-        json.loads((out / "config.json").read_text())["draft_length"] == 8
+        json.loads((out / "config.json").read_text())["tidar"]["draft_length"] == 8
         and (out / "README.md").is_file()
     )
 
@@ -525,8 +525,7 @@ def test_the_model_card(tiny, tmp_path):
         model,
         tok,
         tmp_path / "tidar",
-        draft_length=4,
-        alpha=0.5,
+        TiDARSpec(4, alpha=0.5),
         card={"base_model": "Qwen/Qwen3-0.6B", "recipe": recipe, "steps": 20},
     )
     text = (out / "README.md").read_text()

@@ -591,13 +591,13 @@ PROMPT = torch.tensor([[5, 6, 7, 8]])
 GENERATE_CASES: list = [
     pytest.param(
         lambda env: cli_generate(env, "--draft_length", "0"),
-        r"draft_length=0: .*use 2 or more",
-        id="cli-block-size-0",
+        r"--draft-length=0: .*use 2 or more",
+        id="cli-draft-length-0",
     ),
     pytest.param(
         lm_generate(PROMPT, draft_length=0),
         r"draft_length=0: .*use 2 or more",
-        id="api-block-size-0",
+        id="api-draft-length-0",
     ),
     pytest.param(
         long_prompt(3),

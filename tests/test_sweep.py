@@ -270,7 +270,8 @@ def test_an_attempts_clock_comes_from_its_metrics_not_its_log(tmp_path):
 
     path = tmp_path / "metrics.csv"
     path.write_text(
-        "epoch,step,time/steps_done,time/val_s,val/loss\n0,0,,,2.0\n0,0,,3.5,\n0,1,,7.25,\n0,1,2,,\n"
+        "epoch,step,time/steps_done,time/val_s,val/loss\n"
+        "0,0,,,2.0\n0,0,,3.5,\n0,1,,7.25,\n0,1,2,,\n"
     )
     assert read_clock(path) == ({1: 3.5, 2: 7.25}, 2)
     # killed before training ended: no steps_done

@@ -34,7 +34,7 @@ def check_draft_length(value, flag: str = "draft_length") -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 2:
         raise ValueError(
             f"{flag}={value!r}: TiDAR drafts at least 2 tokens per step (one mask block of "
-            "draft_length tokens); use an integer of 2 or more (the paper uses 4, 8 or 16)."
+            "draft_length tokens); use 2 or more, a whole number (the paper uses 4, 8 or 16)."
         )
     return value
 
