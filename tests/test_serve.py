@@ -4,6 +4,7 @@ plain AR writes. The server listens on loopback only and every wait is bounded."
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -35,9 +36,14 @@ def served_export(trained, tmp_path_factory):
     model, tok = trained["llama"]  # drafts the cycle the prompt below starts
     tok.chat_template = CHAT_TEMPLATE
     try:
-        return export(model, tok, tmp_path_factory.mktemp("serve") / "tidar", TiDARSpec(4))
+        out = export(model, tok, tmp_path_factory.mktemp("serve") / "tidar", TiDARSpec(4))
     finally:
         tok.chat_template = None
+    # TiDAR's options in the export's generation_config.json reach the served generate(): the
+    # default drafter would draft this repeating text by lookup, this one by diffusion only
+    config = json.loads((out / "generation_config.json").read_text())
+    (out / "generation_config.json").write_text(json.dumps({**config, "drafter": "diffusion"}))
+    return out
 
 
 def free_port() -> int:
@@ -142,6 +148,10 @@ def test_chat_completions_are_tidar_and_write_what_ar_writes(server, served_expo
         )
     ]
     assert len(ran) >= 3 and max(ran) > 1.0, log.read_text()
+    # with the drafter its generation_config.json names (served_export)
+    lookup = re.findall(r"drafts by source \{'lookup': (\d+), 'diffusion': (\d+)", log.read_text())
+    assert len(lookup) >= 3 and all(n == "0" for n, _ in lookup), log.read_text()
+    assert any(int(d) > 0 for _, d in lookup), log.read_text()
 
 
 def test_bench_serve_measures_tidar_against_ar_on_one_server(served_export, tmp_path, capsys):

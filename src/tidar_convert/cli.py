@@ -177,7 +177,9 @@ def generate_cmd(
     no_chat_template: bool = False,
     draft_length: int | None = None,
     dtype: str = "float32",
-    pack_weights: bool | str = "auto",
+    pack_weights: bool | str | None = None,
+    device: str | None = None,
+    stream: bool = True,
     json: bool = False,
 ) -> None:
     """Generate with an exported TiDAR model.
@@ -199,11 +201,16 @@ def generate_cmd(
         draft_length: drafts per step (default: the trained draft length).
         dtype: float32 or bfloat16 (bf16 is faster; float32 keeps greedy TiDAR token-identical to
             AR).
-        pack_weights: on CPU, auto (default) runs linear layers on weights packed once (fp32: for a
-            small C kernel built on first use; bf16: for oneDNN) where that is measured faster on
-            this machine, at one more copy of the weights in memory; true always, false never
+        pack_weights: on CPU, auto runs linear layers on weights packed once (panels for a small
+            C kernel built on first use, or oneDNN's layout) where that is measured faster on this
+            machine, at one more copy of the weights in memory; true always, false never
             (PyTorch's stock product and attention path). Attention attends grouped key/value heads
-            in place unless false (kernels.cpu_kernels).
+            in place unless false (kernels.cpu_kernels). None: the export's
+            generation_config.json, else auto.
+        device: where to decode: cpu, cuda, cuda:1, mps...; none: cuda where available, else
+            cpu.
+        stream: print the text as it is committed (transformers' TextStreamer), not at the end;
+            not with --json.
         json: print one JSON object (text, new_tokens, nfe, tokens_per_nfe, seconds).
     """
     import torch
@@ -253,7 +260,8 @@ def generate_cmd(
             "--chat and --no-chat-template contradict each other: pass --chat for the chat "
             "template, --no-chat-template for raw text."
         )
-    lm = load(model, dtype=getattr(torch, dtype))
+    device = pick_device(device)
+    lm = load(model, dtype=getattr(torch, dtype)).to(device)
     tok = load_tokenizer(model)
     if chat and not tok.chat_template:
         raise ValueError(
@@ -272,15 +280,21 @@ def generate_cmd(
         if temperature > 0
         else {"do_sample": False}
     )
+    streamer = None
+    if stream and not json:
+        from transformers import TextStreamer
+
+        streamer = TextStreamer(tok, skip_prompt=True, skip_special_tokens=True)
     torch.manual_seed(seed)
     t0 = time.perf_counter()
     out = lm.generate(
-        ids,
+        ids.to(device),
         max_new_tokens=max_new_tokens,
         tidar=mode == "tidar",
         draft_length=draft_length,
         pad_token_id=tok.pad_token_id,
         pack_weights=pack_weights,
+        streamer=streamer,
         **sampling,
     )
     seconds = time.perf_counter() - t0
@@ -299,12 +313,41 @@ def generate_cmd(
             )
         )
     else:
-        print(text)
+        if streamer is None:
+            print(text)
         print(
             f"\n[{mode}] {stats['new_tokens']} tokens, {stats['nfe']} forward passes, "
             f"{stats['tokens_per_nfe']:.2f} tokens/NFE, {seconds:.2f} s",
             file=sys.stderr,
         )
+
+
+def pick_device(device: str | None):
+    """--device as a torch.device: the default cuda where available, else cpu; one that this
+    machine lacks is refused by name."""
+    import torch
+
+    if device is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        chosen = torch.device(device)
+    except RuntimeError as e:
+        raise ValueError(
+            f"--device {device!r}: not a device ({e}); use cpu, cuda or cuda:N."
+        ) from None
+    if chosen.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(
+            f"--device {device}: this machine has no CUDA device (or this torch build has no "
+            "CUDA); use --device cpu, or leave --device out."
+        )
+    if chosen.type == "cuda" and (chosen.index or 0) >= torch.cuda.device_count():
+        raise ValueError(
+            f"--device {device}: this machine has {torch.cuda.device_count()} CUDA device(s); "
+            "use cuda:0 to cuda:N-1."
+        )
+    if chosen.type == "mps" and not torch.backends.mps.is_available():
+        raise ValueError(f"--device {device}: MPS is not available here; use --device cpu.")
+    return chosen
 
 
 def chat_ids(tokenizer, prompt: str):

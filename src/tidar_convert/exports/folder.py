@@ -134,6 +134,10 @@ def export(
     )
     spec.write(model.config)
     model.config.pad_token_id = tokenizer.pad_token_id
+    if getattr(model, "generation_config", None) is not None:
+        # transformers reads a generation_config.json marked as made from config.json without the
+        # fields it does not know: TiDAR's options set in it (drafter, plan...) would be dropped
+        model.generation_config._from_model_config = False
     state = model.state_dict()
     # safetensors writes each tensor's bytes and a JSON header entry of about 100 bytes
     weights = (

@@ -212,6 +212,43 @@ class Run:
         return self.gc.max_length - self.input_ids.shape[1]
 
 
+# TiDAR's own generate() options and their defaults; each may also come from a generation config.
+OPTIONS = {
+    "tidar": True,
+    "draft_length": None,  # the trained one
+    "beta": 1.0,
+    "drafter": "hybrid",
+    "plan": "cost",
+    "slot_budget": None,  # the planner's: max(k + k*k, 11 + k)
+    "siblings": 3,
+    "pack_weights": "auto",
+}
+
+
+def tidar_options(given: dict, *configs) -> dict:
+    """Each of OPTIONS: the argument given, else the first of `configs` (generation configs, or
+    None) with a field of that name, else its default. A value from JSON is checked here where the
+    code below would misread it ("false" as true); ranges are checked where each is used."""
+    out = {}
+    for name, default in OPTIONS.items():
+        value = given.get(name)
+        for config in configs:
+            if value is None:
+                value = getattr(config, name, None)
+        out[name] = default if value is None else value
+    if not isinstance(out["tidar"], bool):
+        raise ValueError(
+            f"tidar={out['tidar']!r}: pass true or false (a JSON boolean in a generation config)."
+        )
+    for name in ("siblings", "slot_budget", "draft_length"):
+        value = out[name]
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+            raise ValueError(f"{name}={value!r}: must be a whole number.")
+    if isinstance(out["beta"], bool) or not isinstance(out["beta"], (int, float)):
+        raise ValueError(f"beta={out['beta']!r}: must be a number in [0, 1] (1 = trust AR, exact).")
+    return out
+
+
 def prepare(model, input_ids, generation_config, draft_length, beta, kwargs) -> Run:
     """Merge and check the arguments, and build the logits processors and stopping criteria,
     through transformers' own GenerationMixin helpers so every field means what it means there."""
@@ -322,21 +359,23 @@ def generate(
     model,
     tidar: bool | None = None,
     draft_length: int | None = None,
-    beta: float = 1.0,
-    drafter: str = "hybrid",
-    plan: str = "cost",
+    beta: float | None = None,
+    drafter: str | None = None,
+    plan: str | None = None,
     slot_budget: int | None = None,
-    siblings: int = 3,
-    pack_weights: bool | str = "auto",
+    siblings: int | None = None,
+    pack_weights: bool | str | None = None,
     **kwargs,
 ):
-    """TiDAR `generate()`. Same arguments as transformers' generate, plus:
+    """TiDAR `generate()`. Same arguments as transformers' generate, plus TiDAR's own options below.
+    Each one not passed (None) is read from a field of the same name in `generation_config`, else
+    in the model's generation_config (generation_config.json), else it takes its default
+    (OPTIONS). So an export's generation_config.json sets them for every caller, and a server that
+    passes a request's generation config (`transformers serve`: the request's `generation_config`
+    JSON) sets them per request (`tidar_options`).
 
-    tidar: False runs plain AR decoding (transformers' own generate) on the same weights. None (the
-        default): a `tidar` field of `generation_config`, else of the model's generation_config
-        (generation_config.json), else True. So a server that passes a request's generation config
-        (`transformers serve`: the request's `generation_config` JSON) can turn TiDAR off per
-        request.
+    tidar: False runs plain AR decoding (transformers' own generate) on the same weights; default
+        True.
     draft_length: tokens per mask group (diffusion drafts); defaults to the trained one
         (spec.TiDARSpec). Any value >= 2 keeps the output exact (only acceptance changes); the
         diffusion head is only trained for the trained one.
@@ -398,22 +437,20 @@ def generate(
             "generate(block_size=...) is renamed draft_length=...", FutureWarning, stacklevel=2
         )
         draft_length = kwargs.pop("block_size")
-    if tidar is None:
-        tidar = next(
-            (
-                t
-                for t in (
-                    getattr(generation_config, "tidar", None),
-                    getattr(model.generation_config, "tidar", None),
-                )
-                if t is not None
-            ),
-            True,
-        )
-    if not isinstance(tidar, bool):  # "false" from a JSON string would read as true
-        raise ValueError(
-            f"tidar={tidar!r}: pass true or false (a JSON boolean in a generation config)."
-        )
+    given = dict(
+        tidar=tidar,
+        draft_length=draft_length,
+        beta=beta,
+        drafter=drafter,
+        plan=plan,
+        slot_budget=slot_budget,
+        siblings=siblings,
+        pack_weights=pack_weights,
+    )
+    options = tidar_options(given, generation_config, model.generation_config)
+    tidar, draft_length, beta = options["tidar"], options["draft_length"], options["beta"]
+    drafter, plan, slot_budget = options["drafter"], options["plan"], options["slot_budget"]
+    siblings, pack_weights = options["siblings"], options["pack_weights"]
     if not tidar:
         with cpu_kernels(model, enabled=pack_weights):
             return ar_generate(model, input_ids, generation_config, kwargs)

@@ -57,6 +57,7 @@ def hybrid_loss(
     diff_labels: torch.Tensor,
     alpha: float,
     draft_length: int,
+    *,
     distill_weight: float = 0.0,
     distill_temperature: float = 1.0,
     teacher_logits: torch.Tensor | None = None,

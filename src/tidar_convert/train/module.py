@@ -347,6 +347,7 @@ class TiDARModule(L.LightningModule):
             ).logits
         ar_labels, diff_labels = layout.train_labels(input_ids, doc_ids, no_ar_target)
         base_teacher = self.teacher == "base" and self.distill_weight > 0
+        # one forward of the frozen base serves both the teacher and the anchor
         base_logits = (
             self.base_ar_logits(input_ids, doc_ids)
             if base_teacher or self.anchor_weight > 0
@@ -358,12 +359,12 @@ class TiDARModule(L.LightningModule):
             diff_labels,
             self.spec.alpha,
             self.spec.draft_length,
-            self.distill_weight,
-            self.distill_temperature,
-            base_logits if base_teacher else None,
-            self.diff_offset_weights,
-            self.anchor_weight,
-            base_logits,
+            distill_weight=self.distill_weight,
+            distill_temperature=self.distill_temperature,
+            teacher_logits=base_logits if base_teacher else None,
+            offset_weights=self.diff_offset_weights,
+            anchor_weight=self.anchor_weight,
+            anchor_logits=base_logits if self.anchor_weight > 0 else None,
         )
 
     @property
