@@ -390,6 +390,12 @@ def test_out_as_the_run_folder_is_refused_before_training(
             ["--model.optimizer.init_args.lrr", "0.1"],
             "did you mean init_args.lr (an argument of torch.optim.AdamW)?",
         ),
+        # LightningCLI's own optimizer and scheduler flags: configure_optimizers would override them
+        (["--optimizer", "AdamW"], "the optimizer is --model.optimizer"),
+        (["--optimizer.lr", "0.1"], "the optimizer is --model.optimizer"),
+        (["--lr_scheduler", "StepLR"], "set by --model.warmup_ratio and --model.min_lr_ratio"),
+        # a recipe written before the rename
+        (["--model.block_size", "8"], "--model.block_size is now --model.draft_length"),
     ],
 )
 def test_an_argument_error_is_one_line_with_the_nearest_key(

@@ -233,6 +233,22 @@ def test_help_names_every_command(capsys):
 
 
 @pytest.mark.subprocess
+@pytest.mark.parametrize("flag", ["--version", "-V"])
+def test_version_is_the_installed_distributions(flag, capsys):
+    from importlib.metadata import version
+    from pathlib import Path
+
+    import tidar_convert
+
+    with pytest.raises(SystemExit) as info:
+        main([flag])
+    assert info.value.code == 0
+    assert capsys.readouterr().out.strip() == f"tidar-convert {version('tidar-convert')}"
+    assert tidar_convert.__version__ == version("tidar-convert")
+    # the package says it is typed (PEP 561), and the wheel ships the marker (pyproject.toml)
+    assert (Path(tidar_convert.__file__).parent / "py.typed").is_file()
+
+
 def test_the_top_level_help_imports_no_torch():
     """`tidar-convert --help` answers at once: the commands' modules (torch, transformers,
     Lightning) are imported only when a command runs."""

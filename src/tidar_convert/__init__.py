@@ -8,7 +8,15 @@ The folders, by role (docs/development.md maps them): runtime/ (what an export r
 exports/, data/, train/, bench/, and cli.py on top.
 """
 
-__all__ = ["export", "generate", "load"]
+from importlib.metadata import PackageNotFoundError
+from importlib.metadata import version as _version
+
+try:
+    __version__ = _version("tidar-convert")
+except PackageNotFoundError:  # a source tree on sys.path, not installed
+    __version__ = "0+unknown"
+
+__all__ = ["__version__", "export", "generate", "load"]
 
 
 def __getattr__(name: str):

@@ -546,7 +546,11 @@ def top_help() -> str:
         lines += textwrap.wrap(
             summary, 100, initial_indent=f"  {name:<{width}} ", subsequent_indent=" " * (width + 3)
         )
-    lines += ["", "`tidar-convert COMMAND --help` lists a command's flags."]
+    lines += [
+        "",
+        "`tidar-convert COMMAND --help` lists a command's flags; `tidar-convert --version` prints "
+        "the version.",
+    ]
     return "\n".join(lines)
 
 
@@ -556,6 +560,11 @@ def main(argv: list[str] | None = None) -> None:
     args = list(sys.argv[1:] if argv is None else argv)
     if not args or args[0] in ("-h", "--help"):
         print(top_help())
+        sys.exit(0)
+    if args[0] in ("-V", "--version"):
+        from tidar_convert import __version__
+
+        print(f"tidar-convert {__version__}")
         sys.exit(0)
     _configure_wandb()
     try:

@@ -308,8 +308,12 @@ def _lightning_cli(args: list[str] | None, signals=None) -> TiDARCLI:
         args=args,
         save_config_callback=RunFolderConfig,
         parser_class=TiDARParser,
+        auto_configure_optimizers=False,
         save_config_kwargs={"overwrite": True},
         trainer_defaults={"callbacks": callbacks},
+        # TiDARModule builds its optimizer and schedule from --model.*: LightningCLI's own
+        # --optimizer / --lr_scheduler would be overridden by configure_optimizers, so they are not
+        # flags (recipe.suggestion names the keys to use)
         signals=signals,
     )
 

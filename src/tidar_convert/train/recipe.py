@@ -117,6 +117,16 @@ def known_keys(parser) -> list[str]:
     return keys
 
 
+# LightningCLI's optimizer and scheduler keys: TiDARModule's configure_optimizers builds both from
+# its own settings, so these are refused with the keys that do the same.
+INSTEAD = {
+    "optimizer": "the optimizer is --model.optimizer (recipe: model: optimizer: with class_path "
+    "and init_args, e.g. class_path: torch.optim.AdamW, init_args: {lr: 1e-5})",
+    "lr_scheduler": "the schedule is linear warmup then cosine decay, set by --model.warmup_ratio "
+    "and --model.min_lr_ratio",
+}
+
+
 def suggestion(message: str, keys: list[str]) -> str:
     """'; did you mean --model.draft_length?' for the first unknown name in an argparse or
     jsonargparse message that is close to a known one ('' where none is)."""
@@ -129,6 +139,9 @@ def suggestion(message: str, keys: list[str]) -> str:
         if m:
             name = "--" + m.group(1).lstrip("-")
             group, _, key = name.rpartition(".")
+            top = name.removeprefix("--").split(".")[0]
+            if top in INSTEAD:  # LightningCLI's own keys, which TiDARModule replaces
+                return f"; {INSTEAD[top]}"
             if key in RENAMED:  # a recipe or a command written before the rename
                 return f"; {name} is now {group}.{RENAMED[key]} (renamed 2026-12-06)"
             close = difflib.get_close_matches(name, keys, n=1, cutoff=0.75)
