@@ -54,6 +54,22 @@ def test_generate_keeps_its_state_in_the_models_session_and_reset_forgets_it(tra
     assert torch.equal(fresh, first) and fresh_steps == first_steps
 
 
+def test_a_copied_or_pickled_model_starts_a_session_of_its_own(untrained):
+    import copy
+    import pickle
+
+    from tidar_convert.runtime import kernels
+
+    model = untrained["llama"]
+    generate(cycle_batch(1, 6, seed=2), model=model, max_new_tokens=6, pack_weights=True)
+    session = model.tidar_session
+    assert session.costs and (session.kernels.packed or not kernels.can_pack())
+    twin = copy.deepcopy(model)
+    assert twin.tidar_session is not session and twin.tidar_session.costs == {}
+    assert pickle.loads(pickle.dumps(session)).costs == {}
+    assert model.tidar_session is session and session.costs  # the original keeps its own
+
+
 def test_no_runtime_module_keeps_state_of_its_own(trained):
     """Every module-level container of runtime/ is as large after decoding as before: caches of
     masks, kernel choices or packed weights belong to the model's session."""

@@ -62,6 +62,14 @@ class Session:
             mask = self.own_masks[key] = make()
         return mask
 
+    def __deepcopy__(self, memo):
+        # a copied model's layers are new objects, and a packed copy may be an opaque oneDNN
+        # tensor that cannot be copied: the copy starts a session of its own
+        return Session()
+
+    def __reduce__(self):
+        return (Session, ())  # pickled (torch.save of a whole model) as a fresh session
+
     def reset(self) -> None:
         """Forget step costs, mask blocks and kernel choices; packed weight copies are freed."""
         self.costs.clear()
