@@ -125,12 +125,10 @@ def export(
             "ranks": [min(ranks), max(ranks)],
             "layers": [len(ranks), adapted],
         }
+    # bench and quality compare against the base model by default
+    base = base_source(card["base_model"]) if card and "base_model" in card else spec.base_model
     spec = dataclasses.replace(
-        spec,
-        mask_token_id=tokenizer.mask_token_id,
-        adapter=adapter_fields,
-        # bench and quality compare against it by default
-        base_model=base_source(card["base_model"]) if card and "base_model" in card else None,
+        spec, mask_token_id=tokenizer.mask_token_id, adapter=adapter_fields, base_model=base
     )
     spec.write(model.config)
     model.config.pad_token_id = tokenizer.pad_token_id
