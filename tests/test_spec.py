@@ -49,7 +49,8 @@ def test_a_spec_round_trips_through_a_config_and_its_json():
     assert config.mask_token_id == 5 and config.tidar["draft_length"] == 8
     assert TiDARSpec.from_config(config) == spec
     assert TiDARSpec.from_config(json.loads(config.to_json_string())) == spec
-    assert TiDARSpec.from_config(config, draft_length=3).draft_length == 3
+    with pytest.raises(ValueError, match=r"holds \['speculator'\].*upgrade tidar-convert"):
+        TiDARSpec.from_config({"tidar": {"draft_length": 4, "speculator": 1}})
     assert TiDARSpec.from_config(LlamaConfig()) is None
 
 

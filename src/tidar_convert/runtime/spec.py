@@ -78,9 +78,9 @@ class TiDARSpec:
         setattr(config, KEY, fields)
 
     @classmethod
-    def from_config(cls, config, draft_length: int | None = None) -> TiDARSpec | None:
+    def from_config(cls, config) -> TiDARSpec | None:
         """The spec a config holds (a transformers config or config.json's dict), in either format;
-        None where it holds none (not a TiDAR model). `draft_length` overrides the trained one."""
+        None where it holds none (not a TiDAR model)."""
         get = config.get if isinstance(config, dict) else lambda k, d=None: getattr(config, k, d)
         fields = get(KEY)
         if fields is None:
@@ -88,7 +88,11 @@ class TiDARSpec:
             if any(get(old) is None for old in ("block_size", "alpha", "mask_token_id")):
                 return None
             fields = {new: get(old) for old, new in LEGACY if get(old) is not None}
-        fields = dict(fields)
-        if draft_length is not None:
-            fields["draft_length"] = draft_length
+        unknown = set(fields) - {f for f in cls.__dataclass_fields__ if f != "mask_token_id"}
+        if unknown:
+            raise ValueError(
+                f"config.json's {KEY!r} holds {sorted(unknown)}, which this version of "
+                "tidar-convert does not know: the export is newer; upgrade tidar-convert, or load "
+                "the export with its own code (trust_remote_code=True)."
+            )
         return cls(mask_token_id=get("mask_token_id"), **fields)
