@@ -435,6 +435,24 @@ def test_resuming_in_a_copied_run_folder_writes_its_last_ckpt(tmp_path, tiny_dir
     assert last_step(tmp_path / "b") == 4 and last_step(tmp_path / "a") == 2
 
 
+@pytest.mark.fit
+def test_a_resumed_fit_logs_to_the_same_wandb_run(tmp_path, tiny_dirs, small_corpus, monkeypatch):
+    """Issue 48: `--ckpt_path last` continued the checkpoint but opened a new W&B run; the
+    checkpoint records the run's id and the resume logs into it (W&B offline here)."""
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    logger = json.dumps(
+        {"class_path": "lightning.pytorch.loggers.WandbLogger", "init_args": {"project": "t"}}
+    )
+    run, model = tmp_path / "run", tiny_dirs["llama"]
+    fit(run, model, small_corpus, 0, 2, *every(tmp_path, 2), "--trainer.logger", logger)
+    first = torch.load(run / "checkpoints" / "last.ckpt", weights_only=False)["wandb_run_id"]
+    fit(run, model, small_corpus, 0, 4, *every(tmp_path, 2), "--trainer.logger", logger,
+        "--ckpt_path", "last")  # fmt: skip
+    runs = sorted(p.name for p in run.rglob("offline-run-*") if p.is_dir())
+    assert len(runs) == 2 and all(name.endswith(f"-{first}") for name in runs), (first, runs)
+    assert last_step(run) == 4
+
+
 # --------------------------------------------------------------------------------------------
 # Issue 31: interruptions say what they did. Ctrl-C saves as SIGTERM does; before the first step
 # there is nothing to save, and a requeue with --ckpt_path last then starts from scratch.

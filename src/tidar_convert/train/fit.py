@@ -199,6 +199,8 @@ class TiDARCLI(LightningCLI):
             # the file `last` names, or None: the earlier run stopped before its first step
             if resume != given:
                 self.config_init[self.subcommand]["ckpt_path"] = resume
+            if resume is not None and self.subcommand == "fit":
+                continue_wandb_run(trainer, resume)
             if self.signals is not None:
                 self.signals.resume_from = resume
         if self.subcommand == "fit":
@@ -349,6 +351,22 @@ def _run_lightning(argv: list[str] | None) -> None:
 
                 discard_if_unused(Path(signals.run_dir))
             raise
+
+
+def continue_wandb_run(trainer, checkpoint) -> None:
+    """A resumed fit logs to the W&B run its checkpoint recorded (TiDARModule.on_save_checkpoint),
+    not to a new one, unless the recipe names a run id of its own."""
+    loggers = [logger for logger in trainer.loggers if type(logger).__name__ == "WandbLogger"]
+    if not loggers:
+        return
+    from tidar_convert.train.run_folder import read_checkpoint
+
+    run_id = read_checkpoint(Path(checkpoint)).get("wandb_run_id")
+    for logger in loggers:
+        # before its run starts (the first metric logged): W&B reads these at wandb.init
+        if run_id and logger._experiment is None and not logger._wandb_init.get("id"):
+            logger._wandb_init.update(id=run_id, resume="allow")
+            logger._id = run_id
 
 
 def check_resume(trainer, ckpt_path, command: str = "fit", resolved: Path | None = None):

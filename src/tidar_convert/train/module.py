@@ -288,6 +288,13 @@ class TiDARModule(L.LightningModule):
 
                     corpus_for_data(self.trainer, dm)
 
+    def on_save_checkpoint(self, checkpoint: dict) -> None:
+        """Record the W&B run this training logs to: a resume continues it
+        (fit.continue_wandb_run)."""
+        for logger in self.trainer.loggers if self._trainer is not None else ():
+            if type(logger).__name__ == "WandbLogger" and logger.version is not None:
+                checkpoint["wandb_run_id"] = logger.version
+
     def on_load_checkpoint(self, checkpoint: dict) -> None:
         """Refuse, before its weights are read, a checkpoint whose parameters this module does not
         have: LoRA where it was a full fine-tune (or the other way round), another rank or scope (a
