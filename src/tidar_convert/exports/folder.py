@@ -11,7 +11,6 @@ from __future__ import annotations
 import ast
 import dataclasses
 import importlib.util
-import inspect
 import json
 import logging
 import os
@@ -263,21 +262,7 @@ def tidar_active(model) -> bool:
     """Whether `model.generate` is TiDAR decoding: this package's decode.generate
     (tidar_convert.load) or an export's custom_generate/generate.py (trust_remote_code=True), bound
     to this model. False for transformers' own generate, which is what a silent fallback leaves."""
-    gen = getattr(model, "generate", None)
-    # both TiDAR bindings are functools.partial(generate, model=model)
-    fn = getattr(gen, "func", None)
-    if (
-        fn is None
-        or getattr(fn, "__name__", None) != "generate"
-        or gen.keywords.get("model") is not model
-    ):
-        return False
-    try:
-        params = set(inspect.signature(fn).parameters)
-    except (TypeError, ValueError):
-        return False
-    # exports written before 2026-12-06 name the draft length block_size
-    return {"tidar", "beta"} <= params and bool({"draft_length", "block_size"} & params)
+    return decode.binds_tidar(model)
 
 
 def custom_generate_problem(path: str | os.PathLike) -> str | None:

@@ -82,8 +82,9 @@ CONTINUOUS_BATCHING_WARNING = (
 
 
 def binds_tidar(model) -> bool:
-    """Whether model.generate is a TiDAR generate() bound to this model (this file, in the package
-    or an export of any version: the same test as tidar_convert.exports.folder.tidar_active)."""
+    """Whether model.generate is a TiDAR generate() bound to this model: this file, in the package
+    or an export of any version (both bindings are functools.partial(generate, model=model));
+    tidar_convert.exports.folder.tidar_active asks this."""
     gen = model.__dict__.get("generate")
     fn = getattr(gen, "func", None)
     if (
