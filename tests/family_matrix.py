@@ -65,6 +65,39 @@ TINY = dict(
     intermediate_size_mlp=128,
     ffn_hidden_size=128,
 )
+# The recurrent mixers' (Mamba, Mamba-2, SSM, gated delta / linear attention, xLSTM) state sizes a
+# tiny model takes, where the config has the field: 8 heads of 16 (8 * 16 = expand 2 * hidden 64,
+# as the Mamba-2 validators require), states of 16, scan chunks of 16. Their defaults (128 heads,
+# states of 128-256, chunks of 256) make a tiny model's scan allocate gigabytes. Only for families
+# with recurrent layers: chunk_size, state_size, num_heads and block_size mean other things
+# elsewhere.
+TINY_RECURRENT = dict(
+    mamba_d_state=16,
+    mamba_n_heads=8,
+    mamba_d_head=16,
+    mamba_d_ssm=128,
+    mamba_chunk_size=16,
+    ssm_state_size=16,
+    mamba_num_heads=8,
+    mamba_head_dim=16,
+    n_groups=2,
+    chunk_size=16,
+    state_size=16,
+    num_heads=8,
+    mamba_headdim=16,
+    n_mamba_heads=8,
+    linear_num_key_heads=4,
+    linear_num_value_heads=8,
+    linear_key_head_dim=16,
+    linear_value_head_dim=16,
+    linear_num_heads=4,
+    linear_head_dim=16,
+    block_size=16,
+)
+# the layer kinds (transformers' `layer_types` convention) of a recurrent layer, and of layers
+# that are neither recurrent nor attention
+RECURRENT_KINDS = ("linear_attention", "conv", "recurrent", "mamba")
+NOT_ATTENTION_KINDS = ("moe", "mlp")
 
 
 def tiny_config(model_type: str, vocab_size: int):
@@ -74,13 +107,29 @@ def tiny_config(model_type: str, vocab_size: int):
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
     cls = CONFIG_MAPPING[model_type]
-    defaults = cls().to_dict()
+    default_config = cls()
+    defaults = default_config.to_dict()
     aliases = getattr(cls, "attribute_map", {}) or {}  # GPT-J's n_embd for hidden_size, ...
     kw = {
         aliases.get(k, k): v
         for k, v in TINY.items()
         if aliases.get(k, k) in defaults and v is not None
     }
+    # recurrent layers: the instance's layer_types (a property in Mamba, Jamba, Bamba, ...) name
+    # them, or Mamba fields do (Falcon-H1's layers run attention and Mamba side by side)
+    recurrent = bool(
+        set(getattr(default_config, "layer_types", None) or []) & set(RECURRENT_KINDS)
+        or any(k.startswith("mamba_") for k in defaults)
+        or model_type == "xlstm"  # all mLSTM blocks, and no layer_types to say so
+    )
+    if recurrent:
+        kw.update(
+            {
+                aliases.get(k, k): v
+                for k, v in TINY_RECURRENT.items()
+                if aliases.get(k, k) in defaults and aliases.get(k, k) not in kw
+            }
+        )
     # latent KV: the rotary part of a head is qk_rope_head_dim (LongCat's rotary reads head_dim)
     if "qk_rope_head_dim" in defaults:
         kw.pop("head_dim", None)
@@ -109,7 +158,9 @@ def tiny_config(model_type: str, vocab_size: int):
         kw["n_inner"] = 128
     if "rotary_dim" in defaults:
         kw["rotary_dim"] = 8
-    if defaults.get("layer_types"):
+    if recurrent:
+        hybrid_layout(default_config, defaults, kw)
+    elif defaults.get("layer_types"):
         kinds = list(dict.fromkeys(defaults["layer_types"]))[:2]
         kw["layer_types"] = (
             (kinds * 2)[:2]
@@ -134,6 +185,21 @@ def tiny_config(model_type: str, vocab_size: int):
         kw["layer_types"] = ["conv", "full_attention"]
         if "full_attn_idxs" in defaults:
             kw["full_attn_idxs"] = [1]
+    if model_type == "zaya":  # its validator: ZAYA's router supports top-1 routing only
+        kw["num_experts_per_tok"] = 1
+    # its QSA indexer has no defaults (None): 4 index heads of 16, 8 tokens chosen in blocks of 4
+    if model_type == "qwen4_exp_text":
+        kw.update(
+            indexer_n_heads=4,
+            indexer_kv_heads=1,
+            indexer_head_dim=16,
+            indexer_budget=8,
+            indexer_compress_ratio=4,
+        )
+    # its cache rounds the q/k width (hidden * qk_dim_factor 0.5) up to a multiple of 64 and its
+    # layers do not: they agree where hidden_size * 0.5 is one, as in real xLSTMs
+    if model_type == "xlstm":
+        kw["hidden_size"] = 128
     if "no_rope_layers" in defaults:
         kw["no_rope_layers"] = [1, 0]
     # rotary settings keyed by layer type, none by default (Cohere Compass): the plain ones
@@ -151,7 +217,36 @@ def tiny_config(model_type: str, vocab_size: int):
         pad_token_id=pad,
         tie_word_embeddings=bool(defaults.get("tie_word_embeddings")),
     )
+    # one shared-attention block leaves its shared-block tie pattern nothing to tie, which
+    # transformers rejects (ValueError) while word embeddings are tied
+    if model_type == "zamba":
+        kw["tie_word_embeddings"] = False
     return AutoConfig.for_model(model_type, **kw)
+
+
+def hybrid_layout(default_config, defaults: dict, kw: dict) -> None:
+    """Two layers of a family with recurrent layers, into kw: a recurrent one first, then an
+    attention one where the family has attention layers (as its real models do; a cache without any
+    attention layer breaks transformers' mask creation). Pure-recurrent families: two recurrent."""
+    kinds = list(dict.fromkeys(getattr(default_config, "layer_types", None) or []))
+    attention = [k for k in kinds if k not in RECURRENT_KINDS + NOT_ATTENTION_KINDS]
+    # Bamba's and Granite 4.0's defaults are all Mamba; their checkpoints have attention layers too
+    if not attention and "num_attention_heads" in defaults:
+        attention = ["full_attention"]
+    if not attention:
+        return
+    # the fields that place attention: a list of kinds (its own names), indices, or a period
+    for key in ("layer_types", "layers_block_type", "block_types"):
+        own = defaults.get(key)
+        if isinstance(own, list) and own:
+            own_kinds = list(dict.fromkeys(own))
+            recurrent = [k for k in own_kinds if k in RECURRENT_KINDS]
+            others = [k for k in own_kinds if k not in RECURRENT_KINDS + NOT_ATTENTION_KINDS]
+            kw[key] = [recurrent[0] if recurrent else "linear_attention", (others or attention)[0]]
+    if "attn_layer_indices" in defaults:
+        kw["attn_layer_indices"] = [1]
+    if "attn_layer_period" in defaults:
+        kw.update(attn_layer_period=2, attn_layer_offset=1)
 
 
 @dataclass

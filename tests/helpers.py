@@ -71,7 +71,7 @@ def cycle_batch(batch: int, seq_len: int, period: int = 7, offset: int = 3, seed
 
 def train_tiny(model, steps: int = 150, draft_length: int = 4, seq_len: int = 32, lr: float = 3e-3):
     """A plain TiDAR training loop (no Lightning) on cycle data: layout + loss, nothing else."""
-    from tidar_convert.runtime import layout
+    from tidar_convert.runtime import layout, recurrent
     from tidar_convert.train.loss import hybrid_loss
 
     torch.manual_seed(0)
@@ -90,11 +90,14 @@ def train_tiny(model, steps: int = 150, draft_length: int = 4, seq_len: int = 32
             "cpu",
             local,
         )
-        logits = model(
-            input_ids=layout.train_inputs(ids, model.config.mask_token_id),
-            position_ids=positions,
-            attention_mask=mask,
-        ).logits
+        # recurrent layers: each mask block from the state before it (recurrent.py)
+        with recurrent.layout(model, recurrent.Segments.training(seq_len, draft_length)):
+            logits = model(
+                input_ids=layout.train_inputs(ids, model.config.mask_token_id),
+                position_ids=positions,
+                attention_mask=mask,
+                use_cache=False,
+            ).logits
         loss = hybrid_loss(logits, *layout.train_labels(ids), alpha=1.0, draft_length=draft_length)[
             "loss"
         ]

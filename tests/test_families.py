@@ -41,6 +41,12 @@ CI_ENTRIES = (
     "phi3",
     "cohere2",
     "gpt_neox",
+    # recurrent layers, one of each kind: a gated delta net, Mamba 2 beside attention, short
+    # convolutions, Mamba 1 (token by token where seeded)
+    "qwen3_5_text",
+    "nemotron_h",
+    "lfm2",
+    "jamba",
 )
 
 
@@ -113,19 +119,23 @@ def test_check_names_the_mechanism():
         and gemma2.attn_implementation == "eager"
         and "logit softcapping" in gemma2.mechanisms
     )
-    qwen35 = verdict_of("qwen3_5_text")
-    assert not qwen35.converts and re.search(
-        r"model_type='qwen3_5_text' has recurrent layers: "
-        r".*no attention mask.*costs more than TiDAR gains",
-        qwen35.reason,
-    )
-    # a short-convolution layer: recurrent state
-    lfm2 = verdict_of("lfm2", num_hidden_layers=2, full_attn_idxs=[1])
-    assert not lfm2.converts and "recurrent layers" in lfm2.reason
-    # attention layers only: nothing to roll back
-    assert verdict_of("lfm2", num_hidden_layers=2).converts
-    for model_type in ("mamba", "jamba", "falcon_h1", "zamba", "qwen3_next"):
-        assert "recurrent layers" in verdict_of(model_type).reason, model_type
+    # recurrent layers convert where their mixer keeps its state through the cache
+    # (runtime/recurrent.py): a gated delta net, short convolutions, Mamba 1 and 2 (no attention
+    # at all: the state is its only position)
+    for model_type in ("qwen3_5_text", "qwen3_next", "jamba", "falcon_h1", "zamba2"):
+        verdict = verdict_of(model_type)
+        assert verdict.converts and "recurrent layers" in verdict.mechanisms, model_type
+    lfm2 = verdict_of("lfm2", num_hidden_layers=2, full_attn_idxs=[1])  # a short-convolution layer
+    assert lfm2.converts and "recurrent layers" in lfm2.mechanisms
+    mamba = verdict_of("mamba")
+    assert mamba.converts and "no attention layers" in mamba.mechanisms
+    # state in structures of its own: refused, naming the mechanism
+    for model_type in ("minimax", "recurrent_gemma", "xlstm"):
+        assert re.search(
+            rf"model_type='{model_type}' has recurrent state outside the cache: .*"
+            "through transformers' cache interface",
+            verdict_of(model_type).reason,
+        ), model_type
     # learned absolute positions, looked up by position_ids: repeated like RoPE's
     gpt2 = verdict_of("gpt2")
     assert gpt2.converts and "absolute positions" in gpt2.mechanisms
@@ -137,8 +147,10 @@ def test_check_names_the_mechanism():
     wrapper = verdict_of("qwen3_5")
     # the fix: its text model
     assert not wrapper.decoder_only and "model_type='qwen3_5_text'" in wrapper.reason
-    with pytest.raises(ValueError, match="^model_type='mamba' has recurrent layers"):
-        require(AutoConfig.for_model("mamba"))
+    with pytest.raises(
+        ValueError, match="^model_type='minimax' has recurrent state outside the cache"
+    ):
+        require(AutoConfig.for_model("minimax"))
 
 
 def test_check_command_reads_only_the_config(tmp_path, capsys):
@@ -163,11 +175,13 @@ def test_check_command_reads_only_the_config(tmp_path, capsys):
     ]
     assert full == round(facts["parameters"] * 16 / 2 / 2**30, 2)
     AutoConfig.for_model(
-        "mamba", hidden_size=64, num_hidden_layers=2, vocab_size=1000
-    ).save_pretrained(tmp_path / "ssm")
+        "recurrent_gemma", hidden_size=64, num_hidden_layers=2, vocab_size=1000
+    ).save_pretrained(tmp_path / "rnn")
     with pytest.raises(SystemExit) as exit_:
-        cli.main(["check", "--model", str(tmp_path / "ssm")])
-    assert exit_.value.code == 1 and "has recurrent layers" in capsys.readouterr().out
+        cli.main(["check", "--model", str(tmp_path / "rnn")])
+    assert exit_.value.code == 1 and "has recurrent state outside the cache" in (
+        capsys.readouterr().out
+    )
 
 
 def test_check_scales_decode_speed_from_a_bench_record(tmp_path, capsys):
@@ -233,19 +247,29 @@ def test_fit_refuses_a_sequence_past_gpt_neo_s_window(tmp_path):
 
 
 def test_fit_refuses_before_any_work(tmp_path):
-    """fit's first check reads the config only: a recurrent model is refused with no weights
+    """fit's first check reads the config only: a refused model is refused with no weights
     present."""
     from tidar_convert.train.fit import check_model
 
-    AutoConfig.for_model("qwen3_next", num_hidden_layers=2).save_pretrained(tmp_path)
-    with pytest.raises(ValueError, match="model_type='qwen3_next' has recurrent layers"):
+    AutoConfig.for_model("minimax", num_hidden_layers=2).save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="model_type='minimax' has recurrent state outside"):
         check_model(str(tmp_path))
 
 
 # Sampled as well (family_matrix.sample_check): one of each mechanism that could make a draft slot
 # change what a real token computes (experts, softcapping with eager attention, latent KV, sinks
 # with mixed windows, NoPE with chunked attention).
-SAMPLED = ("llama", "qwen3_moe", "gemma2", "deepseek_v3", "gpt_oss", "llama4_text", "gemma3_text")
+SAMPLED = (
+    "llama",
+    "qwen3_moe",
+    "gemma2",
+    "deepseek_v3",
+    "gpt_oss",
+    "llama4_text",
+    "gemma3_text",
+    "qwen3_5_text",
+    "nemotron_h",
+)
 
 
 # llama in the quick half (make test-fast); every other entry with make test

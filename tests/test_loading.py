@@ -66,12 +66,12 @@ def test_unsupported_architectures_are_refused():
 
 
 def test_unsupported_model_folder_is_refused_by_name(tmp_path):
-    from transformers import MambaConfig, MambaForCausalLM
+    from transformers import BloomConfig, BloomForCausalLM
 
-    MambaForCausalLM(
-        MambaConfig(num_hidden_layers=1, hidden_size=16, state_size=4, vocab_size=50)
+    BloomForCausalLM(
+        BloomConfig(n_layer=1, hidden_size=16, n_head=2, vocab_size=50)
     ).save_pretrained(tmp_path)
-    with pytest.raises(ValueError, match="MambaForCausalLM .*has recurrent layers"):
+    with pytest.raises(ValueError, match="BloomForCausalLM .*has no position_ids"):
         load_base(str(tmp_path))
 
 

@@ -1,23 +1,29 @@
-"""Why recurrent layers are refused (families.REFUSED["recurrent layers"]), in two figures.
+"""What recurrent layers cost under TiDAR (runtime/recurrent.py), in three figures.
 
-1. Leak: TiDAR trains on [clean half | mask half] in one forward, and its attention mask keeps each
-   mask block from seeing clean tokens at or past its own positions. A recurrent layer (linear
-   attention, SSM, short convolution) takes no attention mask: it scans the whole input in order, so
-   the mask half starts from a state that has read the entire clean half. Measured: the largest
-   change of the first mask block's logits when the *last* clean token changes (0 where the layout
-   holds). Random tiny models of each family, the layout's own inputs and mask.
-2. Rollback cost: at decode, a rejected draft is already folded into the recurrent state. The
-   cheapest exact fix keeps a copy of the state from the step's start and re-runs the accepted
-   tokens (a second forward per step). Measured on a SmolLM2-135M-sized Qwen3.5 text model (random
-   weights, fp32, this CPU, best of 9 interleaved): AR's one-token step, TiDAR's step (1 + 2k
-   tokens, k = 4), the state copy and the re-run of 3 accepted tokens; the break-even tokens per
-   forward is (step + copy + re-run) / AR step, against step / AR step for a Llama of the same size.
+1. Leak: TiDAR trains on [clean half | mask half] in one forward, and each mask block must not read
+   clean tokens at or past its own positions. A recurrent layer takes no attention mask; the layout
+   reaches it as segments (each block starts from the clean half's state before it). Measured: the
+   largest change of the first mask block's logits when the clean tokens after it change, with the
+   segments (0 where the layout holds, up to the rounding of a mixture of experts, whose batches
+   change with the other tokens) and without them (the mixer scanning [clean | mask] as one
+   sequence, the leak that kept these families refused until 2026-12); and the gradient of that
+   block's logits reaching those clean tokens (exactly 0 where the layout holds). Tiny random
+   models of each kind of recurrent layer, the layout's own inputs and mask.
+2. State capture: at decode the verify forward records the state after each draft, each mask
+   group starts from the state at its anchor, and the commit keeps each row's state at its
+   accepted length (nothing is re-run). Measured on a SmolLM2-135M-sized Qwen3.5 text model
+   (random weights, fp32, this CPU, best of `repeats` interleaved rounds): a TiDAR step (k drafts
+   and a group of k after each, k = 4) with the capture and the commit, the same forward without
+   them (every slot scanned as one continuation: leaky, the floor), and AR's one-token step. The
+   break-even tokens per forward is step / AR step, against the same for a Llama of the same size.
+3. Tokens per forward: a tiny Qwen3.5 and a tiny Qwen3 of the same size, trained alike (the tests'
+   `train_tiny` on cycle data), decoded on the same prompts: T/NFE side by side.
 
     PYTHONPATH=tests tidar-convert bench-recurrent [--out bench/results/recurrent.json] \\
         [--repeats 9] [--dry-run]
 
-The leak's tiny models are the tests' (tests/family_matrix.py), so it runs from a checkout, with
-tests/ on PYTHONPATH.
+The tiny models are the tests' (tests/family_matrix.py, tests/helpers.py), so it runs from a
+checkout, with tests/ on PYTHONPATH.
 """
 
 from __future__ import annotations
@@ -31,7 +37,18 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-LEAK_FAMILIES = ("llama", "qwen3_5_text", "qwen3_next", "lfm2", "falcon_h1", "jamba")
+# one of each kind of recurrent layer (and Llama, whose attention the mask already restricts)
+LEAK_FAMILIES = (
+    "llama",
+    "qwen3_5_text",
+    "qwen3_next",
+    "kimi_linear",
+    "lfm2",
+    "nemotron_h",
+    "falcon_h1",
+    "jamba",
+    "zamba",
+)
 SMOLLM2_SIZE = dict(
     hidden_size=576,
     intermediate_size=1536,
@@ -56,7 +73,7 @@ def leak(model_type: str, seq_len: int = 16, draft_length: int = 4) -> dict:
     from family_matrix import tiny_config
 
     from tidar_convert.models.families import attention_implementation, check
-    from tidar_convert.runtime import layout
+    from tidar_convert.runtime import layout, recurrent
 
     torch.manual_seed(0)
     config = tiny_config(model_type, 320)
@@ -66,12 +83,15 @@ def leak(model_type: str, seq_len: int = 16, draft_length: int = 4) -> dict:
     mask_id = 319
     ids = torch.randint(1, 300, (1, seq_len))
     changed = ids.clone()
-    changed[0, -1] = (ids[0, -1] + 1) % 300 + 1
+    changed[0, draft_length:] = (ids[0, draft_length:] + 1) % 300 + 1  # the first block's future
     mask_mod = layout.train_mask_mod(seq_len, draft_length)
     dense = layout.to_dense(mask_mod, 1, 2 * seq_len, 2 * seq_len)
     out = {"model_type": model_type, "mechanisms": check(config).mechanisms}
-    try:
-        with torch.no_grad():
+    for name, segments in (
+        ("first_mask_block_change", recurrent.Segments.training(seq_len, draft_length)),
+        ("without_segments", None),
+    ):
+        with torch.no_grad(), recurrent.layout(model, segments):
             first_block = [
                 model(
                     input_ids=layout.train_inputs(x, mask_id),
@@ -79,12 +99,24 @@ def leak(model_type: str, seq_len: int = 16, draft_length: int = 4) -> dict:
                     attention_mask=layout.for_implementation(
                         dense, attention_implementation(config)
                     ),
+                    use_cache=False,
                 ).logits[0, seq_len : seq_len + draft_length]
                 for x in (ids, changed)
             ]
-        out["first_mask_block_change"] = float((first_block[0] - first_block[1]).abs().max())
-    except Exception as e:  # the family's forward refuses the layout outright
-        out["error"] = f"{type(e).__name__}: {' '.join(str(e).split())[:200]}"
+        out[name] = float((first_block[0] - first_block[1]).abs().max())
+    # the same, read from the gradient (no rounding of experts' batches in it): how much of the
+    # first block's logits reaches the clean tokens after it
+    embeds = model.get_input_embeddings()(layout.train_inputs(ids, mask_id)).detach()
+    embeds.requires_grad_()
+    with recurrent.layout(model, recurrent.Segments.training(seq_len, draft_length)):
+        logits = model(
+            inputs_embeds=embeds,
+            position_ids=layout.train_position_ids(ids),
+            attention_mask=layout.for_implementation(dense, attention_implementation(config)),
+            use_cache=False,
+        ).logits
+    logits[0, seq_len : seq_len + draft_length].sum().backward()
+    out["gradient_from_its_future"] = float(embeds.grad[0, draft_length:seq_len].abs().sum())
     return out
 
 
@@ -105,58 +137,130 @@ def step_costs(
     accepted: int = 3,
     size: dict = SMOLLM2_SIZE,
 ) -> dict:
-    """Seconds of an AR step, a TiDAR-shaped step (1 + 2k tokens) and, for recurrent layers, the
-    state copy and the re-run of the accepted tokens, each from the same prefilled cache, on a model
-    of `size`."""
-    from tidar_convert.runtime.forward import cache_kwargs
+    """Seconds of AR's one-token step and of a TiDAR step (k drafts, a group of k anchored after
+    each) from the same prefilled cache, on a model of `size`; for recurrent layers also the same
+    forward without the segments (no capture, no commit: the floor the capture is measured
+    against)."""
+    from transformers import DynamicCache
+
+    from tidar_convert.runtime import layout, recurrent
+    from tidar_convert.runtime.forward import forward
 
     torch.manual_seed(0)
     config = AutoConfig.for_model(
         model_type, **size, **(LINEAR_SIZE if model_type == "qwen3_5_text" else {})
     )
     model = AutoModelForCausalLM.from_config(config).eval()
-    ids = torch.randint(1, 1000, (1, prompt + 1 + 2 * k))
+    impl = model.config._attn_implementation
+    mixers = recurrent.mixers(model)
+    ids = torch.randint(1, 1000, (1, prompt + k))
+    anchors = tuple(range(1, k + 1))
+    slots = torch.cat([ids[:, prompt:], torch.full((1, k * k), 999)], 1)
+    positions = layout.decode_position_ids(torch.tensor([prompt]), k, k, k, anchors)
+    mask = layout.decode_step_mask(torch.ones(1, prompt, dtype=torch.bool), k, k, anchors, impl)
     with torch.no_grad():
-        out = model(ids[:, :prompt], use_cache=True)
-        cache = out.get("cache", None) or out.get("past_key_values", None)
+        cache = recurrent.new_cache(model.config) if mixers else DynamicCache()
+        prefill = layout.build_mask(
+            layout.decode_mask_mod(0, prompt, k, prompt), 1, prompt, prompt, impl, "cpu"
+        )
+        segments = recurrent.Segments(prompt) if mixers else None
+        forward(model, cache, ids[:, :prompt], torch.arange(prompt)[None], prefill, None,
+                segments, mixers)  # fmt: skip
+        if mixers:
+            recurrent.keep_states(cache, prompt, torch.tensor([prompt]))
 
-        def run(n):  # n tokens on a copy of the prefilled cache (the copy is not timed)
+        def ar():
+            c = copy.deepcopy(cache)  # a copy of the prefilled cache, not timed
+            one = layout.decode_step_mask(torch.ones(1, prompt, dtype=torch.bool), 1, k, (), impl)
+            return lambda: forward(model, c, slots[:, :1], positions[:, :1], one, [0])
+
+        def step(capture: bool):
             c = copy.deepcopy(cache)
-            return lambda: model(ids[:, prompt : prompt + n], **cache_kwargs(model, c))
+            segments = recurrent.Segments(k, anchors, k, record=True) if capture else None
 
+            def run():
+                forward(model, c, slots, positions, mask, list(range(slots.shape[1])), segments,
+                        mixers if capture else None)  # fmt: skip
+                if capture:
+                    recurrent.keep_states(c, k, torch.tensor([accepted]))
+
+            return run
+
+        rows = [("ar_step", ar), ("tidar_step", lambda: step(True))]
+        if mixers:
+            rows.append(("tidar_step_without_capture", lambda: step(False)))
         costs = {}
         for _ in range(repeats):  # interleaved: each measurement once per round, best over rounds
-            for name, n in (
-                ("ar_step", 1),
-                ("tidar_step", 1 + 2 * k),
-                ("rerun_accepted", accepted),
-            ):
-                costs[name] = min(costs.get(name, float("inf")), timed(run(n), 1))
-            costs["state_copy"] = min(
-                costs.get("state_copy", float("inf")), timed(lambda: copy.deepcopy(cache), 1)
-            )
-    recurrent = model_type != "llama"
-    costs["break_even_tokens_per_forward"] = (
-        costs["tidar_step"] + (costs["state_copy"] + costs["rerun_accepted"] if recurrent else 0.0)
-    ) / costs["ar_step"]
-    return {
+            for name, make in rows:
+                costs[name] = min(costs.get(name, float("inf")), timed(make(), 1))
+    out = {
         "model_type": model_type,
         "parameters": sum(p.numel() for p in model.parameters()),
-        "seconds": {k: v for k, v in costs.items() if k != "break_even_tokens_per_forward"},
-        "break_even_tokens_per_forward": costs["break_even_tokens_per_forward"],
+        "seconds": costs,
+        "break_even_tokens_per_forward": costs["tidar_step"] / costs["ar_step"],
     }
+    if mixers:
+        out["capture_overhead"] = costs["tidar_step"] / costs["tidar_step_without_capture"] - 1
+    return out
+
+
+def tokens_per_forward(
+    model_types=("qwen3", "qwen3_5_text"), steps: int = 150, draft_length: int = 8
+) -> list[dict]:
+    """T/NFE of tiny models of each type trained alike (tests/helpers.train_tiny), decoded with
+    TiDAR (the default drafter, the adaptive plan: no step timings in the figure) on the same
+    prompts, 64 new tokens each."""
+    import tempfile
+
+    from family_matrix import prompts, tiny_config
+    from helpers import tiny_tokenizer, train_tiny
+
+    from tidar_convert.models.families import parameter_count
+    from tidar_convert.models.loading import load_base
+    from tidar_convert.runtime.generate import generate
+
+    tokenizer = tiny_tokenizer()
+    rows = []
+    for model_type in model_types:
+        torch.manual_seed(0)
+        config = tiny_config(model_type, len(tokenizer))
+        with tempfile.TemporaryDirectory() as tmp:  # as fit loads a base: its mask token added
+            AutoModelForCausalLM.from_config(config).save_pretrained(tmp)
+            tokenizer.save_pretrained(tmp)
+            model, tok = load_base(tmp)
+        model = train_tiny(model, steps=steps, draft_length=draft_length, seq_len=32)
+        nfe = new = 0
+        with torch.no_grad():
+            for ids, mask in prompts(tok.pad_token_id):
+                generate(ids, model=model, attention_mask=mask, max_new_tokens=64,
+                         eos_token_id=None, draft_length=draft_length,
+                         plan="adaptive")  # fmt: skip
+                nfe += model.tidar_stats["nfe"]
+                new += model.tidar_stats["new_tokens"] * ids.shape[0]
+        rows.append(
+            {
+                "model_type": model_type,
+                "parameters": parameter_count(config),
+                "train_steps": steps,
+                "draft_length": draft_length,
+                "tokens_per_nfe": new / nfe,
+            }
+        )
+    return rows
 
 
 def bench_recurrent_cmd(
     out: str = "bench/results/recurrent.json", repeats: int = 9, dry_run: bool = False
 ) -> str:
-    """Why recurrent layers are refused: the training layout's leak, and rollback's break-even.
+    """What recurrent layers cost under TiDAR: the layout's leak (0), the state capture's share of
+    a step and the break-even against Llama's, and the T/NFE of a tiny Qwen3.5 beside a Qwen3.
 
     Args:
         out: the JSON record to write.
         repeats: interleaved rounds of the step costs; each cost is the best of them.
-        dry_run: the leak figures, and one round of the costs of a 4-layer model with a 1000-token
-            vocabulary (one full-attention layer in Qwen3.5's 3:1 pattern): checks the script.
+        dry_run: the leak figures, one round of the costs of a 4-layer model with a 1000-token
+            vocabulary (one full-attention layer in Qwen3.5's 3:1 pattern), and 10 training steps
+            of the tiny models: checks the script.
 
     Returns:
         Path of the JSON written.
@@ -169,10 +273,10 @@ def bench_recurrent_cmd(
     if repeats < 1:
         raise ValueError(f"repeats={repeats}: must be >= 1.")
     torch.set_num_threads(max(1, torch.get_num_threads()))
-    size = SMOLLM2_SIZE
+    size, steps = SMOLLM2_SIZE, 150
     if dry_run:
         size = {**SMOLLM2_SIZE, "num_hidden_layers": 4, "vocab_size": 1000}
-        repeats = 1
+        repeats, steps = 1, 10
     record = {
         "date": time.strftime("%Y-%m-%d"),
         "torch_threads": torch.get_num_threads(),
@@ -182,6 +286,9 @@ def bench_recurrent_cmd(
         print(json.dumps(row))
     record["step_costs"] = [step_costs(t, repeats, size=size) for t in ("llama", "qwen3_5_text")]
     for row in record["step_costs"]:
+        print(json.dumps(row))
+    record["tokens_per_forward"] = tokens_per_forward(steps=steps)
+    for row in record["tokens_per_forward"]:
         print(json.dumps(row))
     path = Path(out)
     path.parent.mkdir(parents=True, exist_ok=True)

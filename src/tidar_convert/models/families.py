@@ -44,16 +44,16 @@ EXPERT_FIELDS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_nu
 HEAD_SCALES = ("logit_scale", "logits_scaling", "output_multiplier_scale")
 
 # Mechanisms refused, with why. Each was run anyway (tests/family_matrix.py --force) and failed:
-# recurrent layers in the cache's conv state (Qwen3-Next, Qwen3.5, LFM2: IndexError), ALiBi in
-# BLOOM's forward, the indexer's own cache, OpenAI GPT's fixed causal mask (a permute error). (MPT,
-# ALiBi, decoded exactly when forced; it stays refused: its mask half cannot sit at the clean half's
-# positions.)
+# ALiBi in BLOOM's forward, the indexer's own cache, OpenAI GPT's fixed causal mask (a permute
+# error). (MPT, ALiBi, decoded exactly when forced; it stays refused: its mask half cannot sit at
+# the clean half's positions.) Recurrent layers convert (runtime/recurrent.py) where their mixer
+# keeps its state through transformers' cache; a kind that keeps it elsewhere is refused here.
 REFUSED = {
-    "recurrent layers": (
-        "their state is not a KV cache: they take no attention mask, so in training the mask half "
-        "would read the whole clean half (the future it drafts), and at decode a rejected draft is "
-        "already folded into the state; re-running the accepted tokens to roll it back costs more "
-        "than TiDAR gains (bench/LOG.md, 2026-12-03)"
+    "recurrent state outside the cache": (
+        "its recurrent layers keep their state in structures of their own, not through "
+        "transformers' cache interface (conv and recurrent states), which is where TiDAR starts "
+        "each mask block from the state before it and keeps each row's state at its accepted "
+        "length"
     ),
     "no position_ids": (
         "its positions do not come from position_ids (ALiBi, or none), so the mask half cannot "
@@ -193,8 +193,11 @@ def mechanisms(config) -> list[str]:
         fields.append("short convolutions outside full_attn_idxs")
     if "attn_layer_period" in d or "attn_layer_indices" in d:
         fields.append("attention only every few layers")
+    attention_free = False
     if recurrent or fields:
         found.append("recurrent layers")
+        refused, attention_free = recurrent_facts(config)
+        found += refused
     if kinds & {"indexed_attention", "compressed_sparse_attention", "heavily_compressed_attention"}:
         found.append("sparse indexed attention")
     window = d.get("sliding_window") if d.get("use_sliding_window", True) else None
@@ -222,6 +225,10 @@ def mechanisms(config) -> list[str]:
     ) and _takes_position_ids(config):
         # learned or sinusoidal, looked up by position_ids: repeated as RoPE's are
         found.append("absolute positions")
+    elif attention_free:
+        # a state-space model: the state is its only notion of position, and a mask block starts
+        # from the state before it
+        found.append("no attention layers")
     else:
         found.append("no position_ids")
     if any((d.get(k) or 0) > 1 for k in EXPERT_FIELDS) or d.get("enable_moe_block"):
@@ -237,6 +244,32 @@ def mechanisms(config) -> list[str]:
     if attention_implementation(config) == "eager":
         found.append("eager attention (no SDPA)")
     return found
+
+
+def recurrent_facts(config) -> tuple[list[str], bool]:
+    """What a model's recurrent layers mean for TiDAR, read from the model built on the meta device
+    (no memory, no weights): the refused mechanisms among them (state kept outside the cache), and
+    whether the model has no attention layers at all."""
+    import copy
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from tidar_convert.runtime import recurrent
+
+    try:
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(copy.deepcopy(config))
+    except Exception:
+        return [], False  # not buildable: the conversion says so where it builds it
+    found = recurrent.mixers(model)
+    refused = []
+    if not found or recurrent.outside_mixers(model):
+        refused.append("recurrent state outside the cache")
+    attention_free = bool(found) and not any(
+        "Attention" in type(m).__name__ and not recurrent.is_mixer(m) for m in model.modules()
+    )
+    return refused, attention_free
 
 
 def check(config) -> Verdict:

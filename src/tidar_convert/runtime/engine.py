@@ -51,6 +51,14 @@ from .layout import (
     local_kinds,
 )
 from .plan import Planner, StepPlan
+from .recurrent import (
+    Segments,
+    crop_attention,
+    keep_states,
+    new_cache,
+    recurrent_layers,
+    select_rows,
+)
 from .tree import keep_slots, walk
 from .verify import mix, process
 
@@ -153,7 +161,7 @@ def position_limit(model) -> int | None:
 
 
 def prefill(
-    model, state: DecodeState, k: int, mask_id: int, groups: bool
+    model, run, state: DecodeState, k: int, mask_id: int, groups: bool
 ) -> tuple[torch.Tensor, callable]:
     """The prompt (causal), plus one mask group after it when the drafter uses groups (and its
     positions exist). Returns the AR logits of the first new token (B, V) and a function giving the
@@ -183,10 +191,21 @@ def prefill(
             prompt.device,
             local,
         )
-    out = forward(model, state.cache, tokens, positions, mask, read=[P - 1, *range(P + 1, P + g)])
+    mixers = run.session.recurrent_mixers(model)
+    # recurrent layers: the prompt from a fresh state, the group from the state after it
+    segments = (
+        Segments(P, (P,) if g else (), k, valid=None if bool(valid.all()) else valid)
+        if mixers
+        else None
+    )
+    read = [P - 1, *range(P + 1, P + g)]
+    out = forward(model, state.cache, tokens, positions, mask, read, segments, mixers)
     state.nfe += 1
-    if g:
-        with record_function("tidar.crop"):
+    with record_function("tidar.crop"):
+        if mixers:
+            keep_states(state.cache, P, torch.full((B,), P, device=prompt.device))
+            crop_attention(state.cache, g)
+        elif g:
             state.cache.crop(-g)
     ar = out.rows(P - 1, P)[:, 0]
     return ar, (lambda: (out.rows(P + 1, P + k), None)) if g else no_group
@@ -221,7 +240,11 @@ def run_step(model, run, state: DecodeState, draft: Draft, plan: StepPlan) -> Ou
             local,
             kept=run.session.own_mask,
         )
-    out = forward(model, state.cache, tokens, positions, mask, read=plan.read())
+    mixers = run.session.recurrent_mixers(model)
+    # recurrent layers: the drafts continue the state, recording it after each; group g starts
+    # from the state after its anchor
+    segments = Segments(plan.causal, tuple(plan.anchors), plan.k, record=True) if mixers else None
+    out = forward(model, state.cache, tokens, positions, mask, plan.read(), segments, mixers)
     state.nfe += 1
     return out
 
@@ -257,12 +280,14 @@ def decode(
         else run.criteria
     )
     state = DecodeState(run.input_ids, run.kv_valid, torch.ones(B, dtype=torch.bool, device=device))
+    if run.session.recurrent_mixers(model):
+        state.cache = new_cache(model.config)
     state.new = torch.full((B, run.max_new), run.pad, dtype=run.input_ids.dtype, device=device)
     state.n_new = torch.zeros(B, dtype=torch.long, device=device)
     if per_row:
         state.row_nfe = torch.ones(B, dtype=torch.long, device=device)
         state.rows = torch.arange(B, device=device)
-    ar0, group = prefill(model, state, k, run.mask_id, drafter.uses_groups)
+    ar0, group = prefill(model, run, state, k, run.mask_id, drafter.uses_groups)
     state.cache_valid = run.kv_valid
     limit = position_limit(model)
     with record_function("tidar.verify"):
@@ -355,7 +380,7 @@ def drop_finished(state: DecodeState, kept: "Kept", pick) -> "Kept":
         )
     for name in ("seqs", "kv_valid", "active", "cache_valid", "new", "n_new", "row_nfe", "rows"):
         setattr(state, name, getattr(state, name)[keep])
-    state.cache.batch_select_indices(keep)
+    select_rows(state.cache, keep)
     pick.rows = state.rows.tolist()
     group = kept.group
 
@@ -537,7 +562,12 @@ def crop(state: DecodeState, plan: StepPlan, kept: Kept) -> None:
     """The cache keeps the step's kept slots and drops every other; a row's holes are marked
     invalid."""
     slots = kept.slots
-    if slots == list(range(len(slots))):  # a prefix of the step
+    if recurrent_layers(state.cache):
+        # each row's recurrent state after the drafts it kept; the attention keys of the kept
+        # slots (a row's holes included, as below)
+        keep_states(state.cache, plan.causal, kept.counts)
+        crop_attention(state.cache, plan.slots - len(slots))
+    elif slots == list(range(len(slots))):  # a prefix of the step
         state.cache.crop(-(plan.slots - len(slots)))
     else:  # a branch off the chain is not a prefix, so `crop` cannot keep it
         keep_slots(state.cache, state.cache_valid.shape[1], slots)

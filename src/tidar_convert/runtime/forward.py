@@ -9,6 +9,8 @@ import inspect
 import torch
 from torch.profiler import record_function
 
+from .recurrent import Segments, layout
+
 # False: the vocabulary head on every slot, as a plain model forward does. Only tests change it, to
 # show the read-rows-only head gives the same tokens.
 READ_ROWS_ONLY = True
@@ -116,9 +118,19 @@ def decoder_body(model):
     return model.get_decoder()
 
 
-def forward(model, cache, tokens, positions, mask, read: list[int] | None = None) -> Output:
-    """read: the slots whose logits the step may read, computed in one vocabulary-head call."""
-    with record_function("tidar.forward"):
+def forward(
+    model,
+    cache,
+    tokens,
+    positions,
+    mask,
+    read: list[int] | None = None,
+    segments: Segments | None = None,
+    mixers: list | None = None,
+) -> Output:
+    """read: the slots whose logits the step may read, computed in one vocabulary-head call.
+    segments: how the model's recurrent `mixers` run the slots (recurrent.py); None without any."""
+    with record_function("tidar.forward"), layout(mixers or [], segments):
         if head_is_plain(model):
             body = decoder_body(model)
             out = body(

@@ -465,8 +465,13 @@ def generate(
         model.device.type,
         run.input_ids.shape[0],
     )
-    # where siblings are exact
-    tree = isinstance(run.pick, Greedy) and beta == 1.0 and run.input_ids.shape[0] == 1
+    # where siblings are exact (a recurrent layer would scan a tree's nodes as one chain)
+    tree = (
+        isinstance(run.pick, Greedy)
+        and beta == 1.0
+        and run.input_ids.shape[0] == 1
+        and not run.session.recurrent_mixers(model)
+    )
     # siblings < 0 goes through, for Planner to refuse by name
     planner = Planner(
         run.k,

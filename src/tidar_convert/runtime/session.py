@@ -11,6 +11,8 @@ What it holds, and why each is kept rather than made again per call:
   learning them takes a call's worth of steps.
 - `own_masks`: the (Q, Q) attention block among a step's own query slots, by plan
   (layout.decode_step_mask): it depends on the plan alone, and plans repeat.
+- `mixers`: the model's layers with recurrent state (recurrent.mixers): finding them reads their
+  classes' source.
 - `kernels`: which product each linear layer takes, the packed copies of its weight, the packed
   mask-slot deltas and the timing that chose them (kernels.py): packing costs a pass over every
   weight, and timing the products another few.
@@ -48,6 +50,15 @@ class Session:
         self.costs: dict[tuple, StepCosts] = {}
         self.own_masks: dict = {}
         self.kernels = KernelState()
+        self.mixers: list | None = None
+
+    def recurrent_mixers(self, model) -> list:
+        """The model's recurrent mixers (recurrent.mixers), found on first use."""
+        if self.mixers is None:
+            from .recurrent import mixers
+
+            self.mixers = mixers(model)
+        return self.mixers
 
     def step_costs(self, setting: tuple = ()) -> StepCosts:
         """The step-cost table of one setting (whatever changes what a step shape costs)."""
@@ -75,6 +86,7 @@ class Session:
         self.costs.clear()
         self.own_masks.clear()
         self.kernels = KernelState()
+        self.mixers = None
 
 
 def session_of(model) -> Session:

@@ -10,7 +10,7 @@ import lightning as L
 import torch
 
 from tidar_convert.models.lora import add_lora, check_scope
-from tidar_convert.runtime import layout
+from tidar_convert.runtime import layout, recurrent
 from tidar_convert.runtime.spec import TiDARSpec
 from tidar_convert.train.loss import check_distill, check_offset_weights, hybrid_loss
 
@@ -170,6 +170,8 @@ class TiDARModule(L.LightningModule):
             self.config, "cuda" if torch.cuda.is_available() else "cpu"
         )
         self.model = None
+        self._mixers = None  # the model's recurrent layers, once it is built (mixers)
+        self._segments = None  # the last training forward's recurrent layout (backward)
         # What makes the model a TiDAR model, written on its config in _prepare (and so exported)
         self.spec = TiDARSpec(draft_length, self.tokenizer.mask_token_id, alpha)
         self.optimizer_factory = optimizer or adamw
@@ -349,9 +351,12 @@ class TiDARModule(L.LightningModule):
             mask = layout.build_mask(
                 mask_mod, B, 2 * S, 2 * S, self.attn_implementation, input_ids.device, local
             )
-            logits = self.model(
-                input_ids=inputs, position_ids=positions, attention_mask=mask, use_cache=False
-            ).logits
+            # recurrent layers: each mask block from the state before it (runtime/recurrent.py)
+            segments = self._segments = recurrent.Segments.training(S, self.spec.draft_length)
+            with recurrent.layout(self.mixers, segments):
+                logits = self.model(
+                    input_ids=inputs, position_ids=positions, attention_mask=mask, use_cache=False
+                ).logits
         ar_labels, diff_labels = layout.train_labels(input_ids, doc_ids, no_ar_target)
         base_teacher = self.teacher == "base" and self.distill_weight > 0
         # one forward of the frozen base serves both the teacher and the anchor
@@ -374,13 +379,29 @@ class TiDARModule(L.LightningModule):
             anchor_logits=base_logits if self.anchor_weight > 0 else None,
         )
 
+    def backward(self, loss, *args, **kwargs) -> None:
+        """Activation checkpointing recomputes the forward in here: its recurrent layers run the
+        same layout as the forward did (runtime/recurrent.py), not a plain scan."""
+        checkpointed = self.hparams.gradient_checkpointing and self.mixers
+        with recurrent.layout(self.mixers, self._segments if checkpointed else None):
+            super().backward(loss, *args, **kwargs)
+
+    @property
+    def mixers(self) -> list:
+        """The model's layers with recurrent state (runtime/recurrent.py), found once."""
+        if self._mixers is None:
+            self._mixers = recurrent.mixers(self.model)
+        return self._mixers
+
     @property
     def split_halves(self) -> bool:
-        """lora_scope='masks' (without activation checkpointing, which drops the cache): the clean
+        """lora_scope='masks' (without activation checkpointing, which drops the cache, and without
+        recurrent layers, whose mask blocks need the clean half's state at every block): the clean
         half runs once without autograd and hands its keys and values to the mask half."""
         return (
             self.hparams.get("lora_scope", "all") == "masks"
             and not self.hparams.gradient_checkpointing
+            and not self.mixers
         )
 
     def forward_halves(

@@ -1,0 +1,473 @@
+"""Layers with recurrent state (linear attention, state-space, short convolutions) under the TiDAR
+layout: docs/method.md §6.
+
+A recurrent layer takes no attention mask to restrict, so the layout reaches it as `Segments`: the
+first `causal` slots of a forward continue the state before it (the clean half in training; the
+prompt, or the step's drafts, at decode); then groups of `length` mask slots, group g starting from
+the state after causal slot anchors[g] - 1 (anchor 0: the state before the forward), exactly as if
+it continued the causal slots there. Inside a group the layer runs causally. So a mask block never
+reads the clean tokens at or past its own positions (no leak), and a group drafts from the state the
+commit will keep.
+
+The layer kind is the mixer: a module with a `layer_idx` whose forward is `(hidden_states, cache,
+attention_mask, ...)` and keeps its state through the cache (get/update_conv_state,
+get/update_recurrent_state). Every such mixer transformers ships (gated delta nets, Mamba 1 and 2,
+short convolutions, Kimi's delta attention) does, so one wrapper serves them all (`layout`):
+- causal slots, decoding: one call on the real cache, which records the state after each slot
+  (transformers' past recording); `keep_states` then keeps each row's state at its accepted
+  length, and nothing is re-run.
+- causal slots, training (no cache): one call per piece between anchors, each carrying the last
+  one's state, on a cache of its own (`Seeded`) that keeps the autograd graph.
+- groups: one call on all groups at once, a batch of short sequences seeded with their anchors'
+  states and convolution windows.
+
+Shipped in every export: imports nothing but torch and transformers.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import inspect
+import re
+from dataclasses import dataclass
+
+import torch
+from transformers import DynamicCache
+from transformers.cache_utils import (
+    Cache,
+    DummyLayer,
+    DynamicLayer,
+    DynamicSlidingWindowLayer,
+    LinearAttentionAndFullAttentionLayer,
+    LinearAttentionAndSlidingWindowAttentionLayer,
+    LinearAttentionCacheLayerMixin,
+    LinearAttentionLayer,
+)
+
+
+@dataclass(frozen=True)
+class Segments:
+    """How one forward's slots run through a recurrent layer (module docstring)."""
+
+    causal: int
+    anchors: tuple[int, ...] = ()
+    length: int = 0
+    # (B, causal) False at left padding (the mixer zeroes those inputs, as with a 2D mask)
+    valid: torch.Tensor | None = None
+    # decoding: the state after every causal slot, so that `keep_states` can keep any of them
+    record: bool = False
+    # training: the causal slots run in pieces on a cache of their own (any cache the model made
+    # for the call is left alone)
+    pieces: bool = False
+
+    @classmethod
+    def training(cls, seq_len: int, draft_length: int) -> "Segments":
+        """[clean | mask]: block b starts from the state after the clean tokens before it."""
+        return cls(seq_len, tuple(range(0, seq_len, draft_length)), draft_length, pieces=True)
+
+
+# How a mixer (a layer kind) continues a state it is given, read from its forward's source
+# (`continuation`):
+# - CHUNKED: its multi-token forward starts from the cached state, and records the state after
+#   each of its last tokens when the cache asks (`get_recurrent_states_to_keep`).
+# - STEPWISE: its multi-token scan starts from zero whatever the cache holds (transformers' Mamba 1
+#   `mamba_selective_scan` takes no initial state); the form that records states, token by token,
+#   reads the cache. A seeded call asks it to record every token.
+# - ONE_TOKEN: only its one-token forward reads the cache, and it records nothing (Zamba's
+#   per-head scans): a seeded call runs one token per call.
+CHUNKED, STEPWISE, ONE_TOKEN = "chunked", "stepwise", "one token"
+SCANS_FROM_ZERO = frozenset({"MambaMixer", "FalconMambaMixer", "JambaMambaMixer"})
+# Enough for any mixer transformers ships (one, or two for a second short convolution).
+MOST_STATES = 4
+# What a mixer's forward calls to keep its state in the cache.
+STATE_CALLS = re.compile(
+    r"\b(get_conv_state|update_conv_state|get_recurrent_state|update_recurrent_state"
+    r"|causal_conv1d_forward)\b"
+)
+
+
+def keeps_state(module) -> bool:
+    """Whether the module's forward reads or writes recurrent state in the cache."""
+    try:
+        return bool(STATE_CALLS.search(inspect.getsource(type(module).forward)))
+    except (OSError, TypeError):
+        return False
+
+
+def is_mixer(module) -> bool:
+    """A layer with recurrent state, as the layout reaches it: forward(hidden_states, cache,
+    attention_mask, ...) that keeps its state through the cache."""
+    return hasattr(module, "layer_idx") and continuation(type(module)) is not None
+
+
+@functools.cache
+def continuation(cls) -> str | None:
+    """CHUNKED, STEPWISE or ONE_TOKEN for a mixer class (see above); None for any other module."""
+    forward = cls.forward
+    try:
+        params = list(inspect.signature(forward).parameters)
+        source = inspect.getsource(forward)
+    except (OSError, TypeError, ValueError):
+        return None
+    if params[1:4] != ["hidden_states", "cache", "attention_mask"] or not STATE_CALLS.search(
+        source
+    ):
+        return None
+    if any(c.__name__ in SCANS_FROM_ZERO for c in cls.__mro__):  # a wrapper's subclass too
+        return STEPWISE
+    if "get_recurrent_state" in source and "get_recurrent_states_to_keep" not in source:
+        return ONE_TOKEN
+    return CHUNKED
+
+
+def mixers(model) -> list:
+    """The model's recurrent mixers, in layer order: the innermost modules that are `is_mixer` (a
+    decoder block may have the same signature as the mixer it holds)."""
+    found = [m for m in model.modules() if is_mixer(m)]
+    return [m for m in found if not any(o is not m for o in m.modules() if o in found)]
+
+
+def outside_mixers(model) -> list:
+    """Modules that keep state through the cache but are neither a mixer nor inside one (a short
+    convolution inside an attention projection): the layout cannot reach them."""
+    inside = {id(sub) for m in mixers(model) for sub in m.modules()}
+    return [m for m in model.modules() if id(m) not in inside and keeps_state(m)]
+
+
+def has_recurrent_layers(model) -> bool:
+    return bool(mixers(model))
+
+
+@contextlib.contextmanager
+def layout(model_or_mixers, segments: Segments | None):
+    """For the duration of one forward, every mixer runs `segments` (None: unchanged)."""
+    found = model_or_mixers if isinstance(model_or_mixers, list) else mixers(model_or_mixers)
+    if segments is None or not found:
+        yield
+        return
+    # a layout inside another (a decode inside a fit's validation) puts the outer one back
+    before = [m.__dict__.get("forward") for m in found]
+    for m in found:
+        m.forward = _segmented(m, segments)
+    try:
+        yield
+    finally:
+        for m, previous in zip(found, before):
+            if previous is None:
+                del m.forward
+            else:
+                m.forward = previous
+
+
+def _segmented(mixer, seg: Segments):
+    original = type(mixer).forward.__get__(mixer)
+
+    def forward(hidden_states, cache=None, attention_mask=None, **kwargs):
+        B, Q, D = hidden_states.shape
+        T, k, G = seg.causal, seg.length, len(seg.anchors)
+        if Q != T + G * k:
+            raise ValueError(
+                f"a recurrent layer got {Q} slots for {T} causal slots and {G} groups of {k}"
+            )
+        x = hidden_states[:, :T]
+        kind = continuation(type(mixer))
+        if seg.pieces or cache is None:
+            y, seeds = _run_pieces(original, mixer.layer_idx, x, seg, kwargs, kind)
+        else:
+            y, seeds = _run_recorded(original, mixer.layer_idx, x, cache, seg, kwargs, kind)
+        if not G:
+            return y
+        groups = hidden_states[:, T:].reshape(B * G, k, D)
+        layer = Seeded.of(seeds, B, G, kind)
+        if not torch.is_grad_enabled():
+            # decoding: a group is a few tokens, which the token-by-token form runs faster than a
+            # chunked scan padded to its chunk (64 tokens in the gated delta rule)
+            layer.recurrent_states_to_keep = k
+        seeded = Cache(layers=_placeholders(mixer.layer_idx) + [layer])
+        out = _continue(original, groups, seeded, layer, None, kwargs, kind)
+        rest = _first(out).reshape(B, G * k, -1)
+        return _replace_first(y, torch.cat([_first(y), rest], 1))
+
+    return forward
+
+
+def _first(out):
+    return out[0] if isinstance(out, tuple) else out
+
+
+def _replace_first(out, value):
+    return (value, *out[1:]) if isinstance(out, tuple) else value
+
+
+def _placeholders(n: int) -> list:
+    return [DummyLayer() for _ in range(n)]
+
+
+def _mask(seg: Segments, start: int, stop: int):
+    return None if seg.valid is None else seg.valid[:, start:stop].to(torch.long)
+
+
+def _continue(original, x, cache, layer, mask, kwargs, kind: str, record: bool = False):
+    """One mixer call over x that continues the state `layer` holds: a ONE_TOKEN kind runs one
+    token per call (recording the state after each where `record`: it records nothing itself),
+    any other kind one call."""
+    if kind != ONE_TOKEN or not _began(layer):
+        return original(x, cache=cache, attention_mask=mask, **kwargs)
+    T = x.shape[1]
+    held = [i for i in _states_of(layer) if layer.is_recurrent_states_initialized[i]]
+    history = {i: [layer.recurrent_states[i].clone()] for i in held}
+    outs = []
+    for t in range(T):
+        step_mask = None if mask is None else mask[:, t : t + 1]
+        outs.append(original(x[:, t : t + 1], cache=cache, attention_mask=step_mask, **kwargs))
+        if record and t < T - 1:
+            for i in held:  # its one-token form updates the state in place
+                history[i].append(layer.recurrent_states[i].clone())
+    if record:
+        layer.recurrent_states_history = {i: history.get(i, []) for i in _states_of(layer)}
+    return _replace_first(outs[0], torch.cat([_first(o) for o in outs], 1))
+
+
+class Seeded(LinearAttentionLayer):
+    """A cache layer of one mixer call: seeded with given states, never writing in place (so
+    autograd can take gradients through it), and recording whatever the call writes.
+
+    kind: the mixer's `continuation`. A STEPWISE or ONE_TOKEN mixer continues a seeded state token
+    by token, a form that updates the state in place; holding the state in float64 makes each step
+    read a float32 copy of it, so autograd keeps the values it needs (the values are those of the
+    float32 steps: each is computed in float32).
+    """
+
+    def __init__(self, kind: str = CHUNKED):
+        super().__init__(number_of_states=MOST_STATES)
+        self.kind = kind
+        self.record_past = True
+        self.recurrent_states_to_keep = 0
+        self.recurrent_states_history = {i: [] for i in range(MOST_STATES)}
+
+    @classmethod
+    def of(cls, seeds: dict, batch: int, groups: int, kind: str = CHUNKED) -> "Seeded":
+        """seeds: state index -> (conv windows, recurrent states), each (G, B, ...) or None: one
+        sequence per (row, group), row-major as the groups' slots are laid out."""
+        layer = cls(kind)
+        for i, (conv, rec) in seeds.items():
+            if conv is not None:
+                layer.conv_states[i] = conv.transpose(0, 1).reshape(-1, *conv.shape[2:])
+                layer.conv_kernel_size[i] = conv.shape[-1]
+                layer.is_conv_states_initialized[i] = True
+                layer.dtype, layer.device = conv.dtype, conv.device
+            if rec is not None:
+                # its own copy: a ONE_TOKEN mixer writes it in place
+                layer.recurrent_states[i] = rec.transpose(0, 1).reshape(-1, *rec.shape[2:]).clone()
+                layer.is_recurrent_states_initialized[i] = True
+            layer.has_previous_state[i] = conv is not None or rec is not None
+        layer.seeded()
+        return layer
+
+    def seeded(self) -> None:
+        """The layer now holds a state that the next call continues."""
+        if self.kind == CHUNKED:
+            return
+        if self.kind == STEPWISE:
+            self.recurrent_states_to_keep = 2**62  # every token of the call: the stepwise form
+        if torch.is_grad_enabled():
+            for i in range(MOST_STATES):
+                if self.is_recurrent_states_initialized[i]:
+                    self.recurrent_states[i] = self.recurrent_states[i].double()
+
+    def update_recurrent_state(self, recurrent_states, state_idx: int = 0, **kwargs):
+        if not isinstance(recurrent_states, torch.Tensor):
+            recurrent_states = recurrent_states[-1]
+        self.recurrent_states[state_idx] = recurrent_states
+        self.is_recurrent_states_initialized[state_idx] = True
+        return recurrent_states
+
+
+def _states_of(layer) -> range:
+    return range(layer.number_of_states)
+
+
+def _run_pieces(original, layer_idx: int, x, seg: Segments, kwargs, kind: str = CHUNKED):
+    """Training: the causal slots in pieces that end at the anchors; the state and convolution
+    window at each anchor."""
+    T = seg.causal
+    bounds = sorted({a for a in seg.anchors if 0 < a < T} | {T})
+    layer = Seeded(kind)
+    cache = Cache(layers=_placeholders(layer_idx) + [layer])
+    outs, at, start = [], {}, 0
+    for stop in bounds:
+        out = _continue(
+            original, x[:, start:stop], cache, layer, _mask(seg, start, stop), kwargs, kind
+        )
+        outs.append(out)
+        at[stop] = _snapshot(layer)
+        layer.seeded()
+        start = stop
+    y = _replace_first(outs[0], torch.cat([_first(o) for o in outs], 1))
+    return y, _seeds(seg.anchors, at, layer)
+
+
+def _snapshot(layer) -> dict:
+    """state index -> (the last conv window, the recurrent state) of a layer now."""
+    snap = {}
+    for i in _states_of(layer):
+        conv = rec = None
+        if layer.is_conv_states_initialized[i]:
+            K = layer.conv_kernel_size[i]
+            conv = _window(layer.conv_states[i], K)
+        if layer.is_recurrent_states_initialized[i]:
+            # a copy: a STEPWISE or ONE_TOKEN mixer goes on to write this tensor in place
+            rec = layer.recurrent_states[i].clone()
+        if conv is not None or rec is not None:
+            snap[i] = (conv, rec)
+    return snap
+
+
+def _window(full: torch.Tensor, K: int) -> torch.Tensor:
+    """The last K columns, zeros on the left where fewer were seen."""
+    if full.shape[-1] < K:
+        full = torch.nn.functional.pad(full, (K - full.shape[-1], 0))
+    return full[..., -K:]
+
+
+def _seeds(anchors, at: dict, layer) -> dict:
+    """state index -> (conv windows, states), each stacked (G, B, ...) over the anchors; anchor 0
+    (nothing before it) gets zeros, which is what a fresh state and a fresh window are."""
+    some = next(iter(at.values()))
+    seeds = {}
+    for i, (conv, rec) in some.items():
+
+        def pick(a, j, like):
+            if like is None:
+                return None
+            return torch.zeros_like(like) if a == 0 else at[a][i][j]
+
+        convs = [pick(a, 0, conv) for a in anchors]
+        recs = [pick(a, 1, rec) for a in anchors]
+        seeds[i] = (
+            None if conv is None else torch.stack(convs),
+            None if rec is None else torch.stack(recs),
+        )
+    return seeds
+
+
+def _run_recorded(original, layer_idx: int, x, cache, seg: Segments, kwargs, kind: str = CHUNKED):
+    """Decoding: the causal slots on the real cache in one call, recording the state after each
+    (seg.record), or only the last (prefill)."""
+    T = seg.causal
+    layer = cache.layers[layer_idx]
+    start_recording(layer, T if seg.record else 0)
+    out = _continue(original, x, cache, layer, _mask(seg, 0, T), kwargs, kind, seg.record)
+    at = {a: _state_after(layer, a, T) for a in set(seg.anchors)}
+    return out, (_seeds(seg.anchors, at, layer) if at else {})
+
+
+def _began(layer) -> bool:
+    return any(layer.has_previous_state.values())
+
+
+def start_recording(layer, keep: int) -> None:
+    """Before a forward: the layer keeps the state after each of its last `keep` slots (and, as
+    recording does, the whole convolution input) until `keep_states`."""
+    layer.record_past = True
+    layer.recurrent_states_to_keep = keep
+    # one list per state (transformers' dict.fromkeys would share a single list among them)
+    layer.recurrent_states_history = {i: [] for i in _states_of(layer)}
+    for i in _states_of(layer):
+        if layer.is_conv_states_initialized[i] and layer.conv_kernel_size[i] is not None:
+            layer.conv_states[i] = layer.conv_states[i][..., -layer.conv_kernel_size[i] :]
+
+
+def _states(layer, i: int) -> list:
+    """The recurrent states this forward recorded, ending with the current one."""
+    return list(layer.recurrent_states_history[i]) + [layer.recurrent_states[i]]
+
+
+def _state_after(layer, n: int, T: int) -> dict:
+    """state index -> (conv window, recurrent state) after the first n of this forward's T causal
+    slots."""
+    snap = {}
+    for i in _states_of(layer):
+        conv = rec = None
+        if layer.is_conv_states_initialized[i]:
+            K = layer.conv_kernel_size[i]
+            full = layer.conv_states[i]  # the window before, then the T new inputs
+            conv = _window(full[..., : full.shape[-1] - (T - n)], K)
+        if layer.is_recurrent_states_initialized[i]:
+            states = _states(layer, i)
+            index = n - T + len(states) - 1
+            if index < 0:
+                raise RuntimeError(f"no recorded state after slot {n} of {T}")
+            rec = states[index]
+        snap[i] = (conv, rec)
+    return snap
+
+
+def recurrent_layers(cache) -> list:
+    return [layer for layer in cache.layers if isinstance(layer, LinearAttentionCacheLayerMixin)]
+
+
+def keep_states(cache, causal: int, kept: torch.Tensor) -> None:
+    """After a forward of `causal` causal slots: each row b's recurrent layers keep the state after
+    its first kept[b] slots (kept: (B,) long), and their convolution windows end there. The
+    attention half of a hybrid cache layer is cropped by the caller."""
+    for layer in recurrent_layers(cache):
+        if not _began(layer):
+            continue
+        rows = torch.arange(kept.shape[0], device=kept.device)
+        for i in _states_of(layer):
+            if layer.is_conv_states_initialized[i]:
+                K = layer.conv_kernel_size[i]
+                full = _window(layer.conv_states[i], K + causal)  # (B, C, K + T)
+                cols = kept[:, None] + torch.arange(K, device=kept.device)  # window ends at kept-1
+                layer.conv_states[i] = full.gather(
+                    -1, cols[:, None, :].expand(-1, full.shape[1], -1)
+                ).contiguous()
+            if layer.is_recurrent_states_initialized[i]:
+                states = _states(layer, i)
+                stacked = torch.stack(states[-(causal + 1) :]) if len(states) > causal else None
+                if stacked is None:
+                    if not bool((kept == causal).all()):
+                        raise RuntimeError("a recurrent state was not recorded for keep_states")
+                else:  # stacked[n] is the state after n slots
+                    layer.recurrent_states[i] = stacked[kept, rows].contiguous()
+            layer.recurrent_states_history[i] = []
+        layer.cumulative_length_linear = layer.cumulative_length_linear - (causal - kept.max())
+
+
+def crop_attention(cache, tokens: int) -> None:
+    """Crop the attention half of each layer by `tokens` (the recurrent half: `keep_states`)."""
+    if tokens <= 0:
+        return
+    for layer in cache.layers:
+        if isinstance(layer, LinearAttentionAndFullAttentionLayer):
+            DynamicLayer.crop(layer, -tokens)  # its own crop would crop the recurrent half too
+        elif not isinstance(layer, LinearAttentionCacheLayerMixin):
+            layer.crop(-tokens)
+
+
+def select_rows(cache, rows: torch.Tensor) -> None:
+    """Keep only `rows` of the batch in every layer, recurrent halves included."""
+    for layer in cache.layers:
+        if isinstance(layer, LinearAttentionCacheLayerMixin):
+            LinearAttentionCacheLayerMixin.reorder_cache(layer, rows)
+            if isinstance(layer, DynamicLayer):
+                DynamicLayer.batch_select_indices(layer, rows)
+        else:
+            layer.batch_select_indices(rows)
+
+
+def new_cache(config):
+    """The decoding cache of a model with recurrent layers: transformers' hybrid cache, but every
+    attention layer keeps its whole past (the layout's masks apply sliding windows, and the engine
+    crops by slot counts)."""
+    cache = DynamicCache(config=config)
+    for idx, layer in enumerate(cache.layers):
+        if isinstance(layer, LinearAttentionAndSlidingWindowAttentionLayer):
+            cache.layers[idx] = LinearAttentionAndFullAttentionLayer(
+                number_of_states=layer.number_of_states
+            )
+        elif isinstance(layer, DynamicSlidingWindowLayer):
+            cache.layers[idx] = DynamicLayer()
+    return cache
