@@ -42,7 +42,7 @@ Beside the bench, each writing one JSON record (bench/README.md):
   batches.py         `tidar-convert bench-batches`: TiDAR against AR at batch 1, 4, 16
   exactness.py       `tidar-convert bench-exactness`: every decoder's logits against AR's, bit for
                      bit
-  recurrent.py       `tidar-convert bench-recurrent`: why recurrent layers are refused
+  recurrent.py       `tidar-convert bench-recurrent`: what recurrent layers cost under TiDAR
   token_identity.py  `tidar-convert bench-token-identity`: every decoder's tokens, to compare two
                      checkouts
 """
