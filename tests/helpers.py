@@ -69,6 +69,34 @@ def cycle_batch(batch: int, seq_len: int, period: int = 7, offset: int = 3, seed
     )
 
 
+def train_logits(model, ids, draft_length: int, embeds=None, mixers=None):
+    """The training layout's logits (B, 2S, V) of clean tokens ids (B, S), as fit computes them:
+    the TiDAR mask (sliding windows and chunks by position), and each mask block of a recurrent
+    layer from the state before it (runtime/recurrent.py). embeds: the doubled sequence's input
+    embeddings instead of its tokens."""
+    from tidar_convert.runtime import layout, recurrent
+
+    B, S = ids.shape
+    positions = layout.train_position_ids(ids)
+    mask = layout.build_mask(
+        layout.train_mask_mod(S, draft_length),
+        B,
+        2 * S,
+        2 * S,
+        model.config._attn_implementation,
+        "cpu",
+        layout.Local.of(model.config, positions),
+    )
+    feed = (
+        {"input_ids": layout.train_inputs(ids, model.config.mask_token_id)}
+        if embeds is None
+        else {"inputs_embeds": embeds}
+    )
+    segments = recurrent.Segments.training(S, draft_length)
+    with recurrent.layout(model if mixers is None else mixers, segments):
+        return model(**feed, position_ids=positions, attention_mask=mask, use_cache=False).logits
+
+
 def train_tiny(model, steps: int = 150, draft_length: int = 4, seq_len: int = 32, lr: float = 3e-3):
     """A plain TiDAR training loop (no Lightning) on cycle data: layout + loss, nothing else."""
     from tidar_convert.runtime import layout, recurrent
@@ -77,27 +105,10 @@ def train_tiny(model, steps: int = 150, draft_length: int = 4, seq_len: int = 32
     torch.manual_seed(0)
     model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    mixers = recurrent.mixers(model)
     for _ in range(steps):
         ids = cycle_batch(8, seq_len)
-        positions = layout.train_position_ids(ids)
-        local = layout.Local.of(model.config, positions)  # sliding windows and chunks, by position
-        mask = layout.build_mask(
-            layout.train_mask_mod(seq_len, draft_length),
-            8,
-            2 * seq_len,
-            2 * seq_len,
-            model.config._attn_implementation,
-            "cpu",
-            local,
-        )
-        # recurrent layers: each mask block from the state before it (recurrent.py)
-        with recurrent.layout(model, recurrent.Segments.training(seq_len, draft_length)):
-            logits = model(
-                input_ids=layout.train_inputs(ids, model.config.mask_token_id),
-                position_ids=positions,
-                attention_mask=mask,
-                use_cache=False,
-            ).logits
+        logits = train_logits(model, ids, draft_length, mixers=mixers)
         loss = hybrid_loss(logits, *layout.train_labels(ids), alpha=1.0, draft_length=draft_length)[
             "loss"
         ]

@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 from family_matrix import tiny_config
-from helpers import cycle_batch, tiny_tokenizer
+from helpers import cycle_batch, tiny_tokenizer, train_logits
 from transformers import AutoModelForCausalLM
 
 from tidar_convert.runtime import drafters, layout, recurrent
@@ -66,21 +66,7 @@ def models():
 
 def train_forward(model, ids: torch.Tensor, embeds: torch.Tensor | None = None) -> torch.Tensor:
     """The training layout's logits (B, 2S, V), as fit computes them."""
-    B = ids.shape[0]
-    positions = layout.train_position_ids(ids)
-    mask = layout.build_mask(
-        layout.train_mask_mod(S, K),
-        B,
-        2 * S,
-        2 * S,
-        model.config._attn_implementation,
-        "cpu",
-        layout.Local.of(model.config, positions),
-    )
-    inputs = layout.train_inputs(ids, model.config.mask_token_id)
-    feed = {"input_ids": inputs} if embeds is None else {"inputs_embeds": embeds}
-    with recurrent.layout(model, recurrent.Segments.training(S, K)):
-        return model(**feed, position_ids=positions, attention_mask=mask, use_cache=False).logits
+    return train_logits(model, ids, K, embeds)
 
 
 @pytest.mark.parametrize("family", KINDS)

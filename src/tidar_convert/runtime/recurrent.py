@@ -135,10 +135,6 @@ def outside_mixers(model) -> list:
     return [m for m in model.modules() if id(m) not in inside and keeps_state(m)]
 
 
-def has_recurrent_layers(model) -> bool:
-    return bool(mixers(model))
-
-
 @contextlib.contextmanager
 def layout(model_or_mixers, segments: Segments | None):
     """For the duration of one forward, every mixer runs `segments` (None: unchanged)."""
@@ -180,7 +176,7 @@ def _segmented(mixer, seg: Segments):
             return y
         groups = hidden_states[:, T:].reshape(B * G, k, D)
         layer = Seeded.of(seeds, B, G, kind)
-        if not torch.is_grad_enabled():
+        if not seg.pieces:
             # decoding: a group is a few tokens, which the token-by-token form runs faster than a
             # chunked scan padded to its chunk (64 tokens in the gated delta rule)
             layer.recurrent_states_to_keep = k
