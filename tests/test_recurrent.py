@@ -289,3 +289,48 @@ def test_the_lightning_module_trains_the_layout_checkpointed_or_not(tmp_path):
     assert grads[0].keys() == grads[1].keys() and grads[0]
     for name in grads[0]:
         torch.testing.assert_close(grads[1][name], grads[0][name], atol=1e-5, rtol=1e-4, msg=name)
+
+
+GATED_DELTA_STEP = [f for f in KINDS if f in ("qwen3_5_text", "qwen3_5_moe_text", "lara_mini")]
+
+
+@pytest.mark.parametrize("family", GATED_DELTA_STEP)
+def test_the_one_pass_gated_delta_step_is_the_generic_path(models, family, monkeypatch):
+    """recurrent.gated_delta_step (one pass over all slots) computes what the generic path computes
+    (a second mixer call for the groups): the step's outputs, and each row's state and window after
+    keep_states, on a padded batch of two rows keeping different draft counts."""
+    from tidar_convert.runtime.forward import forward
+
+    model = models[family]
+    mixers, impl = recurrent.mixers(model), model.config._attn_implementation
+    assert all(recurrent.is_gated_delta(m) for m in mixers)
+    prompt, drafts = cycle_batch(2, 10, seed=3), cycle_batch(2, 4, seed=4)
+    anchors, P = (1, 3, 4), prompt.shape[1]
+    tokens = torch.cat([drafts, torch.full((2, len(anchors) * K), 3)], 1)
+    positions = layout.decode_position_ids(torch.full((2,), P), 4, K, len(anchors), anchors)
+    mask = layout.decode_step_mask(torch.ones(2, P, dtype=torch.bool), 4, K, anchors, impl)
+    full = layout.build_mask(layout.decode_mask_mod(0, P, K, P), 2, P, P, impl, "cpu")
+    results = []
+    for one_pass in (True, False):
+        if not one_pass:
+            monkeypatch.setattr(recurrent, "is_gated_delta", lambda mixer: False)
+        with torch.no_grad():
+            cache = recurrent.new_cache(model.config)
+            prefill = recurrent.Segments(P)
+            forward(model, cache, prompt, torch.arange(P).expand(2, P), full, None, prefill, mixers)
+            recurrent.keep_states(cache, P, torch.full((2,), P))
+            segments = recurrent.Segments(4, anchors, K, record=True)
+            out = forward(model, cache, tokens, positions, mask, None, segments, mixers)
+            recurrent.keep_states(cache, 4, torch.tensor([2, 4]))
+        layers = recurrent.recurrent_layers(cache)
+        results.append(
+            (
+                out.rows(0, tokens.shape[1]),
+                [layer.recurrent_states[0] for layer in layers],
+                [layer.conv_states[0] for layer in layers],
+            )
+        )
+    (logits, states, windows), (logits_, states_, windows_) = results
+    torch.testing.assert_close(logits, logits_, atol=5e-5, rtol=1e-4)
+    for a, b in zip(states + windows, states_ + windows_):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)

@@ -20,6 +20,8 @@ short convolutions, Kimi's delta attention) does, so one wrapper serves them all
   one's state, on a cache of its own (`Seeded`) that keeps the autograd graph.
 - groups: one call on all groups at once, a batch of short sequences seeded with their anchors'
   states and convolution windows.
+- a gated delta net built like Qwen3.5's takes a decode step in one pass instead
+  (`gated_delta_step`): the same arithmetic without the groups' second mixer call.
 
 Shipped in every export: imports nothing but torch and transformers.
 """
@@ -34,16 +36,23 @@ from dataclasses import dataclass
 
 import torch
 from transformers import DynamicCache
-from transformers.cache_utils import (
-    Cache,
-    DummyLayer,
-    DynamicLayer,
-    DynamicSlidingWindowLayer,
-    LinearAttentionAndFullAttentionLayer,
-    LinearAttentionAndSlidingWindowAttentionLayer,
-    LinearAttentionCacheLayerMixin,
-    LinearAttentionLayer,
-)
+from transformers.cache_utils import Cache, DummyLayer, DynamicLayer, DynamicSlidingWindowLayer
+
+try:
+    from transformers.cache_utils import (
+        LinearAttentionAndFullAttentionLayer,
+        LinearAttentionAndSlidingWindowAttentionLayer,
+        LinearAttentionCacheLayerMixin,
+        LinearAttentionLayer,
+    )
+except ImportError:  # a transformers before hybrid caches (exports load on >= 5.12): no cache
+    # layer there holds recurrent state, so every check below finds none
+
+    class LinearAttentionCacheLayerMixin:
+        pass
+
+    LinearAttentionLayer = LinearAttentionAndFullAttentionLayer = LinearAttentionCacheLayerMixin
+    LinearAttentionAndSlidingWindowAttentionLayer = LinearAttentionCacheLayerMixin
 
 
 @dataclass(frozen=True)
@@ -166,6 +175,10 @@ def _segmented(mixer, seg: Segments):
             raise ValueError(
                 f"a recurrent layer got {Q} slots for {T} causal slots and {G} groups of {k}"
             )
+        if is_gated_delta(mixer) and not seg.pieces and seg.record and cache is not None:
+            layer = cache.layers[mixer.layer_idx]
+            if _began(layer):
+                return gated_delta_step(mixer, hidden_states, layer, seg)
         x = hidden_states[:, :T]
         kind = continuation(type(mixer))
         if seg.pieces or cache is None:
@@ -467,3 +480,115 @@ def new_cache(config):
         elif isinstance(layer, DynamicSlidingWindowLayer):
             cache.layers[idx] = DynamicLayer()
     return cache
+
+
+# --------------------------------------------------------------------------------------------
+# A decode step of Qwen3.5's gated delta net in one pass (its layout, not a second mixer call).
+# --------------------------------------------------------------------------------------------
+
+GATED_DELTA = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "conv1d", "A_log", "dt_bias")
+
+
+def is_gated_delta(mixer) -> bool:
+    """Qwen3.5's gated delta net (and the mixers built like it): separate q/k/v, z, b and a
+    projections, one depthwise convolution, a gated RMS norm, SiLU."""
+    return all(hasattr(mixer, name) for name in GATED_DELTA) and (
+        getattr(mixer, "activation", None) == "silu"
+    )
+
+
+def gated_delta_step(mixer, hidden_states, layer, seg: Segments) -> torch.Tensor:
+    """One decode step of a gated delta net under `seg`, computing what the generic path computes
+    (the drafts continuing the cached state, each group from the state at its anchor, the state
+    after every draft recorded for keep_states) with the projections, the convolution and the
+    token-by-token rule each run once over all slots: the generic path's second mixer call for the
+    groups costs more than the rest of the step. The arithmetic is transformers' one-token
+    path's (causal_conv1d_update, torch_recurrent_gated_delta_rule), op for op."""
+    import torch.nn.functional as F
+
+    B, Q, _ = hidden_states.shape
+    T, k, G = seg.causal, seg.length, len(seg.anchors)
+    dk, dv = mixer.head_k_dim, mixer.head_v_dim
+    x = hidden_states
+    start_recording(layer, T)
+    mixed = mixer.in_proj_qkv(x).transpose(1, 2)  # (B, C, Q)
+    z = mixer.in_proj_z(x).reshape(B, Q, -1, dv)
+    beta = mixer.in_proj_b(x).sigmoid()
+    g = -mixer.A_log.float().exp() * F.softplus(mixer.in_proj_a(x).float() + mixer.dt_bias)
+
+    # the convolution: the drafts after the cached window; group g after the window at its anchor
+    weight, bias = mixer.conv1d.weight.squeeze(1), mixer.conv1d.bias
+    K = weight.shape[-1]
+    causal = torch.cat([layer.conv_states[0][..., -K:], mixed[:, :, :T]], -1)  # (B, C, K + T)
+
+    def conv(seq, n):
+        out = F.conv1d(seq.to(weight.dtype), weight.unsqueeze(1), bias, groups=seq.shape[1])
+        return F.silu(out[:, :, -n:]).to(seq.dtype)
+
+    convolved = [conv(causal, T)]  # (B, C, T)
+    if G:
+        anchors = torch.tensor(seg.anchors, dtype=torch.long, device=x.device)
+        windows = causal[:, :, anchors[:, None] + torch.arange(K, device=x.device)]  # (B,C,G,K)
+        groups = mixed[:, :, T:].reshape(B, -1, G, k)
+        grouped = torch.cat([windows, groups], -1).permute(0, 2, 1, 3).reshape(B * G, -1, K + k)
+        convolved.append(
+            conv(grouped, k).reshape(B, G, -1, k).permute(0, 2, 1, 3).reshape(B, -1, G * k)
+        )
+    mixed = torch.cat(convolved, -1).transpose(1, 2)  # (B, Q, C)
+    query, key, value = torch.split(mixed, [mixer.key_dim, mixer.key_dim, mixer.value_dim], -1)
+    query = query.reshape(B, Q, -1, dk)
+    key = key.reshape(B, Q, -1, dk)
+    value = value.reshape(B, Q, -1, dv)
+    heads = value.shape[2] // key.shape[2]
+    if heads > 1:
+        query, key = query.repeat_interleave(heads, 2), key.repeat_interleave(heads, 2)
+    # (B, H, Q, d) in float32, q and k l2-normed and q scaled: torch_recurrent_gated_delta_rule's
+    query, key, value, beta, g = [
+        t.transpose(1, 2).to(torch.float32, memory_format=torch.contiguous_format)
+        for t in (query, key, value, beta, g)
+    ]
+    query = query * torch.rsqrt((query * query).sum(-1, keepdim=True) + 1e-6)
+    key = key * torch.rsqrt((key * key).sum(-1, keepdim=True) + 1e-6)
+    query = query / (query.shape[-1] ** 0.5)
+
+    def rule(state, q, kk, v, b, decay, out):
+        states = []
+        for i in range(q.shape[2]):
+            state = state * decay[:, :, i].exp()[..., None, None]
+            kv_mem = (state * kk[:, :, i].unsqueeze(-1)).sum(dim=-2)
+            delta = (v[:, :, i] - kv_mem) * b[:, :, i].unsqueeze(-1)
+            state = state + kk[:, :, i].unsqueeze(-1) * delta.unsqueeze(-2)
+            out[:, :, i] = (state * q[:, :, i].unsqueeze(-1)).sum(dim=-2)
+            states.append(state)
+        return states
+
+    core = torch.zeros_like(value)
+    before = layer.recurrent_states[0].to(value)
+    states = [before] + rule(
+        before, query[:, :, :T], key[:, :, :T], value[:, :, :T], beta[:, :, :T], g[:, :, :T],
+        core[:, :, :T],
+    )  # fmt: skip
+
+    def grouped_heads(t):  # (B, H, G * k, d) -> (B * G, H, k, d)
+        H = t.shape[1]
+        return t[:, :, T:].reshape(B, H, G, k, -1).transpose(1, 2).reshape(B * G, H, k, -1)
+
+    if G:
+        seeds = torch.stack([states[a] for a in seg.anchors], 1).flatten(0, 1)  # (B*G, H, dk, dv)
+        group_out = torch.zeros_like(grouped_heads(value))
+        rule(
+            seeds, *(grouped_heads(t) for t in (query, key, value)),
+            grouped_heads(beta[..., None])[..., 0], grouped_heads(g[..., None])[..., 0], group_out,
+        )  # fmt: skip
+        H = core.shape[1]
+        core[:, :, T:] = group_out.reshape(B, G, H, k, dv).transpose(1, 2).reshape(B, H, G * k, dv)
+    core = core.transpose(1, 2).contiguous().to(hidden_states.dtype)  # (B, Q, H, dv)
+
+    # the cache as the generic path leaves it: keep_states picks each row's draft count
+    layer.conv_states[0] = causal
+    layer.recurrent_states_history[0] = states[:-1]
+    layer.recurrent_states[0] = states[-1]
+    layer.cumulative_length_linear = layer.cumulative_length_linear + T
+
+    out = mixer.norm(core.reshape(-1, dv), z.reshape(-1, dv)).reshape(B, Q, -1)
+    return mixer.out_proj(out)
