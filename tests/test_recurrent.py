@@ -182,6 +182,21 @@ def test_decoding_keeps_the_state_at_the_accepted_length(models, family, script,
     assert max(accepted) > 1 and min(accepted) == 1, accepted  # drafts accepted, and rejected
 
 
+def prefilled(model, prompt: torch.Tensor, mixers: list):
+    """A decoding cache holding the prompt (no padding), as the engine's prefill leaves it."""
+    from tidar_convert.runtime.forward import forward
+
+    B, P = prompt.shape
+    cache = recurrent.new_cache(model.config)
+    mask = layout.build_mask(
+        layout.decode_mask_mod(0, P, K, P), B, P, P, model.config._attn_implementation, "cpu"
+    )
+    positions = torch.arange(P).expand(B, P)
+    forward(model, cache, prompt, positions, mask, None, recurrent.Segments(P), mixers)
+    recurrent.keep_states(cache, P, torch.full((B,), P))
+    return cache
+
+
 # transformers' Zamba 2 decodes one token at a time otherwise than its multi-token forward computes
 # (0.08 apart in the logits at these weights, tidar_convert not involved): its groups start from
 # the state its own decoding reaches, which a fresh prefill does not reproduce.
@@ -220,20 +235,7 @@ def test_a_group_drafts_from_the_state_at_its_anchor(models, family):
         return torch.full((1, n * K), 3)
 
     with torch.no_grad():
-        cache = recurrent.new_cache(model.config)
-        P = prompt.shape[1]
-        full = layout.decode_mask_mod(0, P, K, P)
-        forward(
-            model,
-            cache,
-            prompt,
-            torch.arange(P)[None],
-            layout.build_mask(full, 1, P, P, impl, "cpu"),
-            None,
-            recurrent.Segments(P),
-            mixers,
-        )
-        recurrent.keep_states(cache, P, torch.tensor([P]))
+        cache, P = prefilled(model, prompt, mixers), prompt.shape[1]
         anchors = (1, 2, 3, 4)
         step = run(cache, torch.cat([drafts, groups(len(anchors))], 1), P, anchors, True)
         for g, j in enumerate(anchors):
@@ -309,16 +311,12 @@ def test_the_one_pass_gated_delta_step_is_the_generic_path(models, family, monke
     tokens = torch.cat([drafts, torch.full((2, len(anchors) * K), 3)], 1)
     positions = layout.decode_position_ids(torch.full((2,), P), 4, K, len(anchors), anchors)
     mask = layout.decode_step_mask(torch.ones(2, P, dtype=torch.bool), 4, K, anchors, impl)
-    full = layout.build_mask(layout.decode_mask_mod(0, P, K, P), 2, P, P, impl, "cpu")
     results = []
     for one_pass in (True, False):
         if not one_pass:
             monkeypatch.setattr(recurrent, "is_gated_delta", lambda mixer: False)
         with torch.no_grad():
-            cache = recurrent.new_cache(model.config)
-            prefill = recurrent.Segments(P)
-            forward(model, cache, prompt, torch.arange(P).expand(2, P), full, None, prefill, mixers)
-            recurrent.keep_states(cache, P, torch.full((2,), P))
+            cache = prefilled(model, prompt, mixers)
             segments = recurrent.Segments(4, anchors, K, record=True)
             out = forward(model, cache, tokens, positions, mask, None, segments, mixers)
             recurrent.keep_states(cache, 4, torch.tensor([2, 4]))

@@ -310,27 +310,11 @@ def _run_pieces(original, layer_idx: int, x, seg: Segments, kwargs, kind: str = 
             original, x[:, start:stop], cache, layer, _mask(seg, start, stop), kwargs, kind
         )
         outs.append(out)
-        at[stop] = _snapshot(layer)
+        at[stop] = _state_after(layer, 0, 0)  # the state and window the piece ended with
         layer.seeded()
         start = stop
     y = _replace_first(outs[0], torch.cat([_first(o) for o in outs], 1))
     return y, _seeds(seg.anchors, at, layer)
-
-
-def _snapshot(layer) -> dict:
-    """state index -> (the last conv window, the recurrent state) of a layer now."""
-    snap = {}
-    for i in _states_of(layer):
-        conv = rec = None
-        if layer.is_conv_states_initialized[i]:
-            K = layer.conv_kernel_size[i]
-            conv = _window(layer.conv_states[i], K)
-        if layer.is_recurrent_states_initialized[i]:
-            # a copy: a STEPWISE or ONE_TOKEN mixer goes on to write this tensor in place
-            rec = layer.recurrent_states[i].clone()
-        if conv is not None or rec is not None:
-            snap[i] = (conv, rec)
-    return snap
 
 
 def _window(full: torch.Tensor, K: int) -> torch.Tensor:
@@ -395,7 +379,7 @@ def _states(layer, i: int) -> list:
 
 def _state_after(layer, n: int, T: int) -> dict:
     """state index -> (conv window, recurrent state) after the first n of this forward's T causal
-    slots."""
+    slots (n = T = 0: as the layer holds them now), for the states the layer holds."""
     snap = {}
     for i in _states_of(layer):
         conv = rec = None
@@ -408,8 +392,10 @@ def _state_after(layer, n: int, T: int) -> dict:
             index = n - T + len(states) - 1
             if index < 0:
                 raise RuntimeError(f"no recorded state after slot {n} of {T}")
-            rec = states[index]
-        snap[i] = (conv, rec)
+            # the live one copied: a STEPWISE or ONE_TOKEN mixer goes on to write it in place
+            rec = states[index] if index < len(states) - 1 else states[index].clone()
+        if conv is not None or rec is not None:
+            snap[i] = (conv, rec)
     return snap
 
 
