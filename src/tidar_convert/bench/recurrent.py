@@ -20,7 +20,7 @@
    `train_tiny` on cycle data), decoded on the same prompts: T/NFE side by side.
 
     PYTHONPATH=tests tidar-convert bench-recurrent [--out bench/results/recurrent.json] \\
-        [--repeats 9] [--dry-run]
+        [--repeats 15] [--dry-run]
 
 The tiny models are the tests' (tests/family_matrix.py, tests/helpers.py), so it runs from a
 checkout, with tests/ on PYTHONPATH.
@@ -129,18 +129,13 @@ def timed(fn, repeats: int) -> float:
     return best
 
 
-def step_costs(
-    model_type: str,
-    repeats: int,
-    prompt: int = 64,
-    k: int = 4,
-    accepted: int = 3,
-    size: dict = SMOLLM2_SIZE,
-) -> dict:
-    """Seconds of AR's one-token step and of a TiDAR step (k drafts, a group of k anchored after
-    each) from the same prefilled cache, on a model of `size`; for recurrent layers also the same
-    forward without the segments (no capture, no commit: the floor the capture is measured
-    against)."""
+def step_rows(
+    model_type: str, prompt: int = 64, k: int = 4, accepted: int = 3, size: dict = SMOLLM2_SIZE
+) -> tuple[dict, dict]:
+    """A model of `size` with a prefilled cache, and the steps to time on it: AR's one-token step
+    and a TiDAR step (k drafts, a group of k anchored after each); for recurrent layers also the
+    same forward without the segments (no capture, no commit: the floor the capture is measured
+    against). Each row makes a fresh copy of the cache (not timed) and returns the step to time."""
     from transformers import DynamicCache
 
     from tidar_convert.runtime import layout, recurrent
@@ -169,38 +164,50 @@ def step_costs(
         if mixers:
             recurrent.keep_states(cache, prompt, torch.tensor([prompt]))
 
-        def ar():
-            c = copy.deepcopy(cache)  # a copy of the prefilled cache, not timed
-            one = layout.decode_step_mask(torch.ones(1, prompt, dtype=torch.bool), 1, k, (), impl)
-            return lambda: forward(model, c, slots[:, :1], positions[:, :1], one, [0])
+    def ar():
+        c = copy.deepcopy(cache)
+        one = layout.decode_step_mask(torch.ones(1, prompt, dtype=torch.bool), 1, k, (), impl)
+        return lambda: forward(model, c, slots[:, :1], positions[:, :1], one, [0])
 
-        def step(capture: bool):
-            c = copy.deepcopy(cache)
-            segments = recurrent.Segments(k, anchors, k, record=True) if capture else None
+    def step(capture: bool):
+        c = copy.deepcopy(cache)
+        segments = recurrent.Segments(k, anchors, k, record=True) if capture else None
 
-            def run():
-                forward(model, c, slots, positions, mask, list(range(slots.shape[1])), segments,
-                        mixers if capture else None)  # fmt: skip
-                if capture:
-                    recurrent.keep_states(c, k, torch.tensor([accepted]))
+        def run():
+            forward(model, c, slots, positions, mask, list(range(slots.shape[1])), segments,
+                    mixers if capture else None)  # fmt: skip
+            if capture:
+                recurrent.keep_states(c, k, torch.tensor([accepted]))
 
-            return run
+        return run
 
-        rows = [("ar_step", ar), ("tidar_step", lambda: step(True))]
-        if mixers:
-            rows.append(("tidar_step_without_capture", lambda: step(False)))
-        costs = {}
-        for _ in range(repeats):  # interleaved: each measurement once per round, best over rounds
-            for name, make in rows:
-                costs[name] = min(costs.get(name, float("inf")), timed(make(), 1))
-    out = {
-        "model_type": model_type,
-        "parameters": sum(p.numel() for p in model.parameters()),
-        "seconds": costs,
-        "break_even_tokens_per_forward": costs["tidar_step"] / costs["ar_step"],
-    }
+    rows = {"ar_step": ar, "tidar_step": lambda: step(True)}
     if mixers:
-        out["capture_overhead"] = costs["tidar_step"] / costs["tidar_step_without_capture"] - 1
+        rows["tidar_step_without_capture"] = lambda: step(False)
+    info = {"model_type": model_type, "parameters": sum(p.numel() for p in model.parameters())}
+    return info, rows
+
+
+def step_costs(model_types: tuple, repeats: int, size: dict = SMOLLM2_SIZE) -> list[dict]:
+    """Seconds of each model's steps (step_rows), best of `repeats` rounds; every round times
+    every step of every model once, so a drift of this machine's speed moves all of them alike
+    and the ratios between models stay comparable."""
+    models = [step_rows(t, size=size) for t in model_types]
+    costs = [{} for _ in models]
+    with torch.no_grad():
+        for _ in range(repeats):
+            for (_, rows), seconds in zip(models, costs):
+                for name, make in rows.items():
+                    seconds[name] = min(seconds.get(name, float("inf")), timed(make(), 1))
+    out = []
+    for (info, _), seconds in zip(models, costs):
+        row = {**info, "seconds": seconds}
+        row["break_even_tokens_per_forward"] = seconds["tidar_step"] / seconds["ar_step"]
+        if "tidar_step_without_capture" in seconds:
+            row["capture_overhead"] = (
+                seconds["tidar_step"] / seconds["tidar_step_without_capture"] - 1
+            )
+        out.append(row)
     return out
 
 
@@ -250,14 +257,15 @@ def tokens_per_forward(
 
 
 def bench_recurrent_cmd(
-    out: str = "bench/results/recurrent.json", repeats: int = 9, dry_run: bool = False
+    out: str = "bench/results/recurrent.json", repeats: int = 15, dry_run: bool = False
 ) -> str:
     """What recurrent layers cost under TiDAR: the layout's leak (0), the state capture's share of
     a step and the break-even against Llama's, and the T/NFE of a tiny Qwen3.5 beside a Qwen3.
 
     Args:
         out: the JSON record to write.
-        repeats: interleaved rounds of the step costs; each cost is the best of them.
+        repeats: rounds of the step costs (each round times every step of both models once);
+            each cost is the best of them.
         dry_run: the leak figures, one round of the costs of a 4-layer model with a 1000-token
             vocabulary (one full-attention layer in Qwen3.5's 3:1 pattern), and 10 training steps
             of the tiny models: checks the script.
@@ -284,7 +292,7 @@ def bench_recurrent_cmd(
     }
     for row in record["leak"]:
         print(json.dumps(row))
-    record["step_costs"] = [step_costs(t, repeats, size=size) for t in ("llama", "qwen3_5_text")]
+    record["step_costs"] = step_costs(("llama", "qwen3_5_text"), repeats, size=size)
     for row in record["step_costs"]:
         print(json.dumps(row))
     record["tokens_per_forward"] = tokens_per_forward(steps=steps)

@@ -483,13 +483,74 @@ def is_gated_delta(mixer) -> bool:
     )
 
 
+def _delta_rule(state, q, k, v, beta, g, out) -> list[torch.Tensor]:
+    """torch_recurrent_gated_delta_rule's update token by token over (B, H, n, d) inputs from
+    `state` (B, H, dk, dv), writing the outputs into `out` and returning the state after each
+    token. Its products over dk run as batched matrix products, four kernels a token: its
+    broadcast-and-sum form takes nine and makes three state-sized temporaries, which at decode's
+    few slots cost more than the arithmetic."""
+    B, H, n, dk = q.shape
+    dv = v.shape[-1]
+
+    def per_token(t):  # (B, H, n, d) -> (n, B * H, 1, d), each token's slice contiguous
+        return t.permute(2, 0, 1, 3).reshape(n, B * H, 1, -1)
+
+    decay, beta = (per_token(t[..., None]) for t in (g.exp(), beta))
+    k, q = per_token(k), per_token(q)
+    k_beta, v_beta = k * beta, per_token(v) * beta
+    k_t = k.transpose(-1, -2)
+    outs = torch.empty(n, B * H, 1, dv, dtype=v.dtype, device=v.device)
+    state = state.reshape(B * H, dk, dv)
+    states = []
+    for i in range(n):
+        state = state * decay[i]
+        delta = torch.baddbmm(v_beta[i], k_beta[i], state, alpha=-1)  # (v - k S) beta
+        state = torch.addcmul(state, k_t[i], delta)
+        torch.bmm(q[i], state, out=outs[i])
+        states.append(state.view(B, H, dk, dv))
+    out.copy_(outs.reshape(n, B, H, dv).permute(1, 2, 0, 3))
+    return states
+
+
+@functools.lru_cache(maxsize=256)
+def _conv_windows(T: int, anchors: tuple, k: int, K: int, device) -> torch.Tensor:
+    """(Q, K) columns of [cached window (K) | this step's Q inputs] that each slot's convolution
+    reads: a draft t the K inputs ending at itself; token j of the group anchored at a its own
+    inputs so far after the K inputs ending at draft a - 1, as if the group continued there."""
+    rows = [[t + 1 + m for m in range(K)] for t in range(T)]
+    for g, a in enumerate(anchors):
+        start = K + T + g * k  # the group's first input
+        for j in range(k):
+            rows.append([a + p if p < K else start + p - K for p in range(j + 1, j + 1 + K)])
+    return torch.tensor(rows, dtype=torch.long, device=device)
+
+
+def _delta_chunk(state, q, k, v, beta, g) -> torch.Tensor:
+    """The rule's outputs over n tokens from `state` (inputs as `_delta_rule`'s), without the
+    states between them: torch_chunk_gated_delta_rule's one-chunk (WY) form with a chunk of n,
+    which reads the state twice where the token loop rewrites it twice a token."""
+    n = q.shape[2]
+    cum = g.cumsum(-1)  # (N, H, n): log decay from the start to each token
+    later = torch.ones(n, n, dtype=torch.bool, device=q.device).triu(1)
+    decay = (cum[..., :, None] - cum[..., None, :]).masked_fill(later, float("-inf")).exp()
+    k_beta, v_beta = k * beta[..., None], v * beta[..., None]
+    system = (k_beta @ k.transpose(-1, -2)) * decay  # its strict lower part, with a unit diagonal
+    solve = functools.partial(torch.linalg.solve_triangular, upper=False, unitriangular=True)
+    new_values = solve(system, v_beta) - solve(system, k_beta * cum.exp()[..., None]) @ state
+    attention = (q @ k.transpose(-1, -2)) * decay
+    return (q * cum.exp()[..., None]) @ state + attention @ new_values
+
+
 def gated_delta_step(mixer, hidden_states, layer, seg: Segments) -> torch.Tensor:
     """One decode step of a gated delta net under `seg`, computing what the generic path computes
     (the drafts continuing the cached state, each group from the state at its anchor, the state
-    after every draft recorded for keep_states) with the projections, the convolution and the
-    token-by-token rule each run once over all slots: the generic path's second mixer call for the
-    groups costs more than the rest of the step. The arithmetic is transformers' one-token
-    path's (causal_conv1d_update, torch_recurrent_gated_delta_rule), op for op."""
+    after every draft recorded for keep_states) in one pass: the projections and the convolution
+    once over all slots, the drafts token by token (`_delta_rule`: the state after each is what
+    the commit keeps), the groups as one chunk each (`_delta_chunk`: their states between tokens
+    are never kept). The generic path's second mixer call for the groups, and the state-sized
+    passes of the token loop over them, cost more than the rest of the step. The arithmetic is
+    transformers' (causal_conv1d_update, torch_recurrent_gated_delta_rule and
+    torch_chunk_gated_delta_rule) up to the order of its sums."""
     import torch.nn.functional as F
 
     B, Q, _ = hidden_states.shape
@@ -497,30 +558,21 @@ def gated_delta_step(mixer, hidden_states, layer, seg: Segments) -> torch.Tensor
     dk, dv = mixer.head_k_dim, mixer.head_v_dim
     x = hidden_states
     start_recording(layer, T)
-    mixed = mixer.in_proj_qkv(x).transpose(1, 2)  # (B, C, Q)
+    mixed = mixer.in_proj_qkv(x)  # (B, Q, C)
     z = mixer.in_proj_z(x).reshape(B, Q, -1, dv)
     beta = mixer.in_proj_b(x).sigmoid()
     g = -mixer.A_log.float().exp() * F.softplus(mixer.in_proj_a(x).float() + mixer.dt_bias)
 
-    # the convolution: the drafts after the cached window; group g after the window at its anchor
-    weight, bias = mixer.conv1d.weight.squeeze(1), mixer.conv1d.bias
+    # the convolution, over [cached window | this step's inputs] laid out time-major, so that
+    # gathering each slot's window of K inputs copies whole rows of channels
+    weight, bias = mixer.conv1d.weight.squeeze(1), mixer.conv1d.bias  # (C, K)
     K = weight.shape[-1]
-    causal = torch.cat([layer.conv_states[0][..., -K:], mixed[:, :, :T]], -1)  # (B, C, K + T)
-
-    def conv(seq, n):
-        out = F.conv1d(seq.to(weight.dtype), weight.unsqueeze(1), bias, groups=seq.shape[1])
-        return F.silu(out[:, :, -n:]).to(seq.dtype)
-
-    convolved = [conv(causal, T)]  # (B, C, T)
-    if G:
-        anchors = torch.tensor(seg.anchors, dtype=torch.long, device=x.device)
-        windows = causal[:, :, anchors[:, None] + torch.arange(K, device=x.device)]  # (B,C,G,K)
-        groups = mixed[:, :, T:].reshape(B, -1, G, k)
-        grouped = torch.cat([windows, groups], -1).permute(0, 2, 1, 3).reshape(B * G, -1, K + k)
-        convolved.append(
-            conv(grouped, k).reshape(B, G, -1, k).permute(0, 2, 1, 3).reshape(B, -1, G * k)
-        )
-    mixed = torch.cat(convolved, -1).transpose(1, 2)  # (B, Q, C)
+    inputs = torch.cat([layer.conv_states[0][..., -K:].transpose(1, 2), mixed], 1)  # (B, K+Q, C)
+    windows = inputs[:, _conv_windows(T, seg.anchors, k, K, x.device)].to(weight.dtype)
+    convolved = (windows * weight.t()).sum(2)  # (B, Q, K, C) -> (B, Q, C)
+    if bias is not None:
+        convolved = convolved + bias
+    mixed = F.silu(convolved).to(mixed.dtype)
     query, key, value = torch.split(mixed, [mixer.key_dim, mixer.key_dim, mixer.value_dim], -1)
     query = query.reshape(B, Q, -1, dk)
     key = key.reshape(B, Q, -1, dk)
@@ -537,20 +589,9 @@ def gated_delta_step(mixer, hidden_states, layer, seg: Segments) -> torch.Tensor
     key = key * torch.rsqrt((key * key).sum(-1, keepdim=True) + 1e-6)
     query = query / (query.shape[-1] ** 0.5)
 
-    def rule(state, q, kk, v, b, decay, out):
-        states = []
-        for i in range(q.shape[2]):
-            state = state * decay[:, :, i].exp()[..., None, None]
-            kv_mem = (state * kk[:, :, i].unsqueeze(-1)).sum(dim=-2)
-            delta = (v[:, :, i] - kv_mem) * b[:, :, i].unsqueeze(-1)
-            state = state + kk[:, :, i].unsqueeze(-1) * delta.unsqueeze(-2)
-            out[:, :, i] = (state * q[:, :, i].unsqueeze(-1)).sum(dim=-2)
-            states.append(state)
-        return states
-
     core = torch.zeros_like(value)
     before = layer.recurrent_states[0].to(value)
-    states = [before] + rule(
+    states = [before] + _delta_rule(
         before, query[:, :, :T], key[:, :, :T], value[:, :, :T], beta[:, :, :T], g[:, :, :T],
         core[:, :, :T],
     )  # fmt: skip
@@ -561,17 +602,16 @@ def gated_delta_step(mixer, hidden_states, layer, seg: Segments) -> torch.Tensor
 
     if G:
         seeds = torch.stack([states[a] for a in seg.anchors], 1).flatten(0, 1)  # (B*G, H, dk, dv)
-        group_out = torch.zeros_like(grouped_heads(value))
-        rule(
+        group_out = _delta_chunk(
             seeds, *(grouped_heads(t) for t in (query, key, value)),
-            grouped_heads(beta[..., None])[..., 0], grouped_heads(g[..., None])[..., 0], group_out,
+            grouped_heads(beta[..., None])[..., 0], grouped_heads(g[..., None])[..., 0],
         )  # fmt: skip
         H = core.shape[1]
         core[:, :, T:] = group_out.reshape(B, G, H, k, dv).transpose(1, 2).reshape(B, H, G * k, dv)
     core = core.transpose(1, 2).contiguous().to(hidden_states.dtype)  # (B, Q, H, dv)
 
     # the cache as the generic path leaves it: keep_states picks each row's draft count
-    layer.conv_states[0] = causal
+    layer.conv_states[0] = inputs[:, : K + T].transpose(1, 2)  # (B, C, K + T)
     layer.recurrent_states_history[0] = states[:-1]
     layer.recurrent_states[0] = states[-1]
     layer.cumulative_length_linear = layer.cumulative_length_linear + T
