@@ -40,7 +40,7 @@ DTYPE ?= float32
 $(BIN)/.installed: pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv --system-site-packages $(VENV)
 	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/python -m pip install "$(TORCH)"
-	$(BIN)/python -m pip install -e ".[dev,eval,serve]"
+	$(BIN)/python -m pip install -e ".[dev,all]"
 	touch $@
 
 # A run folder that holds an earlier run: RESUME=1 continues it; otherwise this run goes beside it

