@@ -1073,3 +1073,19 @@ def test_load_base_does_not_announce_its_mean_resizing(tiny_dirs):
     assert tok.mask_token is not None and model.get_input_embeddings().num_embeddings >= len(tok)
     assert "a notice that is not the one silenced" in records
     assert not [m for m in records if "multivariate normal" in m], records
+
+
+def test_the_readme_figure_is_drawn_from_its_record(tmp_path):
+    """The README shows the default export's figure; it is drawn from the bench record the README's
+    table quotes, by the command the README gives."""
+    from pathlib import Path
+
+    from tidar_convert.bench import plots
+
+    root = Path(__file__).resolve().parents[1]
+    readme = (root / "README.md").read_text()
+    assert "](docs/figures/default-fp32.png)" in readme
+    assert "python -m tidar_convert.bench.plots bench/results/default-fp32.json" in readme
+    assert (root / "docs/figures/default-fp32.png").is_file()
+    drawn = plots.figure_cmd(str(root / "bench/results/default-fp32.json"), tmp_path / "f.png")
+    assert drawn.stat().st_size > 10_000

@@ -123,8 +123,70 @@ def plot_slots(
     return _save(fig, path)
 
 
+# The README's figure: the rows of its table, in its order, with its names.
+FIGURE_ROWS = {
+    "ar": "AR",
+    "prompt_lookup": "transformers prompt lookup",
+    "tidar": "TiDAR, defaults",
+    "tidar_lookup": "TiDAR, lookup drafts",
+    "tidar_chain": "TiDAR, chain (no siblings)",
+    "tidar_diffusion": "TiDAR, diffusion drafts only",
+}
+
+
+def plot_against(summary: dict, path: Path, title: str) -> Path:
+    """Tokens per forward and speed against AR for each decoder of a bench record, prompt
+    lookup's speed marked: the two comparisons every figure of this project reports."""
+    plt = _pyplot()
+    rows = [d for d in FIGURE_ROWS if d in summary][::-1]  # top to bottom in the table's order
+    labels = [FIGURE_ROWS[d] for d in rows]
+    colors = ["#c44e52" if d == "tidar" else "#888888" for d in rows]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(8, 0.45 * len(rows) + 1.2), sharey=True)
+    nfe = [summary[d]["tokens_per_nfe"] for d in rows]
+    left.barh(labels, nfe, color=colors)
+    left.set_xlabel("tokens per forward pass (T/NFE)")
+    speed = [summary[d]["tokens_per_s_vs_ar"] for d in rows]
+    right.barh(labels, speed, color=colors)
+    right.axvline(1.0, color="black", linewidth=0.8)
+    if "prompt_lookup" in summary:
+        right.axvline(
+            summary["prompt_lookup"]["tokens_per_s_vs_ar"],
+            color="#4c72b0",
+            linestyle="--",
+            linewidth=0.8,
+            label="prompt lookup",
+        )
+        right.legend(fontsize=7, loc="lower right")
+    right.set_xlabel("tokens / s against AR")
+    for ax, values, unit in ((left, nfe, ""), (right, speed, "x")):
+        for y, value in enumerate(values):
+            ax.annotate(f" {value:.2f}{unit}", (value, y), va="center", fontsize=7)
+        ax.margins(x=0.2)
+    fig.suptitle(title, fontsize=9)
+    return _save(fig, path)
+
+
+def figure_cmd(record: str, out: str) -> Path:
+    """A bench record's figure (plot_against): python -m tidar_convert.bench.plots RECORD PNG"""
+    import json
+
+    data = json.loads(Path(record).read_text())
+    machine = data["machine"]
+    title = (
+        f"{data['name']}: {data['prompts']} prompts, greedy, batch 1, {machine['dtype']}, "
+        f"{machine['threads']} threads ({Path(record).name})"
+    )
+    return plot_against(data["summary"], Path(out), title)
+
+
 def _save(fig, path: Path) -> Path:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     _pyplot().close(fig)
     return path
+
+
+if __name__ == "__main__":
+    import sys
+
+    print(figure_cmd(*sys.argv[1:3]))
