@@ -332,3 +332,130 @@ def test_the_one_pass_gated_delta_step_is_the_generic_path(models, family, monke
     torch.testing.assert_close(logits, logits_, atol=5e-5, rtol=1e-4)
     for a, b in zip(states + windows, states_ + windows_):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
+
+
+class ScriptedTree(drafters.Drafter):
+    """Proposes from the AR reference (batch 1) by a script of step kinds: "tree" (a wrong chain,
+    and beside it the right tokens as a branch two deep under draft 0, and a wrong sibling under
+    the chain's first proposal), "right" (a right chain), "none" (no draft)."""
+
+    name, uses_groups = "scripted-tree", True
+
+    def __init__(self, reference, prompt_len, script):
+        self.reference, self.prompt_len, self.script, self.step = reference, prompt_len, script, 0
+
+    def propose(self, ctx):
+        kind = self.script[self.step % len(self.script)]
+        self.step += 1
+        start = self.prompt_len + ctx.seqs.shape[1] - self.prompt_len
+        right = self.reference[0, start : start + 3]
+        if kind == "none" or ctx.max_proposals < 3 or len(right) < 3:
+            return None
+        wrong = (right + 1) % 40
+        y = ctx.y[:1]
+        if kind == "right":
+            return Draft(torch.cat([y, right])[None], sources=["lookup"])
+        return Draft(
+            torch.cat([y, wrong])[None],
+            confidence=torch.full((1, 3), 0.2),
+            sources=["lookup"],
+            siblings=torch.stack([right[0], right[1], (right[1] + 2) % 40])[None],
+            sibling_confidence=torch.tensor([[0.9, 0.9, 0.5]]),
+            sibling_parents=(0, 4, 1),  # 4: sibling 0 (slots 0..3 are the chain)
+        )
+
+
+@pytest.mark.parametrize("family", [*GATED_DELTA_STEP, "nemotron_h"])
+def test_a_tree_step_continues_each_nodes_parent(models, family, monkeypatch):
+    """Greedy TiDAR with siblings equals AR, branches taken two deep off the chain: each node of
+    the tree continues its parent's state and the commit keeps the branch's. Where the mixers
+    cannot (a Mamba 2), steps verify chains only, as exactly."""
+    model = models[family]
+    ids = cycle_batch(1, 9, seed=2)
+    kw = dict(max_new_tokens=20, do_sample=False, eos_token_id=None)
+    with torch.no_grad():
+        expected = generate(ids, model=model, tidar=False, **kw)
+        drafter = ScriptedTree(expected, ids.shape[1], ["tree", "right", "tree", "none", "tree"])
+        monkeypatch.setitem(drafters.DRAFTERS, "scripted-tree", lambda: drafter)
+        got = generate(ids, model=model, drafter="scripted-tree", siblings=3, plan="adaptive", **kw)
+    assert torch.equal(got, expected)
+    stats = model.tidar_stats
+    if recurrent.trees_supported(recurrent.mixers(model)):
+        assert stats["sibling_steps"] >= 2 and max(stats["accepted"]) >= 3, stats
+    else:
+        assert stats["sibling_steps"] == 0
+
+
+@pytest.mark.parametrize("family", GATED_DELTA_STEP)
+def test_tree_nodes_and_groups_compute_what_their_paths_compute(models, family):
+    """One tree step from a prefilled cache: each node's logits are those of its path (the
+    prompt, its ancestors, itself) run as a chain; a group anchored after a sibling drafts what
+    it drafts after a fresh prefill of that path; and keeping a branch leaves the state and
+    window a fresh prefill of the path leaves."""
+    from tidar_convert.runtime.forward import forward
+
+    model = models[family]
+    mixers, impl = recurrent.mixers(model), model.config._attn_implementation
+    prompt, P = cycle_batch(1, 10, seed=3), 10
+    tokens = cycle_batch(1, 6, seed=4)
+    parents = (-1, 0, 1, 0, 3, 1)  # slots 3 and 4 a branch off slot 0; 5 a sibling of 2
+    anchors = (2, 5, 6)  # groups after slot 1, after slot 4 (in the branch), after slot 5
+    T = len(parents)
+
+    def path(slot):
+        return [] if slot < 0 else path(parents[slot]) + [slot]
+
+    start = torch.tensor([P])
+    with torch.no_grad():
+        cache = prefilled(model, prompt, mixers)
+        step = forward(
+            model,
+            cache,
+            torch.cat([tokens, torch.full((1, len(anchors) * K), 3)], 1),
+            layout.decode_position_ids(start, T, K, len(anchors), anchors, parents),
+            layout.decode_step_mask(
+                torch.ones(1, P, dtype=torch.bool), T, K, anchors, impl, parents
+            ),
+            None,
+            recurrent.Segments(T, anchors, K, record=True, parents=parents),
+            mixers,
+        )
+        for slot in range(T):
+            chain = torch.cat([prompt, tokens[:, path(slot)]], 1)
+            n = chain.shape[1]
+            alone = forward(
+                model,
+                recurrent.new_cache(model.config),
+                chain,
+                torch.arange(n)[None],
+                layout.build_mask(layout.decode_mask_mod(0, n, K, n), 1, n, n, impl, "cpu"),
+                None,
+                recurrent.Segments(n),
+                mixers,
+            )
+            torch.testing.assert_close(
+                step.rows(slot, slot + 1), alone.rows(n - 1, n), atol=5e-5, rtol=1e-4
+            )
+        for g, a in enumerate(anchors):
+            prefix = torch.cat([prompt, tokens[:, path(a - 1)]], 1)
+            n = prefix.shape[1]
+            alone = forward(
+                model,
+                recurrent.new_cache(model.config),
+                torch.cat([prefix, torch.full((1, K), 3)], 1),
+                layout.decode_position_ids(torch.tensor([0]), n, K, 1, n),
+                layout.build_mask(layout.decode_mask_mod(0, n, K, n), 1, n + K, n + K, impl, "cpu"),
+                None,
+                recurrent.Segments(n, (n,), K),
+                mixers,
+            )
+            at = T + g * K
+            torch.testing.assert_close(
+                step.rows(at, at + K), alone.rows(n, n + K), atol=5e-5, rtol=1e-4
+            )
+        branch = path(4)  # [0, 3, 4]
+        recurrent.keep_states(cache, T, torch.tensor([len(branch)]), branch)
+        fresh = prefilled(model, torch.cat([prompt, tokens[:, branch]], 1), mixers)
+    for kept, chain in zip(recurrent.recurrent_layers(cache), recurrent.recurrent_layers(fresh)):
+        torch.testing.assert_close(kept.recurrent_states[0], chain.recurrent_states[0])
+        torch.testing.assert_close(kept.conv_states[0], chain.conv_states[0])

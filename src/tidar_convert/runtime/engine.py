@@ -243,7 +243,11 @@ def run_step(model, run, state: DecodeState, draft: Draft, plan: StepPlan) -> Ou
     mixers = run.session.recurrent_mixers(model)
     # recurrent layers: the drafts continue the state, recording it after each; group g starts
     # from the state after its anchor
-    segments = Segments(plan.causal, tuple(plan.anchors), plan.k, record=True) if mixers else None
+    segments = (
+        Segments(plan.causal, tuple(plan.anchors), plan.k, record=True, parents=plan.parents())
+        if mixers
+        else None
+    )
     out = forward(model, state.cache, tokens, positions, mask, plan.read(), segments, mixers)
     state.nfe += 1
     return out
@@ -562,12 +566,17 @@ def crop(state: DecodeState, plan: StepPlan, kept: Kept) -> None:
     """The cache keeps the step's kept slots and drops every other; a row's holes are marked
     invalid."""
     slots = kept.slots
+    prefix = slots == list(range(len(slots)))
     if recurrent_layers(state.cache):
-        # each row's recurrent state after the drafts it kept; the attention keys of the kept
-        # slots (a row's holes included, as below)
-        keep_states(state.cache, plan.causal, kept.counts)
-        crop_attention(state.cache, plan.slots - len(slots))
-    elif slots == list(range(len(slots))):  # a prefix of the step
+        # each row's recurrent state after the drafts it kept (a branch: after its last slot);
+        # the attention keys of the kept slots (a row's holes included, as below)
+        keep_states(state.cache, plan.causal, kept.counts, None if prefix else slots)
+        if prefix:
+            crop_attention(state.cache, plan.slots - len(slots))
+        else:
+            keep_slots(state.cache, state.cache_valid.shape[1], slots)
+            state.sibling_steps += 1
+    elif prefix:  # a prefix of the step
         state.cache.crop(-(plan.slots - len(slots)))
     else:  # a branch off the chain is not a prefix, so `crop` cannot keep it
         keep_slots(state.cache, state.cache_valid.shape[1], slots)

@@ -69,6 +69,10 @@ class Segments:
     # training: the causal slots run in pieces on a cache of their own (any cache the model made
     # for the call is left alone)
     pieces: bool = False
+    # decoding a tree (greedy, batch 1; StepPlan.parents): each causal slot's parent slot (-1: the
+    # cache), whose state it continues; None: a chain. Anchors count as on a chain: the group
+    # anchored at a starts from the state after slot a - 1 and its ancestors.
+    parents: tuple[int, ...] | None = None
 
     @classmethod
     def training(cls, seq_len: int, draft_length: int) -> "Segments":
@@ -179,6 +183,8 @@ def _segmented(mixer, seg: Segments):
             layer = cache.layers[mixer.layer_idx]
             if _began(layer):
                 return gated_delta_step(mixer, hidden_states, layer, seg)
+        if seg.parents is not None:  # generate() verifies chains only where trees_supported fails
+            raise RuntimeError(f"{type(mixer).__name__} cannot verify a tree: see trees_supported")
         x = hidden_states[:, :T]
         kind = continuation(type(mixer))
         if seg.pieces or cache is None:
@@ -403,19 +409,26 @@ def recurrent_layers(cache) -> list:
     return [layer for layer in cache.layers if isinstance(layer, LinearAttentionCacheLayerMixin)]
 
 
-def keep_states(cache, causal: int, kept: torch.Tensor) -> None:
+def keep_states(cache, causal: int, kept: torch.Tensor, path: list[int] | None = None) -> None:
     """After a forward of `causal` causal slots: each row b's recurrent layers keep the state after
-    its first kept[b] slots (kept: (B,) long), and their convolution windows end there. The
-    attention half of a hybrid cache layer is cropped by the caller."""
+    its first kept[b] slots (kept: (B,) long), and their convolution windows end there. A tree's
+    branch (batch 1) is `path`, the kept slots root first: the state after its last slot, the
+    window along it. The attention half of a hybrid cache layer is cropped by the caller."""
     for layer in recurrent_layers(cache):
         if not _began(layer):
             continue
         rows = torch.arange(kept.shape[0], device=kept.device)
+        # a state index per row into [before the step, after slot 0, after slot 1, ...]
+        index = kept if path is None else torch.tensor([path[-1] + 1 if path else 0])
         for i in _states_of(layer):
             if layer.is_conv_states_initialized[i]:
                 K = layer.conv_kernel_size[i]
                 full = _window(layer.conv_states[i], K + causal)  # (B, C, K + T)
-                cols = kept[:, None] + torch.arange(K, device=kept.device)  # window ends at kept-1
+                if path is None:  # window ends at kept - 1
+                    cols = kept[:, None] + torch.arange(K, device=kept.device)
+                else:  # the cached window, then the path's inputs: the last K of them
+                    cols = torch.tensor([([*range(K)] + [K + s for s in path])[-K:]])
+                cols = cols.to(full.device)
                 layer.conv_states[i] = full.gather(
                     -1, cols[:, None, :].expand(-1, full.shape[1], -1)
                 ).contiguous()
@@ -423,10 +436,10 @@ def keep_states(cache, causal: int, kept: torch.Tensor) -> None:
                 states = _states(layer, i)
                 stacked = torch.stack(states[-(causal + 1) :]) if len(states) > causal else None
                 if stacked is None:
-                    if not bool((kept == causal).all()):
+                    if not bool((index == causal).all()):
                         raise RuntimeError("a recurrent state was not recorded for keep_states")
-                else:  # stacked[n] is the state after n slots
-                    layer.recurrent_states[i] = stacked[kept, rows].contiguous()
+                else:  # stacked[n] is the state after n slots (a tree's: after slot n - 1)
+                    layer.recurrent_states[i] = stacked[index.to(rows.device), rows].contiguous()
             layer.recurrent_states_history[i] = []
         layer.cumulative_length_linear = layer.cumulative_length_linear - (causal - kept.max())
 
@@ -475,6 +488,13 @@ def new_cache(config):
 GATED_DELTA = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "conv1d", "A_log", "dt_bias")
 
 
+def trees_supported(found: list) -> bool:
+    """Whether a step over a tree of drafts (siblings) runs exactly through these mixers: each
+    slot must continue its parent's state, which the one-pass gated delta step does
+    (`_delta_tree`); the other kinds scan their causal slots as one chain."""
+    return all(is_gated_delta(m) for m in found)
+
+
 def is_gated_delta(mixer) -> bool:
     """Qwen3.5's gated delta net (and the mixers built like it): separate q/k/v, z, b and a
     projections, one depthwise convolution, a gated RMS norm, SiLU."""
@@ -513,16 +533,42 @@ def _delta_rule(state, q, k, v, beta, g, out) -> list[torch.Tensor]:
 
 
 @functools.lru_cache(maxsize=256)
-def _conv_windows(T: int, anchors: tuple, k: int, K: int, device) -> torch.Tensor:
+def _conv_windows(T: int, anchors: tuple, k: int, K: int, parents, device) -> torch.Tensor:
     """(Q, K) columns of [cached window (K) | this step's Q inputs] that each slot's convolution
-    reads: a draft t the K inputs ending at itself; token j of the group anchored at a its own
-    inputs so far after the K inputs ending at draft a - 1, as if the group continued there."""
-    rows = [[t + 1 + m for m in range(K)] for t in range(T)]
+    reads: a causal slot the K inputs ending at itself along its ancestors (a chain's: the slots
+    before it); token j of the group anchored at a its own inputs so far after the K inputs
+    ending at slot a - 1, as if the group continued there."""
+    parents = tuple(range(-1, T - 1)) if parents is None else parents
+    paths = {-1: list(range(K))}  # slot -> the input columns up to it: the cached window first
+    for slot in range(T):
+        paths[slot] = paths[parents[slot]] + [K + slot]
+    rows = [paths[slot][-K:] for slot in range(T)]
     for g, a in enumerate(anchors):
         start = K + T + g * k  # the group's first input
-        for j in range(k):
-            rows.append([a + p if p < K else start + p - K for p in range(j + 1, j + 1 + K)])
+        rows += [(paths[a - 1] + list(range(start, start + j + 1)))[-K:] for j in range(k)]
     return torch.tensor(rows, dtype=torch.long, device=device)
+
+
+def _delta_tree(state, q, k, v, beta, g, out, parents) -> list[torch.Tensor]:
+    """`_delta_rule` over a tree of T slots (batch 1): each slot continues its parent's state,
+    the slots of one depth as one batch. Returns the state after each slot, in slot order."""
+    after = {-1: state}
+    depth = {-1: -1}
+    for slot, parent in enumerate(parents):
+        depth[slot] = depth[parent] + 1
+    for level in range(max(depth.values()) + 1):
+        slots = [s for s in range(len(parents)) if depth[s] == level]
+        seeds = torch.cat([after[parents[s]] for s in slots])  # (L, H, dk, dv)
+
+        def pick(t):  # (1, H, T, ...) -> (L, H, 1, ...): each slot of the level as a row
+            return t[0][:, slots].transpose(0, 1).unsqueeze(2)
+
+        level_out = out.new_empty(len(slots), out.shape[1], 1, out.shape[-1])
+        (states,) = _delta_rule(seeds, pick(q), pick(k), pick(v), pick(beta), pick(g), level_out)
+        for row, slot in enumerate(slots):
+            after[slot] = states[row : row + 1]
+            out[0, :, slot] = level_out[row, :, 0]
+    return [after[slot] for slot in range(len(parents))]
 
 
 def _delta_chunk(state, q, k, v, beta, g) -> torch.Tensor:
@@ -568,7 +614,8 @@ def gated_delta_step(mixer, hidden_states, layer, seg: Segments) -> torch.Tensor
     weight, bias = mixer.conv1d.weight.squeeze(1), mixer.conv1d.bias  # (C, K)
     K = weight.shape[-1]
     inputs = torch.cat([layer.conv_states[0][..., -K:].transpose(1, 2), mixed], 1)  # (B, K+Q, C)
-    windows = inputs[:, _conv_windows(T, seg.anchors, k, K, x.device)].to(weight.dtype)
+    columns = _conv_windows(T, seg.anchors, k, K, seg.parents, x.device)
+    windows = inputs[:, columns].to(weight.dtype)
     convolved = (windows * weight.t()).sum(2)  # (B, Q, K, C) -> (B, Q, C)
     if bias is not None:
         convolved = convolved + bias
@@ -591,7 +638,10 @@ def gated_delta_step(mixer, hidden_states, layer, seg: Segments) -> torch.Tensor
 
     core = torch.zeros_like(value)
     before = layer.recurrent_states[0].to(value)
-    states = [before] + _delta_rule(
+    rule = (
+        _delta_rule if seg.parents is None else functools.partial(_delta_tree, parents=seg.parents)
+    )
+    states = [before] + rule(
         before, query[:, :, :T], key[:, :, :T], value[:, :, :T], beta[:, :, :T], g[:, :, :T],
         core[:, :, :T],
     )  # fmt: skip
