@@ -600,6 +600,9 @@ def main(argv: list[str] | None = None) -> None:
 
         print(f"tidar-convert {__version__}")
         sys.exit(0)
+    from tidar_convert.train.progress import install
+
+    install()  # transformers' bars read in a log file too
     try:
         if args and args[0] in ("fit", "validate"):
             _configure_wandb()  # the only commands that log to W&B

@@ -512,7 +512,6 @@ def _quiet_libraries() -> None:
         logging.getLogger(name).setLevel(logging.WARNING)
     # "new embeddings will be initialized ..." on every run
     transformers.logging.set_verbosity_error()
-    transformers.logging.disable_progress_bar()  # weight loading/saving bars of a few ms each
     for category in (DeprecationWarning, FutureWarning, PendingDeprecationWarning):
         warnings.filterwarnings("ignore", category=category)
     for pattern in (
