@@ -6,6 +6,7 @@ from __future__ import annotations
 import inspect
 import json
 import math
+import re
 import shutil
 from pathlib import Path
 
@@ -692,11 +693,79 @@ def test_cpu_default_is_minutes_and_gpu_default_is_every_prompt():
 def test_progress_lines_when_not_a_terminal(capsys):
     from tidar_convert.train.progress import duration, progress
 
-    assert list(progress(range(3), "work", interval=0.0)) == [0, 1, 2]
-    lines = capsys.readouterr().err.splitlines()
-    assert lines[0].startswith("work: 1/3 (33%)") and "ETA" in lines[0]
-    assert lines[-1].startswith("work: 3/3 (100%)") and "took" in lines[-1]
+    assert list(progress(range(3), "work", interval=0.0, delay=0)) == [0, 1, 2]
+    err = capsys.readouterr().err
+    lines = err.splitlines()
+    assert "\r" not in err and lines[0] == "work: 0/3 (0%)"
+    assert lines[1].startswith("work: 1/3 (33%)") and "ETA" in lines[1]
+    assert lines[-1].startswith("work: 3/3 (100%)") and "took" in lines[-1] and len(lines) == 4
+    assert list(progress(range(3), "quick")) == [0, 1, 2]
+    assert capsys.readouterr().err == ""  # done within the delay: nothing to say
     assert (duration(7.2), duration(125), duration(3725)) == ("7s", "2m05s", "1h02m")
+
+
+def test_a_bar_on_a_terminal_is_tqdms_and_bytes_read_as_sizes(capsys):
+    import io
+
+    from tidar_convert.train.progress import Bar
+
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
+    screen = Terminal()
+    with Bar(total=2, desc="load", file=screen, delay=0) as bar:
+        bar.update(2)
+    assert "\r" in screen.getvalue() and "2/2" in screen.getvalue()
+    with Bar(total=3 * 10**9, desc="download", unit="B", unit_scale=True, delay=0) as bar:
+        bar.update(10**9)
+    assert capsys.readouterr().err.splitlines()[-1].startswith("download: 1.00G/3.00G (33%)")
+
+
+def test_the_libraries_bars_are_bars():
+    """transformers' bars through its tqdm hook (train.progress.install), the hub's downloads
+    through from_pretrained's tqdm_class, the GGUF reader's bar while it converts."""
+    from transformers.utils import logging
+
+    from tidar_convert.models import loading
+    from tidar_convert.train.progress import Bar, hub_download_kwargs, install
+
+    install()
+    bar = logging.tqdm(range(2), desc="Loading weights")
+    assert isinstance(bar, Bar)
+    bar.close()
+    assert hub_download_kwargs() == {"tqdm_class": Bar}
+    from transformers import modeling_gguf_pytorch_utils as reader
+
+    with loading._gguf_progress():
+        assert reader.tqdm is Bar
+    assert reader.tqdm is not Bar
+
+
+@pytest.mark.subprocess
+def test_eval_ppl_says_its_progress_in_a_log_file(tiny_dirs, tmp_path):
+    """Issue 48: a command's progress redirected to a file is plain lines, not carriage returns
+    (TQDM_DELAY and TQDM_MININTERVAL at 0: a tiny model is done before the usual first line)."""
+    import os
+    import subprocess
+    import sys
+
+    (tmp_path / "doc.txt").write_text("The river rose through the night and the town slept.\n" * 8)
+    log = tmp_path / "log.txt"
+    with log.open("w") as out:
+        subprocess.run(
+            [sys.executable, "-m", "tidar_convert.cli", "eval-ppl", "--model",
+             str(tiny_dirs["llama"]), "--data", str(tmp_path / "doc.txt"), "--seq_len", "16",
+             "--max_tokens", "64"],
+            stdout=out, stderr=subprocess.STDOUT, check=True,
+            env={**os.environ, "TQDM_DELAY": "0", "TQDM_MININTERVAL": "0"},
+        )  # fmt: skip
+    text = log.read_text()
+    assert "\r" not in text, text
+    lines = text.splitlines()
+    assert any(re.match(r"perplexity: \d+/4 \(\d+%\)", line) for line in lines), text
+    assert any(line.startswith("perplexity: 4/4 (100%)") and "took" in line for line in lines)
+    assert any(line.startswith("Loading weights: ") for line in lines), text  # transformers' own
 
 
 # --------------------------------------------------------------------------------------------

@@ -308,3 +308,55 @@ def test_a_checkpoint_records_its_base_model_absolute(tmp_path, tiny_dirs, monke
     assert json.loads((tmp_path / "out2" / "config.json").read_text())["tidar"][
         "base_model"
     ] == str(copy)
+
+
+# --------------------------------------------------------------------------------------------
+# Issue 48: W&B online or offline is W&B's own login check, for the server it is set to (a
+# self-hosted one too), never a search of ~/.netrc for api.wandb.ai; WANDB_MODE wins.
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def wandb_home(tmp_path, monkeypatch):
+    """A HOME, working folder and environment with no W&B account in them."""
+    for name in ("WANDB_MODE", "WANDB_API_KEY", "WANDB_IDENTITY_TOKEN_FILE", "WANDB_BASE_URL",
+                 "WANDB_CONFIG_DIR", "NETRC"):  # fmt: skip
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.chdir(tmp_path)
+    yield tmp_path
+    import wandb
+
+    wandb.teardown()  # the next test's W&B reads its own environment
+
+
+def mode_chosen():
+    import os
+
+    from tidar_convert.cli import _configure_wandb
+
+    _configure_wandb()
+    return os.environ.get("WANDB_MODE")
+
+
+def test_wandb_logs_online_with_a_netrc_entry_for_its_self_hosted_server(wandb_home, monkeypatch):
+    netrc = wandb_home / ".netrc"
+    netrc.write_text(f"machine wandb.example.com\n  login user\n  password {'a' * 40}\n")
+    netrc.chmod(0o600)
+    assert mode_chosen() == "offline"  # an entry for another server than W&B's is no login
+    monkeypatch.delenv("WANDB_MODE")
+    monkeypatch.setenv("WANDB_BASE_URL", "https://wandb.example.com")
+    assert mode_chosen() is None  # left to W&B: online
+
+
+def test_wandb_is_offline_without_an_account_and_online_with_a_key(wandb_home, monkeypatch):
+    assert mode_chosen() == "offline"
+    monkeypatch.delenv("WANDB_MODE")
+    monkeypatch.setenv("WANDB_API_KEY", "b" * 40)
+    assert mode_chosen() is None
+
+
+@pytest.mark.parametrize("mode", ["online", "disabled", "offline"])
+def test_the_users_wandb_mode_wins(wandb_home, monkeypatch, mode):
+    monkeypatch.setenv("WANDB_MODE", mode)
+    assert mode_chosen() == mode

@@ -485,3 +485,44 @@ def test_each_fit_in_one_process_gets_its_own_wandb_run(tmp_path, tiny_dirs, mon
             f"the {name} fit has no W&B run of its own"
         )
         assert wandb.run is None
+
+
+@pytest.mark.fit
+def test_the_loggers_get_the_whole_resolved_config(tmp_path, tiny_dirs, monkeypatch):
+    """Issue 48: the loggers got only the model's and the data's arguments; they get the config
+    LightningCLI resolved, under `config`, nested as config.yaml has it
+    (SaveConfigCallback.save_config)."""
+    import yaml
+
+    from tidar_convert.train import fit
+
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    held = {}  # what the W&B run holds as its config when fit closes it
+
+    def finish(close=fit._finish_wandb):
+        import wandb
+
+        held.update(wandb.run.config.as_dict())
+        close()
+
+    monkeypatch.setattr(fit, "_finish_wandb", finish)
+    loggers = tmp_path / "loggers.yaml"
+    loggers.write_text(
+        yaml.safe_dump({"trainer": {"logger": [
+            {"class_path": "lightning.pytorch.loggers.CSVLogger",
+             "init_args": {"save_dir": str(tmp_path / "csv")}},
+            {"class_path": "lightning.pytorch.loggers.WandbLogger",
+             "init_args": {"save_dir": str(tmp_path), "project": "tidar-convert-tests"}},
+        ]}})
+    )  # fmt: skip
+    main([
+        "fit", "--config", RECIPE, "--config", str(loggers), "--model.model",
+        str(tiny_dirs["llama"]), "--trainer.max_steps", "2", "--data.seq_len", "32",
+        "--trainer.default_root_dir", str(tmp_path / "run"),
+    ])  # fmt: skip
+    (hparams,) = (tmp_path / "csv").rglob("hparams.yaml")
+    for logged in (yaml.safe_load(hparams.read_text())["config"], held["config"]):
+        assert logged["model"]["optimizer"]["init_args"]["lr"] == 3.0e-3
+        assert logged["model"]["min_lr_ratio"] == 1.0 and logged["data"]["seq_len"] == 32
+        assert logged["trainer"]["max_steps"] == 2 and logged["seed_everything"] == 0
+        assert logged["trainer"]["precision"] == "32-true"

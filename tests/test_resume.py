@@ -581,3 +581,82 @@ def test_ctrl_c_once_training_ended_is_a_keyboard_interrupt_as_ever(
     assert "before the first training step" not in capsys.readouterr().err
     assert saved_step(run, 0) == 2 and not (run / NOTHING_SAVED).exists()
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # put back as it was
+
+
+# --------------------------------------------------------------------------------------------
+# Issue 48: the schedule is transformers' get_cosine_with_min_lr_schedule_with_warmup, drawn as
+# docs/convert.md says (warmup from 0, cosine to lr x min_lr_ratio), and it resumes exactly.
+# --------------------------------------------------------------------------------------------
+
+
+def schedule_of(warmup_ratio, min_lr_ratio, max_steps, lr=1e-3):
+    """TiDARModule.configure_optimizers on a one-layer model: (optimizer, scheduler)."""
+    from types import SimpleNamespace
+
+    from tidar_convert.train.module import TiDARModule
+
+    module = SimpleNamespace(
+        model=torch.nn.Linear(2, 2),
+        optimizer_factory=lambda params: torch.optim.AdamW(params, lr=lr),
+        trainer=SimpleNamespace(max_steps=max_steps, estimated_stepping_batches=None),
+        warmup_ratio=warmup_ratio,
+        min_lr_ratio=min_lr_ratio,
+    )
+    out = TiDARModule.configure_optimizers(module)
+    assert out["lr_scheduler"]["interval"] == "step"
+    return out["optimizer"], out["lr_scheduler"]["scheduler"]
+
+
+def documented_lr(step, lr, warmup_ratio, min_lr_ratio, total):
+    import math
+
+    warmup = int(warmup_ratio * total)
+    if step < warmup:
+        return lr * step / warmup
+    progress = (step - warmup) / (total - warmup)
+    return lr * (min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+def lrs(optimizer, scheduler, steps):
+    out = []
+    for _ in range(steps):
+        out.append(optimizer.param_groups[0]["lr"])
+        optimizer.step()
+        scheduler.step()
+    return out
+
+
+@pytest.mark.parametrize("warmup_ratio, min_lr_ratio", [(0.1, 0.3), (0.0, 0.1), (0.03, 1.0)])
+def test_the_schedule_is_the_documented_warmup_then_cosine(warmup_ratio, min_lr_ratio):
+    total = 100
+    optimizer, scheduler = schedule_of(warmup_ratio, min_lr_ratio, total)
+    got = lrs(optimizer, scheduler, total + 1)
+    expected = [documented_lr(s, 1e-3, warmup_ratio, min_lr_ratio, total) for s in range(total + 1)]
+    assert got == pytest.approx(expected, rel=1e-9, abs=1e-15)
+    assert got[-1] == pytest.approx(1e-3 * min_lr_ratio)
+
+
+def test_a_resumed_schedule_continues_exactly_and_takes_a_changed_shape():
+    """Lightning restores the scheduler's state into the one configure_optimizers builds: the same
+    lr at every later step; a changed min_lr_ratio (resume.MODEL_FREE) applies from the step after
+    the resumed one, as resume.py says."""
+    import io
+
+    total, stop = 50, 17
+    optimizer, scheduler = schedule_of(0.1, 0.3, total)
+    whole = lrs(optimizer, scheduler, total)
+    optimizer, scheduler = schedule_of(0.1, 0.3, total)
+    lrs(optimizer, scheduler, stop)
+    buffer = io.BytesIO()
+    torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict()}, buffer)
+    buffer.seek(0)
+    saved = torch.load(buffer, weights_only=False)
+    for min_lr_ratio in (0.3, 0.5):
+        optimizer, scheduler = schedule_of(0.1, min_lr_ratio, total)
+        optimizer.load_state_dict(saved["optimizer"])
+        scheduler.load_state_dict(saved["scheduler"])
+        after = lrs(optimizer, scheduler, total - stop)
+        if min_lr_ratio == 0.3:
+            assert after == whole[stop:]
+        expected = [documented_lr(s, 1e-3, 0.1, min_lr_ratio, total) for s in range(stop, total)]
+        assert after[0] == whole[stop] and after[1:] == pytest.approx(expected[1:], rel=1e-9)

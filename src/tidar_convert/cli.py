@@ -16,13 +16,47 @@ from pathlib import Path
 
 
 def _configure_wandb() -> None:
-    """W&B stays offline unless the user has an account configured (key, netrc) or chose a mode."""
-    if os.environ.get("WANDB_MODE") or os.environ.get("WANDB_API_KEY"):
-        return
-    netrc = Path.home() / ".netrc"
-    if netrc.exists() and "api.wandb.ai" in netrc.read_text(errors="ignore"):
+    """W&B stays offline unless it has credentials for its server or the user chose a mode
+    (WANDB_MODE wins): a first run without an account must not stop at W&B's login prompt."""
+    if os.environ.get("WANDB_MODE") or wandb_has_credentials():
         return
     os.environ["WANDB_MODE"] = "offline"
+
+
+def wandb_has_credentials() -> bool:
+    """What wandb.init would log in with, asked of W&B itself and never of the network: its API key
+    or identity token variables, the netrc entry of the server it is set to (WANDB_BASE_URL or
+    `wandb login --host`, a self-hosted one too), the api_key of its settings files."""
+    try:
+        import wandb
+    except ImportError:
+        return False  # no wandb, no W&B logger to configure
+    if wandb.run is not None:
+        return True  # a run open in this process (a notebook): it is logged in already
+    wandb.teardown()  # settings W&B loaded earlier in this process predate this environment
+    try:
+        from wandb.sdk import wandb_setup
+        from wandb.sdk.lib import wbauth
+
+        settings = wandb_setup.singleton().settings
+        host = wbauth.HostUrl(settings.base_url, app_url=settings.app_url)
+        found = wbauth.authenticate_session(
+            host=host, source="tidar-convert", prompt=False, update_session=False
+        )
+    except (ImportError, TypeError):  # a wandb before its login check could skip the prompt
+        print(
+            f"W&B offline: wandb {wandb.__version__} cannot say whether it is logged in without "
+            "asking; WANDB_MODE=online logs online",
+            file=sys.stderr,
+        )
+        found = None
+    except Exception as e:  # a key of the wrong form, an unparsable netrc or settings file
+        print(f"W&B offline: its credentials do not read ({e})", file=sys.stderr)
+        found = None
+    finally:
+        # the settings W&B just loaded would keep it from seeing the WANDB_MODE set next
+        wandb.teardown()
+    return found is not None
 
 
 def export_cmd(
@@ -592,9 +626,12 @@ def main(argv: list[str] | None = None) -> None:
 
         print(f"tidar-convert {__version__}")
         sys.exit(0)
-    _configure_wandb()
+    from tidar_convert.train.progress import install
+
+    install()  # transformers' bars read in a log file too
     try:
         if args and args[0] in ("fit", "validate"):
+            _configure_wandb()  # the only commands that log to W&B
             from tidar_convert.train.fit import (
                 run,
             )  # Lightning is imported only for the commands that use it

@@ -12,11 +12,11 @@ from collections.abc import Iterable, Iterator
 
 import torch
 import torch.nn.functional as F
-from tqdm.auto import tqdm
 
 from tidar_convert import data
 from tidar_convert.bench.machine import default_device
 from tidar_convert.models import loading
+from tidar_convert.train.progress import Bar
 
 
 def chunks(
@@ -66,7 +66,7 @@ def perplexity(
     device = next(model.parameters()).device
     nll, count = 0.0, 0
     with torch.no_grad():
-        for chunk in tqdm(
+        for chunk in Bar(
             chunks(tokenizer, texts, seq_len, max_tokens),
             total=math.ceil(max_tokens / seq_len),
             desc="perplexity",

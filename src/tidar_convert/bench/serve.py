@@ -23,6 +23,7 @@ import socket
 import statistics
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -30,6 +31,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from tidar_convert.bench.prompts import chat_prompts, check_chat_template
+from tidar_convert.train.progress import Bar
 
 MODES = ("tidar", "ar")
 # decode.py's log line after every TiDAR generate(): the server's own evidence that TiDAR answered
@@ -89,20 +91,27 @@ def start_server(
         proc = subprocess.Popen(
             cmd, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "HF_HUB_OFFLINE": "1"}
         )
-    deadline = time.monotonic() + timeout
+    start = time.monotonic()
+    deadline = start + timeout
+    # loading the export takes minutes for a large one: seconds waited, out of the timeout
+    wait = Bar(total=round(timeout), desc="waiting for `transformers serve`", unit="s")
     while True:
+        wait.update(round(time.monotonic() - start) - wait.n)
         try:
             with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5) as r:
                 if r.status == 200:
+                    wait.close()
                     return proc
         except OSError:
             pass
         if proc.poll() is not None:
+            wait.close()
             raise ValueError(
                 f"`transformers serve` exited with {proc.returncode} before answering; its log: "
                 f"{log}"
             )
         if time.monotonic() > deadline:
+            wait.close()
             stop_server(proc)
             raise ValueError(
                 f"`transformers serve` did not answer /health in {timeout:.0f} s (raise "
@@ -166,20 +175,28 @@ def run_load(
     max_tokens: int,
     tidar: bool,
     deadline: float,
+    bar: Bar | None = None,
 ) -> dict:
     """`requests` requests from `clients` concurrent clients (prompt i for request i), none started
-    past `deadline`: tokens/s over the wall time of the whole load, and each request's figures."""
+    past `deadline`: tokens/s over the wall time of the whole load, and each request's figures.
+    `bar` counts each request as it ends (or is not started)."""
+    counting = threading.Lock()  # the clients' threads count on one bar
 
     def one(i: int):
         left = deadline - time.monotonic()
         if left <= 0:
-            return None  # out of time: not started
-        return {
-            "prompt": i % len(texts),
-            **chat_request(
-                port, model, texts[i % len(texts)], max_tokens, tidar, timeout=max(left, 1.0)
-            ),
-        }
+            answer = None  # out of time: not started
+        else:
+            answer = {
+                "prompt": i % len(texts),
+                **chat_request(
+                    port, model, texts[i % len(texts)], max_tokens, tidar, timeout=max(left, 1.0)
+                ),
+            }
+        if bar is not None:
+            with counting:
+                bar.update()
+        return answer
 
     t0 = time.perf_counter()
     with ThreadPoolExecutor(clients) as pool:
@@ -275,13 +292,14 @@ def bench_serve_cmd(
         offset = log.stat().st_size  # the warm-up's log lines are not the load's
         deadline = time.monotonic() + time_limit
         results = {}
+        bar = Bar(total=len(clients) * len(MODES) * requests, desc="bench-serve", unit="request")
         for n in clients:
-            by_mode = {
-                mode: run_load(
-                    port, served, texts, n, requests, max_tokens, mode == "tidar", deadline
+            by_mode = {}
+            for mode in MODES:
+                bar.set_description(f"bench-serve {mode}, {n} client(s)")
+                by_mode[mode] = run_load(
+                    port, served, texts, n, requests, max_tokens, mode == "tidar", deadline, bar
                 )
-                for mode in MODES
-            }
             tidar, ar = by_mode["tidar"], by_mode["ar"]
             same = {r["prompt"]: r["text"] for r in ar["runs"]}
             results[str(n)] = {
@@ -295,6 +313,7 @@ def bench_serve_cmd(
                 ),
             }
         cut = time.monotonic() > deadline
+        bar.close()
     finally:
         stop_server(proc)
     import torch

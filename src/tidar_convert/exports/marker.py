@@ -10,6 +10,7 @@ import os
 from pathlib import Path
 
 from tidar_convert.exports.outputs import recover, scratch_dir, walk
+from tidar_convert.train.progress import Bar
 
 MARKER = "tidar_export.json"
 
@@ -62,7 +63,13 @@ def write_marker(folder: str | os.PathLike) -> Path:
         (p for p in walk(folder) if p.is_symlink() or not p.is_dir()),
         key=lambda p: p.relative_to(folder).as_posix(),
     )
-    files = {p.relative_to(folder).as_posix(): file_record(p) for p in paths}
+    # every byte of the weights is read: minutes for a large export
+    size = sum(p.stat().st_size for p in paths if p.is_file() and not p.is_symlink())
+    with Bar(total=size, desc="sha256 of the export", unit="B", unit_scale=True) as bar:
+        files = {}
+        for p in paths:
+            files[p.relative_to(folder).as_posix()] = file_record(p)
+            bar.update(p.stat().st_size if p.is_file() and not p.is_symlink() else 0)
     files.pop(MARKER, None)
     marker = folder / MARKER
     marker.write_text(

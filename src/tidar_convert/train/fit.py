@@ -35,19 +35,33 @@ class RunFolderConfig(SaveConfigCallback):
     """config.yaml goes into the run folder (trainer.default_root_dir), never into the working
     directory, where a logger without save_dir would put it and overwrite the user's own file. Its
     first line marks it as fit's (run_folder.CONFIG_MARK): a config.yaml without it is never
-    replaced (checked before the run starts). `validate` leaves the run's config as it is."""
+    replaced (checked before the run starts). `validate` leaves the run's config as it is.
+    Every logger gets the same whole config (`save_config`)."""
 
     def setup(self, trainer, pl_module, stage):
-        if self.already_saved or stage != "fit":
+        if self.already_saved:
             return
         if trainer.is_global_zero:
-            from tidar_convert.exports.outputs import atomic_file
-            from tidar_convert.train.run_folder import CONFIG, CONFIG_MARK
+            if stage == "fit":
+                from tidar_convert.exports.outputs import atomic_file
+                from tidar_convert.train.run_folder import CONFIG, CONFIG_MARK
 
-            text = self.parser.dump(self.config, skip_none=False)
-            with atomic_file(Path(trainer.default_root_dir) / CONFIG) as tmp:
-                tmp.write_text(f"{CONFIG_MARK}\n{text}")
+                text = self.parser.dump(self.config, skip_none=False)
+                with atomic_file(Path(trainer.default_root_dir) / CONFIG) as tmp:
+                    tmp.write_text(f"{CONFIG_MARK}\n{text}")
+            self.save_config(trainer, pl_module, stage)
         self.already_saved = True
+
+    def save_config(self, trainer, pl_module, stage):
+        """LightningCLI's hook for the config's other homes: the loggers get all of it under
+        `config`, nested as in config.yaml (trainer, data, optimizer, seed...), where Lightning logs
+        only the model's and the data's arguments, flat (its `model` is the base model's path, so
+        the sections cannot sit beside them)."""
+        import yaml
+
+        config = yaml.safe_load(self.parser.dump(self.config, skip_none=False))
+        for logger in trainer.loggers:
+            logger.log_hyperparams({"config": config})
 
 
 class TiDARCLI(LightningCLI):
@@ -498,7 +512,6 @@ def _quiet_libraries() -> None:
         logging.getLogger(name).setLevel(logging.WARNING)
     # "new embeddings will be initialized ..." on every run
     transformers.logging.set_verbosity_error()
-    transformers.logging.disable_progress_bar()  # weight loading/saving bars of a few ms each
     for category in (DeprecationWarning, FutureWarning, PendingDeprecationWarning):
         warnings.filterwarnings("ignore", category=category)
     for pattern in (

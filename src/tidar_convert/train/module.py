@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import copy
-import math
 from typing import Callable, Iterable
 
 import lightning as L
 import torch
+from transformers import get_cosine_with_min_lr_schedule_with_warmup
 
 from tidar_convert.models.lora import add_lora, check_scope
 from tidar_convert.runtime import layout, recurrent
@@ -66,7 +66,8 @@ class TiDARModule(L.LightningModule):
             alpha: weight of the AR loss: L = (alpha * L_AR + L_Diff) / (1 + alpha).
             optimizer: optimizer factory (YAML: class_path torch.optim.AdamW, init_args lr ...);
                 None = `adamw` (AdamW, lr 1e-5, no weight decay).
-            warmup_ratio: fraction of max_steps with linear warmup.
+            warmup_ratio: fraction of max_steps with linear warmup from 0 (transformers'
+                get_cosine_with_min_lr_schedule_with_warmup draws the curve).
             min_lr_ratio: cosine decay ends at lr * min_lr_ratio (paper: 1e-5 -> 3e-6, i.e. 0.3).
             lora_r: 0 = full fine-tune; > 0 = LoRA of this rank on all linear layers (mask token row
                 trained too).
@@ -543,17 +544,14 @@ class TiDARModule(L.LightningModule):
             if self.trainer.max_steps > 0
             else self.trainer.estimated_stepping_batches,
         )
-        warmup = int(self.warmup_ratio * total)
-
-        def schedule(step: int) -> float:  # linear warmup, then cosine from 1 to min_lr_ratio
-            if step < warmup:
-                return (step + 1) / (warmup + 1)
-            progress = min(1.0, (step - warmup) / max(1, total - warmup))
-            return self.min_lr_ratio + (1 - self.min_lr_ratio) * 0.5 * (
-                1 + math.cos(math.pi * progress)
-            )
-
-        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
+        # transformers' curve, as its Trainer draws it: linear from 0 over warmup_ratio x total
+        # steps, then a half cosine from lr down to lr x min_lr_ratio at the last step
+        scheduler = get_cosine_with_min_lr_schedule_with_warmup(
+            optimizer,
+            num_warmup_steps=int(self.warmup_ratio * total),
+            num_training_steps=total,
+            min_lr_rate=self.min_lr_ratio,
+        )
         return {
             "optimizer": optimizer,
             "lr_scheduler": {"scheduler": scheduler, "interval": "step"},
