@@ -224,8 +224,8 @@ def test_help_names_every_command(capsys):
     out = capsys.readouterr().out
     assert out.startswith(
         "usage: tidar-convert {fit,validate,check,export,merge,generate,bench,bench-serve,"
-        "bench-batches,bench-exactness,bench-gpu,bench-recurrent,bench-token-identity,eval-ppl,quality,sweep,"
-        "distill} ..."
+        "bench-batches,bench-exactness,bench-gpu,bench-recurrent,bench-token-identity,eval-ppl,"
+        "quality,sweep,distill} ..."
     )
     assert "`tidar-convert fit --help` lists them" in out
     # each command's summary, from its docstring
