@@ -223,9 +223,9 @@ def test_help_names_every_command(capsys):
     assert exit_info.value.code == 0
     out = capsys.readouterr().out
     assert out.startswith(
-        "usage: tidar-convert {fit,validate,check,export,generate,bench,bench-serve,bench-batches,"
-        "bench-exactness,bench-gpu,bench-recurrent,bench-token-identity,eval-ppl,quality,sweep,"
-        "distill} ..."
+        "usage: tidar-convert {fit,validate,check,export,merge,generate,bench,bench-serve,"
+        "bench-batches,bench-exactness,bench-gpu,bench-recurrent,bench-token-identity,eval-ppl,"
+        "quality,sweep,distill} ..."
     )
     assert "`tidar-convert fit --help` lists them" in out
     # each command's summary, from its docstring

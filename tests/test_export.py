@@ -7,7 +7,7 @@ import textwrap
 
 import pytest
 import torch
-from helpers import cycle_batch
+from helpers import cycle_batch, tiny_config
 from transformers import AutoModelForCausalLM
 
 from tidar_convert import export, load
@@ -270,3 +270,117 @@ def test_tidar_off_through_a_generation_config(untrained_export):
         del model.generation_config.tidar
     with pytest.raises(ValueError, match="tidar='false'.*JSON boolean"):
         model.generate(ids, max_new_tokens=2, generation_config=GenerationConfig(tidar="false"))
+
+
+# --------------------------------------------------------------------------------------------
+# Issue 48: a LoRA export is also a PEFT adapter folder, `merge` makes it an export again, and
+# `export --dtype` defaults to the base's dtype.
+# --------------------------------------------------------------------------------------------
+
+
+def tidar_greedy(model, ids, **kwargs):
+    return model.generate(ids, max_new_tokens=16, do_sample=False, eos_token_id=None, **kwargs)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])  # untied and tied embeddings
+def test_a_lora_export_is_a_peft_adapter_that_decodes_with_tidar_and_merges_back(
+    tiny_dirs, tmp_path, family, capsys
+):
+    """Stock PEFT loads OUT/adapter on the base as README.md says; decoding it with the export's
+    own generate (custom_generate) gives the merged export's greedy TiDAR output, and `merge`
+    writes an export that gives it too."""
+    from peft import PeftModel
+    from transformers import AutoConfig, AutoTokenizer
+
+    from tidar_convert.cli import main, merge_cmd
+    from tidar_convert.models.loading import load_base
+    from tidar_convert.models.lora import add_lora
+
+    base_dir = tiny_dirs[family]
+    model, tok = load_base(str(base_dir))
+    TiDARSpec(4, tok.mask_token_id).write(model.config)
+    model = add_lora(model, 4, 8, tok.mask_token_id, "all")
+    torch.manual_seed(1)
+    with torch.no_grad():  # trained adapters and mask row, as a run leaves them
+        for p in model.parameters():
+            if p.requires_grad:
+                p.add_(0.05 * torch.randn_like(p))
+    out = export(model, tok, tmp_path / "out", card={"base_model": str(base_dir)})
+    adapter = out / "adapter"
+    config = json.loads((adapter / "adapter_config.json").read_text())
+    assert config["base_model_name_or_path"] == str(base_dir.resolve())
+    assert {"adapter_model.safetensors", "tidar.json"} <= {p.name for p in adapter.iterdir()}
+    assert is_export(out)  # the marker lists the adapter's files too
+
+    base = AutoModelForCausalLM.from_pretrained(config["base_model_name_or_path"])
+    base.resize_token_embeddings(len(AutoTokenizer.from_pretrained(adapter)))
+    peft_model = PeftModel.from_pretrained(base, adapter).eval()
+    peft_model.config.update(json.loads((adapter / "tidar.json").read_text()))
+    ids = cycle_batch(2, 6, seed=1)
+    got = tidar_greedy(peft_model, ids, custom_generate=str(out), trust_remote_code=True)
+    assert "nfe" in peft_model.get_base_model().tidar_stats  # TiDAR decoded it, not plain AR
+    merged = AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True)
+    assert torch.equal(got, tidar_greedy(merged, ids))
+    assert AutoConfig.from_pretrained(out).tidar == peft_model.config.tidar
+
+    again = merge_cmd(str(adapter), str(tmp_path / "merged"))
+    assert torch.equal(tidar_greedy(load(again), ids), tidar_greedy(load(out), ids))
+    assert (tmp_path / "merged" / "adapter" / "adapter_model.safetensors").is_file()
+
+    other = tmp_path / "other"  # the same tokenizer, wider layers: the adapters' shapes differ
+    wider = tiny_config(family, len(AutoTokenizer.from_pretrained(base_dir)))
+    wider.hidden_size, wider.intermediate_size = 96, 192
+    AutoModelForCausalLM.from_config(wider).save_pretrained(other)
+    AutoTokenizer.from_pretrained(base_dir).save_pretrained(other)
+    refusals = [
+        (["--adapter", str(out)], "lacks adapter_config.json, adapter_model.safetensors"),
+        (["--adapter", str(tmp_path / "none")], "is not a folder"),
+        (["--out", str(tmp_path / "merged")], "holds an earlier export; pass --overwrite"),
+        (["--model", str(other)], "does not fit the base"),
+        (["--dtype", "fp8"], "--dtype 'fp8': choose float32, bfloat16, float16"),
+    ]
+    for change, message in refusals:
+        args = {"--adapter": str(adapter), "--out": str(tmp_path / "new"), **dict([change])}
+        capsys.readouterr()
+        with pytest.raises(SystemExit):
+            main(["merge", *[x for pair in args.items() for x in pair]])
+        errors = [line for line in capsys.readouterr().err.splitlines() if "error" in line]
+        assert len(errors) == 1 and errors[0].startswith("error: "), (change, errors)
+        assert message in errors[0], (change, errors)
+        assert not (tmp_path / "new").exists()
+
+
+@pytest.mark.fit
+def test_export_dtype_defaults_to_the_bases(tiny_dirs, tmp_path, capsys):
+    """A bf16 base exports bf16 (half the bytes of fp32), --dtype float32 overrides, and a dtype
+    not offered is refused before the checkpoint is read."""
+    from pathlib import Path
+
+    from safetensors import safe_open
+
+    from tidar_convert.cli import main
+
+    base = tmp_path / "bf16"
+    AutoModelForCausalLM.from_pretrained(tiny_dirs["llama"], dtype=torch.bfloat16).save_pretrained(
+        base
+    )
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (base / name).write_bytes((tiny_dirs["llama"] / name).read_bytes())
+    recipe = str(Path(__file__).parents[1] / "recipes" / "tiny.yaml")
+    main(["fit", "--config", recipe, "--model.model", str(base), "--model.lora_r", "4",
+          "--trainer.max_steps", "2", "--trainer.logger", "false",
+          "--trainer.default_root_dir", str(tmp_path / "run")])  # fmt: skip
+    ckpt = str(tmp_path / "run" / "checkpoints" / "last.ckpt")
+
+    def dtypes(folder):
+        with safe_open(folder / "model.safetensors", "pt") as f:
+            return {f.get_slice(k).get_dtype() for k in f.keys()}
+
+    main(["export", "--checkpoint", ckpt, "--out", str(tmp_path / "bf16-out")])
+    main(["export", "--checkpoint", ckpt, "--out", str(tmp_path / "fp32"), "--dtype", "float32"])
+    assert dtypes(tmp_path / "bf16-out") == {"BF16"} and dtypes(tmp_path / "fp32") == {"F32"}
+    assert json.loads((tmp_path / "bf16-out" / "config.json").read_text())["dtype"] == "bfloat16"
+    with pytest.raises(SystemExit):
+        main(["export", "--checkpoint", "nowhere.ckpt", "--out", str(tmp_path / "x"),
+              "--dtype", "int8"])  # fmt: skip
+    assert "error: --dtype 'int8': choose float32, bfloat16, float16" in capsys.readouterr().err

@@ -660,3 +660,64 @@ def test_a_resumed_schedule_continues_exactly_and_takes_a_changed_shape():
             assert after == whole[stop:]
         expected = [documented_lr(s, 1e-3, 0.1, min_lr_ratio, total) for s in range(stop, total)]
         assert after[0] == whole[stop] and after[1:] == pytest.approx(expected[1:], rel=1e-9)
+
+
+# --------------------------------------------------------------------------------------------
+# Issue 48: a LoRA run's checkpoint holds what it trains and the optimizer, not the frozen base;
+# the base model it names refills the rest, and a resume is exact.
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.fit
+def test_a_lora_checkpoint_holds_only_what_trains_and_resumes_exactly(
+    tmp_path, tiny_dirs, small_corpus, steps
+):
+    from safetensors.torch import load_file, save_file
+
+    from tidar_convert.cli import export_cmd
+    from tidar_convert.exports.disk import tensor_bytes
+
+    base = tmp_path / "base"
+    shutil.copytree(tiny_dirs["llama"], base)
+    lora = ["--model.lora_r", "4", *every(tmp_path, 4)]
+    fit(tmp_path / "whole", base, small_corpus, 0, 8, *lora)
+    whole = dict(steps)
+    steps.clear()
+    steps.kill_at = 6  # the checkpoint of step 4 survives
+    with pytest.raises(Killed):
+        fit(tmp_path / "run", base, small_corpus, 0, 8, *lora)
+    steps.clear()
+    steps.kill_at = None
+    fit(tmp_path / "run", base, small_corpus, 0, 8, *lora, "--ckpt_path", "last")
+    assert sorted(steps) == [4, 5, 6, 7]
+    assert_same_steps("resumed LoRA run", dict(steps), whole, range(4, 8))
+
+    def checkpoint(run):
+        return torch.load(run / "checkpoints" / "last.ckpt", weights_only=False)
+
+    a, b = checkpoint(tmp_path / "whole"), checkpoint(tmp_path / "run")
+    assert a["state_dict"].keys() == b["state_dict"].keys()
+    assert all(torch.equal(a["state_dict"][k], b["state_dict"][k]) for k in a["state_dict"])
+    # nothing frozen: the adapters and the mask token's row, which the optimizer holds
+    trained = tensor_bytes(a["state_dict"])
+    assert all("lora_" in k or "trainable_tokens" in k for k in a["state_dict"]), a["state_dict"]
+    optimizer = tensor_bytes(a["optimizer_states"])
+    assert optimizer == 2 * trained + 4 * len(a["state_dict"])  # AdamW's two moments and its steps
+    size = (tmp_path / "whole" / "checkpoints" / "last.ckpt").stat().st_size
+    base_bytes = (base / "model.safetensors").stat().st_size
+    assert size < trained + optimizer + 64 * 1024 and size < base_bytes / 2, (size, trained)
+
+    # export refills the frozen weights from the base, and refuses a base that changed since
+    ckpt = str(tmp_path / "whole" / "checkpoints" / "last.ckpt")
+    export_cmd(ckpt, str(tmp_path / "out"))
+    weights = load_file(base / "model.safetensors")
+    weights["model.norm.weight"] = weights["model.norm.weight"] + 1
+    save_file(weights, base / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError) as refused:
+        export_cmd(ckpt, str(tmp_path / "out2"))
+    assert (
+        f"the checkpoint holds only the weights its LoRA run trained; the frozen ones come from "
+        f"its base model {str(base)!r}, whose model.safetensors is not the one it was trained on"
+        in str(refused.value)
+    ) and "Put back the base model it was trained from" in str(refused.value)
+    assert not (tmp_path / "out2").exists()

@@ -1,5 +1,5 @@
-"""`tidar-convert fit | validate | check | export | generate | bench | bench-serve | eval-ppl |
-quality | sweep | distill`.
+"""`tidar-convert fit | validate | check | export | merge | generate | bench | bench-serve |
+eval-ppl | quality | sweep | distill`.
 
 fit/validate are LightningCLI (train.py: every key of a recipe is a flag: --model.draft_length 8,
 --trainer.max_steps 20, --ckpt_path last); the others are typed functions whose signatures are
@@ -66,8 +66,11 @@ def export_cmd(
     adapter_energy: float | None = None,
     adapter_layers: float | None = None,
     model: str | None = None,
+    dtype: str | None = None,
 ) -> str:
     """Export a Lightning checkpoint (e.g. runs/.../checkpoints/last.ckpt) as a TiDAR HF folder.
+
+    A LoRA run (lora_scope='all') also gets a PEFT adapter folder, OUT/adapter (README: "Export").
 
     Args:
         checkpoint: .ckpt written by `tidar-convert fit`: a file, or the folder a sharded strategy
@@ -84,10 +87,15 @@ def export_cmd(
         model: the base model the checkpoint was trained from, where the one it records no longer
             resolves (a folder since moved, or a relative path recorded by an older version); none:
             the one it records.
+        dtype: the weights' dtype: float32, bfloat16 or float16; none: the base model's (its
+            config's dtype; float32 where it names none).
     """
     import torch
 
+    from tidar_convert.exports.folder import check_dtype, export_dtype
     from tidar_convert.models.lora import check_adapter_options, check_energy, check_layers
+
+    check_dtype(dtype)
 
     if adapter_energy is not None:
         check_energy(adapter_energy)
@@ -157,8 +165,35 @@ def export_cmd(
         card=card,
         adapter_energy=adapter_energy,
         adapter_layers=adapter_layers,
+        dtype=export_dtype(dtype, m.config),
     )
     print(f"exported TiDAR model to {path}", file=sys.stderr)
+    return str(path)
+
+
+def merge_cmd(
+    adapter: str,
+    out: str,
+    model: str | None = None,
+    overwrite: bool = False,
+    dtype: str | None = None,
+) -> str:
+    """Merge a PEFT adapter folder that `export` wrote (OUT/adapter) into its base model: a full
+    TiDAR export folder, as `export` writes it.
+
+    Args:
+        adapter: the adapter folder (adapter_config.json, adapter_model.safetensors, tidar.json).
+        out: folder to write: new, empty, or an earlier export (with --overwrite). Any other
+            existing folder or file is refused, and nothing is deleted.
+        model: the base model; none: the one adapter_config.json names (base_model_name_or_path).
+        overwrite: replace an earlier export at `out` (only that: never other files).
+        dtype: the weights' dtype: float32, bfloat16 or float16; none: the base model's.
+    """
+    from tidar_convert.exports.folder import check_dtype, merge_adapter
+
+    check_dtype(dtype)
+    path = merge_adapter(adapter, out, model, overwrite=overwrite, dtype=dtype)
+    print(f"merged {adapter} into the TiDAR model {path}", file=sys.stderr)
     return str(path)
 
 
@@ -533,6 +568,7 @@ def _unix_flags(args: list[str], functions) -> list[str]:
 COMMANDS = {
     "check": ("tidar_convert.cli", "check_cmd"),
     "export": ("tidar_convert.cli", "export_cmd"),
+    "merge": ("tidar_convert.cli", "merge_cmd"),
     "generate": ("tidar_convert.cli", "generate_cmd"),
     "bench": ("tidar_convert.bench.cli", "bench_cmd"),
     "bench-serve": ("tidar_convert.bench.serve", "bench_serve_cmd"),

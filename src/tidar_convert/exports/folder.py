@@ -68,6 +68,7 @@ def export(
     card: dict | None = None,
     adapter_energy: float | None = None,
     adapter_layers: float | None = None,
+    dtype=None,
 ) -> Path:
     """Save weights (safetensors), tokenizer and config with the TiDAR spec (`spec`, else the one
     TiDARModule wrote on model.config; its mask token is the tokenizer's), the decode code, a
@@ -83,16 +84,24 @@ def export(
     (marker.check_export_target). The folder is written under a temporary name and swapped in whole
     (outputs.atomic_dir), so an interrupted export leaves the earlier one, never a half-written
     folder; a full disk is disk.DiskFull, naming the folder and the space needed. `card`: facts for
-    the model card (base_model, recipe, steps, data, ...; see `model_card`).
+    the model card (base_model, recipe, steps, data, ...; see `model_card`). `dtype`: the weights'
+    torch dtype (None: as the model holds them), cast after merging.
+
+    A model with LoRA on every row (lora_scope='all') is also written as a PEFT adapter in
+    `adapter/` (lora.PEFT_FOLDER, with the tokenizer): LoRA on the base named in the card, plus the
+    rows of the TiDAR tokens (lora.token_rows), for `PeftModel.from_pretrained`.
     """
     from tidar_convert.models.lora import (
         ADAPTER_ENERGY,
         ADAPTER_LAYERS,
+        PEFT_FOLDER,
+        adapter_token_rows,
         check_adapter_options,
         check_energy,
         check_layers,
         is_mask_scoped,
         lora_layers,
+        peft_adapter,
         split_mask_adapter,
     )
 
@@ -108,12 +117,21 @@ def export(
             "export a model that TiDARModule built."
         )
     out = check_export_target(out, overwrite)
-    deltas, adapted = None, 0
+    deltas, adapted, peft = None, 0, None
+    # bench and quality compare against the base model by default
+    base = base_source(card["base_model"]) if card and "base_model" in card else spec.base_model
     if is_mask_scoped(model):
         adapted = sum(1 for _ in lora_layers(model))  # before merge_and_unload removes them
         deltas = split_mask_adapter(model, energy, layers)
+    elif hasattr(model, "peft_config"):
+        peft = peft_adapter(model, tokenizer, peft_base(base, model))
     if hasattr(model, "merge_and_unload"):
         model = model.merge_and_unload()
+    if dtype is not None:
+        model = model.to(dtype)
+    if peft is not None:
+        rows = adapter_token_rows(model, peft[0].trainable_token_indices)
+        peft = peft[0], {k: v.to(model.dtype) for k, v in {**peft[1], **rows}.items()}
     adapter_fields = None
     if deltas:
         ranks = [t.shape[0] for name, t in deltas.items() if name.endswith(".lora_A")]
@@ -124,8 +142,6 @@ def export(
             "ranks": [min(ranks), max(ranks)],
             "layers": [len(ranks), adapted],
         }
-    # bench and quality compare against the base model by default
-    base = base_source(card["base_model"]) if card and "base_model" in card else spec.base_model
     spec = dataclasses.replace(
         spec, mask_token_id=tokenizer.mask_token_id, adapter=adapter_fields, base_model=base
     )
@@ -137,9 +153,8 @@ def export(
         model.generation_config._from_model_config = False
     state = model.state_dict()
     # safetensors writes each tensor's bytes and a JSON header entry of about 100 bytes
-    weights = (
-        tensor_bytes(state) + tensor_bytes(deltas or {}) + 128 * (len(state) + len(deltas or {}))
-    )
+    extra = {**(deltas or {}), **(peft[1] if peft else {})}
+    weights = tensor_bytes(state) + tensor_bytes(extra) + 128 * (len(state) + len(extra))
     small = {"bytes": 1 << 20}  # tokenizer, code and card: measured once written (a guess before)
     try:
         with atomic_dir(out) as tmp:
@@ -157,6 +172,8 @@ def export(
                 from safetensors.torch import save_file
 
                 save_file(deltas, tmp / adapter.ADAPTER_FILE)
+            if peft is not None:
+                write_peft_adapter(tmp / PEFT_FOLDER, *peft, tokenizer, spec)
             write_marker(tmp)
             # nothing new appeared at out while we were writing
             check_export_target(out, overwrite, cleanup=False)
@@ -168,6 +185,139 @@ def export(
             ) from e
         raise
     return out
+
+
+# What an export's weights may be stored as (`export --dtype`).
+DTYPES = ("float32", "bfloat16", "float16")
+# Beside the PEFT adapter: the TiDAR fields of the export's config.json (TiDARSpec.write), which
+# `merge` and a PeftModel decoding with TiDAR need (adapter_config.json is PEFT's own).
+TIDAR_FIELDS = "tidar.json"
+
+
+def check_dtype(dtype: str | None) -> None:
+    if dtype is not None and dtype not in DTYPES:
+        raise ValueError(
+            f"--dtype {dtype!r}: choose {', '.join(DTYPES)}, or leave it out for the base model's "
+            "(float32 where its config names none)."
+        )
+
+
+def export_dtype(dtype: str | None, config):
+    """The torch dtype to export in: `dtype`, else the base's (its config's `dtype`, formerly
+    `torch_dtype`), else float32. A bf16 base trained in fp32 exports bf16: the size it came in."""
+    import torch
+
+    check_dtype(dtype)
+    if dtype is None:
+        saved = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+        name = str(saved).removeprefix("torch.") if saved is not None else "float32"
+        dtype = name if name in DTYPES else "float32"
+    return getattr(torch, dtype)
+
+
+def peft_base(base: str | None, model) -> str:
+    """What a PEFT adapter names as its base: a hub id or folder that from_pretrained takes (the
+    embedded default's folder, not "embedded")."""
+    if base in (None, "", "default", "embedded"):
+        from tidar_convert.models.loading import embedded_default
+
+        return (
+            str(embedded_default())
+            if base
+            else model.peft_config["default"].base_model_name_or_path
+        )
+    return base
+
+
+def write_peft_adapter(folder: Path, config, tensors: dict, tokenizer, spec: TiDARSpec) -> None:
+    """adapter_config.json and adapter_model.safetensors as PEFT's save_pretrained names them, the
+    tokenizer with the TiDAR tokens (the base's embeddings are resized to it before loading), and
+    the TiDAR fields (TIDAR_FIELDS)."""
+    import types
+
+    from safetensors.torch import save_file
+
+    fields = types.SimpleNamespace()
+    spec.write(fields)
+
+    folder.mkdir()
+    config.save_pretrained(folder)
+    save_file(
+        {k: v.contiguous() for k, v in tensors.items()},
+        folder / "adapter_model.safetensors",
+        metadata={"format": "pt"},
+    )
+    tokenizer.save_pretrained(folder)
+    (folder / TIDAR_FIELDS).write_text(json.dumps(vars(fields), indent=1) + "\n")
+
+
+def merge_adapter(
+    adapter: str | os.PathLike,
+    out: str | os.PathLike,
+    model: str | None = None,
+    *,
+    overwrite: bool = False,
+    dtype: str | None = None,
+) -> Path:
+    """A PEFT adapter folder that `export` wrote, loaded on its base (`model`, else the one its
+    adapter_config.json names) with stock PEFT and exported: the folder `export` writes, adapter
+    folder included. Bad input is refused, by name, before anything is written."""
+    from peft import PeftConfig, PeftModel
+
+    from tidar_convert.models.loading import load_base, load_tokenizer, read_config
+
+    check_dtype(dtype)
+    folder = Path(adapter)
+    fix = (
+        "pass the adapter folder of an export of a LoRA run (OUT/adapter, written by "
+        "`tidar-convert export` for lora_scope='all')"
+    )
+    if not folder.is_dir():
+        raise FileNotFoundError(f"--adapter {str(adapter)!r} is not a folder; {fix}.")
+    needed = ("adapter_config.json", "adapter_model.safetensors", TIDAR_FIELDS)
+    missing = [name for name in needed if not (folder / name).is_file()]
+    if missing:
+        raise FileNotFoundError(f"--adapter {str(adapter)!r} lacks {', '.join(missing)}; {fix}.")
+    try:
+        spec = TiDARSpec.from_config(json.loads((folder / TIDAR_FIELDS).read_text()))
+    except (ValueError, TypeError) as e:
+        spec, why = None, f" ({e})"
+    else:
+        why = ""
+    if spec is None or spec.mask_token_id is None:
+        raise ValueError(
+            f"{str(folder / TIDAR_FIELDS)!r} holds no TiDAR fields{why}; copy the adapter folder "
+            "whole again, or export again."
+        )
+    out = check_export_target(out, overwrite)  # before any weight is read
+    named = PeftConfig.from_pretrained(folder).base_model_name_or_path
+    base = model or named
+    hf_model, tokenizer = load_base(base)
+    theirs = load_tokenizer(str(folder))
+    if len(theirs) != len(tokenizer) or tokenizer.mask_token_id != spec.mask_token_id:
+        raise ValueError(
+            f"--adapter {str(adapter)!r} was made on a base with {len(theirs)} tokens (mask token "
+            f"{spec.mask_token_id}), and {base!r} has {len(tokenizer)} (mask token "
+            f"{tokenizer.mask_token_id}): not its base; pass --model with the base it was "
+            f"trained on ({named!r})."
+        )
+    try:
+        peft_model = PeftModel.from_pretrained(hf_model, folder)
+    except (RuntimeError, ValueError, KeyError) as e:
+        raise ValueError(
+            f"--adapter {str(adapter)!r} does not fit the base {base!r} "
+            f"({str(e).strip().splitlines()[0][:200]}); pass --model with the base it was trained "
+            f"on ({named!r})."
+        ) from None
+    return export(
+        peft_model,
+        tokenizer,
+        out,
+        spec,
+        overwrite=overwrite,
+        card={"base_model": base},
+        dtype=export_dtype(dtype, read_config(base)),
+    )
 
 
 def check_export(path: str | os.PathLike) -> dict:

@@ -215,7 +215,55 @@ def split_mask_adapter(
     return strongest(tensors, weights, layers)
 
 
+# The folder PEFT's own save_pretrained writes, inside an export of a LoRA run (lora_scope='all'):
+# PeftModel.from_pretrained(base, "<export>/adapter") takes it.
+PEFT_FOLDER = "adapter"
+
+
+def token_rows(model, tokenizer) -> dict[str, list[int]]:
+    """The embedding rows a PEFT adapter of a conversion must carry, by module name (PEFT's
+    trainable_token_indices): the mask and pad tokens'. load_base adds them (mean-resized, the mask
+    row then trained under lora_scope='all'); a base resized by its user has other values there.
+    An untied head's rows too: they were added the same way."""
+    rows = sorted({tokenizer.mask_token_id, tokenizer.pad_token_id} - {None})
+    names = {id(m): n.rsplit(".", 1)[-1] for n, m in model.named_modules()}
+    out = {names[id(model.get_input_embeddings())]: rows}
+    head = model.get_output_embeddings()
+    if head is not None and not getattr(model.config, "tie_word_embeddings", False):
+        out[names[id(head)]] = rows
+    return out
+
+
+def peft_adapter(model, tokenizer, base: str):
+    """(LoraConfig, LoRA tensors) of a PEFT model trained under lora_scope='all', as PEFT saves
+    them, read before merging. Its config names `base` and the token rows (token_rows) instead of
+    the mask row alone; the rows' values come after merging (`adapter_token_rows`)."""
+    import copy
+
+    from peft import get_peft_model_state_dict
+
+    config = copy.deepcopy(model.peft_config[ADAPTER])
+    config.base_model_name_or_path = base
+    config.inference_mode = True
+    inner = model.get_base_model()
+    config.trainable_token_indices = token_rows(inner, tokenizer)
+    state = get_peft_model_state_dict(model, save_embedding_layers=False)
+    return config, {k: v for k, v in state.items() if "token_adapter" not in k}
+
+
+def adapter_token_rows(merged, rows: dict[str, list[int]]) -> dict[str, torch.Tensor]:
+    """The merged model's values of the token rows, under PEFT's names for them."""
+    modules = {n.rsplit(".", 1)[-1]: n for n, _ in merged.named_modules() if n}
+    out = {}
+    for short, ids in rows.items():
+        name = modules[short]
+        weight = merged.get_submodule(name).weight.detach()
+        out[f"base_model.model.{name}.token_adapter.trainable_tokens_delta"] = weight[ids].clone()
+    return out
+
+
 __all__ = [
+    "PEFT_FOLDER",
     "ADAPTER_ENERGY",
     "ADAPTER_FILE",
     "ADAPTER_LAYERS",
@@ -226,8 +274,11 @@ __all__ = [
     "check_layers",
     "check_scope",
     "compress",
+    "adapter_token_rows",
     "gate_to_masks",
     "is_mask_scoped",
+    "peft_adapter",
     "split_mask_adapter",
     "strongest",
+    "token_rows",
 ]

@@ -146,3 +146,45 @@ def _safetensors_problem(path: Path) -> str | None:
     if size > 8 + n + end:
         return f"{size} bytes where its header describes {8 + n + end}"
     return None
+
+
+def weights_fingerprint(source: str) -> dict[str, str]:
+    """{file name: sha256} of the weight files a model loads from (a folder's *.safetensors and
+    *.bin, or a .gguf file): what a LoRA checkpoint, which keeps none of the frozen weights, records
+    of the base that refills them. A file in the Hugging Face cache is a link to a blob named by
+    its sha256, which is read from the name instead of hashing gigabytes. A hub id is looked up in
+    that cache (loading the model put it there); {} where it is not found."""
+    path = Path(source).expanduser()
+    if not path.exists():
+        try:
+            from huggingface_hub import snapshot_download
+
+            path = Path(snapshot_download(source, local_files_only=True))
+        except Exception:  # not a hub id, or not cached
+            return {}
+    files = (
+        [path]
+        if path.is_file()
+        else sorted([*path.glob("*.safetensors"), *path.glob("*.bin")], key=lambda f: f.name)
+    )
+    return {f.name: _sha256(f.resolve()) for f in files}
+
+
+_HASHES: dict[tuple, str] = {}
+
+
+def _sha256(file: Path) -> str:
+    import hashlib
+    import re
+
+    if re.fullmatch(r"[0-9a-f]{64}", file.name) and file.parent.name == "blobs":
+        return file.name
+    stat = file.stat()
+    key = (str(file), stat.st_size, stat.st_mtime_ns)  # hashed once a process, while unchanged
+    if key not in _HASHES:
+        digest = hashlib.sha256()
+        with open(file, "rb") as f:
+            while chunk := f.read(1 << 24):
+                digest.update(chunk)
+        _HASHES[key] = digest.hexdigest()
+    return _HASHES[key]

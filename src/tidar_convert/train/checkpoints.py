@@ -120,3 +120,60 @@ class FinalCheckpoint(Callback):
             if isinstance(cb, ModelCheckpoint) and cb.save_last and cb.dirpath:
                 if cb._last_global_step_saved != trainer.global_step and trainer.global_step > 0:
                     cb._save_last_checkpoint(trainer, cb._monitor_candidates(trainer))
+
+
+# --------------------------------------------------------------------------------------------
+# A LoRA run's checkpoints keep what it trains (adapters, the mask token's row) and the optimizer:
+# the frozen base is most of the bytes (all but a few % at rank 64), and loading the base model
+# gives it back bit for bit (load_base is seeded where it adds rows). TiDARModule's state_dict
+# leaves it out and its load_state_dict puts the module's own frozen tensors back, so single-file
+# and sharded checkpoints, resume and export all go through the one pair.
+# --------------------------------------------------------------------------------------------
+
+FROZEN_BASE = "frozen_base"  # the checkpoint's record of the base's weight files
+
+
+def frozen_names(module: torch.nn.Module) -> set[str]:
+    """State-dict keys of the parameters that do not train, tied aliases included."""
+    return {n for n, p in module.named_parameters(remove_duplicate=False) if not p.requires_grad}
+
+
+def trained_only(module: torch.nn.Module, state: dict) -> dict:
+    frozen = frozen_names(module)
+    return type(state)((k, v) for k, v in state.items() if k not in frozen)
+
+
+def with_frozen(module: torch.nn.Module, state: dict, full: dict) -> dict:
+    """`state` with the frozen tensors it lacks taken from `full` (the module's own state): a
+    trained weight missing from it is still refused by the strict load."""
+    frozen = frozen_names(module)
+    return {**{k: v for k, v in full.items() if k in frozen and k not in state}, **state}
+
+
+def base_fingerprint(model: str | None) -> dict[str, str]:
+    from tidar_convert.models.loading import embedded_default
+    from tidar_convert.models.model_files import weights_fingerprint
+
+    default = model in (None, "", "default", "embedded")
+    return weights_fingerprint(str(embedded_default()) if default else model)
+
+
+def check_frozen_base(checkpoint: dict, model: str | None, where: str) -> None:
+    """Refuse a checkpoint without its frozen weights whose base model's weight files are not the
+    ones it was trained on: the adapters would load onto other weights without a word."""
+    saved = checkpoint.get(FROZEN_BASE)
+    if not saved:
+        return  # a full checkpoint, or its base could not be fingerprinted
+    ours = base_fingerprint(model)
+    if not ours:
+        return
+    changed = sorted(n for n in saved.keys() | ours.keys() if saved.get(n) != ours.get(n))
+    if changed:
+        name = changed[0]
+        was, now = saved.get(name, "absent"), ours.get(name, "absent")
+        raise ValueError(
+            f"{where} holds only the weights its LoRA run trained; the frozen ones come from its "
+            f"base model {model or 'default'!r}, whose {name} is not the one it was trained on "
+            f"(sha256 {was[:12]}, now {now[:12]}). Put back the base model it was trained from at "
+            "that path, or name a folder that holds it (export: --model DIR)."
+        )

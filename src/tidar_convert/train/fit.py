@@ -278,7 +278,7 @@ class TiDARCLI(LightningCLI):
             # sharded: every rank takes part in gathering it onto rank 0
             model = m.unsharded_model()
             if trainer.is_global_zero:
-                from tidar_convert.exports.folder import export
+                from tidar_convert.exports.folder import export, export_dtype
 
                 card = training_card(m.hparams, trainer.global_step, Path(trainer.default_root_dir))
                 path = export(
@@ -288,6 +288,7 @@ class TiDARCLI(LightningCLI):
                     m.spec,
                     overwrite=bool(cfg.get("overwrite")),
                     card=card,
+                    dtype=export_dtype(None, m.config),  # the base's, as `export` does
                 )
                 print(f"exported TiDAR model to {path}", file=sys.stderr)
 

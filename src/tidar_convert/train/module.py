@@ -12,6 +12,13 @@ from transformers import get_cosine_with_min_lr_schedule_with_warmup
 from tidar_convert.models.lora import add_lora, check_scope
 from tidar_convert.runtime import layout, recurrent
 from tidar_convert.runtime.spec import TiDARSpec
+from tidar_convert.train.checkpoints import (
+    FROZEN_BASE,
+    base_fingerprint,
+    check_frozen_base,
+    trained_only,
+    with_frozen,
+)
 from tidar_convert.train.loss import check_distill, check_offset_weights, hybrid_loss
 
 OptimizerCallable = Callable[[Iterable], torch.optim.Optimizer]
@@ -291,9 +298,26 @@ class TiDARModule(L.LightningModule):
 
                     corpus_for_data(self.trainer, dm)
 
+    @property
+    def slim_checkpoints(self) -> bool:
+        """LoRA: checkpoints keep the trained weights only (train/checkpoints.py)."""
+        return self.hparams.lora_r > 0
+
+    def state_dict(self, *args, **kwargs):
+        state = super().state_dict(*args, **kwargs)
+        return trained_only(self, state) if self.slim_checkpoints else state
+
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        if self.slim_checkpoints:
+            state_dict = with_frozen(self, state_dict, super().state_dict())
+        return super().load_state_dict(state_dict, strict=strict, assign=assign)
+
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         """Record the W&B run this training logs to: a resume continues it
-        (fit.continue_wandb_run)."""
+        (fit.continue_wandb_run); and, for LoRA, the base's weight files, which refill the frozen
+        weights at load."""
+        if self.slim_checkpoints:
+            checkpoint[FROZEN_BASE] = base_fingerprint(self.hparams.model)
         for logger in self.trainer.loggers if self._trainer is not None else ():
             if type(logger).__name__ == "WandbLogger" and logger.version is not None:
                 checkpoint["wandb_run_id"] = logger.version
@@ -302,6 +326,12 @@ class TiDARModule(L.LightningModule):
         """Refuse, before its weights are read, a checkpoint whose parameters this module does not
         have: LoRA where it was a full fine-tune (or the other way round), another rank or scope (a
         key or shape mismatch deep in torch)."""
+        where = getattr(self._trainer, "ckpt_path", None) if self._trainer is not None else None
+        check_frozen_base(
+            checkpoint,
+            self.hparams.model,
+            f"checkpoint {str(where)!r}" if where else "the checkpoint",
+        )
         saved = checkpoint.get("hyper_parameters") or {}
         ours = {"lora_r": self.hparams.lora_r, "lora_scope": self.hparams.get("lora_scope", "all")}
         theirs = {
@@ -312,7 +342,6 @@ class TiDARModule(L.LightningModule):
         if ours["lora_r"] == theirs["lora_r"] == 0 or ours == theirs:
             apply_optimizer_settings(checkpoint, self.optimizer_factory)
             return
-        where = getattr(self._trainer, "ckpt_path", None) if self._trainer is not None else None
 
         def kind(s):
             return (
