@@ -293,7 +293,14 @@ def test_the_lightning_module_trains_the_layout_checkpointed_or_not(tmp_path):
         torch.testing.assert_close(grads[1][name], grads[0][name], atol=1e-5, rtol=1e-4, msg=name)
 
 
-GATED_DELTA_STEP = [f for f in KINDS if f in ("qwen3_5_text", "qwen3_5_moe_text", "lara_mini")]
+# the families whose every mixer takes the one-pass gated delta step (and trees)
+GATED_DELTA_STEP = ["qwen3_5_text", "qwen3_5_moe_text", "lara_mini", "qwen3_next"]
+
+
+def test_the_one_pass_families_are_those_whose_mixers_it_reads(models):
+    assert [f for f in KINDS if recurrent.trees_supported(recurrent.mixers(models[f]))] == [
+        f for f in KINDS if f in GATED_DELTA_STEP
+    ]
 
 
 @pytest.mark.parametrize("family", GATED_DELTA_STEP)

@@ -20,7 +20,7 @@ short convolutions, Kimi's delta attention) does, so one wrapper serves them all
   one's state, on a cache of its own (`Seeded`) that keeps the autograd graph.
 - groups: one call on all groups at once, a batch of short sequences seeded with their anchors'
   states and convolution windows.
-- a gated delta net built like Qwen3.5's takes a decode step in one pass instead
+- a gated delta net built like Qwen3.5's or Qwen3-Next's takes a decode step in one pass instead
   (`gated_delta_step`): the same arithmetic without the groups' second mixer call.
 
 Shipped in every export: imports nothing but torch and transformers.
@@ -485,7 +485,13 @@ def new_cache(config):
 # A decode step of Qwen3.5's gated delta net in one pass (its layout, not a second mixer call).
 # --------------------------------------------------------------------------------------------
 
-GATED_DELTA = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "conv1d", "A_log", "dt_bias")
+# A gated delta net's projections, either separate (Qwen3.5) or fused in two (Qwen3-Next, split by
+# its own fix_query_key_value_ordering); then one depthwise convolution, A_log and dt_bias.
+GATED_DELTA_PROJECTIONS = (
+    ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a"),
+    ("in_proj_qkvz", "in_proj_ba", "fix_query_key_value_ordering"),
+)
+GATED_DELTA = ("conv1d", "A_log", "dt_bias", "norm", "out_proj")
 
 
 def trees_supported(found: list) -> bool:
@@ -496,11 +502,26 @@ def trees_supported(found: list) -> bool:
 
 
 def is_gated_delta(mixer) -> bool:
-    """Qwen3.5's gated delta net (and the mixers built like it): separate q/k/v, z, b and a
-    projections, one depthwise convolution, a gated RMS norm, SiLU."""
-    return all(hasattr(mixer, name) for name in GATED_DELTA) and (
-        getattr(mixer, "activation", None) == "silu"
+    """A gated delta net built like Qwen3.5's or Qwen3-Next's: q/k/v, z, b and a projections
+    (GATED_DELTA_PROJECTIONS), one depthwise convolution, a gated RMS norm, SiLU."""
+    return (
+        any(all(hasattr(mixer, n) for n in names) for names in GATED_DELTA_PROJECTIONS)
+        and all(hasattr(mixer, name) for name in GATED_DELTA)
+        and getattr(mixer, "activation", None) == "silu"
     )
+
+
+def _gated_delta_projections(mixer, x: torch.Tensor) -> tuple:
+    """(q|k|v before the convolution (B, Q, C), z (B, Q, H, dv), b (B, Q, H), a (B, Q, H)), as the
+    mixer's own forward computes them."""
+    B, Q, _ = x.shape
+    if hasattr(mixer, "in_proj_qkv"):
+        z = mixer.in_proj_z(x).reshape(B, Q, -1, mixer.head_v_dim)
+        return mixer.in_proj_qkv(x), z, mixer.in_proj_b(x), mixer.in_proj_a(x)
+    q, k, v, z, b, a = mixer.fix_query_key_value_ordering(
+        mixer.in_proj_qkvz(x), mixer.in_proj_ba(x)
+    )
+    return torch.cat([t.reshape(B, Q, -1) for t in (q, k, v)], -1), z, b, a
 
 
 def _delta_rule(state, q, k, v, beta, g, out) -> list[torch.Tensor]:
@@ -604,10 +625,9 @@ def gated_delta_step(mixer, hidden_states, layer, seg: Segments) -> torch.Tensor
     dk, dv = mixer.head_k_dim, mixer.head_v_dim
     x = hidden_states
     start_recording(layer, T)
-    mixed = mixer.in_proj_qkv(x)  # (B, Q, C)
-    z = mixer.in_proj_z(x).reshape(B, Q, -1, dv)
-    beta = mixer.in_proj_b(x).sigmoid()
-    g = -mixer.A_log.float().exp() * F.softplus(mixer.in_proj_a(x).float() + mixer.dt_bias)
+    mixed, z, b, a = _gated_delta_projections(mixer, x)  # mixed: (B, Q, C)
+    beta = b.sigmoid()
+    g = -mixer.A_log.float().exp() * F.softplus(a.float() + mixer.dt_bias)
 
     # the convolution, over [cached window | this step's inputs] laid out time-major, so that
     # gathering each slot's window of K inputs copies whole rows of channels
