@@ -11,14 +11,16 @@ Sources (`TiDARData(source=...)`):
     folders such as .git or .venv are skipped), or a single such file, cut into documents of about
     PROSE_DOC_CHARS characters at blank lines, its text kept verbatim (`split_text`; whole, one file
     would go all to training or all to validation);
-  - a local .jsonl / .json or .parquet file, or a folder of them (one document per row, text in
-    `text_field`);
+  - a local .jsonl / .json, .parquet, .csv / .tsv or .arrow file, a folder of them, or a pattern
+    of files ("data/*.jsonl": one source) (one document per row, text in `text_field`; a field of
+    chat messages is rendered with the tokenizer's chat template);
   - a hub dataset name, e.g. "HuggingFaceFW/fineweb-edu" (with `name`/`split`), streamed.
   Several sources mix by listing them: `source: [stdlib, data/prose.jsonl]` (documents interleave).
   A source that looks like a path (a leading . / ~, a data file suffix, more than one /) and does
   not exist is refused, never looked up on the hub; `check_sources` checks a list before any work.
 
-Documents are streamed and tokenized on the fly, so a 20-step run reads 20 steps of data. One
+Documents are streamed and tokenized on the fly, so a 20-step run reads 20 steps of data; each
+rank x DataLoader worker reads only its own share of every source, and a resume seeks. One
 document in about every `val_every` goes to validation, chosen by a hash of its text
 (`is_validation`): never to training, whatever the mix or the number of ranks and workers.
 """
