@@ -256,14 +256,14 @@ def test_a_hub_stream_is_split_by_shard_and_resumes_from_its_state(tmp_path, mon
         files.append(str(path))
     opened, real = [], datasets.load_dataset
 
-    def load_dataset(source, name=None, split="train", streaming=False):
-        opened.append(source)
+    def load_dataset(source, name=None, split="train", streaming=False, data_files=None):
+        opened.append((source, data_files))
         return real("json", data_files=files, split=split, streaming=True)
 
     monkeypatch.setattr(datasets, "load_dataset", load_dataset)
     monkeypatch.setattr(sources, "_check_hub_dataset", lambda source: None)
     parts = [list(SourceReader("owner/data", share=Share(r, 2))) for r in range(2)]
-    assert opened == ["owner/data"] * 2
+    assert opened == [("owner/data", None)] * 2
     # by shard: reader 0 streams shards 0 and 2, reader 1 shards 1 and 3
     assert {d.split()[0] for d in parts[0]} == {"s0", "s2"}
     assert sorted(parts[0] + parts[1]) == sorted(
@@ -274,3 +274,92 @@ def test_a_hub_stream_is_split_by_shard_and_resumes_from_its_state(tmp_path, mon
     head = [next(docs) for _ in range(8)]
     resumed = list(SourceReader("owner/data", share=Share(1, 2), start=reader.position))
     assert head + resumed == parts[1]
+
+
+def test_data_files_select_a_hub_datasets_files_and_nothing_else(tokenizer, tmp_path, monkeypatch):
+    import datasets
+
+    from tidar_convert.data import TiDARData, sources
+
+    given = []
+
+    def load_dataset(source, name=None, split="train", streaming=False, **kw):
+        given.append(kw)
+        return datasets.Dataset.from_dict({"text": ["a hub row"]}).to_iterable_dataset()
+
+    monkeypatch.setattr(datasets, "load_dataset", load_dataset)
+    monkeypatch.setattr(sources, "_check_hub_dataset", lambda source: None)
+    dm = TiDARData(source="owner/data", data_files="sample/10BT/*.parquet", val_every=10**9)
+    dm.tokenizer = tokenizer
+    assert list(dm._dataset("train").documents()) == ["a hub row"]
+    assert given == [{"data_files": "sample/10BT/*.parquet"}]
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text(json.dumps({"text": "local"}) + "\n")
+    with pytest.raises(ValueError, match="selects files of a hub dataset.*'data/\\*.jsonl'"):
+        check_sources([str(rows)], data_files="x/*.parquet")
+    with pytest.raises(ValueError, match="data_files.*with --data.greedy_docs 5"):
+        TiDARData(source="owner/data", data_files="a.parquet", greedy_docs=5)
+
+
+def _two_ranks(rank: int, port: int, path: str, out: str) -> None:
+    """One of two gloo processes: consume 5 batches, save (a collective), resume from the saved
+    state; write what it saw."""
+    import torch.distributed as dist
+    from helpers import tiny_tokenizer
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    tokenizer = tiny_tokenizer()
+
+    def loader():
+        ds = PackedDocuments(
+            tokenizer, [path], 8, "train", 10, "text", None, "train", 0, rank, 2, 4
+        )
+        return ResumableLoader(ds, batch_size=2)
+
+    whole = loader()
+    batches = [whole.count(b)["input_ids"] for b in whole]
+    whole = loader()
+    for _, b in zip(range(5), whole):
+        whole.count(b)
+    state = whole.state_dict()
+    resumed = loader()
+    resumed.load_state_dict(state)
+    rest = [resumed.count(b)["input_ids"] for b in resumed]
+    torch.save({"state": state, "rest": rest, "batches": batches}, f"{out}/rank{rank}.pt")
+    dist.destroy_process_group()
+
+
+@pytest.mark.subprocess
+def test_every_rank_resumes_from_its_own_position(tmp_path):
+    """2 gloo processes: the checkpoint's position holds both ranks' positions (gathered when it is
+    saved), and each rank resumes from its own, exactly where it stopped."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    rows = tmp_path / "docs.jsonl"
+    rows.write_text("".join(json.dumps({"text": f"doc {i} " * 3}) + "\n" for i in range(300)))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(_two_ranks, args=(port, str(rows), str(tmp_path)), nprocs=2)
+    seen = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
+    for rank, got in enumerate(seen):
+        positions = got["state"]["positions"]
+        assert len(positions) == 2 and positions[rank][0] is not None
+        assert positions == seen[1 - rank]["state"]["positions"]  # the same checkpoint on both
+        assert all(torch.equal(a, b) for a, b in zip(got["rest"], got["batches"][5:], strict=True))
+    assert not torch.equal(seen[0]["batches"][0], seen[1]["batches"][0])  # their own shares
+
+
+def test_a_reader_without_a_chunk_says_it_read_its_share(tokenizer, tmp_path, monkeypatch):
+    rows = tmp_path / "few.jsonl"
+    rows.write_text("".join(json.dumps({"text": f"d{i}"}) + "\n" for i in range(3)))
+    monkeypatch.setattr(stream, "shard", lambda: (1, 2))
+    ds = PackedDocuments(tokenizer, [str(rows)], 64, "train", 10**9, "text", None, "train", 0)
+    with pytest.raises(ValueError) as e:
+        list(ds._chunks(1, 0))
+    assert "of this reader's 1 document, 1 (2 characters) went to training" in str(e.value)
+    assert "each about 1/2 of every source, and this one (rank 0, worker 1) got 1 document" in str(
+        e.value
+    )

@@ -32,6 +32,7 @@ def check_sources(
     name: str | None = None,
     split: str = "train",
     hub: bool = True,
+    data_files: str | list[str] | None = None,
 ) -> None:
     """Refuse, before any model loads, data that reading would refuse or misread later, each in one
     line naming the value or the file (and line) and the fix. Cheap checks only, reading bytes and
@@ -75,6 +76,12 @@ def check_sources(
             "hub rows, "
             f"and no data source has rows ({', '.join(map(str, sources))}: "
             "one document per text file); leave it out."
+        )
+    if not hub_ids and data_files is not None:
+        raise ValueError(
+            f"--data.data_files {data_files!r}: it selects files of a hub dataset, and no data "
+            f"source is one ({', '.join(map(str, sources))}); to select local files, give a "
+            "pattern as the source, e.g. --data.source 'data/*.jsonl'."
         )
     if not hub_ids and (name is not None or split != "train"):
         given = " ".join(

@@ -189,6 +189,7 @@ class SourceReader:
         start=None,
         render: Callable[[list], str] | None = None,
         max_docs: int | None = None,
+        data_files: str | list[str] | None = None,
     ):
         self.source, self.field, self.name, self.split, self.seed = (
             source,
@@ -198,6 +199,7 @@ class SourceReader:
             seed,
         )
         self.share, self.start, self.render, self.max_docs = Share(*share), start, render, max_docs
+        self.data_files = data_files
         self._position = start
 
     @property
@@ -281,7 +283,13 @@ class SourceReader:
     def _first(self, n: int) -> Iterator[str]:
         """This share of the source's first n documents (read whole: a greedy corpus)."""
         whole = SourceReader(
-            self.source, self.field, self.name, self.split, self.seed, render=self.render
+            self.source,
+            self.field,
+            self.name,
+            self.split,
+            self.seed,
+            render=self.render,
+            data_files=self.data_files,
         )
         docs = list(itertools.islice(whole, n))
         lo, hi = self.share.span(len(docs))
@@ -293,7 +301,9 @@ class SourceReader:
         from datasets import load_dataset
         from datasets.distributed import split_dataset_by_node
 
-        ds = load_dataset(self.source, self.name, split=self.split, streaming=True)
+        # data_files: only where given, so a loader that takes no such argument is never passed one
+        files = {} if self.data_files is None else {"data_files": self.data_files}
+        ds = load_dataset(self.source, self.name, split=self.split, streaming=True, **files)
         if self.share.count > 1:
             ds = split_dataset_by_node(ds, rank=self.share.index, world_size=self.share.count)
         if self.start is not None:
@@ -571,15 +581,6 @@ def _bad_rows(
         f"(the first, {where}, has {what}; its rows have: {have}); "
         f"give each row its text as a string in {field!r} (or remove those rows){other}."
     )
-
-
-def whole(stream, batch: int = 256) -> Iterator[dict]:
-    """Every row of a `datasets` stream, also inside a DataLoader worker. Iterated plainly, a stream
-    in a worker yields only that worker's file shards (none at all when it has fewer shards than
-    there are workers); PackedDocuments splits the documents between readers itself."""
-    for batch_rows in stream.iter(batch_size=batch):
-        for i in range(len(next(iter(batch_rows.values()), []))):
-            yield {k: v[i] for k, v in batch_rows.items()}
 
 
 # data files already reported as skipped: once per file, not per epoch or split

@@ -34,6 +34,7 @@ class PackedDocuments(IterableDataset):
     while all sources last; `max_docs` ({source: n}) reads only the first n documents of a source;
     the tokens of sources in `no_ar` are marked in each item's `no_ar_target` (bool per token): the
     AR loss does not train on them as targets (TiDARModule), only the diffusion loss does.
+    `data_files` selects the files of hub dataset sources, as in `datasets.load_dataset`.
     """
 
     def __init__(
@@ -54,6 +55,7 @@ class PackedDocuments(IterableDataset):
         weights: tuple[float, ...] | None = None,
         max_docs: dict[int, int] | None = None,
         no_ar: tuple[int, ...] = (),
+        data_files: str | list[str] | None = None,
     ):
         self.tokenizer, self.sources, self.seq_len, self.part = tokenizer, sources, seq_len, part
         self.val_every, self.text_field, self.name, self.split, self.seed = (
@@ -77,6 +79,7 @@ class PackedDocuments(IterableDataset):
                 f"({len(sources)}: {', '.join(sources)}), not all 0."
             )
         self.weights, self.max_docs, self.no_ar = weights, dict(max_docs or {}), set(no_ar)
+        self.data_files = data_files
         self.split_files = [j for j, s in enumerate(sources) if is_split_file(s)]
         # add "reader" (the reader index on this rank) to each item: ResumableLoader counts by it
         self.tag_reader = False
@@ -109,6 +112,8 @@ class PackedDocuments(IterableDataset):
         # each reader reads its own share of every file (SourceReader) and serves shuffle blocks:
         # a position saved by the reader that dealt documents one by one names other chunks
         key.append({"readers": "shares", "shuffle": "blocks"})
+        if self.data_files is not None:
+            key.append({"data_files": self.data_files})
         if self.split_files:  # cut into documents (split_text): a position saved before the cut, or
             # with other document sizes, counts other chunks
             key.append({"text files cut into documents": self.split_files, "of": PROSE_DOC_CHARS})
@@ -153,6 +158,7 @@ class PackedDocuments(IterableDataset):
                 start=positions.get(j),
                 render=render,
                 max_docs=self.max_docs.get(j),
+                data_files=None if j in self.train_only else self.data_files,
             )
             for j, s in enumerate(self.sources)
             if j not in start.get("done", ())
@@ -280,9 +286,9 @@ class PackedDocuments(IterableDataset):
         made = f"the {part} documents make {_n(tokens, 'token')}"
         if readers > 1:
             made = (
-                f"{readers} readers (ranks x DataLoader workers) share the {part} documents, one "
-                f"in {readers} each, and this one (rank {self.rank}, worker {worker}) got "
-                f"{_n(docs, 'document')} ({_n(tokens, 'token')})"
+                f"{readers} readers (ranks x DataLoader workers) share the data, each about "
+                f"1/{readers} of every source, and this one (rank {self.rank}, worker {worker}) "
+                f"got {_n(docs, 'document')} ({_n(tokens, 'token')})"
             )
         fixes = ["add documents", "lower --data.seq_len"]
         if self.part == "val":
@@ -290,15 +296,16 @@ class PackedDocuments(IterableDataset):
         if readers > 1:
             fixes.append("use fewer --data.num_workers")
         fix = ", ".join(fixes[:-1]) + ", or " + fixes[-1]
+        whose = "this reader's" if readers > 1 else "its"
         if self.part == "val":
             fix += "; or train without validation: --trainer.limit_val_batches 0"
         return (
             f"the {part} data ({', '.join(self.sources)}) holds fewer than seq_len={self.seq_len} "
-            f"tokens: of its {_n(train + val, 'document')}, {train} ({train_chars:,} characters) "
-            f"went to training and {val} ({val_chars:,} characters) to validation, which takes "
-            f"about one document in val_every={self.val_every}, by a hash of its text; {made}. A "
-            "file in a folder is one document, a single text file is cut into documents at blank "
-            f"lines. {fix[0].upper() + fix[1:]}."
+            f"tokens: of {whose} {_n(train + val, 'document')}, {train} ({train_chars:,} "
+            f"characters) went to training and {val} ({val_chars:,} characters) to validation, "
+            f"which takes about one document in val_every={self.val_every}, by a hash of its "
+            f"text; {made}. A file in a folder is one document, a single text file is cut into "
+            f"documents at blank lines. {fix[0].upper() + fix[1:]}."
         )
 
 
