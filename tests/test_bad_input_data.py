@@ -21,7 +21,8 @@ from tidar_convert.cli import main
 from tidar_convert.data import PROSE_DOC_CHARS, PackedDocuments, is_validation, iter_documents
 from tidar_convert.data.checks import check_sources
 
-READ = ".json, .jsonl, .md, .parquet, .py, .rst, .txt"  # suffixes read as data, as messages say
+# suffixes read as data, as messages say
+READ = ".arrow, .csv, .json, .jsonl, .md, .parquet, .py, .rst, .tsv, .txt"
 
 
 @pytest.fixture
@@ -375,7 +376,7 @@ def test_a_saved_position_of_a_single_text_file_is_not_resumed_on_another_cut(to
     )
     key = PackedDocuments(tokenizer, [str(folder), str(book)], **kw).stream_key()
     assert key[-1] == {"text files cut into documents": [1], "of": PROSE_DOC_CHARS}
-    assert len(PackedDocuments(tokenizer, [str(folder)], **kw).stream_key()) == 11  # as before
+    assert len(PackedDocuments(tokenizer, [str(folder)], **kw).stream_key()) == 12  # no cut
 
 
 @pytest.mark.fit
@@ -422,14 +423,9 @@ def test_too_little_training_data_counts_the_validation_documents(tokenizer, tmp
     "name,what,fix",
     [
         (
-            "table.csv",
-            "ends in .csv",
-            "convert it to .jsonl or .parquet (datasets.Dataset.from_csv(path).to_parquet(...))",
-        ),
-        (
             "rows.jsonl.gz",
             "ends in .gz",
-            "decompress it (or convert it) to .jsonl, .parquet or .txt",
+            "decompress it to .jsonl, .parquet, .csv or .txt",
         ),
         ("README", "has no suffix", "if it is plain text, give it the suffix .txt"),
     ],
@@ -457,22 +453,22 @@ def test_a_folder_skips_hidden_folders_reads_upper_case_suffixes_and_names_other
     (folder / ".notes.txt").write_text("hidden")
     (folder / "NOTES.TXT").write_text("upper-case suffix")
     (folder / "a.py").write_text("x = 1")
-    (folder / "t1.csv").write_text("a,b")
-    (folder / "t2.csv").write_text("a,b")
+    (folder / "t1.csv.zst").write_text("a,b")
+    (folder / "t2.csv.zst").write_text("a,b")
     with caplog.at_level(logging.WARNING):
         check_sources([str(folder)])
         assert list(iter_documents(str(folder))) == ["upper-case suffix", "x = 1"]
     warned = [r.getMessage() for r in caplog.records if "skipping" in r.getMessage()]
     assert warned == [  # once, though the folder was read twice
-        f"Data source '{folder}': skipping its 2 .csv files, of a format not read here; convert "
-        "them to .jsonl or .parquet (decompress them first), or remove them, to silence this."
+        f"Data source '{folder}': skipping its 2 .zst files, of a format not read here; "
+        "decompress them, or remove them, to silence this."
     ]
 
 
 def test_a_folder_with_data_of_another_format_only_says_so(tmp_path):
-    (tmp_path / "t.csv").write_text("a,b")
+    (tmp_path / "t.csv.gz").write_text("a,b")
     assert refusal(ValueError, check_sources, [str(tmp_path)]) == (
-        f"data source '{tmp_path}' holds no file ending in {READ} (it holds 1 .csv file, of a "
+        f"data source '{tmp_path}' holds no file ending in {READ} (it holds 1 .gz file, of a "
         "format not read here); put the data in such files (.jsonl: one JSON object a line, the "
         "text in a field), or pass another data source."
     )
@@ -521,7 +517,8 @@ def test_a_text_field_without_any_source_of_rows_is_refused(
         capsys, *fit_args(tmp_path / "run", tiny_dirs["llama"], "--data.text_field", "body")
     )
     assert line.startswith(
-        "error: --data.text_field body: it names the field of json, parquet and hub rows"
+        "error: --data.text_field body: it names the field of json, parquet, csv, arrow and hub "
+        "rows"
     )
     rows = tmp_path / "rows.jsonl"
     rows.write_text(json.dumps({"body": "def f():\n    return 1\n" * 30}) + "\n")

@@ -11,14 +11,16 @@ Sources (`TiDARData(source=...)`):
     folders such as .git or .venv are skipped), or a single such file, cut into documents of about
     PROSE_DOC_CHARS characters at blank lines, its text kept verbatim (`split_text`; whole, one file
     would go all to training or all to validation);
-  - a local .jsonl / .json or .parquet file, or a folder of them (one document per row, text in
-    `text_field`);
+  - a local .jsonl / .json, .parquet, .csv / .tsv or .arrow file, a folder of them, or a pattern
+    of files ("data/*.jsonl": one source) (one document per row, text in `text_field`; a field of
+    chat messages is rendered with the tokenizer's chat template);
   - a hub dataset name, e.g. "HuggingFaceFW/fineweb-edu" (with `name`/`split`), streamed.
   Several sources mix by listing them: `source: [stdlib, data/prose.jsonl]` (documents interleave).
   A source that looks like a path (a leading . / ~, a data file suffix, more than one /) and does
   not exist is refused, never looked up on the hub; `check_sources` checks a list before any work.
 
-Documents are streamed and tokenized on the fly, so a 20-step run reads 20 steps of data. One
+Documents are streamed and tokenized on the fly, so a 20-step run reads 20 steps of data; each
+rank x DataLoader worker reads only its own share of every source, and a resume seeks. One
 document in about every `val_every` goes to validation, chosen by a hash of its text
 (`is_validation`): never to training, whatever the mix or the number of ranks and workers.
 """
@@ -57,7 +59,6 @@ from tidar_convert.data.sources import (
     iter_documents,
     split_text,
     stdlib_files,
-    whole,
 )
 from tidar_convert.data.stream import PackedDocuments, ResumableLoader, _Take, shard
 
@@ -86,7 +87,6 @@ __all__ = [
     "split_prose",
     "stdlib_files",
     "tokenize_document",
-    "whole",
     "check_sources",
     "split_text",
 ]
@@ -112,6 +112,7 @@ class TiDARData(L.LightningDataModule):
         greedy_ar_loss: bool = True,
         greedy_dtype: str = "float32",
         num_workers: int = 0,
+        data_files: str | list[str] | None = None,
     ):
         """
         Args:
@@ -140,6 +141,9 @@ class TiDARData(L.LightningDataModule):
                 targets, so the AR half is not sharpened toward its own greedy loops.
             greedy_dtype: float32, bfloat16 or float16 weights for generating the greedy documents.
             num_workers: DataLoader workers (0 = tokenize in the training process).
+            data_files: the files of a hub dataset source to read (a path in its repository, a
+                pattern, or a list of them), as `datasets.load_dataset(data_files=...)` selects
+                them; for local files give a pattern as the source ('data/*.jsonl').
         """
         super().__init__()
         # in every checkpoint (datamodule_hyper_parameters): a resumed run is refused other data
@@ -175,6 +179,15 @@ class TiDARData(L.LightningDataModule):
             greedy_new_tokens,
         )
         check_greedy(greedy_docs, greedy_share, greedy_dtype)
+        self.data_files = data_files
+        if data_files is not None and greedy_docs > 0 and not greedy_corpus:
+            # the greedy corpus is keyed and drawn from the sources alone (train/distill.py)
+            raise ValueError(
+                f"--data.data_files {data_files!r} with --data.greedy_docs {greedy_docs}: the "
+                "greedy documents would be generated from prompts of the whole dataset; make them "
+                "with `tidar-convert distill` from the selected files and pass "
+                "--data.greedy_corpus, or leave out --data.greedy_docs."
+            )
         self.greedy_corpus, self.greedy_share, self.greedy_ar_loss, self.greedy_dtype = (
             greedy_corpus,
             greedy_share,
@@ -235,6 +248,7 @@ class TiDARData(L.LightningDataModule):
             world,
             buffer,
             **greedy,
+            data_files=self.data_files,
         )
 
     def _greedy_path(self) -> str:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from tidar_convert.data.formats import arrow_columns, csv_columns
 from tidar_convert.data.sources import (
     BUILTIN_SOURCES,
     _bad_rows,
@@ -20,6 +21,8 @@ from tidar_convert.data.sources import (
     _parquet_problem,
     _rows,
     _skip_warning,
+    is_chat,
+    is_glob,
 )
 
 
@@ -29,6 +32,7 @@ def check_sources(
     name: str | None = None,
     split: str = "train",
     hub: bool = True,
+    data_files: str | list[str] | None = None,
 ) -> None:
     """Refuse, before any model loads, data that reading would refuse or misread later, each in one
     line naming the value or the file (and line) and the fix. Cheap checks only, reading bytes and
@@ -52,22 +56,32 @@ def check_sources(
         if source in BUILTIN_SOURCES:
             continue
         path = Path(source).expanduser()
-        if not source.strip() or not path.exists():
+        if source.strip() and is_glob(source):
+            _check_local(source, path, text_field)
+        elif not source.strip() or not path.exists():
             _check_source_name(source)
             hub_ids.append(source)
         else:
             _check_local(source, path, text_field)
     rows = hub_ids or any(
-        b in ("json", "parquet")
+        b != "text"
         for s in sources
-        if os.fspath(s) not in BUILTIN_SOURCES and Path(os.fspath(s)).expanduser().exists()
+        if os.fspath(s) not in BUILTIN_SOURCES
+        and (is_glob(os.fspath(s)) or Path(os.fspath(s)).expanduser().exists())
         for b in _files_by_builder(Path(os.fspath(s)).expanduser(), os.fspath(s))
     )
     if text_field != "text" and not rows:
         raise ValueError(
-            f"--data.text_field {text_field}: it names the field of json, parquet and hub rows, "
+            f"--data.text_field {text_field}: it names the field of json, parquet, csv, arrow and "
+            "hub rows, "
             f"and no data source has rows ({', '.join(map(str, sources))}: "
             "one document per text file); leave it out."
+        )
+    if not hub_ids and data_files is not None:
+        raise ValueError(
+            f"--data.data_files {data_files!r}: it selects files of a hub dataset, and no data "
+            f"source is one ({', '.join(map(str, sources))}); to select local files, give a "
+            "pattern as the source, e.g. --data.source 'data/*.jsonl'."
         )
     if not hub_ids and (name is not None or split != "train"):
         given = " ".join(
@@ -122,7 +136,10 @@ def _check_local(source: str, path: Path, field: str) -> None:
             )
     if tables and not all(field in _parquet_columns(f) for f in tables):
         _refuse_rows(source, field, "parquet", tables)
-    if not has_text and not tables:  # (parquet rows are read only in training)
+    for builder in ("csv", "tsv", "arrow"):
+        _check_columns(source, field, builder, groups.get(builder, []))
+    tables = tables or [f for b in ("csv", "tsv", "arrow") for f in groups.get(b, [])]
+    if not has_text and not tables:  # (table rows are read only in training)
         if not rows:
             what = "holds only empty text files"
             what = "is empty (nothing but whitespace)" if path.is_file() else what
@@ -139,8 +156,31 @@ def _check_local(source: str, path: Path, field: str) -> None:
 def _refuse_rows(source: str, field: str, builder: str, files: list[str]) -> None:
     """Raise the refusal reading gives for rows without a string in `field` (see _bad_rows)."""
     for n, row in enumerate(_rows(builder, files), 1):
-        if not isinstance(row.get(field), str):
+        if not isinstance(row.get(field), str) and not is_chat(row.get(field)):
             raise ValueError(_bad_rows(source, field, row, n, (builder, files)))
+
+
+def _check_columns(source: str, field: str, builder: str, files: list[str]) -> None:
+    """CSV, TSV and Arrow files: readable (UTF-8 for CSV), with a column named `field`."""
+    for f in files:
+        if builder != "arrow" and _decode(f)[1]:
+            raise ValueError(
+                f"data file {f!r} is {_decode(f)[1]}; convert it to UTF-8, or remove it from the "
+                "data."
+            )
+        try:
+            columns = arrow_columns(f) if builder == "arrow" else csv_columns(f, builder)
+        except Exception as e:  # pyarrow's own error names no file
+            raise ValueError(
+                f"data file {f!r} is not a readable Arrow file ({' '.join(str(e).split())}); "
+                "write it again, or remove it from the data."
+            ) from None
+        if field not in columns:
+            _refuse_rows(source, field, builder, [f])
+            raise ValueError(  # a file without rows: the header alone says it
+                f"data file {f!r} has no column {field!r} (its columns: {', '.join(columns)}); "
+                f"set the one that holds the text: --data.text_field NAME."
+            )
 
 
 def _parquet_columns(path: str) -> list[str]:

@@ -38,26 +38,68 @@ def pack_marked(
 ) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
     """`pack` of (tokens, mark) documents: (input_ids, doc_ids, marked), marked a bool per token
     (its document's mark: say, self-distilled text)."""
-    ids: list[int] = []
-    docs_: list[int] = []
-    marks: list[bool] = []
-    doc = 0
-    for tokens, mark in docs:
-        ids.extend(tokens)
-        docs_.extend([doc] * len(tokens))
-        marks.extend([mark] * len(tokens))
-        doc += 1
-        while len(ids) >= seq_len:
-            chunk_docs = torch.tensor(docs_[:seq_len])
-            yield (
-                torch.tensor(ids[:seq_len]),
+    packer = Packer(seq_len)
+    yield from packer.chunks(docs)
+    if tail:
+        yield from packer.tail()
+
+
+class Packer:
+    """`pack_marked` with its state in view: between two chunks, `state()` is the tokens not yet in
+    a chunk, from which a new Packer (`leftover`) packs exactly as this one goes on to pack."""
+
+    def __init__(self, seq_len: int, leftover: dict | None = None):
+        self.seq_len = seq_len
+        left = leftover or {"ids": [], "docs": [], "marks": []}
+        self.ids, self.docs, self.marks = list(left["ids"]), list(left["docs"]), list(left["marks"])
+        # doc ids only matter relative to a chunk's first token: the next one just has to be new
+        self.doc = self.docs[-1] + 1 if self.docs else 0
+
+    def state(self) -> dict:
+        first = self.docs[0] if self.docs else 0
+        return {
+            "ids": list(self.ids),
+            "docs": [d - first for d in self.docs],
+            "marks": list(self.marks),
+        }
+
+    def chunks(
+        self, docs: Iterable[tuple[list[int], bool]]
+    ) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        yield from self._full()  # a leftover may hold whole chunks (one long document)
+        for tokens, mark in docs:
+            self.ids.extend(tokens)
+            self.docs.extend([self.doc] * len(tokens))
+            self.marks.extend([mark] * len(tokens))
+            self.doc += 1
+            yield from self._full()
+
+    def _full(self) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        n = self.seq_len
+        while len(self.ids) >= n:
+            chunk_docs = torch.tensor(self.docs[:n])
+            chunk = (
+                torch.tensor(self.ids[:n]),
                 chunk_docs - chunk_docs[0],
-                torch.tensor(marks[:seq_len]),
+                torch.tensor(self.marks[:n]),
             )
-            ids, docs_, marks = ids[seq_len:], docs_[seq_len:], marks[seq_len:]
-    if tail and ids:
-        chunk_docs = torch.tensor(docs_)
-        yield torch.tensor(ids), chunk_docs - chunk_docs[0], torch.tensor(marks)
+            # cut before yielding: a paused generator's state is then the tokens still to pack
+            self.ids, self.docs, self.marks = self.ids[n:], self.docs[n:], self.marks[n:]
+            yield chunk
+
+    def tail(self) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        if self.ids:
+            chunk_docs = torch.tensor(self.docs)
+            yield torch.tensor(self.ids), chunk_docs - chunk_docs[0], torch.tensor(self.marks)
+
+
+def block_order(size: int, seed: int, block: int) -> list[int]:
+    """The order the chunks of shuffle block `block` are served in: a permutation drawn from the
+    seed and the block's number alone, so a resumed reader draws the same one for the block it
+    resumes in."""
+    order = list(range(size))
+    random.Random(f"{seed}/{block}").shuffle(order)  # a str seed hashes the same in every process
+    return order
 
 
 def shuffled(items, buffer: int, seed: int):

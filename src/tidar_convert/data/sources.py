@@ -5,6 +5,7 @@ one pass over the bytes of each local file (UTF-8, JSON lines, the text field), 
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import os
@@ -13,9 +14,10 @@ import re
 import reprlib
 import sysconfig
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
+from tidar_convert.data.formats import ROW_SUFFIXES, WHOLE, Share, rows
 from tidar_convert.data.packing import STDLIB_HELDOUT_EVERY, is_validation
 from tidar_convert.data.prose import (
     PROSE_DOC_CHARS,
@@ -30,13 +32,13 @@ TEXT_SUFFIXES = {
     ".md": "text",
     ".py": "text",
     ".rst": "text",
-    ".jsonl": "json",
-    ".json": "json",
-    ".parquet": "parquet",
+    **ROW_SUFFIXES,
 }
 # Data formats not read here: a folder's such files are named in a warning (the user may expect
 # them read), a single one is refused with how to convert it, a missing one is a path (no hub id).
-OTHER_DATA_SUFFIXES = (".csv", ".tsv", ".arrow", ".gz", ".zst", ".xz", ".bz2", ".zip", ".tar")
+OTHER_DATA_SUFFIXES = (".gz", ".zst", ".xz", ".bz2", ".zip", ".tar")
+# what `datasets.save_to_disk` writes beside its .arrow files: metadata, not rows
+SAVED_DATASET_FILES = ("dataset_info.json", "state.json", "dataset_dict.json")
 
 
 def stdlib_files() -> list[str]:
@@ -58,10 +60,13 @@ def _other_format(path: Path) -> str | None:
 
 
 def _files_by_builder(path: Path, source: str | None = None) -> dict[str, list[str]]:
-    """{builder: files} of a file or a folder. In a folder, hidden files and folders (.git, .venv,
-    .ipynb_checkpoints) are not data, as `datasets` skips them too; files of a data format not read
-    here are named in a warning, once. A single file of another format is refused."""
+    """{builder: files} of a file, a folder or a glob pattern. In a folder, hidden files and folders
+    (.git, .venv, .ipynb_checkpoints) are not data, as `datasets` skips them too, nor is the
+    metadata `save_to_disk` writes beside its .arrow files; files of a data format not read here
+    are named in a warning, once. A single file of another format is refused."""
     source = str(path) if source is None else source
+    if is_glob(source):
+        return _globbed(source)
     if not path.is_dir():
         if _builder(path) is None:
             raise ValueError(_unread_file(source, path))
@@ -71,6 +76,8 @@ def _files_by_builder(path: Path, source: str | None = None) -> dict[str, list[s
     files = []
     for root, dirs, names in os.walk(path):
         dirs[:] = [d for d in dirs if not d.startswith(".")]
+        if any(n.endswith(".arrow") for n in names):
+            names = [n for n in names if n not in SAVED_DATASET_FILES]
         files += [Path(root) / n for n in names if not n.startswith(".")]
     for f in sorted(files):  # by path: the order reading has always had
         if _builder(f) and f.is_file():
@@ -88,20 +95,44 @@ def _files_by_builder(path: Path, source: str | None = None) -> dict[str, list[s
     if other and source not in _WARNED:
         _WARNED.add(source)
         log.warning(
-            "Data source %r: skipping its %s, of a format not read here; convert them to .jsonl or "
-            ".parquet (decompress them first), or remove them, to silence this.",
+            "Data source %r: skipping its %s, of a format not read here; decompress them, or "
+            "remove them, to silence this.",
             source,
             unread,
         )
     return groups
 
 
+def is_glob(source: str) -> bool:
+    """Whether a source is a pattern of files (`data/*.jsonl`, `shards/**/*.parquet`): the files it
+    matches are one source, as `data_files` selects files in `datasets`."""
+    return any(c in source for c in "*?[") and not Path(source).expanduser().exists()
+
+
+def _globbed(pattern: str) -> dict[str, list[str]]:
+    """{builder: files} matched by a pattern (`**` crosses folders), sorted by path; refused when it
+    matches no data file, or a file of a format not read."""
+    root = Path(pattern).expanduser()
+    anchor = Path(root.anchor) if root.is_absolute() else Path(".")
+    relative = str(root.relative_to(anchor)) if root.is_absolute() else str(root)
+    matched = sorted(p for p in anchor.glob(relative) if p.is_file())
+    if not matched:
+        raise FileNotFoundError(
+            f"data source {pattern!r} is a pattern of files, and no file matches it (looked in "
+            f"{os.path.abspath(anchor)!r}); check the pattern."
+        )
+    groups: dict[str, list[str]] = {}
+    for f in matched:
+        if _builder(f) is None:
+            raise ValueError(_unread_file(f"{pattern} (matching {f})", f))
+        groups.setdefault(_builder(f), []).append(str(f))
+    return groups
+
+
 def _unread_file(source: str, path: Path) -> str:
     kind = _other_format(path) or path.suffix.lower()
-    if kind in (".csv", ".tsv"):
-        fix = "convert it to .jsonl or .parquet (datasets.Dataset.from_csv(path).to_parquet(...))"
-    elif kind in OTHER_DATA_SUFFIXES:
-        fix = "decompress it (or convert it) to .jsonl, .parquet or .txt"
+    if kind in OTHER_DATA_SUFFIXES:
+        fix = "decompress it to .jsonl, .parquet, .csv or .txt"
     else:
         fix = "if it is plain text, give it the suffix .txt"
     what = f"ends in {kind}" if kind else "has no suffix"
@@ -117,62 +148,214 @@ def iter_documents(
     name: str | None = None,
     split: str = "train",
     seed: int = 0,
+    render: Callable[[list], str] | None = None,
 ) -> Iterator[str]:
     """Yield the text of each document of one source, in a fixed (seeded) order.
 
     A folder's text files are one document each; a single text file given as the source is cut
     into documents at blank lines (`split_text`): whole, it would be all training or all validation.
-    Rows of json/parquet/hub sources hold their text in `text_field`; a row without it (absent or
-    null) or with a value that is not a string is refused, counted over the whole source where it is
-    local: dropping it would train on less than the user gave, and a misspelt field on nothing.
-    One-document-per-file sources have no fields: `text_field` does not apply to them.
+    Rows of json/parquet/csv/arrow/hub sources hold their text in `text_field`; a row without it
+    (absent or null) or with a value that is not a string is refused, counted over the whole source
+    where it is local: dropping it would train on less than the user gave, and a misspelt field on
+    nothing. A field holding chat messages (a list of {"role", "content"}) is rendered by `render`
+    (the tokenizer's chat template: `chat_renderer`). One-document-per-file sources have no fields:
+    `text_field` does not apply to them.
     """
-    from datasets import load_dataset
+    yield from SourceReader(source, text_field, name, split, seed, render=render)
 
-    if not source.strip():
-        _check_source_name(source)  # '' is the working directory to Path: never read it as data
-    if source in ("prose-train", "prose-heldout", "prose-book"):
-        source = str(prose_corpus() / source.split("-")[1])
-    if source in ("stdlib", "stdlib-heldout"):
-        files = stdlib_files()
-        # mix modules instead of reading the stdlib alphabetically
-        random.Random(seed).shuffle(files)
-        streams = [(_text_rows(files), "text", None)]
-        if source == "stdlib-heldout":
-            streams = [
-                (
-                    (
-                        row
-                        for row in streams[0][0]
-                        if is_validation(row["text"], STDLIB_HELDOUT_EVERY)
-                    ),
-                    "text",
-                    None,
-                )
-            ]
-    elif Path(source).expanduser().exists():
-        path = Path(source).expanduser()
-        streams = []
-        for builder, files in _files_by_builder(path, source).items():
-            if builder == "text":
-                rows = _text_rows(files)
-                rows = (r for row in rows for r in split_text(row)) if path.is_file() else rows
-                streams.append((rows, "text", None))
-            else:
-                streams.append((_rows(builder, files), text_field, (builder, files)))
-    else:
-        _check_source_name(source)
-        _check_hub_dataset(source)
-        streams = [
-            (whole(load_dataset(source, name, split=split, streaming=True)), text_field, None)
-        ]
-    for stream, field, local in streams:
-        for n, row in enumerate(stream, 1):
-            text = row.get(field)
-            if not isinstance(text, str):
-                raise ValueError(_bad_rows(source, field, row, n, local))
+
+class SourceReader:
+    """The documents of one source that one reader reads: its `share` (see formats.Share) of every
+    file, from a `start` position; `position` is where the documents yielded so far end (None
+    before the first), what a resume stores to start again there without reading what came before.
+
+    How a share is cut: a folder of text files (and the stdlib) by file, a range of them; a single
+    text file (cut into documents) and `max_docs` by document, a range of them; JSON lines, parquet
+    and Arrow files each by its own byte or row range (formats.py); a hub dataset with
+    `datasets.distributed.split_dataset_by_node` (by shard where its shards divide evenly between
+    the readers, else every reader streams it and keeps one row in each `share.count`). Every
+    document of the source is in exactly one reader's share.
+    """
+
+    def __init__(
+        self,
+        source: str,
+        text_field: str = "text",
+        name: str | None = None,
+        split: str = "train",
+        seed: int = 0,
+        *,
+        share: Share = WHOLE,
+        start=None,
+        render: Callable[[list], str] | None = None,
+        max_docs: int | None = None,
+        data_files: str | list[str] | None = None,
+    ):
+        self.source, self.field, self.name, self.split, self.seed = (
+            source,
+            text_field,
+            name,
+            split,
+            seed,
+        )
+        self.share, self.start, self.render, self.max_docs = Share(*share), start, render, max_docs
+        self.data_files = data_files
+        self._position = start
+
+    @property
+    def position(self):
+        pos = self._position
+        return pos() if callable(pos) else pos  # a hub stream's state, taken only when asked for
+
+    def __iter__(self) -> Iterator[str]:
+        if self.max_docs is not None:
+            yield from self._first(self.max_docs)
+            return
+        source = self.source
+        if not source.strip():
+            _check_source_name(source)  # '' is the working directory to Path: never read it as data
+        if source in ("prose-train", "prose-heldout", "prose-book"):
+            source = str(prose_corpus() / source.split("-")[1])
+        if source in ("stdlib", "stdlib-heldout"):
+            files = stdlib_files()
+            # mix modules instead of reading the stdlib alphabetically
+            random.Random(self.seed).shuffle(files)
+            keep = None
+            if source == "stdlib-heldout":
+                keep = lambda text: is_validation(text, STDLIB_HELDOUT_EVERY)  # noqa: E731
+            yield from self._local([("files", files)], keep)
+        elif is_glob(source) or Path(source).expanduser().exists():
+            path = Path(source).expanduser()
+            parts = []
+            for builder, files in _files_by_builder(path, source).items():
+                if builder == "text":
+                    parts.append(("split" if path.is_file() else "files", files))
+                else:
+                    if builder == "json":
+                        _refuse_all_empty(files)
+                    parts.append((builder, files))
+            yield from self._local(parts)
+        else:
+            _check_source_name(source)
+            _check_hub_dataset(source)
+            yield from self._hub()
+
+    def _local(self, parts: list[tuple[str, list[str]]], keep=None) -> Iterator[str]:
+        """Documents of local files; the position is (part, file, offset in it): for parts of text
+        files the offset counts files or documents, for rows it is the reader's (formats.rows)."""
+        p0, f0, o0 = self.start or (0, 0, 0)
+        for p, (kind, files) in enumerate(parts):
+            if p < p0:
+                continue
+            if kind in ("files", "split"):
+                start = o0 if p == p0 else 0
+                for i, row in self._text_documents(kind, files, start):
+                    self._position = (p, 0, i + 1)
+                    if keep is None or keep(row["text"]):
+                        yield row["text"]
+                continue
+            for f in range(f0 if p == p0 else 0, len(files)):
+                begin = o0 if (p, f) == (p0, f0) else 0
+                for n, (row, offset) in enumerate(
+                    _named(kind, files[f], self.share, begin, [self.field]), 1
+                ):
+                    self._position = (p, f, offset)
+                    text = self._text(row, n, (kind, files))
+                    if text:
+                        yield text
+
+    def _text_documents(
+        self, kind: str, files: list[str], start: int
+    ) -> Iterator[tuple[int, dict]]:
+        """(index, row) of this share of text documents, from index `start`: a range of the files
+        (one document each), or of the documents one text file is cut into (the cuts need the whole
+        text: every reader reads that file)."""
+        if kind == "files":
+            lo, hi = self.share.span(len(files))
+            begin = max(lo, start)
+            yield from _text_rows(files[begin:hi], whole=self.share.count == 1, first=begin)
+            return
+        docs = [d for _, row in _text_rows(files) for d in split_text(row)]
+        lo, hi = self.share.span(len(docs))
+        for i in range(max(lo, start), hi):
+            yield i, docs[i]
+
+    def _first(self, n: int) -> Iterator[str]:
+        """This share of the source's first n documents (read whole: a greedy corpus)."""
+        whole = SourceReader(
+            self.source,
+            self.field,
+            self.name,
+            self.split,
+            self.seed,
+            render=self.render,
+            data_files=self.data_files,
+        )
+        docs = list(itertools.islice(whole, n))
+        lo, hi = self.share.span(len(docs))
+        for i in range(max(lo, self.start or 0), hi):
+            self._position = i + 1
+            yield docs[i]
+
+    def _hub(self) -> Iterator[str]:
+        from datasets import load_dataset
+        from datasets.distributed import split_dataset_by_node
+
+        # data_files: only where given, so a loader that takes no such argument is never passed one
+        files = {} if self.data_files is None else {"data_files": self.data_files}
+        ds = load_dataset(self.source, self.name, split=self.split, streaming=True, **files)
+        if self.share.count > 1:
+            ds = split_dataset_by_node(ds, rank=self.share.index, world_size=self.share.count)
+        if self.start is not None:
+            ds.load_state_dict(self.start)
+        self._position = ds.state_dict
+        # one row at a time: the state then stands right after the row yielded, and .iter() does
+        # not split the rows again between DataLoader workers as plain iteration would
+        for n, batch in enumerate(ds.iter(batch_size=1), 1):
+            text = self._text({k: v[0] for k, v in batch.items()}, n, None)
             if text:
                 yield text
+
+    def _text(self, row: dict, n: int, local: tuple[str, list[str]] | None) -> str:
+        value = row.get(self.field)
+        if isinstance(value, str):
+            return value
+        if is_chat(value):
+            if self.render is None:
+                raise ValueError(
+                    f"data source {self.source!r}: field {self.field!r} holds chat messages, "
+                    "which are rendered with a tokenizer's chat template, in training; read it "
+                    "through TiDARData (or pass render=chat_renderer(tokenizer))."
+                )
+            return self.render(value)
+        raise ValueError(_bad_rows(self.source, self.field, row, n, local))
+
+
+def is_chat(value) -> bool:
+    """Whether a field holds chat messages: a non-empty list of {"role": str, "content": str}."""
+    return (
+        isinstance(value, list)
+        and bool(value)
+        and all(
+            isinstance(m, dict) and isinstance(m.get("role"), str) and "content" in m for m in value
+        )
+    )
+
+
+def chat_renderer(tokenizer) -> Callable[[list], str]:
+    """A conversation as the text the model reads: the tokenizer's chat template, every turn (the
+    text is then tokenized, packed and trained on like any document: docs/convert.md)."""
+
+    def render(messages: list) -> str:
+        if not getattr(tokenizer, "chat_template", None):
+            raise ValueError(
+                "the data holds chat messages and the tokenizer has no chat template to render "
+                "them with; use a model whose tokenizer has one (an instruct model's), or give "
+                "the conversations as text in a field of their own (--data.text_field)."
+            )
+        return tokenizer.apply_chat_template(messages, tokenize=False)
+
+    return render
 
 
 def is_split_file(source: str) -> bool:
@@ -332,8 +515,13 @@ def _field_counts(rows: list, field: str | None) -> tuple[int, int, int]:
     if field is None:
         return len(rows), 0, len(rows)
     values = [row.get(field) for row in rows]
+    chats = sum(is_chat(v) for v in values)  # rendered by the chat template: text
     strings = [v for v in values if isinstance(v, str)]
-    return len(rows), len(values) - len(strings), sum(v.strip() != "" for v in strings)
+    return (
+        len(rows),
+        len(values) - len(strings) - chats,
+        sum(v.strip() != "" for v in strings) + chats,
+    )
 
 
 def _bad_rows(
@@ -344,7 +532,7 @@ def _bad_rows(
     fix."""
     keys, strings = (
         dict.fromkeys(row),
-        dict.fromkeys(k for k, v in row.items() if isinstance(v, str)),
+        dict.fromkeys(k for k, v in row.items() if isinstance(v, str) or is_chat(v)),
     )
     where, value, counts = f"row {n}", row.get(field), None
     if local is not None:
@@ -356,8 +544,10 @@ def _bad_rows(
             for i, r in enumerate(_rows(builder, [f]), 1):
                 total += 1
                 keys.update(dict.fromkeys(r))
-                strings.update(dict.fromkeys(k for k, v in r.items() if isinstance(v, str)))
-                if not isinstance(r.get(field), str):
+                strings.update(
+                    dict.fromkeys(k for k, v in r.items() if isinstance(v, str) or is_chat(v))
+                )
+                if not isinstance(r.get(field), str) and not is_chat(r.get(field)):
                     if not bad:
                         where, value = (
                             f"row {i}" + (f" of {f}" if len(files) > 1 else ""),
@@ -393,15 +583,6 @@ def _bad_rows(
     )
 
 
-def whole(stream, batch: int = 256) -> Iterator[dict]:
-    """Every row of a `datasets` stream, also inside a DataLoader worker. Iterated plainly, a stream
-    in a worker yields only that worker's file shards (none at all when it has fewer shards than
-    there are workers); PackedDocuments splits the documents between readers itself."""
-    for rows in stream.iter(batch_size=batch):
-        for i in range(len(next(iter(rows.values()), []))):
-            yield {k: v[i] for k, v in rows.items()}
-
-
 # data files already reported as skipped: once per file, not per epoch or split
 _WARNED: set[str] = set()
 
@@ -419,21 +600,22 @@ def _decode(path: str) -> tuple[str | None, str | None]:
     return text.replace("\r\n", "\n").replace("\r", "\n"), None
 
 
-def _text_rows(files: list[str]) -> Iterator[dict]:
-    """One row per text file (one document each). A file that is not UTF-8 text is skipped with a
-    warning naming it; a single such file, or a source with no readable one, is refused."""
+def _text_rows(files: list[str], whole: bool = True, first: int = 0) -> Iterator[tuple[int, dict]]:
+    """(index, row) of each text file (one document each), indices counted from `first`. A file
+    that is not UTF-8 text is skipped with a warning naming it; a single such file, or a source
+    with no readable one (`whole`: these are all its files, not a reader's share), is refused."""
     skipped = 0
-    for f in files:
+    for i, f in enumerate(files, first):
         text, why = _decode(f)
         if why is None:
-            yield {"text": text}
+            yield i, {"text": text}
             continue
-        if len(files) == 1:
+        if len(files) == 1 and whole:
             raise ValueError(
                 f"data file {f!r} is {why}; convert it to UTF-8 text, or pass another data source."
             )
         skipped += 1
-        if skipped == len(files):
+        if skipped == len(files) and whole:
             raise ValueError(
                 f"none of the {len(files)} text files of the data source is UTF-8 text "
                 f"(the last, {f!r}, is {why}); convert them to UTF-8."
@@ -453,38 +635,58 @@ def _skip_warning(path: str, why: str) -> None:
 
 
 def _rows(builder: str, files: list[str]) -> Iterator[dict]:
-    """Rows of json/parquet files; a file that cannot be decoded is refused by name (a bad file
-    would otherwise end the stream in a pyarrow error naming no file)."""
-    from datasets import load_dataset
-
-    # datasets cannot read an empty one ("generator raised StopIteration"); it holds no row to lose
+    """Every row of json/parquet/csv/arrow files, every column (the checks and the refusals count
+    and name them); a file that cannot be read is refused by name."""
     if builder == "json":
-        empty = [f for f in files if _blank(f)]
-        files = [f for f in files if f not in empty]
-        if not files:
-            what = (
-                f"data file {empty[0]!r} is empty"
-                if len(empty) == 1
-                else f"the {len(empty)} data files ({', '.join(map(repr, empty))}) are all empty"
-            )
-            raise ValueError(
-                f"{what}: there are no rows to read; write one JSON object a line with the text "
-                'in it ({"text": "..."}), or pass another data source.'
-            )
+        _refuse_all_empty(files)
+    for f in files:
+        for row, _ in _named(builder, f, WHOLE, 0, None):
+            yield row
+
+
+def _refuse_all_empty(files: list[str]) -> None:
+    """Refuse JSON files that are all empty: there is no row to read (an empty one among others
+    holds no row to lose)."""
+    empty = [f for f in files if _blank(f)]
+    if len(empty) < len(files):
+        return
+    what = (
+        f"data file {empty[0]!r} is empty"
+        if len(empty) == 1
+        else f"the {len(empty)} data files ({', '.join(map(repr, empty))}) are all empty"
+    )
+    raise ValueError(
+        f"{what}: there are no rows to read; write one JSON object a line with the text "
+        'in it ({"text": "..."}), or pass another data source.'
+    )
+
+
+def _named(
+    builder: str, path: str, share: Share, start, columns: list[str] | None
+) -> Iterator[tuple[dict, object]]:
+    """formats.rows, with a file it cannot read named in one line (pyarrow's and the csv module's
+    own errors name no file)."""
     try:
-        yield from whole(load_dataset(builder, data_files=files, split="train", streaming=True))
-    except Exception as e:
-        for f in files:
-            if builder == "json":
-                _check_json_file(f)  # names the file and the line datasets could not read
-            why = _parquet_problem(f) if builder == "parquet" else _decode(f)[1]
-            if why:
-                raise ValueError(
-                    f"data file {f!r} is {why}; "
-                    f"{'write it again' if builder == 'parquet' else 'convert it to UTF-8'}, "
-                    "or remove it from the data."
-                ) from e
-        raise
+        yield from rows(builder, path, share, start, columns)
+    except ValueError as e:
+        if str(e).startswith("data file"):
+            raise
+        raise _unreadable(builder, path, e) from None
+    except Exception as e:  # pyarrow's errors, a csv.Error, a file cut short
+        raise _unreadable(builder, path, e) from None
+
+
+def _unreadable(builder: str, path: str, error: Exception) -> ValueError:
+    if builder == "json":
+        _check_json_file(path)  # names the line that is not JSON
+    why = _parquet_problem(path) if builder == "parquet" else _decode(path)[1]
+    if builder in ("parquet", "arrow"):
+        why = why or f"not a readable {builder} file ({' '.join(str(error).split())})"
+    why = why or f"not readable as {builder} ({' '.join(str(error).split())})"
+    fix = "write it again" if builder in ("parquet", "arrow") else "convert it to UTF-8"
+    if builder in ("csv", "tsv") and _decode(path)[1] is None:
+        fix = "fix its quoting"
+    return ValueError(f"data file {path!r} is {why}; {fix}, or remove it from the data.")
 
 
 def _blank(path: str) -> bool:

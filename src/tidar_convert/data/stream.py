@@ -8,10 +8,11 @@ import sys
 from collections.abc import Iterator
 
 import torch
-from torch.utils.data import DataLoader, IterableDataset
+from torch.utils.data import DataLoader, IterableDataset, default_collate
 
-from tidar_convert.data.packing import is_validation, pack_marked, shuffled, tokenize_document
-from tidar_convert.data.sources import PROSE_DOC_CHARS, is_split_file, iter_documents
+from tidar_convert.data.formats import Share
+from tidar_convert.data.packing import Packer, block_order, is_validation, tokenize_document
+from tidar_convert.data.sources import PROSE_DOC_CHARS, SourceReader, chat_renderer, is_split_file
 
 
 def shard() -> tuple[int, int]:
@@ -33,6 +34,7 @@ class PackedDocuments(IterableDataset):
     while all sources last; `max_docs` ({source: n}) reads only the first n documents of a source;
     the tokens of sources in `no_ar` are marked in each item's `no_ar_target` (bool per token): the
     AR loss does not train on them as targets (TiDARModule), only the diffusion loss does.
+    `data_files` selects the files of hub dataset sources, as in `datasets.load_dataset`.
     """
 
     def __init__(
@@ -53,6 +55,7 @@ class PackedDocuments(IterableDataset):
         weights: tuple[float, ...] | None = None,
         max_docs: dict[int, int] | None = None,
         no_ar: tuple[int, ...] = (),
+        data_files: str | list[str] | None = None,
     ):
         self.tokenizer, self.sources, self.seq_len, self.part = tokenizer, sources, seq_len, part
         self.val_every, self.text_field, self.name, self.split, self.seed = (
@@ -76,6 +79,7 @@ class PackedDocuments(IterableDataset):
                 f"({len(sources)}: {', '.join(sources)}), not all 0."
             )
         self.weights, self.max_docs, self.no_ar = weights, dict(max_docs or {}), set(no_ar)
+        self.data_files = data_files
         self.split_files = [j for j, s in enumerate(sources) if is_split_file(s)]
         # add "reader" (the reader index on this rank) to each item: ResumableLoader counts by it
         self.tag_reader = False
@@ -105,6 +109,11 @@ class PackedDocuments(IterableDataset):
                 sorted(self.max_docs.items()),
                 sorted(self.no_ar),
             ]
+        # each reader reads its own share of every file (SourceReader) and serves shuffle blocks:
+        # a position saved by the reader that dealt documents one by one names other chunks
+        key.append({"readers": "shares", "shuffle": "blocks"})
+        if self.data_files is not None:
+            key.append({"data_files": self.data_files})
         if self.split_files:  # cut into documents (split_text): a position saved before the cut, or
             # with other document sizes, counts other chunks
             key.append({"text files cut into documents": self.split_files, "of": PROSE_DOC_CHARS})
@@ -119,26 +128,43 @@ class PackedDocuments(IterableDataset):
         for _, doc in self.sourced_documents(worker):
             yield doc
 
-    def sourced_documents(self, worker: int | None = None) -> Iterator[tuple[int, str]]:
-        """(source index, text) of this reader's documents; see `documents`."""
+    def share(self, worker: int | None = None) -> Share:
+        """This reader's share of every source: reader (rank x workers + worker) of
+        (ranks x workers)."""
         index, workers = shard()
         worker = index if worker is None else worker
-        readers, me = self.world_size * workers, self.rank * workers + worker
+        return Share(self.rank * workers + worker, self.world_size * workers)
+
+    def sourced_documents(
+        self, worker: int | None = None, start: dict | None = None, probe: dict | None = None
+    ) -> Iterator[tuple[int, str]]:
+        """(source index, text) of this reader's documents, from `start` (a state `probe["state"]()`
+        gave); see `documents`. Each reader opens only its own share of each source
+        (SourceReader). `probe`: receives "state", the function that tells where the documents
+        yielded so far end."""
+        share, start = self.share(worker), start or {}
+        render = chat_renderer(self.tokenizer) if self.tokenizer is not None else None
+        positions = start.get("positions", {})
         # train_only sources are self-distilled corpora: `distill` writes their text under "text",
         # whatever the data's field
-        streams = {
-            j: iter_documents(
+        readers = {
+            j: SourceReader(
                 s,
                 "text" if j in self.train_only else self.text_field,
                 self.name,
                 self.split,
                 self.seed,
+                share=share,
+                start=positions.get(j),
+                render=render,
+                max_docs=self.max_docs.get(j),
+                data_files=None if j in self.train_only else self.data_files,
             )
             for j, s in enumerate(self.sources)
+            if j not in start.get("done", ())
         }
-        for j, n_max in self.max_docs.items():
-            streams[j] = itertools.islice(streams[j], n_max)
-        chars = dict.fromkeys(streams, 0)
+        streams = {j: iter(r) for j, r in readers.items()}
+        chars = dict(start.get("chars") or dict.fromkeys(range(len(self.sources)), 0))
 
         def turn(j):
             if self.weights is None:
@@ -149,7 +175,15 @@ class PackedDocuments(IterableDataset):
                 return (0, chars[j] / self.weights[j], j)
             return (1, chars[j], j)
 
-        n = 0  # documents of this part seen so far, by every reader alike
+        def doc_state() -> dict:
+            return {
+                "positions": {j: r.position for j, r in readers.items() if j in streams},
+                "chars": dict(chars),
+                "done": sorted(set(range(len(self.sources))) - set(streams)),
+            }
+
+        if probe is not None:
+            probe["state"] = doc_state
         # [documents, characters] of each part, for the message when a reader gets no chunk
         self.split_counts = {"train": [0, 0], "val": [0, 0]}
         while streams:
@@ -161,24 +195,22 @@ class PackedDocuments(IterableDataset):
             is_val = j not in self.train_only and is_validation(doc, self.val_every)
             tally = self.split_counts["val" if is_val else "train"]
             tally[0], tally[1] = tally[0] + 1, tally[1] + len(doc)
-            # Equal shares count the text the stream reads (the order older runs saw, so their saved
-            # positions still hold); explicit shares count this part's text, so they are exact in
-            # it.
+            # Equal shares count the text the reader reads; explicit shares count this part's text,
+            # so they are exact in it.
             if self.weights is None or is_val == (self.part == "val"):
                 chars[j] += len(doc)
-            if is_val != (self.part == "val"):
-                continue
-            if n % readers == me:
+            if is_val == (self.part == "val"):
                 yield j, doc
-            n += 1
 
     def tokenized(self, worker: int | None = None) -> Iterator[list[int]]:
         for tokens, _ in self.marked_tokens(worker):
             yield tokens
 
-    def marked_tokens(self, worker: int | None = None) -> Iterator[tuple[list[int], bool]]:
+    def marked_tokens(
+        self, worker: int | None = None, start: dict | None = None, probe: dict | None = None
+    ) -> Iterator[tuple[list[int], bool]]:
         """(token ids with EOS, whether the document is of a `no_ar` source)."""
-        for j, doc in self.sourced_documents(worker):
+        for j, doc in self.sourced_documents(worker, start, probe):
             yield tokenize_document(self.tokenizer, doc), j in self.no_ar
 
     def __iter__(self):
@@ -190,16 +222,26 @@ class PackedDocuments(IterableDataset):
             return self._chunks(index, 0)
         # DataLoader worker 0 plays the reader whose turn is next
         worker = (index + resume["next"]) % workers
+        position = (resume.get("positions") or [None] * workers)[worker]
+        if position is not None:
+            return self._chunks(worker, 0, position)
         return self._chunks(worker, resume["consumed"][worker])
 
-    def _chunks(self, worker: int, skip: int):
-        """The chunks of reader `worker` (on this rank), after its first `skip` ones.
+    def _chunks(self, worker: int, skip: int, start: dict | None = None):
+        """The chunks of reader `worker` (on this rank), from position `start` (one an item of an
+        earlier pass carried), after its first `skip` ones.
 
-        Skipped chunks are read, tokenized, packed and shuffled like the others and then dropped,
-        so the chunks that follow are exactly those an uninterrupted run gets next (the shuffle
-        buffer's state included); the cost is re-reading what was consumed before the resume.
+        Chunks are served in shuffle blocks of `shuffle_buffer` (block_order), and each item
+        carries its position (with `tag_reader`): the state of the documents and the packer at the
+        start of its block, and how many of the block's chunks have been served with it. Resuming
+        from a position reads on from there: the block is packed again (at most shuffle_buffer
+        chunks) and its served chunks dropped, whatever was consumed before. A resume without a
+        position (`skip`) reads, tokenizes and packs everything before it again.
         """
-        n, read = 0, {"docs": 0, "tokens": 0}
+        size = max(1, self.shuffle_buffer)
+        start = start or {"docs": None, "leftover": None, "block": 0, "served": 0}
+        packer = Packer(self.seq_len, start["leftover"])
+        read = {"docs": 0, "tokens": 0}
 
         def counted(docs):  # what this reader read, for the message below
             for tokens, marked in docs:
@@ -207,18 +249,33 @@ class PackedDocuments(IterableDataset):
                 read["tokens"] += len(tokens)
                 yield tokens, marked
 
-        packed = pack_marked(counted(self.marked_tokens(worker)), self.seq_len)
-        for input_ids, doc_ids, marked in shuffled(packed, self.shuffle_buffer, self.seed):
-            n += 1
-            if n <= skip:
-                continue
-            item = {"input_ids": input_ids, "doc_ids": doc_ids}
-            if self.no_ar:
-                item["no_ar_target"] = marked
-            if self.tag_reader:
-                item["reader"] = worker
-            yield item
-        if n == 0:
+        probe: dict = {}
+        packed = packer.chunks(counted(self.marked_tokens(worker, start["docs"], probe)))
+        block, served, n = start["block"], start["served"], 0
+        while True:
+            # the state before the block's first chunk: what every item of the block carries
+            at = {"leftover": packer.state(), "block": block}
+            # (before the first document is read, where the pass started)
+            docs = probe["state"]() if "state" in probe else start["docs"]
+            chunks = list(itertools.islice(packed, size))
+            if not chunks:
+                break
+            at["docs"] = docs
+            order = block_order(len(chunks), self.seed, block) if self.shuffle_buffer else None
+            for k in range(served, len(chunks)):
+                input_ids, doc_ids, marked = chunks[order[k] if order else k]
+                n += 1
+                if n <= skip:
+                    continue
+                item = {"input_ids": input_ids, "doc_ids": doc_ids}
+                if self.no_ar:
+                    item["no_ar_target"] = marked
+                if self.tag_reader:
+                    item["reader"] = worker
+                    item["position"] = {**at, "served": k + 1}
+                yield item
+            block, served = block + 1, 0
+        if n == 0 and start["block"] == 0 and start["served"] == 0:
             raise ValueError(self._too_little(read["docs"], read["tokens"], worker))
 
     def _too_little(self, docs: int, tokens: int, worker: int) -> str:
@@ -229,9 +286,9 @@ class PackedDocuments(IterableDataset):
         made = f"the {part} documents make {_n(tokens, 'token')}"
         if readers > 1:
             made = (
-                f"{readers} readers (ranks x DataLoader workers) share the {part} documents, one "
-                f"in {readers} each, and this one (rank {self.rank}, worker {worker}) got "
-                f"{_n(docs, 'document')} ({_n(tokens, 'token')})"
+                f"{readers} readers (ranks x DataLoader workers) share the data, each about "
+                f"1/{readers} of every source, and this one (rank {self.rank}, worker {worker}) "
+                f"got {_n(docs, 'document')} ({_n(tokens, 'token')})"
             )
         fixes = ["add documents", "lower --data.seq_len"]
         if self.part == "val":
@@ -239,15 +296,16 @@ class PackedDocuments(IterableDataset):
         if readers > 1:
             fixes.append("use fewer --data.num_workers")
         fix = ", ".join(fixes[:-1]) + ", or " + fixes[-1]
+        whose = "this reader's" if readers > 1 else "its"
         if self.part == "val":
             fix += "; or train without validation: --trainer.limit_val_batches 0"
         return (
             f"the {part} data ({', '.join(self.sources)}) holds fewer than seq_len={self.seq_len} "
-            f"tokens: of its {_n(train + val, 'document')}, {train} ({train_chars:,} characters) "
-            f"went to training and {val} ({val_chars:,} characters) to validation, which takes "
-            f"about one document in val_every={self.val_every}, by a hash of its text; {made}. A "
-            "file in a folder is one document, a single text file is cut into documents at blank "
-            f"lines. {fix[0].upper() + fix[1:]}."
+            f"tokens: of {whose} {_n(train + val, 'document')}, {train} ({train_chars:,} "
+            f"characters) went to training and {val} ({val_chars:,} characters) to validation, "
+            f"which takes about one document in val_every={self.val_every}, by a hash of its "
+            f"text; {made}. A file in a folder is one document, a single text file is cut into "
+            f"documents at blank lines. {fix[0].upper() + fix[1:]}."
         )
 
 
@@ -260,24 +318,25 @@ class ResumableLoader(DataLoader):
     every checkpoint and calls `load_state_dict()` when a run resumes (`--ckpt_path last`), so a
     killed run continues where it stopped: no chunk is seen twice and none is skipped.
 
-    The stream is deterministic given the data settings, rank and reader, so the position is how
-    many chunks of each reader training has consumed in the current epoch, and which reader comes
-    next. `count()` records a batch when training takes it (TiDARData.on_before_batch_transfer:
-    batches the optimizer loop used, micro-batches under gradient accumulation, never the ones
-    prefetched). With W workers, torch hands out batches from workers 0, 1, ..., W-1 in turn
-    (dropping a worker whose stream has ended); each batch is tagged with its reader, so the counts
-    stay exact also at the ragged end of an epoch and with partial last batches.
+    The position is, for each reader (DataLoader worker) of each rank, the position the last chunk
+    training consumed carried (`PackedDocuments._chunks`: where its documents, packer and shuffle
+    block stood), how many chunks of each reader were consumed in the current epoch, and which
+    reader comes next. `count()` records a batch when training takes it
+    (TiDARData.on_before_batch_transfer: batches the optimizer loop used, micro-batches under
+    gradient accumulation, never the ones prefetched). With W workers, torch hands out batches from
+    workers 0, 1, ..., W-1 in turn (dropping a worker whose stream has ended); each batch is tagged
+    with its reader, so the positions stay exact also at the ragged end of an epoch and with partial
+    last batches.
 
     On resume, the first iter() has worker w play reader (w + next) % W, so the turn order goes on
-    where it stopped, and each reader drops the chunks it had already delivered (they are read and
-    tokenized again: resuming costs time in proportion to the epoch consumed so far). After the
-    last batch of an epoch the position is the start of the next one; later epochs start fresh.
+    where it stopped, and each reader seeks to its position: the time to the first step does not
+    grow with the chunks consumed before. After the last batch of an epoch the position is the
+    start of the next one; later epochs start fresh. With several ranks, `state_dict()` gathers
+    every rank's positions (every rank saves a checkpoint together, as Lightning does).
 
-    Limits: the position must be resumed with the same data settings and num_workers (refused
-    otherwise). With several ranks, the checkpoint holds rank 0's position and every rank resumes
-    from it: exact while no reader has run out in the current epoch (all ranks then consume
-    alike). `persistent_workers=True` is refused (a worker would keep the position for later
-    epochs).
+    Limits: the position must be resumed with the same data settings, num_workers and number of
+    devices (refused otherwise). `persistent_workers=True` is refused (a worker would keep the
+    position for later epochs).
     """
 
     def __init__(self, dataset: PackedDocuments, **kwargs):
@@ -289,24 +348,27 @@ class ResumableLoader(DataLoader):
                 "keep the resumed position for every later epoch; leave persistent_workers off "
                 "(each epoch starts its workers again)."
             )
+        kwargs.setdefault("collate_fn", _collate_positions)
         super().__init__(dataset, **kwargs)
         dataset.tag_reader = True
         self.readers = max(1, self.num_workers)
-        self.consumed, self.next_reader = [0] * self.readers, 0
+        self.end_epoch()
         self._resume = None
 
     def count(self, batch: dict) -> dict:
-        """Record a batch training has taken; returns it without its "reader" tag."""
+        """Record a batch training has taken; returns it without its "reader" and "position"."""
         batch = dict(batch)
-        reader = batch.pop("reader")
+        reader, position = batch.pop("reader"), batch.pop("position")
         r = int(reader[0])
         self.consumed[r] += len(reader)
+        self.positions[r] = position
         self.next_reader = (r + 1) % self.readers
         return batch
 
     def end_epoch(self) -> None:
         """The last batch of the epoch was taken: the position is the start of the next epoch."""
         self.consumed, self.next_reader = [0] * self.readers, 0
+        self.positions: list = [None] * self.readers
 
     def state_dict(self) -> dict:
         return {
@@ -314,6 +376,7 @@ class ResumableLoader(DataLoader):
             "consumed": list(self.consumed),
             "next": self.next_reader,
             "stream": self.dataset.stream_key(),
+            "positions": _every_rank(list(self.positions), self.dataset.world_size),
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -326,6 +389,14 @@ class ResumableLoader(DataLoader):
                 "for the same number; "
                 f"resume with --data.num_workers {saved}."
             )
+        if "positions" not in state:
+            raise ValueError(
+                "the checkpoint's data position was saved by a tidar-convert that dealt the "
+                "documents to ranks and workers one by one, and this one reads each its own share "
+                "of every file: its position names other chunks. Finish that run with the "
+                "tidar-convert that started it, or start a new run from its export "
+                "(`tidar-convert export --checkpoint CKPT --out DIR`, then --model.model DIR)."
+            )
         if state["stream"] != self.dataset.stream_key():
             raise ValueError(
                 "the checkpoint's data position was saved for other data settings "
@@ -336,12 +407,21 @@ class ResumableLoader(DataLoader):
                 "(its config.yaml in the run folder)."
             )
         self.consumed, self.next_reader = list(state["consumed"]), state["next"]
-        self._resume = {"next": self.next_reader, "consumed": list(self.consumed)}
-        # says why the first step of a resumed run is slow
+        # a rank's own readers' positions; a checkpoint that holds only rank 0's (a process that
+        # was not part of a process group saved it) resumes the others by reading again
+        saved = state["positions"]
+        rank = self.dataset.rank
+        ok = len(saved) == self.dataset.world_size
+        self.positions = list(saved[rank]) if ok else [None] * self.readers
+        self._resume = {
+            "next": self.next_reader,
+            "consumed": list(self.consumed),
+            "positions": list(self.positions),
+        }
         if sum(self.consumed) and self.dataset.rank == 0:
             print(
                 f"resuming the training data after the {sum(self.consumed)} chunks already "
-                "trained on in this epoch (read again, not trained on)",
+                "trained on in this epoch (each reader seeks to where it stopped)",
                 file=sys.stderr,
                 flush=True,
             )
@@ -355,6 +435,28 @@ class ResumableLoader(DataLoader):
             return super().__iter__()  # the workers get their copy of the dataset here
         finally:
             self.dataset.resume = None
+
+
+def _collate_positions(items: list[dict]) -> dict:
+    """torch's default collation, but for the items' positions: a batch (all of one reader, in
+    order) carries the position of its last item, where its reader stands once it is consumed."""
+    positions = [item.pop("position", None) for item in items]
+    batch = default_collate(items)
+    if positions[-1] is not None:
+        batch["position"] = positions[-1]
+    return batch
+
+
+def _every_rank(positions: list, world_size: int) -> list:
+    """[rank: its readers' positions]: gathered from every rank (a collective: every rank saves its
+    checkpoint at the same step), so that each resumes from its own."""
+    import torch.distributed as dist
+
+    if world_size == 1 or not (dist.is_available() and dist.is_initialized()):
+        return [positions]
+    every: list = [None] * dist.get_world_size()
+    dist.all_gather_object(every, positions)
+    return every
 
 
 class _Take(IterableDataset):

@@ -89,7 +89,11 @@ def check_data(data) -> None:
 
     sources = [data.source] if isinstance(data.source, str) else list(data.source or [])
     check_sources(
-        sources, data.get("text_field") or "text", data.get("name"), data.get("split") or "train"
+        sources,
+        data.get("text_field") or "text",
+        data.get("name"),
+        data.get("split") or "train",
+        data_files=data.get("data_files"),
     )
 
 
