@@ -4,7 +4,6 @@ rendered with the tokenizer's chat template."""
 
 import copy
 import json
-import time
 
 import pytest
 import torch
@@ -180,37 +179,6 @@ def test_a_resume_reads_no_document_consumed_before_it(tokenizer, tmp_path, monk
         firsts[c] = len(read)
         assert torch.equal(resumed.count(first)["input_ids"], reference[c])
     assert max(firsts.values()) <= 20, firsts  # a block of 4 chunks of 8 tokens: a few documents
-
-
-def test_a_resume_after_many_steps_starts_as_fast_as_after_few(tokenizer, tmp_path):
-    rows = tmp_path / "docs.jsonl"
-    rows.write_text(
-        "".join(
-            json.dumps({"text": f"doc {i:05d} " + "word " * (i % 9)}) + "\n" for i in range(6000)
-        )
-    )
-
-    def loader():
-        ds = PackedDocuments(
-            tokenizer, [str(rows)], 16, "train", 10, "text", None, "train", 0, shuffle_buffer=8
-        )
-        return ResumableLoader(ds, batch_size=4)
-
-    whole = loader()
-    states = []
-    for batch in whole:
-        whole.count(batch)
-        states.append(whole.state_dict())
-
-    def first_batch_seconds(state) -> float:
-        resumed = loader()
-        resumed.load_state_dict(state)
-        t = time.perf_counter()
-        next(iter(resumed))
-        return time.perf_counter() - t
-
-    early, late = first_batch_seconds(states[5]), first_batch_seconds(states[-5])
-    assert late < 0.5 and late < 5 * early + 0.05, (early, late)
 
 
 def test_a_position_of_another_rank_is_not_taken(tokenizer, tmp_path):

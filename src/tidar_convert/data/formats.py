@@ -54,7 +54,7 @@ def rows(
     row). `columns`: read only these where the format stores columns apart (parquet, Arrow); None
     reads every column."""
     if builder == "json":
-        whole = _json_document(path)
+        whole, _ = json_document(path)
         if whole is None:
             yield from _json_lines(path, share, start)
             return
@@ -77,20 +77,21 @@ def _ranged(all_rows, share: Share, start: int) -> Iterator[tuple[dict, int]]:
         yield all_rows[i], i + 1
 
 
-def _json_document(path: str) -> list[dict] | None:
+def json_document(path: str) -> tuple[list[dict] | None, json.JSONDecodeError | None]:
     """The rows of a .json holding one JSON document (a list of rows, or one row), as datasets reads
-    one; None for JSON lines."""
+    one; (None, why) for JSON lines, or a document broken inside (why: the decoder's error where
+    the file opens like one document, for a check to name if its lines do not parse either)."""
     if not path.lower().endswith(".json") or os.path.getsize(path) >= 1 << 30:
-        return None
+        return None, None
     with open(path, "rb") as f:
         head = f.read(4096).lstrip(b"\xef\xbb\xbf \t\r\n")[:1]
     if head not in (b"[", b"{"):
-        return None
+        return None, None
     try:
         with open(path, encoding="utf-8-sig") as f:
             doc = json.load(f)
-    except ValueError:  # JSON lines in a .json (checks.py names a broken document)
-        return None
+    except ValueError as e:  # JSON lines in a .json, or bad bytes: read (and checked) by line
+        return None, e if isinstance(e, json.JSONDecodeError) else None
     items = doc if isinstance(doc, list) else [doc]
     for i, row in enumerate(items, 1):
         if not isinstance(row, dict):
@@ -98,7 +99,7 @@ def _json_document(path: str) -> list[dict] | None:
                 f"data file {path!r} item {i} is a JSON {type(row).__name__}, not an object; make "
                 'each row an object ({"text": "..."}), or remove it.'
             )
-    return items
+    return items, None
 
 
 def _json_lines(path: str, share: Share, start: int) -> Iterator[tuple[dict, int]]:

@@ -17,7 +17,7 @@ from collections import Counter
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from tidar_convert.data.formats import ROW_SUFFIXES, WHOLE, Share, rows
+from tidar_convert.data.formats import ROW_SUFFIXES, WHOLE, Share, json_document, rows
 from tidar_convert.data.packing import STDLIB_HELDOUT_EVERY, is_validation
 from tidar_convert.data.prose import (
     PROSE_DOC_CHARS,
@@ -450,25 +450,9 @@ def _check_json_file(path: str, field: str | None = None) -> tuple[int, int, int
     """UTF-8, and one JSON object a line (a .json may also be one JSON document), named by line;
     (rows, rows without a string in `field`, rows with text in it). Read line by line: a corpus of
     many GB is checked in the memory of one line."""
-    whole_error = None  # why a .json that opens like one JSON document is not one
-    if path.lower().endswith(".json") and os.path.getsize(path) < 1 << 30:
-        with open(path, "rb") as f:
-            head = f.read(4096).lstrip(b"\xef\xbb\xbf \t\r\n")[:1]
-        if head in (b"[", b"{"):
-            try:
-                with open(path, encoding="utf-8-sig") as f:
-                    doc = json.load(f)
-            except ValueError as e:  # JSON lines in a .json, or bad bytes: checked line by line
-                whole_error = e if isinstance(e, json.JSONDecodeError) else None
-            else:  # as datasets reads one: a list of rows, or a single row
-                items = doc if isinstance(doc, list) else [doc]
-                for i, row in enumerate(items, 1):
-                    if not isinstance(row, dict):
-                        raise ValueError(
-                            f"data file {path!r} item {i} is a JSON {type(row).__name__}, not an "
-                            'object; make each row an object ({"text": "..."}), or remove it.'
-                        )
-                return _field_counts(items, field)
+    items, whole_error = json_document(path)  # why a .json opening like one document is not one
+    if items is not None:
+        return _field_counts(items, field)
     offset, counts, first = 0, (0, 0, 0), True
     with open(path, "rb") as f:
         for n, raw in enumerate(f, 1):
