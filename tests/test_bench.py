@@ -48,7 +48,8 @@ def test_prompts_mix_code_and_text():
 
 
 @pytest.mark.slow  # a whole bench run (make test runs it; make test-fast skips it)
-def test_bench_json_and_plots(tiny_dirs, tiny_export, tmp_path, capsys):
+def test_bench_json_and_plots(tiny_dirs, tiny_export, tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("TQDM_DELAY", "0")  # the tiny run's steps end before a bar would show
     path = Path(
         bench.bench_cmd(
             str(tiny_export), max_new_tokens=8, limit=3, out_dir=str(tmp_path), card=True
