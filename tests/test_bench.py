@@ -520,6 +520,9 @@ def test_bench_gpu_dry_run(tmp_path):
         == f"{bench_gpu.DRY_PLAN.engine_prompts}/{bench_gpu.DRY_PLAN.engine_prompts}"
         and engine["tokens_per_nfe"] > 1.5
     )
+    # `tidar-convert generate --device` on the same device, from an export folder (issue 48)
+    cli = engine["generate_cli"]
+    assert cli["device"] == "cpu" and cli["identical"] and cli["tokens_per_nfe"] > 1.5, cli
 
 
 def test_bench_gpu_runs_only_the_sections_asked(tmp_path, capsys):
@@ -630,7 +633,7 @@ def test_the_gpu_bench_runs_without_the_packages_a_lease_lacks(tmp_path):
             "tidar_convert.bench.gpu",
             "--dry-run",
             "--only",
-            "decode",
+            "decode,engine",
             "--out",
             str(out),
         ],
@@ -641,7 +644,9 @@ def test_the_gpu_bench_runs_without_the_packages_a_lease_lacks(tmp_path):
     )
     assert done.returncode == 0, done.stderr[-3000:]
     r = json.loads(out.read_text())
-    assert r["dry_run"] and r["sections"] == ["decode"] and r["decode"]["by_impl"]["sdpa"]
+    assert r["dry_run"] and r["sections"] == ["decode", "engine"] and r["decode"]["by_impl"]["sdpa"]
+    # `tidar-convert generate`'s own path runs there too: the CLI needs no jsonargparse to decode
+    assert r["engine"]["by_impl"]["sdpa"]["generate_cli"]["identical"]
 
 
 @pytest.mark.slow  # an export decoded by every decoder, at several batch sizes

@@ -41,7 +41,8 @@ def test_generate_json_same_text_in_tidar_and_ar_mode(exported, trained, capsys)
     td = run_json(capsys, *common, "--mode", "tidar")
     ar = run_json(capsys, *common, "--mode", "ar")
     assert td["text"] == ar["text"] and td["new_tokens"] == ar["new_tokens"] > 0
-    assert set(td) == {"text", "new_tokens", "nfe", "tokens_per_nfe", "seconds"}
+    assert set(td) == {"text", "new_tokens", "nfe", "tokens_per_nfe", "seconds", "device"}
+    assert td["device"] == "cpu"
     assert td["nfe"] < ar["nfe"] and td["tokens_per_nfe"] > 1.5
     runs = [
         ("tidar", "--top-p"),

@@ -280,7 +280,7 @@ def generate_cmd(
             cpu.
         stream: print the text as it is committed (transformers' TextStreamer), not at the end;
             not with --json.
-        json: print one JSON object (text, new_tokens, nfe, tokens_per_nfe, seconds).
+        json: print one JSON object (text, new_tokens, nfe, tokens_per_nfe, seconds, device).
     """
     import torch
 
@@ -378,6 +378,7 @@ def generate_cmd(
                     "nfe": stats["nfe"],
                     "tokens_per_nfe": stats["tokens_per_nfe"],
                     "seconds": seconds,
+                    "device": str(next(lm.parameters()).device),
                 }
             )
         )

@@ -117,4 +117,61 @@ def engine_check(plan: Plan, impl: str) -> dict:
     out["identical"] = f"{sum(r['identical'] for r in rows)}/{len(rows)}"
     out["tokens_per_nfe"] = sum(r["tokens_per_nfe"] for r in rows) / len(rows)
     out["tidar_vs_ar"] = sum(r["ar_s"] for r in rows) / sum(r["tidar_s"] for r in rows)
+    out["generate_cli"] = generate_cli_check(model, plan.device, prompts[0], n)
     return out
+
+
+def generate_cli_check(model, device: str, ids: torch.Tensor, new_tokens: int) -> dict:
+    """`tidar-convert generate --device DEVICE` as a user runs it (cli.generate_cmd): the model
+    exported with a byte-level tokenizer without merges (id i is the i-th character of its
+    alphabet, so a prompt of ids reads back as those ids), loaded from the folder onto the device,
+    decoded in tidar and ar modes, printed at the end and streamed. Whether the four texts are
+    one, and TiDAR's tokens per forward."""
+    import contextlib
+    import io
+    import json
+    import tempfile
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from tidar_convert.cli import generate_cmd
+    from tidar_convert.exports.folder import export
+
+    V = model.config.vocab_size
+    vocab = {ch: i for i, ch in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
+    vocab |= {f"<|unused{i}|>": i for i in range(len(vocab), V)}
+    bpe = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=bpe, pad_token=f"<|unused{V - 2}|>", mask_token=f"<|unused{V - 1}|>"
+    )
+    prompt = tokenizer.decode(ids.tolist())
+    dtype = "bfloat16" if model.dtype == torch.bfloat16 else "float32"
+    with tempfile.TemporaryDirectory() as folder:
+        export(model, tokenizer, f"{folder}/tidar", TiDARSpec.from_config(model.config))
+
+        def run(mode: str, json_out: bool) -> str:
+            printed = io.StringIO()
+            with contextlib.redirect_stdout(printed), contextlib.redirect_stderr(io.StringIO()):
+                generate_cmd(
+                    f"{folder}/tidar",
+                    prompt,
+                    max_new_tokens=new_tokens,
+                    mode=mode,
+                    dtype=dtype,
+                    device=device,
+                    no_chat_template=True,
+                    json=json_out,
+                )
+            return printed.getvalue()
+
+        tidar, ar = json.loads(run("tidar", True)), json.loads(run("ar", True))
+        streamed = [run(mode, False).strip() for mode in ("tidar", "ar")]
+    return {
+        "device": tidar["device"],  # where generate_cmd put the weights
+        "identical": tidar["text"].strip() == ar["text"].strip() == streamed[0] == streamed[1],
+        "new_tokens": tidar["new_tokens"],
+        "tokens_per_nfe": tidar["tokens_per_nfe"],
+    }

@@ -21,6 +21,8 @@ and nothing has to be downloaded. Sections (each timed as a median over repeats,
           backward), then greedy TiDAR against transformers' AR on the same weights: identical
           tokens, T/NFE, tokens/s. Cycle streams make drafts easy, so its speed ratio bounds what
           the engine's per-step work lets through on this device; it is no conversion's figure.
+          Then `tidar-convert generate --device` on the same weights from an export folder
+          (`generate_cli`: the CLI's load, device placement and streaming).
 
 The JSON is rewritten after every section, so a run cut short keeps what it measured.
 
