@@ -87,6 +87,65 @@ def test_runs_without_tidar_convert_installed(exported):
     )  # which product each layer took
 
 
+# The oldest transformers an export is known to meet: a GPU lease's image (2026-12-04) had 5.17,
+# without the cache classes of later releases (DummyLayer, the hybrid caches) the runtime imports.
+OLD_TRANSFORMERS = ("transformers==5.17.0", "huggingface_hub==1.33.0")
+
+
+def old_transformers() -> str:
+    """A folder holding OLD_TRANSFORMERS unpacked (pip download from the registry, kept in the
+    cache): put first on PYTHONPATH, it stands in for an older install."""
+    import zipfile
+
+    from tidar_convert.models.loading import cache_dir
+
+    site = cache_dir() / "old-transformers" / "-".join(OLD_TRANSFORMERS).replace("==", "")
+    if not (site / "transformers" / "__init__.py").exists():
+        wheels = site.with_suffix(".wheels")
+        subprocess.run(
+            [sys.executable, "-m", "pip", "download", "--no-deps", "-q", "-d", str(wheels)]
+            + list(OLD_TRANSFORMERS),
+            check=True,
+            capture_output=True,
+            timeout=600,
+        )
+        for wheel in wheels.glob("*.whl"):
+            zipfile.ZipFile(wheel).extractall(site)
+    return str(site)
+
+
+@pytest.mark.slow
+@pytest.mark.subprocess
+def test_an_export_decodes_under_an_older_transformers(exported):
+    """The export's own code, tidar_convert blocked, under transformers 5.17: it loads and TiDAR
+    greedy equals AR greedy (a name the runtime imports from a newer release fails here)."""
+    import os
+
+    script = textwrap.dedent(
+        f"""
+        import sys, json, torch
+        sys.modules["tidar_convert"] = None
+        import transformers
+        from transformers import AutoModelForCausalLM
+        m = AutoModelForCausalLM.from_pretrained({str(exported)!r}, trust_remote_code=True)
+        ids = torch.tensor({cycle_batch(1, 5, seed=2).tolist()})
+        td = m.generate(ids, max_new_tokens=30, do_sample=False, eos_token_id=None)
+        tpn = m.tidar_stats["tokens_per_nfe"]
+        ar = m.generate(ids, max_new_tokens=30, do_sample=False, eos_token_id=None, tidar=False)
+        print(json.dumps({{"version": transformers.__version__, "same": torch.equal(td, ar),
+                           "tpn": tpn}}))
+        """
+    )
+    env = {**os.environ, "PYTHONPATH": old_transformers()}
+    res = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=300, env=env
+    )
+    assert res.returncode == 0, res.stderr[-3000:]
+    out = json.loads(res.stdout.strip().splitlines()[-1])
+    assert out["version"] == OLD_TRANSFORMERS[0].split("==")[1]
+    assert out["same"] and out["tpn"] > 1.5
+
+
 def test_the_exports_code_builds_the_packages_panel_kernel(exported):
     """custom_generate/ carries the kernel's C source (csrc/panel.c) as panel_source.py, since
     transformers' module cache copies only .py files: loaded as transformers loads it, the export's

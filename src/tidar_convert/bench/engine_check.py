@@ -117,7 +117,12 @@ def engine_check(plan: Plan, impl: str) -> dict:
     out["identical"] = f"{sum(r['identical'] for r in rows)}/{len(rows)}"
     out["tokens_per_nfe"] = sum(r["tokens_per_nfe"] for r in rows) / len(rows)
     out["tidar_vs_ar"] = sum(r["ar_s"] for r in rows) / sum(r["tidar_s"] for r in rows)
-    out["generate_cli"] = generate_cli_check(model, plan.device, prompts[0], n)
+    try:
+        out["generate_cli"] = generate_cli_check(model, plan.device, prompts[0], n)
+    except Exception as e:  # noqa: BLE001 - the engine's figures above stand without it
+        if plan.raise_errors:
+            raise
+        out["generate_cli"] = {"error": f"{type(e).__name__}: {e}"}
     return out
 
 

@@ -36,7 +36,12 @@ from dataclasses import dataclass
 
 import torch
 from transformers import DynamicCache
-from transformers.cache_utils import Cache, DummyLayer, DynamicLayer, DynamicSlidingWindowLayer
+from transformers.cache_utils import Cache, DynamicLayer, DynamicSlidingWindowLayer
+
+try:
+    from transformers.cache_utils import DummyLayer
+except ImportError:  # an older transformers (5.17): an empty layer holds a place in a Cache too
+    DummyLayer = DynamicLayer
 
 try:
     from transformers.cache_utils import (
@@ -45,7 +50,7 @@ try:
         LinearAttentionCacheLayerMixin,
         LinearAttentionLayer,
     )
-except ImportError:  # a transformers before hybrid caches (exports load on >= 5.12): no cache
+except ImportError:  # a transformers before hybrid caches (5.17: test_export's older one): no cache
     # layer there holds recurrent state, so every check below finds none
 
     class LinearAttentionCacheLayerMixin:
