@@ -9,7 +9,6 @@ from tidar_convert.data import (
     is_validation,
     iter_documents,
     pack,
-    shuffled,
     split_prose,
 )
 
@@ -18,12 +17,6 @@ def test_pack_numbers_documents_inside_each_chunk():
     chunks = list(pack(iter([[1, 2, 3], [4, 5], [6, 7, 8, 9, 10]]), 4))
     assert [c[0].tolist() for c in chunks] == [[1, 2, 3, 4], [5, 6, 7, 8]]
     assert [c[1].tolist() for c in chunks] == [[0, 0, 0, 1], [0, 1, 1, 1]]
-
-
-def test_shuffle_buffer_keeps_every_item_once():
-    out = list(shuffled(iter(range(100)), 10, seed=1))
-    assert sorted(out) == list(range(100)) and out != list(range(100))
-    assert list(shuffled(iter(range(5)), 0, seed=1)) == list(range(5))
 
 
 def test_local_sources(tmp_path):

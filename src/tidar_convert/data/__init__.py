@@ -39,7 +39,6 @@ from tidar_convert.data.packing import (
     is_validation,
     pack,
     pack_marked,
-    shuffled,
     tokenize_document,
 )
 from tidar_convert.data.prose import (
@@ -83,7 +82,6 @@ __all__ = [
     "prose_corpus",
     "prose_documents",
     "shard",
-    "shuffled",
     "split_prose",
     "stdlib_files",
     "tokenize_document",

@@ -102,19 +102,6 @@ def block_order(size: int, seed: int, block: int) -> list[int]:
     return order
 
 
-def shuffled(items, buffer: int, seed: int):
-    """Yield items from a random buffer: one long file would otherwise fill hundreds of steps in a
-    row."""
-    rng = random.Random(seed)
-    pool = []
-    for item in items:
-        pool.append(item)
-        if len(pool) > buffer:
-            yield pool.pop(rng.randrange(len(pool)))
-    rng.shuffle(pool)
-    yield from pool
-
-
 # "stdlib-heldout" is the validation part at this val_every: a document held out at 50 is held out
 # at every divisor of 50 too (hash % 50 == 0 implies hash % d == 0), so no recipe with such a
 # val_every trains on it.

@@ -567,15 +567,11 @@ def crop(state: DecodeState, plan: StepPlan, kept: Kept) -> None:
     invalid."""
     slots = kept.slots
     prefix = slots == list(range(len(slots)))
-    if recurrent_layers(state.cache):
-        # each row's recurrent state after the drafts it kept (a branch: after its last slot);
-        # the attention keys of the kept slots (a row's holes included, as below)
+    recurrent = bool(recurrent_layers(state.cache))
+    if recurrent:  # each row's recurrent state after the drafts it kept (a branch: its last slot)
         keep_states(state.cache, plan.causal, kept.counts, None if prefix else slots)
-        if prefix:
-            crop_attention(state.cache, plan.slots - len(slots))
-        else:
-            keep_slots(state.cache, state.cache_valid.shape[1], slots)
-            state.sibling_steps += 1
+    if prefix and recurrent:  # the attention halves (a row's holes included, as below)
+        crop_attention(state.cache, plan.slots - len(slots))
     elif prefix:  # a prefix of the step
         state.cache.crop(-(plan.slots - len(slots)))
     else:  # a branch off the chain is not a prefix, so `crop` cannot keep it
