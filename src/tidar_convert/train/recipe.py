@@ -100,10 +100,22 @@ class TiDARParser(LightningArgumentParser):
         line = " ".join(part.strip() for part in str(message).splitlines() if part.strip())
         hint = suggestion(line, known_keys(parser))
         command = parser.prog.replace(" [options]", "").split()[-1]  # fit or validate
+        if command == "tidar-convert":  # an error of the main parser, after the subcommand's
+            command = next((a for a in sys.argv[1:] if a in ("fit", "validate")), "fit")
+        if "are required: save_dir" in line:
+            hint += " (a logger's `init_args: {save_dir: .}` writes into the run folder)"
         sys.stderr.write(
-            f"error: {line[:600]}{hint} (`tidar-convert {command} --help` lists every key)\n"
+            f"error: {shorten(line)}{hint} (`tidar-convert {command} --help` lists every key)\n"
         )
         sys.exit(2)
+
+
+def shorten(line: str, most: int = 600) -> str:
+    """At most `most` characters, its end kept: jsonargparse says what is wrong last, after a list
+    of the types a value could have been ("...: the following arguments are required: save_dir")."""
+    if len(line) <= most:
+        return line
+    return f"{line[: most // 3]} ... {line[-(most - most // 3) :]}"
 
 
 def known_keys(parser) -> list[str]:
