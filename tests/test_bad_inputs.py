@@ -9,8 +9,8 @@ test_bad_input_data.py, the other commands' rows in test_bad_input_misc.py.
 from __future__ import annotations
 
 import json
-import re
 import os
+import re
 from pathlib import Path
 
 import pytest
