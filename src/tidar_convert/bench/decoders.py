@@ -178,6 +178,7 @@ def run_decoder(
     k: int | None,
     prompt_lookup_tokens: int,
     sampling: dict | None = None,
+    attention_mask: torch.Tensor | None = None,
 ) -> dict:
     """One generation, greedy or with `sampling` (generate() arguments, do_sample implied): new
     tokens, forwards, wall seconds, query slots and LM-head rows per step, and, for TiDAR, the
@@ -195,7 +196,7 @@ def run_decoder(
         t0 = time.perf_counter()
         out = model.generate(
             input_ids,
-            attention_mask=torch.ones_like(input_ids),
+            attention_mask=torch.ones_like(input_ids) if attention_mask is None else attention_mask,
             max_new_tokens=max_new_tokens,
             pad_token_id=pad_token_id,
             **how,
@@ -203,7 +204,9 @@ def run_decoder(
         )
         synchronize(device)
         seconds = time.perf_counter() - t0
-    tokens = out[0, input_ids.shape[1] :].tolist()
+    # a batch (left-padded, `attention_mask`) gives every row's; the counts are row 0's
+    rows = out[:, input_ids.shape[1] :].tolist()
+    tokens = rows[0]
     nfe = count.forwards
     row = {
         "new_tokens": len(tokens),
@@ -216,6 +219,8 @@ def run_decoder(
         "lm_head_rows_per_step": count.per_step(count.head_rows),
         "tokens": tokens,
     }
+    if len(rows) > 1:
+        row["rows"] = rows
     if spec.tidar:
         stats = getattr(model, "tidar_stats", None) or {}
         row["accepted"] = list(stats.get("accepted", []))

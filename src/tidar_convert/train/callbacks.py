@@ -169,6 +169,14 @@ def peak_flops(device: torch.device, precision: str) -> float | None:
     return get_available_flops(device, dtype)
 
 
+def flops_per_token(module) -> int:
+    """Model FLOPs a training token costs a TiDARModule: Throughput's docstring says how."""
+    full = all(p.requires_grad for p in module.model.parameters())
+    per_position = 6 if full else 4
+    clean = 2 if getattr(module, "split_halves", False) else per_position  # forward only
+    return (clean + per_position) * matmul_params(module.model)
+
+
 class Throughput(Callback):
     """Tokens/s and MFU per device, and peak memory of every rank, to the loggers every
     log_every_n_steps.
@@ -191,10 +199,7 @@ class Throughput(Callback):
         )
 
     def on_train_start(self, trainer, pl_module) -> None:
-        full = all(p.requires_grad for p in pl_module.model.parameters())
-        per_position = 6 if full else 4
-        clean = 2 if getattr(pl_module, "split_halves", False) else per_position  # forward only
-        self.flops_per_token = (clean + per_position) * matmul_params(pl_module.model)
+        self.flops_per_token = flops_per_token(pl_module)
         self.step, self.tokens, self.seconds, self.last = (
             trainer.global_step,
             0,
