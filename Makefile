@@ -1,6 +1,6 @@
 # tidar-convert. `make convert` and `make test` each set up .venv on first use.
 #   make convert [MODEL=hub-id|folder|file.gguf] [RECIPE=recipes/x.yaml] [OUT=folder] [MAX_STEPS=n] [RESUME=1]
-#   make test | make test-fast | make lint | make bench MODEL=out/... [NAME=record] [OVERWRITE=1] [DRAFT_LENGTH=4] [DTYPE=bfloat16] [PROMPTS=chat] [SAMPLING=1] | make bench-serve MODEL=out/... [CLIENTS=[1,4]] | make bench-gpu
+#   make test | make test-fast | make lint | make bench MODEL=out/... [NAME=record] [OVERWRITE=1] [DRAFT_LENGTH=4] [DTYPE=bfloat16] [PROMPTS=chat] [SAMPLING=1] | make bench-serve MODEL=out/... [CLIENTS=[1,4]] | make bench-gpu | make lease-stage
 #   make sweep SWEEP=recipes/sweeps/x.yaml RECIPE=recipes/y.yaml [MAX_STEPS=n] [VAL=n] [ARMS='[a, b]'] [SWEEP_OUT=folder]
 #   make distill [MODEL=...] [DISTILL_OUT=runs/greedy.jsonl] [N_DOCS=n] [DTYPE=bfloat16]
 
@@ -35,7 +35,7 @@ NEW_TOKENS ?= 160
 VAL_EVERY ?= 50
 DTYPE ?= float32
 
-.PHONY: convert test test-fast lint bench bench-serve ppl bench-gpu sweep distill clean
+.PHONY: convert test test-fast lint bench bench-serve ppl bench-gpu lease-stage sweep distill clean
 
 $(BIN)/.installed: pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv --system-site-packages $(VENV)
@@ -75,6 +75,10 @@ ppl: $(BIN)/.installed
 
 bench-gpu: $(BIN)/.installed
 	$(BIN)/tidar-convert bench-gpu
+
+# What a GPU lease's two calls carry: .lease/1 and .lease/2 (docs/development.md, "A GPU lease").
+lease-stage: $(BIN)/.installed
+	$(BIN)/python -m tidar_convert.bench.lease_stage
 
 # One `fit` per arm of SWEEP on RECIPE -> SWEEP_OUT (default runs/sweeps/<sweep name>)/sweep.json + sweep.png.
 # Running it again skips finished arms and resumes an interrupted one.

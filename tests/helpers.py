@@ -122,3 +122,32 @@ def train_tiny(model, steps: int = 150, draft_length: int = 4, seq_len: int = 32
 def ar(model, ids, **kw):
     """Plain AR greedy decoding (transformers' own generate) on the same weights: the reference."""
     return model.generate(ids, do_sample=False, **kw)
+
+
+# The oldest transformers an export is known to meet: a GPU lease's image (2026-12-04) had 5.17,
+# without the cache classes of later releases (DummyLayer, the hybrid caches) the runtime imports.
+OLD_TRANSFORMERS = ("transformers==5.17.0", "huggingface_hub==1.33.0")
+
+
+def old_transformers() -> str:
+    """A folder holding OLD_TRANSFORMERS unpacked (pip download from the registry, kept in the
+    cache): put first on PYTHONPATH, it stands in for an older install."""
+    import subprocess
+    import sys
+    import zipfile
+
+    from tidar_convert.models.loading import cache_dir
+
+    site = cache_dir() / "old-transformers" / "-".join(OLD_TRANSFORMERS).replace("==", "")
+    if not (site / "transformers" / "__init__.py").exists():
+        wheels = site.with_suffix(".wheels")
+        subprocess.run(
+            [sys.executable, "-m", "pip", "download", "--no-deps", "-q", "-d", str(wheels)]
+            + list(OLD_TRANSFORMERS),
+            check=True,
+            capture_output=True,
+            timeout=600,
+        )
+        for wheel in wheels.glob("*.whl"):
+            zipfile.ZipFile(wheel).extractall(site)
+    return str(site)

@@ -7,7 +7,7 @@ import textwrap
 
 import pytest
 import torch
-from helpers import cycle_batch, tiny_config
+from helpers import OLD_TRANSFORMERS, cycle_batch, old_transformers, tiny_config
 from transformers import AutoModelForCausalLM
 
 from tidar_convert import export, load
@@ -85,33 +85,6 @@ def test_runs_without_tidar_convert_installed(exported):
         set(out["products"]) <= {"panels", "onednn", "stock"}
         and sum(out["products"].values()) == out["linears"]
     )  # which product each layer took
-
-
-# The oldest transformers an export is known to meet: a GPU lease's image (2026-12-04) had 5.17,
-# without the cache classes of later releases (DummyLayer, the hybrid caches) the runtime imports.
-OLD_TRANSFORMERS = ("transformers==5.17.0", "huggingface_hub==1.33.0")
-
-
-def old_transformers() -> str:
-    """A folder holding OLD_TRANSFORMERS unpacked (pip download from the registry, kept in the
-    cache): put first on PYTHONPATH, it stands in for an older install."""
-    import zipfile
-
-    from tidar_convert.models.loading import cache_dir
-
-    site = cache_dir() / "old-transformers" / "-".join(OLD_TRANSFORMERS).replace("==", "")
-    if not (site / "transformers" / "__init__.py").exists():
-        wheels = site.with_suffix(".wheels")
-        subprocess.run(
-            [sys.executable, "-m", "pip", "download", "--no-deps", "-q", "-d", str(wheels)]
-            + list(OLD_TRANSFORMERS),
-            check=True,
-            capture_output=True,
-            timeout=600,
-        )
-        for wheel in wheels.glob("*.whl"):
-            zipfile.ZipFile(wheel).extractall(site)
-    return str(site)
 
 
 @pytest.mark.slow

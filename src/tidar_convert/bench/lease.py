@@ -549,8 +549,8 @@ def step(module, optimizer, batch: dict, device: torch.device) -> float:
 
 def export_section(module, steps: int, folder: Path) -> dict:
     """What `fit --out` writes at the end of a run, in the base's dtype."""
+    from tidar_convert.exports.card import training_card
     from tidar_convert.exports.folder import export, export_dtype
-    from tidar_convert.train.fit import training_card
 
     card = training_card(module.hparams, steps, folder.parent)
     path = export(

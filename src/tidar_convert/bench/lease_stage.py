@@ -64,6 +64,29 @@ PLATFORM_ARGS = [
 ]
 
 
+# The two device calls, as docs/development.md gives them (tests/test_lease.py checks they agree):
+# the first keeps half 1 on the machine; the second, right after it, installs the wheels, keeps
+# half 2, joins, and runs everything else, its output logged under $OUT as well.
+INSTALL = (
+    "python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade "
+    "--target /tmp/site .lease/2/wheels/*.whl && export PYTHONPATH=src:/tmp/site || exit; "
+)
+DEVICE_CALLS = (
+    {
+        "command": "PYTHONPATH=src python3 -m tidar_convert.bench.lease --staged .lease/1 "
+        "--stage-only --out $OUT",
+        "carry": [".lease/1"],
+        "timeout_s": 120,
+    },
+    {
+        "command": INSTALL + "set -o pipefail; PYTHONUNBUFFERED=1 python3 -m "
+        "tidar_convert.bench.lease --staged .lease/2 --out $OUT 2>&1 | tee $OUT/lease.log",
+        "carry": [".lease/2"],
+        "timeout_s": 590,
+    },
+)
+
+
 def split(path: Path, folders: list[Path]) -> dict:
     """Cut `path` into len(folders) nearly equal parts, one in each folder, each folder with the
     manifest (the whole file's name, size and sha256, and every part's)."""

@@ -278,3 +278,30 @@ def update_model_card(path: str | os.PathLike, metrics: dict) -> bool:
         log.warning("could not update the model card %s: %s", readme, e)
         return False
     return True
+
+
+def training_card(hparams, steps: int | None, run_dir: Path) -> dict:
+    """What an export's model card says about its training: base model, steps, LoRA and schedule
+    settings, and the full config (`fit` saves it as <run folder>/config.yaml). Here, not in
+    train/fit.py, so that what exports a trained module without LightningCLI (bench.lease, where
+    jsonargparse is missing) has it."""
+    card = {
+        k: hparams[k]
+        for k in ("lora_r", "lora_alpha", "warmup_ratio", "min_lr_ratio")
+        if k in hparams
+    }
+    if hparams.get("distill_weight", 0) > 0:
+        card.update(
+            {
+                k: hparams[k]
+                for k in ("distill_weight", "distill_temperature", "teacher")
+                if k in hparams
+            }
+        )
+    if hparams.get("anchor_weight", 0) > 0:
+        card["anchor_weight"] = hparams["anchor_weight"]
+    card["base_model"] = hparams.get("model")
+    card["steps"] = steps
+    if (run_dir / "config.yaml").is_file():
+        card["recipe"] = (run_dir / "config.yaml").read_text()
+    return card

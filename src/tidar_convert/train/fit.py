@@ -16,6 +16,7 @@ from typing import Literal
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.cli import LightningCLI, SaveConfigCallback
 
+from tidar_convert.exports.card import training_card  # noqa: F401  (fit and export use it)
 from tidar_convert.train.callbacks import RunClock, Throughput, TrainProgress
 from tidar_convert.train.checkpoints import FinalCheckpoint, atomic_checkpoints
 from tidar_convert.train.checks import (
@@ -467,31 +468,6 @@ def check_checkpoint_format(paths, strategy) -> None:
                 "or turn it into a model folder with "
                 "`tidar-convert export --checkpoint PATH --out DIR` and train from that."
             )
-
-
-def training_card(hparams, steps: int | None, run_dir: Path) -> dict:
-    """What an export's model card says about its training: base model, steps, LoRA and schedule
-    settings, and the full config (`fit` saves it as <run folder>/config.yaml)."""
-    card = {
-        k: hparams[k]
-        for k in ("lora_r", "lora_alpha", "warmup_ratio", "min_lr_ratio")
-        if k in hparams
-    }
-    if hparams.get("distill_weight", 0) > 0:
-        card.update(
-            {
-                k: hparams[k]
-                for k in ("distill_weight", "distill_temperature", "teacher")
-                if k in hparams
-            }
-        )
-    if hparams.get("anchor_weight", 0) > 0:
-        card["anchor_weight"] = hparams["anchor_weight"]
-    card["base_model"] = hparams.get("model")
-    card["steps"] = steps
-    if (run_dir / "config.yaml").is_file():
-        card["recipe"] = (run_dir / "config.yaml").read_text()
-    return card
 
 
 def _quiet_libraries() -> None:
