@@ -808,9 +808,13 @@ def test_decoder_table_says_weights_and_generate_arguments():
     assert kw["base_prompt_lookup"] == {"prompt_lookup_num_tokens": 3}
     # and its stock product: what a user has without converting
     assert not DECODERS["base_prompt_lookup"].packs_here()
+    assert kw["ar_compiled"] == {"tidar": False, "cache_implementation": "static"}
+    assert DECODERS["ar_compiled"].compiled_on(torch.device("cuda"))
+    assert not DECODERS["ar_compiled"].compiled_on(torch.device("cpu"))
     assert decoders.decoder_names("export") == (
         "ar",
         "ar_stock",
+        "ar_compiled",
         "prompt_lookup",
         "tidar",
         "tidar_chain",
@@ -1164,3 +1168,54 @@ def test_the_readme_figure_is_drawn_from_its_record(tmp_path):
     assert (root / "docs/figures/default-fp32.png").is_file()
     drawn = plots.figure_cmd(str(root / "bench/results/default-fp32.json"), tmp_path / "f.png")
     assert drawn.stat().st_size > 10_000
+
+
+def test_host_time_is_what_a_generation_spends_outside_the_decoder_and_head(monkeypatch):
+    """ForwardCounter's host work on a clock that only the code advances: each step spends 5 s of
+    host work, 10 s in the decoder stack and 1 s in the head, read lazily after a further 2 s of
+    host work (as the engine reads a group's rows), so any hook missed or misplaced changes it."""
+    from tidar_convert.bench import decoders
+
+    clock = [0.0]
+    monkeypatch.setattr(decoders.time, "perf_counter", lambda: clock[0])
+
+    class Body(torch.nn.Module):
+        def forward(self, input_ids=None):
+            clock[0] += 10
+            return input_ids.float()[..., None]
+
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.body, self.head = Body(), torch.nn.Linear(1, 3)
+            self.dummy = torch.nn.Parameter(torch.zeros(1))
+
+        def get_decoder(self):
+            return self.body
+
+        def get_output_embeddings(self):
+            return self.head
+
+    model = Model()
+    slow_head = model.head.forward
+
+    def head(x):
+        clock[0] += 1
+        return slow_head(x)
+
+    model.head.forward = head
+    with decoders.ForwardCounter(model) as count:
+        start = clock[0]
+        for _ in range(3):
+            clock[0] += 5
+            hidden = model.body(input_ids=torch.ones(1, 4, dtype=torch.long))
+            clock[0] += 2
+            model.head(hidden)
+        seconds = clock[0] - start
+    assert count.forwards == 3 and count.model_seconds == 33
+    assert count.host_ms_per_step(seconds) == 7000
+    # a compiled forward carries no hooks: counted as AR, not timed
+    with decoders.ForwardCounter(model, hooked=False) as untimed:
+        model.body(input_ids=torch.ones(1, 4, dtype=torch.long))
+    untimed.one_per_token(5, 4)
+    assert untimed.slots == [4, 1, 1, 1, 1] and untimed.host_ms_per_step(1.0) is None

@@ -53,6 +53,14 @@ class Decoder:
     pack_weights: bool | str = "auto"
     siblings: int | None = None
     slot_budget: int | None = None
+    # transformers' generate with this cache (AR only): "static" is what generate() compiles on a
+    # GPU by itself (torch.compile of the forward, CUDA graphs), AR at its fastest; on a CPU the
+    # same code runs eager
+    cache: str | None = None
+
+    def compiled_on(self, device: torch.device) -> bool:
+        """generate() compiles the forward (transformers' auto-compile: a static cache on CUDA)."""
+        return self.cache == "static" and device.type == "cuda"
 
     def generate_kwargs(self, k: int | None, prompt_lookup_tokens: int) -> dict:
         kwargs = {}
@@ -73,6 +81,8 @@ class Decoder:
             kwargs["prompt_lookup_num_tokens"] = prompt_lookup_tokens
         if self.weights == "export" and self.pack_weights != "auto":
             kwargs["pack_weights"] = self.pack_weights
+        if self.cache is not None:
+            kwargs["cache_implementation"] = self.cache
         return kwargs
 
     def packs_here(self) -> bool:
@@ -86,6 +96,9 @@ DECODERS = {
     "ar": Decoder(),
     # the same, on PyTorch's stock CPU product: plain transformers
     "ar_stock": Decoder(pack_weights=False),
+    # AR at its fastest on a GPU: a static cache, which generate() compiles there (the GPU's
+    # baseline, issue 44); eager with a static cache on a CPU
+    "ar_compiled": Decoder(cache="static"),
     # transformers' n-gram drafts from the prompt, same weights
     "prompt_lookup": Decoder(lookup=True),
     # TiDAR's defaults: hybrid drafts (lookup where it matches, else diffusion), plan "cost", 3
@@ -119,17 +132,30 @@ def decoder_names(weights: str) -> tuple[str, ...]:
 
 
 class ForwardCounter:
-    """Query slots of each forward of the decoder stack, and the LM-head rows computed after it.
+    """Query slots of each forward of the decoder stack, the LM-head rows computed after it, and the
+    time spent inside both (`model_seconds`).
 
     `with ForwardCounter(model) as count: model.generate(...)`; the first forward is the prefill
     (for prompt lookup it also carries the first draft), the ones after it are decoding steps.
     Head rows are summed over the batch (the bench decodes batch 1).
+
+    Host work is the rest of a generation's time: what the decoding loop does between and around
+    the model's forwards (drafts, plans, masks, verify, commit, cache crops, transformers' own
+    logits processing). On CUDA each hook waits for the device, so a forward's kernels are counted
+    in it and not in the host work that would otherwise wait for them. hooked=False leaves every
+    hook out: a forward that torch.compile captures must not hold hooks that read clocks or
+    synchronize.
     """
 
-    def __init__(self, model):
+    def __init__(self, model, timed: bool = True, hooked: bool = True):
         self.model = model
+        self.timed = timed and hooked
+        self.hooked = hooked
+        self.device = next(model.parameters()).device
         self.slots: list[int] = []
         self.head_rows: list[int] = []
+        self.model_seconds = 0.0
+        self._since = None
 
     def _forward(self, module, args, kwargs):
         x = kwargs.get("input_ids")
@@ -139,21 +165,56 @@ class ForwardCounter:
             x = args[0]
         self.slots.append(int(x.shape[1]))
         self.head_rows.append(0)
+        self._start()
 
     def _head(self, module, args, output):
         if self.head_rows:  # rows belong to the forward they read from: the last one started
             self.head_rows[-1] += output.numel() // output.shape[-1]
+        self._stop()
+
+    def _start(self, *_):
+        if self.timed:
+            synchronize(self.device)
+            self._since = time.perf_counter()
+
+    def _stop(self, *_):
+        if self.timed and self._since is not None:
+            synchronize(self.device)
+            self.model_seconds += time.perf_counter() - self._since
+            self._since = None
 
     def __enter__(self):
+        self.hooks = []
+        if not self.hooked:
+            return self
+        decoder, head = self.model.get_decoder(), self.model.get_output_embeddings()
         self.hooks = [
-            self.model.get_decoder().register_forward_pre_hook(self._forward, with_kwargs=True),
-            self.model.get_output_embeddings().register_forward_hook(self._head),
+            decoder.register_forward_pre_hook(self._forward, with_kwargs=True),
+            head.register_forward_hook(self._head),
         ]
+        if self.timed:
+            self.hooks += [
+                decoder.register_forward_hook(self._stop),
+                head.register_forward_pre_hook(self._start),
+            ]
         return self
 
     def __exit__(self, *exc):
         for hook in self.hooks:
             hook.remove()
+
+    def one_per_token(self, new_tokens: int, prompt_tokens: int) -> None:
+        """The counts of plain AR decoding, for a run without hooks (a compiled forward): the
+        prompt, then one slot and one head row for each new token after the first."""
+        self.slots = [prompt_tokens] + [1] * max(0, new_tokens - 1)
+        self.head_rows = [1] * len(self.slots)
+
+    def host_ms_per_step(self, seconds: float) -> float | None:
+        """Milliseconds a forward (prefill included) of a generation that took `seconds` spent
+        outside the decoder stack and the vocabulary head; None untimed."""
+        if not self.timed or not self.forwards:
+            return None
+        return 1000 * max(0.0, seconds - self.model_seconds) / self.forwards
 
     @property
     def forwards(self) -> int:
@@ -187,10 +248,12 @@ def run_decoder(
     spec = DECODERS[decoder]
     device = input_ids.device
     how = {"do_sample": True, **sampling} if sampling else {"do_sample": False}
+    # hooks inside a compiled forward would be traced into it (and recompile it for every prompt)
+    compiled = spec.compiled_on(device)
     with (
         torch.no_grad(),
         cpu_kernels(model, enabled=spec.packs_here()),
-        ForwardCounter(model) as count,
+        ForwardCounter(model, hooked=not compiled) as count,
     ):
         synchronize(device)
         t0 = time.perf_counter()
@@ -204,9 +267,12 @@ def run_decoder(
         )
         synchronize(device)
         seconds = time.perf_counter() - t0
-    # a batch (left-padded, `attention_mask`) gives every row's; the counts are row 0's
+    # a batch (left-padded, `attention_mask`) gives every row's, each as wide as the longest (rows
+    # that ended are padded); the counts are row 0's
     rows = out[:, input_ids.shape[1] :].tolist()
     tokens = rows[0]
+    if compiled:
+        count.one_per_token(len(tokens), input_ids.shape[1])
     nfe = count.forwards
     row = {
         "new_tokens": len(tokens),
@@ -217,6 +283,8 @@ def run_decoder(
         "steps": count.steps,
         "slots_per_step": count.per_step(count.slots),
         "lm_head_rows_per_step": count.per_step(count.head_rows),
+        # milliseconds a forward spent outside the model (ForwardCounter); None where compiled
+        "host_ms_per_step": count.host_ms_per_step(seconds),
         "tokens": tokens,
     }
     if len(rows) > 1:

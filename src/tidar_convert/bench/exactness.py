@@ -64,7 +64,9 @@ def bench_exactness_cmd(
         output_logits=True,
     )
     names = [
-        n for n, d in DECODERS.items() if d.weights == "export" and n not in ("ar", "ar_stock")
+        n
+        for n, d in DECODERS.items()
+        if d.weights == "export" and n not in ("ar", "ar_stock", "ar_compiled")
     ]
     rows, seconds = [], {"auto": 0.0, "stock": 0.0}
     chosen = prompt_set(prompts, limit)

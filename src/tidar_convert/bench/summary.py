@@ -34,6 +34,14 @@ def per_step(runs: list[dict], key: str) -> float | None:
     return sum(v * s for v, s in pairs) / steps if steps else None
 
 
+def host_ms(runs: list[dict]) -> float | None:
+    """Host milliseconds per forward over all prompts, each weighted by its forwards; None where a
+    run was not timed (a compiled forward)."""
+    if not runs or any(r.get("host_ms_per_step") is None for r in runs):
+        return None
+    return sum(r["host_ms_per_step"] * r["nfe"] for r in runs) / sum(r["nfe"] for r in runs)
+
+
 def draft_sources(runs: list[dict]) -> dict | None:
     """The engine's draft sources summed over prompts: counts per source (a dict) or one name per
     draft (a list); None when the engine does not report them."""
@@ -94,6 +102,7 @@ def summarize(rows: list[dict]) -> dict:
             else 0.0,
             "slots_per_step": per_step(runs, "slots_per_step"),
             "lm_head_rows_per_step": per_step(runs, "lm_head_rows_per_step"),
+            "host_ms_per_step": host_ms(runs),
             # not the export's weights, or sampled (other draws of the same distribution): None
             "identical": None
             if base or unmatched
@@ -129,7 +138,8 @@ def summary_line(decoder: str, s: dict) -> str:
     return (
         f"{decoder:>18}: {s['tokens_per_s']:8.1f} tok/s ({vs}), {s['tokens_per_nfe']:.2f} T/NFE, "
         f"{_num(s.get('slots_per_step'), '.1f')} slots and "
-        f"{_num(s.get('lm_head_rows_per_step'), '.1f')} LM-head rows a step, {same}"
+        f"{_num(s.get('lm_head_rows_per_step'), '.1f')} LM-head rows a step, "
+        f"{_num(s.get('host_ms_per_step'))} host ms a forward, {same}"
     )
 
 
