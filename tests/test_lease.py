@@ -95,6 +95,37 @@ def test_the_schedule_by_time_is_fits_curve():
         schedule.step()
 
 
+def test_a_failing_section_is_recorded_and_the_run_goes_on(tmp_path):
+    """On a real run: the error and what the section wrote before it stay in its JSON, a section
+    needing it is skipped saying so, the others run; past the budget nothing starts. The dry run
+    raises."""
+    import copy
+
+    plan = copy.copy(lease.GPU_PLAN)
+    run = lease.Run(plan, tmp_path, dry_run=False)
+
+    def broken():
+        run.write("bench", {"batch_1": {"raw": "one prompt done"}})
+        raise RuntimeError("out of memory")
+
+    run.section("bench", broken)
+    run.section("after", lambda: {"value": 1}, needs=("bench",))
+    run.section("other", lambda: {"value": 2})
+    saved = {p.stem: json.loads(p.read_text()) for p in tmp_path.glob("*.json")}
+    assert saved["bench"]["error"] == "RuntimeError: out of memory"
+    assert saved["bench"]["batch_1"] == {"raw": "one prompt done"}
+    assert "RuntimeError" in saved["bench"]["traceback"]
+    assert saved["after"]["skipped"] == "needs bench, which did not finish"
+    assert saved["other"]["value"] == 2 and saved["other"]["seconds"] >= 0
+    plan.budget_s = 0
+    late = lease.Run(plan, tmp_path / "late", dry_run=False)
+    late.section("train", lambda: {"value": 3})
+    assert "time budget of 0 s was spent" in late.results["train"]["skipped"]
+    dry = lease.Run(copy.copy(lease.DRY_PLAN), tmp_path / "dry", dry_run=True)
+    with pytest.raises(RuntimeError, match="out of memory"):
+        dry.section("bench", broken)
+
+
 def test_the_docs_give_the_device_calls_the_code_has():
     """docs/development.md's two calls are lease_stage.DEVICE_CALLS, word for word."""
     doc = (ROOT / "docs" / "development.md").read_text()
