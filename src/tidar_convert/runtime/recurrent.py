@@ -415,7 +415,7 @@ def _split(snap: dict, B: int, L: int) -> list:
     """A snapshot of B * L rows (row b * L + l) as L snapshots of B rows."""
     return [
         {
-            i: tuple(None if t is None else t.view(B, L, *t.shape[1:])[:, row] for t in pair)
+            i: tuple(None if t is None else t.unflatten(0, (B, L))[:, row] for t in pair)
             for i, pair in snap.items()
         }
         for row in range(L)
