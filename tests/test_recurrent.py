@@ -203,15 +203,16 @@ def prefilled(model, prompt: torch.Tensor, mixers: list):
 ONE_TOKEN_PATH_DIFFERS = {"zamba2"}
 
 
-@pytest.mark.parametrize(
-    "family",
-    [
+def one_token_path_xfail(families):
+    return [
         pytest.param(f, marks=pytest.mark.xfail(reason="transformers' one-token path", strict=True))
         if f in ONE_TOKEN_PATH_DIFFERS
         else f
-        for f in KINDS
-    ],
-)
+        for f in families
+    ]
+
+
+@pytest.mark.parametrize("family", one_token_path_xfail(KINDS))
 def test_a_group_drafts_from_the_state_at_its_anchor(models, family):
     """Each mask group of a decode step computes what the same group computes after a fresh
     prefill of the tokens before its anchor: the state it starts from is the one recorded after
@@ -298,9 +299,10 @@ GATED_DELTA_STEP = ["qwen3_5_text", "qwen3_5_moe_text", "lara_mini", "qwen3_next
 
 
 def test_the_one_pass_families_are_those_whose_mixers_it_reads(models):
-    assert [f for f in KINDS if recurrent.trees_supported(recurrent.mixers(models[f]))] == [
-        f for f in KINDS if f in GATED_DELTA_STEP
-    ]
+    def one_pass(model):
+        return all(recurrent.is_gated_delta(m) for m in recurrent.mixers(model))
+
+    assert [f for f in KINDS if one_pass(models[f])] == [f for f in KINDS if f in GATED_DELTA_STEP]
 
 
 @pytest.mark.parametrize("family", GATED_DELTA_STEP)
@@ -372,11 +374,11 @@ class ScriptedTree(drafters.Drafter):
         )
 
 
-@pytest.mark.parametrize("family", [*GATED_DELTA_STEP, "nemotron_h"])
+@pytest.mark.parametrize("family", KINDS)
 def test_a_tree_step_continues_each_nodes_parent(models, family, monkeypatch):
-    """Greedy TiDAR with siblings equals AR, branches taken two deep off the chain: each node of
-    the tree continues its parent's state and the commit keeps the branch's. Where the mixers
-    cannot (a Mamba 2), steps verify chains only, as exactly."""
+    """Greedy TiDAR with siblings equals AR, branches taken two deep off the chain, for every
+    layer kind (the one-pass gated delta step, or the generic path's depth-by-depth calls): each
+    node of the tree continues its parent's state and the commit keeps the branch's."""
     model = models[family]
     ids = cycle_batch(1, 9, seed=2)
     kw = dict(max_new_tokens=20, do_sample=False, eos_token_id=None)
@@ -387,18 +389,15 @@ def test_a_tree_step_continues_each_nodes_parent(models, family, monkeypatch):
         got = generate(ids, model=model, drafter="scripted-tree", siblings=3, plan="adaptive", **kw)
     assert torch.equal(got, expected)
     stats = model.tidar_stats
-    if recurrent.trees_supported(recurrent.mixers(model)):
-        assert stats["sibling_steps"] >= 2 and max(stats["accepted"]) >= 3, stats
-    else:
-        assert stats["sibling_steps"] == 0
+    assert stats["sibling_steps"] >= 2 and max(stats["accepted"]) >= 3, stats
 
 
-@pytest.mark.parametrize("family", GATED_DELTA_STEP)
+@pytest.mark.parametrize("family", one_token_path_xfail(KINDS))
 def test_tree_nodes_and_groups_compute_what_their_paths_compute(models, family):
     """One tree step from a prefilled cache: each node's logits are those of its path (the
     prompt, its ancestors, itself) run as a chain; a group anchored after a sibling drafts what
     it drafts after a fresh prefill of that path; and keeping a branch leaves the state and
-    window a fresh prefill of the path leaves."""
+    window a fresh prefill of the path leaves (every state: Kimi's layer holds three windows)."""
     from tidar_convert.runtime.forward import forward
 
     model = models[family]
@@ -463,6 +462,14 @@ def test_tree_nodes_and_groups_compute_what_their_paths_compute(models, family):
         branch = path(4)  # [0, 3, 4]
         recurrent.keep_states(cache, T, torch.tensor([len(branch)]), branch)
         fresh = prefilled(model, torch.cat([prompt, tokens[:, branch]], 1), mixers)
-    for kept, chain in zip(recurrent.recurrent_layers(cache), recurrent.recurrent_layers(fresh)):
-        torch.testing.assert_close(kept.recurrent_states[0], chain.recurrent_states[0])
-        torch.testing.assert_close(kept.conv_states[0], chain.conv_states[0])
+    layers = list(zip(recurrent.recurrent_layers(cache), recurrent.recurrent_layers(fresh)))
+    assert layers
+    for kept, chain in layers:
+        for i in range(kept.number_of_states):
+            assert kept.is_conv_states_initialized[i] == chain.is_conv_states_initialized[i]
+            if kept.is_conv_states_initialized[i]:
+                torch.testing.assert_close(kept.conv_states[i], chain.conv_states[i])
+            if chain.is_recurrent_states_initialized[i]:
+                torch.testing.assert_close(
+                    kept.recurrent_states[i], chain.recurrent_states[i], atol=5e-5, rtol=1e-4
+                )

@@ -52,7 +52,6 @@ from .kernels import resolve as resolve_kernels
 # imported here so a missing layout.py is named as generate.py's import
 from .layout import decode_mask_mod  # noqa: F401
 from .plan import Planner
-from .recurrent import trees_supported
 from .session import Session, session_of
 from .spec import TiDARSpec, check_draft_length
 from .verify import Greedy, Sampling, draw_seed
@@ -466,14 +465,9 @@ def generate(
         model.device.type,
         run.input_ids.shape[0],
     )
-    # where siblings are exact (a recurrent layer of another kind than the gated delta step's
-    # would scan a tree's nodes as one chain)
-    tree = (
-        isinstance(run.pick, Greedy)
-        and beta == 1.0
-        and run.input_ids.shape[0] == 1
-        and trees_supported(run.session.recurrent_mixers(model))
-    )
+    # where siblings are exact (walking a tree under sampling, or mixing in the diffusion logits,
+    # is not built; a batch verifies chains)
+    tree = isinstance(run.pick, Greedy) and beta == 1.0 and run.input_ids.shape[0] == 1
     # siblings < 0 goes through, for Planner to refuse by name
     planner = Planner(
         run.k,

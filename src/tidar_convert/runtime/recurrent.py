@@ -20,6 +20,9 @@ short convolutions, Kimi's delta attention) does, so one wrapper serves them all
   one's state, on a cache of its own (`Seeded`) that keeps the autograd graph.
 - groups: one call on all groups at once, a batch of short sequences seeded with their anchors'
   states and convolution windows.
+- causal slots of a tree (siblings; decoding): one call per depth, each slot a one-token row
+  seeded with its parent's state and window as a group is with its anchor's (`_run_tree`); the
+  states it reaches are recorded as a chain's are, so `keep_states` keeps a branch by its path.
 - a gated delta net built like Qwen3.5's or Qwen3-Next's takes a decode step in one pass instead
   (`gated_delta_step`): the same arithmetic without the groups' second mixer call.
 
@@ -188,12 +191,14 @@ def _segmented(mixer, seg: Segments):
             layer = cache.layers[mixer.layer_idx]
             if _began(layer):
                 return gated_delta_step(mixer, hidden_states, layer, seg)
-        if seg.parents is not None:  # generate() verifies chains only where trees_supported fails
-            raise RuntimeError(f"{type(mixer).__name__} cannot verify a tree: see trees_supported")
         x = hidden_states[:, :T]
         kind = continuation(type(mixer))
+        if seg.parents is not None and (seg.pieces or cache is None):
+            raise ValueError("a tree of causal slots (Segments.parents) is a decode step's only")
         if seg.pieces or cache is None:
             y, seeds = _run_pieces(original, mixer.layer_idx, x, seg, kwargs, kind)
+        elif seg.parents is not None:
+            y, seeds = _run_tree(original, mixer.layer_idx, x, cache, seg, kwargs, kind)
         else:
             y, seeds = _run_recorded(original, mixer.layer_idx, x, cache, seg, kwargs, kind)
         if not G:
@@ -325,7 +330,7 @@ def _run_pieces(original, layer_idx: int, x, seg: Segments, kwargs, kind: str = 
         layer.seeded()
         start = stop
     y = _replace_first(outs[0], torch.cat([_first(o) for o in outs], 1))
-    return y, _seeds(seg.anchors, at, layer)
+    return y, _seeds(seg.anchors, at)
 
 
 def _window(full: torch.Tensor, K: int) -> torch.Tensor:
@@ -335,25 +340,25 @@ def _window(full: torch.Tensor, K: int) -> torch.Tensor:
     return full[..., -K:]
 
 
-def _seeds(anchors, at: dict, layer) -> dict:
-    """state index -> (conv windows, states), each stacked (G, B, ...) over the anchors; anchor 0
-    (nothing before it) gets zeros, which is what a fresh state and a fresh window are."""
+def _stack(snaps: list) -> dict:
+    """state index -> (conv windows, states), each stacked (N, B, ...) over N snapshots
+    (`_state_after`'s, all of the same states): the seeds `Seeded.of` takes."""
+
+    def stacked(i, j):
+        return None if snaps[0][i][j] is None else torch.stack([snap[i][j] for snap in snaps])
+
+    return {i: (stacked(i, 0), stacked(i, 1)) for i in snaps[0]}
+
+
+def _seeds(anchors, at: dict) -> dict:
+    """`_stack` over the anchors' snapshots; anchor 0 (nothing before it) gets zeros, which is
+    what a fresh state and a fresh window are."""
     some = next(iter(at.values()))
-    seeds = {}
-    for i, (conv, rec) in some.items():
-
-        def pick(a, j, like):
-            if like is None:
-                return None
-            return torch.zeros_like(like) if a == 0 else at[a][i][j]
-
-        convs = [pick(a, 0, conv) for a in anchors]
-        recs = [pick(a, 1, rec) for a in anchors]
-        seeds[i] = (
-            None if conv is None else torch.stack(convs),
-            None if rec is None else torch.stack(recs),
-        )
-    return seeds
+    zeros = {
+        i: tuple(None if t is None else torch.zeros_like(t) for t in pair)
+        for i, pair in some.items()
+    }
+    return _stack([zeros if a == 0 else at[a] for a in anchors])
 
 
 def _run_recorded(original, layer_idx: int, x, cache, seg: Segments, kwargs, kind: str = CHUNKED):
@@ -364,7 +369,72 @@ def _run_recorded(original, layer_idx: int, x, cache, seg: Segments, kwargs, kin
     start_recording(layer, T if seg.record else 0)
     out = _continue(original, x, cache, layer, _mask(seg, 0, T), kwargs, kind, seg.record)
     at = {a: _state_after(layer, a, T) for a in set(seg.anchors)}
-    return out, (_seeds(seg.anchors, at, layer) if at else {})
+    return out, (_seeds(seg.anchors, at) if at else {})
+
+
+def _levels(parents) -> list[list[int]]:
+    """A tree's slots by depth (parents before children, -1: the cache): each level's parents all
+    lie in the levels before it."""
+    depth = {-1: -1}
+    for slot, parent in enumerate(parents):
+        depth[slot] = depth[parent] + 1
+    return [
+        [s for s in range(len(parents)) if depth[s] == level]
+        for level in range(max(depth.values()) + 1)
+    ]
+
+
+def _run_tree(original, layer_idx: int, x, cache, seg: Segments, kwargs, kind: str = CHUNKED):
+    """Decoding a tree (seg.parents): a scan over the causal slots in order would run each sibling
+    from its left neighbour's state, so the slots run depth by depth instead, one call per depth:
+    each slot one token, a batch row of its own, seeded with its parent's state and window as a
+    group is with its anchor's (`Seeded`). The real layer is then left as a chain's recording
+    leaves it (`_record_tree`), so keep_states keeps a branch by its path, and a group anchored
+    after any slot starts from that slot's state."""
+    B, T, D = x.shape
+    layer = cache.layers[layer_idx]
+    start_recording(layer, T)
+    after = {-1: _state_after(layer, 0, 0)}  # slot -> its state and window, (B, ...) each
+    outs = [None] * T
+    for slots in _levels(seg.parents):
+        L = len(slots)
+        level = Seeded.of(_stack([after[seg.parents[s]] for s in slots]), B, L, kind)
+        seeded = Cache(layers=_placeholders(layer_idx) + [level])
+        inputs = x[:, slots].reshape(B * L, 1, D)  # row b * L + l, as Seeded.of lays out seeds
+        mask = None if seg.valid is None else seg.valid[:, slots].reshape(B * L, 1).long()
+        out = _continue(original, inputs, seeded, level, mask, kwargs, kind)
+        y = _first(out).reshape(B, L, -1)
+        for row, (slot, snap) in enumerate(zip(slots, _split(_state_after(level, 1, 1), B, L))):
+            outs[slot], after[slot] = y[:, row], snap
+    _record_tree(layer, after, T)
+    at = {a: after[a - 1] for a in set(seg.anchors)}
+    return _replace_first(out, torch.stack(outs, 1)), (_seeds(seg.anchors, at) if at else {})
+
+
+def _split(snap: dict, B: int, L: int) -> list:
+    """A snapshot of B * L rows (row b * L + l) as L snapshots of B rows."""
+    return [
+        {
+            i: tuple(None if t is None else t.unflatten(0, (B, L))[:, row] for t in pair)
+            for i, pair in snap.items()
+        }
+        for row in range(L)
+    ]
+
+
+def _record_tree(layer, after: dict, T: int) -> None:
+    """The layer as a recording call over T chain slots leaves it, for keep_states and the
+    groups: the window before the step, then each slot's convolution input (the last column of
+    its window) in slot order; the state after each slot, in slot order."""
+    for i, (conv, rec) in after[-1].items():
+        if conv is not None:
+            inputs = [after[s][i][0][..., -1:].to(conv.dtype) for s in range(T)]
+            layer.conv_states[i] = torch.cat([conv, *inputs], -1)
+        if rec is not None:
+            states = [rec] + [after[s][i][1].to(rec.dtype) for s in range(T)]
+            layer.recurrent_states_history[i] = states[:-1]
+            layer.recurrent_states[i] = states[-1]
+    layer.cumulative_length_linear = layer.cumulative_length_linear + T
 
 
 def _began(layer) -> bool:
@@ -499,13 +569,6 @@ GATED_DELTA_PROJECTIONS = (
 GATED_DELTA = ("conv1d", "A_log", "dt_bias", "norm", "out_proj")
 
 
-def trees_supported(found: list) -> bool:
-    """Whether a step over a tree of drafts (siblings) runs exactly through these mixers: each
-    slot must continue its parent's state, which the one-pass gated delta step does
-    (`_delta_tree`); the other kinds scan their causal slots as one chain."""
-    return all(is_gated_delta(m) for m in found)
-
-
 def is_gated_delta(mixer) -> bool:
     """A gated delta net built like Qwen3.5's or Qwen3-Next's: q/k/v, z, b and a projections
     (GATED_DELTA_PROJECTIONS), one depthwise convolution, a gated RMS norm, SiLU."""
@@ -579,11 +642,7 @@ def _delta_tree(state, q, k, v, beta, g, out, parents) -> list[torch.Tensor]:
     """`_delta_rule` over a tree of T slots (batch 1): each slot continues its parent's state,
     the slots of one depth as one batch. Returns the state after each slot, in slot order."""
     after = {-1: state}
-    depth = {-1: -1}
-    for slot, parent in enumerate(parents):
-        depth[slot] = depth[parent] + 1
-    for level in range(max(depth.values()) + 1):
-        slots = [s for s in range(len(parents)) if depth[s] == level]
+    for slots in _levels(parents):
         seeds = torch.cat([after[parents[s]] for s in slots])  # (L, H, dk, dv)
 
         def pick(t):  # (1, H, T, ...) -> (L, H, 1, ...): each slot of the level as a row
