@@ -47,6 +47,11 @@ def test_prompts_mix_code_and_text():
     assert len(prompts.bench_prompts()) == 164 + len(prompts.TEXT_PROMPTS)
 
 
+RUNTIME_MODULES = {
+    p.stem for p in (Path(__file__).parents[1] / "src/tidar_convert/runtime").glob("*.py")
+}
+
+
 @pytest.mark.slow  # a whole bench run (make test runs it; make test-fast skips it)
 def test_bench_json_and_plots(tiny_dirs, tiny_export, tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("TQDM_DELAY", "0")  # the tiny run's steps end before a bar would show
@@ -180,7 +185,12 @@ def test_bench_json_and_plots(tiny_dirs, tiny_export, tmp_path, capsys, monkeypa
     assert sum(
         p["share"] for label, p in b["phases"].items() if " > " not in label
     ) == pytest.approx(1.0)
-    assert "step time" in err
+    # host work a forward, and the host's reads of tensor values (the engine's own, by function)
+    assert 0 < b["host_ms_per_forward"] < b["ms_per_forward"]
+    assert b["host_reads_per_forward"] > 0 and b["host_reads_at"]
+    assert all(where.split(".")[0] in RUNTIME_MODULES for where in b["host_reads_at"])
+    assert all(r["summary"][d]["host_ms_per_step"] > 0 for d in ("ar", "tidar"))
+    assert "step time" in err and "ms of it host work" in err
     assert set(r["plots"]) == {"tokens_per_s", "accepted", "slots"}
     for png in r["plots"].values():
         assert Path(png).read_bytes()[:4] == PNG
@@ -1219,3 +1229,24 @@ def test_host_time_is_what_a_generation_spends_outside_the_decoder_and_head(monk
         model.body(input_ids=torch.ones(1, 4, dtype=torch.long))
     untimed.one_per_token(5, 4)
     assert untimed.slots == [4, 1, 1, 1, 1] and untimed.host_ms_per_step(1.0) is None
+
+
+def test_host_reads_counts_the_values_the_decoding_code_reads():
+    """HostReads counts reads of tensor values made by this package's code (each a wait for the
+    device on a GPU), by function, and none made elsewhere."""
+    from tidar_convert.bench.steps import HostReads
+
+    def engine_like(x):
+        n = int(x.sum())  # one
+        if bool(x.any()):  # two
+            values = x.tolist()  # three
+        return n, values, x.float().mean()  # no read
+
+    elsewhere = {}  # code from another file (transformers' forward, say): not counted
+    exec(compile("def read(x):\n    return x.tolist()", "elsewhere.py", "exec"), elsewhere)
+    x = torch.arange(4)
+    with HostReads(code=("test_bench",)) as reads:
+        engine_like(x)
+        elsewhere["read"](x)
+    assert reads.reads == 3
+    assert reads.at == {"test_bench.engine_like": 3}

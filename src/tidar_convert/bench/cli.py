@@ -403,10 +403,13 @@ def print_kinds(by_kind: dict) -> None:
 
 def print_breakdown(breakdown: dict) -> None:
     phases = ", ".join(f"{label} {p['share']:.0%}" for label, p in breakdown["phases"].items())
-    per = breakdown["ms_per_forward"]
+    per, host = breakdown["ms_per_forward"], breakdown.get("host_ms_per_forward")
+    reads = breakdown.get("host_reads_per_forward")
     print(
         f"    {breakdown['decoder']} step time ({breakdown['prompts']} prompts, "
-        f"{'-' if per is None else f'{per:.1f}'} ms a forward): {phases}",
+        f"{'-' if per is None else f'{per:.1f}'} ms a forward, "
+        f"{'-' if host is None else f'{host:.2f}'} ms of it host work, "
+        f"{'-' if reads is None else f'{reads:.1f}'} host reads): {phases}",
         file=sys.stderr,
     )
 

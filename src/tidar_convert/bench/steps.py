@@ -12,9 +12,13 @@ kernel time lands in the phase that waits.
 
 from __future__ import annotations
 
+import os
+import sys
 from collections import defaultdict
+from pathlib import Path
 
 import torch
+from torch.overrides import TorchFunctionMode
 from torch.profiler import ProfilerActivity, profile, record_function
 
 from tidar_convert.bench.decoders import DECODERS, ForwardCounter
@@ -101,6 +105,8 @@ def step_breakdown(
             new_tokens += out.shape[1] - ids.shape[1]
             forwards += count.forwards
     shares = phase_shares(spans(prof))
+    model_ms = sum(shares["phases"].get(label, {"ms": 0.0})["ms"] for label in MODEL_PHASES)
+    reads = host_reads(model, tokenizer, prompts, kwargs, max_new_tokens)
     return {
         "decoder": decoder,
         "prompts": len(prompts),
@@ -108,5 +114,73 @@ def step_breakdown(
         "new_tokens": new_tokens,
         "forwards": forwards,
         "ms_per_forward": shares["total_ms"] / forwards if forwards else None,
+        # under the profiler: everything outside the forward and vocabulary-head ranges
+        "host_ms_per_forward": (shares["total_ms"] - model_ms) / forwards if forwards else None,
+        # tensor values the host read, each a wait for the device on a GPU (HostReads)
+        "host_reads_per_forward": reads["reads"] / reads["forwards"] if reads["forwards"] else None,
+        "host_reads_at": reads["at"],
         **shares,
     }
+
+
+# The model's own ranges: the rest of a step is host work (the vocabulary head run outside a
+# forward, for a group's rows read later, is the model's too).
+MODEL_PHASES = ("tidar.forward", "tidar.lm_head")
+
+# What reads a tensor's values into Python: on a GPU each waits for the device to finish.
+READS = (
+    torch.Tensor.item,
+    torch.Tensor.tolist,
+    torch.Tensor.__bool__,
+    torch.Tensor.__int__,
+    torch.Tensor.__index__,
+    torch.Tensor.__float__,
+    torch.Tensor.cpu,
+    torch.Tensor.numpy,
+)
+
+
+class HostReads(TorchFunctionMode):
+    """Counts the host's reads of tensor values (READS) while active, by the engine function that
+    made them (`at`: "module.function" -> count). Reads inside the model (transformers' forward)
+    are left out: the step's own are what a lean step removes."""
+
+    # the decoding code: this package's, or an export's copy of its runtime
+    CODE = ("custom_generate", "tidar_convert")
+
+    def __init__(self, code: tuple[str, ...] = CODE):
+        super().__init__()
+        self.code, self.reads, self.at = code, 0, defaultdict(int)
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func in READS:
+            caller = sys._getframe(1)  # past torch's own dispatch frames
+            while caller is not None and f"{os.sep}torch{os.sep}" in caller.f_code.co_filename:
+                caller = caller.f_back
+            name = caller.f_code.co_filename if caller is not None else ""
+            if any(part in name for part in self.code):
+                self.reads += 1
+                self.at[f"{Path(name).stem}.{caller.f_code.co_name}"] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def host_reads(model, tokenizer, prompts: list[dict], kwargs: dict, max_new_tokens: int) -> dict:
+    """Reads of tensor values by the decoding loop (HostReads), over greedy generations of
+    `prompts`, and the forwards they took."""
+    device = next(model.parameters()).device
+    reads, forwards = HostReads(), 0
+    with torch.no_grad():
+        for prompt in prompts:
+            ids = prompt_ids(tokenizer, prompt).to(device)
+            with ForwardCounter(model, timed=False) as count, reads:
+                model.generate(
+                    ids,
+                    attention_mask=torch.ones_like(ids),
+                    max_new_tokens=max_new_tokens,
+                    do_sample=False,
+                    pad_token_id=tokenizer.pad_token_id,
+                    **kwargs,
+                )
+            forwards += count.forwards
+    top = sorted(reads.at.items(), key=lambda item: -item[1])
+    return {"reads": reads.reads, "forwards": forwards, "at": dict(top)}

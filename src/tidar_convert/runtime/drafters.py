@@ -119,12 +119,8 @@ def make_draft(pick, processors, seqs, y, diff_slots) -> Draft:
     never drafted."""
     sources = ["diffusion"] * y.shape[0]
     if not processors:  # no prefix to thread through: all slots at once
-        scores = diff_slots.float()
-        return Draft(
-            torch.cat([y[:, None], pick.token(scores)], 1),
-            confidence=pick.confidence(scores),
-            sources=sources,
-        )
+        tokens, confidence = pick.token_and_confidence(diff_slots.float())
+        return Draft(torch.cat([y[:, None], tokens], 1), confidence=confidence, sources=sources)
     tokens, conf = [y], []
     for i in range(diff_slots.shape[1]):  # slot i's guess is in slot i + 1's prefix
         scores = process_one(

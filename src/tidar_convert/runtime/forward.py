@@ -58,21 +58,36 @@ class Output:
 
     def __init__(self, model, hidden=None, logits=None, read: list[int] | None = None):
         self.model, self.hidden, self.logits, self.head_rows = model, hidden, logits, 0
-        self.cached = self.where = None
+        self.cached, self._where = None, None
+        self.row_of: dict[int, int] = {}  # slot -> its row of `cached`, known on the host
         if hidden is not None and read:
-            self.where = torch.full((hidden.shape[1],), -1, dtype=torch.long, device=hidden.device)
-            # slot -> row of `cached`
-            self.where[read] = torch.arange(len(read), device=hidden.device)
+            self.row_of = {slot: row for row, slot in enumerate(read)}
             self.cached = self.head(hidden[:, read])
             self.head_rows = len(read)
 
     def rows(self, start: int, stop: int) -> torch.Tensor:
         if self.logits is not None:
             return self.logits[:, start:stop]
-        if self.where is not None and bool((self.where[start:stop] >= 0).all()):
-            return self.cached[:, self.where[start:stop]]
+        first = self.row_of.get(start)
+        # the read rows are in slot order, so a run of slots is a slice of `cached`: a view, and
+        # no index sent to the device
+        if first is not None and all(
+            self.row_of.get(slot) == first + slot - start for slot in range(start, stop)
+        ):
+            return self.cached[:, first : first + stop - start]
         self.head_rows += stop - start
         return self.head(self.hidden[:, start:stop])
+
+    @property
+    def where(self) -> torch.Tensor | None:
+        """(slots,) each slot's row of `cached`, -1 where not read (rows_at's lookup)."""
+        if self._where is None and self.cached is not None:
+            self._where = torch.full(
+                (self.hidden.shape[1],), -1, dtype=torch.long, device=self.hidden.device
+            )
+            read = list(self.row_of)
+            self._where[read] = torch.arange(len(read), device=self.hidden.device)
+        return self._where
 
     def rows_at(
         self, starts: torch.Tensor, n: int, counts: torch.Tensor | None = None
@@ -86,9 +101,10 @@ class Output:
             )
         if self.logits is not None:
             return self.logits.gather(1, index[..., None].expand(-1, -1, self.logits.shape[-1]))
-        if self.where is not None and bool((self.where[index] >= 0).all()):
+        where = self.where
+        if where is not None and bool((where[index] >= 0).all()):
             return self.cached.gather(
-                1, self.where[index][..., None].expand(-1, -1, self.cached.shape[-1])
+                1, where[index][..., None].expand(-1, -1, self.cached.shape[-1])
             )
         self.head_rows += n
         return self.head(

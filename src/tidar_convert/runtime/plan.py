@@ -4,6 +4,7 @@ nothing but torch and its neighbours (drafters, layout, costs)."""
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, replace
 
 import torch
@@ -63,9 +64,8 @@ class StepPlan:
         return self.group_start(a) + j - a, self.k - 1 - (j - a)
 
     def positions(self, start: torch.Tensor) -> torch.Tensor:
-        return decode_position_ids(
-            start, self.causal, self.k, len(self.anchors), self.anchors, self.parents()
-        )
+        """(B, slots) each slot's position, after each row's `start` (B,)."""
+        return start[:, None] + position_offsets(self, start.device)
 
     def read(self) -> list[int]:
         """Slots whose logits a step may read: the AR rows, and each group's draft slots
@@ -73,6 +73,16 @@ class StepPlan:
         return list(range(self.causal)) + [
             self.causal + g * self.k + o for g in range(len(self.anchors)) for o in range(1, self.k)
         ]
+
+
+@functools.lru_cache(maxsize=1024)
+def position_offsets(plan: StepPlan, device: torch.device) -> torch.Tensor:
+    """(slots,) the plan's positions after a start of 0: a plan's shape repeats from step to step,
+    so its positions are built once (on the device), not with a dozen small kernels each step."""
+    zero = torch.zeros(1, dtype=torch.long, device=device)
+    return decode_position_ids(
+        zero, plan.causal, plan.k, len(plan.anchors), plan.anchors, plan.parents()
+    )[0]
 
 
 class Planner:

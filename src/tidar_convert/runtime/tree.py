@@ -33,14 +33,9 @@ def group_siblings(ctx: DraftContext, slots: torch.Tensor, chain: torch.Tensor, 
     among its next few: the case for siblings (figures: bench/RESULTS.md §3,
     results/wide-draft-offline.json; docs/method.md §3, Trees)."""
     scores = process(ctx.processors, ctx.seqs, chain, slots[:, : chain.shape[1]])
-    top = scores.softmax(-1).topk(n + 1, -1)
-    tokens, chances = zip(
-        *(
-            without(top.indices[:, i], top.values[:, i], chain[:, i], n)
-            for i in range(scores.shape[1])
-        )
-    )
-    return torch.stack(tokens, 1), torch.stack(chances, 1)
+    # the top scores are the top probabilities: their normalizer, not a softmax written out
+    top = scores.topk(n + 1, -1)
+    return without(top.indices, (top.values - scores.logsumexp(-1, keepdim=True)).exp(), chain, n)
 
 
 def grow(
@@ -97,10 +92,11 @@ def grow(
 
 
 def without(tokens: torch.Tensor, chances: torch.Tensor, taken: torch.Tensor, n: int):
-    """The first n of `tokens` (B, n + 1) other than `taken` (B,), in their order, with their
+    """The first n of `tokens` (..., n + 1) other than `taken` (...), in their order, with their
     chances."""
-    keep = (tokens != taken[:, None]).float().argsort(dim=1, descending=True, stable=True)[:, :n]
-    return tokens.gather(1, keep), chances.gather(1, keep)
+    keep = (tokens != taken[..., None]).float().argsort(dim=-1, descending=True, stable=True)
+    keep = keep[..., :n]
+    return tokens.gather(-1, keep), chances.gather(-1, keep)
 
 
 def first_siblings(look: Draft, diff: Draft):

@@ -48,6 +48,10 @@ class Verifier(Protocol):
         plan)."""
         ...
 
+    def token_and_confidence(self, scores) -> tuple[torch.Tensor, torch.Tensor]:
+        """token(scores) and confidence(scores) together: a drafter asks for both."""
+        return self.token(scores), self.confidence(scores)
+
     def verify(self, scores, draft) -> torch.Tensor:
         """(B,) drafts accepted per row (>= 1: draft 0 is committed already). scores (B, m, V)."""
         ...
@@ -70,7 +74,12 @@ class Greedy(Verifier):
         return scores.argmax(-1)
 
     def confidence(self, scores):
-        return scores.softmax(-1).amax(-1)
+        return top_probability(scores)
+
+    def token_and_confidence(self, scores):
+        # one pass for the argmax and its score, one for the normalizer: no softmax written out
+        best = scores.max(-1)
+        return best.indices, (best.values - scores.logsumexp(-1)).exp()
 
     def verify(self, scores, draft):
         match = (scores[:, :-1].argmax(-1) == draft.tokens[:, 1:]) & real_slots(draft)
@@ -81,6 +90,11 @@ class Greedy(Verifier):
 
     def next_token_rows(self, scores, draft, accepted):
         return self.token(at_rows(scores, accepted - 1))
+
+
+def top_probability(scores: torch.Tensor) -> torch.Tensor:
+    """softmax(scores).amax(-1), without a vocabulary's worth of probabilities written out."""
+    return (scores.amax(-1) - scores.logsumexp(-1)).exp()
 
 
 def at_rows(x, index):
