@@ -4,6 +4,7 @@ torch and transformers."""
 
 from __future__ import annotations
 
+import functools
 import inspect
 
 import torch
@@ -16,13 +17,16 @@ from .recurrent import Segments, layout
 READ_ROWS_ONLY = True
 
 
+@functools.lru_cache(maxsize=None)
+def takes(cls, name: str) -> bool:
+    """`cls.forward` has a parameter `name`: asked every step, and reading a signature costs more
+    than some of a step's kernels."""
+    return name in inspect.signature(cls.forward).parameters
+
+
 def cache_kwargs(model, cache) -> dict:
     """transformers 5.24 renamed `past_key_values` to `cache` (the old name goes in 5.40)."""
-    name = (
-        "cache"
-        if "cache" in inspect.signature(type(model).forward).parameters
-        else "past_key_values"
-    )
+    name = "cache" if takes(type(model), "cache") else "past_key_values"
     return {name: cache, "use_cache": True}
 
 
@@ -125,11 +129,7 @@ def decoder_body(model):
     `decoder`)."""
     for get in (lambda: model.base_model, model.get_decoder, lambda: getattr(model, "model", None)):
         body = get()
-        if (
-            body is not None
-            and body is not model
-            and "input_ids" in inspect.signature(body.forward).parameters
-        ):
+        if body is not None and body is not model and takes(type(body), "input_ids"):
             return body
     return model.get_decoder()
 
