@@ -178,6 +178,8 @@ def _build_panel_library():
         L,
         L,
         L,
+        L,
+        L,
         ctypes.c_float,
         P,
         ctypes.c_int,
@@ -325,7 +327,7 @@ def attention(
     lib = panel_library()
     B, Hq, Q, D = query.shape
     Hkv, L = key.shape[1], key.shape[2]
-    query, key, value = query.contiguous(), key.contiguous(), value.contiguous()
+    query, (key, ks), (value, vs) = query.contiguous(), rows_apart(key), rows_apart(value)
     strides = (0, 0, 0)
     if mask is not None:
         mask = mask.expand(B, Hq, Q, L)
@@ -346,8 +348,21 @@ def attention(
         Q,
         L,
         D,
+        ks,
+        vs,
         scale,
         out.data_ptr(),
         torch.get_num_threads(),
     )
     return out
+
+
+def rows_apart(x: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """x (B, H, L, D) as the kernel reads it, and the rows from one (batch, head)'s first entry to
+    the next's: a cache's filled part (cache.GrowingLayer, rows of a larger buffer) is read where
+    it is, anything else is made contiguous."""
+    B, H, L, D = x.shape
+    s = x.stride()
+    if s[3] == 1 and s[2] == D and s[1] % D == 0 and s[1] >= L * D and s[0] == H * s[1]:
+        return x, s[1] // D
+    return x.contiguous(), L

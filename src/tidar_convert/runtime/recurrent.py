@@ -41,6 +41,8 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import Cache, DynamicLayer, DynamicSlidingWindowLayer
 
+from .cache import GrowingLayer
+
 try:
     from transformers.cache_utils import DummyLayer
 except ImportError:  # an older transformers (5.17): an empty layer holds a place in a Cache too
@@ -551,8 +553,8 @@ def new_cache(config):
             cache.layers[idx] = LinearAttentionAndFullAttentionLayer(
                 number_of_states=layer.number_of_states
             )
-        elif isinstance(layer, DynamicSlidingWindowLayer):
-            cache.layers[idx] = DynamicLayer()
+        elif isinstance(layer, DynamicSlidingWindowLayer) or type(layer) is DynamicLayer:
+            cache.layers[idx] = GrowingLayer()
     return cache
 
 

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from .cache import GrowingLayer
 from .verify import process
 
 if TYPE_CHECKING:  # types only: drafters.py imports this module
@@ -178,8 +179,11 @@ def keep_slots(cache, cache_len: int, slots: list[int]) -> None:
     """Keep the cache's first cache_len entries and, of the step's slots after them, `slots`: a
     branch of a tree is not a suffix of the step, so `crop` cannot keep it."""
     index = torch.tensor([*range(cache_len), *(cache_len + s for s in slots)])
+    branch = index[cache_len:]
     for layer in cache.layers:
-        if getattr(layer, "keys", None) is not None and layer.keys.numel():
+        if isinstance(layer, GrowingLayer):  # moved inside its buffers
+            layer.keep(cache_len, branch.to(layer.device))
+        elif getattr(layer, "keys", None) is not None and layer.keys.numel():
             i = index.to(layer.keys.device)
             layer.keys, layer.values = (
                 layer.keys.index_select(-2, i),

@@ -294,7 +294,10 @@ static void scores##CB(const v16 *qt, const float *kb, long keys, long D, float 
 SCORES(1, 8) SCORES(2, 4) SCORES(3, 2) SCORES(4, 2)
 #define QC 64  /* (query, head) pairs of one kv head worked on together: 4 vectors of 16 lanes */
 void tidar_attention(const float *q, const float *k, const float *v, const unsigned char *mask, long mb, long mh, long mq, int causal,
-                     long B, long Hq, long Hkv, long Q, long L, long D, float scale, float *out, int threads) {
+                     long B, long Hq, long Hkv, long Q, long L, long D, long KS, long VS, float scale, float *out,
+                     int threads) {
+  /* KS, VS: entries between one (batch, kv head)'s keys (values) and the next's, L where packed; more
+     where they are the filled part of a cache's buffers (runtime/cache.py) */
   long G = Hq / Hkv, per = G >= QC ? 1 : QC / G;  /* queries a block: per * G pairs, at most QC (or G) */
   long blocks = (Q + per - 1) / per, CBmax = (per * G + 15) / 16;  /* vectors of pairs, at most */
   #pragma omp parallel num_threads(threads)
@@ -304,7 +307,7 @@ void tidar_attention(const float *q, const float *k, const float *v, const unsig
     for (long bh = 0; bh < B * Hkv; bh++)
       for (long blk = 0; blk < blocks; blk++) {
         long b = bh / Hkv, hk = bh % Hkv, q0 = blk * per, nq = Q - q0 < per ? Q - q0 : per, C = nq * G, CB = (C + 15) / 16;
-        const float *kb = k + bh * L * D, *vb = v + bh * L * D;
+        const float *kb = k + bh * KS * D, *vb = v + bh * VS * D;
         float *qf = (float *)qt, *sf = (float *)s;
         /* qt[d][c]: pair c = query i * G + head g, lanes past C zero */
         memset(qt, 0, sizeof(v16) * D * CB);
