@@ -603,14 +603,14 @@ def test_acceptance_by_offset_tallies_each_rows_chain():
         confidence=torch.tensor([[0.9, 0.8, 0.7], [0.5, 0.25, 0.0], [1.0, 1.0, 1.0]]),
     )
     # lookup: 2 of 3 accepted; diffusion: none of 2; the last row has stopped
-    state.judge(draft, torch.tensor([3, 1, 4]))
+    state.judge(draft, [3, 1, 4])
     state.judge(
         Draft(
             torch.zeros(3, 3, dtype=torch.long),
             length=torch.tensor([3, 1, 3]),
             sources=["lookup", "none", "lookup"],
         ),
-        torch.tensor([3, 1, 3]),
+        [3, 1, 3],
     )
     assert state.offsets == {
         "lookup": {
@@ -647,3 +647,71 @@ def test_acceptance_by_offset_adds_up_to_what_was_committed(trained):
             for t in tables.values()
             for i in range(len(t["judged"]) - 1)
         )
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+def test_commit_at_once_equals_commit_by_round(batch):
+    """The one-read commit (EOS and max_length only) leaves every field as the round-by-round one
+    does, on random steps: EOS inside and at the end of a row's tokens, rows that stopped, rows
+    at max_new, and max_length reached inside the step."""
+    from types import SimpleNamespace
+
+    from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria
+
+    from tidar_convert.runtime.engine import DecodeState, Kept, commit, known_stops
+
+    gen = torch.Generator().manual_seed(0)
+    eos, pad, max_new = [3, 5], 0, 9
+    checked = 0
+    for case in range(300):
+        L, n = (
+            int(torch.randint(2, 6, (1,), generator=gen)),
+            int(torch.randint(1, 5, (1,), generator=gen)),
+        )
+        lengths = [None, L + int(torch.randint(1, 5, (1,), generator=gen))]
+        criteria = StoppingCriteriaList([EosTokenCriteria(eos)])
+        if lengths[case % 2] is not None:
+            criteria.append(MaxLengthCriteria(lengths[case % 2]))
+        run = SimpleNamespace(pad=pad, max_new=max_new, streamer=None)
+        stops = known_stops(run, criteria)
+        assert stops is not None
+
+        def fresh():
+            state = DecodeState(
+                torch.randint(6, 20, (batch, L), generator=gen),
+                torch.rand(batch, L, generator=gen) > 0.2,
+                torch.rand(batch, generator=gen) > 0.2,
+            )
+            state.n_new = torch.randint(0, max_new - 1, (batch,), generator=gen)
+            state.new = torch.randint(6, 20, (batch, max_new + n), generator=gen)
+            tokens = torch.randint(2, 8, (batch, n), generator=gen)  # EOS often
+            counts = torch.randint(1, n + 1, (batch,), generator=gen)
+            return state, Kept(tokens, counts, [], None)
+
+        state, kept = fresh()
+        other = copy.deepcopy(state)
+        commit(run, criteria, state, kept, stops=stops)
+        commit(run, criteria, other, kept)
+        for name in ("seqs", "kv_valid", "active", "n_new", "new"):
+            assert torch.equal(getattr(state, name), getattr(other, name)), (case, name)
+        checked += int(other.seqs.shape[1] > L)
+    assert checked > 100  # most cases committed something
+
+
+def test_commit_one_round_at_a_time_for_other_criteria_and_streamers():
+    from types import SimpleNamespace
+
+    from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria
+
+    from tidar_convert.runtime.engine import known_stops
+
+    class Custom(EosTokenCriteria):  # a subclass may stop on anything
+        pass
+
+    run = SimpleNamespace(streamer=None)
+    assert known_stops(run, StoppingCriteriaList([EosTokenCriteria(2), MaxLengthCriteria(9)])) == (
+        frozenset({2}),
+        9,
+    )
+    assert known_stops(run, StoppingCriteriaList([Custom(2)])) is None
+    assert known_stops(SimpleNamespace(streamer=object()), StoppingCriteriaList([])) is None

@@ -39,7 +39,9 @@ from typing import Callable
 import torch
 from torch.profiler import record_function
 from transformers import DynamicCache, StoppingCriteriaList
+from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria
 
+from .cache import growing_cache
 from .drafters import Draft, DraftContext, Drafter, fresh
 from .forward import Output, forward
 from .layout import (
@@ -70,7 +72,7 @@ class DecodeState:
     active: torch.Tensor  # (B,) rows not yet stopped
     # (B, C) False at the cache's left padding and holes (rows that accepted less)
     cache_valid: torch.Tensor | None = None
-    cache: DynamicCache = field(default_factory=DynamicCache)
+    cache: DynamicCache = field(default_factory=growing_cache)
     nfe: int = 0
     new: torch.Tensor | None = None  # (B, max_new) each row's new tokens (pad after a row stops)
     n_new: torch.Tensor | None = None  # (B,) how many each row has
@@ -90,6 +92,19 @@ class DecodeState:
     rows: torch.Tensor | None = None
     # caller's row -> (its new tokens, their count, its forwards)
     dropped: dict = field(default_factory=dict)
+    # `active` and `n_new` on the host, where the last commit knew them (None: read when asked)
+    alive: list | None = None
+    made: list | None = None
+
+    def alive_rows(self) -> list[bool]:
+        if self.alive is None:
+            self.alive = self.active.tolist()
+        return self.alive
+
+    def made_rows(self) -> list[int]:
+        if self.made is None:
+            self.made = self.n_new.tolist()
+        return self.made
 
     def record(self, accepted: int, plan: StepPlan, draft: Draft, out: Output) -> None:
         self.finish()
@@ -98,15 +113,16 @@ class DecodeState:
         self.sources.update(draft.sources)
         self.last = out
 
-    def judge(self, draft: Draft, accepted: torch.Tensor) -> None:
+    def judge(self, draft: Draft, taken: list[int]) -> None:
         """Tallies, per draft source and offset i (the chain's i-th proposal), how often proposal i
         was judged (offered, and 1..i-1 accepted) and accepted, and the summed chance the plan read
         for it (draft.confidence, over the `rated` judged ones that had one): acceptance by offset,
-        greedy or sampled, beside what the plan expected."""
-        offered, taken = (draft.length - 1).tolist(), (accepted - 1).tolist()
-        chances = None if draft.confidence is None else draft.confidence.float().tolist()
-        for b in self.active.nonzero()[:, 0].tolist():
-            judged = min(taken[b] + 1, offered[b])
+        greedy or sampled, beside what the plan expected. taken: (B,) the drafts each row accepted
+        (draft 0 counted), read once a step."""
+        offered = draft.length.tolist()
+        chances = None
+        for b, alive in enumerate(self.alive_rows()):
+            judged = min(taken[b], offered[b] - 1) if alive else 0
             if judged == 0:
                 continue
             table = self.offsets.setdefault(
@@ -116,7 +132,9 @@ class DecodeState:
                 counts.extend([0] * (judged - len(counts)))
             for i in range(judged):
                 table["judged"][i] += 1
-                table["accepted"][i] += i < taken[b]
+                table["accepted"][i] += i < taken[b] - 1
+                if chances is None and draft.confidence is not None:
+                    chances = draft.confidence.float().tolist()
                 if chances is not None:
                     table["predicted"][i] += chances[b][i]
                     table["rated"][i] += 1
@@ -283,6 +301,7 @@ def decode(
         if per_row
         else run.criteria
     )
+    stops = known_stops(run, criteria)
     state = DecodeState(run.input_ids, run.kv_valid, torch.ones(B, dtype=torch.bool, device=device))
     if run.session.recurrent_mixers(model):
         state.cache = new_cache(model.config)
@@ -305,16 +324,18 @@ def decode(
     while True:
         with record_function("tidar.commit"):
             scores = record[0] if record is not None and run.gc.output_scores else None
-            commit(run, criteria, state, kept, scores)
-        if not state.active.any():
+            commit(run, criteria, state, kept, scores, stops)
+        if not any(state.alive_rows()):
             break
         # a returned cache keeps every row
-        if per_row and not state.active.all() and not run.gc.return_dict_in_generate:
+        if per_row and not all(state.alive_rows()) and not run.gc.return_dict_in_generate:
             kept = drop_finished(state, kept, pick)
         pick.seek(state.n_new)  # each row's own count: sampling draws by each row's position
         with record_function("tidar.draft"):
             # y of the next step is one of them
-            remaining = run.max_new - int(state.n_new[state.active].min())
+            remaining = run.max_new - min(
+                n for n, alive in zip(state.made_rows(), state.alive_rows()) if alive
+            )
             # positions left after draft 0
             room = None if limit is None else limit - 1 - int(state.start.max())
             most = min(
@@ -348,9 +369,10 @@ def decode(
             # row i: after seqs ++ drafts 1..i
             scores = process(processors, state.seqs, draft.tokens[:, 1:], ar)
             accepted = pick.verify(scores, draft)
-            state.judge(draft, accepted)
+            taken = accepted.tolist()  # the step's one read of its verdict
+            state.judge(draft, taken)
             accept = accept_each if per_row else accept_together
-            kept = accept(state, Step(draft, plan, out, ar, scores, accepted), run, beta)
+            kept = accept(state, Step(draft, plan, out, ar, scores, accepted, taken), run, beta)
             # accept() waited for the device
             planner.timed(plan, time.perf_counter() - started, draft, kept.brought, kept.ends)
             drafter.observe(draft, accepted, kept.brought)
@@ -385,6 +407,7 @@ def drop_finished(state: DecodeState, kept: "Kept", pick) -> "Kept":
     for name in ("seqs", "kv_valid", "active", "cache_valid", "new", "n_new", "row_nfe", "rows"):
         setattr(state, name, getattr(state, name)[keep])
     select_rows(state.cache, keep)
+    state.alive = state.made = None
     pick.rows = state.rows.tolist()
     group = kept.group
 
@@ -425,6 +448,7 @@ class Step:
     ar: torch.Tensor  # (B, m, V) the raw logits of the m draft rows (AR's next-token rows)
     scores: torch.Tensor  # the same, processed: row i with the prefix seqs ++ drafts 1..i
     accepted: torch.Tensor  # (B,) drafts each row accepted, draft 0 (committed already) counted
+    taken: list[int]  # the same, on the host
 
     def parts(self):
         return self.draft, self.plan, self.out, self.scores, self.ar, self.accepted
@@ -459,7 +483,7 @@ def accept_together(state: DecodeState, step: Step, run, beta: float) -> Kept:
     draft, plan, out, scores, ar, accepted = step.parts()
     pick, processors, k = run.pick, run.processors, plan.k
     B = accepted.shape[0]
-    j = int(accepted[state.active].min())
+    j = min(t for t, alive in zip(step.taken, state.alive_rows()) if alive)
     tokens = causal_tokens(draft, plan)
     if plan.siblings:
         path, scored, raw = walk(plan, tokens, out, state.seqs, processors, pick, scores, ar)
@@ -524,7 +548,78 @@ def accept_each(state: DecodeState, step: Step, run, beta: float) -> Kept:
     return Kept(tokens, counts, list(range(J)), group, accepted, accepted)
 
 
-def commit(run, criteria, state: DecodeState, kept: Kept, scores=None) -> None:
+def known_stops(run, criteria) -> tuple[frozenset, int | None] | None:
+    """(EOS ids, max_length or None) where every stopping criterion is transformers' own EOS or
+    max-length one and nothing streams: then a step's tokens are committed at once
+    (commit_at_once) instead of one round of criteria per token. None otherwise. Exact types only:
+    a subclass may stop on anything."""
+    if run.streamer is not None or not all(
+        type(c) in (EosTokenCriteria, MaxLengthCriteria) for c in criteria
+    ):
+        return None
+    eos = frozenset(
+        t
+        for c in criteria
+        if type(c) is EosTokenCriteria
+        for t in torch.as_tensor(c.eos_token_id).reshape(-1).tolist()
+    )
+    lengths = [c.max_length for c in criteria if type(c) is MaxLengthCriteria]
+    return eos, min(lengths) if lengths else None
+
+
+def commit(run, criteria, state: DecodeState, kept: Kept, scores=None, stops=None) -> None:
+    """Row b appends kept.tokens[b, :kept.counts[b]]: at once where `stops` (known_stops) says
+    the criteria are EOS and max_length only, else one round at a time through the criteria."""
+    if stops is not None:
+        commit_at_once(run, state, kept, *stops)
+    else:
+        commit_by_round(run, criteria, state, kept, scores)
+
+
+def commit_at_once(run, state: DecodeState, kept: Kept, eos: frozenset, max_length) -> None:
+    """commit_by_round's result, from one read of the step's tokens: each row's tokens end at its
+    first EOS, at max_new, and at the round where seqs reaches max_length (a round lengthens every
+    row, so that round is the same for all). A row that commits c of the step's R rounds gets
+    R - c pads on the left, as it would one round at a time."""
+    seqs, B, L = state.seqs, state.seqs.shape[0], state.seqs.shape[1]
+    n = kept.tokens.shape[1]
+    host = torch.cat(
+        [kept.tokens, kept.counts[:, None], state.active[:, None].long(), state.n_new[:, None]],
+        1,
+    ).tolist()
+    rounds = n if max_length is None else max(0, min(n, max_length - L))
+    takes, active = [], []
+    for *tokens, count, alive, done in host:
+        c = min(count, rounds, run.max_new - done) if alive else 0
+        stop = next((i + 1 for i in range(c) if tokens[i] in eos), None)
+        c = c if stop is None else stop
+        takes.append(c)
+        reached = max_length is not None and c and L + c >= max_length
+        active.append(bool(alive) and stop is None and not reached and done + c < run.max_new)
+    R = max(takes)
+    if R:
+        device = seqs.device
+        c = torch.tensor(takes, device=device)
+        if B == 1:
+            state.seqs = torch.cat([seqs, kept.tokens[:, :R]], 1)
+            state.kv_valid = torch.cat(
+                [state.kv_valid, torch.ones(1, R, dtype=torch.bool, device=device)], 1
+            )
+        else:  # row b: R - c_b pads, its sequence, its c_b tokens (a shift of the three blocks)
+            shift = torch.arange(L + R, device=device) + c[:, None]
+            pads = torch.full((B, R), run.pad, dtype=seqs.dtype, device=device)
+            state.seqs = torch.cat([pads, seqs, kept.tokens[:, :R]], 1).gather(1, shift)
+            yes = torch.ones(B, R, dtype=torch.bool, device=device)
+            state.kv_valid = torch.cat([~yes, state.kv_valid, yes], 1).gather(1, shift)
+        for b, (take, done) in enumerate(zip(takes, (row[-1] for row in host))):
+            if take:
+                state.new[b, done : done + take] = kept.tokens[b, :take]
+        state.n_new = state.n_new + c
+    state.active = torch.tensor(active, device=state.active.device)
+    state.alive, state.made = active, [row[-1] + c for row, c in zip(host, takes)]
+
+
+def commit_by_round(run, criteria, state: DecodeState, kept: Kept, scores=None) -> None:
     """Row b appends kept.tokens[b, :kept.counts[b]], one round at a time through the stopping
     criteria, so EOS, max_new_tokens and stopping criteria stop a row exactly where AR would.
     state.seqs stays right-aligned: a row that does not advance in a round (it committed fewer, or
@@ -560,6 +655,7 @@ def commit(run, criteria, state: DecodeState, kept: Kept, scores=None) -> None:
         )
         active = active & ~(done & adv) & (n_new < run.max_new)
     state.seqs, state.kv_valid, state.active = seqs, valid, active
+    state.alive = state.made = None
 
 
 def crop(state: DecodeState, plan: StepPlan, kept: Kept) -> None:

@@ -129,11 +129,13 @@ def group_anchors(first_group_sees, n_groups: int | None = None) -> torch.Tensor
 def tree_ancestors(parents) -> torch.Tensor:
     """(T, T) bool: [q, kv] is True where node kv is q itself or an ancestor of q. parents[0] = -1
     (draft 0, the committed token); every other node's parent comes before it."""
-    T = len(parents)
-    anc = torch.eye(T, dtype=torch.bool)
-    for i in range(1, T):
-        anc[i] |= anc[parents[i]]
-    return anc
+    rows = []
+    for i, parent in enumerate(int(p) for p in parents):
+        row = rows[parent][:] if i else [False] * len(parents)
+        row[i] = True
+        rows.append(row)
+    # on the host: a tree's plan shapes rarely repeat, and row by row it was 3 kernels a node
+    return torch.tensor(rows, dtype=torch.bool)
 
 
 def decode_mask_mod(
