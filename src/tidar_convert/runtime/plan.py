@@ -169,7 +169,8 @@ class Planner:
         (`group_worth`). Groups go to the likeliest lengths first.
         Exact for any choice: which proposals are kept reads their confidence only."""
         k, m = self.k, draft.tokens.shape[1]
-        worth = self.group_worth(draft)
+        price = functools.cache(self.costs.price)  # the search asks for a few shapes many times
+        worth = self.group_worth(draft, price)
         reach = reach_chances(draft)  # per row, P(row accepts >= j drafts), j = 1..m
         # per row: the rows' mean (each row reads its group at its own length); a shared commit:
         # the batch reaches j where every row does
@@ -184,7 +185,7 @@ class Planner:
             order = sorted(range(max(fits, 0)), key=lambda i: -lengths[i]) if uses_groups else []
             most = min(len(order), max(0, (self.budget - n) // k))
             for g in range(most + 1):
-                score = (tokens + worth * sum(lengths[i] for i in order[:g])) / self.costs.price(
+                score = (tokens + worth * sum(lengths[i] for i in order[:g])) / price(
                     n + g * k, g > 0
                 )
                 if best is None or score > best[0]:
@@ -192,7 +193,7 @@ class Planner:
         _, n, anchors = best
         return cut(draft, n), StepPlan(n, anchors, k)
 
-    def group_worth(self, draft: Draft) -> float:
+    def group_worth(self, draft: Draft, price=None) -> float:
         """What a group at the accepted length is worth, in tokens: the proposals a group draft gets
         accepted on average (`group_gain`, learned with the costs) less what verifying them will
         cost the next step (`verify_cost`), times the chance the next draft is taken from the group
@@ -201,7 +202,7 @@ class Planner:
         in runs)."""
         use = self.costs.group_use
         share = sum(use[source_key(s)].value for s in draft.sources) / len(draft.sources)
-        return share * max(0.0, self.group_gain.value - self.verify_cost())
+        return share * max(0.0, self.group_gain.value - self.verify_cost(price))
 
     def tree(self, draft: Draft, uses_groups: bool, room: int | None) -> tuple[Draft, "StepPlan"]:
         """A step over the draft's tree (greedy, batch 1): the likeliest nodes (chain proposals and
@@ -223,7 +224,8 @@ class Planner:
         order = sorted(range(1, len(reach)), key=lambda s: (-reach[s], depth[s], s))
         if not cost:
             order = [s for s in order if reach[s] >= self.min_chance]
-        worth = self.group_worth(draft) if cost else self.group_gain.value
+        price = functools.cache(self.costs.price)  # the search asks for a few shapes many times
+        worth = self.group_worth(draft, price) if cost else self.group_gain.value
         # a group after a node at depth d uses offsets d + 1 .. d + k
         deepest = None if room is None else room - k
         ends, tokens, best = {0: 1.0}, 1.0, None
@@ -241,7 +243,7 @@ class Planner:
             most = min(len(where), (self.budget - 1 - t) // k)
             for g in range(most + 1) if cost else (most,):
                 value = tokens + worth * sum(max(0.0, ends[s]) for s in where[:g])
-                score = value / self.costs.price(1 + t + g * k, g > 0) if cost else value
+                score = value / price(1 + t + g * k, g > 0) if cost else value
                 if best is None or score > best[0]:
                     best = (score, t, where[:g])
         _, t, groups = best
@@ -266,14 +268,15 @@ class Planner:
             n, tuple(sorted(slot[s] + 1 for s in groups)), k, sibling_parents
         )
 
-    def verify_cost(self) -> float:
+    def verify_cost(self, price=None) -> float:
         """What verifying a group's draft costs the next step, in tokens: the time a step with
         proposals takes beyond a plain AR step's, over the AR step's (the tokens that time would
         have made). A group's proposals are worth only what they bring beyond it: were a step of 2
         to 4 slots to cost 1.5x one of 1 slot, a group would need more than half a proposal accepted
         to pay; where slots are free (a GPU) it costs nothing."""
-        one = self.costs.price(1, False)
-        verify = min(self.costs.price(n, False) for n in range(2, self.k + 1))
+        price = price or self.costs.price  # price: StepCosts.price, or a plan's memo of it
+        one = price(1, False)
+        verify = min(price(n, False) for n in range(2, self.k + 1))
         return max(0.0, verify - one) / one
 
     def timed(
