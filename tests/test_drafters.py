@@ -13,7 +13,13 @@ from tidar_convert.runtime import drafters, engine, forward, tree
 from tidar_convert.runtime.costs import StepCosts
 from tidar_convert.runtime.drafters import DRAFTERS, Draft, DraftContext, LookupDrafter
 from tidar_convert.runtime.generate import generate
-from tidar_convert.runtime.plan import Planner, StepPlan, cut
+from tidar_convert.runtime.plan import (
+    Planner,
+    StepPlan,
+    accepted_length_chances,
+    cut,
+    reach_chances,
+)
 from tidar_convert.runtime.session import session_of
 
 
@@ -145,6 +151,37 @@ def test_trim_keeps_the_proposals_a_step_is_likely_to_reach():
     # one proposal at least
     assert planner.trim(Draft(tokens, confidence=torch.full((2, 4), 0.01))).tokens.shape[1] == 2
     assert Planner(4, "full").trim(draft) is draft  # the paper's step drafts all of them
+
+
+def test_a_drafts_host_copies_follow_its_tensors():
+    """The plan reads a draft's numbers as Python lists, each read once or handed over by the
+    drafter that built the tensor from it; a new tensor drops the old copy, and a cut cuts both."""
+    draft = Draft(torch.tensor([[1, 2, 3]]), confidence=torch.tensor([[0.5, 0.25]]))
+    assert draft.host("length") == [3] and draft.host("confidence") == [[0.5, 0.25]]
+    draft.confidence = torch.tensor([[0.75, 0.5]])
+    assert draft.host("confidence") == [[0.75, 0.5]] and draft.host("siblings") is None
+    short = cut(draft.hold(tokens=[[1, 2, 3]]), 2)
+    assert short.host("tokens") == [[1, 2]] and short.host("confidence") == [[0.75]]
+    assert short.host("length") == [2] and short.length.tolist() == [2]
+
+
+def test_the_plans_host_arithmetic_is_the_tensor_arithmetic():
+    """reach_chances and accepted_length_chances on Python floats give what the tensor formulas
+    gave (a row's acceptance stops at its first miss and at its length), per row and shared."""
+    g = torch.Generator().manual_seed(0)
+    for B, m in [(1, 1), (1, 5), (3, 6), (4, 2)]:
+        conf = torch.rand(B, m - 1, generator=g) * 1.2 - 0.1  # clamped to 0..1
+        length = torch.randint(1, m + 1, (B,), generator=g)
+        draft = Draft(torch.zeros(B, m, dtype=torch.long), length, conf)
+        real = torch.arange(1, m) < length[:, None]
+        c = (conf * real).clamp(0, 1)
+        reach = torch.cat([torch.ones(B, 1), c.cumprod(1)], 1)
+        assert torch.allclose(torch.tensor(reach_chances(draft)), reach)
+        exact = reach - torch.cat([reach[:, 1:], torch.zeros(B, 1)], 1)
+        shared = reach.prod(0)
+        shared = shared - torch.cat([shared[1:], torch.zeros(1)])
+        assert torch.allclose(torch.tensor(accepted_length_chances(draft, True)), exact.mean(0))
+        assert torch.allclose(torch.tensor(accepted_length_chances(draft)), shared)
 
 
 def costs(table: dict) -> StepCosts:
@@ -401,7 +438,7 @@ def test_hybrid_drafts_by_lookup_where_it_matches_until_diffusion_proves_better(
         sources=["diffusion", "diffusion"],
     )
     # the row without a match drafts by diffusion
-    assert hybrid.choose(look, diff).tolist() == [True, False]
+    assert hybrid.choose(look, diff) == [True, False]
     # lookup fails a few times: one bad stretch must not hand every step to diffusion
     for _ in range(3):
         hybrid.observe(
@@ -416,7 +453,7 @@ def test_hybrid_drafts_by_lookup_where_it_matches_until_diffusion_proves_better(
             ),
             torch.tensor([1]),
         )
-    assert hybrid.choose(look, diff).tolist() == [True, False]
+    assert hybrid.choose(look, diff) == [True, False]
     for _ in range(40):  # diffusion drafts accepted whole, lookup's not at all
         hybrid.observe(
             Draft(
@@ -431,7 +468,7 @@ def test_hybrid_drafts_by_lookup_where_it_matches_until_diffusion_proves_better(
             torch.tensor([1]),
         )
     assert hybrid.gain("diffusion") > 1.5 > 0.5 > hybrid.gain("lookup")
-    assert hybrid.choose(look, diff).tolist() == [False, False]
+    assert hybrid.choose(look, diff) == [False, False]
     # lookup's chain misses, but the step commits 4 drafts down one of its branches
     for _ in range(100):
         hybrid.lookup.ngram = [1]  # as if its propose had matched a unigram
@@ -442,9 +479,10 @@ def test_hybrid_drafts_by_lookup_where_it_matches_until_diffusion_proves_better(
             torch.tensor([1]),
             torch.tensor([4]),
         )
-    assert hybrid.gain("lookup") > hybrid.gain("diffusion") and hybrid.choose(
-        look, diff
-    ).tolist() == [True, False]  # judged by what it brought
+    assert hybrid.gain("lookup") > hybrid.gain("diffusion") and hybrid.choose(look, diff) == [
+        True,
+        False,
+    ]  # judged by what it brought
     # its chain's chances by the chain's own misses
     assert hybrid.lookup.chance(1, 0) < LookupDrafter().chance(1, 0)
 
@@ -503,6 +541,89 @@ def test_lookup_follows_transformers_prompt_lookup():
     assert lk.match(t([1, 2, 3]), 10) is None
 
 
+def scan(seq: torch.Tensor, n: int) -> list[int]:
+    """The lookup search before its index: every position of the text compared with the last n-gram
+    (where the tokens after each earlier occurrence start)."""
+    L = seq.shape[0]
+    hits = (seq.unfold(0, n, 1)[: L - n] == seq[L - n :]).all(1).nonzero()
+    return (hits[:, 0] + n).tolist()
+
+
+def test_lookup_index_finds_what_a_scan_of_the_text_finds():
+    """NGrams, grown in chunks of any size, gives every n the occurrences a scan of the text gives,
+    first first, on texts of few and many token values."""
+    g = torch.Generator().manual_seed(0)
+    for trial in range(24):
+        seq = torch.randint(0, (2, 3, 5, 40)[trial % 4], (50,), generator=g)
+        text = drafters.NGrams(seq[:1].tolist(), 3)
+        while len(text.tokens) < 50:
+            L = min(50, len(text.tokens) + int(torch.randint(0, 4, (), generator=g)))
+            text.extend(seq[len(text.tokens) : L].tolist())
+            for n in range(1, min(3, L - 1) + 1):
+                assert text.starts(n) == scan(seq[:L], n), (trial, L, n)
+
+
+def commit(seqs, valid, tokens, counts, pad=0):
+    """engine.commit's layout: row b appends tokens[b][:counts[b]], a column a round, and a row that
+    does not advance in a round gets a pad on the left (invalid)."""
+    for r in range(max(counts)):
+        adv = torch.tensor([[c > r] for c in counts])
+        column = torch.tensor([[t[r] if c > r else pad] for t, c in zip(tokens, counts)])
+        seqs = torch.where(
+            adv, torch.cat([seqs, column], 1), torch.cat([torch.full_like(column, pad), seqs], 1)
+        )
+        valid = torch.where(
+            adv,
+            torch.cat([valid, torch.ones_like(adv)], 1),
+            torch.cat([torch.zeros_like(adv), valid], 1),
+        )
+    return seqs, valid
+
+
+@pytest.mark.parametrize("batch", [1, 4])
+def test_lookup_keeps_each_rows_text_through_commits_and_dropped_rows(batch):
+    """The lookup drafter keeps each row's indexed text from call to call and reads only the columns
+    a step committed. Through per-row commits (left pads), rows the engine drops and a text that
+    does not follow on, its drafts are a fresh drafter's (which reads every row whole)."""
+    g = torch.Generator().manual_seed(batch)
+    rows = [torch.randint(1, 4, (int(n),), generator=g).tolist() for n in (7, 3, 5, 6)[:batch]]
+    width = max(map(len, rows))
+    seqs = torch.tensor([[0] * (width - len(r)) + r for r in rows])
+    valid = torch.tensor([[False] * (width - len(r)) + [True] * len(r) for r in rows])
+    lookup = LookupDrafter(num_tokens=4)
+
+    def same(ctx):
+        got, want = lookup.propose(ctx), LookupDrafter(num_tokens=4).propose(ctx)
+        assert (got is None) == (want is None)
+        if got is not None:
+            for name in ("tokens", "length", "confidence"):
+                assert torch.equal(getattr(got, name), getattr(want, name)), name
+                # the host copy is what the tensor was made from
+                assert torch.equal(torch.tensor(got.host(name)), getattr(want, name)), name
+            assert got.sources == want.sources and lookup.ngram == [
+                f[1] if f else 0 for f in (lookup.match(torch.tensor(r), 4) for r in rows)
+            ]
+        assert [t.tokens for t in lookup.rows] == rows
+
+    for step in range(24):
+        same(DraftContext(seqs, valid, 4, None, None))
+        counts = [int(torch.randint(1 if batch == 1 else 0, 4, (), generator=g)) for _ in rows]
+        counts[0] = max(counts[0], 1)
+        new = [torch.randint(1, 4, (c,), generator=g).tolist() for c in counts]
+        seqs, valid = commit(seqs, valid, new, counts)
+        rows = [r + t for r, t in zip(rows, new)]
+        if batch > 1 and step in (9, 17):  # a row stops: the engine leaves it out
+            keep = [b for b in range(len(rows)) if b != 1]
+            seqs, valid, rows = seqs[keep], valid[keep], [rows[b] for b in keep]
+    # a text whose column before the new ones is not a row's last token: read whole
+    rows = [[9, 9, 8] * (seqs.shape[1] // 3 + 1) for _ in rows]
+    same(
+        DraftContext(
+            torch.tensor(rows), torch.ones(len(rows), len(rows[0]), dtype=torch.bool), 4, None, None
+        )
+    )
+
+
 def test_lookup_trees_hang_the_other_occurrences_where_they_leave_the_chain():
     """Bigram (5, 6) occurs at 1, 5 and 9 before the end. Chain: after the first, [2, 8, 5]. The
     latest, [3, 9, 5], leaves it at the first proposal (a branch under draft 0); the middle one,
@@ -537,7 +658,7 @@ def test_lookup_trees_hang_the_other_occurrences_where_they_leave_the_chain():
     # tokens the lookup tree has there already (3, from the latest occurrence)
     from tidar_convert.runtime.tree import beside
 
-    tree = beside(draft, torch.tensor([[3, 7]]), torch.tensor([[0.2, 0.1]]))
+    tree = beside(draft, [[3, 7]], [[0.2, 0.1]])
     assert tree.siblings.tolist() == [[3, 9, 5, 4, 5, 7]] and tree.sibling_parents == (
         0,
         4,
@@ -965,15 +1086,11 @@ def test_grow_finds_the_likeliest_nodes_of_the_group_best_first():
     from tidar_convert.runtime.tree import grow
 
     draft = Draft(torch.tensor([[1, 5, 6]]), confidence=torch.tensor([[0.5, 0.8]]))
-    grow(
-        draft, torch.tensor([[[7, 8], [9, 10]]]), torch.tensor([[[0.3, 0.1], [0.1, 0.05]]]), most=5
-    )
+    grow(draft, [[[7, 8], [9, 10]]], [[[0.3, 0.1], [0.1, 0.05]]], most=5)
     # 6 under 7 (slot 3)
     assert draft.siblings.tolist() == [[7, 6, 8]] and draft.sibling_parents == (0, 3, 0)
     assert torch.allclose(draft.sibling_confidence, torch.tensor([[0.3, 0.8, 0.1]]))
-    grow(
-        draft, torch.tensor([[[7, 8], [9, 10]]]), torch.tensor([[[0.3, 0.1], [0.1, 0.05]]]), most=2
-    )
+    grow(draft, [[[7, 8], [9, 10]]], [[[0.3, 0.1], [0.1, 0.05]]], most=2)
     assert draft.siblings.shape == (1, 0)  # the two chain nodes are the likeliest
 
 

@@ -19,14 +19,18 @@ entry in DRAFTERS (docs/development.md has a worked example).
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Callable, Protocol
 
 import torch
 
 from .costs import Mean
-from .tree import beside, first_siblings, group_siblings, grow
+from .tree import beside, first_siblings, group_siblings, grow, top_choices
 from .verify import process_one
+
+# Draft fields the planner and drafters read as numbers (`Draft.host`).
+HOSTED = ("tokens", "length", "confidence", "raw_confidence", "siblings", "sibling_confidence")
 
 
 @dataclass
@@ -47,13 +51,43 @@ class Draft:
     # (B, s) chance each is accepted where its parent is
     sibling_confidence: torch.Tensor | None = None
     sibling_parents: tuple[int, ...] | None = None
+    # Python copies of the HOSTED fields (`host`): the plan's arithmetic is on a few dozen numbers,
+    # where one torch op costs more than all of it in Python and each read of a device tensor waits
+    # for the device. Not a field of `replace`: a copy must come from its own tensor.
+    _host: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def __post_init__(self):
         B, m = self.tokens.shape
         if self.length is None:
             self.length = torch.full((B,), m, dtype=torch.long, device=self.tokens.device)
+            self._host["length"] = [m] * B
         if not self.sources:
             self.sources = ["none" if m == 1 else "?"] * B
+
+    def __setattr__(self, name, value):
+        # a new tensor makes its copy stale
+        if name in HOSTED and "_host" in self.__dict__:
+            self._host.pop(name, None)
+        object.__setattr__(self, name, value)
+
+    def host(self, name: str) -> list | None:
+        """A HOSTED field's values as Python lists (None where the field is): held by the drafter
+        that built the tensor from them, or read once."""
+        if name not in self._host:
+            value = getattr(self, name)
+            self._host[name] = None if value is None else value.tolist()
+        return self._host[name]
+
+    def hold(self, **lists) -> Draft:
+        """Keeps the Python lists HOSTED fields were built from (or equal), so `host` reads none."""
+        self._host.update(lists)
+        return self
+
+    def replace(self, **changes) -> Draft:
+        """dataclasses.replace, keeping the host copies of the fields it does not change."""
+        new = dataclasses.replace(self, **changes)
+        new._host.update({k: v for k, v in self._host.items() if k not in changes})
+        return new
 
     def parents(self) -> tuple[int, ...]:
         """Each sibling's parent slot: sibling_parents, or draft 0 for every one where it is
@@ -113,23 +147,54 @@ def fresh(y: torch.Tensor) -> Draft:
     return Draft(y[:, None], sources=["none"] * y.shape[0])
 
 
-def make_draft(pick, processors, seqs, y, diff_slots) -> Draft:
+def make_draft(pick, processors, seqs, y, diff_slots, siblings: int = 0):
     """A diffusion draft: y, then one guess per diffusion slot (B, n, V). Each slot is processed
     with the prefix it would have (seqs ++ the guesses before it), so e.g. suppressed tokens are
-    never drafted."""
+    never drafted. siblings > 0 (greedy): also each slot's next `siblings` likeliest tokens and
+    their probabilities, host lists (B, n, siblings) (tree.group_siblings), else None; the
+    draft's chain and those come from one topk of the same scores."""
     sources = ["diffusion"] * y.shape[0]
     if not processors:  # no prefix to thread through: all slots at once
-        tokens, confidence = pick.token_and_confidence(diff_slots.float())
-        return Draft(torch.cat([y[:, None], tokens], 1), confidence=confidence, sources=sources)
-    tokens, conf = [y], []
+        scores = diff_slots.float()
+        if siblings:
+            return first_choices(y, scores, siblings, sources)
+        tokens, confidence = pick.token_and_confidence(scores)
+        return Draft(
+            torch.cat([y[:, None], tokens], 1), confidence=confidence, sources=sources
+        ), None
+    tokens, conf, scored = [y], [], []
     for i in range(diff_slots.shape[1]):  # slot i's guess is in slot i + 1's prefix
         scores = process_one(
             processors, torch.cat([seqs] + [t[:, None] for t in tokens[1:]], 1), diff_slots[:, i]
         )
         tokens.append(pick.token(scores, i))  # slot i: the i-th position after y
         conf.append(pick.confidence(scores))
+        scored.append(scores)
     confidence = torch.stack(conf, 1) if conf else None
-    return Draft(torch.stack(tokens, 1), confidence=confidence, sources=sources)
+    draft = Draft(torch.stack(tokens, 1), confidence=confidence, sources=sources)
+    if not siblings or not scored:
+        return draft, None
+    chain = draft.host("tokens")
+    alternatives = group_siblings(torch.stack(scored, 1), siblings, [row[1:] for row in chain])
+    return draft, alternatives
+
+
+def first_choices(y: torch.Tensor, scores: torch.Tensor, siblings: int, sources: list):
+    """Greedy: the draft of each slot's likeliest token and, from the same topk, the next
+    `siblings` at each slot (make_draft): one pass over the vocabulary instead of a max and a topk,
+    and one normalizer."""
+    tokens, chances = top_choices(scores, siblings + 1)
+    chain = [[t[0] for t in row] for row in tokens]
+    conf = [[c[0] for c in row] for row in chances]
+    draft = Draft(
+        torch.cat([y[:, None], torch.tensor(chain, dtype=y.dtype, device=y.device)], 1),
+        confidence=torch.tensor(conf, device=scores.device),
+        sources=sources,
+    ).hold(confidence=conf)
+    return draft, (
+        [[t[1:] for t in row] for row in tokens],
+        [[c[1:] for c in row] for row in chances],
+    )
 
 
 class DiffusionDrafter(Drafter):
@@ -148,9 +213,7 @@ class DiffusionDrafter(Drafter):
         # summed raw confidence of the judged proposals, and those accepted
         self.predicted = self.taken = 0.0
 
-    def observe(
-        self, draft: Draft, accepted: torch.Tensor, committed: torch.Tensor | None = None
-    ) -> None:
+    def observe(self, draft: Draft, accepted, committed=None) -> None:
         _, taken, predicted = observed(draft, accepted, "diffusion")
         self.taken += taken
         self.predicted += predicted
@@ -159,28 +222,33 @@ class DiffusionDrafter(Drafter):
         group, have = ctx.group()
         if group is None or ctx.max_proposals < 1:
             return None
-        draft = make_draft(ctx.pick, ctx.processors, ctx.seqs, ctx.y, group[:, : ctx.max_proposals])
-        if ctx.siblings and draft.tokens.shape[0] == 1 and draft.tokens.shape[1] > 1:
-            grow(
-                draft,
-                *group_siblings(ctx, group, draft.tokens[:, 1:], ctx.siblings),
-                ctx.nodes or draft.tokens.shape[1] - 1,
-            )
+        slots = group[:, : ctx.max_proposals]
+        tree = ctx.siblings if slots.shape[0] == 1 and slots.shape[1] > 0 else 0
+        draft, alternatives = make_draft(ctx.pick, ctx.processors, ctx.seqs, ctx.y, slots, tree)
+        if alternatives is not None:
+            grow(draft, *alternatives, ctx.nodes or draft.tokens.shape[1] - 1)
         # per row, the proposals its group gives (plan.StepPlan.group_read; 0: none)
         if have is not None:
-            draft.length = torch.minimum(draft.length, 1 + have)
-            draft.sources = [s if h else "none" for s, h in zip(draft.sources, have.tolist())]
+            have = have.tolist()
+            length = [min(n, 1 + h) for n, h in zip(draft.host("length"), have)]
+            draft.length = torch.tensor(length, dtype=torch.long, device=draft.tokens.device)
+            draft.hold(length=length)
+            draft.sources = [s if h else "none" for s, h in zip(draft.sources, have)]
         return self.calibrate(draft)
 
     def calibrate(self, draft: Draft) -> Draft:
         """The plan's chances: the head's (kept as raw_confidence) times accepted over predicted so
-        far."""
+        far. Scaled on the host copies the plan reads, and the tensors made from them."""
         scale = (self.taken + 1) / (self.predicted + 1)
+        raw = draft.host("confidence")
         draft.raw_confidence = draft.confidence
-        if draft.confidence is not None:
-            draft.confidence = (draft.confidence * scale).clamp(max=1.0)
-        if draft.sibling_confidence is not None:
-            draft.sibling_confidence = (draft.sibling_confidence * scale).clamp(max=1.0)
+        draft.hold(raw_confidence=raw)
+        for name in ("confidence", "sibling_confidence"):
+            rows = draft.host(name)
+            if rows is not None:
+                scaled = [[min(c * scale, 1.0) for c in row] for row in rows]
+                setattr(draft, name, torch.tensor(scaled, device=draft.tokens.device))
+                draft.hold(**{name: scaled})
         return draft
 
 
@@ -244,6 +312,9 @@ class LookupDrafter(Drafter):
         self.seen: dict[tuple[int, int], Mean] = {}
         # per row of the last proposal: the matched n-gram's length (0: none)
         self.ngram: list[int] = []
+        # each row's committed tokens, indexed (`texts`), and seqs' width when they were read
+        self.rows: list[NGrams] = []
+        self.width = 0
 
     @staticmethod
     def key(n: int, depth: int) -> tuple[int, int]:
@@ -257,36 +328,46 @@ class LookupDrafter(Drafter):
     def prior(self, key: tuple[int, int]) -> Mean:
         return Mean(self.PRIORS[key[0]][key[1]], self.FORGET, self.PRIOR_WEIGHT)
 
-    def observe(
-        self, draft: Draft, accepted: torch.Tensor, committed: torch.Tensor | None = None
-    ) -> None:
+    def observe(self, draft: Draft, accepted, committed=None) -> None:
         """Learns the chain's chances only: what a step verifies off the chain is not fed back."""
+        accepted, lengths = as_list(accepted), draft.host("length")
         for b, source in enumerate(draft.sources):
             if source == "lookup" and b < len(self.ngram) and self.ngram[b]:
-                taken = int(accepted[b]) - 1
+                taken = accepted[b] - 1
                 # the accepted ones and the first miss
-                for depth in range(min(taken + 1, int(draft.length[b]) - 1)):
+                for depth in range(min(taken + 1, lengths[b] - 1)):
                     key = self.key(self.ngram[b], depth)
                     self.seen.setdefault(key, self.prior(key)).add(float(depth < taken))
 
     def match(self, seq: torch.Tensor, limit: int) -> tuple[torch.Tensor, int, list[int]] | None:
-        """The tokens after the matched n-gram's first earlier occurrence, n, and where every
-        occurrence's continuation starts (`occurrences`)."""
-        for n in range(min(self.max_ngram, seq.shape[0] - 1), 0, -1):
-            starts = occurrences(seq, n)
+        """The tokens after the matched n-gram's first earlier occurrence in seq (L,), n, and where
+        every occurrence's continuation starts (`search` over a fresh index of seq)."""
+        found = self.search(NGrams(seq.tolist(), self.max_ngram), limit)
+        if found is None:
+            return None
+        tokens, n, starts = found
+        return torch.tensor(tokens, dtype=seq.dtype, device=seq.device), n, starts
+
+    def search(self, text: NGrams, limit: int) -> tuple[list[int], int, list[int]] | None:
+        """transformers' search on an indexed text: longest n-gram first, the tokens after its first
+        earlier occurrence, up to num_tokens; with n and where every occurrence's continuation
+        starts, first first."""
+        for n in range(min(self.max_ngram, len(text.tokens) - 1), 0, -1):
+            starts = text.starts(n)
             if starts:
-                return seq[starts[0] : starts[0] + min(self.num_tokens, limit)], n, starts
+                begin = starts[0]
+                return text.tokens[begin : begin + min(self.num_tokens, limit)], n, starts
         return None
 
     def add_siblings(
-        self, draft: Draft, seq: torch.Tensor, n: int, starts: list[int], limit: int, width: int
+        self, draft: Draft, seq: list[int], n: int, starts: list[int], limit: int, width: int
     ) -> Draft:
         """The draft (batch 1) with the other occurrences' continuations as its tree: the SCAN most
         recent, latest first, each walks down the tree while its tokens are there, and from its
         first new token on hangs as a branch, up to `width` branches. A continuation that only runs
         on past a leaf extends it (no branch). Its nodes' chances: BRANCH_PRIORS where it leaves,
-        then `chance`."""
-        chain = draft.tokens[0].tolist()
+        then `chance`. seq: the row's committed tokens."""
+        chain = draft.host("tokens")[0]
         m = len(chain)
         child = {(d - 1, chain[d]): d for d in range(1, m)}  # (parent slot, token) -> slot
         kids = [1] * (m - 1) + [0]
@@ -295,7 +376,7 @@ class LookupDrafter(Drafter):
             if not width:
                 break
             slot, depth, off = 0, 0, False
-            for t in seq[start : start + min(self.num_tokens, limit)].tolist():
+            for t in seq[start : start + min(self.num_tokens, limit)]:
                 if (slot, t) in child:
                     slot, depth = child[(slot, t)], depth + 1
                     continue
@@ -319,50 +400,110 @@ class LookupDrafter(Drafter):
             draft.siblings = torch.tensor([tokens], dtype=draft.tokens.dtype, device=device)
             draft.sibling_confidence = torch.tensor([chances], device=device)
             draft.sibling_parents = tuple(parents)
+            draft.hold(siblings=[tokens], sibling_confidence=[chances])
         return draft
+
+    def texts(self, ctx: DraftContext) -> list[NGrams]:
+        """Each row's committed tokens (its valid ones), indexed: kept from the last call and
+        extended by the tokens committed since, read from the device as the few columns that are
+        new. Rebuilt from seqs where the rows are not the last call's (the first call, rows dropped
+        by the engine's drop_finished, or a tail that does not follow on)."""
+        seqs, valid = ctx.seqs, ctx.kv_valid
+        B, W = seqs.shape
+        new = W - self.width
+        if len(self.rows) == B and new == 0:
+            return self.rows
+        if len(self.rows) == B and new > 0:
+            # A commit appends each row's tokens on the right and pads a row that does not advance
+            # on the left (engine.commit): a row's new tokens are its last columns, as many as its
+            # valid tokens grew. The column before them must be the row's last known token. A batch
+            # of one always advances.
+            tail = seqs[:, -(new + 1) :]
+            if B > 1:
+                tail = torch.cat([valid.sum(1, keepdim=True), tail], 1)
+            tail = tail.tolist()
+            grew = [new] * B if B == 1 else [r[0] - len(t.tokens) for r, t in zip(tail, self.rows)]
+            rows = [r[-(new + 1) :] for r in tail]
+            if all(
+                0 <= g <= new and t.tokens and r[new - g] == t.tokens[-1]
+                for g, r, t in zip(grew, rows, self.rows)
+            ):
+                for g, r, t in zip(grew, rows, self.rows):
+                    t.extend(r[len(r) - g :])
+                self.width = W
+                return self.rows
+        self.rows = [
+            NGrams([t for t, v in zip(row, ok) if v], self.max_ngram)
+            for row, ok in zip(seqs.tolist(), valid.tolist())
+        ]
+        self.width = W
+        return self.rows
 
     def propose(self, ctx: DraftContext) -> Draft | None:
         self.ngram = []
         if ctx.max_proposals < 1:
             return None
-        found = [
-            self.match(ctx.seqs[b][ctx.kv_valid[b]], ctx.max_proposals)
-            for b in range(ctx.seqs.shape[0])
-        ]
+        texts = self.texts(ctx)
+        found = [self.search(text, ctx.max_proposals) for text in texts]
         self.ngram = [f[1] if f is not None else 0 for f in found]
         if all(f is None for f in found):
             return None
         for seen in self.seen.values():
             seen.tick()
-        B, m = len(found), 1 + max(f[0].shape[0] for f in found if f is not None)
-        tokens = ctx.y[:, None].repeat(1, m)  # filler beyond a row's length is never accepted
-        length = torch.ones(B, dtype=torch.long, device=tokens.device)
-        confidence = torch.zeros(B, m - 1)
+        B, m = len(found), 1 + max(len(f[0]) for f in found if f is not None)
+        # y (each row's last token) fills a row beyond its length: never accepted
+        tokens = [[t.tokens[-1]] * m for t in texts]
+        length, confidence = [1] * B, [[0.0] * (m - 1) for _ in range(B)]
         for b, f in enumerate(found):
             if f is not None:
-                tokens[b, 1 : 1 + f[0].shape[0]] = f[0]
-                length[b] = 1 + f[0].shape[0]
-                confidence[b] = torch.tensor([self.chance(f[1], d) for d in range(m - 1)])
+                tokens[b][1 : 1 + len(f[0])] = f[0]
+                length[b] = 1 + len(f[0])
+                confidence[b] = [self.chance(f[1], d) for d in range(m - 1)]
         sources = ["lookup" if f is not None else "none" for f in found]
-        draft = Draft(tokens, length, confidence.to(tokens.device), sources)
+        device = ctx.seqs.device
+        draft = Draft(
+            torch.tensor(tokens, dtype=ctx.seqs.dtype, device=device),
+            torch.tensor(length, dtype=torch.long, device=device),
+            torch.tensor(confidence, device=device),
+            sources,
+        ).hold(tokens=tokens, length=length, confidence=confidence)
         if ctx.siblings and B == 1:
             self.add_siblings(
-                draft,
-                ctx.seqs[0][ctx.kv_valid[0]],
-                found[0][1],
-                found[0][2],
-                ctx.max_proposals,
-                ctx.siblings,
+                draft, texts[0].tokens, found[0][1], found[0][2], ctx.max_proposals, ctx.siblings
             )
         return draft
 
 
-def occurrences(seq: torch.Tensor, n: int) -> list[int]:
-    """Where the tokens after each earlier occurrence of seq's last n-gram start, first first."""
-    L = seq.shape[0]
-    # the n-gram itself excluded
-    hits = (seq.unfold(0, n, 1)[: L - n] == seq[L - n :]).all(1).nonzero()
-    return (hits[:, 0] + n).tolist()
+class NGrams:
+    """A token list and, for each n-gram (n = 1..max_n) in it, where its occurrences end, first
+    first; kept as the list grows. The lookup search then reads one dict entry per n instead of
+    comparing every position of the text each step."""
+
+    def __init__(self, tokens: list[int], max_n: int):
+        self.tokens: list[int] = []
+        self.ends: list[dict[tuple, list[int]]] = [{} for _ in range(max_n + 1)]  # by n
+        self.extend(tokens)
+
+    def extend(self, tokens: list[int]) -> None:
+        t = self.tokens
+        for token in tokens:
+            t.append(token)
+            L = len(t)
+            for n in range(1, min(len(self.ends) - 1, L) + 1):
+                self.ends[n].setdefault(tuple(t[L - n :]), []).append(L)
+
+    def starts(self, n: int) -> list[int]:
+        """Where the tokens after each earlier occurrence of the last n-gram start, first first
+        (the n-gram itself excluded: its own end is the last)."""
+        L = len(self.tokens)
+        if n > L or n >= len(self.ends):
+            return []
+        return self.ends[n][tuple(self.tokens[L - n :])][:-1]
+
+
+def as_list(x) -> list:
+    """A (B,) tensor's values, or the list given."""
+    return x.tolist() if isinstance(x, torch.Tensor) else list(x)
 
 
 class HybridDrafter(Drafter):
@@ -400,23 +541,23 @@ class HybridDrafter(Drafter):
         """Mean proposals accepted per draft of this source so far, from its prior."""
         return self.gains[source].value
 
-    def observe(
-        self, draft: Draft, accepted: torch.Tensor, committed: torch.Tensor | None = None
-    ) -> None:
+    def observe(self, draft: Draft, accepted, committed=None) -> None:
         """accepted: (B,) the chain's drafts each row accepted (what the chances predicted);
         committed: what the step committed, down a branch of the tree where it took one (what the
-        draft brought)."""
+        draft brought). Tensors or lists."""
+        accepted = as_list(accepted)
         self.lookup.observe(draft, accepted)
         self.diffusion.observe(draft, accepted)
-        brought = accepted if committed is None else committed
+        brought = accepted if committed is None else as_list(committed)
         for b, source in enumerate(draft.sources):
             if source in self.gains:
                 self.gains[source].tick()
-                self.gains[source].add(int(brought[b]) - 1)
+                self.gains[source].add(brought[b] - 1)
 
-    def choose(self, look: Draft, diff: Draft) -> torch.Tensor:
-        """(B,) True where the row drafts by lookup."""
-        return (look.length > 1) & (self.gain("lookup") >= self.gain("diffusion"))
+    def choose(self, look: Draft, diff: Draft) -> list[bool]:
+        """Per row, True where the row drafts by lookup."""
+        first = self.gain("lookup") >= self.gain("diffusion")
+        return [first and n > 1 for n in look.host("length")]
 
     def propose(self, ctx: DraftContext) -> Draft | None:
         # diff's chances calibrated by its drafter
@@ -424,63 +565,63 @@ class HybridDrafter(Drafter):
         if look is None or diff is None:
             return look or diff
         use_look = self.choose(look, diff)
-        if use_look.all():
+        if all(use_look):
             # the diffusion draft's first choices, beside the lookup chain
             if diff.siblings is not None:
                 look = beside(look, *first_siblings(look, diff))
             return look
-        if not use_look.any():
+        if not any(use_look):
             return diff
         return merge(use_look, look, diff)
 
 
-def observed(draft: Draft, accepted: torch.Tensor, source: str) -> tuple[int, int, float]:
+def observed(draft: Draft, accepted, source: str) -> tuple[int, int, float]:
     """Over the rows drafted by `source`: proposals whose fate is known (the accepted ones and the
     first rejected one; later ones were never judged), how many were accepted, and their summed
     confidence."""
     proposed = taken = 0
     predicted = 0.0
+    accepted, lengths = as_list(accepted), draft.host("length")
+    conf = draft.host("raw_confidence" if draft.raw_confidence is not None else "confidence")
     for b, s in enumerate(draft.sources):
         if s == source:
-            seen = min(int(accepted[b]), int(draft.length[b]) - 1)
+            seen = min(accepted[b], lengths[b] - 1)
             proposed += seen
-            taken += int(accepted[b]) - 1
-            conf = draft.raw_confidence if draft.raw_confidence is not None else draft.confidence
+            taken += accepted[b] - 1
             if conf is not None:
-                predicted += float(conf[b, :seen].sum())
+                predicted += sum(conf[b][:seen])
     return proposed, taken, predicted
 
 
-def merge(use_a: torch.Tensor, a: Draft, b: Draft) -> Draft:
-    """Row b of the result is a's where use_a[b], else b's; padded to the longer draft."""
+def merge(use_a: list[bool], a: Draft, b: Draft) -> Draft:
+    """Row r of the result is a's where use_a[r], else b's; padded to the longer draft (with the
+    row's first token, and chance 0)."""
     m = max(a.tokens.shape[1], b.tokens.shape[1])
 
-    def pad(d: Draft):
-        extra = m - d.tokens.shape[1]
-        tokens = torch.cat([d.tokens, d.tokens[:, :1].repeat(1, extra)], 1)
-        conf = torch.cat([d.confidence, d.confidence.new_zeros(d.confidence.shape[0], extra)], 1)
-        return tokens, conf
+    def padded(d: Draft, name: str, fill=None) -> list:
+        width = m if name == "tokens" else m - 1
+        return [
+            row + [row[0] if fill is None else fill] * (width - len(row)) for row in d.host(name)
+        ]
 
-    (ta, ca), (tb, cb) = pad(a), pad(b)
-    pick = use_a[:, None]
-    sources = [sa if u else sb for u, sa, sb in zip(use_a.tolist(), a.sources, b.sources)]
+    def raw(d: Draft) -> str:
+        return "raw_confidence" if d.raw_confidence is not None else "confidence"
+
+    def pick(x: list, y: list) -> list:
+        return [u if use else v for use, u, v in zip(use_a, x, y)]
+
+    tokens = pick(padded(a, "tokens"), padded(b, "tokens"))
+    length = pick(a.host("length"), b.host("length"))
+    confidence = pick(padded(a, "confidence", 0.0), padded(b, "confidence", 0.0))
+    raw_confidence = pick(padded(a, raw(a), 0.0), padded(b, raw(b), 0.0))
+    device = a.tokens.device
     return Draft(
-        torch.where(pick, ta, tb),
-        torch.where(use_a, a.length, b.length),
-        torch.where(pick, ca, cb),
-        sources,
-        raw_confidence=_raw(a, b, use_a, m),
-    )
-
-
-def _raw(a: Draft, b: Draft, use_a: torch.Tensor, m: int):
-    """The merged draft's uncalibrated confidence (what `observed` compares acceptance with)."""
-
-    def padded(d):
-        c = d.raw_confidence if d.raw_confidence is not None else d.confidence
-        return torch.cat([c, c.new_zeros(c.shape[0], m - c.shape[1])], 1)
-
-    return torch.where(use_a[:, None], padded(a), padded(b))
+        torch.tensor(tokens, dtype=a.tokens.dtype, device=device),
+        torch.tensor(length, dtype=torch.long, device=device),
+        torch.tensor(confidence, device=device),
+        pick(a.sources, b.sources),
+        raw_confidence=torch.tensor(raw_confidence, device=device),
+    ).hold(tokens=tokens, length=length, confidence=confidence, raw_confidence=raw_confidence)
 
 
 DRAFTERS = {"hybrid": HybridDrafter, "diffusion": DiffusionDrafter, "lookup": LookupDrafter}

@@ -5,12 +5,13 @@ nothing but torch and its neighbours (drafters, layout, costs)."""
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
+from math import prod
 
 import torch
 
 from .costs import StepCosts, source_key
-from .drafters import Draft
+from .drafters import Draft, as_list
 from .layout import decode_position_ids
 
 
@@ -168,19 +169,23 @@ class Planner:
         (`group_worth`). Groups go to the likeliest lengths first.
         Exact for any choice: which proposals are kept reads their confidence only."""
         k, m = self.k, draft.tokens.shape[1]
-        worth = self.group_worth(draft)
-        reach = reach_chances(draft)  # (B, m): P(row accepts >= j drafts), j = 1..m
+        price = functools.cache(self.costs.price)  # the search asks for a few shapes many times
+        worth = self.group_worth(draft, price)
+        reach = reach_chances(draft)  # per row, P(row accepts >= j drafts), j = 1..m
+        # per row: the rows' mean (each row reads its group at its own length); a shared commit:
+        # the batch reaches j where every row does
+        columns = list(zip(*reach))
+        at = [sum(c) / len(c) for c in columns] if per_row else [prod(c) for c in columns]
         best = None
         for n in range(1, m + 1):  # drafts kept: draft 0 and n - 1 proposals
-            r = reach[:, :n] if per_row else reach[:, :n].prod(0, keepdim=True)
-            # P(accepts exactly j drafts), j = 1..n
-            exact = r - torch.cat([r[:, 1:], r.new_zeros(r.shape[0], 1)], 1)
-            tokens, lengths = 1 + float(r[:, 1:].sum(1).mean()), exact.mean(0).tolist()
+            # P(accepts exactly j drafts), j = 1..n, and the proposals accepted
+            lengths = [at[j] - at[j + 1] for j in range(n - 1)] + [at[n - 1]]
+            tokens = 1 + sum(at[1:n])
             fits = n if room is None else min(n, room - k + 1)
             order = sorted(range(max(fits, 0)), key=lambda i: -lengths[i]) if uses_groups else []
             most = min(len(order), max(0, (self.budget - n) // k))
             for g in range(most + 1):
-                score = (tokens + worth * sum(lengths[i] for i in order[:g])) / self.costs.price(
+                score = (tokens + worth * sum(lengths[i] for i in order[:g])) / price(
                     n + g * k, g > 0
                 )
                 if best is None or score > best[0]:
@@ -188,7 +193,7 @@ class Planner:
         _, n, anchors = best
         return cut(draft, n), StepPlan(n, anchors, k)
 
-    def group_worth(self, draft: Draft) -> float:
+    def group_worth(self, draft: Draft, price=None) -> float:
         """What a group at the accepted length is worth, in tokens: the proposals a group draft gets
         accepted on average (`group_gain`, learned with the costs) less what verifying them will
         cost the next step (`verify_cost`), times the chance the next draft is taken from the group
@@ -197,7 +202,7 @@ class Planner:
         in runs)."""
         use = self.costs.group_use
         share = sum(use[source_key(s)].value for s in draft.sources) / len(draft.sources)
-        return share * max(0.0, self.group_gain.value - self.verify_cost())
+        return share * max(0.0, self.group_gain.value - self.verify_cost(price))
 
     def tree(self, draft: Draft, uses_groups: bool, room: int | None) -> tuple[Draft, "StepPlan"]:
         """A step over the draft's tree (greedy, batch 1): the likeliest nodes (chain proposals and
@@ -208,10 +213,10 @@ class Planner:
         is worth. A parent is always reached at least as often as its child, so the likeliest nodes
         are a tree. Exact for any choice: which nodes are kept reads their chances only."""
         k, m, cost = self.k, draft.tokens.shape[1], self.mode == "cost"
-        chances = draft.sibling_confidence[0].float().clamp(0, 1).tolist()
+        chances = [min(max(c, 0.0), 1.0) for c in draft.host("sibling_confidence")[0]]
         parents = [-1, *range(m - 1), *draft.parents()]
         reach, depth = (
-            reach_chances(draft)[0].tolist() + [0.0] * len(chances),
+            reach_chances(draft)[0] + [0.0] * len(chances),
             list(range(m)) + [0] * len(chances),
         )
         for i, c in enumerate(chances):
@@ -219,7 +224,8 @@ class Planner:
         order = sorted(range(1, len(reach)), key=lambda s: (-reach[s], depth[s], s))
         if not cost:
             order = [s for s in order if reach[s] >= self.min_chance]
-        worth = self.group_worth(draft) if cost else self.group_gain.value
+        price = functools.cache(self.costs.price)  # the search asks for a few shapes many times
+        worth = self.group_worth(draft, price) if cost else self.group_gain.value
         # a group after a node at depth d uses offsets d + 1 .. d + k
         deepest = None if room is None else room - k
         ends, tokens, best = {0: 1.0}, 1.0, None
@@ -237,7 +243,7 @@ class Planner:
             most = min(len(where), (self.budget - 1 - t) // k)
             for g in range(most + 1) if cost else (most,):
                 value = tokens + worth * sum(max(0.0, ends[s]) for s in where[:g])
-                score = value / self.costs.price(1 + t + g * k, g > 0) if cost else value
+                score = value / price(1 + t + g * k, g > 0) if cost else value
                 if best is None or score > best[0]:
                     best = (score, t, where[:g])
         _, t, groups = best
@@ -246,26 +252,31 @@ class Planner:
         off = sorted(s for s in kept if s >= m)  # siblings kept, parents first
         slot = {**{d: d for d in range(n)}, **{s: n + i for i, s in enumerate(off)}}
         sibling_parents = tuple(slot[parents[s]] for s in off)
-        cut_draft = cut(draft, n)
         index = [s - m for s in off]
-        cut_draft = replace(
-            cut_draft,
-            siblings=draft.siblings[:, index],
-            sibling_confidence=draft.sibling_confidence[:, index],
+        siblings, odds = draft.host("siblings")[0], draft.host("sibling_confidence")[0]
+        kept_siblings, kept_odds = [siblings[i] for i in index], [odds[i] for i in index]
+        device = draft.tokens.device
+        cut_draft = cut(draft, n).replace(
+            siblings=torch.tensor([kept_siblings], dtype=draft.siblings.dtype, device=device),
+            sibling_confidence=torch.tensor(
+                [kept_odds], dtype=draft.sibling_confidence.dtype, device=device
+            ),
             sibling_parents=sibling_parents,
         )
+        cut_draft.hold(siblings=[kept_siblings], sibling_confidence=[kept_odds])
         return cut_draft, StepPlan(
             n, tuple(sorted(slot[s] + 1 for s in groups)), k, sibling_parents
         )
 
-    def verify_cost(self) -> float:
+    def verify_cost(self, price=None) -> float:
         """What verifying a group's draft costs the next step, in tokens: the time a step with
         proposals takes beyond a plain AR step's, over the AR step's (the tokens that time would
         have made). A group's proposals are worth only what they bring beyond it: were a step of 2
         to 4 slots to cost 1.5x one of 1 slot, a group would need more than half a proposal accepted
         to pay; where slots are free (a GPU) it costs nothing."""
-        one = self.costs.price(1, False)
-        verify = min(self.costs.price(n, False) for n in range(2, self.k + 1))
+        price = price or self.costs.price  # price: StepCosts.price, or a plan's memo of it
+        one = price(1, False)
+        verify = min(price(n, False) for n in range(2, self.k + 1))
         return max(0.0, verify - one) / one
 
     def timed(
@@ -283,6 +294,7 @@ class Planner:
         self.group_gain.tick()
         for mean in self.costs.group_use.values():
             mean.tick()
+        accepted = as_list(accepted)
         for b, source in enumerate(draft.sources):
             if source == "diffusion":
                 self.group_gain.add(float(accepted[b]) - 1)
@@ -290,7 +302,7 @@ class Planner:
             for was, source in zip(self.offered, draft.sources):
                 if was is not None:
                     self.costs.group_use[was].add(float(source == "diffusion"))
-        at = (accepted if committed is None else committed).tolist()
+        at = accepted if committed is None else as_list(committed)
         # a tree reads only the group at its path's end
         offers = plan.group_start if plan.siblings else plan.group_read
         self.offered = [
@@ -310,9 +322,10 @@ class Planner:
         m = draft.tokens.shape[1]
         if self.mode == "full" or draft.confidence is None or m <= 2:
             return draft
-        reach = reach_chances(draft)[:, 1:]  # (B, m - 1): P(the row accepts proposal i)
-        reach = reach.max(0).values if per_row else reach.prod(0)
-        keep = max(1, int((reach >= self.min_chance).sum()))  # reach only falls with i: a prefix
+        # P(the row accepts proposal i), i = 1..m - 1, over the rows
+        columns = list(zip(*reach_chances(draft)))[1:]
+        reach = [max(c) for c in columns] if per_row else [prod(c) for c in columns]
+        keep = max(1, sum(r >= self.min_chance for r in reach))  # reach only falls with i: a prefix
         return cut(draft, keep + 1)
 
     def plan(
@@ -346,36 +359,43 @@ def cut(draft: Draft, n: int) -> Draft:
     def keep(t):
         return None if t is None else t[:, : n - 1]
 
-    return replace(
-        draft,
+    short = draft.replace(
         tokens=draft.tokens[:, :n],
         length=draft.length.clamp(max=n),
         confidence=keep(draft.confidence),
         raw_confidence=keep(draft.raw_confidence),
     )
+    # the host copies the draft has, cut alike
+    held = draft._host
+    for name, width in (("tokens", n), ("confidence", n - 1), ("raw_confidence", n - 1)):
+        if held.get(name) is not None:
+            short.hold(**{name: [row[:width] for row in held[name]]})
+    if "length" in held:
+        short.hold(length=[min(x, n) for x in held["length"]])
+    return short
 
 
 def accepted_length_chances(draft: Draft, per_row: bool = False) -> list[float]:
     """j = 1..m: with a shared commit, P(the batch commits j drafts) (the fewest any row accepted);
     per row, the expected share of rows that accept exactly j (each reads the group at its own
     j)."""
-    reach = reach_chances(draft)
-    if per_row:
-        return (
-            (reach - torch.cat([reach[:, 1:], reach.new_zeros(reach.shape[0], 1)], 1))
-            .mean(0)
-            .tolist()
-        )
-    reach = reach.prod(0)
-    return (reach - torch.cat([reach[1:], reach.new_zeros(1)])).tolist()
+    columns = list(zip(*reach_chances(draft)))
+    at = [sum(c) / len(c) for c in columns] if per_row else [prod(c) for c in columns]
+    return [a - b for a, b in zip(at, at[1:] + [0.0])]
 
 
-def reach_chances(draft: Draft) -> torch.Tensor:
-    """(B, m): column j - 1 is P(the row accepts >= j drafts), draft 0 always; from
-    draft.confidence, a row's acceptance stopping at its first miss and at its length."""
+def reach_chances(draft: Draft) -> list[list[float]]:
+    """Per row, P(the row accepts >= j drafts) for j = 1..m, draft 0 always: from draft.confidence,
+    a row's acceptance stopping at its first miss and at its length. Host lists: the plan's
+    arithmetic on a few dozen numbers."""
     m = draft.tokens.shape[1]
     if m == 1:
-        return torch.ones(draft.tokens.shape[0], 1, device=draft.tokens.device)
-    real = torch.arange(1, m, device=draft.tokens.device) < draft.length[:, None]
-    c = (draft.confidence.float() * real).clamp(0, 1)
-    return torch.cat([torch.ones_like(c[:, :1]), c.cumprod(1)], 1)
+        return [[1.0] for _ in range(draft.tokens.shape[0])]
+    rows = []
+    for length, conf in zip(draft.host("length"), draft.host("confidence")):
+        reach, p = [1.0], 1.0
+        for i in range(m - 1):
+            p *= min(max(conf[i], 0.0), 1.0) if i + 1 < length else 0.0
+            reach.append(p)
+        rows.append(reach)
+    return rows

@@ -22,42 +22,44 @@ from .cache import GrowingLayer
 from .verify import process
 
 if TYPE_CHECKING:  # types only: drafters.py imports this module
-    from .drafters import Draft, DraftContext
+    from .drafters import Draft
     from .forward import Output
     from .plan import StepPlan
 
 
-def group_siblings(ctx: DraftContext, slots: torch.Tensor, chain: torch.Tensor, n: int):
+def top_choices(scores: torch.Tensor, n: int) -> tuple[list, list]:
+    """Each position's n likeliest tokens of scores (..., V), best first, and their probabilities,
+    as host lists (..., n): one topk, and the top scores are the top probabilities by their
+    normalizer (no softmax written out)."""
+    top = scores.topk(n, -1)
+    chances = (top.values - scores.logsumexp(-1, keepdim=True)).exp()
+    return top.indices.tolist(), chances.tolist()
+
+
+def group_siblings(scores: torch.Tensor, n: int, chain: list) -> tuple[list, list]:
     """The group's next n likeliest tokens at each drafted offset, other than the chain's (B, D)
-    there, and their probabilities: (B, D, n) each. Slot i is processed with the chain's prefix, as
-    make_draft does. At offset 1 the AR token, where it is not the group's first choice, is often
-    among its next few: the case for siblings (figures: bench/RESULTS.md §3,
-    results/wide-draft-offline.json; docs/method.md §3, Trees)."""
-    scores = process(ctx.processors, ctx.seqs, chain, slots[:, : chain.shape[1]])
-    # the top scores are the top probabilities: their normalizer, not a softmax written out
-    top = scores.topk(n + 1, -1)
-    return without(top.indices, (top.values - scores.logsumexp(-1, keepdim=True)).exp(), chain, n)
+    there, and their probabilities: host lists (B, D, n) each. scores: the processed scores
+    (B, D, V) the chain was picked from (make_draft: slot i with the chain's prefix). At offset 1
+    the AR token, where it is not the group's first choice, is often among its next few: the case
+    for siblings (figures: bench/RESULTS.md §3, results/wide-draft-offline.json; docs/method.md
+    §3, Trees)."""
+    tokens, chances = top_choices(scores, n + 1)
+    return without(tokens, chances, chain, n)
 
 
 def grow(
-    draft: Draft,
-    alt_tokens: torch.Tensor,
-    alt_chances: torch.Tensor,
-    most: int,
-    floor: float = 1e-3,
+    draft: Draft, alt_tokens: list, alt_chances: list, most: int, floor: float = 1e-3
 ) -> Draft:
     """The draft's tree (batch 1): the chain's proposals and, at every node, the alternatives at the
-    next offset, best first by the chance the step reaches them (the product of the chances along
-    the path; a group's offsets are drafted in parallel, so a branch's later tokens are the same
-    offsets' choices as the chain's), until `most` nodes (chain nodes count). The nodes off the
-    chain become draft.siblings, in the order found (a parent before its children)."""
+    next offset (host lists (1, D, s), best first), best first by the chance the step reaches them
+    (the product of the chances along the path; a group's offsets are drafted in parallel, so a
+    branch's later tokens are the same offsets' choices as the chain's), until `most` nodes (chain
+    nodes count). The nodes off the chain become draft.siblings, in the order found (a parent
+    before its children)."""
     m = draft.tokens.shape[1]
-    conf = draft.confidence[0, : m - 1].float().clamp(0, 1).tolist()
-    chain, alts, chances = (
-        draft.tokens[0, 1:].tolist(),
-        alt_tokens[0].tolist(),
-        alt_chances[0].float().clamp(0, 1).tolist(),
-    )
+    conf = [min(max(c, 0.0), 1.0) for c in draft.host("confidence")[0][: m - 1]]
+    chain, alts = draft.host("tokens")[0][1:], alt_tokens[0]
+    chances = [[min(max(c, 0.0), 1.0) for c in row] for row in alt_chances[0]]
     tokens, parents, conditional = [], [], []
     heap, count, found = [], 0, 0
 
@@ -89,51 +91,52 @@ def grow(
     draft.siblings = torch.tensor([tokens], dtype=draft.tokens.dtype, device=device).view(1, -1)
     draft.sibling_confidence = torch.tensor([conditional], device=device).view(1, -1)
     draft.sibling_parents = tuple(parents)
-    return draft
+    return draft.hold(siblings=[tokens], sibling_confidence=[conditional])
 
 
-def without(tokens: torch.Tensor, chances: torch.Tensor, taken: torch.Tensor, n: int):
+def without(tokens: list, chances: list, taken: list, n: int) -> tuple[list, list]:
     """The first n of `tokens` (..., n + 1) other than `taken` (...), in their order, with their
-    chances."""
-    keep = (tokens != taken[..., None]).float().argsort(dim=-1, descending=True, stable=True)
-    keep = keep[..., :n]
-    return tokens.gather(-1, keep), chances.gather(-1, keep)
+    chances: host lists, nested alike."""
+    if tokens and isinstance(tokens[0], list):
+        pairs = [without(t, c, x, n) for t, c, x in zip(tokens, chances, taken)]
+        return [p[0] for p in pairs], [p[1] for p in pairs]
+    keep = [i for i, t in enumerate(tokens) if t != taken][:n]
+    return [tokens[i] for i in keep], [chances[i] for i in keep]
 
 
-def first_siblings(look: Draft, diff: Draft):
+def first_siblings(look: Draft, diff: Draft) -> tuple[list, list]:
     """The diffusion draft's choices for the first proposal (its own, then its alternatives there)
     other than the lookup draft's, as alternatives to the lookup chain's first proposal: as many as
-    diff has alternatives there."""
+    diff has alternatives there. Host lists (1, s)."""
     first = [i for i, p in enumerate(diff.parents()) if p == 0]
-    tokens = torch.cat([diff.tokens[:, 1:2], diff.siblings[:, first]], 1)
-    conf = torch.cat([diff.confidence[:, :1], diff.sibling_confidence[:, first]], 1)
-    return without(tokens, conf, look.tokens[:, 1], len(first))
+    siblings, chances = diff.host("siblings")[0], diff.host("sibling_confidence")[0]
+    tokens = [diff.host("tokens")[0][1]] + [siblings[i] for i in first]
+    conf = [diff.host("confidence")[0][0]] + [chances[i] for i in first]
+    return without([tokens], [conf], [look.host("tokens")[0][1]], len(first))
 
 
-def beside(draft: Draft, tokens: torch.Tensor, chances: torch.Tensor) -> Draft:
-    """The draft (batch 1) with `tokens` (1, s) added under draft 0, those it has there already
-    left out."""
+def beside(draft: Draft, tokens: list, chances: list) -> Draft:
+    """The draft (batch 1) with `tokens` (1, s) (host lists, with their `chances`) added under
+    draft 0, those it has there already left out."""
     have = (
         set()
         if draft.siblings is None
-        else {t for t, p in zip(draft.siblings[0].tolist(), draft.parents()) if p == 0}
+        else {t for t, p in zip(draft.host("siblings")[0], draft.parents()) if p == 0}
     )
-    keep = [i for i, t in enumerate(tokens[0].tolist()) if t not in have]
+    keep = [i for i, t in enumerate(tokens[0]) if t not in have]
     if not keep:
         return draft
+    added, odds = [tokens[0][i] for i in keep], [chances[0][i] for i in keep]
     if draft.siblings is None:
-        draft.siblings, draft.sibling_confidence, draft.sibling_parents = (
-            tokens[:, keep],
-            chances[:, keep],
-            None,
-        )
-        return draft
-    draft.sibling_parents = (*draft.parents(), *(0,) * len(keep))
-    draft.siblings = torch.cat([draft.siblings, tokens[:, keep]], 1)
-    draft.sibling_confidence = torch.cat(
-        [draft.sibling_confidence, chances[:, keep].to(draft.sibling_confidence.dtype)], 1
-    )
-    return draft
+        old, old_odds, parents = [], [], None
+    else:
+        old, old_odds = draft.host("siblings")[0], draft.host("sibling_confidence")[0]
+        parents = (*draft.parents(), *(0,) * len(keep))
+    device = draft.tokens.device
+    draft.siblings = torch.tensor([old + added], dtype=draft.tokens.dtype, device=device)
+    draft.sibling_confidence = torch.tensor([old_odds + odds], device=device)
+    draft.sibling_parents = parents
+    return draft.hold(siblings=[old + added], sibling_confidence=[old_odds + odds])
 
 
 def walk(
