@@ -135,10 +135,11 @@ class Drafter(Protocol):
         groups)."""
         ...
 
-    def observe(self, draft: Draft, accepted: torch.Tensor, committed: torch.Tensor) -> None:
+    def observe(self, draft: Draft, accepted: list[int], committed: list[int]) -> None:
         """Optional, after each step: (B,) the drafts each row's chain got accepted (what its
         confidence predicted), and the drafts its draft got committed (more, down a tree's
-        branch)."""
+        branch). Host lists where the engine has them (it reads a step's verdict once); a tensor
+        otherwise (`as_list` takes either)."""
 
 
 def fresh(y: torch.Tensor) -> Draft:

@@ -119,7 +119,7 @@ class DecodeState:
         for it (draft.confidence, over the `rated` judged ones that had one): acceptance by offset,
         greedy or sampled, beside what the plan expected. taken: (B,) the drafts each row accepted
         (draft 0 counted), read once a step."""
-        offered = draft.length.tolist()
+        offered = draft.host("length")
         chances = None
         for b, alive in enumerate(self.alive_rows()):
             judged = min(taken[b], offered[b] - 1) if alive else 0
@@ -133,8 +133,8 @@ class DecodeState:
             for i in range(judged):
                 table["judged"][i] += 1
                 table["accepted"][i] += i < taken[b] - 1
-                if chances is None and draft.confidence is not None:
-                    chances = draft.confidence.float().tolist()
+                if chances is None:
+                    chances = draft.host("confidence")
                 if chances is not None:
                     table["predicted"][i] += chances[b][i]
                     table["rated"][i] += 1
@@ -375,7 +375,7 @@ def decode(
             kept = accept(state, Step(draft, plan, out, ar, scores, accepted, taken), run, beta)
             # accept() waited for the device
             planner.timed(plan, time.perf_counter() - started, draft, kept.brought, kept.ends)
-            drafter.observe(draft, accepted, kept.brought)
+            drafter.observe(draft, taken, kept.brought)
         if record is not None:
             record[0].extend(kept.scores)
             record[1].extend(a.float() for a in kept.raw)
@@ -465,9 +465,9 @@ class Kept:
     group: Callable  # the next draft's group logits (DraftContext.group)
     # (B,) drafts each row's draft got committed (a tree: its path): what drafters and the plan
     # learn
-    brought: torch.Tensor | None = None
+    brought: list | torch.Tensor | None = None
     # (B,) the slot each row's next group is read after (StepPlan.group_start)
-    ends: torch.Tensor | None = None
+    ends: list | torch.Tensor | None = None
     # the processed scores of each committed position (recorded for output_scores)
     scores: tuple = ()
     raw: tuple = ()  # and the raw logits
@@ -488,10 +488,10 @@ def accept_together(state: DecodeState, step: Step, run, beta: float) -> Kept:
     if plan.siblings:
         path, scored, raw = walk(plan, tokens, out, state.seqs, processors, pick, scores, ar)
         y, j = pick.token(scored[-1]), len(path)
-        brought, ends = torch.full_like(accepted, j), torch.full_like(accepted, path[-1] + 1)
+        brought, ends = [j] * B, [path[-1] + 1] * B
     else:
         path, scored, raw = list(range(j)), scores[:, :j].unbind(1), ar[:, :j].unbind(1)
-        brought, ends = accepted, torch.full_like(accepted, j)
+        brought, ends = step.taken, [j] * B
         g = plan.group_start(j)
         target = scores[:, j - 1]
         if beta != 1.0 and g is not None:
