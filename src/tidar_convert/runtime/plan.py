@@ -171,11 +171,7 @@ class Planner:
         k, m = self.k, draft.tokens.shape[1]
         price = functools.cache(self.costs.price)  # the search asks for a few shapes many times
         worth = self.group_worth(draft, price)
-        reach = reach_chances(draft)  # per row, P(row accepts >= j drafts), j = 1..m
-        # per row: the rows' mean (each row reads its group at its own length); a shared commit:
-        # the batch reaches j where every row does
-        columns = list(zip(*reach))
-        at = [sum(c) / len(c) for c in columns] if per_row else [prod(c) for c in columns]
+        at = batch_reach(draft, per_row)
         best = None
         for n in range(1, m + 1):  # drafts kept: draft 0 and n - 1 proposals
             # P(accepts exactly j drafts), j = 1..n, and the proposals accepted
@@ -379,9 +375,16 @@ def accepted_length_chances(draft: Draft, per_row: bool = False) -> list[float]:
     """j = 1..m: with a shared commit, P(the batch commits j drafts) (the fewest any row accepted);
     per row, the expected share of rows that accept exactly j (each reads the group at its own
     j)."""
-    columns = list(zip(*reach_chances(draft)))
-    at = [sum(c) / len(c) for c in columns] if per_row else [prod(c) for c in columns]
+    at = batch_reach(draft, per_row)
     return [a - b for a, b in zip(at, at[1:] + [0.0])]
+
+
+def batch_reach(draft: Draft, per_row: bool) -> list[float]:
+    """j = 1..m: the batch's chance of reaching j drafts (reach_chances over the rows). Per row,
+    the rows' mean (each row reads its group at its own length); with a shared commit, the
+    product (the batch reaches j where every row does)."""
+    columns = list(zip(*reach_chances(draft)))
+    return [sum(c) / len(c) for c in columns] if per_row else [prod(c) for c in columns]
 
 
 def reach_chances(draft: Draft) -> list[list[float]]:
