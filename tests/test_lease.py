@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import re
 import subprocess
 import sys
@@ -21,7 +22,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def staged(tmp_path: Path, size: int = 10_001) -> tuple[Path, bytes]:
     """A file of `size` random bytes split as `make lease-stage` splits the GGUF."""
-    data = os.urandom(size)
+    data = random.Random(size).randbytes(size)  # seeded: a failure replays
     blob = tmp_path / "blob.gguf"
     blob.write_bytes(data)
     lease_stage.split(blob, [tmp_path / "lease" / "1", tmp_path / "lease" / "2"])
@@ -48,7 +49,9 @@ def test_a_missing_or_damaged_half_is_named(tmp_path, monkeypatch):
     with pytest.raises(FileNotFoundError, match=r"blob\.gguf\.part1 not in .*run the two calls"):
         lease_stage.stage_section(folder / "2", whole=True)  # call 1 never ran on this machine
     part = folder / "1" / "blob.gguf.part1"
-    part.write_bytes(part.read_bytes()[:-1] + b"x")
+    damaged = bytearray(part.read_bytes())
+    damaged[-1] ^= 0xFF  # always another byte (writing b"x" left the file whole 1 time in 256)
+    part.write_bytes(bytes(damaged))
     with pytest.raises(ValueError, match=r"part1: its sha256 is not the manifest's.*stage again"):
         lease_stage.stage_section(folder / "1", whole=False)
     with pytest.raises(FileNotFoundError, match=r"manifest\.json is missing.*make lease-stage"):
