@@ -95,7 +95,7 @@ REFUSED = {
     "assistant_early_exit": 1,
     "use_mtp": True,
     "is_assistant": True,
-    "cache_implementation": "static",
+    "cache_implementation": "offloaded",  # dynamic and static decode (test_slots.py)
 }
 
 # Irrelevant: {field: (a value, why)}. The test checks that the value changes neither TiDAR's output
@@ -110,15 +110,18 @@ IRRELEVANT = {
     ),
     "cache_config": (
         {"offloading": False},
-        "options for cache_implementation, which is refused unless dynamic",
+        "options of transformers' own caches; TiDAR's dynamic and static caches take none",
     ),
-    "max_cache_len": (64, "the length of a static cache; TiDAR's cache is dynamic"),
+    "max_cache_len": (64, "a static cache's length; TiDAR's static cache is sized by max_length"),
     "prefill_chunk_size": (3, "chunked prefill changes peak memory, not the output"),
     "compile_config": (
         CompileConfig(fullgraph=False),
-        "torch.compile settings of transformers' own decoding loop",
+        "torch.compile settings, read only with cache_implementation='static' (test_slots.py)",
     ),
-    "disable_compile": (True, "torch.compile settings of transformers' own decoding loop"),
+    "disable_compile": (
+        True,
+        "torch.compile settings, read only with cache_implementation='static' (test_slots.py)",
+    ),
     "continuous_batching_config": (
         None,
         "read only by generate_batch (continuous batching), never by generate",

@@ -95,6 +95,7 @@ class DecodeState:
     # `active` and `n_new` on the host, where the last commit knew them (None: read when asked)
     alive: list | None = None
     made: list | None = None
+    written: int = 0  # slots the last forward wrote to the cache (a static cache's: its bucket)
 
     def alive_rows(self) -> list[bool]:
         if self.alive is None:
@@ -208,6 +209,7 @@ def prefill(
             model.config._attn_implementation,
             prompt.device,
             local,
+            slots=None if run.slots is None else (P + g, run.slots.capacity),
         )
     mixers = run.session.recurrent_mixers(model)
     # recurrent layers: the prompt from a fresh state, the group from the state after it
@@ -231,11 +233,15 @@ def prefill(
 
 def run_step(model, run, state: DecodeState, draft: Draft, plan: StepPlan) -> Output:
     """One forward over the plan's slots: the draft tokens, then the mask groups."""
-    B = draft.tokens.shape[0]
+    B, C = state.cache_valid.shape
+    # a static cache's step: padded to its bucket (slots.py), the padding after the step's own
+    written = plan.slots if run.slots is None else run.slots.pad(plan.slots, C)
     with record_function("tidar.mask"):
-        masks = torch.full((B, plan.slots - plan.causal), run.mask_id, device=draft.tokens.device)
+        masks = torch.full((B, written - plan.causal), run.mask_id, device=draft.tokens.device)
         tokens = torch.cat([causal_tokens(draft, plan), masks], 1)
         positions = plan.positions(state.start)
+        if written > plan.slots:  # padding at the step's last position: any in range will do
+            positions = torch.cat([positions, positions[:, -1:].expand(B, written - plan.slots)], 1)
         # sliding windows and chunks; a cache column's position: the real tokens before it in its
         # row
         kinds = local_kinds(model.config)
@@ -257,6 +263,7 @@ def run_step(model, run, state: DecodeState, draft: Draft, plan: StepPlan) -> Ou
             plan.parents(),
             local,
             kept=run.session.own_mask,
+            slots=None if run.slots is None else (written, run.slots.capacity),
         )
     mixers = run.session.recurrent_mixers(model)
     # recurrent layers: the drafts continue the state, recording it after each; group g starts
@@ -266,8 +273,10 @@ def run_step(model, run, state: DecodeState, draft: Draft, plan: StepPlan) -> Ou
         if mixers
         else None
     )
-    out = forward(model, state.cache, tokens, positions, mask, plan.read(), segments, mixers)
+    call = None if run.slots is None else run.slots.call
+    out = forward(model, state.cache, tokens, positions, mask, plan.read(), segments, mixers, call)
     state.nfe += 1
+    state.written = written
     return out
 
 
@@ -303,7 +312,9 @@ def decode(
     )
     stops = known_stops(run, criteria)
     state = DecodeState(run.input_ids, run.kv_valid, torch.ones(B, dtype=torch.bool, device=device))
-    if run.session.recurrent_mixers(model):
+    if run.slots is not None:
+        state.cache = run.slots.cache
+    elif run.session.recurrent_mixers(model):
         state.cache = new_cache(model.config)
     state.new = torch.full((B, run.max_new), run.pad, dtype=run.input_ids.dtype, device=device)
     state.n_new = torch.zeros(B, dtype=torch.long, device=device)
@@ -327,8 +338,13 @@ def decode(
             commit(run, criteria, state, kept, scores, stops)
         if not any(state.alive_rows()):
             break
-        # a returned cache keeps every row
-        if per_row and not all(state.alive_rows()) and not run.gc.return_dict_in_generate:
+        # a returned cache keeps every row; a static cache keeps its shapes
+        if (
+            per_row
+            and not all(state.alive_rows())
+            and not run.gc.return_dict_in_generate
+            and run.slots is None
+        ):
             kept = drop_finished(state, kept, pick)
         pick.seek(state.n_new)  # each row's own count: sampling draws by each row's position
         with record_function("tidar.draft"):
@@ -668,8 +684,8 @@ def crop(state: DecodeState, plan: StepPlan, kept: Kept) -> None:
         keep_states(state.cache, plan.causal, kept.counts, None if prefix else slots)
     if prefix and recurrent:  # the attention halves (a row's holes included, as below)
         crop_attention(state.cache, plan.slots - len(slots))
-    elif prefix:  # a prefix of the step
-        state.cache.crop(-(plan.slots - len(slots)))
+    elif prefix:  # a prefix of the step (of what it wrote: a static cache's padding too)
+        state.cache.crop(-(state.written - len(slots)))
     else:  # a branch off the chain is not a prefix, so `crop` cannot keep it
         keep_slots(state.cache, state.cache_valid.shape[1], slots)
         state.sibling_steps += 1

@@ -143,13 +143,17 @@ def forward(
     read: list[int] | None = None,
     segments: Segments | None = None,
     mixers: list | None = None,
+    call=None,
 ) -> Output:
     """read: the slots whose logits the step may read, computed in one vocabulary-head call.
-    segments: how the model's recurrent `mixers` run the slots (recurrent.py); None without any."""
+    segments: how the model's recurrent `mixers` run the slots (recurrent.py); None without any.
+    call: the decoder body's compiled call (slots.compiled_body), or None."""
     with record_function("tidar.forward"), layout(mixers or [], segments):
         if head_is_plain(model):
             body = decoder_body(model)
-            out = body(
+            if call is not None:  # a CUDA graph's outputs live until its next replay: a new step
+                torch.compiler.cudagraph_mark_step_begin()
+            out = (call or body)(
                 input_ids=tokens,
                 position_ids=positions,
                 attention_mask=mask,

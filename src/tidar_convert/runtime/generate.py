@@ -53,6 +53,7 @@ from .kernels import resolve as resolve_kernels
 from .layout import decode_mask_mod  # noqa: F401
 from .plan import Planner
 from .session import Session, session_of
+from .slots import Slots, static_slots
 from .spec import TiDARSpec, check_draft_length
 from .verify import Greedy, Sampling, draw_seed
 
@@ -155,7 +156,10 @@ REFUSED = {
     "assistant_early_exit": ((), "self-speculative early exit is another drafter"),
     "use_mtp": ((False,), "multi-token prediction is another drafter"),
     "is_assistant": ((False,), "a TiDAR model is not run as an assistant"),
-    "cache_implementation": (("dynamic",), "TiDAR crops a DynamicCache after every step"),
+    "cache_implementation": (
+        ("dynamic", "static"),
+        "TiDAR crops its cache after every step: a dynamic or a static one (slots.py)",
+    ),
 }
 # generate() arguments that are not GenerationConfig fields: refused when given (not None / False).
 REFUSED_ARGS = {
@@ -207,6 +211,7 @@ class Run:
     pad: int
     session: Session  # the model's: step costs, mask blocks and kernel choices kept across calls
     streamer: object = None
+    slots: Slots | None = None  # cache_implementation="static": the step shapes (slots.py)
 
     @property
     def max_new(self) -> int:
@@ -423,6 +428,14 @@ def generate(
         torch.Generator) or torch's global generator: torch.manual_seed(s) before generate() gives
         the same tokens on every run, whatever plan, drafter or timings.
 
+    cache_implementation: "dynamic" (default) or "static": as in transformers, a KV cache allocated
+        once and written in place, so the forward keeps its shapes and compiles (on a GPU, CUDA
+        graphs; transformers' compile_config and disable_compile apply, and it compiles where
+        transformers' own generate would: a CUDA device, or compile_config._compile_all_devices).
+        Each step is padded to a slot bucket, one compiled graph each (slots.py); the output is
+        the dynamic cache's. Not for recurrent layers, sliding windows or flex_attention (refused
+        by name).
+
     generation_config and keyword arguments are merged with the model's defaults as transformers
     does. Logits processors (transformers' own, built from the config, plus `logits_processor`)
     apply to each AR row with the prefix AR would have seen there, before verification, and to each
@@ -464,6 +477,7 @@ def generate(
         model.dtype,
         model.device.type,
         run.input_ids.shape[0],
+        run.gc.cache_implementation == "static",
     )
     # where siblings are exact (walking a tree under sampling, or mixing in the diffusion logits,
     # is not built; a batch verifies chains)
@@ -477,6 +491,7 @@ def generate(
         siblings=siblings if tree or siblings < 0 else 0,
     )
     gc = run.gc
+    run.slots = static_slots(model, run.session, gc, run.input_ids.shape[0], planner.budget)
     record = (
         ([], []) if gc.return_dict_in_generate and (gc.output_scores or gc.output_logits) else None
     )

@@ -235,8 +235,10 @@ def decode_step_mask(
     parents=None,
     local: "Local | None" = None,
     kept=None,
+    slots: tuple[int, int] | None = None,
 ):
     """The attention_mask of one decode step after a cache, for this attention implementation.
+    slots: (rows, columns) of a static cache's step (slots.in_slots), or None.
 
     cache_valid: (B, C) False at the cache's left padding. Dense masks are built from two reusable
     parts instead of evaluating decode_mask_mod over all (Q, C + Q) pairs every step: the cache
@@ -266,6 +268,8 @@ def decode_step_mask(
     dense = torch.cat(
         [cache_valid[:, None, None, :].expand(B, 1, Q, C), own.expand(B, 1, Q, Q)], -1
     )
+    if slots is not None:
+        dense = in_slots(dense, *slots)
     return (
         for_implementation(dense, attn_implementation)
         if local is None
@@ -301,9 +305,11 @@ def build_mask(
     attn_implementation: str | None,
     device,
     local: "Local | None" = None,
+    slots: tuple[int, int] | None = None,
 ):
     """The attention_mask transformers should receive for this model's attention implementation:
-    one mask, or {layer kind: mask} where `local` restricts some kinds (see Local)."""
+    one mask, or {layer kind: mask} where `local` restricts some kinds (see Local). slots: (rows,
+    columns) of a static cache's forward (slots.in_slots), or None."""
     if local is not None:
         dense = (
             None
@@ -319,8 +325,9 @@ def build_mask(
         )
     if attn_implementation == "flex_attention":
         return to_block_mask(mask_mod, batch, q_len, kv_len, device=device)
+    dense = to_dense(mask_mod, batch, q_len, kv_len, device=device)
     return for_implementation(
-        to_dense(mask_mod, batch, q_len, kv_len, device=device), attn_implementation
+        dense if slots is None else in_slots(dense, *slots), attn_implementation
     )
 
 
@@ -412,6 +419,19 @@ class Local:
                 )
                 out[kind] = for_implementation(m, attn_implementation)
         return out.pop("") if "" in out else out
+
+
+def in_slots(dense: torch.Tensor, rows: int, columns: int) -> torch.Tensor:
+    """A step's dense (B, 1, Q, C + Q) bool mask as the static cache takes it, (B, 1, rows,
+    columns): rows - Q padding slots after the step's own, each seeing only itself, and no query
+    seeing an entry past them."""
+    B, _, Q, width = dense.shape
+    out = dense.new_zeros(B, 1, rows, columns)
+    out[..., :Q, :width] = dense
+    if rows > Q:
+        pad = torch.arange(Q, rows, device=dense.device)
+        out[..., pad, pad + width - Q] = True
+    return out
 
 
 def for_implementation(dense: torch.Tensor, attn_implementation: str | None) -> torch.Tensor:

@@ -13,6 +13,10 @@ What it holds, and why each is kept rather than made again per call:
   (layout.decode_step_mask): it depends on the plan alone, and plans repeat.
 - `mixers`: the model's layers with recurrent state (recurrent.mixers): finding them reads their
   classes' source.
+- `static_caches`, `compiled`: for cache_implementation="static" (slots.py), the static KV cache
+  of each shape and the decoder body's compiled call: a compiled graph is tied to its cache's
+  buffers (on a GPU, a CUDA graph to their addresses), so a new cache each call would compile
+  again.
 - `kernels`: which product each linear layer takes, the packed copies of its weight, the packed
   mask-slot deltas and the timing that chose them (kernels.py): packing costs a pass over every
   weight, and timing the products another few.
@@ -51,6 +55,8 @@ class Session:
         self.own_masks: dict = {}
         self.kernels = KernelState()
         self.mixers: list | None = None
+        self.static_caches: dict = {}
+        self.compiled: dict = {}
 
     def recurrent_mixers(self, model) -> list:
         """The model's recurrent mixers (recurrent.mixers), found on first use."""
@@ -73,6 +79,20 @@ class Session:
             mask = self.own_masks[key] = make()
         return mask
 
+    def static_cache(self, key, make):
+        """The static cache of one shape (batch, length, dtype, device), made the first time; only
+        the last shape is kept (each holds a whole KV cache)."""
+        if key not in self.static_caches:
+            self.static_caches.clear()
+            self.static_caches[key] = make()
+        return self.static_caches[key]
+
+    def compiled_call(self, key, make):
+        """A compiled call, made (torch.compile: lazy, it compiles on first call) the first time."""
+        if key not in self.compiled:
+            self.compiled[key] = make()
+        return self.compiled[key]
+
     def __deepcopy__(self, memo):
         # a copied model's layers are new objects, and a packed copy may be an opaque oneDNN
         # tensor that cannot be copied: the copy starts a session of its own
@@ -87,6 +107,8 @@ class Session:
         self.own_masks.clear()
         self.kernels = KernelState()
         self.mixers = None
+        self.static_caches.clear()
+        self.compiled.clear()
 
 
 def session_of(model) -> Session:

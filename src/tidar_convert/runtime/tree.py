@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from .cache import GrowingLayer
+from .slots import SlotLayer
 from .verify import process
 
 if TYPE_CHECKING:  # types only: drafters.py imports this module
@@ -184,7 +185,7 @@ def keep_slots(cache, cache_len: int, slots: list[int]) -> None:
     index = torch.tensor([*range(cache_len), *(cache_len + s for s in slots)])
     branch = index[cache_len:]
     for layer in cache.layers:
-        if isinstance(layer, GrowingLayer):  # moved inside its buffers
+        if isinstance(layer, (GrowingLayer, SlotLayer)):  # moved inside its buffers
             layer.keep(cache_len, branch.to(layer.device))
         elif getattr(layer, "keys", None) is not None and layer.keys.numel():
             i = index.to(layer.keys.device)
