@@ -86,6 +86,7 @@ def test_bench_json_and_plots(tiny_dirs, tiny_export, tmp_path, capsys, monkeypa
     assert set(r["summary"]) | set(r["skipped_decoders"]) == set(DECODERS)
     assert {"ar", "prompt_lookup", "tidar", "base_prompt_lookup"} <= set(r["summary"])
     assert all("drafter" in why for why in r["skipped_decoders"].values())
+    assert "tidar_compiled" in r["summary"]  # this engine decodes over a static cache
     assert r["decoders"]["tidar"] == {"tidar": True, "draft_length": 4, "weights": "export"}
     for decoder in (d for d in r["summary"] if DECODERS[d].weights == "export"):
         s = r["summary"][decoder]
@@ -821,12 +822,15 @@ def test_decoder_table_says_weights_and_generate_arguments():
     assert kw["ar_compiled"] == {"tidar": False, "cache_implementation": "static"}
     assert DECODERS["ar_compiled"].compiled_on(torch.device("cuda"))
     assert not DECODERS["ar_compiled"].compiled_on(torch.device("cpu"))
+    assert kw["tidar_compiled"] == kw["tidar"] | {"cache_implementation": "static"}
+    assert DECODERS["tidar_compiled"].compiled_on(torch.device("cuda"))
     assert decoders.decoder_names("export") == (
         "ar",
         "ar_stock",
         "ar_compiled",
         "prompt_lookup",
         "tidar",
+        "tidar_compiled",
         "tidar_chain",
         "tidar_adaptive",
         "tidar_diffusion",
@@ -935,6 +939,35 @@ def test_drafters_this_engine_lacks_are_left_out_with_the_reason(tiny_export):
     assert bool(skipped) != has_drafters and all("drafter=" in why for why in skipped.values())
 
 
+def test_a_static_cache_an_engine_refuses_is_left_out_with_the_reason(tiny_export, monkeypatch):
+    """An export from before static caches refuses cache_implementation='static' by name (a
+    ValueError): its tidar_compiled row is left out, and any other error still stops the bench."""
+    from transformers import AutoTokenizer
+
+    from tidar_convert.exports.folder import load
+
+    lm, tok = load(tiny_export), AutoTokenizer.from_pretrained(tiny_export)
+    real = decoders.run_decoder
+    old = "cache_implementation='static' is not supported by TiDAR decoding (TiDAR crops ...)"
+
+    def old_engine(model, ids, name, *args, **kwargs):
+        if DECODERS[name].tidar and DECODERS[name].cache == "static":
+            raise ValueError(old)
+        return real(model, ids, name, *args, **kwargs)
+
+    monkeypatch.setattr(decoders, "run_decoder", old_engine)
+    names, skipped = decoders.runnable(("ar", "tidar", "tidar_compiled"), lm, tok, 4, 3)
+    assert names == ("ar", "tidar") and list(skipped) == ["tidar_compiled"]
+    assert "has no cache_implementation='static'" in skipped["tidar_compiled"]
+
+    def broken(*args, **kwargs):
+        raise ValueError("max_new_tokens=0: must be >= 1.")
+
+    monkeypatch.setattr(decoders, "run_decoder", broken)
+    with pytest.raises(ValueError, match="max_new_tokens=0"):
+        decoders.runnable(("tidar_compiled",), lm, tok, 4, 3)
+
+
 ENGINE_HAS_DRAFTERS = "drafter" in inspect.signature(decode.generate).parameters
 
 
@@ -956,6 +989,7 @@ def test_drafter_rows(tiny_export, tmp_path):
     assert r["skipped_decoders"] == {}
     for decoder in (
         "tidar",
+        "tidar_compiled",
         "tidar_chain",
         "tidar_diffusion",
         "tidar_diffusion_tree",

@@ -218,6 +218,9 @@ def test_the_lease_rehearsed_as_the_image_runs_it(tmp_path):
     assert results["export"]["bytes"] > 0
     bench = results["bench"]
     rows = [r for r in lease.BENCH_ROWS if r in bench["rows"]]
+    assert "tidar_compiled" in rows and "ar_compiled" in rows
+    # traced by dynamo (the CPU's stand-in for the GPU's compile): AR's graph and TiDAR's buckets
+    assert bench["dynamo"]["unique_graphs"] >= 2
     for name in ("raw", "chat"):
         one = bench["batch_1"][name]
         assert len(one["prompts"]) == lease.DRY_PLAN.prompts and one["skipped"] is None

@@ -53,13 +53,13 @@ class Decoder:
     pack_weights: bool | str = "auto"
     siblings: int | None = None
     slot_budget: int | None = None
-    # transformers' generate with this cache (AR only): "static" is what generate() compiles on a
-    # GPU by itself (torch.compile of the forward, CUDA graphs), AR at its fastest; on a CPU the
-    # same code runs eager
+    # generate() with this cache: "static" is what transformers' generate() compiles on a GPU by
+    # itself (torch.compile of the forward, CUDA graphs), AR at its fastest; TiDAR's the same, a
+    # graph per slot bucket (runtime/slots.py); on a CPU the same code runs eager
     cache: str | None = None
 
     def compiled_on(self, device: torch.device) -> bool:
-        """generate() compiles the forward (transformers' auto-compile: a static cache on CUDA)."""
+        """generate() compiles the forward (auto-compile: a static cache on CUDA)."""
         return self.cache == "static" and device.type == "cuda"
 
     def generate_kwargs(self, k: int | None, prompt_lookup_tokens: int) -> dict:
@@ -104,6 +104,9 @@ DECODERS = {
     # TiDAR's defaults: hybrid drafts (lookup where it matches, else diffusion), plan "cost", 3
     # siblings
     "tidar": Decoder(tidar=True),
+    # the same over a static cache, steps padded to slot buckets: compiled on a GPU, a graph a
+    # bucket (read against ar_compiled); eager on a CPU
+    "tidar_compiled": Decoder(tidar=True, cache="static"),
     # the defaults without siblings (the default until 2026-12-02)
     "tidar_chain": Decoder(tidar=True, siblings=0),
     # the same drafts verified whenever likely, whatever a step costs
@@ -389,10 +392,20 @@ def runnable(
     for name in decoders:
         spec = DECODERS[name]
         if spec.weights == "export" and (
-            spec.drafter is not None or not spec.pack_weights or spec.siblings is not None
+            spec.drafter is not None
+            or not spec.pack_weights
+            or spec.siblings is not None
+            or (spec.tidar and spec.cache is not None)
         ):
             try:
                 run_decoder(model, ids, name, 2, tokenizer.pad_token_id, k, prompt_lookup_tokens)
+            except ValueError as e:  # an engine from before static caches refuses them by name
+                if not (spec.tidar and "cache_implementation" in str(e)):
+                    raise
+                skipped[name] = (
+                    f"this TiDAR engine has no cache_implementation={spec.cache!r} ({e})"
+                )
+                continue
             except TypeError as e:
                 argument = next(
                     (a for a in ("drafter", "pack_weights", "siblings") if a in str(e)), None
