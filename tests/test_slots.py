@@ -200,3 +200,56 @@ def test_what_a_static_cache_does_not_cover_is_refused_by_name(untrained):
     TiDARSpec(4, mask_token_id=3).write(recurrent.config)
     with pytest.raises(ValueError, match=r"static.*recurrent layers"):
         generate(ids, model=recurrent, max_new_tokens=4, **STATIC)
+
+
+def with_mask_adapter(model, seed: int = 0):
+    """A copy of `model` with random mask-slot deltas on its attention projections (adapter.attach,
+    as a scoped export loads them)."""
+    from tidar_convert.runtime.adapter import attach
+
+    model = copy.deepcopy(model)
+    g = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for name, layer in model.named_modules():
+        if name.endswith(("q_proj", "v_proj")):
+            tensors[f"{name}.lora_A"] = 0.2 * torch.randn(4, layer.in_features, generator=g)
+            tensors[f"{name}.lora_B"] = 0.2 * torch.randn(layer.out_features, 4, generator=g)
+    attach(model, tensors, model.config.mask_token_id)
+    return model
+
+
+def test_a_mask_slot_adapter_compiles_whole_and_its_gate_reads_nothing(trained, monkeypatch):
+    """Decoding tells the gate where its mask rows are (adapter.mask_rows), so the gate never reads
+    the ids: TiDAR's steps and plain AR compile without a graph break (fullgraph), and the output
+    is AR's, a mask token in the prompt included (text in both)."""
+    from tidar_convert.runtime.adapter import Gate
+
+    model = with_mask_adapter(trained["llama"][0])
+    mask_id = model.config.mask_token_id
+    prompts = (cycle_batch(1, 5, seed=0), torch.tensor([[5, 6, mask_id, 7, 8]]))
+    # the reference: transformers' own generate, not told (its gate reads the ids)
+    references = [ar(model, ids, max_new_tokens=20, eos_token_id=None) for ids in prompts]
+    set_ids = Gate.set
+
+    def told_only(gate, input_ids):
+        assert gate.told is not None, "the gate read a decoding forward's ids"
+        set_ids(gate, input_ids)
+
+    monkeypatch.setattr(Gate, "set", told_only)
+    config = CompileConfig(backend=lambda gm, inputs, **kw: gm.forward, fullgraph=True)
+    config._compile_all_devices = True
+    for ids, expected in zip(prompts, references):
+        for kw in ({}, {**STATIC, "compile_config": config, "pack_weights": False}):
+            got = generate(ids, model=model, max_new_tokens=20, eos_token_id=None, **kw)
+            assert torch.equal(got, expected), kw
+        compiled_ar = generate(
+            ids,
+            model=model,
+            tidar=False,
+            max_new_tokens=20,
+            eos_token_id=None,
+            pack_weights=False,
+            **STATIC,
+            compile_config=config,
+        )
+        assert torch.equal(compiled_ar, expected)

@@ -9,8 +9,13 @@ every token TiDAR commits, is the base model's, bit for bit. Only the drafts com
 Plain AR decoding and perplexity are those of the base model by construction: converting cannot
 make the model write worse.
 
-One gate per model, set from the input ids by a pre-hook on the input embedding (every forward path
-embeds its tokens first: model(), its decoder alone, PEFT's wrapper) and read by each adapted layer.
+One gate per model, set by a pre-hook on the input embedding (every forward path embeds its tokens
+first: model(), its decoder alone, PEFT's wrapper) and read by each adapted layer. Decoding tells
+the gate where its forward's mask rows are (`mask_rows`: TiDAR's steps their groups, plain AR
+none), so it reads nothing from the ids: a read is a device wait each forward on a GPU, and a
+graph break under torch.compile. A forward nobody told about (training, a caller's own model()
+call) has its mask rows read from the ids. A mask token inside the text is text in decoding: no
+row of it is adapted, in TiDAR's forwards and in plain AR's alike.
 In training the gate multiplies PEFT's LoRA branch (lora.gate_to_masks); in an export it adds the
 saved deltas (ADAPTER_FILE, attach). The engine lays out a step's mask groups after its drafts and a
 training sequence's masks after its clean half, so the rows are one trailing block: a slice, no
@@ -26,6 +31,8 @@ torch, transformers (safetensors comes with transformers) and its neighbours.
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import torch
 
 from .kernels import DELTA_HOOK, LORA_A, LORA_BT, LORA_GATE
@@ -38,22 +45,33 @@ GATE_ATTR = "_tidar_gate"
 
 class Gate:
     """Which rows of the current forward are mask slots: a trailing block from column `start` in
-    every row (the layouts this repo builds), or else an explicit (B, T) boolean `rows`; neither =
-    none."""
+    every row (the layouts this repo builds), or else an explicit (B, T) boolean `rows`, or a
+    (B, T, 1) boolean `where` (a compiled forward's: the delta on every row, kept where true);
+    none = no mask rows. `told`: what decoding said of the forwards it runs (mask_rows), or None:
+    read from the ids."""
 
     def __init__(self, mask_id: int):
         self.mask_id = mask_id
         self.start: int | None = None
         self.rows: torch.Tensor | None = None
+        self.where: torch.Tensor | None = None
+        self.told: tuple | None = None
         self.shape: tuple = ()  # (B, T) of the current input ids
         # (B, T, dtype, device) -> weights(): one tensor per forward, not one per layer
         self._weights: dict = {}
 
     def set(self, input_ids: torch.Tensor) -> None:
-        is_mask = input_ids == self.mask_id
-        self.start = self.rows = None
+        self.start = self.rows = self.where = None
         self.shape = tuple(input_ids.shape[:2])
         self._weights = {}
+        if self.told is not None:
+            (rows,) = self.told
+            if isinstance(rows, int):
+                self.start = rows if rows < input_ids.shape[1] else None
+            elif rows is not None:
+                self.where = rows[..., None]
+            return
+        is_mask = input_ids == self.mask_id
         if input_ids.ndim != 2 or not bool(is_mask.any()):
             return
         start = int(is_mask.any(0).int().argmax())
@@ -64,7 +82,7 @@ class Gate:
 
     @property
     def open(self) -> bool:
-        return self.start is not None or self.rows is not None
+        return self.start is not None or self.rows is not None or self.where is not None
 
     def weights(self, like: torch.Tensor) -> torch.Tensor:
         """(B, T, 1) ones on mask rows, zeros elsewhere, in like's dtype (training: multiplies the
@@ -81,7 +99,9 @@ class Gate:
         key = (B, T, like.dtype, like.device)
         if key not in self._weights:
             w = torch.zeros(B, T, 1, dtype=like.dtype, device=like.device)
-            if self.start is not None:
+            if self.where is not None:
+                w = self.where.to(like.dtype).expand(B, T, 1)
+            elif self.start is not None:
                 w[:, self.start :] = 1
             elif self.rows is not None:
                 w[self.rows] = 1
@@ -123,7 +143,26 @@ class Gate:
                 out[:, self.start :] += delta(x[:, self.start :])
         elif self.rows is not None:
             out[self.rows] += delta(x[self.rows])
+        elif self.where is not None:  # no data-dependent shape: what a compiled graph can hold
+            return torch.where(self.where, out + delta(x), out)
         return out
+
+
+@contextmanager
+def mask_rows(model, rows):
+    """The forwards inside have these mask rows, so the model's gate (if it has one) reads nothing
+    from their ids: None, no mask rows (plain AR decoding); an int, every row's slots from there
+    on (TiDAR's prefill and steps lay out their groups after the rest); a (B, T) bool tensor, the
+    same as a tensor (a compiled forward: no value its graph would be specialized on)."""
+    gate = getattr(model, GATE_ATTR, None)
+    if gate is None:
+        yield
+        return
+    before, gate.told = gate.told, (rows,)
+    try:
+        yield
+    finally:
+        gate.told = before
 
 
 def install_gate(model, mask_id: int) -> Gate:

@@ -10,6 +10,7 @@ import inspect
 import torch
 from torch.profiler import record_function
 
+from .adapter import mask_rows
 from .recurrent import Segments, layout
 
 # False: the vocabulary head on every slot, as a plain model forward does. Only tests change it, to
@@ -144,11 +145,18 @@ def forward(
     segments: Segments | None = None,
     mixers: list | None = None,
     call=None,
+    groups_from: int | None = None,
 ) -> Output:
     """read: the slots whose logits the step may read, computed in one vocabulary-head call.
     segments: how the model's recurrent `mixers` run the slots (recurrent.py); None without any.
-    call: the decoder body's compiled call (slots.compiled_body), or None."""
-    with record_function("tidar.forward"), layout(mixers or [], segments):
+    call: the decoder body's compiled call (slots.compiled_body), or None. groups_from: the first
+    slot of the mask groups (every slot from there on is a mask slot, in every row), or None:
+    what a mask-slot adapter's gate is told (adapter.mask_rows)."""
+    rows = groups_from
+    if call is not None and groups_from is not None:  # as a tensor: one graph for every value
+        slots = torch.arange(tokens.shape[1], device=tokens.device)
+        rows = (slots >= groups_from).expand(tokens.shape[0], -1)
+    with record_function("tidar.forward"), layout(mixers or [], segments), mask_rows(model, rows):
         if head_is_plain(model):
             body = decoder_body(model)
             if call is not None:  # a CUDA graph's outputs live until its next replay: a new step

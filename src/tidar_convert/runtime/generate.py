@@ -42,6 +42,7 @@ from transformers.utils import logging
 
 # Relative, so the same lines work in the package and in an export's custom_generate/ folder.
 from .adapter import ensure as ensure_adapter
+from .adapter import mask_rows
 
 # Draft: for callers that build drafts by hand
 from .drafters import Draft, make_drafter  # noqa: F401
@@ -540,7 +541,8 @@ def ar_generate(model, input_ids, generation_config, kwargs):
         kwargs.get(n) is not None or getattr(generation_config, n, None) is not None
         for n in ASSISTED
     )
-    out = GenerationMixin.generate(model, input_ids, generation_config, **kwargs)
+    with mask_rows(model, None):  # AR lays out no mask slots: the adapter's gate reads nothing
+        out = GenerationMixin.generate(model, input_ids, generation_config, **kwargs)
     seqs = out if isinstance(out, torch.Tensor) else out.sequences
     new = seqs.shape[1] - (input_ids.shape[1] if input_ids is not None else 0)
     nfe = None if assisted else new
