@@ -605,16 +605,19 @@ def test_lookup_keeps_each_rows_text_through_commits_and_dropped_rows(batch):
             ]
         assert [t.tokens for t in lookup.rows] == rows
 
+    committed = None  # the commit's host copy of what it appended (engine.commit_at_once)
     for step in range(24):
-        same(DraftContext(seqs, valid, 4, None, None))
+        same(DraftContext(seqs, valid, 4, None, None, committed=committed))
         counts = [int(torch.randint(1 if batch == 1 else 0, 4, (), generator=g)) for _ in rows]
         counts[0] = max(counts[0], 1)
         new = [torch.randint(1, 4, (c,), generator=g).tolist() for c in counts]
         seqs, valid = commit(seqs, valid, new, counts)
         rows = [r + t for r, t in zip(rows, new)]
+        committed = new if step % 3 else None  # a commit one round at a time has none
         if batch > 1 and step in (9, 17):  # a row stops: the engine leaves it out
             keep = [b for b in range(len(rows)) if b != 1]
             seqs, valid, rows = seqs[keep], valid[keep], [rows[b] for b in keep]
+            committed = None
     # a text whose column before the new ones is not a row's last token: read whole
     rows = [[9, 9, 8] * (seqs.shape[1] // 3 + 1) for _ in rows]
     same(

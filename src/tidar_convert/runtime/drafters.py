@@ -118,6 +118,9 @@ class DraftContext:
     group: Callable[[], tuple] = lambda: (None, None)
     siblings: int = 0  # most alternatives to each proposal the step may verify (0: chains only)
     nodes: int = 0  # most tree nodes (proposals and siblings) the step may verify
+    # each row's tokens the last commit appended to seqs, as host lists, where the commit read them
+    # (None: read them from seqs)
+    committed: list | None = None
 
     @property
     def y(self):
@@ -406,13 +409,20 @@ class LookupDrafter(Drafter):
 
     def texts(self, ctx: DraftContext) -> list[NGrams]:
         """Each row's committed tokens (its valid ones), indexed: kept from the last call and
-        extended by the tokens committed since, read from the device as the few columns that are
-        new. Rebuilt from seqs where the rows are not the last call's (the first call, rows dropped
-        by the engine's drop_finished, or a tail that does not follow on)."""
+        extended by the tokens committed since: the commit's own host copy (ctx.committed) where it
+        follows on from the last call, else read from the device as the few columns that are new.
+        Rebuilt from seqs where the rows are not the last call's (the first call, rows dropped by
+        the engine's drop_finished, or a tail that does not follow on)."""
         seqs, valid = ctx.seqs, ctx.kv_valid
         B, W = seqs.shape
         new = W - self.width
         if len(self.rows) == B and new == 0:
+            return self.rows
+        got = ctx.committed
+        if got is not None and len(self.rows) == len(got) == B and new == max(map(len, got)):
+            for row, tokens in zip(self.rows, got):
+                row.extend(tokens)
+            self.width = W
             return self.rows
         if len(self.rows) == B and new > 0:
             # A commit appends each row's tokens on the right and pads a row that does not advance

@@ -96,6 +96,8 @@ class DecodeState:
     alive: list | None = None
     made: list | None = None
     written: int = 0  # slots the last forward wrote to the cache (a static cache's: its bucket)
+    # each row's tokens the last commit appended, as host lists (None: not read by that commit)
+    committed: list | None = None
 
     def alive_rows(self) -> list[bool]:
         if self.alive is None:
@@ -219,7 +221,9 @@ def prefill(
         else None
     )
     read = [P - 1, *range(P + 1, P + g)]
-    out = forward(model, state.cache, tokens, positions, mask, read, segments, mixers)
+    out = forward(
+        model, state.cache, tokens, positions, mask, read, segments, mixers, groups_from=P
+    )
     state.nfe += 1
     with record_function("tidar.crop"):
         if mixers:
@@ -274,7 +278,18 @@ def run_step(model, run, state: DecodeState, draft: Draft, plan: StepPlan) -> Ou
         else None
     )
     call = None if run.slots is None else run.slots.call
-    out = forward(model, state.cache, tokens, positions, mask, plan.read(), segments, mixers, call)
+    out = forward(
+        model,
+        state.cache,
+        tokens,
+        positions,
+        mask,
+        plan.read(),
+        segments,
+        mixers,
+        call,
+        groups_from=plan.causal,
+    )
     state.nfe += 1
     state.written = written
     return out
@@ -352,8 +367,10 @@ def decode(
             remaining = run.max_new - min(
                 n for n, alive in zip(state.made_rows(), state.alive_rows()) if alive
             )
-            # positions left after draft 0
-            room = None if limit is None else limit - 1 - int(state.start.max())
+            # positions left after draft 0; no row's exceeds the cache's columns, so far from the
+            # limit (room for the largest step) it binds nothing and is not read
+            near = limit is not None and limit - 1 - state.cache_valid.shape[1] < planner.budget + k
+            room = limit - 1 - int(state.start.max()) if near else None
             most = min(
                 remaining - 1,
                 planner.max_proposals(drafter.uses_groups),
@@ -368,6 +385,7 @@ def decode(
                 memo(kept.group),
                 planner.siblings if B == 1 else 0,
                 planner.budget - 1,
+                state.committed,
             )
             draft, plan = planner.step(
                 drafter.propose(ctx) or fresh(state.seqs[:, -1]),
@@ -423,7 +441,7 @@ def drop_finished(state: DecodeState, kept: "Kept", pick) -> "Kept":
     for name in ("seqs", "kv_valid", "active", "cache_valid", "new", "n_new", "row_nfe", "rows"):
         setattr(state, name, getattr(state, name)[keep])
     select_rows(state.cache, keep)
-    state.alive = state.made = None
+    state.alive = state.made = state.committed = None
     pick.rows = state.rows.tolist()
     group = kept.group
 
@@ -502,7 +520,11 @@ def accept_together(state: DecodeState, step: Step, run, beta: float) -> Kept:
     j = min(t for t, alive in zip(step.taken, state.alive_rows()) if alive)
     tokens = causal_tokens(draft, plan)
     if plan.siblings:
-        path, scored, raw = walk(plan, tokens, out, state.seqs, processors, pick, scores, ar)
+        # the causal tokens as the host has them, and the chain's nodes the verdict agreed with
+        values = draft.host("tokens")[0] + draft.host("siblings")[0][: plan.siblings]
+        path, scored, raw = walk(
+            plan, tokens, out, state.seqs, processors, pick, scores, ar, values, step.taken[0] - 1
+        )
         y, j = pick.token(scored[-1]), len(path)
         brought, ends = [j] * B, [path[-1] + 1] * B
     else:
@@ -633,6 +655,7 @@ def commit_at_once(run, state: DecodeState, kept: Kept, eos: frozenset, max_leng
         state.n_new = state.n_new + c
     state.active = torch.tensor(active, device=state.active.device)
     state.alive, state.made = active, [row[-1] + c for row, c in zip(host, takes)]
+    state.committed = [row[:take] for row, take in zip(host, takes)]
 
 
 def commit_by_round(run, criteria, state: DecodeState, kept: Kept, scores=None) -> None:
@@ -671,7 +694,7 @@ def commit_by_round(run, criteria, state: DecodeState, kept: Kept, scores=None) 
         )
         active = active & ~(done & adv) & (n_new < run.max_new)
     state.seqs, state.kv_valid, state.active = seqs, valid, active
-    state.alive = state.made = None
+    state.alive = state.made = state.committed = None
 
 
 def crop(state: DecodeState, plan: StepPlan, kept: Kept) -> None:

@@ -149,14 +149,19 @@ def walk(
     pick,
     chain_scores,
     chain_ar,
+    values: list[int] | None = None,
+    agreed: int = 0,
 ):
     """Greedy verification of a tree (batch 1): from draft 0, the AR's token at each node picks the
     child that holds it, until none does. Returns the path (slots from draft 0), and the processed
     scores and raw logits of each node on it, which AR would have produced for the same tokens: each
-    node's row is processed with its own path as prefix. tokens: the causal slots' (causal_tokens).
-    chain_scores, chain_ar: the chain's rows, already processed with the chain as prefix (the path's
-    nodes while it stays on the chain)."""
-    values = tokens[0].tolist()
+    node's row is processed with its own path as prefix. tokens: the causal slots' (causal_tokens),
+    `values` the same on the host (None: read). chain_scores, chain_ar: the chain's rows, already
+    processed with the chain as prefix (the path's nodes while it stays on the chain). agreed: the
+    chain's nodes before which the verdict found AR's token to be the next draft (accepted - 1):
+    their tokens are known without a read."""
+    if values is None:
+        values = tokens[0].tolist()
     kids: dict[int, list[int]] = {}
     for child, parent in enumerate(plan.parents()[1:], 1):
         kids.setdefault(parent, []).append(child)
@@ -172,7 +177,8 @@ def walk(
             )[:, 0]
         scored.append(scores)
         raw.append(ar)
-        y = int(pick.token(scores)[0])
+        on_chain = s == len(path) - 1 and s < plan.n_drafts
+        y = values[s + 1] if on_chain and s < agreed else int(pick.token(scores)[0])
         nxt = [c for c in kids.get(s, ()) if values[c] == y]
         if not nxt:
             return path, scored, raw
