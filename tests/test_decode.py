@@ -689,11 +689,18 @@ def test_commit_at_once_equals_commit_by_round(batch):
             return state, Kept(tokens, counts, [], None)
 
         state, kept = fresh()
-        other = copy.deepcopy(state)
+        other, known = copy.deepcopy(state), copy.deepcopy(state)
         commit(run, criteria, state, kept, stops=stops)
         commit(run, criteria, other, kept)
+        # the tokens known on the host (a greedy step's verdict read them): nothing read
+        rows = [t[:c] for t, c in zip(kept.tokens.tolist(), kept.counts.tolist())]
+        commit(
+            run, criteria, known, Kept(kept.tokens, kept.counts, [], None, host=rows), stops=stops
+        )
         for name in ("seqs", "kv_valid", "active", "n_new", "new"):
             assert torch.equal(getattr(state, name), getattr(other, name)), (case, name)
+            assert torch.equal(getattr(known, name), getattr(other, name)), (case, name)
+        assert state.committed == known.committed
         checked += int(other.seqs.shape[1] > L)
     assert checked > 100  # most cases committed something
 
@@ -715,3 +722,31 @@ def test_commit_one_round_at_a_time_for_other_criteria_and_streamers():
     )
     assert known_stops(run, StoppingCriteriaList([Custom(2)])) is None
     assert known_stops(SimpleNamespace(streamer=object()), StoppingCriteriaList([])) is None
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+def test_the_host_copies_a_step_commits_from_are_the_device_tokens(trained, batch, monkeypatch):
+    """A greedy step's commit reads nothing: its tokens come from the verdict's one read and the
+    draft's host copies. Those copies must be the tokens the device holds, for every drafter, tree
+    or chain, batch or not (a wrong copy would stop a row at a wrong EOS and feed the lookup index
+    wrong text while the output stayed exact)."""
+    from tidar_convert.runtime import engine
+
+    model, _ = trained["qwen2"]
+    real, checked = engine.commit_at_once, []
+
+    def check(run, state, kept, eos, max_length):
+        if kept.host is not None:
+            counts = kept.counts.tolist()
+            assert [len(h) for h in kept.host] == counts
+            assert kept.host == [t[:c] for t, c in zip(kept.tokens.tolist(), counts)]
+            checked.append(len(kept.host))
+        return real(run, state, kept, eos, max_length)
+
+    monkeypatch.setattr(engine, "commit_at_once", check)
+    ids = cycle_batch(batch, 6, seed=batch)
+    expected = ar(model, ids, max_new_tokens=30, eos_token_id=None)
+    for drafter in ("hybrid", "diffusion", "lookup"):
+        got = generate(ids, model=model, max_new_tokens=30, eos_token_id=None, drafter=drafter)
+        assert torch.equal(got, expected), drafter
+    assert len(checked) > 10

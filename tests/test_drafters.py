@@ -773,12 +773,14 @@ def test_batch_rows_keep_what_each_accepted(trained, monkeypatch):
     least 80% of the gain over AR (T/NFE - 1) it gets alone (issue 8, item 5)."""
     from tidar_convert.runtime.verify import Greedy
 
-    seen, verify = [], Greedy.verify
-    monkeypatch.setattr(
-        Greedy,
-        "verify",
-        lambda self, scores, draft: seen.append(verify(self, scores, draft)) or seen[-1],
-    )
+    seen, verify = [], Greedy.verify_tokens
+
+    def spy(self, scores, draft):
+        out = verify(self, scores, draft)
+        seen.append(out[0])
+        return out
+
+    monkeypatch.setattr(Greedy, "verify_tokens", spy)
     model, _ = trained["llama"]
     g = torch.Generator().manual_seed(5)
     ids = torch.cat([cycle_batch(2, 10, seed=2), torch.randint(1, 300, (2, 10), generator=g)])

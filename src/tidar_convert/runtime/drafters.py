@@ -126,6 +126,13 @@ class DraftContext:
     def y(self):
         return self.seqs[:, -1]
 
+    @property
+    def y_host(self) -> list | None:
+        """y on the host, where the last commit gave every row a token (None: not known)."""
+        if self.committed is None or not all(self.committed):
+            return None
+        return [tokens[-1] for tokens in self.committed]
+
 
 class Drafter(Protocol):
     """What the engine asks of a drafter. Subclass it to inherit the optional hook's no-op."""
@@ -145,23 +152,25 @@ class Drafter(Protocol):
         otherwise (`as_list` takes either)."""
 
 
-def fresh(y: torch.Tensor) -> Draft:
+def fresh(y: torch.Tensor, y_host: list | None = None) -> Draft:
     """No proposals: the step verifies nothing and drafts for the next one (one AR row + mask
-    groups)."""
-    return Draft(y[:, None], sources=["none"] * y.shape[0])
+    groups). y_host: y on the host, if known."""
+    draft = Draft(y[:, None], sources=["none"] * y.shape[0])
+    return draft if y_host is None else draft.hold(tokens=[[t] for t in y_host])
 
 
-def make_draft(pick, processors, seqs, y, diff_slots, siblings: int = 0):
+def make_draft(pick, processors, seqs, y, diff_slots, siblings: int = 0, y_host=None):
     """A diffusion draft: y, then one guess per diffusion slot (B, n, V). Each slot is processed
     with the prefix it would have (seqs ++ the guesses before it), so e.g. suppressed tokens are
     never drafted. siblings > 0 (greedy): also each slot's next `siblings` likeliest tokens and
     their probabilities, host lists (B, n, siblings) (tree.group_siblings), else None; the
-    draft's chain and those come from one topk of the same scores."""
+    draft's chain and those come from one topk of the same scores. y_host: y on the host, if
+    known."""
     sources = ["diffusion"] * y.shape[0]
     if not processors:  # no prefix to thread through: all slots at once
         scores = diff_slots.float()
         if siblings:
-            return first_choices(y, scores, siblings, sources)
+            return first_choices(y, scores, siblings, sources, y_host)
         tokens, confidence = pick.token_and_confidence(scores)
         return Draft(
             torch.cat([y[:, None], tokens], 1), confidence=confidence, sources=sources
@@ -183,7 +192,7 @@ def make_draft(pick, processors, seqs, y, diff_slots, siblings: int = 0):
     return draft, alternatives
 
 
-def first_choices(y: torch.Tensor, scores: torch.Tensor, siblings: int, sources: list):
+def first_choices(y: torch.Tensor, scores: torch.Tensor, siblings: int, sources: list, y_host=None):
     """Greedy: the draft of each slot's likeliest token and, from the same topk, the next
     `siblings` at each slot (make_draft): one pass over the vocabulary instead of a max and a topk,
     and one normalizer."""
@@ -195,6 +204,8 @@ def first_choices(y: torch.Tensor, scores: torch.Tensor, siblings: int, sources:
         confidence=torch.tensor(conf, device=scores.device),
         sources=sources,
     ).hold(confidence=conf)
+    if y_host is not None:
+        draft.hold(tokens=[[first, *rest] for first, rest in zip(y_host, chain)])
     return draft, (
         [[t[1:] for t in row] for row in tokens],
         [[c[1:] for c in row] for row in chances],
@@ -228,7 +239,9 @@ class DiffusionDrafter(Drafter):
             return None
         slots = group[:, : ctx.max_proposals]
         tree = ctx.siblings if slots.shape[0] == 1 and slots.shape[1] > 0 else 0
-        draft, alternatives = make_draft(ctx.pick, ctx.processors, ctx.seqs, ctx.y, slots, tree)
+        draft, alternatives = make_draft(
+            ctx.pick, ctx.processors, ctx.seqs, ctx.y, slots, tree, ctx.y_host
+        )
         if alternatives is not None:
             grow(draft, *alternatives, ctx.nodes or draft.tokens.shape[1] - 1)
         # per row, the proposals its group gives (plan.StepPlan.group_read; 0: none)

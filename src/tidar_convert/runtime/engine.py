@@ -62,7 +62,7 @@ from .recurrent import (
     select_rows,
 )
 from .tree import keep_slots, walk
-from .verify import mix, process
+from .verify import at_rows, mix, process
 
 
 @dataclass
@@ -388,7 +388,7 @@ def decode(
                 state.committed,
             )
             draft, plan = planner.step(
-                drafter.propose(ctx) or fresh(state.seqs[:, -1]),
+                drafter.propose(ctx) or fresh(state.seqs[:, -1], ctx.y_host),
                 drafter.uses_groups,
                 room,
                 per_row=per_row,
@@ -402,11 +402,16 @@ def decode(
             ar = out.rows(0, plan.n_drafts)
             # row i: after seqs ++ drafts 1..i
             scores = process(processors, state.seqs, draft.tokens[:, 1:], ar)
-            accepted = pick.verify(scores, draft)
-            taken = accepted.tolist()  # the step's one read of its verdict
+            accepted, best = pick.verify_tokens(scores, draft)
+            if best is None:
+                taken, best_host = accepted.tolist(), None  # the step's one read of its verdict
+            else:  # the verdict and AR's token at every draft row, in one read
+                rows = torch.cat([accepted[:, None], best], 1).tolist()
+                taken, best_host = [r[0] for r in rows], [r[1:] for r in rows]
             state.judge(draft, taken)
             accept = accept_each if per_row else accept_together
-            kept = accept(state, Step(draft, plan, out, ar, scores, accepted, taken), run, beta)
+            step = Step(draft, plan, out, ar, scores, accepted, taken, best, best_host)
+            kept = accept(state, step, run, beta)
             # accept() waited for the device
             planner.timed(plan, time.perf_counter() - started, draft, kept.brought, kept.ends)
             drafter.observe(draft, taken, kept.brought)
@@ -483,6 +488,9 @@ class Step:
     scores: torch.Tensor  # the same, processed: row i with the prefix seqs ++ drafts 1..i
     accepted: torch.Tensor  # (B,) drafts each row accepted, draft 0 (committed already) counted
     taken: list[int]  # the same, on the host
+    # (B, m) AR's token at each draft row where the verifier computed it (Greedy), and on the host
+    best: torch.Tensor | None = None
+    best_host: list | None = None
 
     def parts(self):
         return self.draft, self.plan, self.out, self.scores, self.ar, self.accepted
@@ -505,6 +513,9 @@ class Kept:
     # the processed scores of each committed position (recorded for output_scores)
     scores: tuple = ()
     raw: tuple = ()  # and the raw logits
+    # each row's committed tokens on the host, counts[b] of them, where the step knew them (the
+    # commit then reads nothing); None: read at the commit
+    host: list | None = None
 
 
 def no_group():
@@ -519,13 +530,16 @@ def accept_together(state: DecodeState, step: Step, run, beta: float) -> Kept:
     B = accepted.shape[0]
     j = min(t for t, alive in zip(step.taken, state.alive_rows()) if alive)
     tokens = causal_tokens(draft, plan)
+    host = None
     if plan.siblings:
-        # the causal tokens as the host has them, and the chain's nodes the verdict agreed with
+        # the causal tokens as the host has them, and AR's tokens on the chain as the verdict read
         values = draft.host("tokens")[0] + draft.host("siblings")[0][: plan.siblings]
-        path, scored, raw = walk(
-            plan, tokens, out, state.seqs, processors, pick, scores, ar, values, step.taken[0] - 1
+        chain = step.best_host[0] if step.best_host is not None else None
+        path, scored, raw, last = walk(
+            plan, tokens, out, state.seqs, processors, pick, scores, ar, values, chain
         )
         y, j = pick.token(scored[-1]), len(path)
+        host = [[values[s] for s in path[1:]] + [last]]
         brought, ends = [j] * B, [path[-1] + 1] * B
     else:
         path, scored, raw = list(range(j)), scores[:, :j].unbind(1), ar[:, :j].unbind(1)
@@ -539,7 +553,12 @@ def accept_together(state: DecodeState, step: Step, run, beta: float) -> Kept:
                 draft.tokens[:, 1:j],
                 mix(ar[:, j - 1], out.rows(g, g + 1)[:, 0], beta)[:, None],
             )[:, 0]
-        y = pick.next_token(target, draft, accepted, j, exact=beta == 1.0)
+            y = pick.next_token(target, draft, accepted, j, exact=False)
+        elif step.best is not None:  # AR's token there, as the verdict computed and read it
+            y = step.best[:, j - 1]
+            host = [r[1:j] + [b[j - 1]] for r, b in zip(draft.host("tokens"), step.best_host)]
+        else:
+            y = pick.next_token(target, draft, accepted, j, exact=beta == 1.0)
     if plan.siblings:  # a tree's groups hang after its nodes: only the one at the path's end
         g = plan.group_start(path[-1] + 1)
         read = None if g is None else (g, k - 1)
@@ -560,6 +579,7 @@ def accept_together(state: DecodeState, step: Step, run, beta: float) -> Kept:
         ends,
         tuple(scored),
         tuple(raw),
+        host,
     )
 
 
@@ -570,20 +590,31 @@ def accept_each(state: DecodeState, step: Step, run, beta: float) -> Kept:
     1: rowwise.)"""
     draft, plan, out, scores, _, accepted = step.parts()
     k = plan.k
-    y = run.pick.next_token_rows(scores, draft, accepted)
+    y = (
+        run.pick.next_token_rows(scores, draft, accepted)
+        if step.best is None
+        else at_rows(step.best, accepted - 1)
+    )
     # finished rows commit nothing
     counts = torch.where(state.active, accepted, torch.ones_like(accepted))
-    J = int(counts.max())
+    n = [t if alive else 1 for t, alive in zip(step.taken, state.alive_rows())]
+    J = max(n)
     filler = torch.cat([draft.tokens[:, 1:], draft.tokens[:, :1]], 1)[:, :J]
     # row b: its accepted proposals, then y
     tokens = filler.scatter(1, (counts - 1)[:, None], y[:, None])
-    reads = [plan.group_read(a) for a in counts.tolist()]
+    reads = [plan.group_read(a) for a in n]
     # proposals per row
-    have = torch.tensor([r[1] if r is not None else 0 for r in reads], device=accepted.device)
+    proposals = [r[1] if r is not None else 0 for r in reads]
+    have = torch.tensor(proposals, device=accepted.device)
     # none: slot 0, an AR row (computed)
     at = torch.tensor([r[0] if r is not None else -1 for r in reads], device=accepted.device)
-    group = (lambda: (out.rows_at(at + 1, k - 1, have), have)) if bool(have.any()) else no_group
-    return Kept(tokens, counts, list(range(J)), group, accepted, accepted)
+    group = (lambda: (out.rows_at(at + 1, k - 1, have), have)) if any(proposals) else no_group
+    host = (
+        None
+        if step.best_host is None
+        else [r[1:c] + [b[c - 1]] for r, b, c in zip(draft.host("tokens"), step.best_host, n)]
+    )
+    return Kept(tokens, counts, list(range(J)), group, accepted, accepted, host=host)
 
 
 def known_stops(run, criteria) -> tuple[frozenset, int | None] | None:
@@ -621,10 +652,16 @@ def commit_at_once(run, state: DecodeState, kept: Kept, eos: frozenset, max_leng
     R - c pads on the left, as it would one round at a time."""
     seqs, B, L = state.seqs, state.seqs.shape[0], state.seqs.shape[1]
     n = kept.tokens.shape[1]
-    host = torch.cat(
-        [kept.tokens, kept.counts[:, None], state.active[:, None].long(), state.n_new[:, None]],
-        1,
-    ).tolist()
+    if kept.host is not None:  # the step knew them: nothing to read
+        host = [
+            [*tokens, len(tokens), alive, done]
+            for tokens, alive, done in zip(kept.host, state.alive_rows(), state.made_rows())
+        ]
+    else:
+        host = torch.cat(
+            [kept.tokens, kept.counts[:, None], state.active[:, None].long(), state.n_new[:, None]],
+            1,
+        ).tolist()
     rounds = n if max_length is None else max(0, min(n, max_length - L))
     takes, active = [], []
     for *tokens, count, alive, done in host:

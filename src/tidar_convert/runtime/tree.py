@@ -150,16 +150,16 @@ def walk(
     chain_scores,
     chain_ar,
     values: list[int] | None = None,
-    agreed: int = 0,
+    chain_tokens: list[int] | None = None,
 ):
     """Greedy verification of a tree (batch 1): from draft 0, the AR's token at each node picks the
     child that holds it, until none does. Returns the path (slots from draft 0), and the processed
     scores and raw logits of each node on it, which AR would have produced for the same tokens: each
     node's row is processed with its own path as prefix. tokens: the causal slots' (causal_tokens),
     `values` the same on the host (None: read). chain_scores, chain_ar: the chain's rows, already
-    processed with the chain as prefix (the path's nodes while it stays on the chain). agreed: the
-    chain's nodes before which the verdict found AR's token to be the next draft (accepted - 1):
-    their tokens are known without a read."""
+    processed with the chain as prefix (the path's nodes while it stays on the chain), and
+    `chain_tokens` AR's token at each of them as the verdict read it (None: read here). Also
+    returns the token after the path (on the host)."""
     if values is None:
         values = tokens[0].tolist()
     kids: dict[int, list[int]] = {}
@@ -178,10 +178,10 @@ def walk(
         scored.append(scores)
         raw.append(ar)
         on_chain = s == len(path) - 1 and s < plan.n_drafts
-        y = values[s + 1] if on_chain and s < agreed else int(pick.token(scores)[0])
+        y = chain_tokens[s] if on_chain and chain_tokens else int(pick.token(scores)[0])
         nxt = [c for c in kids.get(s, ()) if values[c] == y]
         if not nxt:
-            return path, scored, raw
+            return path, scored, raw, y
         path.append(nxt[0])
 
 

@@ -56,6 +56,11 @@ class Verifier(Protocol):
         """(B,) drafts accepted per row (>= 1: draft 0 is committed already). scores (B, m, V)."""
         ...
 
+    def verify_tokens(self, scores, draft) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """verify(), and the (B, m) token AR takes at each draft row where the verdict computed it
+        (None: not known), so that one read gives the step's verdict and its tokens."""
+        return self.verify(scores, draft), None
+
     def next_token(self, target, draft, accepted, j: int, exact: bool = True) -> torch.Tensor:
         """(B,) the token after j accepted drafts, every row at the same j, from target (B, V)."""
         ...
@@ -82,8 +87,13 @@ class Greedy(Verifier):
         return best.indices, (best.values - scores.logsumexp(-1)).exp()
 
     def verify(self, scores, draft):
-        match = (scores[:, :-1].argmax(-1) == draft.tokens[:, 1:]) & real_slots(draft)
-        return 1 + match.long().cumprod(1).sum(1)
+        return self.verify_tokens(scores, draft)[0]
+
+    def verify_tokens(self, scores, draft):
+        # AR's token at every row, the last included: the token after any accepted length
+        best = scores.argmax(-1)
+        match = (best[:, :-1] == draft.tokens[:, 1:]) & real_slots(draft)
+        return 1 + match.long().cumprod(1).sum(1), best
 
     def next_token(self, target, draft, accepted, j, exact=True):
         return self.token(target)
