@@ -745,8 +745,11 @@ def test_the_host_copies_a_step_commits_from_are_the_device_tokens(trained, batc
 
     monkeypatch.setattr(engine, "commit_at_once", check)
     ids = cycle_batch(batch, 6, seed=batch)
-    expected = ar(model, ids, max_new_tokens=30, eos_token_id=None)
-    for drafter in ("hybrid", "diffusion", "lookup"):
-        got = generate(ids, model=model, max_new_tokens=30, eos_token_id=None, drafter=drafter)
-        assert torch.equal(got, expected), drafter
+    free = ar(model, ids, max_new_tokens=30, eos_token_id=None)
+    # no EOS, then one that stops the rows at different steps (stopped rows stay in a step)
+    for eos in (None, int(free[0, 6 + 9])):
+        kw = dict(max_new_tokens=30, eos_token_id=eos, pad_token_id=0)
+        expected = ar(model, ids, **kw)
+        for drafter in ("hybrid", "diffusion", "lookup"):
+            assert torch.equal(generate(ids, model=model, drafter=drafter, **kw), expected)
     assert len(checked) > 10

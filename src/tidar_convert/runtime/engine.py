@@ -609,10 +609,13 @@ def accept_each(state: DecodeState, step: Step, run, beta: float) -> Kept:
     # none: slot 0, an AR row (computed)
     at = torch.tensor([r[0] if r is not None else -1 for r in reads], device=accepted.device)
     group = (lambda: (out.rows_at(at + 1, k - 1, have), have)) if any(proposals) else no_group
-    host = (
+    host = (  # as `tokens`: a stopped row's one token is its y
         None
         if step.best_host is None
-        else [r[1:c] + [b[c - 1]] for r, b, c in zip(draft.host("tokens"), step.best_host, n)]
+        else [
+            r[1:c] + [b[t - 1]]
+            for r, b, c, t in zip(draft.host("tokens"), step.best_host, n, step.taken)
+        ]
     )
     return Kept(tokens, counts, list(range(J)), group, accepted, accepted, host=host)
 
