@@ -276,21 +276,27 @@ def counting_verify(counts, verifier=None):
     from tidar_convert.runtime.verify import Greedy, real_slots
 
     cls = verifier or Greedy
-    original = cls.verify
+    # the engine's entry (verify_tokens: the verdict, and AR's tokens where the verifier has them);
+    # a class that inherits it gets its own for the block, then loses it again
+    own = cls.__dict__.get("verify_tokens")
+    original = cls.verify_tokens
 
-    def verify(self, scores, draft):
-        accepted = original(self, scores, draft)
+    def verify_tokens(self, scores, draft):
+        accepted, tokens = original(self, scores, draft)
         # proposals this step verified
         verified = (real_slots(draft)[:, : scores.shape[1] - 1]).sum(1)
         counts.accepted += int((accepted > 1).sum())
         counts.rejected += int((accepted - 1 < verified).sum())
-        return accepted
+        return accepted, tokens
 
-    cls.verify = verify
+    cls.verify_tokens = verify_tokens
     try:
         yield
     finally:
-        cls.verify = original
+        if own is None:
+            del cls.verify_tokens
+        else:
+            cls.verify_tokens = own
 
 
 @contextlib.contextmanager
