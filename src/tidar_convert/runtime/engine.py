@@ -495,6 +495,15 @@ class Step:
     def parts(self):
         return self.draft, self.plan, self.out, self.scores, self.ar, self.accepted
 
+    def host_tokens(self, counts: list[int], after: list[int]) -> list | None:
+        """Each row's committed tokens on the host, as the device's: its proposals 1..counts[b] - 1,
+        then AR's token after `after[b]` drafts (the row's y); None where the verifier gave no
+        tokens (the commit reads them)."""
+        if self.best_host is None:
+            return None
+        rows = zip(self.draft.host("tokens"), self.best_host, counts, after)
+        return [r[1:c] + [b[a - 1]] for r, b, c, a in rows]
+
 
 @dataclass
 class Kept:
@@ -556,7 +565,7 @@ def accept_together(state: DecodeState, step: Step, run, beta: float) -> Kept:
             y = pick.next_token(target, draft, accepted, j, exact=False)
         elif step.best is not None:  # AR's token there, as the verdict computed and read it
             y = step.best[:, j - 1]
-            host = [r[1:j] + [b[j - 1]] for r, b in zip(draft.host("tokens"), step.best_host)]
+            host = step.host_tokens([j] * B, [j] * B)
         else:
             y = pick.next_token(target, draft, accepted, j, exact=beta == 1.0)
     if plan.siblings:  # a tree's groups hang after its nodes: only the one at the path's end
@@ -609,14 +618,8 @@ def accept_each(state: DecodeState, step: Step, run, beta: float) -> Kept:
     # none: slot 0, an AR row (computed)
     at = torch.tensor([r[0] if r is not None else -1 for r in reads], device=accepted.device)
     group = (lambda: (out.rows_at(at + 1, k - 1, have), have)) if any(proposals) else no_group
-    host = (  # as `tokens`: a stopped row's one token is its y
-        None
-        if step.best_host is None
-        else [
-            r[1:c] + [b[t - 1]]
-            for r, b, c, t in zip(draft.host("tokens"), step.best_host, n, step.taken)
-        ]
-    )
+    # as `tokens`: a stopped row's one token is its y
+    host = step.host_tokens(n, step.taken)
     return Kept(tokens, counts, list(range(J)), group, accepted, accepted, host=host)
 
 
