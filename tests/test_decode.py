@@ -444,6 +444,111 @@ def ar_sample(model, ids, seed, max_new_tokens, **settings):
     return seq
 
 
+def warpers(**settings):
+    """transformers' sampling warpers for `settings`, built as its generate() builds them."""
+    from transformers import GenerationConfig, GenerationMixin
+
+    from tidar_convert.runtime.verify import PREFIX_FREE
+
+    gc = GenerationConfig(do_sample=True, **settings)
+    # _get_logits_processor reads no model state for these settings
+    built = GenerationMixin._get_logits_processor(
+        object.__new__(GenerationMixin), gc, input_ids_seq_length=4, device="cpu"
+    )
+    assert built and all(type(p).__name__ in PREFIX_FREE for p in built), built
+    return built
+
+
+class Counted(list):
+    """A processor list that counts its calls."""
+
+    calls = 0
+
+    def __call__(self, input_ids, scores):
+        self.calls += 1
+        for p in self:
+            scores = p(input_ids, scores)
+        return scores
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [
+        dict(temperature=0.7, top_p=0.9),
+        dict(temperature=1.3, top_k=7),
+        dict(min_p=0.05),
+        dict(typical_p=0.8),
+        dict(epsilon_cutoff=3e-3),
+        dict(eta_cutoff=3e-3),
+    ],
+)
+def test_prefix_free_warpers_take_a_steps_positions_in_one_call(settings):
+    """Sampling's warpers read nothing but each row's scores: process() runs every position of a
+    step through them in one call (one sort of the vocabulary for top_p), and each row comes out
+    bit for bit as position by position. A processor that reads the prefix still gets each
+    position's own."""
+    from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
+
+    from tidar_convert.runtime.verify import process, process_one
+
+    g = torch.Generator().manual_seed(3)
+    B, n, V = 2, 5, 512
+    logits = torch.randn(B, n, V, generator=g) * 4
+    seqs = torch.randint(0, V, (B, 7), generator=g)
+    extra = torch.randint(0, V, (B, n - 1), generator=g)
+    one_by_one = torch.stack(
+        [
+            process_one(warpers(**settings), torch.cat([seqs, extra[:, :i]], 1), logits[:, i])
+            for i in range(n)
+        ],
+        1,
+    )
+    counted = Counted(warpers(**settings))
+    got = process(counted, seqs, extra, logits)
+    assert counted.calls == 1 and torch.equal(got, one_by_one)
+    assert torch.isinf(got).any()  # the warpers did remove tokens
+    # a slice of a wider forward's logits, as the engine passes them
+    wide = torch.randn(B, n + 3, V, generator=g)
+    assert torch.equal(
+        process(warpers(**settings), seqs, extra, wide[:, 2 : 2 + n]),
+        process(warpers(**settings), seqs, extra, wide[:, 2 : 2 + n].contiguous()),
+    )
+    assert torch.equal(logits, logits.clone())  # the caller's logits are not written to
+    prefixed = Counted([RepetitionPenaltyLogitsProcessor(1.5), *warpers(**settings)])
+    expected = torch.stack(
+        [process_one(prefixed, torch.cat([seqs, extra[:, :i]], 1), logits[:, i]) for i in range(n)],
+        1,
+    )
+    prefixed.calls = 0
+    assert torch.equal(process(prefixed, seqs, extra, logits), expected) and prefixed.calls == n
+
+
+def test_a_sampled_diffusion_draft_processes_its_slots_at_once_as_one_by_one():
+    """make_draft with prefix-free warpers (sampling) draws each slot from its processed scores
+    with that slot's keyed noise, all slots in one call: the same tokens and confidences as slot
+    by slot."""
+    from tidar_convert.runtime.drafters import make_draft
+    from tidar_convert.runtime.verify import process_one
+
+    g = torch.Generator().manual_seed(4)
+    B, n, V = 2, 4, 300
+    diff = torch.randn(B, n, V, generator=g) * 3
+    seqs = torch.randint(0, V, (B, 6), generator=g)
+    y = torch.tensor([5, 9])
+    pick = Sampling(seed=21)
+    pick.seek([3, 8])
+    counted = Counted(warpers(temperature=0.8, top_p=0.9))
+    draft, _ = make_draft(pick, counted, seqs, y, diff)
+    assert counted.calls == 1
+    tokens, conf = [y], []
+    for i in range(n):
+        scores = process_one(warpers(temperature=0.8, top_p=0.9), seqs, diff[:, i])
+        tokens.append(pick.token(scores, i))
+        conf.append(pick.confidence(scores))
+    assert torch.equal(draft.tokens, torch.stack(tokens, 1))
+    assert torch.equal(draft.confidence, torch.stack(conf, 1))
+
+
 def jittery_clock(seed):
     """A clock whose every step seems to take a random time: the cost plan prices step shapes from
     it, so each run chooses other shapes."""
@@ -473,7 +578,8 @@ def test_seeded_sampling_repeats_under_every_plan_and_drafter(trained, rows, mon
 
     model, _ = trained["llama"]
     ids = torch.cat([cycle_batch(1, 6, seed=1), torch.tensor([[40, 41, 3, 4, 40, 41]])])[:rows]
-    settings = dict(temperature=1.5, top_k=0)
+    # top_p: a warper that sorts the vocabulary, which the engine runs on a step's positions at once
+    settings = dict(temperature=1.5, top_k=0, top_p=0.97)
     kw = dict(do_sample=True, max_new_tokens=30, eos_token_id=None, **settings)
     torch.manual_seed(11)
     expected = ar_sample(model, ids, draw_seed(), 30, **settings)

@@ -27,7 +27,7 @@ import torch
 
 from .costs import Mean
 from .tree import beside, first_siblings, group_siblings, grow, top_choices
-from .verify import process_one
+from .verify import prefix_free, process, process_one
 
 # Draft fields the planner and drafters read as numbers (`Draft.host`).
 HOSTED = ("tokens", "length", "confidence", "raw_confidence", "siblings", "sibling_confidence")
@@ -167,8 +167,8 @@ def make_draft(pick, processors, seqs, y, diff_slots, siblings: int = 0, y_host=
     draft's chain and those come from one topk of the same scores. y_host: y on the host, if
     known."""
     sources = ["diffusion"] * y.shape[0]
-    if not processors:  # no prefix to thread through: all slots at once
-        scores = diff_slots.float()
+    if prefix_free(processors):  # no prefix to thread through: all slots at once
+        scores = process(processors, seqs, seqs[:, :0], diff_slots)
         if siblings:
             return first_choices(y, scores, siblings, sources, y_host)
         tokens, confidence = pick.token_and_confidence(scores)

@@ -62,7 +62,7 @@ from .recurrent import (
     select_rows,
 )
 from .tree import keep_slots, walk
-from .verify import at_rows, mix, process
+from .verify import at_rows, mix, prefix_free, process
 
 
 @dataclass
@@ -361,7 +361,7 @@ def decode(
             and run.slots is None
         ):
             kept = drop_finished(state, kept, pick)
-        pick.seek(state.n_new)  # each row's own count: sampling draws by each row's position
+        pick.seek(state.made_rows())  # each row's own count: sampling draws by its position
         with record_function("tidar.draft"):
             # y of the next step is one of them
             remaining = run.max_new - min(
@@ -771,19 +771,9 @@ def memo(fn):
     return once
 
 
-# Processors that act on each row's scores alone, whatever its prefix or batch index; and stopping
-# criteria that read each row's own last tokens (max_length is applied per row here). With
-# anything else (a prefix- or length-dependent processor, a custom criterion), rows share one
-# commit length.
-ROWWISE_PROCESSORS = {
-    "TemperatureLogitsWarper",
-    "TopKLogitsWarper",
-    "TopPLogitsWarper",
-    "MinPLogitsWarper",
-    "TypicalLogitsWarper",
-    "EpsilonLogitsWarper",
-    "EtaLogitsWarper",
-}
+# Stopping criteria that read each row's own last tokens (max_length is applied per row here). With
+# anything else (a prefix- or length-dependent processor, a custom criterion), rows share one commit
+# length; a prefix-free processor (verify.PREFIX_FREE) acts on each row alone.
 ROWWISE_CRITERIA = {
     "MaxLengthCriteria",
     "EosTokenCriteria",
@@ -798,6 +788,6 @@ def rowwise(run, beta: float, record) -> bool:
         and beta == 1.0
         and record is None
         and run.streamer is None
-        and all(type(p).__name__ in ROWWISE_PROCESSORS for p in run.processors)
+        and prefix_free(run.processors)
         and all(type(c).__name__ in ROWWISE_CRITERIA for c in run.criteria)
     )

@@ -235,14 +235,40 @@ def mix(ar_logits, diff_logits, beta):
     )
 
 
+# transformers' warpers that read a row's scores and nothing else: not its prefix (input_ids), not
+# the other rows of the batch
+PREFIX_FREE = {
+    "TemperatureLogitsWarper",
+    "TopKLogitsWarper",
+    "TopPLogitsWarper",
+    "MinPLogitsWarper",
+    "TypicalLogitsWarper",
+    "EpsilonLogitsWarper",
+    "EtaLogitsWarper",
+}
+
+
+def prefix_free(processors) -> bool:
+    """Whether every processor is one of PREFIX_FREE (true of none at all)."""
+    return all(type(p).__name__ in PREFIX_FREE for p in processors)
+
+
 def process(processors, seqs, extra, logits):
     """Logits processors, row by row with each row's own prefix, as AR decoding would call them.
 
     logits (B, n, V): row i predicts the token after `seqs ++ extra[:, :i]`. Returns float32 scores.
     Prefix-dependent processors (no_repeat_ngram_size, min_new_tokens, repetition_penalty, ...) thus
-    see exactly the sequence AR would have had at that position."""
-    if not processors:
+    see exactly the sequence AR would have had at that position. Prefix-free ones (sampling's
+    temperature, top_p, ...) take every position in one call: each row comes out as it would alone,
+    and top_p's sort over the vocabulary runs once for the step instead of once a position."""
+    B, n, V = logits.shape
+    if not processors or n == 0:
         return logits.float()
+    if prefix_free(processors):
+        # they never read input_ids; a (B * n, 0) one keeps the call's shapes consistent. The
+        # copy is theirs to change in place.
+        flat = logits.to(torch.float32, copy=True).reshape(B * n, V)
+        return processors(seqs[:, :0].repeat(n, 1), flat).reshape(B, n, V)
     return torch.stack(
         [
             process_one(processors, torch.cat([seqs, extra[:, :i]], 1), logits[:, i])
