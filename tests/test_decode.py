@@ -811,6 +811,133 @@ def test_commit_at_once_equals_commit_by_round(batch):
     assert checked > 100  # most cases committed something
 
 
+@pytest.mark.parametrize(
+    "batch, drafter, siblings",
+    [
+        (1, "diffusion", 0),
+        (1, "diffusion", 3),
+        (1, "hybrid", 3),
+        (1, "lookup", 0),
+        (3, "hybrid", 0),
+    ],
+)
+def test_a_greedy_step_reads_the_device_once(trained, batch, drafter, siblings):
+    """Greedy on raw logits, a step's verdict, AR's token at each of its causal slots (a tree's
+    siblings too) and the next diffusion draft's candidates at every group come back in one read
+    (engine.read_verdict): on a GPU the step waits for the device once. What else the decoding
+    code reads, it reads once a call (the prompt's checks, the prefill's draft), whatever the
+    length."""
+    from tidar_convert.bench.steps import HostReads
+    from tidar_convert.runtime import engine
+
+    model, _ = trained["llama"]
+    # a prompt the cycle does not continue: drafts miss, and a tree's steps take siblings. A
+    # batch's rows are the same, so that they stop together (a row that stops is read once).
+    ids = torch.randint(1, 300, (1, 9), generator=torch.Generator().manual_seed(1))
+    ids = ids.repeat(batch, 1)
+    walk, off_chain = engine.walk, []
+
+    def spy(plan, *args):
+        path, *rest = walk(plan, *args)
+        off_chain.append(any(s >= plan.n_drafts for s in path))
+        return (path, *rest)
+
+    def reads(n):
+        kw = dict(max_new_tokens=n, eos_token_id=None, pad_token_id=0)
+        tree = dict(siblings=siblings, plan="adaptive", slot_budget=96) if siblings else {}
+        with HostReads() as counted, pytest.MonkeyPatch.context() as mp:
+            mp.setattr(engine, "walk", spy)
+            out = generate(ids, model=model, drafter=drafter, **tree, **kw)
+        assert torch.equal(out, ar(model, ids, **kw))
+        return counted.at, model.tidar_stats["nfe"]
+
+    (short, _), (long, nfe) = reads(6), reads(40)
+    steps = nfe - 1  # the prefill is a forward, not a step
+    assert long.pop("engine.read_verdict") == steps > 5, long
+    short.pop("engine.read_verdict")
+    assert long == short
+    assert any(off_chain) == bool(siblings)
+
+
+def test_a_rows_candidates_from_the_read_are_the_top_choices_of_the_logits_it_reads():
+    """For every accepted length of every row, Step.choices_at gives each row the top choices of
+    the logits Output.rows_at gives it: its group's, the later slots of a group anchored before
+    (fewer, then the first again as filler), or None where some row's length has no group."""
+    import itertools
+    from types import SimpleNamespace
+
+    from tidar_convert.runtime.engine import Step, read_ahead, read_verdict
+    from tidar_convert.runtime.forward import Output
+    from tidar_convert.runtime.plan import StepPlan
+    from tidar_convert.runtime.tree import top_choices
+
+    torch.manual_seed(0)
+    B, H, V, k, n = 3, 8, 50, 4, 2
+    head = torch.nn.Linear(H, V, bias=False)
+    model = SimpleNamespace(get_output_embeddings=lambda: head, config=SimpleNamespace())
+    plan = StepPlan(n_drafts=6, anchors=(1, 3, 6), k=k)
+    out = Output(model, torch.randn(B, plan.slots, H), read=plan.read())
+    accepted, best = torch.tensor([1, 2, 3]), torch.zeros(B, plan.n_drafts, dtype=torch.long)
+    taken, best_host, _, tops = read_verdict(accepted, best, read_ahead(out, plan, n))
+    step = Step(None, plan, out, None, None, accepted, taken, best, best_host, None, tops)
+    seen = Counter()
+    for lengths in itertools.product(range(1, plan.n_drafts + 1), repeat=B):
+        reads = [plan.group_read(j) for j in lengths]
+        have = [0 if r is None else r[1] for r in reads]
+        got = step.choices_at(reads, k - 1, have)
+        if None in reads:
+            assert got is None
+            continue
+        logits = out.rows_at(torch.tensor([r[0] + 1 for r in reads]), k - 1, torch.tensor(have))
+        assert (got[0], got[1]) == top_choices(logits.float(), n) and got[2] == have
+        seen.update(have)
+    assert seen[k - 1] and seen[k - 2]  # whole groups and shorter ones, with filler
+
+
+@pytest.mark.parametrize("batch, siblings", [(1, 0), (1, 3), (3, 0)])
+def test_the_candidates_a_verdict_brings_are_the_groups_top_choices(trained, batch, siblings):
+    """The next diffusion draft built from the candidates the verdict's read brought (for every
+    group, before the verdict said which) is the draft built from the group's logits: the same
+    tokens, chances, lengths, sources and tree, each row reading its own group (a batch commits
+    per row) with the filler rows_at gives a row whose group holds fewer."""
+    import dataclasses
+
+    from tidar_convert.runtime.drafters import DiffusionDrafter
+
+    model, _ = trained["llama"]
+    real, compared = DiffusionDrafter.propose, []
+    fields = ("tokens", "length", "confidence", "siblings", "sibling_confidence")
+
+    def both(self, ctx):
+        if ctx.choices is not None:
+            state = (self.taken, self.predicted)
+            from_logits = real(self, dataclasses.replace(ctx, choices=None))
+            self.taken, self.predicted = state
+            got = real(self, ctx)
+            assert (got is None) == (from_logits is None)
+            if got is not None:
+                for name in fields:
+                    a, b = getattr(got, name), getattr(from_logits, name)
+                    assert (a is None and b is None) or torch.equal(a, b), name
+                    assert got.host(name) == from_logits.host(name), name
+                assert got.sources == from_logits.sources
+                assert got.sibling_parents == from_logits.sibling_parents
+                compared.append(got.tokens.shape[1])
+            return got
+        return real(self, ctx)
+
+    ids = cycle_batch(batch, 6, seed=4)
+    kw = dict(max_new_tokens=30, eos_token_id=None, pad_token_id=0)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(DiffusionDrafter, "propose", both)
+        for plan in ("adaptive", "cost", "full"):
+            got = generate(
+                ids, model=model, drafter="diffusion", plan=plan, siblings=siblings, **kw
+            )
+            assert torch.equal(got, ar(model, ids, **kw))
+    assert len(compared) > 10 and max(compared) > 2
+
+
 def test_commit_one_round_at_a_time_for_other_criteria_and_streamers():
     from types import SimpleNamespace
 

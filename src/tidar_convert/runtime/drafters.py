@@ -121,6 +121,10 @@ class DraftContext:
     # each row's tokens the last commit appended to seqs, as host lists, where the commit read them
     # (None: read them from seqs)
     committed: list | None = None
+    # the group's candidates as the last verdict's read brought them (engine.read_ahead): per row,
+    # each slot's likeliest tokens and their chances, host lists (B, n, c), and (B,) the proposals
+    # each row's group holds; None: draft from `group`'s logits
+    choices: tuple | None = None
 
     @property
     def y(self):
@@ -192,16 +196,19 @@ def make_draft(pick, processors, seqs, y, diff_slots, siblings: int = 0, y_host=
     return draft, alternatives
 
 
-def first_choices(y: torch.Tensor, scores: torch.Tensor, siblings: int, sources: list, y_host=None):
+def first_choices(
+    y: torch.Tensor, scores, siblings: int, sources: list, y_host=None, top: tuple | None = None
+):
     """Greedy: the draft of each slot's likeliest token and, from the same topk, the next
     `siblings` at each slot (make_draft): one pass over the vocabulary instead of a max and a topk,
-    and one normalizer."""
-    tokens, chances = top_choices(scores, siblings + 1)
+    and one normalizer. top: that topk's tokens and chances as host lists (B, n, siblings + 1),
+    where already read (then scores are not needed)."""
+    tokens, chances = top if top is not None else top_choices(scores, siblings + 1)
     chain = [[t[0] for t in row] for row in tokens]
     conf = [[c[0] for c in row] for row in chances]
     draft = Draft(
         torch.cat([y[:, None], torch.tensor(chain, dtype=y.dtype, device=y.device)], 1),
-        confidence=torch.tensor(conf, device=scores.device),
+        confidence=torch.tensor(conf, device=y.device),
         sources=sources,
     ).hold(confidence=conf)
     if y_host is not None:
@@ -234,19 +241,33 @@ class DiffusionDrafter(Drafter):
         self.predicted += predicted
 
     def propose(self, ctx: DraftContext) -> Draft | None:
-        group, have = ctx.group()
-        if group is None or ctx.max_proposals < 1:
-            return None
-        slots = group[:, : ctx.max_proposals]
-        tree = ctx.siblings if slots.shape[0] == 1 and slots.shape[1] > 0 else 0
-        draft, alternatives = make_draft(
-            ctx.pick, ctx.processors, ctx.seqs, ctx.y, slots, tree, ctx.y_host
-        )
+        if ctx.choices is not None:  # the verdict's read brought the group's candidates
+            tokens, chances, have = ctx.choices
+            n = min(len(tokens[0]), ctx.max_proposals)
+            if n < 1:
+                return None
+            tree = ctx.siblings if len(tokens) == 1 else 0
+            top = (
+                [[slot[: tree + 1] for slot in row[:n]] for row in tokens],
+                [[slot[: tree + 1] for slot in row[:n]] for row in chances],
+            )
+            sources = ["diffusion"] * len(tokens)
+            draft, alternatives = first_choices(ctx.y, None, tree, sources, ctx.y_host, top)
+            alternatives = alternatives if tree else None
+        else:
+            group, have = ctx.group()
+            if group is None or ctx.max_proposals < 1:
+                return None
+            slots = group[:, : ctx.max_proposals]
+            tree = ctx.siblings if slots.shape[0] == 1 and slots.shape[1] > 0 else 0
+            draft, alternatives = make_draft(
+                ctx.pick, ctx.processors, ctx.seqs, ctx.y, slots, tree, ctx.y_host
+            )
         if alternatives is not None:
             grow(draft, *alternatives, ctx.nodes or draft.tokens.shape[1] - 1)
         # per row, the proposals its group gives (plan.StepPlan.group_read; 0: none)
         if have is not None:
-            have = have.tolist()
+            have = as_list(have)
             length = [min(n, 1 + h) for n, h in zip(draft.host("length"), have)]
             draft.length = torch.tensor(length, dtype=torch.long, device=draft.tokens.device)
             draft.hold(length=length)

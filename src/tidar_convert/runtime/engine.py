@@ -337,6 +337,11 @@ def decode(
         state.row_nfe = torch.ones(B, dtype=torch.long, device=device)
         state.rows = torch.arange(B, device=device)
     ar0, group = prefill(model, run, state, k, run.mask_id, drafter.uses_groups)
+    # scores are the raw logits: a step's tokens and the next draft's candidates can be computed
+    # ahead of the verdict (read_ahead); ids travel as float32 in its read
+    raw = not processors and beta == 1.0 and ar0.shape[-1] < 2**24
+    # the candidates a diffusion draft takes at each slot: its token, and a tree's siblings
+    choices = (1 + (planner.siblings if B == 1 else 0)) if drafter.uses_groups else 0
     state.cache_valid = run.kv_valid
     limit = position_limit(model)
     with record_function("tidar.verify"):
@@ -386,6 +391,7 @@ def decode(
                 planner.siblings if B == 1 else 0,
                 planner.budget - 1,
                 state.committed,
+                kept.choices,
             )
             draft, plan = planner.step(
                 drafter.propose(ctx) or fresh(state.seqs[:, -1], ctx.y_host),
@@ -403,14 +409,14 @@ def decode(
             # row i: after seqs ++ drafts 1..i
             scores = process(processors, state.seqs, draft.tokens[:, 1:], ar)
             accepted, best = pick.verify_tokens(scores, draft)
-            if best is None:
-                taken, best_host = accepted.tolist(), None  # the step's one read of its verdict
-            else:  # the verdict and AR's token at every draft row, in one read
-                rows = torch.cat([accepted[:, None], best], 1).tolist()
-                taken, best_host = [r[0] for r in rows], [r[1:] for r in rows]
+            # on raw logits (no processors), what the next step reads comes in the same read
+            ahead = read_ahead(out, plan, choices) if best is not None and raw else None
+            taken, best_host, sibling_host, tops = read_verdict(accepted, best, ahead)
             state.judge(draft, taken)
             accept = accept_each if per_row else accept_together
-            step = Step(draft, plan, out, ar, scores, accepted, taken, best, best_host)
+            step = Step(
+                draft, plan, out, ar, scores, accepted, taken, best, best_host, sibling_host, tops
+            )
             kept = accept(state, step, run, beta)
             # accept() waited for the device
             planner.timed(plan, time.perf_counter() - started, draft, kept.brought, kept.ends)
@@ -454,11 +460,16 @@ def drop_finished(state: DecodeState, kept: "Kept", pick) -> "Kept":
         logits, have = group()
         return logits[keep], None if have is None else have[keep]
 
+    choices = kept.choices
+    if choices is not None:
+        rows = keep.tolist()
+        choices = tuple([c[i] for i in rows] for c in choices)
     return Kept(
         kept.tokens[keep],
         kept.counts[keep],
         kept.slots,
         memo(kept_rows) if group is not no_group else no_group,
+        choices=choices,
     )
 
 
@@ -491,6 +502,11 @@ class Step:
     # (B, m) AR's token at each draft row where the verifier computed it (Greedy), and on the host
     best: torch.Tensor | None = None
     best_host: list | None = None
+    # what the verdict's read also brought (read_ahead), host lists; None: not read. AR's token at
+    # each sibling slot, and each row's likeliest tokens, with their chances, at every group draft
+    # slot (plan.read() after the causal slots): the next draft's, whatever the verdict.
+    sibling_host: list | None = None
+    tops_host: tuple[list, list] | None = None
 
     def parts(self):
         return self.draft, self.plan, self.out, self.scores, self.ar, self.accepted
@@ -503,6 +519,72 @@ class Step:
             return None
         rows = zip(self.draft.host("tokens"), self.best_host, counts, after)
         return [r[1:c] + [b[a - 1]] for r, b, c, a in rows]
+
+    def choices_at(self, reads: list, width: int, have: list | None) -> tuple | None:
+        """The next draft's candidates from the verdict's read (DraftContext.choices): per row b
+        that reads reads[b] = (the slot its proposals follow, how many) (StepPlan.group_read), the
+        likeliest tokens and their chances at those slots, `width` of them (a row with fewer gets
+        its first again, as Output.rows_at fills it), and `have`. None where the read did not bring
+        them, or a row reads no group (its draft comes from the logits)."""
+        if self.tops_host is None or any(r is None for r in reads):
+            return None
+        tokens, chances = self.tops_host
+        rows = []
+        for first, n in reads:
+            row = [self.out.row_of[s] - self.plan.causal for s in range(first + 1, first + 1 + n)]
+            rows.append(row + row[:1] * (width - n))
+        return (
+            [[tokens[b][i] for i in row] for b, row in enumerate(rows)],
+            [[chances[b][i] for i in row] for b, row in enumerate(rows)],
+            have,
+        )
+
+
+def read_ahead(out: Output, plan: StepPlan, choices: int) -> tuple:
+    """What the next step reads from this forward's logits, computed before the verdict so that one
+    read brings both (greedy on raw logits): AR's token at each sibling slot (B, s), None without
+    siblings (tree.walk), and the `choices` likeliest tokens and their probabilities at every group
+    draft slot (B, R, choices) each (drafters.first_choices). Every candidate group's, since which
+    one the next draft reads depends on the verdict: a few rows of top-k more, where a read would
+    wait for the device."""
+    siblings = out.rows(plan.n_drafts, plan.causal).argmax(-1) if plan.siblings else None
+    if not choices or out.cached is None or out.cached.shape[1] == plan.causal:
+        return siblings, None, None
+    tail = out.cached[:, plan.causal :].float()
+    top = tail.topk(choices, -1)
+    return siblings, top.indices, (top.values - tail.logsumexp(-1, keepdim=True)).exp()
+
+
+def read_verdict(accepted, best, ahead=None) -> tuple:
+    """The step's one read: the verdict (B,) and, where the verifier computed them, AR's tokens at
+    the draft rows and what read_ahead computed. Returns host lists: (taken, best, siblings, tops),
+    None for what was not computed. Token ids travel as float32 beside the chances (exact below
+    2**24; read_ahead is asked only for such vocabularies)."""
+    if best is None:
+        return accepted.tolist(), None, None, None
+    siblings, top, chances = ahead if ahead is not None else (None, None, None)
+    ints = [accepted[:, None], best] + ([siblings] if siblings is not None else [])
+    ids = torch.cat(ints + ([top.flatten(1)] if top is not None else []), 1)
+    if top is None:
+        rows = ids.tolist()
+    else:
+        rows = [
+            [int(v) for v in row[: ids.shape[1]]] + row[ids.shape[1] :]
+            for row in torch.cat([ids.float(), chances.flatten(1)], 1).tolist()
+        ]
+    m, s = best.shape[1], siblings.shape[1] if siblings is not None else 0
+    taken = [r[0] for r in rows]
+    best_host = [r[1 : 1 + m] for r in rows]
+    sibling_host = [r[1 + m : 1 + m + s] for r in rows] if siblings is not None else None
+    tops = None
+    if top is not None:
+        R, c = top.shape[1], top.shape[2]
+        at = 1 + m + s
+        tops = (
+            [[r[at + i * c : at + (i + 1) * c] for i in range(R)] for r in rows],
+            [[r[at + R * c + i * c : at + R * c + (i + 1) * c] for i in range(R)] for r in rows],
+        )
+    return taken, best_host, sibling_host, tops
 
 
 @dataclass
@@ -525,6 +607,9 @@ class Kept:
     # each row's committed tokens on the host, counts[b] of them, where the step knew them (the
     # commit then reads nothing); None: read at the commit
     host: list | None = None
+    # the next draft's candidates, as the verdict's read brought them (Step.choices_at); None:
+    # the drafter reads the group's logits
+    choices: tuple | None = None
 
 
 def no_group():
@@ -543,9 +628,11 @@ def accept_together(state: DecodeState, step: Step, run, beta: float) -> Kept:
     if plan.siblings:
         # the causal tokens as the host has them, and AR's tokens on the chain as the verdict read
         values = draft.host("tokens")[0] + draft.host("siblings")[0][: plan.siblings]
-        chain = step.best_host[0] if step.best_host is not None else None
+        known = None
+        if step.best_host is not None:  # AR's token at the chain's slots, and at the siblings'
+            known = step.best_host[0] + (step.sibling_host[0] if step.sibling_host else [])
         path, scored, raw, last = walk(
-            plan, tokens, out, state.seqs, processors, pick, scores, ar, values, chain
+            plan, tokens, out, state.seqs, processors, pick, scores, ar, values, known
         )
         y, j = pick.token(scored[-1]), len(path)
         host = [[values[s] for s in path[1:]] + [last]]
@@ -589,6 +676,7 @@ def accept_together(state: DecodeState, step: Step, run, beta: float) -> Kept:
         tuple(scored),
         tuple(raw),
         host,
+        step.choices_at([read] * B, read[1], None) if read is not None else None,
     )
 
 
@@ -620,7 +708,9 @@ def accept_each(state: DecodeState, step: Step, run, beta: float) -> Kept:
     group = (lambda: (out.rows_at(at + 1, k - 1, have), have)) if any(proposals) else no_group
     # as `tokens`: a stopped row's one token is its y
     host = step.host_tokens(n, step.taken)
-    return Kept(tokens, counts, list(range(J)), group, accepted, accepted, host=host)
+    choices = step.choices_at(reads, k - 1, proposals) if any(proposals) else None
+    taken = step.taken  # `accepted` as the verdict read it
+    return Kept(tokens, counts, list(range(J)), group, taken, taken, host=host, choices=choices)
 
 
 def known_stops(run, criteria) -> tuple[frozenset, int | None] | None:

@@ -150,7 +150,7 @@ def walk(
     chain_scores,
     chain_ar,
     values: list[int] | None = None,
-    chain_tokens: list[int] | None = None,
+    known: list[int] | None = None,
 ):
     """Greedy verification of a tree (batch 1): from draft 0, the AR's token at each node picks the
     child that holds it, until none does. Returns the path (slots from draft 0), and the processed
@@ -158,8 +158,9 @@ def walk(
     node's row is processed with its own path as prefix. tokens: the causal slots' (causal_tokens),
     `values` the same on the host (None: read). chain_scores, chain_ar: the chain's rows, already
     processed with the chain as prefix (the path's nodes while it stays on the chain), and
-    `chain_tokens` AR's token at each of them as the verdict read it (None: read here). Also
-    returns the token after the path (on the host)."""
+    `known` AR's token at the causal slots as the verdict read them: the chain's, and each
+    sibling's where the scores are the raw logits (a slot past its end: read here). Also returns
+    the token after the path (on the host)."""
     if values is None:
         values = tokens[0].tolist()
     kids: dict[int, list[int]] = {}
@@ -177,8 +178,7 @@ def walk(
             )[:, 0]
         scored.append(scores)
         raw.append(ar)
-        on_chain = s == len(path) - 1 and s < plan.n_drafts
-        y = chain_tokens[s] if on_chain and chain_tokens else int(pick.token(scores)[0])
+        y = known[s] if known is not None and s < len(known) else int(pick.token(scores)[0])
         nxt = [c for c in kids.get(s, ()) if values[c] == y]
         if not nxt:
             return path, scored, raw, y
