@@ -296,9 +296,10 @@ def test_the_sampling_check_has_teeth(tokenizer, monkeypatch):
 
     monkeypatch.setattr(
         Sampling,
-        "verify",
+        "verify_tokens",
         lambda self, scores, draft: (
-            1 + (real_slots(draft)[:, : scores.shape[1] - 1]).long().cumprod(1).sum(1)
+            1 + (real_slots(draft)[:, : scores.shape[1] - 1]).long().cumprod(1).sum(1),
+            self.token(scores),
         ),
     )
     result = family_matrix.run("llama", tokenizer, sampling=True)

@@ -62,7 +62,7 @@ from .recurrent import (
     select_rows,
 )
 from .tree import keep_slots, walk
-from .verify import at_rows, mix, prefix_free, process
+from .verify import Greedy, at_rows, mix, prefix_free, process
 
 
 @dataclass
@@ -337,9 +337,9 @@ def decode(
         state.row_nfe = torch.ones(B, dtype=torch.long, device=device)
         state.rows = torch.arange(B, device=device)
     ar0, group = prefill(model, run, state, k, run.mask_id, drafter.uses_groups)
-    # scores are the raw logits: a step's tokens and the next draft's candidates can be computed
+    # greedy on the raw logits: a step's tokens and the next draft's candidates can be computed
     # ahead of the verdict (read_ahead); ids travel as float32 in its read
-    raw = not processors and beta == 1.0 and ar0.shape[-1] < 2**24
+    raw = isinstance(pick, Greedy) and not processors and beta == 1.0 and ar0.shape[-1] < 2**24
     # the candidates a diffusion draft takes at each slot: its token, and a tree's siblings
     choices = (1 + (planner.siblings if B == 1 else 0)) if drafter.uses_groups else 0
     state.cache_valid = run.kv_valid

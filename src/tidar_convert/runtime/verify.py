@@ -132,13 +132,14 @@ class Sampling(Verifier):
 
     def __init__(self, seed: int):
         self.seed = seed
-        self.at = torch.zeros(1, dtype=torch.long)
+        self.at = [0]  # each row's new-token index (one for all rows where the same)
         self._draws: dict[tuple[int, int], torch.Tensor] = {}
 
     def seek(self, committed) -> None:
-        """committed: (B,) or an int, the new tokens each row has committed."""
-        self.at = torch.as_tensor(committed, dtype=torch.long).cpu().reshape(-1)
-        at = self.at.tolist()
+        """committed: (B,) (a list; a tensor is read) or an int, the new tokens each row has
+        committed."""
+        at = committed.reshape(-1).tolist() if torch.is_tensor(committed) else committed
+        self.at = at = [int(at)] if isinstance(at, int) else list(at)
         rows = self.rows or range(len(at))
         first = {row: at[i] for i, row in enumerate(rows)} if len(at) > 1 else None
         # a row's committed indices are never drawn again; a dropped row's draws go with it
@@ -173,12 +174,15 @@ class Sampling(Verifier):
         B, n, V = probs.shape
         if n == 0:
             return probs.new_zeros((B, 0), dtype=torch.long)
-        index = self.at.expand(B) + torch.as_tensor(offset, dtype=torch.long).cpu()
+        at = self.at * B if len(self.at) == 1 else self.at
+        if torch.is_tensor(offset):
+            offset = offset.reshape(-1).tolist()
+        offsets = [offset] * B if isinstance(offset, int) else offset
         rows = self.rows or range(B)
         noise = torch.stack(
             [
-                torch.stack([self.draws(rows[b], t + i, V, probs.device) for i in range(n)])
-                for b, t in enumerate(index.tolist())
+                torch.stack([self.draws(rows[b], t + o + i, V, probs.device) for i in range(n)])
+                for b, (t, o) in enumerate(zip(at, offsets))
             ]
         )
         y = (probs / noise).argmax(-1)
@@ -189,8 +193,14 @@ class Sampling(Verifier):
 
     def verify(self, scores, draft):
         """Drafts accepted per row: while each proposal is the token AR sampling draws there."""
-        match = (self.token(scores[:, :-1]) == draft.tokens[:, 1:]) & real_slots(draft)
-        return 1 + match.long().cumprod(1).sum(1)
+        return self.verify_tokens(scores, draft)[0]
+
+    def verify_tokens(self, scores, draft):
+        # the token AR sampling draws at every row, the last included: the token after any
+        # accepted length (next_token's draw there, with the same keyed noise)
+        drawn = self.token(scores)
+        match = (drawn[:, :-1] == draft.tokens[:, 1:]) & real_slots(draft)
+        return 1 + match.long().cumprod(1).sum(1), drawn
 
     def next_token(self, target, draft, accepted, j, exact=True):
         """The token at draft position j, drawn from `target` (the processed AR scores there, or
