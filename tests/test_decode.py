@@ -819,14 +819,18 @@ def test_commit_at_once_equals_commit_by_round(batch):
         (3, "hybrid", 0),
     ],
 )
-def test_a_greedy_step_reads_the_device_once(trained, batch, drafter, siblings):
-    """Greedy on raw logits, a step's verdict, AR's token at each of its causal slots (a tree's
-    siblings too) and the next diffusion draft's candidates at every group come back in one read
-    (engine.read_verdict): on a GPU the step waits for the device once. What else the decoding
-    code reads, it reads once a call (the prompt's checks, the prefill's draft), whatever the
-    length."""
+def test_a_greedy_step_reads_the_device_once(trained, batch, drafter, siblings, monkeypatch):
+    """Greedy on raw logits, where a read waits for the device, a step's verdict, AR's token at
+    each of its causal slots (a tree's siblings too) and the next diffusion draft's candidates at
+    every group come back in one read (engine.read_verdict): on a GPU the step waits for the device
+    once. What else the decoding code reads, it reads once a call (the prompt's checks, the
+    prefill's draft), whatever the length. On a CPU (reads do not wait) the next draft reads its
+    own group's candidates after the verdict, and nothing else changes."""
     from tidar_convert.bench.steps import HostReads
     from tidar_convert.runtime import engine
+
+    assert not engine.reads_wait(torch.device("cpu")) and engine.reads_wait(torch.device("cuda"))
+    monkeypatch.setattr(engine, "reads_wait", lambda device: True)  # as on a GPU
 
     model, _ = trained["llama"]
     # a prompt the cycle does not continue: drafts miss, and a tree's steps take siblings. A
@@ -855,6 +859,10 @@ def test_a_greedy_step_reads_the_device_once(trained, batch, drafter, siblings):
     short.pop("engine.read_verdict")
     assert long == short
     assert any(off_chain) == bool(siblings)
+    monkeypatch.setattr(engine, "reads_wait", lambda device: False)  # as on a CPU
+    on_cpu, cpu_nfe = reads(40)
+    assert on_cpu.pop("engine.read_verdict") == cpu_nfe - 1
+    assert (on_cpu == long) == (drafter == "lookup" and not siblings)
 
 
 def test_a_rows_candidates_from_the_read_are_the_top_choices_of_the_logits_it_reads():
@@ -893,15 +901,19 @@ def test_a_rows_candidates_from_the_read_are_the_top_choices_of_the_logits_it_re
 
 
 @pytest.mark.parametrize("batch, siblings", [(1, 0), (1, 3), (3, 0)])
-def test_the_candidates_a_verdict_brings_are_the_groups_top_choices(trained, batch, siblings):
+def test_the_candidates_a_verdict_brings_are_the_groups_top_choices(
+    trained, batch, siblings, monkeypatch
+):
     """The next diffusion draft built from the candidates the verdict's read brought (for every
     group, before the verdict said which) is the draft built from the group's logits: the same
     tokens, chances, lengths, sources and tree, each row reading its own group (a batch commits
     per row) with the filler rows_at gives a row whose group holds fewer."""
     import dataclasses
 
+    from tidar_convert.runtime import engine
     from tidar_convert.runtime.drafters import DiffusionDrafter
 
+    monkeypatch.setattr(engine, "reads_wait", lambda device: True)  # as on a GPU
     model, _ = trained["llama"]
     real, compared = DiffusionDrafter.propose, []
     fields = ("tokens", "length", "confidence", "siblings", "sibling_confidence")

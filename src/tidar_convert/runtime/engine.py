@@ -337,9 +337,15 @@ def decode(
         state.row_nfe = torch.ones(B, dtype=torch.long, device=device)
         state.rows = torch.arange(B, device=device)
     ar0, group = prefill(model, run, state, k, run.mask_id, drafter.uses_groups)
-    # greedy on the raw logits: a step's tokens and the next draft's candidates can be computed
-    # ahead of the verdict (read_ahead); ids travel as float32 in its read
-    raw = isinstance(pick, Greedy) and not processors and beta == 1.0 and ar0.shape[-1] < 2**24
+    # greedy on the raw logits, where a read waits for the device: a step's tokens and the next
+    # draft's candidates are computed ahead of the verdict (read_ahead); ids travel as float32
+    ahead = (
+        reads_wait(device)
+        and isinstance(pick, Greedy)
+        and not processors
+        and beta == 1.0
+        and ar0.shape[-1] < 2**24
+    )
     # the candidates a diffusion draft takes at each slot: its token, and a tree's siblings
     choices = (1 + (planner.siblings if B == 1 else 0)) if drafter.uses_groups else 0
     state.cache_valid = run.kv_valid
@@ -410,8 +416,8 @@ def decode(
             scores = process(processors, state.seqs, draft.tokens[:, 1:], ar)
             accepted, best = pick.verify_tokens(scores, draft)
             # on raw logits (no processors), what the next step reads comes in the same read
-            ahead = read_ahead(out, plan, choices) if best is not None and raw else None
-            taken, best_host, sibling_host, tops = read_verdict(accepted, best, ahead)
+            early = read_ahead(out, plan, choices) if ahead else None
+            taken, best_host, sibling_host, tops = read_verdict(accepted, best, early)
             state.judge(draft, taken)
             accept = accept_each if per_row else accept_together
             step = Step(
@@ -538,6 +544,14 @@ class Step:
             [[chances[b][i] for i in row] for b, row in enumerate(rows)],
             have,
         )
+
+
+def reads_wait(device: torch.device) -> bool:
+    """Whether reading a tensor's value waits for the device. Not on a CPU, where the values are
+    in memory already: computing ahead what the next step reads (read_ahead) would only add work
+    there (a top-k over every candidate group's rows; bench/LOG.md, 2026-12-07, "one read a
+    step")."""
+    return device.type != "cpu"
 
 
 def read_ahead(out: Output, plan: StepPlan, choices: int) -> tuple:
