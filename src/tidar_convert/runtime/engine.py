@@ -415,7 +415,7 @@ def decode(
             # row i: after seqs ++ drafts 1..i
             scores = process(processors, state.seqs, draft.tokens[:, 1:], ar)
             accepted, best = pick.verify_tokens(scores, draft)
-            # on raw logits (no processors), what the next step reads comes in the same read
+            # where `ahead`, what the next step reads comes in the verdict's read
             early = read_ahead(out, plan, choices) if ahead else None
             taken, best_host, sibling_host, tops = read_verdict(accepted, best, early)
             state.judge(draft, taken)
@@ -640,7 +640,8 @@ def accept_together(state: DecodeState, step: Step, run, beta: float) -> Kept:
     tokens = causal_tokens(draft, plan)
     host = None
     if plan.siblings:
-        # the causal tokens as the host has them, and AR's tokens on the chain as the verdict read
+        # the causal tokens as the host has them, and AR's tokens at them as the verdict read them
+        # (the chain's; the siblings' where read ahead)
         values = draft.host("tokens")[0] + draft.host("siblings")[0][: plan.siblings]
         known = None
         if step.best_host is not None:  # AR's token at the chain's slots, and at the siblings'
