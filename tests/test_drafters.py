@@ -163,6 +163,12 @@ def test_a_drafts_host_copies_follow_its_tensors():
     short = cut(draft.hold(tokens=[[1, 2, 3]]), 2)
     assert short.host("tokens") == [[1, 2]] and short.host("confidence") == [[0.75]]
     assert short.host("length") == [2] and short.length.tolist() == [2]
+    # a cut reads nothing: it cuts the copies the draft holds, and only those
+    unread = Draft(torch.tensor([[1, 2, 3]]), confidence=torch.tensor([[0.5, 0.25]]))
+    assert unread.held("confidence") is None and unread.held("length") == [3]
+    short = cut(unread, 2)
+    assert short.held("confidence") is None and short.held("length") == [2]
+    assert short.host("confidence") == [[0.5]]
 
 
 def test_the_plans_host_arithmetic_is_the_tensor_arithmetic():

@@ -78,6 +78,10 @@ class Draft:
             self._host[name] = None if value is None else value.tolist()
         return self._host[name]
 
+    def held(self, name: str) -> list | None:
+        """A HOSTED field's host copy where the draft has one, else None: never a read."""
+        return self._host.get(name)
+
     def hold(self, **lists) -> Draft:
         """Keeps the Python lists HOSTED fields were built from (or equal), so `host` reads none."""
         self._host.update(lists)

@@ -362,12 +362,11 @@ def cut(draft: Draft, n: int) -> Draft:
         raw_confidence=keep(draft.raw_confidence),
     )
     # the host copies the draft has, cut alike
-    held = draft._host
     for name, width in (("tokens", n), ("confidence", n - 1), ("raw_confidence", n - 1)):
-        if held.get(name) is not None:
-            short.hold(**{name: [row[:width] for row in held[name]]})
-    if "length" in held:
-        short.hold(length=[min(x, n) for x in held["length"]])
+        if draft.held(name) is not None:
+            short.hold(**{name: [row[:width] for row in draft.held(name)]})
+    if draft.held("length") is not None:
+        short.hold(length=[min(x, n) for x in draft.held("length")])
     return short
 
 
