@@ -276,7 +276,7 @@ def counting_verify(counts, verifier=None):
     from tidar_convert.runtime.verify import Greedy, real_slots
 
     cls = verifier or Greedy
-    # the engine's entry (verify_tokens: the verdict, and AR's tokens where the verifier has them);
+    # the engine's entry (verify_tokens: the verdict, and AR's token at every draft row);
     # a class that inherits it gets its own for the block, then loses it again
     own = cls.__dict__.get("verify_tokens")
     original = cls.verify_tokens

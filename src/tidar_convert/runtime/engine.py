@@ -505,9 +505,9 @@ class Step:
     scores: torch.Tensor  # the same, processed: row i with the prefix seqs ++ drafts 1..i
     accepted: torch.Tensor  # (B,) drafts each row accepted, draft 0 (committed already) counted
     taken: list[int]  # the same, on the host
-    # (B, m) AR's token at each draft row where the verifier computed it (Greedy), and on the host
-    best: torch.Tensor | None = None
-    best_host: list | None = None
+    # (B, m) AR's token at each draft row (the verifier's), and on the host
+    best: torch.Tensor
+    best_host: list
     # what the verdict's read also brought (read_ahead), host lists; None: not read. AR's token at
     # each sibling slot, and each row's likeliest tokens, with their chances, at every group draft
     # slot (plan.read() after the causal slots): the next draft's, whatever the verdict.
@@ -519,10 +519,7 @@ class Step:
 
     def host_tokens(self, counts: list[int], after: list[int]) -> list | None:
         """Each row's committed tokens on the host, as the device's: its proposals 1..counts[b] - 1,
-        then AR's token after `after[b]` drafts (the row's y); None where the verifier gave no
-        tokens (the commit reads them)."""
-        if self.best_host is None:
-            return None
+        then AR's token after `after[b]` drafts (the row's y)."""
         rows = zip(self.draft.host("tokens"), self.best_host, counts, after)
         return [r[1:c] + [b[a - 1]] for r, b, c, a in rows]
 
@@ -570,12 +567,10 @@ def read_ahead(out: Output, plan: StepPlan, choices: int) -> tuple:
 
 
 def read_verdict(accepted, best, ahead=None) -> tuple:
-    """The step's one read: the verdict (B,) and, where the verifier computed them, AR's tokens at
-    the draft rows and what read_ahead computed. Returns host lists: (taken, best, siblings, tops),
-    None for what was not computed. Token ids travel as float32 beside the chances (exact below
-    2**24; read_ahead is asked only for such vocabularies)."""
-    if best is None:
-        return accepted.tolist(), None, None, None
+    """The step's one read: the verdict (B,), AR's tokens at the draft rows and what read_ahead
+    computed, if it ran. Returns host lists: (taken, best, siblings, tops), None for what was not
+    computed. Token ids travel as float32 beside the chances (exact below 2**24; read_ahead is
+    asked only for such vocabularies)."""
     siblings, top, chances = ahead if ahead is not None else (None, None, None)
     ints = [accepted[:, None], best] + ([siblings] if siblings is not None else [])
     ids = torch.cat(ints + ([top.flatten(1)] if top is not None else []), 1)
@@ -643,9 +638,7 @@ def accept_together(state: DecodeState, step: Step, run, beta: float) -> Kept:
         # the causal tokens as the host has them, and AR's tokens at them as the verdict read them
         # (the chain's; the siblings' where read ahead)
         values = draft.host("tokens")[0] + draft.host("siblings")[0][: plan.siblings]
-        known = None
-        if step.best_host is not None:  # AR's token at the chain's slots, and at the siblings'
-            known = step.best_host[0] + (step.sibling_host[0] if step.sibling_host else [])
+        known = step.best_host[0] + (step.sibling_host[0] if step.sibling_host else [])
         path, scored, raw, last = walk(
             plan, tokens, out, state.seqs, processors, pick, scores, ar, values, known
         )
@@ -656,7 +649,6 @@ def accept_together(state: DecodeState, step: Step, run, beta: float) -> Kept:
         path, scored, raw = list(range(j)), scores[:, :j].unbind(1), ar[:, :j].unbind(1)
         brought, ends = step.taken, [j] * B
         g = plan.group_start(j)
-        target = scores[:, j - 1]
         if beta != 1.0 and g is not None:
             target = process(
                 processors,
@@ -665,11 +657,9 @@ def accept_together(state: DecodeState, step: Step, run, beta: float) -> Kept:
                 mix(ar[:, j - 1], out.rows(g, g + 1)[:, 0], beta)[:, None],
             )[:, 0]
             y = pick.next_token(target, draft, accepted, j, exact=False)
-        elif step.best is not None:  # AR's token there, as the verdict computed and read it
+        else:  # AR's token there, as the verdict computed and read it
             y = step.best[:, j - 1]
             host = step.host_tokens([j] * B, [j] * B)
-        else:
-            y = pick.next_token(target, draft, accepted, j, exact=beta == 1.0)
     if plan.siblings:  # a tree's groups hang after its nodes: only the one at the path's end
         g = plan.group_start(path[-1] + 1)
         read = None if g is None else (g, k - 1)
@@ -700,13 +690,9 @@ def accept_each(state: DecodeState, step: Step, run, beta: float) -> Kept:
     drafts beyond its own count stay in the cache as holes (cache_valid False), which its later
     queries never attend to, and its positions count only what it committed. (Only where beta is
     1: rowwise.)"""
-    draft, plan, out, scores, _, accepted = step.parts()
+    draft, plan, out, _, _, accepted = step.parts()
     k = plan.k
-    y = (
-        run.pick.next_token_rows(scores, draft, accepted)
-        if step.best is None
-        else at_rows(step.best, accepted - 1)
-    )
+    y = at_rows(step.best, accepted - 1)
     # finished rows commit nothing
     counts = torch.where(state.active, accepted, torch.ones_like(accepted))
     n = [t if alive else 1 for t, alive in zip(step.taken, state.alive_rows())]

@@ -52,22 +52,19 @@ class Verifier(Protocol):
         """token(scores) and confidence(scores) together: a drafter asks for both."""
         return self.token(scores), self.confidence(scores)
 
-    def verify(self, scores, draft) -> torch.Tensor:
-        """(B,) drafts accepted per row (>= 1: draft 0 is committed already). scores (B, m, V)."""
+    def verify_tokens(self, scores, draft) -> tuple[torch.Tensor, torch.Tensor]:
+        """(B,) drafts accepted per row (>= 1: draft 0 is committed already), and (B, m) the token
+        AR takes at each draft row: the token committed after any accepted length, so that one
+        read gives the step's verdict and its tokens. scores (B, m, V)."""
         ...
 
-    def verify_tokens(self, scores, draft) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """verify(), and the (B, m) token AR takes at each draft row where the verdict computed it
-        (None: not known), so that one read gives the step's verdict and its tokens."""
-        return self.verify(scores, draft), None
+    def verify(self, scores, draft) -> torch.Tensor:
+        """verify_tokens' verdict alone."""
+        return self.verify_tokens(scores, draft)[0]
 
     def next_token(self, target, draft, accepted, j: int, exact: bool = True) -> torch.Tensor:
-        """(B,) the token after j accepted drafts, every row at the same j, from target (B, V)."""
-        ...
-
-    def next_token_rows(self, scores, draft, accepted) -> torch.Tensor:
-        """(B,) each row's own next token, after its own accepted drafts (rows commit what they
-        accepted)."""
+        """(B,) the token after j accepted drafts, every row at the same j, from target (B, V)
+        (beta < 1: the AR scores mixed with the draft's)."""
         ...
 
 
@@ -86,9 +83,6 @@ class Greedy(Verifier):
         best = scores.max(-1)
         return best.indices, (best.values - scores.logsumexp(-1)).exp()
 
-    def verify(self, scores, draft):
-        return self.verify_tokens(scores, draft)[0]
-
     def verify_tokens(self, scores, draft):
         # AR's token at every row, the last included: the token after any accepted length
         best = scores.argmax(-1)
@@ -97,9 +91,6 @@ class Greedy(Verifier):
 
     def next_token(self, target, draft, accepted, j, exact=True):
         return self.token(target)
-
-    def next_token_rows(self, scores, draft, accepted):
-        return self.token(at_rows(scores, accepted - 1))
 
 
 def top_probability(scores: torch.Tensor) -> torch.Tensor:
@@ -191,13 +182,10 @@ class Sampling(Verifier):
     def confidence(self, scores):
         return self.probs(scores).amax(-1)
 
-    def verify(self, scores, draft):
-        """Drafts accepted per row: while each proposal is the token AR sampling draws there."""
-        return self.verify_tokens(scores, draft)[0]
-
     def verify_tokens(self, scores, draft):
-        # the token AR sampling draws at every row, the last included: the token after any
-        # accepted length (next_token's draw there, with the same keyed noise)
+        """Drafts accepted per row: while each proposal is the token AR sampling draws there. The
+        token drawn at every row, the last included, is the token after any accepted length
+        (next_token's draw there, with the same keyed noise)."""
         drawn = self.token(scores)
         match = (drawn[:, :-1] == draft.tokens[:, 1:]) & real_slots(draft)
         return 1 + match.long().cumprod(1).sum(1), drawn
@@ -207,9 +195,6 @@ class Sampling(Verifier):
         beta's mix: exact or not, the draw is the same rule). A row that accepted draft j draws it
         again (the batch commits the fewest drafts any row accepted)."""
         return self.token(target, j - 1)
-
-    def next_token_rows(self, scores, draft, accepted):
-        return self.token(at_rows(scores, accepted - 1), accepted - 1)
 
 
 def stream_seed(seed: int, row: int, index: int) -> int:
