@@ -846,10 +846,11 @@ def test_a_greedy_step_reads_the_device_once(trained, batch, drafter, siblings, 
 
     def reads(n):
         kw = dict(max_new_tokens=n, eos_token_id=None, pad_token_id=0)
-        tree = dict(siblings=siblings, plan="adaptive", slot_budget=96) if siblings else {}
+        # siblings=0 said outright: the default lets the cost plan's timings choose trees
+        tree = dict(plan="adaptive", slot_budget=96) if siblings else {}
         with HostReads() as counted, pytest.MonkeyPatch.context() as mp:
             mp.setattr(engine, "walk", spy)
-            out = generate(ids, model=model, drafter=drafter, **tree, **kw)
+            out = generate(ids, model=model, drafter=drafter, siblings=siblings, **tree, **kw)
         assert torch.equal(out, ar(model, ids, **kw))
         return counted.at, model.tidar_stats["nfe"]
 
