@@ -1004,3 +1004,33 @@ def test_the_host_copies_a_step_commits_from_are_the_device_tokens(
             expected = got if expected is None else expected
             assert torch.equal(got, expected), drafter
     assert len(checked) > 10
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("shape", [(7, 8192), (2, 3, 49152), (5, 50261), (4, 128)])
+def test_argmax_is_torchs_with_ties_and_non_finite_scores(shape, dtype):
+    from tidar_convert.runtime.verify import argmax
+
+    for seed in range(3):
+        x = (torch.randn(shape, generator=torch.Generator().manual_seed(seed)) * 4).to(dtype)
+        V = shape[-1]
+        rows = x.view(-1, V)
+        top = rows.argmax(-1)
+        rows[0, (int(top[0]) + V // 2) % V] = rows[0, top[0]]  # the maximum twice, far apart
+        rows[1, (int(top[1]) + V - 1) % V] = rows[1, top[1]]  # and just before it
+        rows[2] = float("-inf")  # every token removed
+        rows[3, [7, V - 3]] = float("nan")
+        if rows.shape[0] > 4:
+            rows[4, [V - 1, 5]] = float("inf")
+        assert torch.equal(argmax(x), x.argmax(-1))
+        assert torch.equal(argmax(x[..., ::2, :]), x[..., ::2, :].argmax(-1))  # not contiguous
+
+
+def test_slots_of_is_indexing_by_the_list():
+    from tidar_convert.runtime.forward import slots_of
+
+    x = torch.randn(2, 9, 5)
+    for slots in ([], [0], [3, 4, 5], [0, 1, 2, 3, 4, 5, 6, 7, 8], [0, 2], [5, 3], [1, 1]):
+        assert torch.equal(slots_of(x, slots), x[:, slots])
+    # a run is a view: nothing copied
+    assert slots_of(x, [2, 3, 4]).data_ptr() == x[:, 2].data_ptr()

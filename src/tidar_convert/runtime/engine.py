@@ -43,7 +43,7 @@ from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengt
 
 from .cache import growing_cache
 from .drafters import Draft, DraftContext, Drafter, fresh
-from .forward import Output, forward
+from .forward import Output, forward, slots_of
 from .layout import (
     Local,
     build_mask,
@@ -62,7 +62,7 @@ from .recurrent import (
     select_rows,
 )
 from .tree import keep_slots, walk
-from .verify import Greedy, at_rows, mix, prefix_free, process
+from .verify import Greedy, argmax, at_rows, mix, prefix_free, process
 
 
 @dataclass
@@ -558,7 +558,7 @@ def read_ahead(out: Output, plan: StepPlan, choices: int) -> tuple:
     draft slot (B, R, choices) each (drafters.first_choices). Every candidate group's, since which
     one the next draft reads depends on the verdict: a few rows of top-k more, where a read would
     wait for the device."""
-    siblings = out.rows(plan.n_drafts, plan.causal).argmax(-1) if plan.siblings else None
+    siblings = argmax(out.rows(plan.n_drafts, plan.causal)) if plan.siblings else None
     if not choices or out.cached is None or out.cached.shape[1] == plan.causal:
         return siblings, None, None
     tail = out.cached[:, plan.causal :].float()
@@ -670,7 +670,7 @@ def accept_together(state: DecodeState, step: Step, run, beta: float) -> Kept:
         if read is not None
         else no_group
     )
-    new = torch.cat([tokens[:, path[1:]], y[:, None]], 1)
+    new = torch.cat([slots_of(tokens, path[1:]), y[:, None]], 1)
     return Kept(
         new,
         torch.full((B,), j, dtype=torch.long, device=accepted.device),

@@ -51,6 +51,16 @@ def head_is_plain(model) -> bool:
     )
 
 
+def slots_of(x: torch.Tensor, slots: list[int]) -> torch.Tensor:
+    """x[:, slots]: a view where the slots are a run (none included), else one index_select
+    (indexing with the list itself parses it each call and runs torch's general index kernel,
+    several times slower on a CPU for a step's few slots)."""
+    first = slots[0] if slots else 0
+    if slots == list(range(first, first + len(slots))):
+        return x[:, first : first + len(slots)]
+    return x.index_select(1, torch.tensor(slots, device=x.device))
+
+
 class Output:
     """One forward's result; `rows(i, j)` are the logits of query slots i..j-1.
 
@@ -67,7 +77,7 @@ class Output:
         self.row_of: dict[int, int] = {}  # slot -> its row of `cached`, known on the host
         if hidden is not None and read:
             self.row_of = {slot: row for row, slot in enumerate(read)}
-            self.cached = self.head(hidden[:, read])
+            self.cached = self.head(slots_of(hidden, read))
             self.head_rows = len(read)
 
     def rows(self, start: int, stop: int) -> torch.Tensor:

@@ -19,6 +19,14 @@ from typing import Protocol
 import torch
 
 
+def argmax(scores: torch.Tensor) -> torch.Tensor:
+    """scores.argmax(-1), each row's first index of its largest score (a NaN counts as the
+    largest), read through torch.max's reduction: a CPU runs it in vector instructions, where
+    argmax's walks a row one score at a time (bench/LOG.md, 2026-12-07, "vocabulary
+    reductions")."""
+    return scores.max(-1).indices
+
+
 def real_slots(draft) -> torch.Tensor:
     """(B, m - 1) True where proposal i (draft token i + 1) exists; rows of a batch may draft
     fewer."""
@@ -73,7 +81,7 @@ class Greedy(Verifier):
     AR greedy."""
 
     def token(self, scores, offset=0):
-        return scores.argmax(-1)
+        return argmax(scores)
 
     def confidence(self, scores):
         return top_probability(scores)
@@ -85,7 +93,7 @@ class Greedy(Verifier):
 
     def verify_tokens(self, scores, draft):
         # AR's token at every row, the last included: the token after any accepted length
-        best = scores.argmax(-1)
+        best = argmax(scores)
         match = (best[:, :-1] == draft.tokens[:, 1:]) & real_slots(draft)
         return 1 + match.long().cumprod(1).sum(1), best
 
@@ -176,7 +184,7 @@ class Sampling(Verifier):
                 for b, (t, o) in enumerate(zip(at, offsets))
             ]
         )
-        y = (probs / noise).argmax(-1)
+        y = argmax(probs / noise)
         return y[:, 0] if one else y
 
     def confidence(self, scores):
