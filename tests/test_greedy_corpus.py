@@ -14,6 +14,7 @@ import torch
 
 from tidar_convert.cli import main
 from tidar_convert.data import TiDARData, is_validation
+from tidar_convert.data.greedy import CorpusSpec
 from tidar_convert.train.distill import MADE_BY, corpus_for_data
 
 TINY = str(Path(__file__).parents[1] / "recipes" / "tiny.yaml")
@@ -517,14 +518,13 @@ def test_a_failing_rank_0_still_releases_the_other_ranks(tiny_dirs, tmp_path, mo
             ),
         )
 
-    args = (
+    spec = CorpusSpec(
         str(tiny_dirs["llama"]),
-        [str(tmp_path / "docs.jsonl")],
+        (str(tmp_path / "docs.jsonl"),),
         50,  # 50 > the 9 prompts
         4,
         8,
         4,
-        2,
         "text",
         None,
         "train",
@@ -532,12 +532,12 @@ def test_a_failing_rank_0_still_releases_the_other_ranks(tiny_dirs, tmp_path, mo
         "float32",
     )
     with pytest.raises(ValueError, match="fewer than the 50 greedy documents"):
-        corpus_for_fit(trainer(0), *args)
+        corpus_for_fit(trainer(0), spec, 2)
     with pytest.raises(
         FileNotFoundError,
         match="rank 1: the greedy corpus .* is not here after rank 0's turn: either rank 0 failed",
     ):
-        corpus_for_fit(trainer(1), *args)
+        corpus_for_fit(trainer(1), spec, 2)
     assert barriers == [(0, "greedy_corpus"), (1, "greedy_corpus")]
 
 
@@ -562,3 +562,37 @@ def test_a_corpus_records_its_model_so_that_fit_can_tell_it_from_another(
         ),
     ):
         check_corpus(str(tmp_path / "c.jsonl"), 4, 3, str(tiny_dirs["qwen2"]))
+
+
+def test_a_corpus_spec_keys_the_cache_as_before_and_as_the_data_module_reads_it(
+    tmp_path, monkeypatch
+):
+    """CorpusSpec.path is where every reader looks (the data module, fit, the lease plan), and
+    its key is the one earlier versions wrote under, so a corpus made before is found again."""
+    import hashlib
+
+    monkeypatch.setenv("TIDAR_CACHE", str(tmp_path))
+    dm = TiDARData(
+        source="stdlib",
+        greedy_docs=12,
+        greedy_new_tokens=40,
+        val_every=7,
+        seed=3,
+        greedy_dtype="bfloat16",
+    )
+    spec = CorpusSpec.of(dm)
+    key = json.dumps(["default", ["stdlib"], 12, 7, 32, 40, "text", None, "train", 3, "bfloat16"])
+    expected = tmp_path / "greedy" / f"{hashlib.sha1(key.encode()).hexdigest()[:16]}.jsonl"
+    assert spec.path == expected
+    with pytest.raises(FileNotFoundError, match=str(expected)):
+        dm._greedy_path()
+    expected.parent.mkdir(parents=True)
+    expected.write_text("{}\n")
+    assert dm._greedy_path() == str(expected)
+    # any setting the documents depend on moves the key
+    for changed in (
+        CorpusSpec(**{**spec.__dict__, "model": "other"}),
+        CorpusSpec(**{**spec.__dict__, "n_docs": 13}),
+        CorpusSpec(**{**spec.__dict__, "dtype": "float32"}),
+    ):
+        assert changed.path != spec.path

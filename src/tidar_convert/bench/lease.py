@@ -297,41 +297,15 @@ def data_for(plan: Plan, module):
 def corpus(plan: Plan, dm) -> dict:
     """The greedy documents `fit --data.greedy_docs` would make, at the plan's batch size, where
     the data module reads them."""
-    from tidar_convert.data.greedy import PROMPT_TOKENS, cache_path
+    from tidar_convert.data.greedy import CorpusSpec
     from tidar_convert.train.distill import make_corpus
 
-    path = cache_path(
-        dm.base_model,
-        dm.sources,
-        dm.greedy_docs,
-        dm.val_every,
-        PROMPT_TOKENS,
-        dm.greedy_new_tokens,
-        dm.text_field,
-        dm.name,
-        dm.split,
-        dm.seed,
-        dm.greedy_dtype,
-    )
+    spec = CorpusSpec.of(dm)
+    path = spec.path
     t0 = time.perf_counter()
     made = not path.is_file()
     if made:
-        make_corpus(
-            dm.base_model,
-            dm.sources,
-            path,
-            dm.greedy_docs,
-            dm.val_every,
-            PROMPT_TOKENS,
-            dm.greedy_new_tokens,
-            plan.greedy_batch,
-            dm.text_field,
-            dm.name,
-            dm.split,
-            dm.seed,
-            dm.greedy_dtype,
-            plan.device,
-        )
+        make_corpus(spec, path, plan.greedy_batch, plan.device)
     seconds = time.perf_counter() - t0
     new = dm.greedy_docs * dm.greedy_new_tokens
     return {

@@ -33,7 +33,7 @@ import lightning as L
 from torch.utils.data import DataLoader
 
 from tidar_convert.data.checks import check_sources
-from tidar_convert.data.greedy import PROMPT_TOKENS, cache_path, check_corpus, check_greedy
+from tidar_convert.data.greedy import CorpusSpec, check_corpus, check_greedy
 from tidar_convert.data.packing import (
     STDLIB_HELDOUT_EVERY,
     is_validation,
@@ -256,19 +256,7 @@ class TiDARData(L.LightningDataModule):
         if self.greedy_corpus:
             check_corpus(self.greedy_corpus, self.val_every, self.greedy_docs, self.base_model)
             return str(Path(self.greedy_corpus).expanduser().absolute())
-        path = cache_path(
-            self.base_model,
-            self.sources,
-            self.greedy_docs,
-            self.val_every,
-            PROMPT_TOKENS,
-            self.greedy_new_tokens,
-            self.text_field,
-            self.name,
-            self.split,
-            self.seed,
-            self.greedy_dtype,
-        )
+        path = CorpusSpec.of(self).path
         if not path.is_file():
             raise FileNotFoundError(
                 f"--data.greedy_docs {self.greedy_docs}: the greedy corpus {path} has not been "

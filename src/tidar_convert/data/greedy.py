@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from dataclasses import astuple, dataclass
 from pathlib import Path
 
 from tidar_convert.models.loading import cache_dir, same_model
@@ -87,34 +88,44 @@ def check_corpus(path: str, val_every: int, n_docs: int, model: str | None = Non
     return rows
 
 
-def cache_path(
-    model: str | None,
-    sources: list[str],
-    n_docs: int,
-    val_every: int,
-    prompt_tokens: int,
-    new_tokens: int,
-    text_field: str,
-    name: str | None,
-    split: str,
-    seed: int,
-    dtype: str,
-) -> Path:
-    """Where `fit` keeps the corpus of these settings: computed alike on every rank, without the
-    model."""
-    key = json.dumps(
-        [
-            model or "default",
-            sources,
-            n_docs,
-            val_every,
-            prompt_tokens,
-            new_tokens,
-            text_field,
-            name,
-            split,
-            seed,
-            dtype,
-        ]
-    )
-    return cache_dir() / "greedy" / f"{hashlib.sha1(key.encode()).hexdigest()[:16]}.jsonl"
+@dataclass(frozen=True)
+class CorpusSpec:
+    """What a greedy corpus is made of: `n_docs` documents, each `prompt_tokens` of a training
+    document (of `sources`, as `fit --data` reads them, never a validation one) and then
+    `new_tokens` of `model`'s greedy continuation in `dtype`. `distill` writes one where asked;
+    `fit` keeps one per spec in the cache (`path`)."""
+
+    model: str | None
+    sources: tuple[str, ...]
+    n_docs: int
+    val_every: int
+    prompt_tokens: int
+    new_tokens: int
+    text_field: str
+    name: str | None
+    split: str
+    seed: int
+    dtype: str
+
+    @classmethod
+    def of(cls, dm) -> CorpusSpec:
+        """The corpus `fit --data.greedy_docs` trains on, from the data module's settings."""
+        return cls(
+            dm.base_model,
+            tuple(dm.sources),
+            dm.greedy_docs,
+            dm.val_every,
+            PROMPT_TOKENS,
+            dm.greedy_new_tokens,
+            dm.text_field,
+            dm.name,
+            dm.split,
+            dm.seed,
+            dm.greedy_dtype,
+        )
+
+    @property
+    def path(self) -> Path:
+        """Where `fit` keeps this corpus: computed alike on every rank, without the model."""
+        key = json.dumps([self.model or "default", list(self.sources), *astuple(self)[2:]])
+        return cache_dir() / "greedy" / f"{hashlib.sha1(key.encode()).hexdigest()[:16]}.jsonl"

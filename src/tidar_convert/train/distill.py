@@ -28,8 +28,7 @@ import torch
 from tidar_convert.data.greedy import (
     DTYPES,
     MADE_BY,
-    PROMPT_TOKENS,
-    cache_path,
+    CorpusSpec,
     check_corpus,  # noqa: F401  (the reading side, kept importable from here)
     first_row,
 )
@@ -147,32 +146,31 @@ def corpus_as_written(corpus: str | Path) -> bool | None:
 
 
 def make_corpus(
-    model: str | None,
-    sources: list[str],
-    out: str | Path,
-    n_docs: int,
-    val_every: int,
-    prompt_tokens: int,
-    new_tokens: int,
-    batch_size: int,
-    text_field: str,
-    name: str | None,
-    split: str,
-    seed: int,
-    dtype: str,
-    device: str | torch.device,
+    spec: CorpusSpec, out: str | Path, batch_size: int, device: str | torch.device
 ) -> Path:
-    """Load the base model (its own full copy, in `dtype` on `device`), write the corpus, free the
-    model."""
+    """Load the base model (its own full copy, in the spec's dtype on `device`), write the corpus,
+    `batch_size` prompts at a time, free the model."""
     from tidar_convert.models.loading import absolute_model, load_base
 
-    base, tokenizer = load_base(model, dtype=getattr(torch, dtype))
+    base, tokenizer = load_base(spec.model, dtype=getattr(torch, spec.dtype))
     base.to(device)
     prompts = training_prompts(
-        tokenizer, sources, n_docs, prompt_tokens, val_every, text_field, name, split, seed
+        tokenizer,
+        list(spec.sources),
+        spec.n_docs,
+        spec.prompt_tokens,
+        spec.val_every,
+        spec.text_field,
+        spec.name,
+        spec.split,
+        spec.seed,
     )
-    meta = {"made_by": MADE_BY, "val_every": val_every, "model": absolute_model(model) or "default"}
-    return write_corpus(base, tokenizer, prompts, out, new_tokens, batch_size, meta)
+    meta = {
+        "made_by": MADE_BY,
+        "val_every": spec.val_every,
+        "model": absolute_model(spec.model) or "default",
+    }
+    return write_corpus(base, tokenizer, prompts, out, spec.new_tokens, batch_size, meta)
 
 
 def check_out(out: str, overwrite: bool) -> None:
@@ -214,21 +212,7 @@ def check_out(out: str, overwrite: bool) -> None:
         )
 
 
-def corpus_for_fit(
-    trainer,
-    model: str | None,
-    sources: list[str],
-    n_docs: int,
-    val_every: int,
-    prompt_tokens: int,
-    new_tokens: int,
-    batch_size: int,
-    text_field: str,
-    name: str | None,
-    split: str,
-    seed: int,
-    dtype: str,
-) -> Path:
+def corpus_for_fit(trainer, spec: CorpusSpec, batch_size: int) -> Path:
     """The cached corpus for a training run, made once: rank 0 first, the other ranks after a
     barrier.
 
@@ -236,48 +220,22 @@ def corpus_for_fit(
     stream), so only rank 0 generates; the cache must be on a filesystem all nodes see
     (TIDAR_CACHE), or made beforehand with `distill` and passed as --data.greedy_corpus.
     """
-    path = cache_path(
-        model,
-        sources,
-        n_docs,
-        val_every,
-        prompt_tokens,
-        new_tokens,
-        text_field,
-        name,
-        split,
-        seed,
-        dtype,
-    )
+    path = spec.path
     world = trainer.world_size if trainer is not None else 1
     rank = trainer.global_rank if trainer is not None else 0
     failed = None
     if rank == 0 and not path.is_file():
         device = trainer.strategy.root_device if trainer is not None else "cpu"
         print(
-            f"self-distillation: generating {n_docs} greedy documents with "
-            f"{model if model not in (None, 'default') else 'the default model'} ({dtype}) "
+            f"self-distillation: generating {spec.n_docs} greedy documents with "
+            f"{spec.model if spec.model not in (None, 'default') else 'the default model'} "
+            f"({spec.dtype}) "
             f"into {path}",
             file=sys.stderr,
             flush=True,
         )
         try:
-            make_corpus(
-                model,
-                sources,
-                path,
-                n_docs,
-                val_every,
-                prompt_tokens,
-                new_tokens,
-                batch_size,
-                text_field,
-                name,
-                split,
-                seed,
-                dtype,
-                device,
-            )
+            make_corpus(spec, path, batch_size, device)
         except Exception as e:
             # still reach the barrier: the other ranks would otherwise wait there until the timeout
             if world == 1:
@@ -310,21 +268,7 @@ def corpus_for_data(trainer, dm) -> Path | None:
     0, or a --data.greedy_corpus made by `distill`)."""
     if dm.greedy_docs == 0 or dm.greedy_share == 0 or dm.greedy_corpus:
         return None
-    return corpus_for_fit(
-        trainer,
-        dm.base_model,
-        dm.sources,
-        dm.greedy_docs,
-        dm.val_every,
-        PROMPT_TOKENS,
-        dm.greedy_new_tokens,
-        BATCH,
-        dm.text_field,
-        dm.name,
-        dm.split,
-        dm.seed,
-        dm.greedy_dtype,
-    )
+    return corpus_for_fit(trainer, CorpusSpec.of(dm), BATCH)
 
 
 def distill_cmd(
@@ -388,21 +332,19 @@ def distill_cmd(
     check_out(out, overwrite)
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
-    path = make_corpus(
+    spec = CorpusSpec(
         model,
-        sources,
-        out,
+        tuple(sources),
         n_docs,
         val_every,
         prompt_tokens,
         new_tokens,
-        batch_size,
         text_field,
         name,
         split,
         seed,
         dtype,
-        device,
     )
+    path = make_corpus(spec, out, batch_size, device)
     print(f"wrote {n_docs} greedy documents to {path}", file=sys.stderr)
     return str(path)
