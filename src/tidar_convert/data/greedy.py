@@ -127,5 +127,6 @@ class CorpusSpec:
     @property
     def path(self) -> Path:
         """Where `fit` keeps this corpus: computed alike on every rank, without the model."""
+        # every field in declaration order, as the first versions keyed it (a test pins the key)
         key = json.dumps([self.model or "default", list(self.sources), *astuple(self)[2:]])
         return cache_dir() / "greedy" / f"{hashlib.sha1(key.encode()).hexdigest()[:16]}.jsonl"
