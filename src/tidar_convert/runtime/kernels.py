@@ -363,10 +363,9 @@ def product_kind(state: KernelState, layer) -> str:
     return kind or "stock"
 
 
-def report_products(model, packed: bool) -> dict[str, int]:
-    """Set `model.tidar_products` (linear_products), and log it in one line when it changes: on a
-    model's first generate(), and after a cast or a move that changes its products."""
-    products = linear_products(model, packed)
+def report_products(model, products: dict[str, int]) -> dict[str, int]:
+    """Set `model.tidar_products` to `products` (linear_products), and log it in one line when it
+    changes: on a model's first generate(), and after a cast or a move that changes its products."""
     if getattr(model, "tidar_products", None) != products:
         weight = next(
             (layer.weight for layer in model.modules() if isinstance(layer, torch.nn.Linear)), None
@@ -589,10 +588,12 @@ def cpu_kernels(model, enabled: bool | str = "auto"):
     layers where enabled (True, or "auto" where packing_pays). False: neither, PyTorch's and
     transformers' own paths."""
     packed = resolve(model, enabled)
+    # one pass over the model's layers a call: generate() enters this every call
+    products = linear_products(model, packed and can_pack())
     # One product for every row: panels on every linear layer, and attention that is the same per
     # query, so a row computes the same bits in any step (exactness by construction:
     # docs/kernels.md).
-    exact = packed and can_pack() and set(linear_products(model, True)) == {"panels"}
+    exact = set(products) == {"panels"}
     with packed_linears(model, packed), grouped_attention(model, enabled is not False, exact=exact):
-        report_products(model, packed and can_pack())
+        report_products(model, products)
         yield
