@@ -1032,5 +1032,41 @@ def test_slots_of_is_indexing_by_the_list():
     x = torch.randn(2, 9, 5)
     for slots in ([], [0], [3, 4, 5], [0, 1, 2, 3, 4, 5, 6, 7, 8], [0, 2], [5, 3], [1, 1]):
         assert torch.equal(slots_of(x, slots), x[:, slots])
+        # by the index made beforehand (plan.read_index)
+        assert torch.equal(slots_of(x, slots, torch.tensor(slots, dtype=torch.long)), x[:, slots])
     # a run is a view: nothing copied
     assert slots_of(x, [2, 3, 4]).data_ptr() == x[:, 2].data_ptr()
+
+
+@pytest.mark.parametrize("batch, siblings", [(1, 0), (1, 3), (3, 0)])
+def test_a_steps_head_rows_are_gathered_by_an_index_made_once_per_plan(trained, batch, siblings):
+    """The rows a step's vocabulary head reads (plan.read(): the AR rows, then each group's draft
+    slots, not a run) are gathered by an index on the device made once per plan shape
+    (plan.read_index), never from the list during a step: on a GPU a copy of a list to the device
+    waits for the decoder body queued before it."""
+    from tidar_convert.runtime import forward as forward_module
+    from tidar_convert.runtime.plan import read_index
+
+    model, _ = trained["llama"]
+    ids = torch.randint(1, 300, (1, 9), generator=torch.Generator().manual_seed(1)).repeat(batch, 1)
+    real, gathered = forward_module.slots_of, []
+
+    def spy(x, slots, index=None):
+        if slots != list(range(slots[0], slots[0] + len(slots))):
+            gathered.append((slots, index))
+        return real(x, slots, index)
+
+    kw = dict(max_new_tokens=40, eos_token_id=None, pad_token_id=0, drafter="diffusion")
+    tree = dict(plan="adaptive", slot_budget=96) if siblings else {}
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(forward_module, "slots_of", spy)
+        out = generate(ids, model=model, siblings=siblings, **tree, **kw)
+    assert torch.equal(out, ar(model, ids, eos_token_id=None, pad_token_id=0, max_new_tokens=40))
+    # the prefill's read (the prompt's last row, its group) goes by the list, once a call; each
+    # step's with groups is not a run (a step without any reads a view)
+    assert gathered[0][1] is None and len(gathered) > 5
+    for slots, index in gathered[1:]:
+        assert index is not None and index.tolist() == slots
+    # made once per plan shape (each kept alive by `gathered`, so ids are not reused)
+    made = {id(index) for _, index in gathered[1:]}
+    assert len(made) < len(gathered) - 1 and read_index.cache_info().hits > 0

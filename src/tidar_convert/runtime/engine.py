@@ -289,6 +289,7 @@ def run_step(model, run, state: DecodeState, draft: Draft, plan: StepPlan) -> Ou
         mixers,
         call,
         groups_from=plan.causal,
+        read_index=plan.read_index(tokens.device),
     )
     state.nfe += 1
     state.written = written

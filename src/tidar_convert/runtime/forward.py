@@ -51,14 +51,15 @@ def head_is_plain(model) -> bool:
     )
 
 
-def slots_of(x: torch.Tensor, slots: list[int]) -> torch.Tensor:
-    """x[:, slots]: a view where the slots are a run (none included), else one index_select
-    (indexing with the list itself parses it each call and runs torch's general index kernel,
-    several times slower on a CPU for a step's few slots)."""
+def slots_of(x: torch.Tensor, slots: list[int], index: torch.Tensor | None = None) -> torch.Tensor:
+    """x[:, slots]: a view where the slots are a run (none included), else one index_select, by
+    `index` (the slots on x's device) where given (indexing with the list itself parses it each
+    call and runs torch's general index kernel, several times slower on a CPU for a step's few
+    slots; and on a GPU, an index made from a list is a copy that waits for the device)."""
     first = slots[0] if slots else 0
     if slots == list(range(first, first + len(slots))):
         return x[:, first : first + len(slots)]
-    return x.index_select(1, torch.tensor(slots, device=x.device))
+    return x.index_select(1, torch.tensor(slots, device=x.device) if index is None else index)
 
 
 class Output:
@@ -71,13 +72,20 @@ class Output:
     bench/LOG.md, 2026-12-01, one vocabulary-head call). A slot outside `read` is computed when
     asked."""
 
-    def __init__(self, model, hidden=None, logits=None, read: list[int] | None = None):
+    def __init__(
+        self,
+        model,
+        hidden=None,
+        logits=None,
+        read: list[int] | None = None,
+        index: torch.Tensor | None = None,
+    ):
         self.model, self.hidden, self.logits, self.head_rows = model, hidden, logits, 0
         self.cached, self._where = None, None
         self.row_of: dict[int, int] = {}  # slot -> its row of `cached`, known on the host
         if hidden is not None and read:
             self.row_of = {slot: row for row, slot in enumerate(read)}
-            self.cached = self.head(slots_of(hidden, read))
+            self.cached = self.head(slots_of(hidden, read, index))
             self.head_rows = len(read)
 
     def rows(self, start: int, stop: int) -> torch.Tensor:
@@ -156,8 +164,10 @@ def forward(
     mixers: list | None = None,
     call=None,
     groups_from: int | None = None,
+    read_index: torch.Tensor | None = None,
 ) -> Output:
-    """read: the slots whose logits the step may read, computed in one vocabulary-head call.
+    """read: the slots whose logits the step may read, computed in one vocabulary-head call
+    (read_index: the same on the device, or None).
     segments: how the model's recurrent `mixers` run the slots (recurrent.py); None without any.
     call: the decoder body's compiled call (slots.compiled_body), or None. groups_from: the first
     slot of the mask groups (every slot from there on is a mask slot, in every row), or None:
@@ -177,7 +187,7 @@ def forward(
                 attention_mask=mask,
                 **cache_kwargs(body, cache),
             )
-            return Output(model, hidden=out.last_hidden_state, read=read)
+            return Output(model, hidden=out.last_hidden_state, read=read, index=read_index)
         out = model(
             input_ids=tokens,
             position_ids=positions,

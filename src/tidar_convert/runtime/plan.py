@@ -75,6 +75,18 @@ class StepPlan:
             self.causal + g * self.k + o for g in range(len(self.anchors)) for o in range(1, self.k)
         ]
 
+    def read_index(self, device: torch.device) -> torch.Tensor:
+        """read() on the device (forward.slots_of's index)."""
+        return read_index(self, device)
+
+
+@functools.lru_cache(maxsize=1024)
+def read_index(plan: StepPlan, device: torch.device) -> torch.Tensor:
+    """(rows,) plan.read() on the device, made once per plan shape: an index made from the list each
+    step is a copy to the device, and on a GPU that copy waits for the forward queued before it
+    (the head's rows are gathered right after the decoder body)."""
+    return torch.tensor(plan.read(), device=device)
+
 
 @functools.lru_cache(maxsize=1024)
 def position_offsets(plan: StepPlan, device: torch.device) -> torch.Tensor:
