@@ -1,7 +1,7 @@
 """Trees: siblings verified beside a draft's chain (greedy, batch 1; generate(siblings=...)).
 
 Shipped in every export's custom_generate/ folder (see exports.folder.shipped_code): imports
-nothing but torch and verify.py.
+nothing but torch and the runtime's own modules (cache, slots, forward, verify).
 
 A sibling is an off-chain node: another token at a drafted offset, hung under a chain slot or an
 earlier sibling (Draft.siblings, Draft.sibling_parents). Drafting side: the diffusion group's next
@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from .cache import GrowingLayer
+from .forward import slots_of
 from .slots import SlotLayer
 from .verify import process
 
@@ -174,7 +175,10 @@ def walk(
         else:
             ar = out.rows(s, s + 1)[:, 0]
             scores = process(
-                processors, torch.cat([seqs, tokens[:, path[1:]]], 1), seqs[:, :0], ar[:, None]
+                processors,
+                torch.cat([seqs, slots_of(tokens, path[1:])], 1),
+                seqs[:, :0],
+                ar[:, None],
             )[:, 0]
         scored.append(scores)
         raw.append(ar)
