@@ -1070,3 +1070,33 @@ def test_a_steps_head_rows_are_gathered_by_an_index_made_once_per_plan(trained, 
     # made once per plan shape (each kept alive by `gathered`, so ids are not reused)
     made = {id(index) for _, index in gathered[1:]}
     assert len(made) < len(gathered) - 1 and read_index.cache_info().hits > 0
+
+
+def test_step_phases_are_recorded_under_a_profiler_and_cost_nothing_without_one(
+    trained, monkeypatch
+):
+    """Every phase of a step (forward.phase) shows in a profiler's events, the step breakdown's
+    ranges; with no profiler running, a step enters no record_function (each would cost a
+    dispatcher call)."""
+    from torch.profiler import profile
+
+    from tidar_convert.runtime import forward
+
+    model, _ = trained["llama"]
+    ids = cycle_batch(1, 5, seed=0)
+    entered = []
+    real = forward.record_function
+
+    def counted(name):
+        entered.append(name)
+        return real(name)
+
+    monkeypatch.setattr(forward, "record_function", counted)
+    plain = generate(ids, model=model, max_new_tokens=24, eos_token_id=None)
+    assert entered == []
+    with profile() as prof:
+        profiled = generate(ids, model=model, max_new_tokens=24, eos_token_id=None)
+    assert torch.equal(profiled, plain)
+    phases = {"mask", "forward", "lm_head", "verify", "commit", "draft", "crop"}
+    assert {f"tidar.{p}" for p in phases} <= set(entered)
+    assert {f"tidar.{p}" for p in phases} <= {e.name for e in prof.events()}

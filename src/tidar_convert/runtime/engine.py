@@ -26,7 +26,8 @@ query slot each, plus groups after them (tree.py, plan.Planner.tree, StepPlan.si
 The AR's token at each node picks the child that holds it (tree.walk); the step commits the path
 and the token after it, and the cache keeps the path (tree.keep_slots) where it is not a prefix.
 
-Each phase runs under torch.profiler.record_function("tidar.<phase>") for a step breakdown.
+Each phase runs under torch.profiler.record_function("tidar.<phase>") while a profiler runs, for a
+step breakdown (forward.phase).
 """
 
 from __future__ import annotations
@@ -37,13 +38,12 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
-from torch.profiler import record_function
 from transformers import DynamicCache, StoppingCriteriaList
 from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria
 
 from .cache import growing_cache
 from .drafters import Draft, DraftContext, Drafter, fresh
-from .forward import Output, forward, slots_of
+from .forward import Output, forward, phase, slots_of
 from .layout import (
     Local,
     build_mask,
@@ -192,7 +192,7 @@ def prefill(
     n = valid.sum(1)  # real prompt tokens per row (left padding)
     limit = position_limit(model)
     g = k if groups and (limit is None or int(n.max()) + k <= limit) else 0
-    with record_function("tidar.mask"):
+    with phase("tidar.mask"):
         tokens = torch.cat([prompt, torch.full((B, g), mask_id, device=prompt.device)], 1)
         positions = torch.cat(
             [
@@ -225,7 +225,7 @@ def prefill(
         model, state.cache, tokens, positions, mask, read, segments, mixers, groups_from=P
     )
     state.nfe += 1
-    with record_function("tidar.crop"):
+    with phase("tidar.crop"):
         if mixers:
             keep_states(state.cache, P, torch.full((B,), P, device=prompt.device))
             crop_attention(state.cache, g)
@@ -240,7 +240,7 @@ def run_step(model, run, state: DecodeState, draft: Draft, plan: StepPlan) -> Ou
     B, C = state.cache_valid.shape
     # a static cache's step: padded to its bucket (slots.py), the padding after the step's own
     written = plan.slots if run.slots is None else run.slots.pad(plan.slots, C)
-    with record_function("tidar.mask"):
+    with phase("tidar.mask"):
         masks = torch.full((B, written - plan.causal), run.mask_id, device=draft.tokens.device)
         tokens = torch.cat([causal_tokens(draft, plan), masks], 1)
         positions = plan.positions(state.start)
@@ -351,7 +351,7 @@ def decode(
     choices = (1 + (planner.siblings if B == 1 else 0)) if drafter.uses_groups else 0
     state.cache_valid = run.kv_valid
     limit = position_limit(model)
-    with record_function("tidar.verify"):
+    with phase("tidar.verify"):
         scores0 = process(processors, state.seqs, state.seqs[:, :0], ar0[:, None])[:, 0]
         pick.seek(0)  # sampling draws by position: the first new token is index 0
         y = pick.token(scores0)
@@ -360,7 +360,7 @@ def decode(
         record[1].append(ar0.float())
     kept = Kept(y[:, None], torch.ones(B, dtype=torch.long, device=device), [], group)
     while True:
-        with record_function("tidar.commit"):
+        with phase("tidar.commit"):
             scores = record[0] if record is not None and run.gc.output_scores else None
             commit(run, criteria, state, kept, scores, stops)
         if not any(state.alive_rows()):
@@ -374,7 +374,7 @@ def decode(
         ):
             kept = drop_finished(state, kept, pick)
         pick.seek(state.made_rows())  # each row's own count: sampling draws by its position
-        with record_function("tidar.draft"):
+        with phase("tidar.draft"):
             # y of the next step is one of them
             remaining = run.max_new - min(
                 n for n, alive in zip(state.made_rows(), state.alive_rows()) if alive
@@ -411,7 +411,7 @@ def decode(
         out = run_step(model, run, state, draft, plan)
         if per_row:
             state.row_nfe += state.active.long()
-        with record_function("tidar.verify"):
+        with phase("tidar.verify"):
             ar = out.rows(0, plan.n_drafts)
             # row i: after seqs ++ drafts 1..i
             scores = process(processors, state.seqs, draft.tokens[:, 1:], ar)
@@ -431,7 +431,7 @@ def decode(
         if record is not None:
             record[0].extend(kept.scores)
             record[1].extend(a.float() for a in kept.raw)
-        with record_function("tidar.crop"):
+        with phase("tidar.crop"):
             crop(state, plan, kept)
         state.record(len(kept.slots), plan, draft, out)
     state.finish()
