@@ -238,3 +238,53 @@ def test_lora_add_is_the_low_rank_delta_on_the_rows_from_start(in_features, out_
     assert not panel.lora_add(
         out.transpose(1, 2).contiguous().transpose(1, 2), x, 4, A, B.T.contiguous()
     )
+
+
+@needs_panels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("V", [1, 15, 16, 17, 33, 8192, 49153])
+def test_argmax_is_torchs_on_every_even_layout_with_ties_and_non_finite_scores(V, dtype):
+    """panel.argmax is torch's argmax: the first index of a tie (within one vector lane, across
+    lanes, in the tail past the last 16), a NaN as the largest (its first), infinities, signed
+    zeros, rows of -inf; on contiguous rows, every other row, a size-1 dim, expanded rows and a
+    single row. A layout whose rows are not evenly apart, and other dtypes, are left to torch."""
+    from tidar_convert.runtime.verify import argmax
+
+    g = torch.Generator().manual_seed(V)
+    for case in range(12):
+        x = torch.randint(-2, 3, (6, V), generator=g).float()  # ties everywhere
+        if case % 4 == 1:
+            x = torch.randn(6, V, generator=g)
+        top = x.argmax(-1)
+        x[0, (top[0] + V // 2) % V] = x[0, top[0]]  # the maximum again, later
+        x[1, [V - 1, max(V - 2, 0)]] = float("nan")  # NaNs in the tail
+        x[1, V // 3] = float("nan") if case % 2 else 5.0
+        x[2] = float("-inf")
+        x[3, [V // 2, V - 1]] = float("inf")
+        x[4] = -0.0
+        x[4, (case * 7) % V] = 0.0  # +0 and -0 tie: the first zero
+        x[5, V - 1] = 1e9 if case % 3 == 0 else x[5, V - 1]  # the largest alone in the tail
+        x = x.to(dtype)
+        for z in (x, x[::2], x[None], x[1].expand(3, V), x[1], x[:, : max(V - 1, 1)]):
+            got = panel.argmax(z)
+            assert got is not None and torch.equal(got, z.argmax(-1)), (case, z.shape)
+            assert torch.equal(argmax(z), z.argmax(-1))
+    for uneven in (
+        torch.randn(4, 3, V, dtype=dtype)[:, :2],  # 2 rows of each 3
+        x[:, None].expand(6, 3, V),  # each row 3 times
+    ):
+        assert panel.argmax(uneven) is None
+        assert torch.equal(argmax(uneven), uneven.argmax(-1))
+    assert panel.argmax(x.to(torch.float16)) is None
+    assert panel.argmax(x.t()) is None or V == 1
+
+
+def test_argmax_never_builds_the_kernel_library(monkeypatch):
+    """An argmax on a machine or step that never loaded the library (a GPU, TIDAR_PANEL_KERNEL=0,
+    pack_weights=False) stays torch's: it does not compile C on first use."""
+    from tidar_convert.runtime.verify import argmax
+
+    monkeypatch.setattr(panel, "_PANEL_LIB", [])
+    monkeypatch.setattr(panel, "_build_panel_library", lambda: pytest.fail("built"))
+    x = torch.randn(3, 100)
+    assert panel.argmax(x) is None and torch.equal(argmax(x), x.argmax(-1))

@@ -6,8 +6,8 @@ runs up to 16 rows' multiply-adds on each piece while it is in cache and prefetc
 rows cost little more than 2. Each output is one dot product summed over the inputs in order,
 whatever the row count, so a row's result is the same bit for bit alone or among any number of rows
 (bf16 rows and panels are summed in fp32 and each output rounded once: the same property). The same
-library adds a mask-slot adapter's low-rank delta to a step's mask rows (`lora_add`), and computes
-attention the same way for every query (`attention`).
+library adds a mask-slot adapter's low-rank delta to a step's mask rows (`lora_add`), computes
+attention the same way for every query (`attention`), and each row's argmax (`argmax`).
 
 Built with the machine's C compiler (`cc`, or $CC; -march=native, OpenMP) into $TIDAR_CACHE/kernels
 on first use (`panel_library`), once per CPU and compiler; TIDAR_PANEL_KERNEL=0 turns it off, and
@@ -185,6 +185,8 @@ def _build_panel_library():
         ctypes.c_int,
     ]
     lib.tidar_attention.restype = None
+    lib.tidar_argmax.argtypes = [P, L, L, L, ctypes.c_int, P]
+    lib.tidar_argmax.restype = None
     return lib
 
 
@@ -366,3 +368,44 @@ def rows_apart(x: torch.Tensor) -> tuple[torch.Tensor, int]:
     if s[3] == 1 and s[2] == D and s[1] % D == 0 and s[1] >= L * D and s[0] == H * s[1]:
         return x, s[1] // D
     return x.contiguous(), L
+
+
+def argmax(scores: torch.Tensor) -> torch.Tensor | None:
+    """scores.argmax(-1) on the kernel library's `tidar_argmax`, the same index (the first of a tie,
+    a NaN counting as the largest), where the library is already loaded (a CPU step under
+    kernels.cpu_kernels; an argmax never builds it) and scores are fp32 or bf16 on the CPU, each
+    row's values contiguous and the rows evenly apart; else None, and the caller runs torch's.
+    torch's CPU argmax walks a row one score at a time: on a vocabulary's row this is several
+    times faster (bench/LOG.md, 2026-12-07, tenth session)."""
+    if not panel_built() or scores.device.type != "cpu" or scores.dtype not in _ARGMAX_DTYPES:
+        return None
+    n = scores.shape[-1] if scores.dim() else 0
+    rows, step = _even_rows(scores)
+    if n == 0 or step is None:
+        return None
+    out = torch.empty(scores.shape[:-1], dtype=torch.long)
+    _PANEL_LIB[0].tidar_argmax(
+        scores.data_ptr(), rows, n, step, int(scores.dtype == torch.bfloat16), out.data_ptr()
+    )
+    return out
+
+
+_ARGMAX_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def _even_rows(x: torch.Tensor) -> tuple[int, int | None]:
+    """x's rows (every index but the last) and the elements from one row's first value to the
+    next's, where each row is contiguous and the rows are that many apart in order; None as the
+    step where they are not (a row of one dim-1 tensor: 1 row, step 0)."""
+    if x.stride(-1) != 1 and x.shape[-1] > 1:
+        return 0, None
+    rows, step = 1, 0
+    for size, stride in reversed(list(zip(x.shape[:-1], x.stride()[:-1]))):
+        if size == 1:
+            continue
+        if rows == 1:
+            step = stride
+        elif stride != step * rows:
+            return 0, None
+        rows *= size
+    return rows, step

@@ -1,7 +1,7 @@
 """Verifiers: which drafts the AR head accepts, and the token committed after them.
 
 Shipped in every export's custom_generate/ folder (see exports.folder.shipped_code): imports
-nothing but torch.
+nothing but torch and panel.py (the CPU kernel library's argmax).
 
 A draft is `tokens[:, 0]` (already committed) followed by proposals `tokens[:, 1:length]`. AR scores
 row i is p(. | prefix, tokens[1..i]).
@@ -18,13 +18,16 @@ from typing import Protocol
 
 import torch
 
+from .panel import argmax as panel_argmax
+
 
 def argmax(scores: torch.Tensor) -> torch.Tensor:
     """scores.argmax(-1), each row's first index of its largest score (a NaN counts as the
-    largest), read through torch.max's reduction: a CPU runs it in vector instructions, where
-    argmax's walks a row one score at a time (bench/LOG.md, 2026-12-07, "vocabulary
-    reductions")."""
-    return scores.max(-1).indices
+    largest): on a CPU step the kernel library's (panel.argmax), else read through torch.max's
+    reduction, vectorized where argmax's walks a row one score at a time (bench/LOG.md,
+    2026-12-07, "vocabulary reductions")."""
+    fast = panel_argmax(scores)
+    return scores.max(-1).indices if fast is None else fast
 
 
 def real_slots(draft) -> torch.Tensor:

@@ -5,6 +5,7 @@
    tidar_panel_linear_bf16: the same on bf16 rows and panels, summed in fp32, rounded once.
    tidar_attention: softmax attention whose output for a query depends only on it and the keys it sees.
    tidar_lora_add, tidar_lora_add_bf16: a mask-slot adapter's low-rank delta on a step's mask rows.
+   tidar_argmax: each row's first index of its largest value, as torch's argmax (a step's verdict).
 
    Built as: cc -O3 -march=native -fopenmp -shared -fPIC panel.c -o panels.so (panel.PANEL_FLAGS;
    no -ffast-math). The source of truth: exports carry it as custom_generate/panel_source.py. */
@@ -388,4 +389,68 @@ void tidar_attention(const float *q, const float *k, const float *v, const unsig
     free(qt);
     free(s);
   }
+}
+
+/* tidar_argmax: out[r] = the first index of row r's largest value, a NaN counting as the largest (the
+   first NaN then), as torch's argmax: rows of n values (fp32, or bf16 where bf), row r at x + r * stride
+   elements. One vector pass keeps each lane's maximum and the first index it was met at (a later equal
+   value does not replace it), and whether a NaN was seen; the row's answer is the smallest index among
+   the lanes holding the maximum. A row with a NaN is read again for its first NaN. torch's CPU argmax
+   walks a row one value at a time, several times slower than this for a vocabulary's row
+   (verify.argmax). n >= 1 and n < 2^31. */
+static inline v16 load16(const void *x, long i, int bf) {
+  return bf ? bf16x16((const unsigned short *)x + i) : *(const v16 *)((const float *)x + i);
+}
+static inline float load1(const void *x, long i, int bf) {
+  return bf ? bf2f(((const unsigned short *)x)[i]) : ((const float *)x)[i];
+}
+static long argmax_row(const void *x, long n, int bf) {
+  long i = 0, best = 0;
+  float top = load1(x, 0, bf);
+  int nan = top != top;
+  if (n >= 16) {
+    const vi16 lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+    v16 m = load16(x, 0, bf);
+    vi16 at = lane, seen = (vi16)(m != m);
+    for (i = 16; i + 16 <= n; i += 16) {
+      v16 v = load16(x, i, bf);
+      vi16 up = v > m;
+      m = (v16)(((vi16)v & up) | ((vi16)m & ~up));
+      at = ((lane + (int)i) & up) | (at & ~up);
+      seen |= (vi16)(v != v);
+    }
+    top = m[0];
+    for (int j = 1; j < 16; j++)
+      if (m[j] > top) top = m[j];
+    best = n;
+    for (int j = 0; j < 16; j++) {
+      nan |= seen[j] != 0;
+      if (m[j] == top && at[j] < best) best = at[j];
+    }
+  }
+  for (; i < n; i++) {  /* after every lane's values: only a larger one replaces the best */
+    float v = load1(x, i, bf);
+    nan |= v != v;
+    if (v > top) top = v, best = i;
+  }
+  if (!nan) return best;
+  for (i = 0; i + 16 <= n; i += 16) {  /* the first NaN: a block of 16 looked into only where it has one */
+    vi16 hit = (vi16)(load16(x, i, bf) != load16(x, i, bf));
+    int any = 0;
+    for (int j = 0; j < 16; j++) any |= hit[j];
+    if (any)
+      for (int j = 0; j < 16; j++)
+        if (hit[j]) return i + j;
+  }
+  for (; i < n; i++) {
+    float v = load1(x, i, bf);
+    if (v != v) return i;
+  }
+  return 0;
+}
+void tidar_argmax(const void *x, long rows, long n, long stride, int bf, long *out) {
+  for (long r = 0; r < rows; r++)
+    out[r] = argmax_row(bf ? (const void *)((const unsigned short *)x + r * stride)
+                           : (const void *)((const float *)x + r * stride),
+                        n, bf);
 }
