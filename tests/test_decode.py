@@ -1100,3 +1100,23 @@ def test_step_phases_are_recorded_under_a_profiler_and_cost_nothing_without_one(
     phases = {"mask", "forward", "lm_head", "verify", "commit", "draft", "crop"}
     assert {f"tidar.{p}" for p in phases} <= set(entered)
     assert {f"tidar.{p}" for p in phases} <= {e.name for e in prof.events()}
+
+
+def test_drafted_masks_proposals_past_a_rows_length_unless_every_row_drafted_all():
+    """verify.drafted: a proposal past its row's length never matches; where the draft's host copy
+    says every row drafted all of them, the match is returned as it is (no mask built); lengths
+    only on the device are not read (masked the same way)."""
+    from tidar_convert.runtime.drafters import Draft
+    from tidar_convert.runtime.verify import drafted
+
+    tokens = torch.tensor([[5, 6, 7, 8], [5, 6, 7, 8]])
+    match = torch.ones(2, 3, dtype=torch.bool)
+    full = Draft(tokens)  # every row all 4: the host copy is held
+    assert drafted(match, full) is match
+    short = Draft(tokens, length=torch.tensor([4, 2]))
+    assert short.held("length") is None
+    expected = torch.tensor([[True, True, True], [True, False, False]])
+    assert torch.equal(drafted(match, short), expected)
+    assert short.held("length") is None  # not read to decide
+    held = Draft(tokens, length=torch.tensor([4, 2])).hold(length=[4, 2])
+    assert torch.equal(drafted(match, held), expected)
