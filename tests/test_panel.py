@@ -288,3 +288,38 @@ def test_argmax_never_builds_the_kernel_library(monkeypatch):
     monkeypatch.setattr(panel, "_build_panel_library", lambda: pytest.fail("built"))
     x = torch.randn(3, 100)
     assert panel.argmax(x) is None and torch.equal(argmax(x), x.argmax(-1))
+
+
+@needs_panels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("V", [4, 17, 33, 8192, 49153])
+def test_top_choices_are_the_k_largest_earlier_first_with_softmaxs_probabilities(V, dtype):
+    """panel.top_choices: each row's k largest scores, largest first and the earlier index first
+    among equals (ties inside a lane, across lanes, in the tail), with torch's softmax
+    probabilities to fp32 rounding; rows not evenly apart give what their contiguous copy gives;
+    a NaN, a row of -inf, k past 16 or past the row are left to torch (None)."""
+    g = torch.Generator().manual_seed(V)
+    for case in range(8):
+        x = torch.randint(-3, 3, (5, V), generator=g).float()  # ties everywhere
+        if case % 2:
+            x = torch.randn(5, V, generator=g) * 4
+        x[1, V // 2 :] = float("-inf")
+        x[2, V - 1] = 50.0  # the largest alone in the tail
+        x = x.to(dtype)
+        for k in {1, 2, min(4, V), min(16, V)}:
+            idx, chance = panel.top_choices(x, k)
+            wide = x.float()
+            # the reference: by value, largest first, then by index
+            order = torch.sort(-wide, dim=-1, stable=True).indices[:, :k]
+            assert torch.equal(idx, order), (case, k)
+            expected = wide.softmax(-1).gather(-1, idx)
+            torch.testing.assert_close(chance, expected, rtol=1e-4, atol=1e-6)
+            uneven = torch.stack([x, x], 1)[:, 0]  # rows 2 * V apart: not a view the kernel reads
+            got = panel.top_choices(uneven[::2], k)
+            assert torch.equal(got[0], idx[::2]) and torch.equal(got[1], chance[::2])
+    x = torch.randn(3, V, dtype=dtype)
+    x[1, V // 2] = float("nan")
+    assert panel.top_choices(x, 2) is None
+    assert panel.top_choices(torch.full((2, V), float("-inf"), dtype=dtype), 1) is None
+    assert panel.top_choices(torch.randn(2, V, dtype=dtype), 17) is None
+    assert panel.top_choices(torch.randn(2, 3, dtype=dtype), 4) is None

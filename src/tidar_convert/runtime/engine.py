@@ -62,7 +62,7 @@ from .recurrent import (
     select_rows,
 )
 from .tree import keep_slots, walk
-from .verify import Greedy, argmax, at_rows, mix, prefix_free, process
+from .verify import Greedy, argmax, at_rows, mix, prefix_free, process, top_chances
 
 
 @dataclass
@@ -562,9 +562,8 @@ def read_ahead(out: Output, plan: StepPlan, choices: int) -> tuple:
     siblings = argmax(out.rows(plan.n_drafts, plan.causal)) if plan.siblings else None
     if not choices or out.cached is None or out.cached.shape[1] == plan.causal:
         return siblings, None, None
-    tail = out.cached[:, plan.causal :].float()
-    top = tail.topk(choices, -1)
-    return siblings, top.indices, (top.values - tail.logsumexp(-1, keepdim=True)).exp()
+    tokens, chances = top_chances(out.cached[:, plan.causal :].float(), choices)
+    return siblings, tokens, chances
 
 
 def read_verdict(accepted, best, ahead=None) -> tuple:

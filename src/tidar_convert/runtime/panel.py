@@ -7,7 +7,8 @@ rows cost little more than 2. Each output is one dot product summed over the inp
 whatever the row count, so a row's result is the same bit for bit alone or among any number of rows
 (bf16 rows and panels are summed in fp32 and each output rounded once: the same property). The same
 library adds a mask-slot adapter's low-rank delta to a step's mask rows (`lora_add`), computes
-attention the same way for every query (`attention`), and each row's argmax (`argmax`).
+attention the same way for every query (`attention`), and each row's argmax (`argmax`) and k
+likeliest tokens with their probabilities (`top_choices`).
 
 Built with the machine's C compiler (`cc`, or $CC; -march=native, OpenMP) into $TIDAR_CACHE/kernels
 on first use (`panel_library`), once per CPU and compiler; TIDAR_PANEL_KERNEL=0 turns it off, and
@@ -187,6 +188,8 @@ def _build_panel_library():
     lib.tidar_attention.restype = None
     lib.tidar_argmax.argtypes = [P, L, L, L, ctypes.c_int, P]
     lib.tidar_argmax.restype = None
+    lib.tidar_top_choices.argtypes = [P, L, L, L, ctypes.c_int, ctypes.c_int, P, P]
+    lib.tidar_top_choices.restype = ctypes.c_int
     return lib
 
 
@@ -391,6 +394,33 @@ def argmax(scores: torch.Tensor) -> torch.Tensor | None:
 
 
 _ARGMAX_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def top_choices(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Each row's k largest scores' indices (..., k), largest first and the earlier index first
+    among equals, and their softmax probabilities (..., k) in fp32, on the kernel library's
+    `tidar_top_choices`, under argmax's conditions (rows not evenly apart are copied first) and with
+    1 <= k <= 16 scores of a row; None where they do not hold or a row has a NaN or nothing above
+    -inf (the caller runs torch's).
+    The probabilities are those of torch's softmax to fp32 rounding, not bit for bit (the
+    exponential is the attention kernel's polynomial): a draft's chances, which plan a step."""
+    if not panel_built() or scores.device.type != "cpu" or scores.dtype not in _ARGMAX_DTYPES:
+        return None
+    n = scores.shape[-1] if scores.dim() else 0
+    if not 1 <= k <= min(16, n):
+        return None
+    rows, step = _even_rows(scores)
+    if step is None:  # copied rather than left to torch: the same rows, the same chances
+        scores = scores.contiguous()
+        rows, step = _even_rows(scores)
+    idx = torch.empty(*scores.shape[:-1], k, dtype=torch.long)
+    chance = torch.empty(*scores.shape[:-1], k, dtype=torch.float32)
+    bf = int(scores.dtype == torch.bfloat16)
+    if _PANEL_LIB[0].tidar_top_choices(
+        scores.data_ptr(), rows, n, step, bf, k, idx.data_ptr(), chance.data_ptr()
+    ):
+        return None
+    return idx, chance
 
 
 def _even_rows(x: torch.Tensor) -> tuple[int, int | None]:

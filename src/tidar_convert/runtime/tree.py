@@ -21,7 +21,7 @@ import torch
 from .cache import GrowingLayer
 from .forward import slots_of
 from .slots import SlotLayer
-from .verify import process
+from .verify import process, top_chances
 
 if TYPE_CHECKING:  # types only: drafters.py imports this module
     from .drafters import Draft
@@ -30,12 +30,9 @@ if TYPE_CHECKING:  # types only: drafters.py imports this module
 
 
 def top_choices(scores: torch.Tensor, n: int) -> tuple[list, list]:
-    """Each position's n likeliest tokens of scores (..., V), best first, and their probabilities,
-    as host lists (..., n): one topk, and the top scores are the top probabilities by their
-    normalizer (no softmax written out)."""
-    top = scores.topk(n, -1)
-    chances = (top.values - scores.logsumexp(-1, keepdim=True)).exp()
-    return top.indices.tolist(), chances.tolist()
+    """top_chances as host lists (..., n)."""
+    tokens, chances = top_chances(scores, n)
+    return tokens.tolist(), chances.tolist()
 
 
 def group_siblings(scores: torch.Tensor, n: int, chain: list) -> tuple[list, list]:

@@ -1,7 +1,7 @@
 """Verifiers: which drafts the AR head accepts, and the token committed after them.
 
 Shipped in every export's custom_generate/ folder (see exports.folder.shipped_code): imports
-nothing but torch and panel.py (the CPU kernel library's argmax).
+nothing but torch and panel.py (the CPU kernel library's argmax and top choices).
 
 A draft is `tokens[:, 0]` (already committed) followed by proposals `tokens[:, 1:length]`. AR scores
 row i is p(. | prefix, tokens[1..i]).
@@ -19,6 +19,7 @@ from typing import Protocol
 import torch
 
 from .panel import argmax as panel_argmax
+from .panel import top_choices as panel_top_choices
 
 
 def argmax(scores: torch.Tensor) -> torch.Tensor:
@@ -28,6 +29,17 @@ def argmax(scores: torch.Tensor) -> torch.Tensor:
     2026-12-07, "vocabulary reductions")."""
     fast = panel_argmax(scores)
     return scores.max(-1).indices if fast is None else fast
+
+
+def top_chances(scores: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each position's n likeliest tokens of scores (..., V), best first, and their probabilities
+    (..., n) each: on a CPU step the kernel library's (panel.top_choices), else one topk, and the
+    top scores are the top probabilities by their normalizer (no softmax written out)."""
+    fast = panel_top_choices(scores, n)
+    if fast is not None:
+        return fast
+    top = scores.topk(n, -1)
+    return top.indices, (top.values - scores.logsumexp(-1, keepdim=True)).exp()
 
 
 def real_slots(draft) -> torch.Tensor:
@@ -100,9 +112,10 @@ class Greedy(Verifier):
         return top_probability(scores)
 
     def token_and_confidence(self, scores):
-        # one pass for the argmax and its score, one for the normalizer: no softmax written out
-        best = scores.max(-1)
-        return best.indices, (best.values - scores.logsumexp(-1)).exp()
+        # the likeliest token and its probability as a tree's first choices (top_chances), so a
+        # draft is the same from the logits as from what a verdict's read brought
+        tokens, chances = top_chances(scores, 1)
+        return tokens[..., 0], chances[..., 0]
 
     def verify_tokens(self, scores, draft):
         # AR's token at every row, the last included: the token after any accepted length

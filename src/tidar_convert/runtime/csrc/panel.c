@@ -454,3 +454,78 @@ void tidar_argmax(const void *x, long rows, long n, long stride, int bf, long *o
                            : (const void *)((const float *)x + r * stride),
                         n, bf);
 }
+
+/* tidar_top_choices: each row's k largest values (k <= 16, k <= n), largest first, an earlier index
+   first among equals, and their probabilities under the row's softmax: idx[r * k + j] and
+   chance[r * k + j]. Rows as tidar_argmax's. One pass for the k best (a block of 16 is looked into
+   only where a value beats the k-th best so far) and the maximum; a second for the softmax's sum,
+   exp(x - max) 16 lanes at a time (vexp), summed lane by lane, then the lanes in order. Returns
+   nonzero, with nothing written for that row and the rows after it, where a row holds a NaN or
+   nothing above -inf (the caller then runs torch's). A draft's next tokens and their chances
+   (tree.top_chances): torch's topk and logsumexp each read a vocabulary's row more slowly. */
+static inline void top_insert(float *tv, long *ti, int k, float v, long i) {
+  int p = k - 1;
+  if (!(v > tv[p])) return;
+  while (p > 0 && v > tv[p - 1]) {
+    tv[p] = tv[p - 1], ti[p] = ti[p - 1];
+    p--;
+  }
+  tv[p] = v, ti[p] = i;
+}
+static int top_row(const void *x, long n, int bf, int k, long *idx, float *chance) {
+  float tv[16];
+  long ti[16], i = 0;
+  int nan = 0;
+  for (int j = 0; j < k; j++) tv[j] = -__builtin_inff(), ti[j] = -1;
+  for (; i < k; i++) {  /* the first k fill the list whatever they are (-inf included) */
+    float v = load1(x, i, bf);
+    int p = k - 1;
+    nan |= v != v;
+    while (p > 0 && (ti[p - 1] < 0 || v > tv[p - 1])) {
+      tv[p] = tv[p - 1], ti[p] = ti[p - 1];
+      p--;
+    }
+    if (ti[p] < 0 || v > tv[p]) tv[p] = v, ti[p] = i;
+  }
+  vi16 seen = {0};
+  for (; i + 16 <= n; i += 16) {
+    v16 v = load16(x, i, bf);
+    vi16 over = v > tv[k - 1];
+    seen |= (vi16)(v != v);
+    int any = 0;
+    for (int j = 0; j < 16; j++) any |= over[j];
+    if (any)
+      for (int j = 0; j < 16; j++) top_insert(tv, ti, k, v[j], i + j);
+  }
+  for (int j = 0; j < 16; j++) nan |= seen[j] != 0;
+  for (; i < n; i++) {
+    float v = load1(x, i, bf);
+    nan |= v != v;
+    top_insert(tv, ti, k, v, i);
+  }
+  float top = tv[0];
+  if (nan || !(top > -__builtin_inff())) return 1;
+  v16 sum = {0};
+  for (i = 0; i + 16 <= n; i += 16) sum += vexp(load16(x, i, bf) - top);
+  float total = 0.0f;
+  for (int j = 0; j < 16; j++) total += sum[j];
+  v16 tail = {0}, best = {0};
+  int t = 0;
+  for (; i < n; i++) tail[t++] = load1(x, i, bf) - top;
+  for (int j = t; j < 16; j++) tail[j] = -__builtin_inff();
+  tail = vexp(tail);
+  for (int j = 0; j < t; j++) total += tail[j];
+  for (int j = 0; j < 16; j++) best[j] = j < k ? tv[j] - top : -__builtin_inff();
+  best = vexp(best);
+  for (int j = 0; j < k; j++) idx[j] = ti[j], chance[j] = best[j] / total;
+  return 0;
+}
+int tidar_top_choices(const void *x, long rows, long n, long stride, int bf, int k, long *idx,
+                      float *chance) {
+  for (long r = 0; r < rows; r++)
+    if (top_row(bf ? (const void *)((const unsigned short *)x + r * stride)
+                   : (const void *)((const float *)x + r * stride),
+                n, bf, k, idx + r * k, chance + r * k))
+      return 1;
+  return 0;
+}
