@@ -380,11 +380,11 @@ def argmax(scores: torch.Tensor) -> torch.Tensor | None:
     row's values contiguous and the rows evenly apart; else None, and the caller runs torch's.
     torch's CPU argmax walks a row one score at a time: on a vocabulary's row this is several
     times faster (bench/LOG.md, 2026-12-07, tenth session)."""
-    if not panel_built() or scores.device.type != "cpu" or scores.dtype not in _ARGMAX_DTYPES:
-        return None
     n = scores.shape[-1] if scores.dim() else 0
+    if n == 0 or not _kernel_reads(scores):
+        return None
     rows, step = _even_rows(scores)
-    if n == 0 or step is None:
+    if step is None:
         return None
     out = torch.empty(scores.shape[:-1], dtype=torch.long)
     _PANEL_LIB[0].tidar_argmax(
@@ -393,21 +393,16 @@ def argmax(scores: torch.Tensor) -> torch.Tensor | None:
     return out
 
 
-_ARGMAX_DTYPES = (torch.float32, torch.bfloat16)
-
-
 def top_choices(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor] | None:
     """Each row's k largest scores' indices (..., k), largest first and the earlier index first
     among equals, and their softmax probabilities (..., k) in fp32, on the kernel library's
     `tidar_top_choices`, under argmax's conditions (rows not evenly apart are copied first) and with
     1 <= k <= 16 scores of a row; None where they do not hold or a row has a NaN or nothing above
-    -inf (the caller runs torch's).
-    The probabilities are those of torch's softmax to fp32 rounding, not bit for bit (the
-    exponential is the attention kernel's polynomial): a draft's chances, which plan a step."""
-    if not panel_built() or scores.device.type != "cpu" or scores.dtype not in _ARGMAX_DTYPES:
-        return None
+    -inf (the caller runs torch's). The probabilities are those of torch's softmax to fp32
+    rounding, not bit for bit (the exponential is the attention kernel's polynomial): a draft's
+    chances, which plan a step."""
     n = scores.shape[-1] if scores.dim() else 0
-    if not 1 <= k <= min(16, n):
+    if not _kernel_reads(scores) or not 1 <= k <= min(16, n):
         return None
     rows, step = _even_rows(scores)
     if step is None:  # copied rather than left to torch: the same rows, the same chances
@@ -421,6 +416,16 @@ def top_choices(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tenso
     ):
         return None
     return idx, chance
+
+
+def _kernel_reads(scores: torch.Tensor) -> bool:
+    """The library is loaded (never built here) and scores are what argmax and top_choices read:
+    fp32 or bf16, on the CPU."""
+    return (
+        panel_built()
+        and scores.device.type == "cpu"
+        and scores.dtype in (torch.float32, torch.bfloat16)
+    )
 
 
 def _even_rows(x: torch.Tensor) -> tuple[int, int | None]:

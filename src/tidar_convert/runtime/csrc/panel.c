@@ -6,6 +6,7 @@
    tidar_attention: softmax attention whose output for a query depends only on it and the keys it sees.
    tidar_lora_add, tidar_lora_add_bf16: a mask-slot adapter's low-rank delta on a step's mask rows.
    tidar_argmax: each row's first index of its largest value, as torch's argmax (a step's verdict).
+   tidar_top_choices: each row's k largest values and their softmax probabilities (a draft's).
 
    Built as: cc -O3 -march=native -fopenmp -shared -fPIC panel.c -o panels.so (panel.PANEL_FLAGS;
    no -ffast-math). The source of truth: exports carry it as custom_generate/panel_source.py. */
@@ -462,11 +463,12 @@ void tidar_argmax(const void *x, long rows, long n, long stride, int bf, long *o
    exp(x - max) 16 lanes at a time (vexp), summed lane by lane, then the lanes in order. Returns
    nonzero, with nothing written for that row and the rows after it, where a row holds a NaN or
    nothing above -inf (the caller then runs torch's). A draft's next tokens and their chances
-   (tree.top_chances): torch's topk and logsumexp each read a vocabulary's row more slowly. */
+   (verify.top_chances): torch's topk and logsumexp each read a vocabulary's row more slowly. */
 static inline void top_insert(float *tv, long *ti, int k, float v, long i) {
+  /* into the list of the k best so far (largest first; ti < 0: an empty place, below anything) */
   int p = k - 1;
-  if (!(v > tv[p])) return;
-  while (p > 0 && v > tv[p - 1]) {
+  if (ti[p] >= 0 && !(v > tv[p])) return;
+  while (p > 0 && (ti[p - 1] < 0 || v > tv[p - 1])) {
     tv[p] = tv[p - 1], ti[p] = ti[p - 1];
     p--;
   }
@@ -476,16 +478,11 @@ static int top_row(const void *x, long n, int bf, int k, long *idx, float *chanc
   float tv[16];
   long ti[16], i = 0;
   int nan = 0;
-  for (int j = 0; j < k; j++) tv[j] = -__builtin_inff(), ti[j] = -1;
+  for (int j = 0; j < k; j++) ti[j] = -1;
   for (; i < k; i++) {  /* the first k fill the list whatever they are (-inf included) */
     float v = load1(x, i, bf);
-    int p = k - 1;
     nan |= v != v;
-    while (p > 0 && (ti[p - 1] < 0 || v > tv[p - 1])) {
-      tv[p] = tv[p - 1], ti[p] = ti[p - 1];
-      p--;
-    }
-    if (ti[p] < 0 || v > tv[p]) tv[p] = v, ti[p] = i;
+    top_insert(tv, ti, k, v, i);
   }
   vi16 seen = {0};
   for (; i + 16 <= n; i += 16) {
