@@ -467,8 +467,13 @@ def test_tree_nodes_and_groups_compute_what_their_paths_compute(models, family):
     for kept, chain in layers:
         for i in range(kept.number_of_states):
             assert kept.is_conv_states_initialized[i] == chain.is_conv_states_initialized[i]
+            # the window's inputs come from a projection of 18 rows here and of 13 in the fresh
+            # prefill: a product rounds differently by its row count on some CPUs (Zamba on an
+            # AMD EPYC: 1.8e-5 apart), so the same bound as the states and logits above
             if kept.is_conv_states_initialized[i]:
-                torch.testing.assert_close(kept.conv_states[i], chain.conv_states[i])
+                torch.testing.assert_close(
+                    kept.conv_states[i], chain.conv_states[i], atol=5e-5, rtol=1e-4
+                )
             if chain.is_recurrent_states_initialized[i]:
                 torch.testing.assert_close(
                     kept.recurrent_states[i], chain.recurrent_states[i], atol=5e-5, rtol=1e-4
