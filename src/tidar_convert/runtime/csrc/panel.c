@@ -405,6 +405,9 @@ static inline v16 load16(const void *x, long i, int bf) {
 static inline float load1(const void *x, long i, int bf) {
   return bf ? bf2f(((const unsigned short *)x)[i]) : ((const float *)x)[i];
 }
+static inline const void *row_at(const void *x, long r, long stride, int bf) {
+  return bf ? (const void *)((const unsigned short *)x + r * stride) : (const void *)((const float *)x + r * stride);
+}
 static long argmax_row(const void *x, long n, int bf) {
   long i = 0, best = 0;
   float top = load1(x, 0, bf);
@@ -451,9 +454,7 @@ static long argmax_row(const void *x, long n, int bf) {
 }
 void tidar_argmax(const void *x, long rows, long n, long stride, int bf, long *out) {
   for (long r = 0; r < rows; r++)
-    out[r] = argmax_row(bf ? (const void *)((const unsigned short *)x + r * stride)
-                           : (const void *)((const float *)x + r * stride),
-                        n, bf);
+    out[r] = argmax_row(row_at(x, r, stride, bf), n, bf);
 }
 
 /* tidar_top_choices: each row's k largest values (k <= 16, k <= n), largest first, an earlier index
@@ -520,9 +521,7 @@ static int top_row(const void *x, long n, int bf, int k, long *idx, float *chanc
 int tidar_top_choices(const void *x, long rows, long n, long stride, int bf, int k, long *idx,
                       float *chance) {
   for (long r = 0; r < rows; r++)
-    if (top_row(bf ? (const void *)((const unsigned short *)x + r * stride)
-                   : (const void *)((const float *)x + r * stride),
-                n, bf, k, idx + r * k, chance + r * k))
+    if (top_row(row_at(x, r, stride, bf), n, bf, k, idx + r * k, chance + r * k))
       return 1;
   return 0;
 }
