@@ -341,3 +341,48 @@ def test_generate_reports_the_product_each_linear_layer_took(untrained):
         f"TiDAR linear products (float32 on cpu): {n} layers stock",
         f"TiDAR linear products (float32 on cpu): {n} layers {packed}",
     ]
+
+
+def test_a_sharded_weight_is_not_timed(monkeypatch, tmp_path):
+    """FSDP2's weights are DTensor parameters (isinstance Parameter, but not by type), whole only
+    inside their forward: packing_pays leaves them out, and a model of only those is not timed."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import Replicate, distribute_tensor, init_device_mesh
+
+    timed = fake_timings(monkeypatch, {p: {1: 1, 8: 1} for p in kernels.PRODUCTS})
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Linear(32, 16))
+    dist.init_process_group(
+        "gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1
+    )
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        for layer in model:
+            layer.weight = torch.nn.Parameter(
+                distribute_tensor(layer.weight.data, mesh, [Replicate()])
+            )
+        assert isinstance(model[0].weight, torch.nn.Parameter)
+        assert not kernels.packing_pays(model) and not timed
+        model[1].weight = torch.nn.Parameter(torch.randn(16, 32))  # a plain one is timed
+        kernels.packing_pays(model)
+        assert timed
+    finally:
+        dist.destroy_process_group()
+
+
+def test_cpu_kernels_walks_the_model_once_a_call(monkeypatch):
+    """generate() enters cpu_kernels every call: its parts (the timing's cache check, the product
+    counts, the swap) share one list of the linear layers instead of each walking the model."""
+    fake_timings(
+        monkeypatch, {p: {1: 1, 8: 2} if p != "stock" else {1: 5, 8: 5} for p in kernels.PRODUCTS}
+    )
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Linear(32, 16))
+    model.config = type("Config", (), {"_attn_implementation": "eager"})()
+    with kernels.cpu_kernels(model):  # timed, packed
+        pass
+    walks = []
+    modules = model.modules
+    monkeypatch.setattr(model, "modules", lambda: walks.append(1) or modules())
+    with kernels.cpu_kernels(model) as packed:
+        assert packed and len(walks) == 1
+        assert all(getattr(layer.forward, "_tidar_packed", False) for layer in model)
+    assert len(walks) == 1 and not swapped(model)

@@ -48,7 +48,6 @@ from .adapter import mask_rows
 from .drafters import Draft, make_drafter  # noqa: F401
 from .engine import decode
 from .kernels import cpu_kernels
-from .kernels import resolve as resolve_kernels
 
 # imported here so a missing layout.py is named as generate.py's import
 from .layout import decode_mask_mod  # noqa: F401
@@ -472,33 +471,33 @@ def generate(
     chosen = make_drafter(drafter)
     ensure_adapter(model)  # an export trained with lora_scope='masks': its drafts' adapter, once
     run = prepare(model, input_ids, generation_config, draft_length, beta, kwargs)
-    # what a step's price depends on
-    setting = (
-        resolve_kernels(model, pack_weights),
-        model.dtype,
-        model.device.type,
-        run.input_ids.shape[0],
-        run.gc.cache_implementation == "static",
-    )
-    # where siblings are exact (walking a tree under sampling, or mixing in the diffusion logits,
-    # is not built; a batch verifies chains)
-    tree = isinstance(run.pick, Greedy) and beta == 1.0 and run.input_ids.shape[0] == 1
-    # siblings < 0 goes through, for Planner to refuse by name
-    planner = Planner(
-        run.k,
-        plan,
-        slot_budget,
-        costs=run.session.step_costs(setting),
-        siblings=siblings if tree or siblings < 0 else 0,
-    )
     gc = run.gc
-    run.slots = static_slots(model, run.session, gc, run.input_ids.shape[0], planner.budget)
     record = (
         ([], []) if gc.return_dict_in_generate and (gc.output_scores or gc.output_logits) else None
     )
-    if run.streamer is not None:
-        run.streamer.put(run.input_ids.cpu())
-    with torch.no_grad(), cpu_kernels(model, enabled=pack_weights):
+    with torch.no_grad(), cpu_kernels(model, enabled=pack_weights) as packed:
+        # what a step's price depends on
+        setting = (
+            packed,
+            model.dtype,
+            model.device.type,
+            run.input_ids.shape[0],
+            gc.cache_implementation == "static",
+        )
+        # where siblings are exact (walking a tree under sampling, or mixing in the diffusion
+        # logits, is not built; a batch verifies chains)
+        tree = isinstance(run.pick, Greedy) and beta == 1.0 and run.input_ids.shape[0] == 1
+        # siblings < 0 goes through, for Planner to refuse by name
+        planner = Planner(
+            run.k,
+            plan,
+            slot_budget,
+            costs=run.session.step_costs(setting),
+            siblings=siblings if tree or siblings < 0 else 0,
+        )
+        run.slots = static_slots(model, run.session, gc, run.input_ids.shape[0], planner.budget)
+        if run.streamer is not None:
+            run.streamer.put(run.input_ids.cpu())
         state = decode(model, run, chosen, planner, beta, record)
     if run.streamer is not None:
         run.streamer.end()

@@ -106,6 +106,13 @@ def can_pack() -> bool:
     return available() or panel_library() is not None
 
 
+def linear_layers(model) -> list:
+    """The model's nn.Linear layers, in one walk of its modules: generate() enters cpu_kernels every
+    call, and each of its parts walking the model again cost more than a short generation's
+    host work."""
+    return [module for module in model.modules() if isinstance(module, torch.nn.Linear)]
+
+
 def eligible(layer) -> bool:
     w = getattr(layer, "weight", None)
     return (
@@ -269,18 +276,20 @@ def pass_seconds(state: KernelState, layers, rows: int, product: str) -> float:
     return time.perf_counter() - start
 
 
-def packing_pays(model, repeats: int = 3) -> bool:
+def packing_pays(model, repeats: int = 3, layers: list | None = None) -> bool:
     """Whether a packed product beats PyTorch's stock one on this model's CPU linear layers and this
     machine, and which: one pass through them at each of CHOICE_ROWS on the stock product and on
     each of the dtype's `candidates`, the best of `repeats` runs of each, interleaved so the
     machine's load falls on all. The fastest (summed over the row counts) is the layers' product
     from then on; the others' packed copies are dropped. Timed once per model and dtype (again after
-    a cast). A sharded model (FSDP) is not timed: stock."""
-    # Plain tensors only: a sharded weight (FSDP's DTensor) is whole only inside its forward.
+    a cast). A sharded model (FSDP) is not timed: stock. layers: linear_layers(model), where the
+    caller has them."""
+    # Plain tensors only: a sharded weight (FSDP's DTensor, a parameter by isinstance but not by
+    # type) is whole only inside its forward.
     layers = [
         layer
-        for layer in model.modules()
-        if eligible(layer) and type(layer.weight.data) is torch.Tensor
+        for layer in (linear_layers(model) if layers is None else layers)
+        if eligible(layer) and type(layer.weight) in (torch.nn.Parameter, torch.Tensor)
     ]
     kinds = candidates(layers[0].weight.dtype) if layers else ()
     if not kinds:
@@ -340,16 +349,15 @@ def linear_product(model) -> str:
     return "+".join(sorted(kinds)) or "stock"
 
 
-def linear_products(model, packed: bool) -> dict[str, int]:
+def linear_products(model, packed: bool, layers: list | None = None) -> dict[str, int]:
     """How many of the model's linear layers take each product on a decoding step's rows, with
     packing on (`packed`) or off: {"panels": n, "onednn": n, "stock": n}, kinds no layer takes left
     out. A layer oneDNN refused, on a GPU or of another dtype counts as stock; one not packed yet
     (weights are packed at their first product) as what it will be packed as."""
     counts = dict.fromkeys(PRODUCTS, 0)
     state = session_of(model).kernels
-    for layer in model.modules():
-        if isinstance(layer, torch.nn.Linear):
-            counts[product_kind(state, layer) if packed and eligible(layer) else "stock"] += 1
+    for layer in linear_layers(model) if layers is None else layers:
+        counts[product_kind(state, layer) if packed and eligible(layer) else "stock"] += 1
     return {kind: n for kind, n in counts.items() if n}
 
 
@@ -357,6 +365,8 @@ def product_kind(state: KernelState, layer) -> str:
     """The product an eligible layer takes when packed: its packed weight's kind, without packing
     it."""
     kind = chosen_kind(state, layer)
+    if kind == "panels":  # panels take every weight of their dtypes: no copy to look at
+        return kind
     cached = state.packed.get(layer, {}).get(kind)
     if cached is not None and cached[0] == _weight_key(layer.weight):
         return "stock" if cached[1] is None else cached[1][0]
@@ -384,10 +394,10 @@ def report_products(model, products: dict[str, int]) -> dict[str, int]:
     return products
 
 
-def resolve(model, enabled: bool | str) -> bool:
+def resolve(model, enabled: bool | str, layers: list | None = None) -> bool:
     """True/False as given; "auto": packing_pays(model)."""
     if enabled == "auto":
-        return packing_pays(model)
+        return packing_pays(model, layers=layers)
     if not isinstance(enabled, bool):
         raise ValueError(
             f"pack_weights={enabled!r}: use True, False or 'auto' "
@@ -397,20 +407,22 @@ def resolve(model, enabled: bool | str) -> bool:
 
 
 @contextmanager
-def packed_linears(model, enabled: bool = True):
+def packed_linears(model, enabled: bool = True, layers: list | None = None):
     """Within it, the model's CPU linear layers (fp32 or bf16) run their packed product. Nested
     or concurrent entries leave layers another entry swapped to it; what this one swapped it
-    restores."""
+    restores. layers: linear_layers(model), where the caller has them."""
     swapped, aside = [], {}
     if enabled and can_pack():
         state = session_of(model).kernels
-        for layer in model.modules():
+        for layer in linear_layers(model) if layers is None else layers:
             if not eligible(layer):
                 # moved to a GPU or another dtype: its CPU copies are dead weight
                 state.packed.pop(layer, None)
                 state.delta_panels.pop(layer, None)
             elif not getattr(layer.__dict__.get("forward"), "_tidar_packed", False):
-                layer.forward = packed_forward(state, layer)
+                # an instance attribute, as `layer.forward = ...` makes it, without
+                # Module.__setattr__'s lookups in the layer's parameters, buffers and children
+                layer.__dict__["forward"] = packed_forward(state, layer)
                 swapped.append(layer)
                 # the packed forward adds the adapter's delta: its hook waits outside
                 if LORA_GATE in layer.__dict__:
@@ -425,7 +437,7 @@ def packed_linears(model, enabled: bool = True):
         yield swapped
     finally:
         for layer in swapped:
-            del layer.forward
+            layer.__dict__.pop("forward", None)
         # back in registration order (a hook's key is its handle's rising id)
         for layer, hooks in aside.items():
             merged = sorted({**layer._forward_hooks, **hooks}.items())
@@ -587,13 +599,16 @@ def cpu_kernels(model, enabled: bool | str = "auto"):
     """The kernels every decoder on an export runs: in-place grouped attention, and packed linear
     layers where enabled (True, or "auto" where packing_pays). False: neither, PyTorch's and
     transformers' own paths."""
-    packed = resolve(model, enabled)
-    # one pass over the model's layers a call: generate() enters this every call
-    products = linear_products(model, packed and can_pack())
+    layers = linear_layers(model)
+    packed = resolve(model, enabled, layers)
+    products = linear_products(model, packed and can_pack(), layers)
     # One product for every row: panels on every linear layer, and attention that is the same per
     # query, so a row computes the same bits in any step (exactness by construction:
     # docs/kernels.md).
     exact = set(products) == {"panels"}
-    with packed_linears(model, packed), grouped_attention(model, enabled is not False, exact=exact):
+    with (
+        packed_linears(model, packed, layers),
+        grouped_attention(model, enabled is not False, exact=exact),
+    ):
         report_products(model, products)
-        yield
+        yield packed
