@@ -1102,6 +1102,27 @@ def test_step_phases_are_recorded_under_a_profiler_and_cost_nothing_without_one(
     assert {f"tidar.{p}" for p in phases} <= {e.name for e in prof.events()}
 
 
+def test_the_model_s_parts_are_read_once_a_call(trained, monkeypatch):
+    """forward.Parts: the decoder body, the head, and the config fields a step's forward and mask
+    need are read once a generate() call, not each step (in transformers 5 each lookup costs
+    microseconds, and a step asked for a dozen); the tokens are the same."""
+    from tidar_convert.runtime import engine, forward
+
+    model, _ = trained["llama"]
+    ids = cycle_batch(1, 5, seed=0)
+    plain = generate(ids, model=model, max_new_tokens=24, eos_token_id=None)
+    calls = []
+    read = forward.model_parts
+    monkeypatch.setattr(engine, "model_parts", lambda m: calls.append(1) or read(m))
+    heads = []
+    monkeypatch.setattr(
+        forward, "head_is_plain", lambda m, real=forward.head_is_plain: heads.append(1) or real(m)
+    )
+    again = generate(ids, model=model, max_new_tokens=24, eos_token_id=None)
+    assert torch.equal(again, plain)
+    assert model.tidar_stats["nfe"] > 3 and calls == [1] and heads == [1]
+
+
 def test_drafted_masks_proposals_past_a_rows_length_unless_every_row_drafted_all():
     """verify.drafted: a proposal past its row's length never matches; where the draft's host copy
     says every row drafted all of them, the match is returned as it is (no mask built); lengths

@@ -43,14 +43,13 @@ from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengt
 
 from .cache import growing_cache
 from .drafters import Draft, DraftContext, Drafter, fresh
-from .forward import Output, forward, phase, slots_of
+from .forward import Output, Parts, forward, model_parts, phase, slots_of
 from .layout import (
     Local,
     build_mask,
     decode_mask_mod,
     decode_position_ids,
     decode_step_mask,
-    local_kinds,
 )
 from .plan import Planner, StepPlan
 from .recurrent import (
@@ -98,6 +97,7 @@ class DecodeState:
     written: int = 0  # slots the last forward wrote to the cache (a static cache's: its bucket)
     # each row's tokens the last commit appended, as host lists (None: not read by that commit)
     committed: list | None = None
+    parts: Parts | None = None  # what a forward reads of the model, read once (forward.Parts)
 
     def alive_rows(self) -> list[bool]:
         if self.alive is None:
@@ -202,13 +202,14 @@ def prefill(
             1,
         )
         all_valid = torch.cat([valid, torch.ones(B, g, dtype=torch.bool, device=prompt.device)], 1)
-        local = Local.of(model.config, positions)  # sliding windows and chunks, by position
+        kinds = state.parts.local  # sliding windows and chunks, by position
+        local = None if kinds is None else Local(kinds, positions)
         mask = build_mask(
             decode_mask_mod(0, P, k, P, all_valid),
             B,
             P + g,
             P + g,
-            model.config._attn_implementation,
+            state.parts.attn,
             prompt.device,
             local,
             slots=None if run.slots is None else (P + g, run.slots.capacity),
@@ -222,7 +223,16 @@ def prefill(
     )
     read = [P - 1, *range(P + 1, P + g)]
     out = forward(
-        model, state.cache, tokens, positions, mask, read, segments, mixers, groups_from=P
+        model,
+        state.cache,
+        tokens,
+        positions,
+        mask,
+        read,
+        segments,
+        mixers,
+        groups_from=P,
+        parts=state.parts,
     )
     state.nfe += 1
     with phase("tidar.crop"):
@@ -248,7 +258,7 @@ def run_step(model, run, state: DecodeState, draft: Draft, plan: StepPlan) -> Ou
             positions = torch.cat([positions, positions[:, -1:].expand(B, written - plan.slots)], 1)
         # sliding windows and chunks; a cache column's position: the real tokens before it in its
         # row
-        kinds = local_kinds(model.config)
+        kinds = state.parts.local
         local = (
             None
             if kinds is None
@@ -263,7 +273,7 @@ def run_step(model, run, state: DecodeState, draft: Draft, plan: StepPlan) -> Ou
             plan.causal,
             plan.k,
             plan.anchors,
-            model.config._attn_implementation,
+            state.parts.attn,
             plan.parents(),
             local,
             kept=run.session.own_mask,
@@ -290,6 +300,7 @@ def run_step(model, run, state: DecodeState, draft: Draft, plan: StepPlan) -> Ou
         call,
         groups_from=plan.causal,
         read_index=plan.read_index(tokens.device),
+        parts=state.parts,
     )
     state.nfe += 1
     state.written = written
@@ -328,6 +339,7 @@ def decode(
     )
     stops = known_stops(run, criteria)
     state = DecodeState(run.input_ids, run.kv_valid, torch.ones(B, dtype=torch.bool, device=device))
+    state.parts = model_parts(model)
     if run.slots is not None:
         state.cache = run.slots.cache
     elif run.session.recurrent_mixers(model):

@@ -7,11 +7,13 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
+from dataclasses import dataclass
 
 import torch
 from torch.profiler import record_function
 
 from .adapter import mask_rows
+from .layout import local_kinds
 from .recurrent import Segments, layout
 
 _OFF = contextlib.nullcontext()
@@ -90,8 +92,14 @@ class Output:
         logits=None,
         read: list[int] | None = None,
         index: torch.Tensor | None = None,
+        parts: Parts | None = None,
     ):
-        self.model, self.hidden, self.logits, self.head_rows = model, hidden, logits, 0
+        self.hidden, self.logits, self.head_rows = hidden, logits, 0
+        self.lm_head, self.softcap = (
+            (parts.head, parts.softcap)
+            if parts is not None
+            else (model.get_output_embeddings(), getattr(model.config, SOFTCAP, None))
+        )
         self.cached, self._where = None, None
         self.row_of: dict[int, int] = {}  # slot -> its row of `cached`, known on the host
         if hidden is not None and read:
@@ -147,8 +155,8 @@ class Output:
 
     def head(self, hidden):
         with phase("tidar.lm_head"):
-            logits = self.model.get_output_embeddings()(hidden)
-            cap = getattr(self.model.config, SOFTCAP, None)
+            logits = self.lm_head(hidden)
+            cap = self.softcap
             return torch.tanh(logits / cap) * cap if cap else logits
 
 
@@ -164,6 +172,31 @@ def decoder_body(model):
     return model.get_decoder()
 
 
+@dataclass(frozen=True)
+class Parts:
+    """What a decoding forward reads of the model, read once a generate() call (`model_parts`):
+    in transformers 5.25 a config attribute costs about 3 us and get_output_embeddings() about 10,
+    and a step asked for a dozen."""
+
+    body: object | None  # the decoder body where the head is plain (head_is_plain), else None
+    head: object  # the output embeddings
+    softcap: float | None
+    attn: str | None  # config._attn_implementation: the mask's format
+    local: dict | None  # layout.local_kinds(config): sliding windows and chunks
+
+
+def model_parts(model) -> Parts:
+    """The model's Parts as they are now (in cpu_kernels, its attention is the kernels' own)."""
+    config = model.config
+    return Parts(
+        decoder_body(model) if head_is_plain(model) else None,
+        model.get_output_embeddings(),
+        getattr(config, SOFTCAP, None),
+        getattr(config, "_attn_implementation", None),
+        local_kinds(config),
+    )
+
+
 def forward(
     model,
     cache,
@@ -176,35 +209,37 @@ def forward(
     call=None,
     groups_from: int | None = None,
     read_index: torch.Tensor | None = None,
+    parts: Parts | None = None,
 ) -> Output:
     """read: the slots whose logits the step may read, computed in one vocabulary-head call
     (read_index: the same on the device, or None).
     segments: how the model's recurrent `mixers` run the slots (recurrent.py); None without any.
     call: the decoder body's compiled call (slots.compiled_body), or None. groups_from: the first
     slot of the mask groups (every slot from there on is a mask slot, in every row), or None:
-    what a mask-slot adapter's gate is told (adapter.mask_rows)."""
+    what a mask-slot adapter's gate is told (adapter.mask_rows). parts: the model's Parts (read
+    here where not given)."""
+    parts = parts or model_parts(model)
     rows = groups_from
     if call is not None and groups_from is not None:  # as a tensor: one graph for every value
         slots = torch.arange(tokens.shape[1], device=tokens.device)
         rows = (slots >= groups_from).expand(tokens.shape[0], -1)
     with phase("tidar.forward"), layout(mixers or [], segments), mask_rows(model, rows):
-        if head_is_plain(model):
-            body = decoder_body(model)
+        if parts.body is not None:
             if call is not None:  # a CUDA graph's outputs live until its next replay: a new step
                 torch.compiler.cudagraph_mark_step_begin()
-            out = (call or body)(
+            out = (call or parts.body)(
                 input_ids=tokens,
                 position_ids=positions,
                 attention_mask=mask,
-                **cache_kwargs(body, cache),
+                **cache_kwargs(parts.body, cache),
             )
-            return Output(model, hidden=out.last_hidden_state, read=read, index=read_index)
+            return Output(model, out.last_hidden_state, read=read, index=read_index, parts=parts)
         out = model(
             input_ids=tokens,
             position_ids=positions,
             attention_mask=mask,
             **cache_kwargs(model, cache),
         )
-        result = Output(model, logits=out.logits)
+        result = Output(model, logits=out.logits, parts=parts)
         result.head_rows = tokens.shape[1]
         return result
