@@ -11,6 +11,7 @@ whoever drives it (transformers' generate, its prompt lookup, or TiDAR's engine)
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 import time
 import zlib
@@ -85,10 +86,14 @@ class Decoder:
             kwargs["cache_implementation"] = self.cache
         return kwargs
 
-    def packs_here(self) -> bool:
-        """The bench enters the CPU kernels itself: the base runs transformers' own generate, which
-        does not."""
-        return self.pack_weights if self.weights == "base" else False
+    def kernels(self, model):
+        """The CPU kernels the bench enters around a generation: the base's, which runs
+        transformers' own generate (that enters none); none around an export's, whose generate()
+        enters its own (an outer entry would report other products each call, and walk the model
+        again to log them)."""
+        if self.weights == "base":
+            return cpu_kernels(model, enabled=self.pack_weights)
+        return contextlib.nullcontext()
 
 
 DECODERS = {
@@ -255,7 +260,7 @@ def run_decoder(
     compiled = spec.compiled_on(device)
     with (
         torch.no_grad(),
-        cpu_kernels(model, enabled=spec.packs_here()),
+        spec.kernels(model),
         ForwardCounter(model, hooked=not compiled) as count,
     ):
         synchronize(device)
