@@ -98,6 +98,7 @@ class DecodeState:
     # each row's tokens the last commit appended, as host lists (None: not read by that commit)
     committed: list | None = None
     parts: Parts | None = None  # what a forward reads of the model, read once (forward.Parts)
+    recurrent: bool | None = None  # the cache has recurrent layers (None: not looked yet)
 
     def alive_rows(self) -> list[bool]:
         if self.alive is None:
@@ -631,6 +632,7 @@ class Kept:
     # the next draft's candidates, as the verdict's read brought them (Step.choices_at); None:
     # the drafter reads the group's logits
     choices: tuple | None = None
+    whole: bool = False  # every row keeps every one of `slots` (counts == len(slots)): no holes
 
 
 def no_group():
@@ -694,6 +696,7 @@ def accept_together(state: DecodeState, step: Step, run, beta: float) -> Kept:
         tuple(raw),
         host,
         step.choices_at([read] * B, read[1], None) if read is not None else None,
+        whole=True,
     )
 
 
@@ -848,7 +851,9 @@ def crop(state: DecodeState, plan: StepPlan, kept: Kept) -> None:
     invalid."""
     slots = kept.slots
     prefix = slots == list(range(len(slots)))
-    recurrent = bool(recurrent_layers(state.cache))
+    if state.recurrent is None:  # the cache's layers are made at the prefill and stay
+        state.recurrent = bool(recurrent_layers(state.cache))
+    recurrent = state.recurrent
     if recurrent:  # each row's recurrent state after the drafts it kept (a branch: its last slot)
         keep_states(state.cache, plan.causal, kept.counts, None if prefix else slots)
     if prefix and recurrent:  # the attention halves (a row's holes included, as below)
@@ -858,8 +863,12 @@ def crop(state: DecodeState, plan: StepPlan, kept: Kept) -> None:
     else:  # a branch off the chain is not a prefix, so `crop` cannot keep it
         keep_slots(state.cache, state.cache_valid.shape[1], slots)
         state.sibling_steps += 1
-    hole = torch.arange(len(slots), device=kept.counts.device) >= kept.counts[:, None]
-    state.cache_valid = torch.cat([state.cache_valid, ~hole], 1)
+    valid = state.cache_valid
+    if kept.whole:
+        state.cache_valid = torch.cat([valid, valid.new_ones(valid.shape[0], len(slots))], 1)
+    else:
+        hole = torch.arange(len(slots), device=kept.counts.device) >= kept.counts[:, None]
+        state.cache_valid = torch.cat([valid, ~hole], 1)
 
 
 def memo(fn):

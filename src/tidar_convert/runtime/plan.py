@@ -192,14 +192,15 @@ class Planner:
             fits = n if room is None else min(n, room - k + 1)
             order = sorted(range(max(fits, 0)), key=lambda i: -lengths[i]) if uses_groups else []
             most = min(len(order), max(0, (self.budget - n) // k))
+            ended = 0.0  # the chance the step ends at a length of the first g groups
             for g in range(most + 1):
-                score = (tokens + worth * sum(lengths[i] for i in order[:g])) / price(
-                    n + g * k, g > 0
-                )
+                if g:
+                    ended += lengths[order[g - 1]]
+                score = (tokens + worth * ended) / price(n + g * k, g > 0)
                 if best is None or score > best[0]:
-                    best = (score, n, tuple(sorted(i + 1 for i in order[:g])))
-        _, n, anchors = best
-        return cut(draft, n), StepPlan(n, anchors, k)
+                    best = (score, n, order[:g])
+        _, n, groups = best
+        return cut(draft, n), StepPlan(n, tuple(sorted(i + 1 for i in groups)), k)
 
     def group_worth(self, draft: Draft, price=None) -> float:
         """What a group at the accepted length is worth, in tokens: the proposals a group draft gets
@@ -249,11 +250,18 @@ class Planner:
             if not cost:
                 where = where[:1] + [s for s in where[1:] if ends[s] >= self.min_chance]
             most = min(len(where), (self.budget - 1 - t) // k)
-            for g in range(most + 1) if cost else (most,):
-                value = tokens + worth * sum(max(0.0, ends[s]) for s in where[:g])
-                score = value / price(1 + t + g * k, g > 0) if cost else value
-                if best is None or score > best[0]:
-                    best = (score, t, where[:g])
+            if cost:
+                ended = 0.0  # the chance the step ends at a node of the first g groups
+                for g in range(most + 1):
+                    if g:
+                        ended += max(0.0, ends[where[g - 1]])
+                    score = (tokens + worth * ended) / price(1 + t + g * k, g > 0)
+                    if best is None or score > best[0]:
+                        best = (score, t, where[:g])
+            else:
+                value = tokens + worth * sum(max(0.0, ends[s]) for s in where[:most])
+                if best is None or value > best[0]:
+                    best = (value, t, where[:most])
         _, t, groups = best
         kept = set(order[:t])
         n = 1 + sum(1 for s in kept if s < m)  # chain nodes kept: a prefix of the chain
