@@ -229,6 +229,26 @@ def test_step_costs_price_unmeasured_shapes_optimistically():
     assert stale.price(5, False) == pytest.approx(100)  # and its next time counts by the minimum
 
 
+def test_step_costs_table_is_price_until_a_time_is_added():
+    """StepCosts.table: every shape's price, as the plan's search reads it, kept until the next time
+    (which moves prices, and staleness with the step count)."""
+    c = costs({(1, False): 60, (5, False): 500, (8, True): 200})
+
+    def check(most):
+        table = c.table(most)
+        assert len(table[0]) > most and len(table[1]) > most
+        for slots in range(1, most + 1):
+            assert [table[0][slots], table[1][slots]] == [c.price(slots, m) for m in (False, True)]
+
+    check(12)
+    assert c.table(6) is c.table(12)  # a narrower search reads the same table
+    c.add(3, False, 0.05)  # a new shape: the guesses beside it move
+    check(12)
+    for _ in range(c.stale + 1):  # 5 slots goes stale: guessed again
+        c.add(1, False, 0.06)
+    check(20)
+
+
 def test_group_gain_forgets_back_to_its_prior():
     from tidar_convert.runtime.costs import Mean
 

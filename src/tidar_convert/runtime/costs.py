@@ -63,6 +63,7 @@ class StepCosts:
         # computed it.
         self.group_gain = Mean(1.0)
         self.group_use = {source: Mean(1.0) for source in SOURCES}
+        self._table: tuple | None = None  # (steps, prices): `table`'s, until a time is added
 
     def add(self, slots: int, masked: bool, seconds: float) -> None:
         key, ms = (slots, masked), 1000 * seconds
@@ -87,6 +88,19 @@ class StepCosts:
             return self.ms[key]
         guess = self.guess(slots, masked)
         return min(self.ms[key], guess) if key in self.ms else guess
+
+    def table(self, most: int) -> tuple[list[float], list[float]]:
+        """price(slots, masked) of every shape up to at least `most` slots, as [masked][slots]
+        (slots 0 is unused): a plan's search reads a few dozen prices many times, and they change
+        only when a time is added (the step count, and so staleness, moves with it)."""
+        kept = self._table
+        if kept is None or kept[0] != self.steps or len(kept[1][0]) <= most:
+            prices = tuple(
+                [0.0] + [self.price(slots, masked) for slots in range(1, most + 1)]
+                for masked in (False, True)
+            )
+            self._table = kept = (self.steps, prices)
+        return kept[1]
 
     def guess(self, slots: int, masked: bool) -> float:
         """The optimistic price of a shape from the others."""

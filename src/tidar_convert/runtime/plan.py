@@ -181,8 +181,8 @@ class Planner:
         (`group_worth`). Groups go to the likeliest lengths first.
         Exact for any choice: which proposals are kept reads their confidence only."""
         k, m = self.k, draft.tokens.shape[1]
-        price = functools.cache(self.costs.price)  # the search asks for a few shapes many times
-        worth = self.group_worth(draft, price)
+        prices = self.costs.table(max(self.budget, m))
+        worth = self.group_worth(draft, prices)
         at = batch_reach(draft, per_row)
         best = None
         for n in range(1, m + 1):  # drafts kept: draft 0 and n - 1 proposals
@@ -196,13 +196,13 @@ class Planner:
             for g in range(most + 1):
                 if g:
                     ended += lengths[order[g - 1]]
-                score = (tokens + worth * ended) / price(n + g * k, g > 0)
+                score = (tokens + worth * ended) / prices[g > 0][n + g * k]
                 if best is None or score > best[0]:
                     best = (score, n, order[:g])
         _, n, groups = best
         return cut(draft, n), StepPlan(n, tuple(sorted(i + 1 for i in groups)), k)
 
-    def group_worth(self, draft: Draft, price=None) -> float:
+    def group_worth(self, draft: Draft, prices=None) -> float:
         """What a group at the accepted length is worth, in tokens: the proposals a group draft gets
         accepted on average (`group_gain`, learned with the costs) less what verifying them will
         cost the next step (`verify_cost`), times the chance the next draft is taken from the group
@@ -211,7 +211,7 @@ class Planner:
         in runs)."""
         use = self.costs.group_use
         share = sum(use[source_key(s)].value for s in draft.sources) / len(draft.sources)
-        return share * max(0.0, self.group_gain.value - self.verify_cost(price))
+        return share * max(0.0, self.group_gain.value - self.verify_cost(prices))
 
     def tree(self, draft: Draft, uses_groups: bool, room: int | None) -> tuple[Draft, "StepPlan"]:
         """A step over the draft's tree (greedy, batch 1): the likeliest nodes (chain proposals and
@@ -233,8 +233,8 @@ class Planner:
         order = sorted(range(1, len(reach)), key=lambda s: (-reach[s], depth[s], s))
         if not cost:
             order = [s for s in order if reach[s] >= self.min_chance]
-        price = functools.cache(self.costs.price)  # the search asks for a few shapes many times
-        worth = self.group_worth(draft, price) if cost else self.group_gain.value
+        prices = self.costs.table(self.budget) if cost else None
+        worth = self.group_worth(draft, prices) if cost else self.group_gain.value
         # a group after a node at depth d uses offsets d + 1 .. d + k
         deepest = None if room is None else room - k
         ends, tokens, best = {0: 1.0}, 1.0, None
@@ -255,7 +255,7 @@ class Planner:
                 for g in range(most + 1):
                     if g:
                         ended += max(0.0, ends[where[g - 1]])
-                    score = (tokens + worth * ended) / price(1 + t + g * k, g > 0)
+                    score = (tokens + worth * ended) / prices[g > 0][1 + t + g * k]
                     if best is None or score > best[0]:
                         best = (score, t, where[:g])
             else:
@@ -284,15 +284,15 @@ class Planner:
             n, tuple(sorted(slot[s] + 1 for s in groups)), k, sibling_parents
         )
 
-    def verify_cost(self, price=None) -> float:
+    def verify_cost(self, prices=None) -> float:
         """What verifying a group's draft costs the next step, in tokens: the time a step with
         proposals takes beyond a plain AR step's, over the AR step's (the tokens that time would
         have made). A group's proposals are worth only what they bring beyond it: were a step of 2
         to 4 slots to cost 1.5x one of 1 slot, a group would need more than half a proposal accepted
         to pay; where slots are free (a GPU) it costs nothing."""
-        price = price or self.costs.price  # price: StepCosts.price, or a plan's memo of it
-        one = price(1, False)
-        verify = min(price(n, False) for n in range(2, self.k + 1))
+        unmasked = (prices or self.costs.table(self.k))[0]  # prices: StepCosts.table's
+        one = unmasked[1]
+        verify = min(unmasked[2 : self.k + 1])
         return max(0.0, verify - one) / one
 
     def timed(
