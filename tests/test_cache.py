@@ -83,3 +83,55 @@ def test_the_kernels_attention_reads_a_buffers_filled_part_where_it_lies(batch, 
     out = panel.attention(query, keys, values, mask, False, 0.25)
     expected = panel.attention(query, keys.contiguous(), values.contiguous(), mask, False, 0.25)
     assert torch.equal(out, expected)
+
+
+def test_a_caches_layers_share_one_store_and_keep_a_branch_in_one_move(monkeypatch):
+    """growing_cache: its layers' buffers are views of one Store (made with room for 2 layers here,
+    so it doubles as they join), and keep_slots moves every member's branch in one index_select,
+    with what a DynamicLayer cache holds after any run of updates, crops and kept branches; a layer
+    of another shape keeps its own buffers, and a layer assigned a tensor (a batch selection)
+    leaves the store."""
+    gen = torch.Generator().manual_seed(0)
+    cache, reference = growing_cache(2), growing_cache()
+    reference.layer_class_to_replicate = DynamicLayer
+    monkeypatch.setattr(GrowingLayer, "ROOM", 5)  # regrow often
+    heads = [2, 2, 1, 2, 2]  # layer 2's shape differs: its own buffers
+    selects = []
+    real = torch.Tensor.index_select
+    monkeypatch.setattr(
+        torch.Tensor, "index_select", lambda t, *a: selects.append(t.dim()) or real(t, *a)
+    )
+    for step in range(40):
+        n = int(torch.randint(1, 7, (1,), generator=gen))
+        for c in (cache, reference):
+            for layer, h in enumerate(heads):
+                g = torch.Generator().manual_seed(step * 10 + layer)
+                new = torch.randn(2, h, n, 4, generator=g)
+                c.update(new, -new, layer)
+        drop = int(torch.randint(0, n + 1, (1,), generator=gen))
+        if step % 3 == 1 and drop:
+            cache.crop(-drop)
+            reference.crop(-drop)
+        elif step % 3 == 2:
+            start = reference.get_seq_length() - n
+            keep = sorted(torch.randperm(n, generator=gen)[:drop].tolist())
+            selects.clear()
+            keep_slots(cache, start, keep)
+            # the store's members at once (a 6-d buffer), layer 2 alone: 2 of its buffers
+            assert selects == [6, 4, 4]
+            keep_slots(reference, start, keep)
+        for a, b in zip(cache.layers, reference.layers):
+            assert a.get_seq_length() == b.get_seq_length()
+            assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
+    store = cache.layers[0].store
+    assert [layer.slot for layer in cache.layers] == [0, 1, None, 2, 3]
+    assert len(store.members) == 4 and cache.layers[2].store is None
+    assert cache.layers[3].keys.untyped_storage().data_ptr() == store.buffer.data_ptr()
+    cache.batch_select_indices(torch.tensor([1]))  # transformers assigns each layer's tensors
+    reference.batch_select_indices(torch.tensor([1]))
+    assert all(layer.store is None for layer in cache.layers) and not any(store.members)
+    for c in (cache, reference):
+        for layer, h in enumerate(heads):
+            c.update(torch.ones(1, h, 3, 4), torch.ones(1, h, 3, 4), layer)
+    for a, b in zip(cache.layers, reference.layers):
+        assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)

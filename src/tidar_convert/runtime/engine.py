@@ -345,6 +345,9 @@ def decode(
         state.cache = run.slots.cache
     elif run.session.recurrent_mixers(model):
         state.cache = new_cache(model.config)
+    else:  # room in its store for every layer (where the config says how many)
+        layers = getattr(model.config.get_text_config(decoder=True), "num_hidden_layers", None)
+        state.cache = growing_cache(layers or 8)
     state.new = torch.full((B, run.max_new), run.pad, dtype=run.input_ids.dtype, device=device)
     state.n_new = torch.zeros(B, dtype=torch.long, device=device)
     if per_row:

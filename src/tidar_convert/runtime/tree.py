@@ -191,8 +191,16 @@ def keep_slots(cache, cache_len: int, slots: list[int]) -> None:
     branch of a tree is not a suffix of the step, so `crop` cannot keep it."""
     index = torch.tensor([*range(cache_len), *(cache_len + s for s in slots)])
     branch = index[cache_len:]
+    moved = set()  # the stores that moved their members' branches at once
     for layer in cache.layers:
-        if isinstance(layer, (GrowingLayer, SlotLayer)):  # moved inside its buffers
+        store = getattr(layer, "store", None)
+        if store is not None and layer.slot is not None and id(store) not in moved:
+            moved.add(id(store))
+            for alone in store.keep(cache_len, branch.to(store.buffer.device)):
+                alone.keep(cache_len, branch.to(alone.device))
+        elif isinstance(layer, GrowingLayer) and layer.slot is not None:
+            continue  # its store moved it
+        elif isinstance(layer, (GrowingLayer, SlotLayer)):  # moved inside its buffers
             layer.keep(cache_len, branch.to(layer.device))
         elif getattr(layer, "keys", None) is not None and layer.keys.numel():
             i = index.to(layer.keys.device)
