@@ -1123,6 +1123,49 @@ def test_the_model_s_parts_are_read_once_a_call(trained, monkeypatch):
     assert model.tidar_stats["nfe"] > 3 and calls == [1] and heads == [1]
 
 
+def test_a_step_puts_host_values_on_the_device_through_one_helper(trained, monkeypatch):
+    """Every tensor the runtime makes from Python values goes through transfer.on_device, which
+    copies to a GPU without waiting for it (torch.tensor(..., device=cuda) copies from pageable
+    memory, a sync with the device each): a tree step, lookup drafts, a batch committing per row and
+    a batch committing together make none with torch.tensor(device=...)."""
+    import sys
+
+    model, _ = trained["llama"]
+    made = []
+    real = torch.tensor
+
+    def tensor(*args, **kwargs):
+        caller = sys._getframe(1).f_code.co_filename
+        if "runtime" in caller and kwargs.get("device") is not None:
+            made.append((caller, sys._getframe(1).f_lineno))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "tensor", tensor)
+    one, two = cycle_batch(1, 6, seed=0), cycle_batch(2, 6, seed=1)
+    for ids, kwargs in (
+        (one, {}),  # a tree: siblings, plans, branches kept
+        (one, {"drafter": "lookup"}),
+        (two, {}),  # rows commit what each accepted
+        (two, {"output_scores": True, "return_dict_in_generate": True}),  # rows commit together
+    ):
+        generate(ids, model=model, max_new_tokens=24, eos_token_id=None, **kwargs)
+    assert made == []
+
+
+def test_on_device_is_torch_tensor_on_any_device():
+    from tidar_convert.runtime.transfer import on_device
+
+    for values, dtype in (([[1, 2], [3, 4]], None), ([0.5, 0.25], None), ([], torch.long)):
+        expected = torch.tensor(values, dtype=dtype)
+        got = on_device(values, torch.device("cpu"), dtype)
+        assert torch.equal(got, expected) and got.dtype == expected.dtype
+        meta = on_device(values, torch.device("meta"), dtype)
+        assert meta.device.type == "meta" and meta.shape == expected.shape
+        if torch.cuda.is_available():
+            cuda = on_device(values, torch.device("cuda"), dtype)
+            assert torch.equal(cuda.cpu(), expected) and cuda.dtype == expected.dtype
+
+
 def test_drafted_masks_proposals_past_a_rows_length_unless_every_row_drafted_all():
     """verify.drafted: a proposal past its row's length never matches; where the draft's host copy
     says every row drafted all of them, the match is returned as it is (no mask built); lengths

@@ -26,6 +26,7 @@ from typing import Callable, Protocol
 import torch
 
 from .costs import Mean
+from .transfer import on_device
 from .tree import beside, first_siblings, group_siblings, grow, top_choices
 from .verify import prefix_free, process, process_one
 
@@ -211,8 +212,8 @@ def first_choices(
     chain = [[t[0] for t in row] for row in tokens]
     conf = [[c[0] for c in row] for row in chances]
     draft = Draft(
-        torch.cat([y[:, None], torch.tensor(chain, dtype=y.dtype, device=y.device)], 1),
-        confidence=torch.tensor(conf, device=y.device),
+        torch.cat([y[:, None], on_device(chain, y.device, y.dtype)], 1),
+        confidence=on_device(conf, y.device),
         sources=sources,
     ).hold(confidence=conf)
     if y_host is not None:
@@ -273,7 +274,7 @@ class DiffusionDrafter(Drafter):
         if have is not None:
             have = as_list(have)
             length = [min(n, 1 + h) for n, h in zip(draft.host("length"), have)]
-            draft.length = torch.tensor(length, dtype=torch.long, device=draft.tokens.device)
+            draft.length = on_device(length, draft.tokens.device, torch.long)
             draft.hold(length=length)
             draft.sources = [s if h else "none" for s, h in zip(draft.sources, have)]
         return self.calibrate(draft)
@@ -289,7 +290,7 @@ class DiffusionDrafter(Drafter):
             rows = draft.host(name)
             if rows is not None:
                 scaled = [[min(c * scale, 1.0) for c in row] for row in rows]
-                setattr(draft, name, torch.tensor(scaled, device=draft.tokens.device))
+                setattr(draft, name, on_device(scaled, draft.tokens.device))
                 draft.hold(**{name: scaled})
         return draft
 
@@ -388,7 +389,7 @@ class LookupDrafter(Drafter):
         if found is None:
             return None
         tokens, n, starts = found
-        return torch.tensor(tokens, dtype=seq.dtype, device=seq.device), n, starts
+        return on_device(tokens, seq.device, seq.dtype), n, starts
 
     def search(self, text: NGrams, limit: int) -> tuple[list[int], int, list[int]] | None:
         """transformers' search on an indexed text: longest n-gram first, the tokens after its first
@@ -439,8 +440,8 @@ class LookupDrafter(Drafter):
                 slot, depth = m + len(tokens) - 1, depth + 1
         if tokens:
             device = draft.tokens.device
-            draft.siblings = torch.tensor([tokens], dtype=draft.tokens.dtype, device=device)
-            draft.sibling_confidence = torch.tensor([chances], device=device)
+            draft.siblings = on_device([tokens], device, draft.tokens.dtype)
+            draft.sibling_confidence = on_device([chances], device)
             draft.sibling_parents = tuple(parents)
             draft.hold(siblings=[tokens], sibling_confidence=[chances])
         return draft
@@ -511,9 +512,9 @@ class LookupDrafter(Drafter):
         sources = ["lookup" if f is not None else "none" for f in found]
         device = ctx.seqs.device
         draft = Draft(
-            torch.tensor(tokens, dtype=ctx.seqs.dtype, device=device),
-            torch.tensor(length, dtype=torch.long, device=device),
-            torch.tensor(confidence, device=device),
+            on_device(tokens, device, ctx.seqs.dtype),
+            on_device(length, device, torch.long),
+            on_device(confidence, device),
             sources,
         ).hold(tokens=tokens, length=length, confidence=confidence)
         if ctx.siblings and B == 1:
@@ -665,11 +666,11 @@ def merge(use_a: list[bool], a: Draft, b: Draft) -> Draft:
     raw_confidence = pick(padded(a, raw(a), 0.0), padded(b, raw(b), 0.0))
     device = a.tokens.device
     return Draft(
-        torch.tensor(tokens, dtype=a.tokens.dtype, device=device),
-        torch.tensor(length, dtype=torch.long, device=device),
-        torch.tensor(confidence, device=device),
+        on_device(tokens, device, a.tokens.dtype),
+        on_device(length, device, torch.long),
+        on_device(confidence, device),
         pick(a.sources, b.sources),
-        raw_confidence=torch.tensor(raw_confidence, device=device),
+        raw_confidence=on_device(raw_confidence, device),
     ).hold(tokens=tokens, length=length, confidence=confidence, raw_confidence=raw_confidence)
 
 

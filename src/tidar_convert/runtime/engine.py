@@ -60,6 +60,7 @@ from .recurrent import (
     recurrent_layers,
     select_rows,
 )
+from .transfer import on_device
 from .tree import keep_slots, walk
 from .verify import Greedy, argmax, at_rows, mix, prefix_free, process, top_chances
 
@@ -721,9 +722,9 @@ def accept_each(state: DecodeState, step: Step, run, beta: float) -> Kept:
     reads = [plan.group_read(a) for a in n]
     # proposals per row
     proposals = [r[1] if r is not None else 0 for r in reads]
-    have = torch.tensor(proposals, device=accepted.device)
+    have = on_device(proposals, accepted.device)
     # none: slot 0, an AR row (computed)
-    at = torch.tensor([r[0] if r is not None else -1 for r in reads], device=accepted.device)
+    at = on_device([r[0] if r is not None else -1 for r in reads], accepted.device)
     group = (lambda: (out.rows_at(at + 1, k - 1, have), have)) if any(proposals) else no_group
     # as `tokens`: a stopped row's one token is its y
     host = step.host_tokens(n, step.taken)
@@ -789,7 +790,7 @@ def commit_at_once(run, state: DecodeState, kept: Kept, eos: frozenset, max_leng
     R = max(takes)
     if R:
         device = seqs.device
-        c = torch.tensor(takes, device=device)
+        c = on_device(takes, device)
         if B == 1:
             state.seqs = torch.cat([seqs, kept.tokens[:, :R]], 1)
             state.kv_valid = torch.cat(
@@ -805,7 +806,7 @@ def commit_at_once(run, state: DecodeState, kept: Kept, eos: frozenset, max_leng
             if take:
                 state.new[b, done : done + take] = kept.tokens[b, :take]
         state.n_new = state.n_new + c
-    state.active = torch.tensor(active, device=state.active.device)
+    state.active = on_device(active, state.active.device)
     state.alive, state.made = active, [row[-1] + c for row, c in zip(host, takes)]
     state.committed = [row[:take] for row, take in zip(host, takes)]
 

@@ -15,6 +15,7 @@ from torch.profiler import record_function
 from .adapter import mask_rows
 from .layout import local_kinds
 from .recurrent import Segments, layout
+from .transfer import on_device
 
 _OFF = contextlib.nullcontext()
 
@@ -72,7 +73,7 @@ def slots_of(x: torch.Tensor, slots: list[int], index: torch.Tensor | None = Non
     first = slots[0] if slots else 0
     if slots == list(range(first, first + len(slots))):
         return x[:, first : first + len(slots)]
-    return x.index_select(1, torch.tensor(slots, device=x.device) if index is None else index)
+    return x.index_select(1, on_device(slots, x.device) if index is None else index)
 
 
 class Output:

@@ -13,6 +13,7 @@ import torch
 from .costs import StepCosts, source_key
 from .drafters import Draft, as_list
 from .layout import decode_position_ids
+from .transfer import on_device
 
 
 @dataclass(frozen=True)
@@ -85,7 +86,7 @@ def read_index(plan: StepPlan, device: torch.device) -> torch.Tensor:
     """(rows,) plan.read() on the device, made once per plan shape: an index made from the list each
     step is a copy to the device, and on a GPU that copy waits for the forward queued before it
     (the head's rows are gathered right after the decoder body)."""
-    return torch.tensor(plan.read(), device=device)
+    return on_device(plan.read(), device)
 
 
 @functools.lru_cache(maxsize=1024)
@@ -273,10 +274,8 @@ class Planner:
         kept_siblings, kept_odds = [siblings[i] for i in index], [odds[i] for i in index]
         device = draft.tokens.device
         cut_draft = cut(draft, n).replace(
-            siblings=torch.tensor([kept_siblings], dtype=draft.siblings.dtype, device=device),
-            sibling_confidence=torch.tensor(
-                [kept_odds], dtype=draft.sibling_confidence.dtype, device=device
-            ),
+            siblings=on_device([kept_siblings], device, draft.siblings.dtype),
+            sibling_confidence=on_device([kept_odds], device, draft.sibling_confidence.dtype),
             sibling_parents=sibling_parents,
         )
         cut_draft.hold(siblings=[kept_siblings], sibling_confidence=[kept_odds])

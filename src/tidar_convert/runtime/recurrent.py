@@ -42,6 +42,7 @@ from transformers import DynamicCache
 from transformers.cache_utils import Cache, DynamicLayer, DynamicSlidingWindowLayer
 
 from .cache import GrowingLayer
+from .transfer import on_device
 
 try:
     from transformers.cache_utils import DummyLayer
@@ -496,7 +497,7 @@ def keep_states(cache, causal: int, kept: torch.Tensor, path: list[int] | None =
             continue
         rows = torch.arange(kept.shape[0], device=kept.device)
         # a state index per row into [before the step, after slot 0, after slot 1, ...]
-        index = kept if path is None else torch.tensor([path[-1] + 1 if path else 0])
+        index = kept if path is None else on_device([path[-1] + 1 if path else 0], kept.device)
         for i in _states_of(layer):
             if layer.is_conv_states_initialized[i]:
                 K = layer.conv_kernel_size[i]
@@ -504,7 +505,7 @@ def keep_states(cache, causal: int, kept: torch.Tensor, path: list[int] | None =
                 if path is None:  # window ends at kept - 1
                     cols = kept[:, None] + torch.arange(K, device=kept.device)
                 else:  # the cached window, then the path's inputs: the last K of them
-                    cols = torch.tensor([([*range(K)] + [K + s for s in path])[-K:]])
+                    cols = on_device([([*range(K)] + [K + s for s in path])[-K:]], full.device)
                 cols = cols.to(full.device)
                 layer.conv_states[i] = full.gather(
                     -1, cols[:, None, :].expand(-1, full.shape[1], -1)
@@ -637,7 +638,7 @@ def _conv_windows(T: int, anchors: tuple, k: int, K: int, parents, device) -> to
     for g, a in enumerate(anchors):
         start = K + T + g * k  # the group's first input
         rows += [(paths[a - 1] + list(range(start, start + j + 1)))[-K:] for j in range(k)]
-    return torch.tensor(rows, dtype=torch.long, device=device)
+    return on_device(rows, torch.device(device), torch.long)
 
 
 def _delta_tree(state, q, k, v, beta, g, out, parents) -> list[torch.Tensor]:

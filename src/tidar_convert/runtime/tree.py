@@ -21,6 +21,7 @@ import torch
 from .cache import GrowingLayer
 from .forward import slots_of
 from .slots import SlotLayer
+from .transfer import on_device
 from .verify import process, top_chances
 
 if TYPE_CHECKING:  # types only: drafters.py imports this module
@@ -87,8 +88,8 @@ def grow(
             conditional.append(c)
         push(-neg, depth, slot, chained)
     device = draft.tokens.device
-    draft.siblings = torch.tensor([tokens], dtype=draft.tokens.dtype, device=device).view(1, -1)
-    draft.sibling_confidence = torch.tensor([conditional], device=device).view(1, -1)
+    draft.siblings = on_device([tokens], device, draft.tokens.dtype).view(1, -1)
+    draft.sibling_confidence = on_device([conditional], device).view(1, -1)
     draft.sibling_parents = tuple(parents)
     return draft.hold(siblings=[tokens], sibling_confidence=[conditional])
 
@@ -132,8 +133,8 @@ def beside(draft: Draft, tokens: list, chances: list) -> Draft:
         old, old_odds = draft.host("siblings")[0], draft.host("sibling_confidence")[0]
         parents = (*draft.parents(), *(0,) * len(keep))
     device = draft.tokens.device
-    draft.siblings = torch.tensor([old + added], dtype=draft.tokens.dtype, device=device)
-    draft.sibling_confidence = torch.tensor([old_odds + odds], device=device)
+    draft.siblings = on_device([old + added], device, draft.tokens.dtype)
+    draft.sibling_confidence = on_device([old_odds + odds], device)
     draft.sibling_parents = parents
     return draft.hold(siblings=[old + added], sibling_confidence=[old_odds + odds])
 
@@ -189,21 +190,30 @@ def walk(
 def keep_slots(cache, cache_len: int, slots: list[int]) -> None:
     """Keep the cache's first cache_len entries and, of the step's slots after them, `slots`: a
     branch of a tree is not a suffix of the step, so `crop` cannot keep it."""
-    index = torch.tensor([*range(cache_len), *(cache_len + s for s in slots)])
-    branch = index[cache_len:]
+    kept = [cache_len + s for s in slots]
+    on = {}  # the branch's index on each device, copied there once
+
+    def branch(device):
+        if device not in on:
+            on[device] = on_device(kept, device, torch.long)
+        return on[device]
+
     moved = set()  # the stores that moved their members' branches at once
     for layer in cache.layers:
         store = getattr(layer, "store", None)
         if store is not None and layer.slot is not None and id(store) not in moved:
             moved.add(id(store))
-            for alone in store.keep(cache_len, branch.to(store.buffer.device)):
-                alone.keep(cache_len, branch.to(alone.device))
+            for alone in store.keep(cache_len, branch(store.buffer.device)):
+                alone.keep(cache_len, branch(alone.device))
         elif isinstance(layer, GrowingLayer) and layer.slot is not None:
             continue  # its store moved it
         elif isinstance(layer, (GrowingLayer, SlotLayer)):  # moved inside its buffers
-            layer.keep(cache_len, branch.to(layer.device))
+            layer.keep(cache_len, branch(layer.device))
         elif getattr(layer, "keys", None) is not None and layer.keys.numel():
-            i = index.to(layer.keys.device)
+            device = layer.keys.device
+            if ("all", device) not in on:
+                on["all", device] = on_device([*range(cache_len), *kept], device, torch.long)
+            i = on["all", device]
             layer.keys, layer.values = (
                 layer.keys.index_select(-2, i),
                 layer.values.index_select(-2, i),
