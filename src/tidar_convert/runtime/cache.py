@@ -163,8 +163,7 @@ class Store:
         they all hold the same entries (they do while decoding); returns the members it did not
         move (their entries differ), for the caller to move one by one."""
         members = [layer for layer in self.members if layer is not None]
-        lengths = {layer.length for layer in members}
-        if len(lengths) != 1 or not members:
+        if len({layer.length for layer in members}) != 1:
             return members
         self.buffer[..., start : start + len(index), :] = self.buffer.index_select(-2, index)
         for layer in members:

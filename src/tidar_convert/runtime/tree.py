@@ -13,6 +13,7 @@ holds it (walk), and the cache keeps that path (keep_slots).
 
 from __future__ import annotations
 
+import functools
 import heapq
 from typing import TYPE_CHECKING
 
@@ -191,29 +192,22 @@ def keep_slots(cache, cache_len: int, slots: list[int]) -> None:
     """Keep the cache's first cache_len entries and, of the step's slots after them, `slots`: a
     branch of a tree is not a suffix of the step, so `crop` cannot keep it."""
     kept = [cache_len + s for s in slots]
-    on = {}  # the branch's index on each device, copied there once
 
-    def branch(device):
-        if device not in on:
-            on[device] = on_device(kept, device, torch.long)
-        return on[device]
+    @functools.cache
+    def index(device, whole: bool = False):  # the branch (whole: the past too), once per device
+        return on_device([*range(cache_len), *kept] if whole else kept, device, torch.long)
 
     moved = set()  # the stores that moved their members' branches at once
     for layer in cache.layers:
-        store = getattr(layer, "store", None)
-        if store is not None and layer.slot is not None and id(store) not in moved:
-            moved.add(id(store))
-            for alone in store.keep(cache_len, branch(store.buffer.device)):
-                alone.keep(cache_len, branch(alone.device))
-        elif isinstance(layer, GrowingLayer) and layer.slot is not None:
-            continue  # its store moved it
+        if isinstance(layer, GrowingLayer) and layer.slot is not None:  # a store's member
+            if id(layer.store) not in moved:
+                moved.add(id(layer.store))
+                for alone in layer.store.keep(cache_len, index(layer.store.buffer.device)):
+                    alone.keep(cache_len, index(alone.device))
         elif isinstance(layer, (GrowingLayer, SlotLayer)):  # moved inside its buffers
-            layer.keep(cache_len, branch(layer.device))
+            layer.keep(cache_len, index(layer.device))
         elif getattr(layer, "keys", None) is not None and layer.keys.numel():
-            device = layer.keys.device
-            if ("all", device) not in on:
-                on["all", device] = on_device([*range(cache_len), *kept], device, torch.long)
-            i = on["all", device]
+            i = index(layer.keys.device, whole=True)
             layer.keys, layer.values = (
                 layer.keys.index_select(-2, i),
                 layer.values.index_select(-2, i),
