@@ -135,3 +135,21 @@ def test_a_caches_layers_share_one_store_and_keep_a_branch_in_one_move(monkeypat
             c.update(torch.ones(1, h, 3, 4), torch.ones(1, h, 3, 4), layer)
     for a, b in zip(cache.layers, reference.layers):
         assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
+
+
+def test_a_layer_whose_values_are_narrower_than_its_keys_keeps_its_own_buffers():
+    """Multi-head latent attention (DeepSeek-V3) caches keys wider than values: such a layer stays
+    out of the store, beside layers in it, and keeps a branch as a DynamicLayer does."""
+    cache, reference = growing_cache(), growing_cache()
+    reference.layer_class_to_replicate = DynamicLayer
+    for c in (cache, reference):
+        torch.manual_seed(0)
+        for layer in range(3):
+            keys = torch.randn(1, 2, 12, 4)
+            values = torch.randn(1, 2, 12, 2) if layer == 1 else -keys
+            c.update(keys, values, layer)
+        keep_slots(c, 7, [0, 2, 4])
+    assert [layer.slot for layer in cache.layers] == [0, None, 1]
+    for a, b in zip(cache.layers, reference.layers):
+        assert a.get_seq_length() == b.get_seq_length() == 10
+        assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)

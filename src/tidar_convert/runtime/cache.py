@@ -77,7 +77,7 @@ class GrowingLayer(DynamicLayer):
             self.lazy_initialization(key_states, value_states)
         start, end = self.length, self.length + key_states.shape[-2]
         if self.store is not None:
-            self.store.make_room(self, key_states, end)
+            self.store.make_room(self, key_states, value_states, end)
         if self.slot is not None:  # the store's views, with room
             self._keys[..., start:end, :] = key_states
             self._values[..., start:end, :] = value_states
@@ -111,32 +111,34 @@ class GrowingLayer(DynamicLayer):
 class Store:
     """One buffer (keys and values, layers, B, heads, entries, dim) for the GrowingLayers of a
     cache, each layer's keys and values a view of it (`members[slot]`), made at the first update and
-    grown for all at once. A layer whose shape, dtype or device differs from the first's, or that
-    is assigned a tensor, keeps its own buffers."""
+    grown for all at once. A layer whose shape, dtype or device differs from the first's, whose
+    values are not shaped as its keys, or that is assigned a tensor, keeps its own buffers."""
 
     def __init__(self, layers: int = 8):
         self.buffer: torch.Tensor | None = None
         self.members: list = [None] * layers
 
-    def make_room(self, layer: GrowingLayer, new: torch.Tensor, end: int) -> None:
-        """Before `layer` writes `new` up to entry `end`: it joins (first update) and the buffer has
-        the entries; a layer that cannot join leaves."""
-        if layer.slot is None and not self.join(layer, new, end):
+    def make_room(self, layer: GrowingLayer, keys: torch.Tensor, values: torch.Tensor, end: int):
+        """Before `layer` writes `keys` and `values` up to entry `end`: it joins (first update) and
+        the buffer has the entries; a layer that cannot join leaves."""
+        if layer.slot is None and not self.join(layer, keys, values, end):
             layer.leave()
             return
         if self.buffer.shape[-2] < end:
             self.resize(end + GrowingLayer.ROOM, len(self.members))
 
-    def join(self, layer: GrowingLayer, new: torch.Tensor, end: int) -> bool:
-        if layer._keys is not None:  # it wrote before it joined: its entries are its own
+    def join(self, layer: GrowingLayer, keys: torch.Tensor, values: torch.Tensor, end: int) -> bool:
+        # it wrote before it joined (its entries are its own), or its values are not shaped as its
+        # keys (multi-head latent attention: keys wider than values)
+        if layer._keys is not None or (values.shape, values.dtype) != (keys.shape, keys.dtype):
             return False
         if self.buffer is None:
-            self.buffer = new.new_empty(
-                2, len(self.members), *new.shape[:-2], end + GrowingLayer.ROOM, new.shape[-1]
+            self.buffer = keys.new_empty(
+                2, len(self.members), *keys.shape[:-2], end + GrowingLayer.ROOM, keys.shape[-1]
             )
-        elif self.buffer.shape[2:-2] != new.shape[:-2] or (
+        elif self.buffer.shape[2:-2] != keys.shape[:-2] or (
             (self.buffer.shape[-1], self.buffer.dtype, self.buffer.device)
-            != (new.shape[-1], new.dtype, new.device)
+            != (keys.shape[-1], keys.dtype, keys.device)
         ):
             return False
         if None not in self.members:  # more layers than made room for
