@@ -503,10 +503,9 @@ def keep_states(cache, causal: int, kept: torch.Tensor, path: list[int] | None =
                 K = layer.conv_kernel_size[i]
                 full = _window(layer.conv_states[i], K + causal)  # (B, C, K + T)
                 if path is None:  # window ends at kept - 1
-                    cols = kept[:, None] + torch.arange(K, device=kept.device)
+                    cols = (kept[:, None] + torch.arange(K, device=kept.device)).to(full.device)
                 else:  # the cached window, then the path's inputs: the last K of them
                     cols = on_device([([*range(K)] + [K + s for s in path])[-K:]], full.device)
-                cols = cols.to(full.device)
                 layer.conv_states[i] = full.gather(
                     -1, cols[:, None, :].expand(-1, full.shape[1], -1)
                 ).contiguous()
