@@ -3,6 +3,7 @@ group and stay exact, the vocabulary head reads only the rows used, and a new dr
 
 Sampling with every drafter is checked by the chi-square tests in test_decode.py."""
 
+import random
 from unittest.mock import patch
 
 import pytest
@@ -227,6 +228,33 @@ def test_step_costs_price_unmeasured_shapes_optimistically():
     assert stale.price(5, False) == pytest.approx(60)
     stale.add(5, False, 0.1)
     assert stale.price(5, False) == pytest.approx(100)  # and its next time counts by the minimum
+
+
+def test_step_costs_table_prices_each_shape_by_the_rule():
+    """StepCosts.table computes every guess in one pass (suffix minima); here each shape's price
+    by the rule read literally, over random measurements, repeats, stale shapes and both kinds."""
+
+    def rule(c, slots, masked):
+        key = (slots, masked)
+        if c.seen.get(key, 0) >= 2 and not c.is_stale(key):
+            return c.ms[key]
+        same = {s: v for (s, m), v in c.ms.items() if m == masked and s != slots}
+        same = same or {s: v for (s, m), v in c.ms.items() if (s, m) != key}
+        larger = [v * slots / s for s, v in same.items() if s >= slots]
+        guess = min(larger) if larger else max(same.values()) if same else 1.0
+        return min(c.ms[key], guess) if key in c.ms else guess
+
+    rng = random.Random(0)
+    for trial in range(200):
+        c = StepCosts(stale=rng.choice([3, 200]))
+        for _ in range(rng.randrange(12)):
+            c.add(rng.randrange(1, 14), rng.random() < 0.4, rng.uniform(0.01, 0.2))
+        most = rng.randrange(1, 20)
+        table = c.table(most)
+        for slots in range(1, most + 1):
+            for masked in (False, True):
+                want = rule(c, slots, masked)
+                assert table[masked][slots] == pytest.approx(want, rel=1e-12), (trial, slots)
 
 
 def test_step_costs_table_is_price_until_a_time_is_added():

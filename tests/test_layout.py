@@ -1,5 +1,7 @@
 """The TiDAR layout: one mask_mod, two evaluations that agree, and no information leaks."""
 
+import random
+
 import pytest
 import torch
 from helpers import FAMILIES
@@ -140,6 +142,29 @@ def test_decode_positions():
     assert layout.decode_position_ids(torch.tensor([5]), 2, 2, 2, 1).tolist() == [
         [5, 6, 6, 7, 7, 8]
     ]
+
+
+def test_a_step_s_own_block_and_positions_are_the_mask_mod_s_on_random_plans():
+    """The host builds a step's own (Q, Q) block (own_rows) and its positions without the mask_mod;
+    on random trees, chains and anchors both are what the
+    mask_mod and the tree's depths give."""
+    rng = random.Random(0)
+    for _ in range(300):
+        T, k = rng.randrange(1, 9), rng.randrange(2, 5)
+        parents = None if rng.random() < 0.3 else (-1, *(rng.randrange(i) for i in range(1, T)))
+        anchors = tuple(sorted(rng.sample(range(1, T + 1), rng.randrange(0, min(T, 3) + 1))))
+        Q = T + len(anchors) * k
+        mod = layout.decode_mask_mod(0, T, k, anchors, parents=parents)
+        own = torch.tensor(layout.own_rows(T, k, anchors, parents), dtype=torch.bool)
+        assert torch.equal(own, layout.to_dense(mod, 1, Q, Q)[0, 0]), (T, k, anchors, parents)
+        depth = torch.arange(T) if parents is None else layout.tree_ancestors(parents).sum(1) - 1
+        groups = [int(depth[a - 1]) + 1 if parents else a for a in anchors]
+        want = depth.tolist() + [g + i for g in groups for i in range(k)]
+        start = rng.randrange(50)
+        got = layout.decode_position_ids(
+            torch.tensor([start]), T, k, len(anchors), anchors, parents
+        )
+        assert got.tolist() == [[start + p for p in want]], (T, k, anchors, parents)
 
 
 def test_decode_step_mask_is_the_mask_mod_with_anchors():

@@ -4,6 +4,10 @@ standard library only."""
 
 from __future__ import annotations
 
+import bisect
+import itertools
+import math
+
 
 class Mean:
     """A mean over a prior worth `weight` observations, that forgets: each step (`tick`) weighs what
@@ -83,11 +87,7 @@ class StepCosts:
         return key in self.when and self.steps - self.when[key] > self.stale
 
     def price(self, slots: int, masked: bool) -> float:
-        key = (slots, masked)
-        if self.seen.get(key, 0) >= 2 and not self.is_stale(key):
-            return self.ms[key]
-        guess = self.guess(slots, masked)
-        return min(self.ms[key], guess) if key in self.ms else guess
+        return self.table(slots)[masked][slots]
 
     def table(self, most: int) -> tuple[list[float], list[float]]:
         """price(slots, masked) of every shape up to at least `most` slots, as [masked][slots]
@@ -95,21 +95,50 @@ class StepCosts:
         only when a time is added (the step count, and so staleness, moves with it)."""
         kept = self._table
         if kept is None or kept[0] != self.steps or len(kept[1][0]) <= most:
-            prices = tuple(
-                [0.0] + [self.price(slots, masked) for slots in range(1, most + 1)]
-                for masked in (False, True)
-            )
-            self._table = kept = (self.steps, prices)
+            self._table = kept = (self.steps, (self._prices(False, most), self._prices(True, most)))
         return kept[1]
 
-    def guess(self, slots: int, masked: bool) -> float:
-        """The optimistic price of a shape from the others."""
-        same = {s: v for (s, m), v in self.ms.items() if m == masked and (s, m) != (slots, masked)}
-        same = same or {s: v for (s, m), v in self.ms.items() if (s, m) != (slots, masked)}
-        if not same:
-            return 1.0
-        larger = [v * slots / s for s, v in same.items() if s >= slots]
-        return min(larger) if larger else max(same.values())
+    def _prices(self, masked: bool, most: int) -> list[float]:
+        """[0.0, price(1, masked), ..., price(most, masked)]. A shape measured twice, and not
+        stale, costs its time; another is guessed (no dearer than its one time, if it has one) from
+        the other shapes of its kind (or, with none, of the other kind): as if time grew in
+        proportion to slots from a larger shape, on the cheapest such line, else at the dearest
+        smaller shape. In one pass, by suffix minima over the shapes sorted by slots: a table is
+        made each step, and a guess per shape that scans every shape cost 0.3 ms."""
+        own = sorted((s, ms) for (s, m), ms in self.ms.items() if m == masked)
+        other = sorted((s, ms) for (s, m), ms in self.ms.items() if m != masked)
+        own_slots, other_slots = [s for s, _ in own], [s for s, _ in other]
+        own_line, other_line = _cheapest_lines(own), _cheapest_lines(other)
+        dearest_below = list(itertools.accumulate((ms for _, ms in own), max, initial=0.0))
+        other_dearest = max((ms for _, ms in other), default=None)
+        seen, when, known, oldest = self.seen, self.when, self.ms, self.steps - self.stale
+        prices = [0.0]
+        for slots in range(1, most + 1):
+            key = (slots, masked)
+            measured = key in known
+            if measured and seen[key] >= 2 and when[key] >= oldest:  # not is_stale(key)
+                prices.append(known[key])
+                continue
+            above = bisect.bisect_right(own_slots, slots)  # own shapes with more slots
+            if len(own) > measured:  # its kind's other shapes
+                line = own_line[above]
+                guess = line * slots if line < math.inf else dearest_below[above - measured]
+            elif other:
+                line = other_line[bisect.bisect_left(other_slots, slots)]
+                guess = line * slots if line < math.inf else other_dearest
+            else:
+                guess = 1.0  # nothing measured: every shape alike
+            prices.append(min(known[key], guess) if measured else guess)
+        return prices
+
+
+def _cheapest_lines(shapes: list[tuple[int, float]]) -> list[float]:
+    """[i]: the least ms per slot among shapes[i:] (inf past the end); shapes sorted by slots."""
+    lines = [math.inf] * (len(shapes) + 1)
+    for i in range(len(shapes) - 1, -1, -1):
+        slots, ms = shapes[i]
+        lines[i] = min(lines[i + 1], ms / slots)
+    return lines
 
 
 SOURCES = ("lookup", "diffusion", "none")

@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 
 from .spec import check_draft_length
+from .transfer import on_device
 
 IGNORE_INDEX = -100
 
@@ -129,13 +130,18 @@ def group_anchors(first_group_sees, n_groups: int | None = None) -> torch.Tensor
 def tree_ancestors(parents) -> torch.Tensor:
     """(T, T) bool: [q, kv] is True where node kv is q itself or an ancestor of q. parents[0] = -1
     (draft 0, the committed token); every other node's parent comes before it."""
+    # on the host: a tree's plan shapes rarely repeat, and row by row it was 3 kernels a node
+    return torch.tensor(ancestor_rows(parents), dtype=torch.bool)
+
+
+def ancestor_rows(parents) -> list[list[bool]]:
+    """tree_ancestors as lists."""
     rows = []
     for i, parent in enumerate(int(p) for p in parents):
         row = rows[parent][:] if i else [False] * len(parents)
         row[i] = True
         rows.append(row)
-    # on the host: a tree's plan shapes rarely repeat, and row by row it was 3 kernels a node
-    return torch.tensor(rows, dtype=torch.bool)
+    return rows
 
 
 def decode_mask_mod(
@@ -215,15 +221,38 @@ def decode_position_ids(
     first_group_sees: an int (consecutive groups) or one anchor per group, as in decode_mask_mod.
     parents: a tree over the causal tokens (decode_mask_mod); each sits at its depth in the tree.
     """
-    device = start.device
+    # on the host, then one copy: a tree's plan shapes rarely repeat (plan.position_offsets keeps
+    # the rest), and with tensors this took a dozen small kernels
     if parents is None:
-        causal = torch.arange(n_causal, device=device)
+        causal = list(range(n_causal))
     else:
-        causal = (tree_ancestors(parents).sum(1) - 1).to(device)
-    anchors = group_anchors(first_group_sees, n_groups).to(device)
-    groups = causal[anchors - 1] + 1 if parents is not None and len(anchors) else anchors
-    groups = groups[:, None] + torch.arange(draft_length, device=device)
-    return start[:, None] + torch.cat([causal, groups.flatten()])
+        causal = [sum(row) - 1 for row in ancestor_rows(parents)]
+    anchors = (
+        range(first_group_sees, first_group_sees + n_groups)
+        if isinstance(first_group_sees, int)
+        else [int(a) for a in first_group_sees]
+    )
+    groups = [causal[a - 1] + 1 for a in anchors] if parents is not None else anchors
+    offsets = causal + [g + i for g in groups for i in range(draft_length)]
+    return start[:, None] + on_device(offsets, start.device, torch.long)
+
+
+def own_rows(n_causal: int, draft_length: int, anchors, parents=None) -> list[list[bool]]:
+    """decode_mask_mod(0, n_causal, draft_length, anchors, parents=parents) over the step's own
+    queries, (Q, Q), as lists built row by row on the host: a tree's plan shapes rarely repeat, and
+    evaluating the mask_mod on a (Q, Q) grid took two dozen small kernels, 0.25 ms. Anchors are at
+    least 1 (draft 0 is committed). tests/test_layout.py holds the two equal."""
+    T, k, G = n_causal, draft_length, len(anchors)
+    sees = (
+        ancestor_rows(parents)
+        if parents is not None
+        else [[j <= i for j in range(T)] for i in range(T)]
+    )
+    rows = [row + [False] * (G * k) for row in sees]
+    for g, anchor in enumerate(anchors):  # sees the causal token before its anchor, its own group
+        group = sees[anchor - 1] + [False] * (g * k) + [True] * k + [False] * ((G - g - 1) * k)
+        rows += [group] * k
+    return rows
 
 
 def decode_step_mask(
@@ -261,8 +290,7 @@ def decode_step_mask(
     key = (n_causal, draft_length, anchors, parents, str(device))
 
     def own_mask():
-        mod = decode_mask_mod(0, n_causal, draft_length, anchors, parents=parents, device=device)
-        return to_dense(mod, 1, Q, Q, device=device)
+        return on_device(own_rows(n_causal, draft_length, anchors, parents), device)[None, None]
 
     own = own_mask() if kept is None else kept(key, own_mask)
     dense = torch.cat(
