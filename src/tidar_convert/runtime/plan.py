@@ -273,7 +273,9 @@ class Planner:
         siblings, odds = draft.host("siblings")[0], draft.host("sibling_confidence")[0]
         kept_siblings, kept_odds = [siblings[i] for i in index], [odds[i] for i in index]
         device = draft.tokens.device
-        cut_draft = cut(draft, n).replace(
+        cut_draft = cut(
+            draft,
+            n,
             siblings=on_device([kept_siblings], device, draft.siblings.dtype),
             sibling_confidence=on_device([kept_odds], device, draft.sibling_confidence.dtype),
             sibling_parents=sibling_parents,
@@ -366,10 +368,11 @@ class Planner:
 PLANS = ("cost", "adaptive", "full")
 
 
-def cut(draft: Draft, n: int) -> Draft:
-    """The draft's first n tokens (draft 0 and n - 1 proposals)."""
+def cut(draft: Draft, n: int, **changes) -> Draft:
+    """The draft's first n tokens (draft 0 and n - 1 proposals), with `changes` to other fields
+    (Draft.replace's)."""
     if n >= draft.tokens.shape[1]:
-        return draft
+        return draft.replace(**changes) if changes else draft
 
     def keep(t):
         return None if t is None else t[:, : n - 1]
@@ -379,6 +382,7 @@ def cut(draft: Draft, n: int) -> Draft:
         length=draft.length.clamp(max=n),
         confidence=keep(draft.confidence),
         raw_confidence=keep(draft.raw_confidence),
+        **changes,
     )
     # the host copies the draft has, cut alike
     for name, width in (("tokens", n), ("confidence", n - 1), ("raw_confidence", n - 1)):
