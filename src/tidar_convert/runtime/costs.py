@@ -104,7 +104,8 @@ class StepCosts:
         the other shapes of its kind (or, with none, of the other kind): as if time grew in
         proportion to slots from a larger shape, on the cheapest such line, else at the dearest
         smaller shape. In one pass, by suffix minima over the shapes sorted by slots: a table is
-        made each step, and a guess per shape that scans every shape cost 0.3 ms."""
+        made each step, and a guess per shape that scanned every shape cost more than the plan's
+        search (bench/LOG.md, 2026-12-07, twelfth session)."""
         own = sorted((s, ms) for (s, m), ms in self.ms.items() if m == masked)
         other = sorted((s, ms) for (s, m), ms in self.ms.items() if m != masked)
         own_slots, other_slots = [s for s, _ in own], [s for s, _ in other]

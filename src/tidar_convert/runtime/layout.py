@@ -240,8 +240,8 @@ def decode_position_ids(
 def own_rows(n_causal: int, draft_length: int, anchors, parents=None) -> list[list[bool]]:
     """decode_mask_mod(0, n_causal, draft_length, anchors, parents=parents) over the step's own
     queries, (Q, Q), as lists built row by row on the host: a tree's plan shapes rarely repeat, and
-    evaluating the mask_mod on a (Q, Q) grid took two dozen small kernels, 0.25 ms. Anchors are at
-    least 1 (draft 0 is committed). tests/test_layout.py holds the two equal."""
+    evaluating the mask_mod on a (Q, Q) grid takes two dozen small kernels. Anchors are at least 1
+    (draft 0 is committed). tests/test_layout.py holds the two equal."""
     T, k, G = n_causal, draft_length, len(anchors)
     sees = (
         ancestor_rows(parents)
@@ -272,8 +272,8 @@ def decode_step_mask(
     cache_valid: (B, C) False at the cache's left padding. Dense masks are built from two reusable
     parts instead of evaluating decode_mask_mod over all (Q, C + Q) pairs every step: the cache
     columns are each row's cache_valid, and the (Q, Q) block among the step's own queries depends on
-    the plan alone, so it is evaluated once per plan and kept by `kept(key, make)` (the decoding
-    session's, session.Session.own_mask; None: made every call)."""
+    the plan alone, so it is built once per plan (own_rows) and kept by `kept(key, make)` (the
+    decoding session's, session.Session.own_mask; None: made every call)."""
     B, C = cache_valid.shape
     anchors = tuple(int(a) for a in anchors)
     Q = n_causal + len(anchors) * draft_length

@@ -72,12 +72,11 @@ static void NAME##MM(const float *x, long K, const WT *w, const float *u, long R
     0, NAME##1, NAME##2, NAME##3, NAME##4, NAME##5, NAME##6, NAME##7, NAME##8, \
     NAME##9, NAME##10, NAME##11, NAME##12, NAME##13, NAME##14, NAME##15, NAME##16};
 /* fp32: a row of a panel is 128 bytes, two cache lines ahead; bf16: 64 bytes, one (the same bytes ahead).
-   Not into every level (locality 3, L1 included): each weight is read once a call, and L1 keeps the
-   rows x, which every panel reads again (bench/LOG.md, 2026-12-07, "the panel kernel's prefetch").
-   fp32 as non-temporal (locality 0): a forward streams the whole model through the caches, and
-   evicted the decoding loop's own data and code, so the host work between forwards ran slower than
-   in a loop; with the weights marked non-temporal it takes less (bench/LOG.md, 2026-12-07,
-   twelfth session). bf16 keeps locality 2, not measured. */
+   Each weight is read once a call, so none is prefetched to stay: L1 keeps the rows x, which every panel
+   reads again, and the caches keep the decoding loop's own data and code, which a forward streaming the
+   whole model through them evicted (host work between forwards ran slower than in a loop). fp32 weights
+   are prefetched non-temporal (locality 0), bf16 into L2 (locality 2; non-temporal not measured).
+   bench/LOG.md, 2026-12-07: "the panel kernel's prefetch", and the twelfth session. */
 #define LOAD_F32(p) (*(const v16 *)(p))
 #define PREFETCH_F32(p) (__builtin_prefetch((p) + PF, 0, 0), __builtin_prefetch((p) + PF + 16, 0, 0))
 #define PREFETCH_BF16(p) __builtin_prefetch((p) + 2 * PF, 0, 2)
