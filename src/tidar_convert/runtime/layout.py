@@ -119,12 +119,14 @@ def check_train_shape(seq_len: int, draft_length: int) -> None:
 # --------------------------------------------------------------------------------------------
 
 
-def group_anchors(first_group_sees, n_groups: int | None = None) -> torch.Tensor:
-    """Causal tokens each group sees, as a 1-D tensor: an int means consecutive groups seeing
+def group_anchors(first_group_sees, n_groups: int | None = None) -> list[int]:
+    """Causal tokens each group sees, as host ints: an int means consecutive groups seeing
     first_group_sees, first_group_sees + 1, ... (today's full step); a sequence is used as given."""
     if isinstance(first_group_sees, int):
-        return first_group_sees + torch.arange(n_groups if n_groups is not None else 1)
-    return torch.as_tensor(first_group_sees, dtype=torch.long)
+        return list(
+            range(first_group_sees, first_group_sees + (1 if n_groups is None else n_groups))
+        )
+    return [int(a) for a in first_group_sees]
 
 
 def tree_ancestors(parents) -> torch.Tensor:
@@ -177,7 +179,9 @@ def decode_mask_mod(
     C, T, k = cache_len, n_causal, draft_length
     device = device if device is not None else kv_valid.device if kv_valid is not None else "cpu"
     anchors = (
-        None if isinstance(first_group_sees, int) else group_anchors(first_group_sees).to(device)
+        None
+        if isinstance(first_group_sees, int)
+        else on_device(group_anchors(first_group_sees), torch.device(device), torch.long)
     )
     anc = None if parents is None else tree_ancestors(parents).to(device)
 
@@ -227,11 +231,7 @@ def decode_position_ids(
         causal = list(range(n_causal))
     else:
         causal = [sum(row) - 1 for row in ancestor_rows(parents)]
-    anchors = (
-        range(first_group_sees, first_group_sees + n_groups)
-        if isinstance(first_group_sees, int)
-        else [int(a) for a in first_group_sees]
-    )
+    anchors = group_anchors(first_group_sees, n_groups)
     groups = [causal[a - 1] + 1 for a in anchors] if parents is not None else anchors
     offsets = causal + [g + i for g in groups for i in range(draft_length)]
     return start[:, None] + on_device(offsets, start.device, torch.long)
