@@ -318,6 +318,17 @@ def test_cost_plan_takes_the_most_expected_tokens_per_second():
     assert Planner(4, "cost", costs=masked).group_gain.value == pytest.approx(0.5)
 
 
+def test_cost_plan_groups_the_shorter_of_equally_likely_lengths():
+    """Groups go to the likeliest accepted lengths; among equally likely ones, the shorter first
+    (the plan is a function of the chances, so two runs plan alike)."""
+    # accepts exactly 1 or 2 drafts, each at 50 %; one group pays (6 slots cheap), two do not
+    even = Draft(torch.tensor([[7, 8, 9]]), confidence=torch.tensor([[0.5, 0.0]]), sources=["x"])
+    prices = {(s, False): 60 for s in range(1, 21)}
+    prices |= {(s, True): 60 if s == 6 else 600 for s in range(1, 21)}
+    draft, plan = Planner(4, "cost", costs=costs(prices)).step(even, uses_groups=True)
+    assert (plan.n_drafts, plan.anchors) == (2, (1,))
+
+
 def test_cost_plan_stops_paying_for_groups_the_next_draft_does_not_read():
     """A hybrid that keeps drafting by lookup after lookup steps never reads their groups: the plan
     learns that, per source, and drops groups there while keeping them after steps without

@@ -95,23 +95,29 @@ class StepCosts:
         only when a time is added (the step count, and so staleness, moves with it)."""
         kept = self._table
         if kept is None or kept[0] != self.steps or len(kept[1][0]) <= most:
-            self._table = kept = (self.steps, (self._prices(False, most), self._prices(True, most)))
+            shapes = ([], [])  # (slots, ms) of each kind, unmasked and masked, sorted by slots
+            for (slots, masked), ms in self.ms.items():
+                shapes[masked].append((slots, ms))
+            shapes[0].sort()
+            shapes[1].sort()
+            prices = (self._prices(False, most, *shapes), self._prices(True, most, *shapes[::-1]))
+            self._table = kept = (self.steps, prices)
         return kept[1]
 
-    def _prices(self, masked: bool, most: int) -> list[float]:
+    def _prices(self, masked: bool, most: int, own: list, other: list) -> list[float]:
         """[0.0, price(1, masked), ..., price(most, masked)]. A shape measured twice, and not
         stale, costs its time; another is guessed (no dearer than its one time, if it has one) from
         the other shapes of its kind (or, with none, of the other kind): as if time grew in
         proportion to slots from a larger shape, on the cheapest such line, else at the dearest
         smaller shape. In one pass, by suffix minima over the shapes sorted by slots: a table is
         made each step, and a guess per shape that scanned every shape cost more than the plan's
-        search (bench/LOG.md, 2026-12-07, twelfth session)."""
-        own = sorted((s, ms) for (s, m), ms in self.ms.items() if m == masked)
-        other = sorted((s, ms) for (s, m), ms in self.ms.items() if m != masked)
-        own_slots, other_slots = [s for s, _ in own], [s for s, _ in other]
+        search (bench/LOG.md, 2026-12-07, twelfth session). own, other: the (slots, ms) of the
+        shapes of its kind and of the other kind, sorted."""
+        own_slots, own_ms = [s for s, _ in own], [ms for _, ms in own]
+        other_slots = [s for s, _ in other]
         own_line, other_line = _cheapest_lines(own), _cheapest_lines(other)
-        dearest_below = list(itertools.accumulate((ms for _, ms in own), max, initial=0.0))
-        other_dearest = max((ms for _, ms in other), default=None)
+        dearest_below = list(itertools.accumulate(own_ms, max, initial=0.0))
+        other_dearest = max([ms for _, ms in other], default=None)
         seen, when, known, oldest = self.seen, self.when, self.ms, self.steps - self.stale
         prices = [0.0]
         for slots in range(1, most + 1):

@@ -182,26 +182,31 @@ class Planner:
         (`group_worth`). Groups go to the likeliest lengths first.
         Exact for any choice: which proposals are kept reads their confidence only."""
         k, m = self.k, draft.tokens.shape[1]
-        prices = self.costs.table(max(self.budget, m))
-        worth = self.group_worth(draft, prices)
+        plain, masked = self.costs.table(max(self.budget, m))
+        worth = self.group_worth(draft, (plain, masked))
         at = batch_reach(draft, per_row)
         best = None
         for n in range(1, m + 1):  # drafts kept: draft 0 and n - 1 proposals
             # P(accepts exactly j drafts), j = 1..n, and the proposals accepted
             lengths = [at[j] - at[j + 1] for j in range(n - 1)] + [at[n - 1]]
             tokens = 1 + sum(at[1:n])
+            score = tokens / plain[n]
+            if best is None or score > best[0]:
+                best = (score, n, 0, ())
+            most = max(0, (self.budget - n) // k) if uses_groups else 0
             fits = n if room is None else min(n, room - k + 1)
-            order = sorted(range(max(fits, 0)), key=lambda i: -lengths[i]) if uses_groups else []
-            most = min(len(order), max(0, (self.budget - n) // k))
+            if not most or fits <= 0:
+                continue
+            # the likeliest lengths first, the shorter first among equals (a stable sort)
+            order = sorted(range(fits), key=lengths.__getitem__, reverse=True)
             ended = 0.0  # the chance the step ends at a length of the first g groups
-            for g in range(most + 1):
-                if g:
-                    ended += lengths[order[g - 1]]
-                score = (tokens + worth * ended) / prices[g > 0][n + g * k]
-                if best is None or score > best[0]:
-                    best = (score, n, order[:g])
-        _, n, groups = best
-        return cut(draft, n), StepPlan(n, tuple(sorted(i + 1 for i in groups)), k)
+            for g in range(1, min(len(order), most) + 1):
+                ended += lengths[order[g - 1]]
+                score = (tokens + worth * ended) / masked[n + g * k]
+                if score > best[0]:
+                    best = (score, n, g, order)
+        _, n, g, order = best
+        return cut(draft, n), StepPlan(n, tuple(sorted(i + 1 for i in order[:g])), k)
 
     def group_worth(self, draft: Draft, prices=None) -> float:
         """What a group at the accepted length is worth, in tokens: the proposals a group draft gets
@@ -244,26 +249,32 @@ class Planner:
                 s = order[t - 1]
                 ends[s], tokens = reach[s], tokens + reach[s]
                 ends[parents[s]] -= reach[s]
-            where = sorted(
-                (s for s in ends if uses_groups and (deepest is None or depth[s] <= deepest)),
-                key=lambda s: -ends[s],
-            )
-            if not cost:
-                where = where[:1] + [s for s in where[1:] if ends[s] >= self.min_chance]
-            most = min(len(where), (self.budget - 1 - t) // k)
+            # groups go after the nodes where the step likeliest ends (the earlier among equals:
+            # a stable sort), where their slots fit
+            most = (self.budget - 1 - t) // k if uses_groups else 0
+            where = []
+            if most:
+                where = list(ends) if deepest is None else [s for s in ends if depth[s] <= deepest]
+                where.sort(key=ends.__getitem__, reverse=True)
+                if not cost:
+                    where = where[:1] + [s for s in where[1:] if ends[s] >= self.min_chance]
+                most = min(len(where), most)
             if cost:
+                score = tokens / prices[0][1 + t]
+                if best is None or score > best[0]:
+                    best = (score, t, 0, where)
                 ended = 0.0  # the chance the step ends at a node of the first g groups
-                for g in range(most + 1):
-                    if g:
-                        ended += max(0.0, ends[where[g - 1]])
-                    score = (tokens + worth * ended) / prices[g > 0][1 + t + g * k]
-                    if best is None or score > best[0]:
-                        best = (score, t, where[:g])
+                for g in range(1, most + 1):
+                    ended += max(0.0, ends[where[g - 1]])
+                    score = (tokens + worth * ended) / prices[1][1 + t + g * k]
+                    if score > best[0]:
+                        best = (score, t, g, where)
             else:
                 value = tokens + worth * sum(max(0.0, ends[s]) for s in where[:most])
                 if best is None or value > best[0]:
-                    best = (value, t, where[:most])
-        _, t, groups = best
+                    best = (value, t, most, where)
+        _, t, g, where = best
+        groups = where[:g]
         kept = set(order[:t])
         n = 1 + sum(1 for s in kept if s < m)  # chain nodes kept: a prefix of the chain
         off = sorted(s for s in kept if s >= m)  # siblings kept, parents first
