@@ -547,6 +547,84 @@ def test_a_sampled_diffusion_draft_processes_its_slots_at_once_as_one_by_one():
     assert torch.equal(draft.confidence, torch.stack(conf, 1))
 
 
+class RunsOf:
+    """A processor that counts its runs."""
+
+    def __init__(self, processor):
+        self.__dict__.update(vars(processor))
+        self.processor, self.runs = processor, 0
+
+    def __call__(self, input_ids, scores):
+        self.runs += 1
+        return self.processor(input_ids, scores)
+
+
+def test_top_p_on_sorted_values_gives_the_warpers_scores():
+    """TopPOnSortedValues (generate's top_p: the vocabulary's values sorted by numpy) returns
+    transformers' TopPLogitsWarper's scores bit for bit: random rows of every scale, rows of many
+    equal scores (where the nucleus ends inside a run of them, which ones go is the warper's sort's
+    to say, and the warper runs), -inf scores, a row of them, a NaN, top_p from 0 to 1,
+    min_tokens_to_keep and another filter value."""
+    from transformers import TopPLogitsWarper
+
+    from tidar_convert.runtime.verify import TopPOnSortedValues
+
+    g = torch.Generator().manual_seed(0)
+    ran = Counter()
+    for trial in range(240):
+        V = (7, 64, 1000, 49152)[trial % 4]
+        x = torch.randn(3, V, generator=g) * (0.1 + 8 * float(torch.rand(1, generator=g)))
+        kind = trial // 4 % 6
+        if kind == 1:
+            x = x.round()  # many equal scores
+        elif kind == 2:
+            x[:, : V // 3] = -float("inf")
+        elif kind == 3:
+            x[1] = -float("inf")
+        elif kind == 4:
+            x[2, V // 2] = float("nan")
+        top_p = (0.0, 0.3, 0.9, 0.95, 0.999, 1.0)[trial % 6]
+        warper = TopPLogitsWarper(
+            top_p,
+            filter_value=(-float("inf"), -1e4)[trial % 2],
+            min_tokens_to_keep=(1, 1, 3)[trial % 3],
+        )
+        ids = torch.zeros(3, 0, dtype=torch.long)
+        want = warper(ids, x.clone())
+        spy = RunsOf(warper)
+        got = TopPOnSortedValues(spy)(ids, x.clone())
+        ran["warper" if spy.runs else "sorted values"] += 1
+        torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)
+    # the values' own path ran on most rows; the warper where it had to (equal scores, NaN, -inf)
+    assert ran["sorted values"] > 120 and ran["warper"] >= 40, ran
+
+
+def test_generate_takes_top_p_on_sorted_values_with_the_warpers_tokens(
+    small_vocab_model, monkeypatch
+):
+    """generate() swaps transformers' TopPLogitsWarper for TopPOnSortedValues, and a seeded
+    sampled generation writes what it writes with the warper itself."""
+    from tidar_convert.runtime.verify import TopPOnSortedValues
+
+    prompt, runs = torch.tensor([[1, 2, 3]]), Counter()
+    kw = dict(do_sample=True, temperature=0.7, top_p=0.8, max_new_tokens=12, eos_token_id=None)
+    own = TopPOnSortedValues.__call__
+
+    def counted(self, input_ids, scores):
+        runs["sorted values"] += 1
+        return own(self, input_ids, scores)
+
+    monkeypatch.setattr(TopPOnSortedValues, "__call__", counted)
+    torch.manual_seed(3)
+    swapped = generate(prompt, model=small_vocab_model, **kw)
+    assert runs["sorted values"] >= 12
+    monkeypatch.setattr(
+        TopPOnSortedValues, "__call__", lambda self, ids, scores: self.warper(ids, scores)
+    )
+    torch.manual_seed(3)
+    assert torch.equal(swapped, generate(prompt, model=small_vocab_model, **kw))
+
+
 def jittery_clock(seed):
     """A clock whose every step seems to take a random time: the cost plan prices step shapes from
     it, so each run chooses other shapes."""

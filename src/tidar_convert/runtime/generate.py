@@ -36,6 +36,7 @@ from transformers import (
     GenerationMixin,
     LogitsProcessorList,
     StoppingCriteriaList,
+    TopPLogitsWarper,
 )
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 from transformers.utils import logging
@@ -55,7 +56,7 @@ from .plan import Planner
 from .session import Session, session_of
 from .slots import Slots, static_slots
 from .spec import TiDARSpec, check_draft_length
-from .verify import Greedy, Sampling, draw_seed
+from .verify import Greedy, Sampling, TopPOnSortedValues, draw_seed
 
 # Under transformers' `cli` logger, so that `transformers serve --log-level info` shows it with its
 # own lines (5.25 sets the level of `transformers.cli` only; earlier releases, of `transformers`: a
@@ -334,6 +335,10 @@ def prepare(model, input_ids, generation_config, draft_length, beta, kwargs) -> 
         else LogitsProcessorList(),
         device=device,
         model_kwargs={"attention_mask": attention_mask if padded else None},
+    )
+    # top_p's sort, by the values alone where that gives the warper's scores (verify.py)
+    processors = LogitsProcessorList(
+        TopPOnSortedValues(p) if type(p) is TopPLogitsWarper else p for p in processors
     )
     criteria = GenerationMixin._get_stopping_criteria(
         model,

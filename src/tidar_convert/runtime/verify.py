@@ -1,7 +1,8 @@
 """Verifiers: which drafts the AR head accepts, and the token committed after them.
 
 Shipped in every export's custom_generate/ folder (see exports.folder.shipped_code): imports
-nothing but torch and panel.py (the CPU kernel library's argmax and top choices).
+nothing but torch, numpy (a dependency of transformers) and panel.py (the CPU kernel library's
+argmax and top choices).
 
 A draft is `tokens[:, 0]` (already committed) followed by proposals `tokens[:, 1:length]`. AR scores
 row i is p(. | prefix, tokens[1..i]).
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 from typing import Protocol
 
+import numpy as np
 import torch
 
 from .panel import argmax as panel_argmax
@@ -264,12 +266,48 @@ def mix(ar_logits, diff_logits, beta):
     )
 
 
+class TopPOnSortedValues:
+    """transformers' TopPLogitsWarper, its scores bit for bit, with each row sorted by value alone
+    (numpy's vectorized sort) instead of torch's CPU sort of values and indices: sampling with top_p
+    runs the warper on every AR row and every group row a drafter reads, and that sort was the
+    largest part of a sampled step's host work (bench/LOG.md, 2026-12-08, "top_p"). What it removes
+    follows from the sorted values (their softmax and cumsum by torch, as the warper's): a row's r
+    smallest scores, that is every score up to the r-th smallest, unless the (r + 1)-th equals it.
+    There, off the CPU, for any dtype but fp32, and with a NaN, a +inf or a row of -inf, the warper
+    itself runs (which of equal scores it removes follows its sort's order)."""
+
+    def __init__(self, warper):
+        self.warper = warper
+
+    def __call__(self, input_ids, scores):
+        w = self.warper
+        if scores.device.type != "cpu" or scores.dtype != torch.float32 or scores.dim() != 2:
+            return w(input_ids, scores)
+        values = torch.from_numpy(np.sort(scores.detach().numpy(), axis=-1))
+        cumulative = values.softmax(dim=-1).cumsum(dim=-1)  # the warper's, on the same values
+        removed = cumulative <= (1 - w.top_p)
+        removed[..., -w.min_tokens_to_keep :] = 0
+        # a prefix of each sorted row (cumulative never falls): its length and last value
+        r = removed.sum(-1, keepdim=True)
+        last = values.gather(1, (r - 1).clamp(min=0))
+        after = values.gather(1, r.clamp(max=values.shape[1] - 1))
+        if bool(
+            # a NaN or +inf sorts last, and a row of -inf ends in one: the softmax is NaN
+            not values[:, -1].isfinite().all()
+            or (removed[:, 1:] > removed[:, :-1]).any()
+            or ((r > 0) & (r < values.shape[1]) & (after == last)).any()
+        ):
+            return w(input_ids, scores)
+        return scores.masked_fill((scores <= last) & (r > 0), w.filter_value)
+
+
 # transformers' warpers that read a row's scores and nothing else: not its prefix (input_ids), not
 # the other rows of the batch
 PREFIX_FREE = {
     "TemperatureLogitsWarper",
     "TopKLogitsWarper",
     "TopPLogitsWarper",
+    "TopPOnSortedValues",
     "MinPLogitsWarper",
     "TypicalLogitsWarper",
     "EpsilonLogitsWarper",
