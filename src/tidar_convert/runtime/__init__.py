@@ -2,6 +2,6 @@
 export's custom_generate/), the mask layout, drafters, verification and the CPU kernels.
 
 Export copies this folder whole into every export, so its modules import nothing but torch,
-transformers and each other (relatively); tests/test_structure.py holds them to it. The rest of
-the toolkit may import from here; nothing here imports the rest of the toolkit.
+transformers (numpy with it) and each other (relatively); tests/test_structure.py holds them to
+it. The rest of the toolkit may import from here; nothing here imports the rest of the toolkit.
 """
