@@ -294,7 +294,7 @@ class TopPOnSortedValues:
         if bool(
             # a NaN or +inf sorts last, and a row of -inf ends in one: the softmax is NaN
             not values[:, -1].isfinite().all()
-            or (removed[:, 1:] > removed[:, :-1]).any()
+            or (removed[:, 1:] > removed[:, :-1]).any()  # not a prefix after all
             or ((r > 0) & (r < values.shape[1]) & (after == last)).any()
         ):
             return w(input_ids, scores)
