@@ -602,8 +602,9 @@ def test_top_p_on_sorted_values_gives_the_warpers_scores():
 def test_generate_takes_top_p_on_sorted_values_with_the_warpers_tokens(
     small_vocab_model, monkeypatch
 ):
-    """generate() swaps transformers' TopPLogitsWarper for TopPOnSortedValues, and a seeded
-    sampled generation writes what it writes with the warper itself."""
+    """generate() swaps transformers' TopPLogitsWarper for TopPOnSortedValues (not with
+    pack_weights=False), and a seeded sampled generation writes what it writes with the warper
+    itself."""
     from tidar_convert.runtime.verify import TopPOnSortedValues
 
     prompt, runs = torch.tensor([[1, 2, 3]]), Counter()
@@ -615,6 +616,8 @@ def test_generate_takes_top_p_on_sorted_values_with_the_warpers_tokens(
         return own(self, input_ids, scores)
 
     monkeypatch.setattr(TopPOnSortedValues, "__call__", counted)
+    generate(prompt, model=small_vocab_model, pack_weights=False, **kw)  # transformers' own paths
+    assert runs["sorted values"] == 0
     torch.manual_seed(3)
     swapped = generate(prompt, model=small_vocab_model, **kw)
     assert runs["sorted values"] >= 12
@@ -623,6 +626,33 @@ def test_generate_takes_top_p_on_sorted_values_with_the_warpers_tokens(
     )
     torch.manual_seed(3)
     assert torch.equal(swapped, generate(prompt, model=small_vocab_model, **kw))
+
+
+def test_ar_samples_top_p_on_sorted_values_too(small_vocab_model, monkeypatch):
+    """tidar=False (transformers' own generate) samples top_p on TopPOnSortedValues as TiDAR does,
+    writing what transformers' warper writes for the same seed; pack_weights=False keeps
+    transformers' own; nothing is left on the model after either."""
+    from transformers import GenerationMixin
+
+    from tidar_convert.runtime.verify import TopPOnSortedValues
+
+    model, prompt, runs = small_vocab_model, torch.tensor([[1, 2, 3]]), Counter()
+    kw = dict(do_sample=True, temperature=0.7, top_p=0.8, max_new_tokens=12, eos_token_id=None)
+    kw |= dict(pad_token_id=0)
+    own = TopPOnSortedValues.__call__
+
+    def counted(self, input_ids, scores):
+        runs["sorted values"] += 1
+        return own(self, input_ids, scores)
+
+    monkeypatch.setattr(TopPOnSortedValues, "__call__", counted)
+    torch.manual_seed(3)
+    swapped = generate(prompt, model=model, tidar=False, **kw)
+    assert runs["sorted values"] == 12 and "_get_logits_processor" not in model.__dict__
+    torch.manual_seed(3)
+    assert torch.equal(swapped, GenerationMixin.generate(model, prompt, **kw))
+    generate(prompt, model=model, tidar=False, pack_weights=False, **kw)
+    assert runs["sorted values"] == 12 and "_get_logits_processor" not in model.__dict__
 
 
 def jittery_clock(seed):

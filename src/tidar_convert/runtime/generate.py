@@ -25,6 +25,7 @@ row's new tokens over the forwards it was active in).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import warnings
@@ -336,10 +337,6 @@ def prepare(model, input_ids, generation_config, draft_length, beta, kwargs) -> 
         device=device,
         model_kwargs={"attention_mask": attention_mask if padded else None},
     )
-    # top_p's sort, by the values alone where that gives the warper's scores (verify.py)
-    processors = LogitsProcessorList(
-        TopPOnSortedValues(p) if type(p) is TopPLogitsWarper else p for p in processors
-    )
     criteria = GenerationMixin._get_stopping_criteria(
         model,
         gc,
@@ -421,12 +418,13 @@ def generate(
         8 rows, timed once per model and dtype (longer for larger models: each pass reads every
         weight; kernels.packing_pays; its time on SmolLM2-135M: bench/LOG.md); packing keeps one
         more copy of each weight (kernels.release frees it). True: always packed; False: stock, and
-        transformers' own attention path. Otherwise attention under a mask attends grouped key/value
-        heads in place instead of copying the cache to every query head (kernels.grouped_attention);
-        where every layer takes panels, one product for every row count, attention runs per query
-        (kernels.sdpa_exact) and greedy TiDAR equals tidar=False bit for bit. What each linear layer
-        took is then `model.tidar_products` ({"panels": 211}, say), logged once at info when it
-        changes.
+        transformers' own attention path and top_p warper. Otherwise attention under a mask attends
+        grouped key/value heads in place instead of copying the cache to every query head
+        (kernels.grouped_attention); where every layer takes panels, one product for every row
+        count, attention runs per query (kernels.sdpa_exact) and greedy TiDAR equals tidar=False
+        bit for bit. What each linear layer took is then `model.tidar_products` ({"panels": 211},
+        say), logged once at info when it changes. And top_p runs as verify.TopPOnSortedValues,
+        the warper's scores bit for bit (sorted_top_p).
 
     do_sample: each row's token at its t-th new position is drawn from AR's distribution with noise
         keyed by (seed, row, t) (verify.Sampling), the seed drawn once per call from `generator=` (a
@@ -472,10 +470,14 @@ def generate(
     siblings, pack_weights = options["siblings"], options["pack_weights"]
     if not tidar:
         with cpu_kernels(model, enabled=pack_weights):
-            return ar_generate(model, input_ids, generation_config, kwargs)
+            return ar_generate(
+                model, input_ids, generation_config, kwargs, pack_weights is not False
+            )
     chosen = make_drafter(drafter)
     ensure_adapter(model)  # an export trained with lora_scope='masks': its drafts' adapter, once
     run = prepare(model, input_ids, generation_config, draft_length, beta, kwargs)
+    if pack_weights is not False:  # False: transformers' own paths, its top_p too
+        run.processors = sorted_top_p(run.processors)
     gc = run.gc
     record = (
         ([], []) if gc.return_dict_in_generate and (gc.output_scores or gc.output_logits) else None
@@ -536,16 +538,20 @@ CACHE_FIELD = (
 ASSISTED = ("assistant_model", "prompt_lookup_num_tokens", "assistant_early_exit")
 
 
-def ar_generate(model, input_ids, generation_config, kwargs):
-    """tidar=False: transformers' own generate on the same weights. Plain AR decoding runs one
-    forward per new position, so that is its nfe; assisted decoding (prompt lookup, an assistant)
-    makes fewer, which only a forward hook can count (the bench keeps its own): nfe is None
-    there."""
+def ar_generate(model, input_ids, generation_config, kwargs, top_p_sorted: bool = True):
+    """tidar=False: transformers' own generate on the same weights, and with top_p_sorted its top_p
+    as TiDAR's (sorted_top_p_in). Plain AR decoding runs one forward per new position, so that is
+    its nfe; assisted decoding (prompt lookup, an assistant) makes fewer, which only a forward hook
+    can count (the bench keeps its own): nfe is None there."""
     assisted = any(
         kwargs.get(n) is not None or getattr(generation_config, n, None) is not None
         for n in ASSISTED
     )
-    with mask_rows(model, None):  # AR lays out no mask slots: the adapter's gate reads nothing
+    # AR lays out no mask slots: the adapter's gate reads nothing
+    with (
+        mask_rows(model, None),
+        sorted_top_p_in(model) if top_p_sorted else contextlib.nullcontext(),
+    ):
         out = GenerationMixin.generate(model, input_ids, generation_config, **kwargs)
     seqs = out if isinstance(out, torch.Tensor) else out.sequences
     new = seqs.shape[1] - (input_ids.shape[1] if input_ids is not None else 0)
@@ -557,6 +563,33 @@ def ar_generate(model, input_ids, generation_config, kwargs):
         "accepted": [],
     }
     return out
+
+
+def sorted_top_p(processors: LogitsProcessorList) -> LogitsProcessorList:
+    """processors, with transformers' TopPLogitsWarper (not a subclass) run as
+    verify.TopPOnSortedValues: the same scores, with the vocabulary sorted faster on a CPU."""
+    return LogitsProcessorList(
+        TopPOnSortedValues(p) if type(p) is TopPLogitsWarper else p for p in processors
+    )
+
+
+@contextlib.contextmanager
+def sorted_top_p_in(model):
+    """Within it, transformers' own generate() on `model` (tidar=False, prompt lookup) builds its
+    processors through sorted_top_p, as TiDAR's generate() does, so every decoder samples top_p on
+    one implementation: an instance attribute over GenerationMixin's `_get_logits_processor`,
+    removed on exit (an entry inside another leaves the outer one's)."""
+    if "_get_logits_processor" in model.__dict__:
+        yield
+        return
+    build = model._get_logits_processor
+    model.__dict__["_get_logits_processor"] = lambda *args, **kwargs: sorted_top_p(
+        build(*args, **kwargs)
+    )
+    try:
+        yield
+    finally:
+        model.__dict__.pop("_get_logits_processor", None)
 
 
 def check_length(model, P, max_new, k) -> None:
