@@ -599,6 +599,20 @@ def test_top_p_on_sorted_values_gives_the_warpers_scores():
     assert ran["sorted values"] > 120 and ran["warper"] >= 40, ran
 
 
+def sorted_top_p_runs(monkeypatch) -> Counter:
+    """A Counter whose "sorted values" counts TopPOnSortedValues' calls, from now on."""
+    from tidar_convert.runtime.verify import TopPOnSortedValues
+
+    runs, own = Counter(), TopPOnSortedValues.__call__
+
+    def counted(self, input_ids, scores):
+        runs["sorted values"] += 1
+        return own(self, input_ids, scores)
+
+    monkeypatch.setattr(TopPOnSortedValues, "__call__", counted)
+    return runs
+
+
 def test_generate_takes_top_p_on_sorted_values_with_the_warpers_tokens(
     small_vocab_model, monkeypatch
 ):
@@ -607,15 +621,8 @@ def test_generate_takes_top_p_on_sorted_values_with_the_warpers_tokens(
     itself."""
     from tidar_convert.runtime.verify import TopPOnSortedValues
 
-    prompt, runs = torch.tensor([[1, 2, 3]]), Counter()
+    prompt, runs = torch.tensor([[1, 2, 3]]), sorted_top_p_runs(monkeypatch)
     kw = dict(do_sample=True, temperature=0.7, top_p=0.8, max_new_tokens=12, eos_token_id=None)
-    own = TopPOnSortedValues.__call__
-
-    def counted(self, input_ids, scores):
-        runs["sorted values"] += 1
-        return own(self, input_ids, scores)
-
-    monkeypatch.setattr(TopPOnSortedValues, "__call__", counted)
     generate(prompt, model=small_vocab_model, pack_weights=False, **kw)  # transformers' own paths
     assert runs["sorted values"] == 0
     torch.manual_seed(3)
@@ -634,18 +641,13 @@ def test_ar_samples_top_p_on_sorted_values_too(small_vocab_model, monkeypatch):
     transformers' own; nothing is left on the model after either."""
     from transformers import GenerationMixin
 
-    from tidar_convert.runtime.verify import TopPOnSortedValues
-
-    model, prompt, runs = small_vocab_model, torch.tensor([[1, 2, 3]]), Counter()
+    model, prompt, runs = (
+        small_vocab_model,
+        torch.tensor([[1, 2, 3]]),
+        sorted_top_p_runs(monkeypatch),
+    )
     kw = dict(do_sample=True, temperature=0.7, top_p=0.8, max_new_tokens=12, eos_token_id=None)
     kw |= dict(pad_token_id=0)
-    own = TopPOnSortedValues.__call__
-
-    def counted(self, input_ids, scores):
-        runs["sorted values"] += 1
-        return own(self, input_ids, scores)
-
-    monkeypatch.setattr(TopPOnSortedValues, "__call__", counted)
     torch.manual_seed(3)
     swapped = generate(prompt, model=model, tidar=False, **kw)
     assert runs["sorted values"] == 12 and "_get_logits_processor" not in model.__dict__
